@@ -1,0 +1,100 @@
+"""GDN operators: chunked prefill, one-token decode step, causal conv1d (prefill and update).
+
+Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
+reference. The functions below are the whole surface the runtime uses; `select_backend` decides
+once, at model load, whether they run the CUDA kernels or the references.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import ops
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cuda", "torch")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What runs the GDN math: `name` is "cuda" or "torch"; `reason` says why, for the user."""
+    name: str
+    reason: str
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.name == "cuda"
+
+
+_warned: set[str] = set()
+
+
+def select_backend(requested: str, device: torch.device | str) -> Backend:
+    """Pick the kernel backend for `device`. `requested` is "auto", "cuda" or "torch".
+
+    "cuda" on a machine where the kernels cannot run raises; "auto" falls back to PyTorch and
+    logs the reason once.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"kernel backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if requested == "torch":
+        return Backend("torch", "PyTorch reference path (backend 'torch' requested)")
+    if device.type != "cuda":
+        if requested == "cuda":
+            raise RuntimeError(f"kernel backend 'cuda' needs a CUDA device, the model is on {device}; "
+                               "choose device 'cuda' or backend 'auto'/'torch'")
+        return Backend("torch", f"PyTorch reference path (model on {device.type})")
+    try:
+        from . import cuda_impl
+        ok, reason = cuda_impl.cuda_status(device)
+    except ImportError as e:  # CuPy or the CUDA headers are missing
+        ok, reason = False, f"CUDA kernels unavailable: {e}"
+    if ok:
+        return Backend("cuda", reason)
+    if requested == "cuda":
+        raise RuntimeError(reason)
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("Qwen3.5 GDN kernels fall back to PyTorch: %s", reason)
+    return Backend("torch", f"PyTorch fallback: {reason}")
+
+
+def gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state: Optional[torch.Tensor] = None,
+                      cu_seqlens: Optional[torch.Tensor] = None, backend: Backend | None = None):
+    """Gated delta rule over a prompt, gates, beta and q/k L2-norm fused.
+
+    q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv] (Hv a multiple of Hk); a, b: [B, T, Hv] raw projections;
+    A_log, dt_bias: [Hv]; initial_state: [N, Hv, D, Dv] fp32 or None; cu_seqlens: int32 [N + 1]
+    with B == 1 for packed sequences, else None (N = B).
+    Returns o: [B, T, Hv, Dv] (v.dtype) and the final state [N, Hv, D, Dv] (fp32).
+    """
+    return ops.gdn_chunk_prefill_op(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens,
+                                    bool(backend and backend.use_cuda))
+
+
+def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, backend: Backend | None = None):
+    """One token for N sequences. q, k: [N, Hk, D]; v: [N, Hv, Dv]; a, b: [N, Hv];
+    state: [N, Hv, D, Dv] fp32, updated in place. Returns o: [N, Hv, Dv]."""
+    return ops.gdn_decode_step_op(q, k, v, a, b, A_log, dt_bias, state, bool(backend and backend.use_cuda))
+
+
+def causal_conv1d_prefill(x, weight, bias=None, initial_state=None, cu_seqlens=None,
+                          backend: Backend | None = None):
+    """silu(causal depthwise conv1d). x: [B, T, C]; weight: [C, W]; initial_state: [N, C, W-1] or None.
+    Returns y: [B, T, C] and the conv state [N, C, W-1] (the last W-1 inputs)."""
+    return ops.causal_conv1d_prefill_op(x, weight, bias, initial_state, cu_seqlens,
+                                        bool(backend and backend.use_cuda))
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, backend: Backend | None = None):
+    """One token. x: [N, C]; conv_state: [N, C, W-1] updated in place. Returns y: [N, C]."""
+    return ops.causal_conv1d_update_op(x, conv_state, weight, bias, bool(backend and backend.use_cuda))
+
+
+__all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
+           "causal_conv1d_prefill", "causal_conv1d_update"]

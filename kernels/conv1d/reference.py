@@ -1,0 +1,39 @@
+"""PyTorch references for the depthwise causal conv1d + SiLU in front of each GDN layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqlens=None):
+    """y = silu(causal depthwise conv(x)).
+
+    x: [B, T, C]; weight: [C, W]; bias: [C] or None; initial_state: [N, C, W-1] (the inputs before
+    x, oldest first) or None; cu_seqlens: int32 [N + 1] with B == 1, else None (N = B).
+    Returns y: [B, T, C] in x.dtype and the final state [N, C, W-1] in x.dtype.
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    seqs = ([(i, 0, T) for i in range(B)] if cu_seqlens is None
+            else [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+    y = torch.empty_like(x)
+    states = []
+    for n, (row, s, e) in enumerate(seqs):
+        prev = (torch.zeros(C, W - 1, dtype=x.dtype, device=x.device) if initial_state is None
+                else initial_state[n].to(x.dtype))
+        xs = torch.cat([prev, x[row, s:e].transpose(0, 1)], dim=1)  # [C, W-1+L]
+        out = F.conv1d(xs[None].float(), weight.float()[:, None, :], None if bias is None else bias.float(),
+                       groups=C)[0]
+        y[row, s:e] = F.silu(out).transpose(0, 1).to(x.dtype)
+        states.append(xs[:, xs.shape[1] - (W - 1):])
+    return y, torch.stack(states)
+
+
+def causal_conv1d_update_ref(x, conv_state, weight, bias=None):
+    """One token per sequence. x: [N, C]; conv_state: [N, C, W-1] updated in place. Returns y: [N, C]."""
+    xs = torch.cat([conv_state, x[:, :, None].to(conv_state.dtype)], dim=2)  # [N, C, W]
+    out = (xs.float() * weight.float()[None]).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    conv_state.copy_(xs[:, :, 1:])
+    return F.silu(out).to(x.dtype)

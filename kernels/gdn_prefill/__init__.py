@@ -1,0 +1,3 @@
+from .reference import gdn_prefill_chunked, gdn_prefill_recurrent_f64, gate_and_beta, l2norm
+
+__all__ = ["gdn_prefill_chunked", "gdn_prefill_recurrent_f64", "gate_and_beta", "l2norm"]

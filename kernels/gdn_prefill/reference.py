@@ -1,0 +1,131 @@
+"""PyTorch references for the gated delta rule prefill.
+
+Both functions compute, per sequence and value head h (q/k head h // (Hv // Hk)):
+
+    g_t    = -exp(A_log) * softplus(a_t + dt_bias)        log decay, fp32
+    beta_t = sigmoid(b_t)
+    q_t, k_t = l2norm(q_t), l2norm(k_t);  q_t *= D ** -0.5
+    S_t    = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T      S: [D, Dv]
+    o_t    = S_t^T q_t
+
+`gdn_prefill_chunked` is the fast PyTorch path (WY form over chunks of 64, fp32); it is what the
+runtime runs where no CUDA kernel is available. `gdn_prefill_recurrent_f64` is the float64
+token-by-token ground truth the tests compare every implementation against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def gate_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, dtype=torch.float32):
+    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), both in `dtype`. a, b: [..., Hv]."""
+    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return g, torch.sigmoid(b.to(dtype))
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _split(cu_seqlens, B, T):
+    """(batch row, start, end) of every sequence."""
+    if cu_seqlens is None:
+        return [(i, 0, T) for i in range(B)]
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got B={B}")
+    bounds = cu_seqlens.tolist()
+    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _prepare(q, k, v, a, b, A_log, dt_bias, dtype):
+    """Heads first, q/k expanded to the value heads, normalised and scaled. Returns [B, H, T, *]."""
+    Hk, Hv = q.shape[2], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of q/k heads ({Hk})")
+    g, beta = gate_and_beta(a, b, A_log, dt_bias, dtype)
+    q = l2norm(q.to(dtype)).repeat_interleave(Hv // Hk, dim=2) * q.shape[-1] ** -0.5
+    k = l2norm(k.to(dtype)).repeat_interleave(Hv // Hk, dim=2)
+    return (q.transpose(1, 2), k.transpose(1, 2), v.to(dtype).transpose(1, 2),
+            g.transpose(1, 2), beta.transpose(1, 2))
+
+
+def gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None):
+    """Token-by-token float64 recurrence. Shapes as `gdn_prefill_chunked`; returns float64 (o, state)."""
+    B, T, _, D = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    Q, K, V, G, Beta = _prepare(q, k, v, a, b, A_log, dt_bias, torch.float64)
+    seqs = _split(cu_seqlens, B, T)
+    o = torch.zeros(B, Hv, T, Dv, dtype=torch.float64, device=q.device)
+    states = []
+    for n, (row, s, e) in enumerate(seqs):
+        S = (torch.zeros(Hv, D, Dv, dtype=torch.float64, device=q.device) if initial_state is None
+             else initial_state[n].to(torch.float64).clone())
+        for t in range(s, e):
+            S = S * G[row, :, t].exp()[:, None, None]
+            kt = K[row, :, t]
+            u = Beta[row, :, t, None] * (V[row, :, t] - torch.einsum("hd,hdv->hv", kt, S))
+            S = S + kt[:, :, None] * u[:, None, :]
+            o[row, :, t] = torch.einsum("hd,hdv->hv", Q[row, :, t], S)
+        states.append(S)
+    return o.transpose(1, 2), torch.stack(states)
+
+
+def _chunked_one(Q, K, V, G, Beta, S):
+    """One sequence, all heads. Q, K: [H, T, D]; V: [H, T, Dv]; G, Beta: [H, T]; S: [H, D, Dv] fp32."""
+    H, T, D = Q.shape
+    pad = (-T) % CHUNK
+    if pad:  # padded steps have beta = 0 and g = 0: they leave the state untouched
+        Q, K, V = (F.pad(x, (0, 0, 0, pad)) for x in (Q, K, V))
+        G, Beta = F.pad(G, (0, pad)), F.pad(Beta, (0, pad))
+    n = Q.shape[1] // CHUNK
+    Q, K, V = (x.reshape(H, n, CHUNK, x.shape[-1]) for x in (Q, K, V))
+    Gc = G.reshape(H, n, CHUNK).cumsum(-1)
+    Beta = Beta.reshape(H, n, CHUNK)
+    idx = torch.arange(CHUNK, device=Q.device)
+    diff = Gc[..., :, None] - Gc[..., None, :]
+    lower = idx[:, None] >= idx[None, :]
+    decay = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()  # exp(G_i - G_j), j <= i
+    strict = decay * (idx[:, None] > idx[None, :])
+    # (I + diag(beta) (K K^T o strict)) u = diag(beta) (V - diag(exp G) K S0)  =>  u = Wv - Wk S0
+    Lmat = Beta[..., None] * (K @ K.transpose(-1, -2)) * strict
+    eye = torch.eye(CHUNK, dtype=Q.dtype, device=Q.device)
+    Wv = torch.linalg.solve_triangular(eye + Lmat, Beta[..., None] * V, upper=False, unitriangular=True)
+    Wk = torch.linalg.solve_triangular(eye + Lmat, (Beta * Gc.exp())[..., None] * K, upper=False,
+                                       unitriangular=True)
+    P = (Q @ K.transpose(-1, -2)) * decay
+    Qg = Q * Gc.exp()[..., None]
+    Kend = K * (Gc[..., -1:] - Gc).exp()[..., None]
+    gend = Gc[..., -1].exp()
+    out = torch.empty_like(V)
+    for c in range(n):
+        u = Wv[:, c] - Wk[:, c] @ S
+        out[:, c] = Qg[:, c] @ S + P[:, c] @ u
+        S = S * gend[:, c, None, None] + Kend[:, c].transpose(-1, -2) @ u
+    return out.reshape(H, n * CHUNK, -1)[:, :T], S
+
+
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None):
+    """Chunked gated delta rule in fp32 (PyTorch path).
+
+    q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv] raw gate projections;
+    A_log, dt_bias: [Hv]; initial_state: [N, Hv, D, Dv] fp32 or None;
+    cu_seqlens: int32 [N + 1] with B == 1 for packed sequences, else None (N = B).
+    Returns o: [B, T, Hv, Dv] in v.dtype, final state: [N, Hv, D, Dv] fp32.
+    """
+    B, T, _, D = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    Q, K, V, G, Beta = _prepare(q, k, v, a, b, A_log, dt_bias, torch.float32)
+    o = torch.empty(B, Hv, T, Dv, dtype=torch.float32, device=q.device)
+    states = []
+    for n, (row, s, e) in enumerate(_split(cu_seqlens, B, T)):
+        S = (torch.zeros(Hv, D, Dv, dtype=torch.float32, device=q.device) if initial_state is None
+             else initial_state[n].to(torch.float32))
+        if e > s:
+            o[row, :, s:e], S = _chunked_one(Q[row, :, s:e], K[row, :, s:e], V[row, :, s:e],
+                                             G[row, :, s:e], Beta[row, :, s:e], S)
+        states.append(S)
+    return o.transpose(1, 2).to(v.dtype), torch.stack(states)

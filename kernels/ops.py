@@ -1,0 +1,94 @@
+"""The four GDN operators as torch custom ops (namespace `qwen35_fast`).
+
+Registering them as custom ops with fake implementations lets a torch.compile'd function call them
+as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
+when `use_cuda` is true (the tensors are then on a GPU the kernels were built for) and the PyTorch
+reference otherwise.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from .gdn_decode.reference import gdn_decode_step_ref
+from .gdn_prefill.reference import gdn_prefill_chunked
+
+NS = "qwen35_fast"
+
+
+def _cuda():
+    from . import cuda_impl  # imported only when a CUDA backend was selected
+    return cuda_impl
+
+
+def _num_seqs(B, cu_seqlens):
+    return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _register(name, fn, fake, mutates_args=()):
+    """Register `fn` as NS::name; if an earlier import of this pack already did, reuse that op."""
+    qualname = f"{NS}::{name}"
+    try:
+        op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
+    except RuntimeError:  # the pack was imported twice under two module names (pip and custom_nodes)
+        return getattr(getattr(torch.ops, NS), name).default
+    op.register_fake(fake)
+    return op
+
+
+def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens)
+    return gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens)
+
+
+def _prefill_fake(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, use_cuda):
+    B, T, Hv, Dv = v.shape
+    N = _num_seqs(B, cu_seqlens)
+    return v.new_empty(B, T, Hv, Dv), v.new_empty(N, Hv, q.shape[-1], Dv, dtype=torch.float32)
+
+
+def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state)
+    return gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state)
+
+
+def _decode_fake(q, k, v, a, b, A_log, dt_bias, state, use_cuda):
+    return torch.empty_like(v)
+
+
+def _conv_prefill_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                       use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().causal_conv1d_prefill_cuda(x, weight, bias, initial_state, cu_seqlens)
+    return causal_conv1d_prefill_ref(x, weight, bias, initial_state, cu_seqlens)
+
+
+def _conv_prefill_fake(x, weight, bias, initial_state, cu_seqlens, use_cuda):
+    B, T, C = x.shape
+    return torch.empty_like(x), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[1] - 1)
+
+
+def _conv_update_impl(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor], use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().causal_conv1d_update_cuda(x, conv_state, weight, bias)
+    return causal_conv1d_update_ref(x, conv_state, weight, bias)
+
+
+def _conv_update_fake(x, conv_state, weight, bias, use_cuda):
+    return torch.empty_like(x)
+
+
+gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
+gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
+causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
+causal_conv1d_update_op = _register("causal_conv1d_update", _conv_update_impl, _conv_update_fake,
+                                    mutates_args=("conv_state",))
