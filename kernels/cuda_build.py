@@ -1,0 +1,281 @@
+"""Run-time compilation and launching of the CUDA kernels under kernels/ (NVRTC + CuPy).
+
+    fn = get_function(Path(".../gdn_decode.cu"), "gdn_decode_step", q.device, {"DV_TILE": 32})
+    launch(fn, grid, block, (q, k, out, np.int32(n)), shared_mem=0)
+
+`compile_cubin` builds one source for a named architecture with no GPU present (CI compile
+tests); `get_function` builds for the device in hand and loads the result with CuPy. Both go
+through the same NVRTC options, so what CI compiles is what users run.
+
+Caches: in memory per (source text, defines, arch); on disk as cubins under CuPy's kernel cache
+folder (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache), so a second process compiles nothing.
+We compile with NVRTC ourselves rather than through RawModule(code=...) because RawModule picks
+the target itself and cannot build arch-specific targets such as sm_90a.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+KERNELS_DIR = Path(__file__).resolve().parent
+HEADER = "cuda_bf16.h"
+_lock = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel could not be compiled or loaded; the message says what is missing or where the log is."""
+
+
+# ----------------------------------------------------------------------------- NVRTC and headers
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as e:  # ImportError, or the NVRTC shared library itself is missing
+        raise KernelBuildError(
+            f"NVRTC is not available ({type(e).__name__}: {e}); install 'cupy-cuda13x' and "
+            "'nvidia-cuda-nvrtc==13.*' (pip), or a CUDA 13 toolkit") from e
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+def _nvcc_toolkit_roots() -> list[Path]:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return []
+    path = Path(nvcc).resolve()
+    roots = [path.parent.parent]
+    try:  # distributions often install nvcc as a wrapper script: `exec /usr/local/cuda-13.0/bin/nvcc "$@"`
+        text = path.read_text(errors="ignore")[:4096] if path.stat().st_size < 65536 else ""
+        roots += [Path(m).parent.parent for m in re.findall(r"(/[^\s\"']+/bin/nvcc)\b", text)]
+    except OSError:
+        pass
+    return roots
+
+
+def _pip_include_dirs() -> list[Path]:
+    dirs = []
+    for base in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            dirs.append(Path(base or ".") / sub)
+    return dirs
+
+
+def _include_candidates() -> list[Path]:
+    cands = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    cands += _pip_include_dirs()
+    cands += [r / "include" for r in _nvcc_toolkit_roots()]
+    cands.append(Path("/usr/local/cuda/include"))
+    return cands
+
+
+_include_dir: Path | None = None
+
+
+def cuda_include_dir() -> Path:
+    """The folder holding cuda_bf16.h (and the headers it pulls in)."""
+    global _include_dir
+    if _include_dir is None:
+        cands = _include_candidates()
+        for d in cands:
+            if (d / HEADER).is_file():
+                _include_dir = d
+                break
+        else:
+            tried = ", ".join(dict.fromkeys(str(d) for d in cands if "site-packages" not in str(d)))
+            raise KernelBuildError(
+                f"CUDA headers not found: no {HEADER} under $CUDA_PATH, $CUDA_HOME, pip's nvidia/cu13/include "
+                f"or nvidia/cuda_runtime/include, the toolkit beside nvcc, or /usr/local/cuda (tried {tried}). "
+                "Fix: pip install 'nvidia-cuda-runtime==13.*', or set CUDA_HOME to a CUDA toolkit")
+    return _include_dir
+
+
+# ----------------------------------------------------------------------------- targets and options
+
+def supported_archs() -> tuple[int, ...]:
+    return tuple(int(a) for a in _nvrtc().getSupportedArchs())
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """NVRTC target for a device: 'sm_90a' on Hopper (wgmma, setmaxnreg allowed: the cubin is for this
+    exact chip), 'sm_XY' elsewhere, or 'compute_XY' (PTX the driver finishes) for a chip newer than NVRTC."""
+    cc = 10 * major + minor
+    if cc < 80:
+        raise KernelBuildError(f"compute capability {major}.{minor} is below 8.0, which the kernels need")
+    archs = supported_archs()
+    if cc in archs:
+        return "sm_90a" if cc == 90 else f"sm_{cc}"
+    older = [a for a in archs if a <= cc]
+    if not older:
+        raise KernelBuildError(f"NVRTC {nvrtc_version()} supports none of the architectures up to sm_{cc}")
+    return f"compute_{max(older)}"
+
+
+def _options(src_path: Path, arch: str, defines: dict | None) -> list[str]:
+    opts = ["-std=c++17", f"--gpu-architecture={arch}", "-lineinfo",
+            f"-I{cuda_include_dir()}", f"-I{src_path.parent}", f"-I{KERNELS_DIR}"]
+    for name, value in sorted((defines or {}).items()):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"bad define name {name!r} for {src_path.name}")
+        opts.append(f"-D{name}={int(value)}")
+    return opts
+
+
+def _local_headers(src_path: Path) -> str:
+    """Text of the headers beside the source and in kernels/ (part of the cache key)."""
+    parts = []
+    for d in dict.fromkeys((src_path.parent, KERNELS_DIR)):
+        for h in sorted(d.glob("*.cuh")):
+            parts.append(h.name + "\0" + h.read_text())
+    return "\0".join(parts)
+
+
+def _cache_key(source: str, src_path: Path, arch: str, opts: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (source, _local_headers(src_path), arch, " ".join(opts), str(nvrtc_version())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def _user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qwen35_fast"
+
+
+def _cubin_cache_dir() -> Path:
+    base = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    return Path(base) / "qwen35_fast"
+
+
+def _compile(source: str, src_path: Path, arch: str, opts: list[str]) -> bytes:
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source, src_path.name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            log_dir = _user_cache_dir() / "nvrtc-logs"
+            try:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                log_path = log_dir / f"{src_path.stem}-{arch}-{_cache_key(source, src_path, arch, opts)[:12]}.log"
+                log_path.write_text(f"source: {src_path}\noptions: {' '.join(opts)}\n\n{log}")
+                where = f"the compiler log is in {log_path}"
+            except OSError:
+                where = f"compiler log:\n{log}"
+            first = next((ln for ln in log.splitlines() if "error" in ln), log.strip()[:300])
+            raise KernelBuildError(f"NVRTC failed to compile {src_path.name} for {arch} ({e}): {first}; {where}") from None
+        return nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_cubin(src_path, arch: str, defines: dict | None = None) -> bytes:
+    """Compile `src_path` for `arch` ('sm_80', 'sm_90a', ...) without a GPU. Returns the cubin
+    (PTX text for a 'compute_XY' target). Raises KernelBuildError naming the log file on failure."""
+    src_path = Path(src_path)
+    return _compile(src_path.read_text(), src_path, arch, _options(src_path, arch, defines))
+
+
+# ----------------------------------------------------------------------------- loading and launching
+
+_functions: dict = {}
+
+
+def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | None) -> Path:
+    opts = _options(src_path, arch, defines)
+    key = _cache_key(source, src_path, arch, opts)
+    ext = ".ptx" if arch.startswith("compute_") else ".cubin"
+    path = _cubin_cache_dir() / f"{src_path.stem}-{arch}-{key}{ext}"
+    if path.is_file() and path.stat().st_size > 0:
+        return path
+    binary = _compile(source, src_path, arch, opts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # atomic: concurrent processes never read half a file
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(binary if isinstance(binary, bytes) else binary.encode())
+    os.replace(tmp, path)
+    return path
+
+
+def get_function(src_path, name: str, device, defines: dict | None = None):
+    """The `extern "C"` kernel `name` of `src_path`, compiled for `device` with `-D` `defines`.
+    Returns a cupy.RawKernel; cached in memory and on disk."""
+    import cupy
+    import torch
+
+    src_path = Path(src_path)
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    source = src_path.read_text()
+    arch = arch_for_capability(major, minor)
+    key = (source, tuple(sorted((defines or {}).items())), arch, name, index)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                path = _load_or_compile(source, src_path, arch, defines)
+                with cupy.cuda.Device(index):
+                    fn = cupy.RawModule(path=str(path)).get_function(name)
+                    fn.kernel  # load the module now, not inside a CUDA-graph capture
+                _functions[key] = fn
+    return fn
+
+
+_streams: dict = {}
+_smem_limit: dict = {}  # id(RawKernel) -> dynamic shared memory the kernel is allowed
+
+
+def _stream(torch_stream):
+    import cupy
+    ptr = torch_stream.cuda_stream
+    s = _streams.get(ptr)
+    if s is None:
+        s = _streams[ptr] = cupy.cuda.ExternalStream(ptr, torch_stream.device_index)
+    return s
+
+
+def _arg(a):
+    if a is None:
+        return np.uint64(0)  # a null pointer for an optional tensor
+    if hasattr(a, "data_ptr"):
+        return np.uint64(a.data_ptr())
+    if isinstance(a, bool):
+        return np.int32(a)
+    if isinstance(a, int):
+        if not -2 ** 31 <= a < 2 ** 31:
+            raise OverflowError(f"kernel argument {a} does not fit in int32; pass numpy.int64 explicitly")
+        return np.int32(a)
+    if isinstance(a, float):
+        return np.float32(a)
+    return a
+
+
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
+    Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""
+    import torch
+
+    if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get(id(fn), 0):
+        fn.max_dynamic_shared_size_bytes = shared_mem
+        _smem_limit[id(fn)] = shared_mem
+    stream = _stream(torch.cuda.current_stream())
+    fn.kernel(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
