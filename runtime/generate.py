@@ -1,0 +1,152 @@
+"""prefill and generate: the two plain functions everything else (CLI, nodes) calls.
+
+A Prefill is immutable: it keeps the cache as the prompt left it, and every generate() works on
+a copy, so one prefill can feed many generations (ComfyUI caches node outputs and reuses them).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import Qwen35Error
+from .model import Cache, Qwen35Model
+from .sampling import SamplingParams, apply_penalties, choose
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt run through the model: its ids, the state after it and the next-token logits."""
+    token_ids: tuple[int, ...]
+    logits: torch.Tensor = field(repr=False)   # [vocab] fp32
+    cache: Cache = field(repr=False)
+    ms: float
+    backend: str
+    thinking: bool = False
+    model_id: int = 0  # id() of the model that made it: a prefill only fits that model
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / (self.ms / 1000) if self.ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str                  # the answer (thinking removed)
+    thinking: str              # the thinking text, "" when there was none
+    token_ids: tuple[int, ...]
+    first_token_ms: float
+    decode_tokens_per_s: float
+    finish_reason: str         # "stop" (end-of-turn token), "length" (max_new_tokens or positions)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
+                  use_chat_template: bool = True) -> list[int]:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise Qwen35Error("the prompt is empty; write a prompt")
+    if use_chat_template:
+        from .chat import format_chat
+        text = format_chat(prompt, system_prompt=system_prompt, thinking=thinking)
+    else:
+        text = (system_prompt + "\n\n" if system_prompt else "") + prompt
+    return model.tokenizer.encode(text)
+
+
+@torch.compiler.disable
+def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> Prefill:
+    """Run token ids through the model. Returns the Prefill (logits of the last position only)."""
+    limit = model.config.max_position_embeddings
+    if not ids:
+        raise Qwen35Error("the prompt is empty; write a prompt")
+    if len(ids) >= limit:
+        raise Qwen35Error(f"the prompt has {len(ids)} tokens but the model takes at most {limit} positions "
+                          f"(prompt and answer together); shorten the prompt")
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "
+                          "not belong to this model")
+    model.select_backend()
+    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    cache = model.new_cache(1, len(ids))
+    _sync(model.device)
+    t0 = time.perf_counter()
+    logits = model.forward_prefill(x, cache)[0]
+    _sync(model.device)
+    ms = (time.perf_counter() - t0) * 1000
+    return Prefill(tuple(ids), logits, cache, ms, model.backend.name, thinking, id(model))
+
+
+def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
+            use_chat_template: bool = True) -> Prefill:
+    """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it."""
+    return prefill_ids(model, encode_prompt(model, prompt, system_prompt, thinking, use_chat_template), thinking)
+
+
+OnToken = Callable[[str, int, int], None]
+
+
+@torch.compiler.disable
+def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+             seed: int = 0, on_token: OnToken | None = None) -> Generation:
+    """Generate up to `max_new_tokens` after a prefill; stops at an end-of-turn token.
+
+    on_token(delta_text, n_done, max_new_tokens) runs after every token; raising from it cancels.
+    The same prefill, settings and seed give the same text.
+    """
+    sampling = sampling or SamplingParams()
+    sampling.check()
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise Qwen35Error(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+    if pf.model_id != id(model):
+        raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
+    model.select_backend()
+    limit = model.config.max_position_embeddings
+    budget = min(max_new_tokens, limit - pf.n_tokens)
+    dev = model.device
+    cache = pf.cache.clone(pf.n_tokens + budget)
+    generator = torch.Generator(device=dev).manual_seed(int(seed)) if sampling.do_sample else None
+    eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
+    seen = torch.tensor(pf.token_ids, dtype=torch.long, device=dev)
+    out: list[int] = []
+    stream = model.tokenizer.stream_decoder()
+    logits = pf.logits.to(dev)
+    finish = "length"
+    t0 = time.perf_counter()
+    first_ms = 0.0
+    for n in range(budget):
+        gen = torch.tensor(out, dtype=torch.long, device=dev)
+        tok = choose(apply_penalties(logits, seen, gen, sampling), sampling, generator)
+        if n == 0:
+            first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
+            t_decode = time.perf_counter()
+        if tok in eos:
+            finish = "stop"
+            break
+        out.append(tok)
+        seen = torch.cat([seen, seen.new_tensor([tok])])
+        if on_token is not None:
+            on_token(stream.push(tok), n + 1, max_new_tokens)
+        if n + 1 < budget:
+            logits = model.forward_decode(torch.tensor([tok], device=dev), cache)[0]
+    decode_s = time.perf_counter() - t_decode if out else 0.0
+    from .chat import split_thinking
+    text = model.tokenizer.decode(out, skip_special_tokens=False)
+    thinking, answer = split_thinking(text) if pf.thinking else ("", text.strip())
+    return Generation(answer, thinking, tuple(out), first_ms,
+                      (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0, finish)

@@ -1,0 +1,120 @@
+"""load_model: checkpoint on disk -> Qwen35Model on a device, with its tokenizer and kernel backend."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .. import kernels
+from .checkpoint import Checkpoint, locate
+from .config import LINEAR, describe
+from .errors import Qwen35Error
+from .model import Qwen35Model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise Qwen35Error(f"device {str(device)!r} asked for, but PyTorch sees no CUDA GPU "
+                          f"(torch {torch.__version__}); choose device 'cpu' or 'auto'")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise Qwen35Error(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter."""
+    c = model.config
+    hv = c.linear_num_value_heads
+    qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    # text-model tensor name -> (parameter, first row) ; fused matrices take several tensors
+    targets: dict[str, tuple[torch.Tensor, int]] = {
+        "embed_tokens.weight": (model.embed, 0), "norm.weight": (model.final_norm, 0)}
+    if model.lm_head is not None:
+        targets["lm_head.weight"] = (model.lm_head, 0)
+    for i, blk in enumerate(model.blocks):
+        p, m = f"layers.{i}.", blk.mixer
+        targets.update({p + "input_layernorm.weight": (blk.input_norm, 0),
+                        p + "post_attention_layernorm.weight": (blk.post_norm, 0),
+                        p + "mlp.gate_proj.weight": (blk.gate_up, 0),
+                        p + "mlp.up_proj.weight": (blk.gate_up, c.intermediate_size),
+                        p + "mlp.down_proj.weight": (blk.down, 0)})
+        if blk.kind == LINEAR:
+            a = p + "linear_attn."
+            targets.update({a + "in_proj_qkv.weight": (m.in_proj, 0),
+                            a + "in_proj_z.weight": (m.in_proj, c.conv_dim),
+                            a + "in_proj_b.weight": (m.in_proj, c.conv_dim + c.value_dim),
+                            a + "in_proj_a.weight": (m.in_proj, c.conv_dim + c.value_dim + hv),
+                            a + "conv1d.weight": (m.conv_w, 0), a + "A_log": (m.A_log, 0),
+                            a + "dt_bias": (m.dt_bias, 0), a + "norm.weight": (m.norm_w, 0),
+                            a + "out_proj.weight": (m.out_proj, 0)})
+        else:
+            s = p + "self_attn."
+            targets.update({s + "q_proj.weight": (m.qkv, 0), s + "k_proj.weight": (m.qkv, 2 * qd),
+                            s + "v_proj.weight": (m.qkv, 2 * qd + kd), s + "o_proj.weight": (m.o_proj, 0),
+                            s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
+    with ExitStack() as stack, torch.no_grad():
+        handles = {}
+        for name, (param, row) in targets.items():
+            file, key = ckpt.tensors[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            t = handles[file].get_tensor(key)
+            if name.endswith("conv1d.weight"):
+                t = t[:, 0]
+            param[row:row + t.shape[0]].copy_(t.to(param.device, non_blocking=False))
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+               backend: str = "auto") -> Qwen35Model:
+    """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
+
+    dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32. device: auto, cuda, cuda:N, cpu.
+    backend: auto, cuda, torch (what runs the GDN math; see kernels.select_backend).
+    Raises Qwen35Error, naming the file and the fix, for anything wrong with the input; nothing
+    stays allocated when it does.
+    """
+    if backend not in kernels.BACKENDS:
+        raise Qwen35Error(f"kernel backend {backend!r} is not one of {', '.join(kernels.BACKENDS)}")
+    t0 = time.perf_counter()
+    ckpt = locate(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    from .tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(ckpt.tokenizer_dir)
+    model = None
+    try:
+        model = Qwen35Model(ckpt.config, dt, dev)
+        _fill(model, ckpt)
+        model.requested_backend = backend
+        model.select_backend()
+    except BaseException:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        raise
+    model.tokenizer = tokenizer
+    model.path = ckpt.path
+    log.info("Loaded %s: %s, %s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
+             str(dt).replace("torch.", ""), dev, time.perf_counter() - t0, model.backend.reason)
+    return model

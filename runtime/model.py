@@ -1,0 +1,279 @@
+"""The Qwen3.5 text model: weights and the forward pass (prefill over a prompt, one-token decode).
+
+Projections that read the same input are fused into one matrix at load time (GDN's qkv/z/b/a,
+attention's q+gate/k/v, the MLP's gate/up), so each layer runs three or four matmuls. The GDN math
+(causal conv1d, gated delta rule) goes through `kernels`, which runs CUDA kernels or the PyTorch
+references according to the backend picked at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from .config import LINEAR, TextConfig
+from .errors import Qwen35Error
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: (x / rms(x)) * w * silu(gate), per value head."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GDNLayer(nn.Module):
+    def __init__(self, c: TextConfig, dtype, device):
+        super().__init__()
+        h, hv = c.hidden_size, c.linear_num_value_heads
+        e = dict(dtype=dtype, device=device)
+        self.in_proj = nn.Parameter(torch.empty(c.conv_dim + c.value_dim + 2 * hv, h, **e), requires_grad=False)
+        self.conv_w = nn.Parameter(torch.empty(c.conv_dim, c.linear_conv_kernel_dim, **e), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(hv, dtype=torch.float32, device=device), requires_grad=False)
+        self.norm_w = nn.Parameter(torch.empty(c.linear_value_head_dim, **e), requires_grad=False)
+        self.out_proj = nn.Parameter(torch.empty(h, c.value_dim, **e), requires_grad=False)
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, c: TextConfig, dtype, device):
+        super().__init__()
+        qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        e = dict(dtype=dtype, device=device)
+        self.qkv = nn.Parameter(torch.empty(2 * qd + 2 * kd, c.hidden_size, **e), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, qd, **e), requires_grad=False)
+        self.q_norm = nn.Parameter(torch.empty(c.head_dim, dtype=torch.float32, device=device), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=torch.float32, device=device), requires_grad=False)
+
+
+class Block(nn.Module):
+    """One decoder layer: a token mixer (GDN or attention) and the MLP, each behind a norm."""
+
+    def __init__(self, c: TextConfig, kind: str, dtype, device):
+        super().__init__()
+        self.kind = kind
+        h = c.hidden_size
+        self.input_norm = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device), requires_grad=False)
+        self.mixer = GDNLayer(c, dtype, device) if kind == LINEAR else AttentionLayer(c, dtype, device)
+        self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, h, dtype=dtype, device=device),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, c.intermediate_size, dtype=dtype, device=device),
+                                 requires_grad=False)
+
+
+@dataclass
+class Cache:
+    """Per-sequence state after some tokens: GDN conv and recurrent states, attention K/V.
+
+    conv[i]: [B, conv_dim, W-1]; ssm[i]: [B, Hv, Dk, Dv] fp32 (GDN layers, None elsewhere);
+    k[i], v[i]: [B, Hkv, capacity, head_dim] (attention layers, None elsewhere); `length` tokens are in it.
+    """
+    conv: list
+    ssm: list
+    k: list
+    v: list
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return next(t.shape[2] for t in self.k if t is not None)
+
+    def clone(self, capacity: int | None = None) -> "Cache":
+        """A deep copy with room for `capacity` tokens (at least `length`)."""
+        cap = max(capacity or self.capacity, self.length)
+
+        def grow(t):
+            if t is None:
+                return None
+            out = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+            out[:, :, :self.length] = t[:, :, :self.length]
+            return out
+
+        copy = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731
+        return Cache(copy(self.conv), copy(self.ssm), [grow(t) for t in self.k], [grow(t) for t in self.v],
+                     self.length)
+
+
+class Qwen35Model(nn.Module):
+    """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes."""
+
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                                  requires_grad=False)
+        self.blocks = nn.ModuleList(Block(config, t, dtype, device) for t in config.layer_types)
+        self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=torch.float32, device=device),
+                                       requires_grad=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        rd = config.rotary_dim
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (
+            torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd), persistent=False)
+        self.requested_backend = "auto"
+        self.backend = kernels.select_backend("torch", device)
+        self._backend_device = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def select_backend(self) -> kernels.Backend:
+        """Pick the GDN backend for the device the weights are on now (again after a move)."""
+        if self._backend_device != self.device:
+            try:
+                self.backend = kernels.select_backend(self.requested_backend, self.device)
+            except (RuntimeError, ValueError) as e:
+                raise Qwen35Error(str(e)) from None
+            self._backend_device = self.device
+        return self.backend
+
+    def _gdn_backend(self):
+        return self.select_backend()
+
+    # --- rotary embedding -------------------------------------------------------------------
+    def rope(self, positions: torch.Tensor):
+        """cos, sin [T, rotary_dim] for position ids [3, T] (temporal, height, width; equal for text).
+
+        Qwen3.5 interleaves the three sections over the frequency index: index i takes height when
+        i % 3 == 1, width when i % 3 == 2 (within 3 * section), temporal otherwise.
+        """
+        freqs = positions[..., None].float() * self.inv_freq  # [3, T, rd/2]
+        idx = torch.arange(freqs.shape[-1], device=freqs.device)
+        sec = self.config.mrope_section
+        pick = torch.zeros_like(idx)
+        pick[(idx % 3 == 1) & (idx < 3 * sec[1])] = 1
+        pick[(idx % 3 == 2) & (idx < 3 * sec[2])] = 2
+        f = freqs.gather(0, pick[None, None, :].expand(1, freqs.shape[1], -1))[0]
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _apply_rope(x, cos, sin):
+        """x: [B, T, H, hd]; rotates the first rotary_dim features (half-split convention)."""
+        rd = cos.shape[-1]
+        xr, xp = x[..., :rd], x[..., rd:]
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat([-x2, x1], dim=-1)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+
+    # --- layers -----------------------------------------------------------------------------
+    def _split_gdn(self, m: GDNLayer, x):
+        c = self.config
+        proj = F.linear(x, m.in_proj)
+        hv = c.linear_num_value_heads
+        return proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)  # mixed qkv, z, b, a
+
+    def _qkv_heads(self, mixed):
+        c = self.config
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        shape = mixed.shape[:-1]
+        return (q.reshape(*shape, c.linear_num_key_heads, c.linear_key_head_dim),
+                k.reshape(*shape, c.linear_num_key_heads, c.linear_key_head_dim),
+                v.reshape(*shape, c.linear_num_value_heads, c.linear_value_head_dim))
+
+    def _gdn_out(self, m: GDNLayer, o, z):
+        c = self.config
+        z = z.reshape(*z.shape[:-1], c.linear_num_value_heads, c.linear_value_head_dim)
+        o = gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps)
+        return F.linear(o.flatten(-2), m.out_proj)
+
+    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int):
+        mixed, z, b, a = self._split_gdn(m, x)
+        be = self._gdn_backend()
+        mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, backend=be)
+        q, k, v = self._qkv_heads(mixed)
+        o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, backend=be)
+        return self._gdn_out(m, o, z)
+
+    def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int):
+        mixed, z, b, a = self._split_gdn(m, x[:, 0])
+        be = self._gdn_backend()
+        mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
+        q, k, v = self._qkv_heads(mixed)
+        o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
+        return self._gdn_out(m, o[:, None], z[:, None])
+
+    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int):
+        c = self.config
+        B, T, _ = x.shape
+        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg, k, v = F.linear(x, m.qkv).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
+        q = self._apply_rope(rms_norm(q, m.q_norm, c.rms_norm_eps), cos, sin)
+        k = self._apply_rope(rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps), cos, sin)
+        end = start + T
+        cache.k[i][:, :, start:end] = k.transpose(1, 2)
+        cache.v[i][:, :, start:end] = v.view(B, T, Hkv, hd).transpose(1, 2)
+        mask = None
+        if T > 1 and start > 0:  # new tokens see the whole prefix and, causally, each other
+            mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), cache.k[i][:, :, :end], cache.v[i][:, :, :end], attn_mask=mask,
+            is_causal=T > 1 and start == 0, scale=hd ** -0.5, enable_gqa=H != Hkv)
+        out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
+        return F.linear(out, m.o_proj)
+
+    def _mlp(self, blk: Block, x):
+        g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, blk.down)
+
+    def _layers(self, h, cache: Cache, start: int, decode: bool):
+        c = self.config
+        T = h.shape[1]
+        pos = torch.arange(start, start + T, device=h.device).expand(3, T)
+        cos, sin = self.rope(pos)
+        for i, blk in enumerate(self.blocks):
+            x = rms_norm(h, blk.input_norm, c.rms_norm_eps)
+            if blk.kind == LINEAR:
+                x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i)
+            else:
+                x = self._attention(blk.mixer, x, cache, i, cos, sin, start)
+            h = h + x
+            h = h + self._mlp(blk, rms_norm(h, blk.post_norm, c.rms_norm_eps))
+        return h
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, vocab] for the hidden state of one position per sequence [B, hidden]."""
+        h = rms_norm(h_last, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.embed if self.lm_head is None else self.lm_head).float()
+
+    def new_cache(self, batch: int, capacity: int) -> Cache:
+        c = self.config
+        n = c.num_hidden_layers
+        cache = Cache([None] * n, [None] * n, [None] * n, [None] * n, 0)
+        for i, t in enumerate(c.layer_types):
+            if t != LINEAR:
+                shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+                cache.k[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                cache.v[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return cache
+
+    @torch.inference_mode()
+    def forward_prefill(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Run prompt ids [B, T] into an empty `cache`; returns fp32 logits of the last position [B, vocab]."""
+        h = self._layers(F.embedding(ids, self.embed), cache, 0, decode=False)
+        cache.length = ids.shape[1]
+        return self.logits(h[:, -1])
+
+    @torch.inference_mode()
+    def forward_decode(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """One new token per sequence, ids [B]; appends to `cache`; returns fp32 logits [B, vocab]."""
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, cache.length, decode=True)
+        cache.length += 1
+        return self.logits(h[:, 0])
+
+    def size_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,63 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p with repetition and presence penalties."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import Qwen35Error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """do_sample False is greedy (the other fields then only apply their penalties)."""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # 1.0: off
+    min_p: float = 0.0        # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off; >1 discourages tokens already in prompt or answer
+    presence_penalty: float = 0.0    # 0.0: off; subtracted from the logit of every token already generated
+
+    def check(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise Qwen35Error(f"temperature {self.temperature} must be > 0 when sampling; turn sampling off "
+                              "for greedy decoding")
+        if self.top_k < 0:
+            raise Qwen35Error(f"top_k {self.top_k} must be >= 0 (0 turns it off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise Qwen35Error(f"top_p {self.top_p} must be in (0, 1] (1 turns it off)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise Qwen35Error(f"min_p {self.min_p} must be in [0, 1) (0 turns it off)")
+        if not self.repetition_penalty > 0:
+            raise Qwen35Error(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off)")
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
+                    p: SamplingParams) -> torch.Tensor:
+    """logits [V] fp32; seen: ids in prompt+answer; generated: ids in the answer so far."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0 and seen.numel():
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if p.presence_penalty != 0.0 and generated.numel():
+        logits[generated] -= p.presence_penalty
+    return logits
+
+
+def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one id from penalised fp32 logits [V]."""
+    if not p.do_sample:
+        return int(torch.argmax(logits))
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
