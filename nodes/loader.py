@@ -1,0 +1,85 @@
+"""Qwen35ModelLoader: a checkpoint from models/LLM or models/text_encoders -> QWEN35_MODEL."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from comfy_api.latest import io
+
+import comfy.model_management as mm
+
+from .memory import ManagedModel
+from .models_folder import available_models, weights_bytes
+from .types import Qwen35Model
+
+log = logging.getLogger(__name__)
+
+DTYPES = ["auto", "bf16", "fp16", "fp32"]
+DEVICES = ["auto", "cuda", "cpu"]
+BACKENDS = ["auto", "cuda", "torch"]
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return mm.get_torch_device()
+    if device == "cuda" and mm.get_torch_device().type == "cuda":
+        return mm.get_torch_device()  # the GPU ComfyUI was started on
+    return torch.device(device)
+
+
+class Qwen35ModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Qwen35ModelLoader",
+            display_name="Qwen3.5 Model Loader",
+            category="Qwen3.5",
+            description="Loads a Qwen3.5 checkpoint: a folder in models/LLM or one .safetensors file in "
+                        "models/LLM or models/text_encoders.",
+            search_aliases=["qwen", "llm", "load language model"],
+            inputs=[
+                io.Combo.Input("model", options=list(available_models()),
+                               tooltip="Checkpoint folders in models/LLM/<name>/ and single .safetensors files "
+                                       "in models/LLM or models/text_encoders."),
+                io.Combo.Input("dtype", options=DTYPES, default="auto",
+                               tooltip="Weight precision. auto: bf16 on a GPU that has it, else fp32 on CPU."),
+                io.Combo.Input("device", options=DEVICES, default="auto",
+                               tooltip="auto: the device ComfyUI runs on (cpu when started with --cpu)."),
+                io.Combo.Input("backend", options=BACKENDS, default="auto", display_name="kernel backend",
+                               tooltip="auto: the CUDA kernels when CuPy can compile them for this GPU, "
+                                       "else PyTorch. The choice and its reason show on the node."),
+                io.Boolean.Input("keep_loaded", default=True,
+                                 tooltip="On: the model stays in VRAM until ComfyUI needs the memory. "
+                                         "Off: its VRAM is given back after every Generate."),
+            ],
+            outputs=[Qwen35Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True) -> io.NodeOutput:
+        from ..runtime import Qwen35Error, load_model
+
+        paths = available_models()
+        if model not in paths:
+            raise Qwen35Error(f"model {model!r} is not in models/LLM or models/text_encoders; put a checkpoint "
+                              "folder in models/LLM/<name>/ (or a .safetensors file in models/text_encoders) "
+                              "and refresh the node list")
+        path = paths[model]
+        target = _pick_device(device)
+        if target.type != "cpu":
+            # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
+            mm.free_memory(weights_bytes(path) * 1.1 + mm.minimum_inference_memory(), target)
+        runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
+        managed = ManagedModel(runtime_model, runtime_model.device, mm.text_encoder_offload_device(), keep_loaded)
+        managed.load()
+        info = {
+            "path": str(path),
+            "backend": runtime_model.backend.name,
+            "backend_reason": runtime_model.backend.reason,
+            "device": str(runtime_model.device),
+            "dtype": str(runtime_model.dtype).removeprefix("torch."),
+            "size_mb": round(runtime_model.size_bytes() / 2**20, 1),
+        }
+        log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
+                 info["backend"], info["backend_reason"])
+        return io.NodeOutput(managed, ui={"qwen35_model": [info]})

@@ -1,0 +1,103 @@
+"""The loaded Qwen3.5 model as ComfyUI's model management sees it.
+
+ComfyUI frees VRAM by asking each entry of `comfy.model_management.current_loaded_models` to
+unload (on "Unload models", POST /free, or when another model needs room). Those entries hold
+ModelPatcher objects; `ManagedModel` answers the same questions for one runtime model, so ours goes
+when ComfyUI needs the memory and comes back on the next run. It moves the whole model: the
+runtime has no per-layer offload, so a partial unload frees everything.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+import comfy.model_management as mm
+
+log = logging.getLogger(__name__)
+
+
+class ManagedModel:
+    """A runtime `Model` plus where it runs and where it waits, in ModelPatcher's terms."""
+
+    parent = None  # no clone chain: one handle per loaded model
+
+    def __init__(self, model, load_device: torch.device, offload_device: torch.device, keep_loaded: bool):
+        self.model = model
+        self.load_device = torch.device(load_device)
+        self.offload_device = torch.device(offload_device)
+        self.keep_loaded = keep_loaded
+        self.clone_base_uuid = uuid.uuid4()
+
+    def __repr__(self):
+        return (f"ManagedModel({self.model.path}, on {self.current_loaded_device()}, "
+                f"load {self.load_device}, offload {self.offload_device})")
+
+    # --- what model management asks ---
+    def model_size(self) -> int:
+        return self.model.size_bytes()
+
+    def current_loaded_device(self) -> torch.device:
+        return torch.device(self.model.device)
+
+    def loaded_size(self) -> int:
+        return self.model_size() if self._on(self.load_device) else 0
+
+    def model_dtype(self):
+        return self.model.dtype
+
+    def partially_load(self, device, extra_memory=0, force_patch_weights=False) -> int:
+        """Moves the model to `device`; returns the bytes that moved there."""
+        if self._on(device):
+            return 0
+        log.info("Qwen3.5: moving %s to %s (%.0f MiB)", self.model.path, device, self.model_size() / 2**20)
+        self.model.to(torch.device(device))
+        return self.model_size()
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        """Frees all of it: the runtime keeps a model on one device."""
+        if not self._on(self.load_device) or self._on(device_to):
+            return 0
+        self.detach()
+        return self.model_size()
+
+    def detach(self, unpatch_all=True):
+        if not self._on(self.offload_device):
+            log.info("Qwen3.5: offloading %s to %s", self.model.path, self.offload_device)
+            self.model.to(self.offload_device)
+
+    def model_patches_to(self, device_or_dtype):
+        pass
+
+    def model_patches_models(self):
+        return []
+
+    def get_nested_additional_models(self):
+        return []
+
+    def lowvram_patch_counter(self) -> int:
+        return 0
+
+    def is_dynamic(self) -> bool:
+        return False
+
+    def is_clone(self, other) -> bool:
+        return other is self or getattr(other, "model", None) is self.model
+
+    # --- what the nodes call ---
+    def load(self):
+        """Brings the weights to the load device, freeing other models' VRAM first if needed."""
+        mm.load_models_gpu([self])
+
+    def release(self):
+        """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""
+        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+            if mm.current_loaded_models[i].model is self:
+                mm.current_loaded_models.pop(i).model_unload()
+        self.detach()
+        mm.soft_empty_cache()
+
+    def _on(self, device) -> bool:
+        here, there = self.current_loaded_device(), torch.device(device)
+        return here.type == there.type and (there.index is None or here.index in (None, there.index))

@@ -1,0 +1,140 @@
+"""Qwen35TextPrefill and Qwen35Generate: thin adapters over runtime.prefill and runtime.generate."""
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io
+
+import comfy.model_management as mm
+import comfy.utils
+
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
+
+log = logging.getLogger(__name__)
+
+# The front end (web/qwen35.js) listens for this: {node, display_node, prompt_id, delta, n, max}.
+# n == 0 starts a new answer on that node and says whether thinking text comes first.
+STREAM_EVENT = "qwen35.stream"
+
+
+def _send(event: str, data: dict) -> None:
+    try:
+        from server import PromptServer
+    except ImportError:  # nodes run outside a ComfyUI server (tests, scripts)
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, {**data, "prompt_id": getattr(server, "last_prompt_id", None)},
+                         server.client_id)
+
+
+class Qwen35TextPrefill(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Qwen35TextPrefill",
+            display_name="Qwen3.5 Text Prefill",
+            category="Qwen3.5",
+            description="Reads the prompt into the model once. ComfyUI caches the result, so any number of "
+                        "Generate nodes can continue from it without reading the prompt again.",
+            search_aliases=["qwen", "llm", "prompt", "chat"],
+            inputs=[
+                Qwen35Model.Input("model"),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="The user message."),
+                io.String.Input("system_prompt", multiline=True, default="",
+                                tooltip="Optional system message (with the chat template)."),
+                io.Boolean.Input("thinking", default=False,
+                                 tooltip="Let the model think before it answers; the thinking comes out "
+                                         "of Generate separately."),
+                io.Boolean.Input("use_chat_template", default=True, advanced=True,
+                                 tooltip="Off: the prompt goes in as raw text, for completion."),
+            ],
+            outputs=[Qwen35Prefill.Output(display_name="prefill")],
+        )
+
+    @classmethod
+    def execute(cls, model, prompt, system_prompt="", thinking=False, use_chat_template=True) -> io.NodeOutput:
+        from ..runtime import prefill
+
+        model.load()
+        result = prefill(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
+                         use_chat_template=use_chat_template)
+        stats = {"n_tokens": result.n_tokens, "ms": round(result.ms, 2),
+                 "tokens_per_s": round(result.tokens_per_s, 1), "backend": result.backend,
+                 "thinking": result.thinking}
+        log.info("Qwen3.5 prefill: %d tokens in %.1f ms (%.0f tok/s, %s)", result.n_tokens, result.ms,
+                 result.tokens_per_s, result.backend)
+        return io.NodeOutput(ModelPrefill(model, result), ui={"qwen35_prefill": [stats]})
+
+
+class Qwen35Generate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Qwen35Generate",
+            display_name="Qwen3.5 Generate",
+            category="Qwen3.5",
+            description="Generates text from a prefill; the answer streams onto the node. The same seed "
+                        "gives the same text, and the prefill is left as it was.",
+            search_aliases=["qwen", "llm", "generate text", "prompt enhancer"],
+            inputs=[
+                Qwen35Prefill.Input("prefill"),
+                io.Int.Input("max_new_tokens", default=256, min=1, max=32768,
+                             tooltip="Stops after this many tokens if the model has not finished."),
+                io.Boolean.Input("sampling", default=True, label_on="sample", label_off="greedy",
+                                 tooltip="Off: always the most likely token (the settings below are ignored)."),
+                io.Float.Input("temperature", default=0.7, min=0.01, max=2.0, step=0.01),
+                io.Int.Input("top_k", default=20, min=0, max=1000, tooltip="0: no limit."),
+                io.Float.Input("top_p", default=0.8, min=0.0, max=1.0, step=0.01),
+                io.Float.Input("min_p", default=0.0, min=0.0, max=1.0, step=0.01),
+                io.Float.Input("repetition_penalty", default=1.0, min=0.0, max=5.0, step=0.01, advanced=True),
+                io.Float.Input("presence_penalty", default=0.0, min=0.0, max=5.0, step=0.01, advanced=True),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+            ],
+            outputs=[
+                io.String.Output(display_name="text"),
+                io.String.Output(display_name="thinking"),
+            ],
+            hidden=[io.Hidden.unique_id, io.Hidden.dynprompt],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, prefill, max_new_tokens=256, sampling=True, temperature=0.7, top_k=20, top_p=0.8,
+                min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0) -> io.NodeOutput:
+        from ..runtime import SamplingParams, generate
+
+        node_id = cls.hidden.unique_id
+        display_node = node_id
+        if cls.hidden.dynprompt is not None and node_id is not None:
+            display_node = cls.hidden.dynprompt.get_display_node_id(node_id)
+        params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty)
+        bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
+        event = {"node": node_id, "display_node": display_node}
+
+        def on_token(delta: str, n_done: int, total: int):
+            mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
+            bar.update_absolute(n_done, total)
+            _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total})
+
+        model = prefill.model
+        _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens,
+                              "thinking": prefill.prefill.thinking})
+        model.load()
+        try:
+            result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
+                              seed=seed, on_token=on_token)
+        finally:
+            if not model.keep_loaded:
+                model.release()
+        bar.update_absolute(max_new_tokens, max_new_tokens)
+        stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
+                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
+                 "finish_reason": result.finish_reason}
+        log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
+                 result.first_token_ms, result.decode_tokens_per_s, result.finish_reason)
+        ui = {"text": [result.text], "thinking": [result.thinking], "qwen35_generate": [stats]}
+        return io.NodeOutput(result.text, result.thinking, ui=ui)

@@ -1,0 +1,215 @@
+// Qwen3.5 nodes in the ComfyUI front end: the answer streams onto the Generate node as tokens
+// arrive (thinking folded away, a copy button); Prefill and Loader show what they measured.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const STREAM_EVENT = "qwen35.stream"; // sent by nodes/text.py: {node, display_node, delta, n, max, thinking}
+const THINK_END = "</think>";
+
+const CSS = `
+.qwen35-panel { display: flex; flex-direction: column; gap: 4px; width: 100%; height: 100%;
+  box-sizing: border-box; padding: 4px 6px; font: 12px/1.4 sans-serif; color: var(--input-text, #ddd);
+  overflow: hidden; }
+.qwen35-stats { opacity: 0.75; font-size: 11px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.qwen35-stats:empty { display: none; }
+.qwen35-thinking { border-left: 2px solid #666; padding-left: 6px; opacity: 0.8; }
+.qwen35-thinking summary { cursor: pointer; font-size: 11px; user-select: none; }
+.qwen35-thinking-text, .qwen35-answer { white-space: pre-wrap; word-break: break-word; overflow-y: auto;
+  user-select: text; }
+.qwen35-thinking-text { max-height: 120px; font-size: 11px; }
+.qwen35-answer { flex: 1 1 auto; min-height: 40px; background: var(--comfy-input-bg, #222);
+  border-radius: 4px; padding: 4px 6px; }
+.qwen35-answer.qwen35-streaming::after { content: "\\u258D"; opacity: 0.6; }
+.qwen35-bar { display: flex; gap: 6px; justify-content: flex-end; }
+.qwen35-bar button { font-size: 11px; padding: 1px 8px; cursor: pointer; }
+`;
+
+function addStyle() {
+  if (document.getElementById("qwen35-style")) return;
+  const style = document.createElement("style");
+  style.id = "qwen35-style";
+  style.textContent = CSS;
+  document.head.appendChild(style);
+}
+
+function el(tag, cls, parent) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (parent) parent.appendChild(e);
+  return e;
+}
+
+function fmt(x, digits = 1) {
+  return Number(x).toLocaleString(undefined, { maximumFractionDigits: digits });
+}
+
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    // Pages served over plain http on another host have no clipboard API.
+    const area = el("textarea", null, document.body);
+    area.value = text;
+    area.select();
+    const ok = document.execCommand("copy");
+    area.remove();
+    return ok;
+  }
+}
+
+function addPanel(node, name, minHeight) {
+  addStyle();
+  const root = el("div", "qwen35-panel");
+  const widget = node.addDOMWidget(name, "qwen35_panel", root, {
+    serialize: false,
+    getMinHeight: () => minHeight,
+  });
+  widget.serialize = false; // never part of widgets_values: workflows load with or without this script
+  widget.options.serialize = false;
+  return root;
+}
+
+// --- Generate: streamed answer, folded thinking, copy button, decode stats ---
+function setupGenerate(node) {
+  const root = addPanel(node, "qwen35_answer", 140);
+  const view = {
+    stats: el("div", "qwen35-stats", root),
+    thinking: el("details", "qwen35-thinking", root),
+    answer: el("div", "qwen35-answer", root),
+    bar: el("div", "qwen35-bar", root),
+    raw: "",
+    expectThinking: false,
+  };
+  view.answer.dataset.qwen35 = "answer";
+  el("summary", null, view.thinking).textContent = "Thinking";
+  view.thinkingText = el("div", "qwen35-thinking-text", view.thinking);
+  view.thinking.hidden = true;
+  const copy = el("button", null, view.bar);
+  copy.textContent = "Copy";
+  copy.title = "Copy the answer";
+  copy.addEventListener("click", async (e) => {
+    e.stopPropagation();
+    const ok = await copyText(view.answer.textContent);
+    copy.textContent = ok ? "Copied" : "Copy failed";
+    setTimeout(() => (copy.textContent = "Copy"), 1200);
+  });
+  node.qwen35 = view;
+  const size = node.computeSize();
+  node.setSize([Math.max(node.size[0], 380), Math.max(node.size[1], size[1])]);
+}
+
+function showAnswer(view, thinking, answer, streaming) {
+  view.thinking.hidden = !thinking;
+  view.thinkingText.textContent = thinking;
+  view.answer.textContent = answer;
+  view.answer.classList.toggle("qwen35-streaming", streaming);
+}
+
+function onStream(view, d) {
+  if (d.n === 0) {
+    view.raw = "";
+    view.sawEnd = false;
+    view.expectThinking = !!d.thinking;
+    view.stats.textContent = `generating (max ${d.max} tokens)…`;
+    view.thinking.open = view.expectThinking; // watch the thinking while it is written; fold it after
+    showAnswer(view, "", "", true);
+    return;
+  }
+  view.raw += d.delta;
+  view.stats.textContent = `${d.n} / ${d.max} tokens`;
+  if (!view.expectThinking) {
+    showAnswer(view, "", view.raw, true);
+    return;
+  }
+  const raw = view.raw.replace(/^\s*<think>/, "");
+  const end = raw.indexOf(THINK_END);
+  if (end < 0) {
+    showAnswer(view, raw.trim(), "", true);
+  } else {
+    if (!view.sawEnd) view.thinking.open = false; // thinking done: fold it, show the answer
+    view.sawEnd = true;
+    showAnswer(view, raw.slice(0, end).trim(), raw.slice(end + THINK_END.length).trimStart(), true);
+  }
+}
+
+function onGenerateExecuted(view, output) {
+  const text = output?.text?.[0] ?? "";
+  const thinking = output?.thinking?.[0] ?? "";
+  showAnswer(view, thinking, text, false);
+  view.thinking.open = false;
+  const s = output?.qwen35_generate?.[0];
+  if (s) {
+    view.stats.textContent = `first token ${fmt(s.first_token_ms)} ms · ${fmt(s.decode_tokens_per_s)} tok/s decode · ` +
+      `${s.n_tokens} tokens (${s.finish_reason})`;
+  }
+}
+
+// --- Prefill and Loader: one line of what they measured ---
+function setupStats(node, name) {
+  const root = addPanel(node, name, 24);
+  node.qwen35 = { stats: el("div", "qwen35-stats", root) };
+  node.qwen35.stats.textContent = "";
+}
+
+function prefillLine(s) {
+  return `${s.n_tokens} prompt tokens · ${fmt(s.ms, 2)} ms · ${fmt(s.tokens_per_s, 0)} tok/s · ${s.backend}` +
+    (s.thinking ? " · thinking" : "");
+}
+
+function loaderLine(s) {
+  return `${s.backend} on ${s.device} · ${s.dtype} · ${fmt(s.size_mb, 0)} MiB — ${s.backend_reason}`;
+}
+
+const SETUP = {
+  Qwen35Generate: (node) => setupGenerate(node),
+  Qwen35TextPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
+  Qwen35ModelLoader: (node) => setupStats(node, "qwen35_model_info"),
+};
+
+function onExecuted(node, output) {
+  const view = node.qwen35;
+  if (!view) return;
+  if (node.comfyClass === "Qwen35Generate") onGenerateExecuted(view, output);
+  else if (output?.qwen35_prefill?.[0]) view.stats.textContent = prefillLine(output.qwen35_prefill[0]);
+  else if (output?.qwen35_model?.[0]) {
+    view.stats.textContent = loaderLine(output.qwen35_model[0]);
+    view.stats.title = view.stats.textContent;
+  }
+}
+
+function findNode(id) {
+  const key = String(id);
+  const root = app.rootGraph ?? app.graph;
+  const node = root?.getNodeById(key) ?? root?.getNodeById(Number(key));
+  if (node) return node;
+  // Inside an open subgraph the id is a path "outer:inner"; the canvas shows the inner graph.
+  const inner = key.split(":").pop();
+  const shown = app.canvas?.graph;
+  return shown?.getNodeById(inner) ?? shown?.getNodeById(Number(inner)) ?? null;
+}
+
+app.registerExtension({
+  name: "qwen35.fast",
+  async setup() {
+    api.addEventListener(STREAM_EVENT, ({ detail }) => {
+      const node = findNode(detail.display_node ?? detail.node);
+      if (node?.qwen35?.answer) onStream(node.qwen35, detail);
+    });
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    const setup = SETUP[nodeData.name];
+    if (!setup) return;
+    const created = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = created?.apply(this, arguments);
+      setup(this);
+      return r;
+    };
+    const executed = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (output) {
+      executed?.apply(this, arguments);
+      onExecuted(this, output);
+    };
+  },
+});
