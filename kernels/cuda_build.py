@@ -195,7 +195,8 @@ def compile_cubin(src_path, arch: str, defines: dict | None = None) -> bytes:
 
 # ----------------------------------------------------------------------------- loading and launching
 
-_functions: dict = {}
+_functions: dict = {}  # (source, headers, defines, arch, name, device) -> RawKernel
+_by_path: dict = {}  # (path, name, defines, device) -> RawKernel: no file read per launch
 
 
 def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | None) -> Path:
@@ -217,26 +218,28 @@ def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | Non
 def get_function(src_path, name: str, device, defines: dict | None = None):
     """The `extern "C"` kernel `name` of `src_path`, compiled for `device` with `-D` `defines`.
     Returns a cupy.RawKernel; cached in memory and on disk."""
-    import cupy
     import torch
 
-    src_path = Path(src_path)
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    source = src_path.read_text()
-    arch = arch_for_capability(major, minor)
-    key = (source, tuple(sorted((defines or {}).items())), arch, name, index)
-    fn = _functions.get(key)
+    dkey = tuple(sorted((defines or {}).items()))
+    fast = (str(src_path), name, dkey, index)
+    fn = _by_path.get(fast)
     if fn is None:
+        src_path = Path(src_path)
+        source = src_path.read_text()
+        arch = arch_for_capability(*torch.cuda.get_device_capability(index))
+        key = (source, _local_headers(src_path), dkey, arch, name, index)
         with _lock:
             fn = _functions.get(key)
             if fn is None:
+                import cupy
                 path = _load_or_compile(source, src_path, arch, defines)
                 with cupy.cuda.Device(index):
                     fn = cupy.RawModule(path=str(path)).get_function(name)
                     fn.kernel  # load the module now, not inside a CUDA-graph capture
                 _functions[key] = fn
+            _by_path[fast] = fn
     return fn
 
 

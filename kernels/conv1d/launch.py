@@ -1,0 +1,117 @@
+"""Launchers for conv1d.cu: causal depthwise conv1d + SiLU over a prompt, and its one-token update."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch
+
+SRC = Path(__file__).with_name("conv1d.cu")
+THREADS = 128  # as in conv1d.cu
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_num_sms: dict = {}
+
+
+def _code(t: torch.Tensor, name: str) -> int:
+    try:
+        return DTYPE_CODE[t.dtype]
+    except KeyError:
+        raise TypeError(f"causal_conv1d: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16") from None
+
+
+def _sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms:
+        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms[idx]
+
+
+def _weight(weight: torch.Tensor, C: int) -> torch.Tensor:
+    """[C, W] contiguous (also accepts nn.Conv1d's [C, 1, W])."""
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight[:, 0]
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"causal_conv1d: weight must be [C, W] with C={C}, got {tuple(weight.shape)}")
+    return weight.contiguous()
+
+
+def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seqlens=None):
+    """x: [B, T, C]; weight: [C, W]; bias: [C] or None; initial_state: [N, C, W-1] or None;
+    cu_seqlens: int32 [N + 1] with B == 1, else None (N = B).
+    Returns y: [B, T, C] (x.dtype) and the final state [N, C, W-1] (x.dtype)."""
+    B, T, C = x.shape
+    weight = _weight(weight, C)
+    W = weight.shape[1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"causal_conv1d_prefill: cu_seqlens needs a batch of 1 packed sequence, got B={B}")
+        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (N, C, W - 1):
+            raise ValueError(f"causal_conv1d_prefill: initial_state must be [N, C, W-1] = {(N, C, W - 1)}, "
+                             f"got {tuple(initial_state.shape)}")
+        initial_state = initial_state.to(x.dtype).contiguous()  # the reference rounds it to x's dtype too
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    final = torch.empty(N, C, W - 1, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return y, final
+
+    es = x.element_size()
+    vec = 16 // es
+    aligned = (C % vec == 0 and x.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0
+               and (x.stride(1) * es) % 16 == 0)
+    if not aligned:
+        vec = 1
+    total = B * T
+    groups = -(-C // (vec * THREADS))
+    # tokens per thread: long enough to amortise the W-1 halo, short enough for ~4 waves of blocks
+    chunk = 64
+    while chunk > 16 and groups * -(-total // chunk) < 4 * _sms(x.device):
+        chunk //= 2
+    chunks = max(1, -(-total // chunk))
+    defines = {"W": W, "VEC": vec, "TX": _code(x, "x"), "TW": _code(weight, "weight"),
+               "TB": _code(bias, "bias") if bias is not None else 0,
+               "HAS_BIAS": int(bias is not None), "HAS_INIT": int(initial_state is not None),
+               "VARLEN": int(cu_seqlens is not None)}
+    fn = get_function(SRC, "causal_conv1d_prefill", x.device, defines)
+    launch(fn, (groups, chunks, 1), (THREADS, 1, 1),
+           (x, weight, bias, initial_state, cu_seqlens, y, final, C, T, N, total, chunk,
+            np.int64(x.stride(0)), np.int64(x.stride(1))))
+    return y, final
+
+
+def causal_conv1d_update_cuda(x, conv_state, weight, bias=None):
+    """x: [N, C]; conv_state: [N, C, W-1], shifted in place (any sequence stride, (C, W-1) contiguous);
+    weight: [C, W]; bias: [C] or None. Returns y: [N, C] in x.dtype."""
+    N, C = x.shape
+    weight = _weight(weight, C)
+    W = weight.shape[1]
+    if conv_state.shape[0] != N or conv_state.shape[1:] != (C, W - 1):
+        raise ValueError(f"causal_conv1d_update: conv_state must be [N, C, W-1] = {(N, C, W - 1)}, "
+                         f"got {tuple(conv_state.shape)}")
+    if conv_state.stride(2) != 1 or conv_state.stride(1) != W - 1:
+        raise ValueError("causal_conv1d_update: conv_state must be contiguous in its (C, W-1) dimensions "
+                         f"(strides {conv_state.stride()}); it is updated in place, so no copy is made")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(N, C, dtype=x.dtype, device=x.device)
+    if N == 0 or C == 0:
+        return y
+    defines = {"W": W, "VEC": 1, "TX": _code(x, "x"), "TS": _code(conv_state, "conv_state"),
+               "TW": _code(weight, "weight"), "TB": _code(bias, "bias") if bias is not None else 0,
+               "HAS_BIAS": int(bias is not None)}
+    fn = get_function(SRC, "causal_conv1d_update", x.device, defines)
+    launch(fn, (-(-N * C // THREADS), 1, 1), (THREADS, 1, 1),
+           (x, conv_state, weight, bias, y, N, C, np.int64(x.stride(0)), np.int64(conv_state.stride(0))))
+    return y
