@@ -1,0 +1,75 @@
+"""Every CUDA source under kernels/ compiles with NVRTC for the GPUs we support (no GPU needed).
+
+Uses the same options as the run-time build (kernels/cuda_build.py), so a kernel that compiles
+here compiles on a user's machine. Skips only where NVRTC itself is not installed.
+"""
+from pathlib import Path
+
+import pytest
+
+from qwen35_fast.kernels import cuda_build
+
+KERNELS = Path(cuda_build.__file__).resolve().parent
+SOURCES = sorted(KERNELS.rglob("*.cu"))
+ARCHS = ["sm_80", "sm_89", "sm_90"]
+
+
+def _nvrtc_missing():
+    try:
+        cuda_build.nvrtc_version()
+    except cuda_build.KernelBuildError as e:
+        return str(e)
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None,
+                                 reason=f"NVRTC is not installed: {_nvrtc_missing()}")
+
+# define sets the launchers use, so that every compiled variant is checked, not just the defaults
+VARIANTS = {
+    "conv1d.cu": [{}, {"HAS_BIAS": 1, "HAS_INIT": 1, "VARLEN": 1}, {"TX": 0, "VEC": 4, "W": 3},
+                  {"TX": 1, "VEC": 1, "TW": 0, "TS": 0, "TB": 0, "HAS_BIAS": 1}],
+    "gdn_decode.cu": [{}, {"TQ": 0, "TV": 0, "TA": 0, "TP": 0}, {"TQ": 1, "TV": 1, "TA": 1, "TP": 2, "D": 64, "DV": 64}],
+}
+
+
+def test_sources_found():
+    names = {p.name for p in SOURCES}
+    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu"} <= names
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: str(p.relative_to(KERNELS)))
+def test_compiles(src, arch):
+    for defines in VARIANTS.get(src.name, [{}]):
+        cubin = cuda_build.compile_cubin(src, arch, defines)
+        assert cubin[:4] == b"\x7fELF", f"{src.name} {arch} {defines}: not a cubin"
+
+
+@needs_nvrtc
+def test_compile_error_names_log_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    bad = tmp_path / "broken.cu"
+    bad.write_text('extern "C" __global__ void f() { not_declared = 1; }\n')
+    with pytest.raises(cuda_build.KernelBuildError) as e:
+        cuda_build.compile_cubin(bad, "sm_90")
+    log = next((tmp_path / "qwen35_fast" / "nvrtc-logs").glob("broken-sm_90-*.log"))
+    assert str(log) in str(e.value)
+    assert "not_declared" in log.read_text()
+
+
+@needs_nvrtc
+def test_targets():
+    assert cuda_build.arch_for_capability(9, 0) == "sm_90a"
+    assert cuda_build.arch_for_capability(8, 9) == "sm_89"
+    assert cuda_build.arch_for_capability(99, 0).startswith("compute_")  # newer than NVRTC: PTX
+    with pytest.raises(cuda_build.KernelBuildError):
+        cuda_build.arch_for_capability(7, 5)
+
+
+def test_missing_headers_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda_build, "_include_dir", None)
+    monkeypatch.setattr(cuda_build, "_include_candidates", lambda: [tmp_path])
+    with pytest.raises(cuda_build.KernelBuildError, match="cuda_bf16.h"):
+        cuda_build.cuda_include_dir()
