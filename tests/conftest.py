@@ -8,6 +8,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `python -m pytest` from the repository root puts the root on sys.path, and then our `kernels/`
+# folder shadows the Hugging Face `kernels` package that transformers probes for (and imports).
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
+
 if "qwen35_fast" not in sys.modules:
     try:
         import qwen35_fast  # noqa: F401  (pip install -e .)

@@ -1,0 +1,56 @@
+"""Tiny Qwen3.5 checkpoints with random weights, made by transformers, for comparing against it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=1024, head_dim_lin=32, tie=False):
+    from transformers import Qwen3_5Config
+    return Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=hk,
+                         linear_num_value_heads=hv, linear_key_head_dim=head_dim_lin,
+                         linear_value_head_dim=head_dim_lin, max_position_embeddings=max_pos,
+                         tie_word_embeddings=tie,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                              mrope_section=[3, 3, 2])),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        tie_word_embeddings=tie)
+
+
+def make_hf_model(folder: Path, seed: int = 0, **cfg):
+    """Save a random Qwen3_5ForConditionalGeneration to `folder`; return it (fp32, eval)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(tiny_config(**cfg)).float().eval()
+    with torch.no_grad():  # move the norms and gates off their init values so every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0, 0.1)
+            elif name.endswith("A_log"):
+                p.uniform_(-2, 1)
+            elif name.endswith("dt_bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def write_single_file(hf_folder: Path, out: Path) -> Path:
+    """The text weights of a checkpoint folder as one .safetensors file (as under models/text_encoders)."""
+    from safetensors import safe_open
+    tensors = {}
+    for f in hf_folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if not k.startswith(("model.visual.", "mtp.")):
+                    tensors[k] = h.get_tensor(k)
+    save_file(tensors, str(out))
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
