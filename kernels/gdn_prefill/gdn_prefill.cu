@@ -1,0 +1,554 @@
+// Gated DeltaNet chunked prefill, one fused kernel (NVRTC, sm_80+; tuned for sm_90).
+//
+// One thread block owns one (sequence, value head, slice of DVS state columns). The state columns
+// are independent in the delta rule (u = T (beta v - beta e^G K S) needs only S's own columns), so
+// slicing Dv fills the machine when B * Hv is small, with only the chunk-local work (K K^T, Q K^T
+// and the 64x64 triangular inverse) repeated per slice. The block walks its sequence in chunks of
+// 64 tokens; the fp32 state stays in mma accumulator registers across chunks, and nothing but the
+// inputs, o and the final state touches device memory.
+//
+// Per chunk (G = in-chunk cumsum of the log gates, rk/rq = l2-norm factors, K/Q raw rows):
+//   L = tril(beta_i rk_i rk_j e^{G_i-G_j} K K^T, -1)     T = (I + L)^-1   (fp32/tf32, then bf16)
+//   P = tril(rq_i rk_j e^{G_i-G_j} Q K^T)
+//   rhs = beta (v - e^G rk (K S));  u = T rhs;  o = rq e^G (Q S) + P u
+//   S  <- e^{G_end} S + K^T (rk e^{G_end - G} u)
+// rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
+// alone would put the final state's error near 3e-3; split, it is ~1e-6 (strong decay) to ~7e-4.
+#include "common.cuh"
+
+#ifndef DVS
+#define DVS 64  // state columns per block: 32, 64 or 128
+#endif
+#ifndef IN_T
+#define IN_T QF_BF16  // q, k, v, o element type: QF_BF16 or QF_HALF
+#endif
+#ifndef AB_T
+#define AB_T QF_FLOAT  // a, b element type
+#endif
+
+typedef qf_type<IN_T>::t elem;
+typedef qf_type<AB_T>::t abt;
+typedef unsigned int u32;
+
+#define CH 64       // chunk length
+#define DK 128      // key / value head dim
+#define NTHR 256    // 8 warps
+#define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
+#define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
+#define FST 72          // fp32 row stride of L and T
+#define BST 72          // 16-bit row stride of P and T
+#define NJ (DVS / 8)    // n-tiles of 8 columns per block slice
+
+static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128");
+
+// ---------------------------------------------------------------- shared memory layout (bytes)
+#define SM_K 0
+#define SM_Q (SM_K + 2 * CH * KST * 2)
+#define SM_V (SM_Q + 2 * CH * KST * 2)
+#define SM_S (SM_V + 2 * CH * VST * 2)  // 16-bit state; reused for u once K S, Q S are done
+#define SM_RHS (SM_S + DK * VST * 2) // low half of rhs (the high half overwrites this chunk's v)
+#define SM_L (SM_RHS + CH * VST * 2)   // fp32 L; reused for the scaled u (high) once T is built
+#define SM_T (SM_L + CH * FST * 4)     // fp32 T; reused for the scaled u (low)
+#define SM_TB (SM_T + CH * FST * 4)
+#define SM_P (SM_TB + CH * BST * 2)
+#define SM_X (SM_P + CH * BST * 2)     // 3 warps x 16x16 fp32 scratch for the inverse
+#define SM_VEC (SM_X + 3 * 16 * 20 * 4)
+#define SM_TOTAL (SM_VEC + 4 * CH * 4)
+
+// ---------------------------------------------------------------- tensor core helpers
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if IN_T == QF_BF16
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ u32 tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma1688tf32(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack2(float x, float y) {
+#if IN_T == QF_BF16
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+#else
+    __half2 h = __floats2half2_rn(x, y);
+#endif
+    return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ float2 unpack2(u32 u) {
+#if IN_T == QF_BF16
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+#else
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+#endif
+}
+// x ~= hi + lo in two 16-bit values each: keeps ~16 mantissa bits through a 16-bit mma operand.
+__device__ __forceinline__ void store_split(elem* hi, elem* lo, float x, float y) {
+    const u32 h = pack2(x, y);
+    const float2 hf = unpack2(h);
+    *reinterpret_cast<u32*>(hi) = h;
+    *reinterpret_cast<u32*>(lo) = pack2(x - hf.x, y - hf.y);
+}
+
+// Fragment addresses (lane-dependent) for ldmatrix.x4, 16-bit row-major tiles with row stride ld.
+// A operand 16x16 at (r0, c0) of a row-major [m][k] tile.
+__device__ __forceinline__ const elem* a_addr(const elem* base, int ld, int r0, int c0, int lane) {
+    return base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8;
+}
+// A operand 16x16 taken as the transpose of a row-major [k][m] tile: A rows m0.., cols k0.. (use .trans).
+__device__ __forceinline__ const elem* at_addr(const elem* base, int ld, int m0, int k0, int lane) {
+    return base + (k0 + (lane & 7) + ((lane >> 4) << 3)) * ld + m0 + ((lane >> 3) & 1) * 8;
+}
+// B operand, two n-tiles (n0, n0+8) x k16 at k0, from a row-major [n][k] tile (no .trans).
+__device__ __forceinline__ const elem* bn_addr(const elem* base, int ld, int n0, int k0, int lane) {
+    return base + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + ((lane >> 3) & 1) * 8;
+}
+// B operand, two n-tiles (n0, n0+8) x k16 at k0, from a row-major [k][n] tile (use .trans).
+__device__ __forceinline__ const elem* bk_addr(const elem* base, int ld, int k0, int n0, int lane) {
+    return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// One 16x16 off-diagonal block of T = (I + L)^-1 (fp32 in, tf32 mma):
+// T[bi][bj] = -T[bi][bi] * sum_{kb=bj}^{bi-1} L[bi][kb] T[kb][bj]
+__device__ __forceinline__ void inverse_block(float* Lf, float* Tf, elem* Tb, float* X, int bi, int bj, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    float acc[2][4] = {};
+    for (int kb = bj; kb < bi; ++kb) {
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+            const float* Ab = Lf + (16 * bi) * FST + 16 * kb + 8 * ks;
+            u32 af[4] = {tf32(Ab[g * FST + t]), tf32(Ab[(g + 8) * FST + t]),
+                         tf32(Ab[g * FST + t + 4]), tf32(Ab[(g + 8) * FST + t + 4])};
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj) {
+                const float* Bb = Tf + (16 * kb + 8 * ks) * FST + 16 * bj + 8 * nj;
+                mma1688tf32(acc[nj], af, tf32(Bb[t * FST + g]), tf32(Bb[(t + 4) * FST + g]));
+            }
+        }
+    }
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+        X[g * 20 + 8 * nj + 2 * t] = acc[nj][0];
+        X[g * 20 + 8 * nj + 2 * t + 1] = acc[nj][1];
+        X[(g + 8) * 20 + 8 * nj + 2 * t] = acc[nj][2];
+        X[(g + 8) * 20 + 8 * nj + 2 * t + 1] = acc[nj][3];
+    }
+    __syncwarp();
+    float y[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+        const float* Ab = Tf + (16 * bi) * FST + 16 * bi + 8 * ks;
+        u32 af[4] = {tf32(Ab[g * FST + t]), tf32(Ab[(g + 8) * FST + t]),
+                     tf32(Ab[g * FST + t + 4]), tf32(Ab[(g + 8) * FST + t + 4])};
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+            const float* Bb = X + (8 * ks) * 20 + 8 * nj;
+            mma1688tf32(y[nj], af, tf32(Bb[t * 20 + g]), tf32(Bb[(t + 4) * 20 + g]));
+        }
+    }
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+        const int r = 16 * bi + g, c = 16 * bj + 8 * nj + 2 * t;
+        Tf[r * FST + c] = -y[nj][0];
+        Tf[r * FST + c + 1] = -y[nj][1];
+        Tf[(r + 8) * FST + c] = -y[nj][2];
+        Tf[(r + 8) * FST + c + 1] = -y[nj][3];
+        *reinterpret_cast<u32*>(Tb + r * BST + c) = pack2(-y[nj][0], -y[nj][1]);
+        *reinterpret_cast<u32*>(Tb + (r + 8) * BST + c) = pack2(-y[nj][2], -y[nj][3]);
+    }
+}
+
+// Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
+                      const abt* __restrict__ a, const abt* __restrict__ b,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                      const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
+                      elem* __restrict__ o, float* __restrict__ ht,
+                      int T, int Hk, int Hv,
+                      long long q_sb, long long q_st, long long q_sh,
+                      long long k_sb, long long k_st, long long k_sh,
+                      long long v_sb, long long v_st, long long v_sh,
+                      long long a_sb, long long a_st, long long a_sh,
+                      long long b_sb, long long b_st, long long b_sh)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem* Ks = reinterpret_cast<elem*>(smem + SM_K);
+    elem* Qs = reinterpret_cast<elem*>(smem + SM_Q);
+    elem* Vs = reinterpret_cast<elem*>(smem + SM_V);
+    elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
+    elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
+    float* Lf = reinterpret_cast<float*>(smem + SM_L);
+    float* Tf = reinterpret_cast<float*>(smem + SM_T);
+    elem* Ub = reinterpret_cast<elem*>(smem + SM_S);   // u, once the 16-bit state is dead
+    elem* Uh = reinterpret_cast<elem*>(smem + SM_L);   // rk e^{G_end-G} u (hi), once L is dead
+    elem* Ul = reinterpret_cast<elem*>(smem + SM_T);   // (lo), once T (fp32) is dead
+    elem* Tb = reinterpret_cast<elem*>(smem + SM_TB);
+    elem* Pb = reinterpret_cast<elem*>(smem + SM_P);
+    float* Xs = reinterpret_cast<float*>(smem + SM_X);
+    float* Gc = reinterpret_cast<float*>(smem + SM_VEC);
+    float* Bt = Gc + CH;
+    float* Rk = Bt + CH;
+    float* Rq = Rk + CH;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
+    const int hk = h / (Hv / Hk);
+
+    long long bos, batch_tok;  // first token of the sequence in its batch row; flat token index of it
+    int len, batch;
+    if (cu_seqlens) {
+        batch = 0;
+        bos = cu_seqlens[n];
+        len = cu_seqlens[n + 1] - (int)bos;
+        batch_tok = bos;
+    } else {
+        batch = n;
+        bos = 0;
+        len = T;
+        batch_tok = (long long)n * T;
+    }
+    const elem* qb = q + batch * q_sb + bos * q_st + hk * q_sh;
+    const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
+    const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
+    const abt* ab = a + batch * a_sb + bos * a_st + h * a_sh;
+    const abt* bb = b + batch * b_sb + bos * b_st + h * b_sh;
+    elem* ob = o + (batch_tok * Hv + h) * DK + v0;
+    const int nchunks = (len + CH - 1) / CH;
+    const float neg_A = -__expf(A_log[h]);
+    const float dtb = dt_bias[h];
+
+    auto load_chunk = [&](int c, int buf) {
+        elem* Kd = Ks + buf * CH * KST;
+        elem* Qd = Qs + buf * CH * KST;
+        elem* Vd = Vs + buf * CH * VST;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
+            const int tok = c * CH + row;
+            const bool ok = tok < len;
+            const long long tt = ok ? tok : 0;
+            cp_async16(Kd + row * KST + col, kb + tt * k_st + col, ok);
+            cp_async16(Qd + row * KST + col, qb + tt * q_st + col, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < DVS / 32; ++i) {
+            const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+            const int tok = c * CH + row;
+            const bool ok = tok < len;
+            const long long tt = ok ? tok : 0;
+            cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
+        }
+        cp_async_commit();
+    };
+
+    // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
+    float s[NJ][4];
+    if (h0) {
+        const float* hp = h0 + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const float2 x0 = *reinterpret_cast<const float2*>(hp + g * DK + 8 * j + 2 * t);
+            const float2 x1 = *reinterpret_cast<const float2*>(hp + (g + 8) * DK + 8 * j + 2 * t);
+            s[j][0] = x0.x; s[j][1] = x0.y; s[j][2] = x1.x; s[j][3] = x1.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    }
+
+    // Warp 0 keeps the raw a, b of the next chunk's tokens 2 lane, 2 lane + 1 in registers.
+    float ra[2] = {0.f, 0.f}, rb[2] = {0.f, 0.f};
+    auto load_ab = [&](int c) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = c * CH + 2 * lane + e;
+            if (tok < len) {
+                ra[e] = to_f(ab[(long long)tok * a_st]);
+                rb[e] = to_f(bb[(long long)tok * b_st]);
+            }
+        }
+    };
+
+    if (nchunks > 0) {
+        load_chunk(0, 0);
+        if (warp == 0) load_ab(0);
+    }
+    float oacc[NJ][4];
+
+    for (int c = 0; c < nchunks; ++c) {
+        const int buf = c & 1;
+        const elem* Kc = Ks + buf * CH * KST;
+        const elem* Qc = Qs + buf * CH * KST;
+        elem* Vc = Vs + buf * CH * VST;  // v, then the high half of rhs
+        cp_async_wait_all();
+        __syncthreads();
+        if (c + 1 < nchunks) load_chunk(c + 1, buf ^ 1);
+
+        // ---- phase 1: gates (warp 0), l2-norm factors, state -> 16-bit smem
+        if (warp == 0) {
+            float gv[2], bv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool ok = c * CH + 2 * lane + e < len;
+                gv[e] = ok ? neg_A * softplus_f(ra[e] + dtb) : 0.f;
+                bv[e] = ok ? 1.f / (1.f + __expf(-rb[e])) : 0.f;
+            }
+            float incl = gv[0] + gv[1];
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const float y = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += y;
+            }
+            const float excl = incl - gv[0] - gv[1];
+            Gc[2 * lane] = excl + gv[0];
+            Gc[2 * lane + 1] = incl;
+            Bt[2 * lane] = bv[0];
+            Bt[2 * lane + 1] = bv[1];
+            if (c + 1 < nchunks) load_ab(c + 1);
+        }
+#pragma unroll
+        for (int it = 0; it < 8; ++it) {
+            const int row = 16 * warp + 2 * it + (lane >> 4);  // 0..63 K rows, 64..127 Q rows
+            const elem* src = (row < CH ? Kc + row * KST : Qc + (row - CH) * KST) + (lane & 15) * 8;
+            const uint4 raw = *reinterpret_cast<const uint4*>(src);
+            float ss = 0.f;
+            const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = unpack2(w4[e]);
+                ss += f.x * f.x + f.y * f.y;
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            if ((lane & 15) == 0) {
+                const float r = rsqrtf(ss + 1e-6f);
+                if (row < CH) Rk[row] = r;
+                else Rq[row - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int r = 16 * warp + g, cc = 8 * j + 2 * t;
+            *reinterpret_cast<u32*>(Sb + r * VST + cc) = pack2(s[j][0], s[j][1]);
+            *reinterpret_cast<u32*>(Sb + (r + 8) * VST + cc) = pack2(s[j][2], s[j][3]);
+        }
+        __syncthreads();
+
+        // ---- phase 2a: lower blocks of K K^T (-> L, fp32) and Q K^T (-> P, 16-bit)
+        for (int blk = warp; blk < 20; blk += 8) {
+            const bool isq = blk >= 10;
+            const int id = isq ? blk - 10 : blk;
+            const int bi = id < 1 ? 0 : id < 3 ? 1 : id < 6 ? 2 : 3;
+            const int bj = id - bi * (bi + 1) / 2;
+            const elem* X = isq ? Qc : Kc;
+            float acc[2][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk) {
+                u32 af[4], bf[4];
+                ldsm4(af, a_addr(X, KST, 16 * bi, 16 * kk, lane));
+                ldsm4(bf, bn_addr(Kc, KST, 16 * bj, 16 * kk, lane));
+                mma16816(acc[0], af, bf[0], bf[1]);
+                mma16816(acc[1], af, bf[2], bf[3]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 16 * bi + g + 8 * (e >> 1), cl = 16 * bj + 8 * nj + 2 * t + (e & 1);
+                    float val = 0.f;
+                    if (isq) {
+                        if (r >= cl) val = Rq[r] * Rk[cl] * acc[nj][e] * __expf(Gc[r] - Gc[cl]);
+                        Pb[r * BST + cl] = from_f<elem>(val);
+                    } else {
+                        if (r > cl) val = Bt[r] * Rk[r] * Rk[cl] * acc[nj][e] * __expf(Gc[r] - Gc[cl]);
+                        Lf[r * FST + cl] = val;
+                    }
+                }
+        }
+
+        // ---- phase 2b: [K; Q] S for rows 16 (warp & 3) .. +16 (K for warps 0-3, Q for 4-7)
+        {
+            const bool isq = warp >= 4;
+            const int r0 = 16 * (warp & 3);
+            const elem* X = isq ? Qc : Kc;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
+#pragma unroll
+                for (int jp = 0; jp < NJ / 2; ++jp) {
+                    u32 bf[4];
+                    ldsm4t(bf, bk_addr(Sb, VST, 16 * kk, 16 * jp, lane));
+                    mma16816(oacc[2 * jp], af, bf[0], bf[1]);
+                    mma16816(oacc[2 * jp + 1], af, bf[2], bf[3]);
+                }
+            }
+            const int ra0 = r0 + g, ra1 = ra0 + 8;
+            if (isq) {
+                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
+                }
+            } else {
+                const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+                const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const int cc = 8 * j + 2 * t;
+                    const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
+                    const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
+                    store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
+                                b0 * (x0.x - f0 * oacc[j][0]), b0 * (x0.y - f0 * oacc[j][1]));
+                    store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
+                                b1 * (x1.x - f1 * oacc[j][2]), b1 * (x1.y - f1 * oacc[j][3]));
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 3: T = (I + L)^-1 by 16x16 blocks: diagonal blocks by substitution, then 3 levels
+        if (tid < CH) {
+            const int d0 = 16 * (tid >> 4), cc = tid & 15;
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                float acc = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+                for (int kk = 0; kk < i; ++kk) acc -= Lf[(d0 + i) * FST + d0 + kk] * x[kk];
+                x[i] = acc;
+                Tf[(d0 + i) * FST + d0 + cc] = acc;
+                Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(acc);
+            }
+        }
+        __syncthreads();
+        if (warp < 3) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 1, warp, lane);
+        __syncthreads();
+        if (warp < 2) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 2, warp, lane);
+        __syncthreads();
+        if (warp == 0) inverse_block(Lf, Tf, Tb, Xs, 3, 0, lane);
+        __syncthreads();
+
+        // ---- phase 4: u = T rhs (rows 16 (warp & 3), column half warp >> 2)
+        {
+            const int mt = warp & 3, jh = (warp >> 2) * (NJ / 2);
+            float acc[NJ / 2][4];
+#pragma unroll
+            for (int j = 0; j < NJ / 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            for (int kk = 0; kk <= mt; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(Tb, BST, 16 * mt, 16 * kk, lane));
+#pragma unroll
+                for (int jp = 0; jp < NJ / 4; ++jp) {
+                    u32 bh[4], bl[4];
+                    ldsm4t(bh, bk_addr(Vc, VST, 16 * kk, 8 * jh + 16 * jp, lane));
+                    ldsm4t(bl, bk_addr(Rs, VST, 16 * kk, 8 * jh + 16 * jp, lane));
+                    mma16816(acc[2 * jp], af, bh[0], bh[1]);
+                    mma16816(acc[2 * jp + 1], af, bh[2], bh[3]);
+                    mma16816(acc[2 * jp], af, bl[0], bl[1]);
+                    mma16816(acc[2 * jp + 1], af, bl[2], bl[3]);
+                }
+            }
+            const float gend = Gc[CH - 1];
+            const int ra0 = 16 * mt + g, ra1 = ra0 + 8;
+            const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
+#pragma unroll
+            for (int j = 0; j < NJ / 2; ++j) {
+                const int cc = 8 * (jh + j) + 2 * t;
+                *reinterpret_cast<u32*>(Ub + ra0 * VST + cc) = pack2(acc[j][0], acc[j][1]);
+                *reinterpret_cast<u32*>(Ub + ra1 * VST + cc) = pack2(acc[j][2], acc[j][3]);
+                store_split(Uh + ra0 * VST + cc, Ul + ra0 * VST + cc, f0 * acc[j][0], f0 * acc[j][1]);
+                store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 5: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
+        if (warp >= 4) {
+            const int mt = warp - 4;
+            for (int kk = 0; kk <= mt; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(Pb, BST, 16 * mt, 16 * kk, lane));
+#pragma unroll
+                for (int jp = 0; jp < NJ / 2; ++jp) {
+                    u32 bf[4];
+                    ldsm4t(bf, bk_addr(Ub, VST, 16 * kk, 16 * jp, lane));
+                    mma16816(oacc[2 * jp], af, bf[0], bf[1]);
+                    mma16816(oacc[2 * jp + 1], af, bf[2], bf[3]);
+                }
+            }
+            const int tok0 = c * CH + 16 * mt + g, tok1 = tok0 + 8;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int cc = 8 * j + 2 * t;
+                if (tok0 < len)
+                    *reinterpret_cast<u32*>(ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[j][0], oacc[j][1]);
+                if (tok1 < len)
+                    *reinterpret_cast<u32*>(ob + (long long)tok1 * Hv * DK + cc) = pack2(oacc[j][2], oacc[j][3]);
+            }
+        }
+        {
+            const float decay = __expf(Gc[CH - 1]);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
+            }
+#pragma unroll
+            for (int kk = 0; kk < CH / 16; ++kk) {
+                u32 af[4];
+                ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
+#pragma unroll
+                for (int jp = 0; jp < NJ / 2; ++jp) {
+                    u32 bh[4], bl[4];
+                    ldsm4t(bh, bk_addr(Uh, VST, 16 * kk, 16 * jp, lane));
+                    ldsm4t(bl, bk_addr(Ul, VST, 16 * kk, 16 * jp, lane));
+                    mma16816(s[2 * jp], af, bh[0], bh[1]);
+                    mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
+                    mma16816(s[2 * jp], af, bl[0], bl[1]);
+                    mma16816(s[2 * jp + 1], af, bl[2], bl[3]);
+                }
+            }
+        }
+    }
+
+    float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
+        *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
+    }
+}

@@ -1,0 +1,107 @@
+"""Launcher of the fused chunked-prefill kernel (gdn_prefill.cu) for the gated delta rule."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch
+
+SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"
+KERNEL = "gdn_chunk_prefill_fwd"
+D = 128
+THREADS = 256
+_ELEM = {torch.bfloat16: 2, torch.float16: 1}  # QF_BF16, QF_HALF (kernels/common.cuh)
+_GATE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_sm_count: dict = {}
+
+
+def smem_bytes(dvs: int) -> int:
+    """Dynamic shared memory of one block (mirrors the SM_* layout in gdn_prefill.cu)."""
+    vst = dvs + 8
+    return (2 * 2 * 64 * (D + 8) * 2 + 2 * 64 * vst * 2 + D * vst * 2 + 64 * vst * 2
+            + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 3 * 16 * 20 * 4 + 4 * 64 * 4)
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
+def choose_dv_split(n_heads_total: int, device: torch.device) -> int:
+    """State columns per block: split the 128 value columns until the grid covers the SMs."""
+    sms = _num_sms(device)
+    for dvs in (128, 64):
+        if n_heads_total * (D // dvs) >= 0.9 * sms:
+            return dvs
+    return 32
+
+
+def _vec16(x: torch.Tensor) -> torch.Tensor:
+    """x with a unit last stride and 16-byte aligned rows (cp.async copies 16 bytes), else a contiguous copy."""
+    ok = (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+          and all(s % 8 == 0 for s in x.stride()[:-1]))
+    return x if ok else x.contiguous()
+
+
+def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           A_log: torch.Tensor, dt_bias: torch.Tensor,
+                           initial_state: Optional[torch.Tensor] = None,
+                           cu_seqlens: Optional[torch.Tensor] = None,
+                           dv_split: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
+
+    q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
+    A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
+    with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
+    [N, Hv, 128, 128] fp32. `dv_split` (32, 64, 128) overrides the state columns per block.
+    Launch only: no synchronisation, capturable in a CUDA graph.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if Dk != D or Dv != D or k.shape != q.shape or v.shape[:2] != (B, T):
+        raise ValueError(f"gdn prefill kernel needs q, k [B, T, Hk, 128] and v [B, T, Hv, 128]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of q/k heads ({Hk})")
+    if v.dtype not in _ELEM or q.dtype != v.dtype or k.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share dtype bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got B={B}")
+        N = cu_seqlens.shape[0] - 1
+        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    else:
+        N = B
+    dev = q.device
+    q, k, v = _vec16(q), _vec16(k), _vec16(v)
+    if a.dtype not in _GATE:
+        a = a.float()
+    if b.dtype not in _GATE:
+        b = b.float()
+    A_log = A_log.to(torch.float32).contiguous()
+    dt_bias = dt_bias.to(torch.float32).contiguous()
+    if initial_state is not None:
+        if initial_state.shape != (N, Hv, D, D):
+            raise ValueError(f"initial_state must be [{N}, {Hv}, 128, 128], got {tuple(initial_state.shape)}")
+        initial_state = initial_state.to(torch.float32).contiguous()
+
+    o = torch.empty(B, T, Hv, D, dtype=v.dtype, device=dev)
+    ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
+    if N == 0:
+        return o, ht
+    dvs = dv_split or choose_dv_split(N * Hv, dev)
+    fn = get_function(SRC, KERNEL, dev, {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype]})
+    if _GATE[b.dtype] != _GATE[a.dtype]:
+        b = b.to(a.dtype)
+    i64 = np.int64
+    args = (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
+            np.int32(T), np.int32(Hk), np.int32(Hv),
+            *(i64(s) for s in q.stride()[:3]), *(i64(s) for s in k.stride()[:3]),
+            *(i64(s) for s in v.stride()[:3]), *(i64(s) for s in a.stride()), *(i64(s) for s in b.stride()))
+    launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1), args, shared_mem=smem_bytes(dvs))
+    return o, ht
