@@ -63,8 +63,10 @@ class ManagedModel:
         return self.model_size()
 
     def detach(self, unpatch_all=True):
+        """Unloads: the weights go to the offload device (a no-op when both are the CPU)."""
+        log.info("Qwen3.5: unloading %s from %s to %s", self.model.path, self.current_loaded_device(),
+                 self.offload_device)
         if not self._on(self.offload_device):
-            log.info("Qwen3.5: offloading %s to %s", self.model.path, self.offload_device)
             self.model.to(self.offload_device)
 
     def model_patches_to(self, device_or_dtype):
@@ -92,10 +94,11 @@ class ManagedModel:
 
     def release(self):
         """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""
-        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-            if mm.current_loaded_models[i].model is self:
-                mm.current_loaded_models.pop(i).model_unload()
-        self.detach()
+        listed = [i for i, loaded in enumerate(mm.current_loaded_models) if loaded.model is self]
+        for i in reversed(listed):
+            mm.current_loaded_models.pop(i).model_unload()  # detaches
+        if not listed:
+            self.detach()
         mm.soft_empty_cache()
 
     def _on(self, device) -> bool:

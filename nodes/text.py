@@ -105,10 +105,11 @@ class Qwen35Generate(io.ComfyNode):
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0) -> io.NodeOutput:
         from ..runtime import SamplingParams, generate
 
-        node_id = cls.hidden.unique_id
+        hidden = cls.hidden  # None when execute is called outside a ComfyUI run (tests, scripts)
+        node_id = hidden.unique_id if hidden else None
         display_node = node_id
-        if cls.hidden.dynprompt is not None and node_id is not None:
-            display_node = cls.hidden.dynprompt.get_display_node_id(node_id)
+        if hidden and hidden.dynprompt is not None and node_id is not None:
+            display_node = hidden.dynprompt.get_display_node_id(node_id)
         params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, repetition_penalty=repetition_penalty,
                                 presence_penalty=presence_penalty)

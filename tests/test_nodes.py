@@ -1,0 +1,208 @@
+"""The nodes run through their V3 `execute`, with ComfyUI importable from COMFYUI_DIR (skipped otherwise).
+
+Runs in-process on the CPU with the demo's tiny checkpoint: what a ComfyUI run does to the nodes
+(model management, progress bar, cancel, streamed text), without a server.
+"""
+import os
+import shutil
+import sys
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.comfyui
+
+
+def checkpoint_for_tests() -> Path:
+    """QWEN35_TEST_CHECKPOINT (a checkpoint folder) when set, else the demo's tiny random checkpoint."""
+    if os.environ.get("QWEN35_TEST_CHECKPOINT"):
+        return Path(os.environ["QWEN35_TEST_CHECKPOINT"])
+    from qwen35_fast.runtime import demo_checkpoint
+    return Path(demo_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """ComfyUI's modules, imported as its main.py would with --cpu (this machine may have no GPU)."""
+    root = os.environ["COMFYUI_DIR"]
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import comfy.cli_args
+    import torch
+    if not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True
+    import comfy.model_management as mm
+    import comfy.utils
+    import folder_paths
+    return type("Comfy", (), {"mm": mm, "utils": comfy.utils, "folder_paths": folder_paths})
+
+
+@pytest.fixture(scope="module")
+def pack(comfy):
+    from qwen35_fast import nodes
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def models_dir(comfy, tmp_path_factory):
+    """models/LLM with the demo checkpoint folder, models/text_encoders with its single-file form."""
+    demo = checkpoint_for_tests()
+    root = tmp_path_factory.mktemp("models")
+    (root / "LLM").mkdir()
+    (root / "text_encoders").mkdir()
+    shutil.copytree(demo, root / "LLM" / "qwen35-demo")
+    weights = sorted(demo.glob("*.safetensors"))
+    if len(weights) == 1:
+        shutil.copy(weights[0], root / "text_encoders" / "qwen35_demo_single.safetensors")
+    fp = comfy.folder_paths
+    fp.folder_names_and_paths.pop("LLM", None)
+    fp.add_model_folder_path("LLM", str(root / "LLM"))
+    fp.add_model_folder_path("text_encoders", str(root / "text_encoders"), is_default=True)
+    fp.filename_list_cache.clear()
+    return root
+
+
+@pytest.fixture
+def loaded(pack, models_dir, comfy):
+    out = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                         keep_loaded=True)
+    yield out[0]
+    out[0].release()
+
+
+def _prefill(pack, model, prompt="Name three colours.", thinking=False):
+    return pack.Qwen35TextPrefill.execute(model=model, prompt=prompt, system_prompt="", thinking=thinking,
+                                          use_chat_template=True)[0]
+
+
+def _generate(pack, pf, seed=0, max_new_tokens=12, sampling=True):
+    return pack.Qwen35Generate.execute(prefill=pf, max_new_tokens=max_new_tokens, sampling=sampling,
+                                       temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
+                                       repetition_penalty=1.0, presence_penalty=0.0, seed=seed)
+
+
+def test_schemas_validate_and_list_models(pack, models_dir):
+    for node in pack.NODES:
+        node.GET_SCHEMA()  # what ComfyUI does when it registers the node
+    inputs = pack.Qwen35ModelLoader.INPUT_TYPES()["required"]
+    options = inputs["model"][1]["options"]
+    assert "qwen35-demo" in options
+    assert set(inputs) == {"model", "dtype", "device", "backend", "keep_loaded"}
+    gen = pack.Qwen35Generate.INPUT_TYPES()["required"]
+    assert set(gen) == {"prefill", "max_new_tokens", "sampling", "temperature", "top_k", "top_p", "min_p",
+                        "repetition_penalty", "presence_penalty", "seed"}
+    assert pack.Qwen35Generate.GET_SCHEMA().is_output_node
+
+
+def test_llm_folder_registered_when_absent(pack, comfy, monkeypatch):
+    fp = comfy.folder_paths
+    monkeypatch.setattr(fp, "folder_names_and_paths", {k: v for k, v in fp.folder_names_and_paths.items()
+                                                       if k != "LLM"})
+    pack.models_folder.ensure_llm_folder()
+    assert fp.get_folder_paths("LLM") == [os.path.join(fp.models_dir, "LLM")]
+
+
+def test_single_file_in_text_encoders_loads(pack, models_dir):
+    if not (models_dir / "text_encoders" / "qwen35_demo_single.safetensors").exists():
+        pytest.skip("the demo checkpoint has more than one weight file")
+    assert "qwen35_demo_single.safetensors" in pack.models_folder.available_models()
+    out = pack.Qwen35ModelLoader.execute(model="qwen35_demo_single.safetensors", dtype="fp32", device="cpu",
+                                         backend="torch", keep_loaded=False)
+    out[0].release()
+    assert out.ui["qwen35_model"][0]["backend"] == "torch"
+
+
+def test_loader_reports_backend_and_registers_with_model_management(loaded, comfy):
+    assert any(m.model is loaded for m in comfy.mm.current_loaded_models)
+    assert loaded.model.backend.name == "torch"
+
+
+def test_prefill_generate_text_ui_and_determinism(pack, loaded):
+    pf = _prefill(pack, loaded)
+    ids_before, logits_before = pf.prefill.token_ids, pf.prefill.logits.clone()
+    a = _generate(pack, pf, seed=5)
+    b = _generate(pack, pf, seed=5)
+    assert isinstance(a[0], str) and isinstance(a[1], str)
+    assert a[0] == b[0], "same prefill and seed must give the same text"
+    assert a.ui["text"] == [a[0]] and a.ui["thinking"] == [a[1]]
+    stats = a.ui["qwen35_generate"][0]
+    assert stats["n_tokens"] >= 1 and stats["finish_reason"] in ("stop", "length")
+    assert pf.prefill.token_ids == ids_before and (pf.prefill.logits == logits_before).all()
+
+
+def test_prefill_ui_stats(pack, loaded):
+    out = pack.Qwen35TextPrefill.execute(model=loaded, prompt="Hello", system_prompt="Be brief.", thinking=True,
+                                         use_chat_template=True)
+    s = out.ui["qwen35_prefill"][0]
+    assert s["n_tokens"] > 1 and s["ms"] > 0 and s["tokens_per_s"] > 0 and s["backend"] == "torch"
+    assert s["thinking"] is True
+
+
+def test_progress_bar_and_stream_per_token(pack, loaded, comfy, monkeypatch):
+    progress, events = [], []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append((event, data)))
+    out = _generate(pack, _prefill(pack, loaded), max_new_tokens=10)
+    n = out.ui["qwen35_generate"][0]["n_tokens"]
+    assert events[0][1]["n"] == 0 and all(e == pack.text.STREAM_EVENT for e, _ in events)
+    assert [d["n"] for _, d in events[1:]] == list(range(1, n + 1))
+    assert "".join(d["delta"] for _, d in events).strip() == out[0]
+    assert progress[-1] == (10, 10)
+
+
+def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
+    events = []
+    monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
+    pf = _prefill(pack, loaded)
+    calls = {"n": 0}
+    real = comfy.mm.throw_exception_if_processing_interrupted
+
+    def interrupt_after_three():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            comfy.mm.interrupt_current_processing(True)
+        real()
+
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_after_three)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        _generate(pack, pf, max_new_tokens=200)
+    assert calls["n"] == 3 and max(d["n"] for d in events) == 2  # token 3 never went out
+    assert not comfy.mm.processing_interrupted()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", real)
+    assert isinstance(_generate(pack, pf, max_new_tokens=4)[0], str)  # the next run is normal
+
+
+def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, loaded, comfy):
+    pf = _prefill(pack, loaded)
+    comfy.mm.unload_all_models()  # what "Unload models" and POST /free {"unload_models": true} do
+    assert not any(m.model is loaded for m in comfy.mm.current_loaded_models)
+    _generate(pack, pf, max_new_tokens=3)
+    assert any(m.model is loaded for m in comfy.mm.current_loaded_models)
+
+
+def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    pf = _prefill(pack, model)
+    assert any(m.model is model for m in comfy.mm.current_loaded_models)
+    _generate(pack, pf, max_new_tokens=3)
+    assert not any(m.model is model for m in comfy.mm.current_loaded_models)
+
+
+def test_managed_model_answers_model_management(pack, loaded):
+    size = loaded.model_size()
+    assert size == loaded.model.size_bytes() > 0
+    assert loaded.loaded_size() == size  # on its load device (the CPU here)
+    assert loaded.is_clone(loaded) and not loaded.is_dynamic() and loaded.model_patches_models() == []
+
+
+def test_errors_reach_comfyui_with_the_runtime_message(pack, loaded, models_dir):
+    from qwen35_fast.runtime import Qwen35Error
+    with pytest.raises(Qwen35Error, match="empty"):
+        _prefill(pack, loaded, prompt="   ")
+    with pytest.raises(Qwen35Error, match="models/LLM"):
+        pack.Qwen35ModelLoader.execute(model="no-such-model", dtype="auto", device="cpu", backend="auto",
+                                       keep_loaded=True)
+    with pytest.raises(Qwen35Error, match="max_new_tokens"):
+        _generate(pack, _prefill(pack, loaded), max_new_tokens=0)
