@@ -11,7 +11,7 @@ DEFAULT_ROPE_THETA = 10_000_000.0
 DEFAULT_PARTIAL_ROTARY = 0.25
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 DEFAULT_MAX_POSITIONS = 262_144
-DEFAULT_EOS = (248046, 248044)  # <|im_end|>, <|endoftext|>
+DEFAULT_EOS = (248044, 248046)  # <|endoftext|>, <|im_end|>
 
 
 @dataclass(frozen=True)

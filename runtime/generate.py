@@ -141,12 +141,12 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
         out.append(tok)
         seen = torch.cat([seen, seen.new_tensor([tok])])
         if on_token is not None:
-            on_token(stream.push(tok), n + 1, max_new_tokens)
+            on_token(stream.feed(tok), n + 1, max_new_tokens)
         if n + 1 < budget:
             logits = model.forward_decode(torch.tensor([tok], device=dev), cache)[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0
     from .chat import split_thinking
     text = model.tokenizer.decode(out, skip_special_tokens=False)
-    thinking, answer = split_thinking(text) if pf.thinking else ("", text.strip())
+    thinking, answer = split_thinking(text, started_in_thinking=pf.thinking)
     return Generation(answer, thinking, tuple(out), first_ms,
                       (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0, finish)

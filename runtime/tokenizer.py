@@ -98,6 +98,11 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
 
+    @property
+    def added_tokens(self) -> dict[str, int]:
+        """Tokens matched whole in the text before BPE (`<|im_start|>`, `<think>`, ...) and their ids."""
+        return dict(self._added_tokens)
+
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their ids."""
         return self._encode(text)

@@ -7,16 +7,17 @@ import torch
 from safetensors.torch import save_file
 
 
-def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=1024, head_dim_lin=32, tie=False):
+def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32, tie=False):
+    """Small widths; rotary settings as every released Qwen3.5 has them (head_dim 256, a quarter rotated)."""
     from transformers import Qwen3_5Config
     return Qwen3_5Config(
         text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=hk,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=256, linear_num_key_heads=hk,
                          linear_num_value_heads=hv, linear_key_head_dim=head_dim_lin,
                          linear_value_head_dim=head_dim_lin, max_position_embeddings=max_pos,
                          tie_word_embeddings=tie,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
-                                              mrope_section=[3, 3, 2])),
+                         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                              mrope_section=[11, 11, 10], mrope_interleaved=True)),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
         tie_word_embeddings=tie)
 

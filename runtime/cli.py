@@ -1,0 +1,64 @@
+"""Command line: `python -m qwen35_fast demo` (tiny random checkpoint) or `... run --model PATH`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import Qwen35Error
+
+DEFAULT_PROMPT = "Write a one-sentence prompt for an image of a lighthouse at dusk."
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="python -m qwen35_fast",
+                                 description="Prefill a prompt through Qwen3.5 and generate an answer.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, text in (("demo", "run on the embedded tiny checkpoint (random weights, real tokenizer) "
+                                "unless --model is given"),
+                       ("run", "run a checkpoint given with --model")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--model", help="checkpoint folder or .safetensors file", required=name == "run")
+        p.add_argument("--prompt", default=DEFAULT_PROMPT)
+        p.add_argument("--system-prompt", default="")
+        p.add_argument("--thinking", action="store_true", help="let the model think before answering")
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=0.8)
+        p.add_argument("--top-k", type=int, default=20)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+        p.add_argument("--device", default="auto")
+        p.add_argument("--backend", default="auto", choices=["auto", "cuda", "torch"])
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    a = _args(argv)
+    from . import SamplingParams, demo_checkpoint, generate, load_model, prefill
+    try:
+        path = a.model or demo_checkpoint()
+        model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
+        pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking)
+        sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+
+        def show(delta, n, total):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+        print(f"--- answer ({model.path.name}) ---")
+        out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
+    except Qwen35Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n---")
+    if out.thinking:
+        print(f"thinking: {len(out.thinking)} characters (shown above, before the answer)")
+    print(f"kernel backend : {model.backend.name} ({model.backend.reason})")
+    print(f"prefill        : {pf.n_tokens} tokens in {pf.ms:.1f} ms = {pf.tokens_per_s:,.0f} tokens/s")
+    print(f"first token    : {out.first_token_ms:.1f} ms")
+    print(f"decode         : {out.n_tokens} tokens at {out.decode_tokens_per_s:,.1f} tokens/s "
+          f"(stopped: {out.finish_reason})")
+    return 0

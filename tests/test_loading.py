@@ -1,0 +1,125 @@
+"""Both checkpoint forms load; every bad input a user can cause gets a message naming it and the fix."""
+import gc
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwen35_fast.runtime import Qwen35Error, Qwen35Model, generate, load_model, prefill, prefill_ids
+from qwen35_fast.runtime import loader as loader_mod
+
+from _models import make_hf_model, rel, write_single_file
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    f = tmp_path_factory.mktemp("ck")
+    make_hf_model(f, seed=3, vocab=248320, max_pos=160)
+    return f
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return load_model(folder, dtype="fp32", device="cpu")
+
+
+def test_folder_loads_with_backend_and_tokenizer(model):
+    assert model.backend.name == "torch" and "cpu" in model.backend.reason
+    assert model.tokenizer.encode("<|im_end|>") == [248046]
+    assert model.config.num_hidden_layers == 4
+
+
+def test_single_file_round_trips_to_the_same_logits(folder, model, tmp_path):
+    single = write_single_file(folder, tmp_path / "qwen35_text.safetensors")
+    other = load_model(single, dtype="fp32", device="cpu")
+    # inferred from names and shapes alone; only the position limit cannot be read off the tensors
+    assert replace(other.config, max_position_embeddings=160) == model.config
+    ids = list(range(1000, 1090))
+    assert rel(prefill_ids(other, ids).logits, prefill_ids(model, ids).logits) == 0.0
+
+
+def test_missing_path():
+    with pytest.raises(Qwen35Error, match=r"'/no/such/model' does not exist"):
+        load_model("/no/such/model")
+
+
+def test_not_a_qwen35_file_names_what_it_found(tmp_path):
+    f = tmp_path / "sdxl.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.weight": torch.zeros(2)}, str(f))
+    with pytest.raises(Qwen35Error, match=r"not a Qwen3.5 checkpoint.*model\.diffusion_model\.input_blocks"):
+        load_model(f)
+
+
+def test_other_model_type_in_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(Qwen35Error, match=r"model_type is 'llama'"):
+        load_model(tmp_path)
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    f = tmp_path / "model.ckpt"
+    f.write_bytes(b"\x80\x04")
+    with pytest.raises(Qwen35Error, match="never pickle"):
+        load_model(f)
+
+
+def test_truncated_safetensors(folder, tmp_path):
+    single = write_single_file(folder, tmp_path / "full.safetensors")
+    data = single.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(Qwen35Error, match=rf"truncated: its header needs {len(data)} bytes, the file has "
+                                          rf"{len(data) - 1000}"):
+        load_model(cut)
+
+
+def test_weights_that_do_not_fit_the_config(folder, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] = 96
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=r"mlp\.gate_proj\.weight has shape \[128, 64\] but the config needs "
+                                          r"\[96, 64\]"):
+        load_model(bad)
+
+
+def test_failed_load_leaves_no_model_behind(folder, monkeypatch):
+    def boom(model, ckpt):
+        raise RuntimeError("disk went away")
+
+    gc.collect()
+    before = sum(isinstance(o, Qwen35Model) for o in gc.get_objects())
+    monkeypatch.setattr(loader_mod, "_fill", boom)
+    with pytest.raises(RuntimeError, match="disk went away"):
+        load_model(folder, device="cpu")
+    gc.collect()
+    assert sum(isinstance(o, Qwen35Model) for o in gc.get_objects()) == before
+
+
+def test_bad_settings(folder):
+    with pytest.raises(Qwen35Error, match="dtype 'fp8'"):
+        load_model(folder, dtype="fp8", device="cpu")
+    with pytest.raises(Qwen35Error, match="kernel backend 'triton'"):
+        load_model(folder, device="cpu", backend="triton")
+    with pytest.raises(Qwen35Error, match="needs a CUDA device"):
+        load_model(folder, device="cpu", backend="cuda")
+
+
+def test_prompt_longer_than_positions_names_both_numbers(model):
+    with pytest.raises(Qwen35Error, match=r"the prompt has 200 tokens but the model takes at most 160 positions"):
+        prefill_ids(model, [1000] * 200)
+
+
+def test_empty_prompt(model):
+    with pytest.raises(Qwen35Error, match="prompt is empty"):
+        prefill(model, "   ")
+
+
+def test_max_new_tokens_below_one(model):
+    pf = prefill(model, "hello")
+    with pytest.raises(Qwen35Error, match="max_new_tokens is 0; it must be at least 1"):
+        generate(model, pf, max_new_tokens=0)
