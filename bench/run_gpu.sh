@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs for the kernels, in one go (device time is scarce):
+#   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/gdn.py.
+# Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
+# (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
+#   bash bench/run_gpu.sh [--no-tests] [--no-sanitizer] [--no-bench] [--no-peers]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+tests=1 sanitizer=1 bench=1 peers=1
+for a in "$@"; do
+  case $a in
+    --no-tests) tests=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;;
+    *) echo "unknown option $a"; exit 2 ;;
+  esac
+done
+status=0
+
+if [ "$peers" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && { [ ! -f .whl/z3slim.tgz ] || { tar xzf .whl/z3slim.tgz -C /tmp/site && ln -sf libz3.so.4.15 /tmp/site/z3/lib/libz3.so; }; } \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} Z3_LIBRARY_PATH=/tmp/site/z3/lib LD_LIBRARY_PATH=/tmp/site/z3/lib:${LD_LIBRARY_PATH:-} \
+    || echo "peer wheels did not install; the benchmark reports them missing"
+fi
+export FLA_FLASH_QLA=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+
+if [ "$tests" = 1 ]; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_cuda.py \
+    2>&1 | tee "$OUT/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if [ "$sanitizer" = 1 ]; then
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$cs" ]; then
+    python3 bench/sanitize_cases.py >/dev/null 2>&1  # fill the kernel cache: compile outside the sanitizer
+    for tool in memcheck racecheck; do
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$cs" --tool $tool --error-exitcode 9 \
+        python3 bench/sanitize_cases.py >"$OUT/sanitizer-$tool.log" 2>&1
+      rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -4 "$OUT/sanitizer-$tool.log"
+      [ $rc = 0 ] || status=1
+    done
+  else
+    echo "compute-sanitizer not found" | tee "$OUT/sanitizer-memcheck.log"
+  fi
+fi
+
+if [ "$bench" = 1 ]; then
+  extra=(); [ "$peers" = 1 ] || extra+=(--no-peers)
+  python3 bench/gdn.py --out "$OUT/gdn-h200.json" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+exit $status

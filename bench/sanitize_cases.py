@@ -1,0 +1,47 @@
+"""One small case per CUDA kernel, for compute-sanitizer (memcheck, racecheck) in bench/run_gpu.sh.
+
+    compute-sanitizer --tool memcheck python bench/sanitize_cases.py
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _import  # noqa: E402,F401
+import torch  # noqa: E402
+
+from qwen35_fast.kernels.conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_update_cuda  # noqa: E402
+from qwen35_fast.kernels.gdn_decode.launch import gdn_decode_step_cuda  # noqa: E402
+
+dev = "cuda"
+torch.manual_seed(0)
+N, Hk, Hv, D, C, W = 3, 2, 4, 128, 1000, 4
+
+q, k = torch.randn(N, Hk, D, device=dev, dtype=torch.bfloat16), torch.randn(N, Hk, D, device=dev, dtype=torch.bfloat16)
+v = torch.randn(N, Hv, D, device=dev, dtype=torch.bfloat16)
+a, b = torch.randn(N, Hv, device=dev), torch.randn(N, Hv, device=dev)
+state = torch.randn(N, Hv, D, D, device=dev)
+gdn_decode_step_cuda(q, k, v, a, b, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev), state)
+
+cu = torch.tensor([0, 5, 5, 70, 71, 200], dtype=torch.int32, device=dev)
+x = torch.randn(1, 200, C, device=dev, dtype=torch.bfloat16)
+weight, bias = torch.randn(C, W, device=dev, dtype=torch.bfloat16), torch.randn(C, device=dev, dtype=torch.bfloat16)
+init = torch.randn(5, C, W - 1, device=dev, dtype=torch.bfloat16)
+causal_conv1d_prefill_cuda(x, weight, bias, init, cu)
+causal_conv1d_prefill_cuda(x[:, :, :999], weight[:999], None, None, None)  # unaligned channels: VEC = 1
+causal_conv1d_update_cuda(torch.randn(N, C, device=dev, dtype=torch.bfloat16),
+                          torch.randn(N, C, W - 1, device=dev, dtype=torch.bfloat16), weight, bias)
+
+try:
+    from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda
+except ImportError as e:
+    print(f"prefill kernel not checked: {e}")
+else:
+    T = 200
+    qp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
+    kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
+    vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
+    ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
+    gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
+                           torch.randn(2, Hv, D, D, device=dev), torch.tensor([0, 77, 200], dtype=torch.int32, device=dev))
+torch.cuda.synchronize()
+print("sanitize cases ran")
