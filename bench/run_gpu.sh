@@ -28,7 +28,7 @@ export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_cuda.py \
+  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -38,7 +38,7 @@ if [ "$sanitizer" = 1 ]; then
   if [ -n "$cs" ]; then
     python3 bench/sanitize_cases.py >/dev/null 2>&1  # fill the kernel cache: compile outside the sanitizer
     for tool in memcheck racecheck; do
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$cs" --tool $tool --error-exitcode 9 \
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$cs" --tool $tool --error-exitcode 9 \
         python3 bench/sanitize_cases.py >"$OUT/sanitizer-$tool.log" 2>&1
       rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -4 "$OUT/sanitizer-$tool.log"
       [ $rc = 0 ] || status=1
