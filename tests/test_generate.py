@@ -1,0 +1,120 @@
+"""generate(): greedy equals transformers, sampling is reproducible, a prefill is never changed."""
+import pytest
+import torch
+
+from qwen35_fast import kernels
+from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill, prefill_ids
+from qwen35_fast.runtime.sampling import apply_penalties, choose
+
+from _models import make_hf_model, rel
+
+SAMPLED = SamplingParams(do_sample=True, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01,
+                         repetition_penalty=1.1, presence_penalty=0.3)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gen")
+    hf = make_hf_model(folder, seed=11, vocab=248320)
+    return hf, load_model(folder, dtype="fp32", device="cpu")
+
+
+def test_greedy_equals_transformers_greedy(pair):
+    hf, model = pair
+    ids = list(range(5000, 5040))
+    out = generate(model, prefill_ids(model, ids), max_new_tokens=16)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                          eos_token_id=list(model.config.eos_token_ids), pad_token_id=0)[0, len(ids):]
+    assert list(out.token_ids) == ref.tolist()[: len(out.token_ids)]
+    assert out.n_tokens == 16 and out.finish_reason == "length"
+
+
+def test_same_seed_same_text_and_the_prefill_is_unchanged(pair):
+    _, model = pair
+    pf = prefill(model, "Describe a red fox in the snow.")
+    snapshot = [None if t is None else t.clone() for t in pf.cache.ssm + pf.cache.conv + pf.cache.k]
+    logits = pf.logits.clone()
+    a = generate(model, pf, max_new_tokens=12, sampling=SAMPLED, seed=7)
+    b = generate(model, pf, max_new_tokens=12, sampling=SAMPLED, seed=7)
+    c = generate(model, pf, max_new_tokens=12, sampling=SAMPLED, seed=8)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+    assert torch.equal(pf.logits, logits) and pf.cache.length == pf.n_tokens
+    for before, now in zip(snapshot, pf.cache.ssm + pf.cache.conv + pf.cache.k):
+        assert (before is None and now is None) or torch.equal(before, now)
+
+
+def test_on_token_streams_the_text_and_can_cancel(pair):
+    _, model = pair
+    pf = prefill(model, "Count to ten.")
+    deltas = []
+    out = generate(model, pf, max_new_tokens=8, on_token=lambda d, n, total: deltas.append((d, n, total)))
+    assert [n for _, n, _ in deltas] == list(range(1, 9)) and all(t == 8 for *_, t in deltas)
+    assert "".join(d for d, _, _ in deltas).strip() == out.text
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(d, n, total):
+        if n == 3:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        generate(model, pf, max_new_tokens=8, on_token=cancel)
+
+
+def test_sampling_filters():
+    logits = torch.tensor([5.0, 4.0, 1.0, -2.0])
+    greedy = SamplingParams()
+    assert choose(logits, greedy, None) == 0
+    g = torch.Generator().manual_seed(0)
+    top1 = SamplingParams(do_sample=True, top_k=1)
+    assert {choose(logits, top1, g) for _ in range(20)} == {0}
+    narrow = SamplingParams(do_sample=True, top_p=0.5)
+    assert {choose(logits, narrow, g) for _ in range(20)} == {0}
+    minp = SamplingParams(do_sample=True, min_p=0.2)  # keeps tokens with p >= 0.2 * p_max: ids 0 and 1
+    assert {choose(logits, minp, g) for _ in range(200)} == {0, 1}
+    pen = apply_penalties(logits, torch.tensor([0, 3]), torch.tensor([1]),
+                          SamplingParams(repetition_penalty=2.0, presence_penalty=1.5))
+    assert pen.tolist() == [2.5, 2.5, 1.0, -4.0]
+
+
+def test_bad_sampling_settings(pair):
+    _, model = pair
+    pf = prefill(model, "hi")
+    for bad, msg in [(SamplingParams(do_sample=True, temperature=0), "temperature 0"),
+                     (SamplingParams(top_p=0.0), "top_p 0.0"), (SamplingParams(top_k=-1), "top_k -1"),
+                     (SamplingParams(min_p=1.0), "min_p 1.0")]:
+        with pytest.raises(ValueError, match=msg):
+            generate(model, pf, max_new_tokens=2, sampling=bad)
+
+
+def test_prefill_inside_torch_compile_gives_the_same_logits(pair):
+    _, model = pair
+    ids = list(range(3000, 3070))
+    eager = prefill_ids(model, ids).logits
+
+    @torch.compile(backend="eager")
+    def wrapped(scale):
+        return prefill_ids(model, ids).logits * scale
+
+    assert rel(wrapped(torch.tensor(1.0)), eager) == 0.0
+
+
+def test_kernel_ops_trace_into_a_full_graph():
+    """The custom ops have fake implementations: a fullgraph compile traces through them, no break."""
+    q, k = torch.randn(1, 70, 2, 32), torch.randn(1, 70, 2, 32)
+    v, a, b = torch.randn(1, 70, 4, 32), torch.randn(1, 70, 4), torch.randn(1, 70, 4)
+    A_log, dt = torch.zeros(4), torch.zeros(4)
+    x, w = torch.randn(1, 70, 8), torch.randn(8, 4)
+
+    def f(q, k, v, a, b, x):
+        y, conv_state = kernels.causal_conv1d_prefill(x, w)
+        o, state = kernels.gdn_chunk_prefill(q, k, v, a, b, A_log, dt)
+        return o * 2, state, y, conv_state
+
+    eager = f(q, k, v, a, b, x)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, a, b, x)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
