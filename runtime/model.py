@@ -139,6 +139,11 @@ class Qwen35Model(nn.Module):
             self._backend_device = self.device
         return self.backend
 
+    def set_backend(self, requested: str) -> kernels.Backend:
+        """Choose the GDN backend again ("auto", "cuda" or "torch")."""
+        self.requested_backend, self._backend_device = requested, None
+        return self.select_backend()
+
     def _gdn_backend(self):
         return self.select_backend()
 
