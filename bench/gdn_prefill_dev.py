@@ -1,0 +1,87 @@
+"""Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
+
+    python3 bench/gdn_prefill_dev.py [--check] [--splits 32,64,128] [--json PATH]
+
+Times every (B, L) of the anchor table for each Dv split and the automatic choice, with initial and
+final state, bf16, l2-norm in kernel; inputs rotate between sets so no call reads a warm L2. With
+--check, first prints the error of a few configurations against the float64 recurrence.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
+from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda, choose_dv_split  # noqa: E402
+from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64  # noqa: E402
+
+ANCHORS = {  # ms per call on one H200 (shared/anchors/gdn-prefill-h200.json): FlashQLA, fla
+    (1, 1024): (0.425, 0.818), (1, 4096): (0.438, 0.919), (1, 16384): (0.659, 1.165),
+    (1, 32768): (0.812, 2.334), (8, 4096): (0.772, 2.286),
+}
+
+
+def inputs(B, L, Hk=16, Hv=32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q, k, v = r(B, L, Hk, 128).bfloat16(), r(B, L, Hk, 128).bfloat16(), r(B, L, Hv, 128).bfloat16()
+    a, b = r(B, L, Hv), r(B, L, Hv)
+    A_log = torch.empty(Hv, device="cuda").uniform_(1, 16, generator=g).log()
+    dt_bias = torch.ones(Hv, device="cuda")
+    h0 = r(B, Hv, 128, 128) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, h0
+
+
+def check():
+    print("config                              o err     state err")
+    for (B, L, Hk, Hv, split) in [(1, 300, 16, 32, None), (2, 1000, 2, 4, 32), (2, 1000, 2, 4, 64),
+                                  (2, 1000, 2, 4, 128), (1, 4097, 1, 2, None)]:
+        x = inputs(B, L, Hk, Hv, seed=L)
+        o, ht = gdn_chunk_prefill_cuda(*x, dv_split=split)
+        o_ref, ht_ref = gdn_prefill_recurrent_f64(*x)
+        eo = ((o.double() - o_ref).norm() / o_ref.norm()).item()
+        es = ((ht.double() - ht_ref).norm() / ht_ref.norm()).item()
+        fin = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
+        print(f"B={B} L={L:5d} Hk={Hk:2d} Hv={Hv:2d} split={split}  {eo:.2e}  {es:.2e}  finite={fin}")
+
+
+def bench(splits):
+    import triton.testing
+    rows = []
+    for (B, L), (fqla, fla) in ANCHORS.items():
+        nsets = max(2, min(8, (1 << 30) // (B * L * 32 * 128 * 2 * 3)))
+        sets = [inputs(B, L, seed=i) for i in range(nsets)]
+        auto = choose_dv_split(B * 32, torch.device("cuda"))
+        for split in splits:
+            it = iter(range(10 ** 9))
+            fn = lambda: gdn_chunk_prefill_cuda(*sets[next(it) % nsets], dv_split=split)  # noqa: E731
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            rows.append(dict(B=B, L=L, split=split, auto=split == auto, ms=round(ms, 4),
+                             flashqla=fqla, fla=fla))
+        del sets
+    print(f"{'B':>2} {'L':>6} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
+    for r in rows:
+        star = "*" if r["auto"] else " "
+        print(f"{r['B']:>2} {r['L']:>6} {r['split']:>4}{star} {r['ms']:8.4f} {r['ms'] / r['flashqla']:11.2f} "
+              f"{r['ms'] / r['fla']:7.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--splits", default="32,64,128")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(0))
+    if args.check:
+        check()
+    rows = bench([int(s) for s in args.splits.split(",")])
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,131 @@
+"""The fused GDN chunked-prefill CUDA kernel against the float64 token-by-token recurrence."""
+import math
+
+import pytest
+import torch
+
+from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
+
+pytestmark = pytest.mark.gpu
+
+O_TOL, STATE_TOL = 5e-3, 3e-3
+DECAYS = {  # (A = exp(A_log) range, scale of a, shift of a): from near-identity gates to near-reset ones
+    "weak": ((1e-3, 1e-2), 1.0, -2.0),
+    "model": ((1.0, 16.0), 1.0, 0.0),
+    "strong": ((1.0, 16.0), 2.0, 3.0),
+}
+
+
+def _launcher():
+    from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda
+    return gdn_chunk_prefill_cuda
+
+
+def make_inputs(B, T, Hk, Hv, dtype, decay, h0_n=None, gate_dtype=torch.float32, packed=False, seed=None):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed if seed is not None else torch.seed() % 2 ** 31)
+    dev = "cuda"
+    (alo, ahi), a_scale, a_shift = DECAYS[decay]
+    if packed:  # q, k, v as head slices of one projection, like a fused qkv linear produces
+        qkv = torch.randn(B, T, (2 * Hk + Hv) * 128, generator=g, device=dev).to(dtype)
+        q = qkv[..., :Hk * 128].view(B, T, Hk, 128)
+        k = qkv[..., Hk * 128:2 * Hk * 128].view(B, T, Hk, 128)
+        v = qkv[..., 2 * Hk * 128:].view(B, T, Hv, 128)
+    else:
+        q = torch.randn(B, T, Hk, 128, generator=g, device=dev).to(dtype)
+        k = torch.randn(B, T, Hk, 128, generator=g, device=dev).to(dtype)
+        v = torch.randn(B, T, Hv, 128, generator=g, device=dev).to(dtype)
+    a = (torch.randn(B, T, Hv, generator=g, device=dev) * a_scale + a_shift).to(gate_dtype)
+    b = torch.randn(B, T, Hv, generator=g, device=dev).to(gate_dtype)
+    A_log = torch.empty(Hv, device=dev).uniform_(alo, ahi, generator=g).log()
+    dt_bias = torch.randn(Hv, generator=g, device=dev) * 0.5
+    h0 = None if h0_n is None else torch.randn(h0_n, Hv, 128, 128, generator=g, device=dev) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, h0
+
+
+def _poison(*shapes_dtypes):
+    """Leave NaN in the caching allocator's free blocks so that outputs the kernel fails to write show."""
+    nbytes = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d in shapes_dtypes)
+    junk = torch.full((nbytes // 4 + 4096,), float("nan"), device="cuda")
+    del junk
+
+
+def rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, o_tol=O_TOL,
+                  state_tol=STATE_TOL):
+    B, T, Hv = v.shape[:3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split)
+    o_ref, ht_ref = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
+    assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
+    assert ht.shape == (N, Hv, 128, 128) and ht.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    eo, es = (rel(o, o_ref) if T else 0.0), rel(ht, ht_ref)
+    assert eo <= o_tol and es <= state_tol, f"o err {eo:.2e}, state err {es:.2e}"
+    return eo, es
+
+
+# (T, B, Hv/Hk, initial state, decay, dtype): every T with both batch sizes, the rest cycled
+CASES = []
+_cycle = [(1, True, "model", torch.bfloat16), (2, False, "weak", torch.bfloat16), (2, True, "strong", torch.float16),
+          (1, False, "weak", torch.float16), (2, True, "weak", torch.bfloat16), (1, True, "strong", torch.bfloat16)]
+for i, (T, B) in enumerate((T, B) for T in (1, 63, 64, 65, 1000, 4097) for B in (1, 3)):
+    CASES.append((T, B) + _cycle[i % len(_cycle)])
+
+
+@pytest.mark.parametrize("T,B,ratio,with_h0,decay,dtype", CASES)
+def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype):
+    Hk = 2 if T < 4000 else 1
+    inputs = make_inputs(B, T, Hk, Hk * ratio, dtype, decay, B if with_h0 else None)
+    run_and_check(*inputs)
+
+
+@pytest.mark.parametrize("dv_split", [32, 64, 128])
+@pytest.mark.parametrize("decay", ["weak", "model"])
+def test_every_dv_split(dv_split, decay):
+    inputs = make_inputs(2, 300, 2, 4, torch.bfloat16, decay, 2)
+    run_and_check(*inputs, dv_split=dv_split)
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen(with_h0, dtype):
+    lens = [1, 129, 1000, 64, 806, 63, 0, 2]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    inputs = make_inputs(1, int(cu[-1]), 2, 4, dtype, "model", len(lens) if with_h0 else None)
+    run_and_check(*inputs, cu_seqlens=cu)
+
+
+def test_varlen_matches_separate_calls():
+    lens = [100, 1, 300]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "weak", len(lens))
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu)
+    for i in range(len(lens)):
+        s, e = int(cu[i]), int(cu[i + 1])
+        oi, hi = _launcher()(q[:, s:e], k[:, s:e], v[:, s:e], a[:, s:e], b[:, s:e], A_log, dt_bias, h0[i:i + 1])
+        torch.testing.assert_close(o[:, s:e], oi, rtol=0, atol=0)
+        torch.testing.assert_close(ht[i:i + 1], hi, rtol=0, atol=0)
+
+
+def test_packed_heads_and_gate_dtypes():
+    inputs = make_inputs(2, 200, 2, 4, torch.bfloat16, "model", 2, gate_dtype=torch.bfloat16, packed=True)
+    assert not inputs[0].is_contiguous()
+    run_and_check(*inputs)
+
+
+def test_qwen35_shapes():
+    """Hk 16, Hv 32 as in Qwen3.5-9B, bf16, initial state; the default Dv split for B = 1."""
+    inputs = make_inputs(1, 700, 16, 32, torch.bfloat16, "model", 1)
+    run_and_check(*inputs)
+
+
+def test_deterministic():
+    inputs = make_inputs(1, 500, 2, 4, torch.bfloat16, "model", 1, seed=1)
+    o1, h1 = _launcher()(*inputs)
+    o2, h2 = _launcher()(*inputs)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
