@@ -39,6 +39,12 @@ typedef unsigned int u32;
 #define BST 72          // 16-bit row stride of P and T
 #define NJ (DVS / 8)    // n-tiles of 8 columns per block slice
 
+#ifdef PROFILE  // cycles between block-wide barriers, summed over chunks, left in ht[0..9] of block 0
+#define MARK(i) do { __syncthreads(); if (tid == 0) { const long long now_ = clock64(); prof[i] += now_ - tprev; tprev = now_; } } while (0)
+#else
+#define MARK(i) __syncthreads()
+#endif
+
 static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128");
 
 // ---------------------------------------------------------------- shared memory layout (bytes)
@@ -58,13 +64,18 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 // ---------------------------------------------------------------- tensor core helpers
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+#ifndef NO_LDSM_CLOBBER
+#define LDSM_CLOBBER : "memory"
+#else
+#define LDSM_CLOBBER
+#endif
 __device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
 }
 __device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
 }
 
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
@@ -307,13 +318,16 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     }
     float oacc[NJ][4];
 
+#ifdef PROFILE
+    long long prof[10] = {}, tprev = clock64();
+#endif
     for (int c = 0; c < nchunks; ++c) {
         const int buf = c & 1;
         const elem* Kc = Ks + buf * CH * KST;
         const elem* Qc = Qs + buf * CH * KST;
         elem* Vc = Vs + buf * CH * VST;  // v, then the high half of rhs
         cp_async_wait_all();
-        __syncthreads();
+        MARK(0);
         if (c + 1 < nchunks) load_chunk(c + 1, buf ^ 1);
 
         // ---- phase 1: gates (warp 0), l2-norm factors, state -> 16-bit smem
@@ -364,7 +378,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             *reinterpret_cast<u32*>(Sb + r * VST + cc) = pack2(s[j][0], s[j][1]);
             *reinterpret_cast<u32*>(Sb + (r + 8) * VST + cc) = pack2(s[j][2], s[j][3]);
         }
-        __syncthreads();
+        MARK(1);
 
         // ---- phase 2a: lower blocks of K K^T (-> L, fp32) and Q K^T (-> P, 16-bit)
         for (int blk = warp; blk < 20; blk += 8) {
@@ -398,6 +412,9 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 }
         }
 
+#ifdef PROFILE
+        MARK(2);
+#endif
         // ---- phase 2b: [K; Q] S for rows 16 (warp & 3) .. +16 (K for warps 0-3, Q for 4-7)
         {
             const bool isq = warp >= 4;
@@ -439,7 +456,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 }
             }
         }
-        __syncthreads();
+        MARK(3);
 
         // ---- phase 3: T = (I + L)^-1 by 16x16 blocks: diagonal blocks by substitution, then 3 levels
         if (tid < CH) {
@@ -455,13 +472,13 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(acc);
             }
         }
-        __syncthreads();
+        MARK(4);
         if (warp < 3) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 1, warp, lane);
-        __syncthreads();
+        MARK(5);
         if (warp < 2) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 2, warp, lane);
-        __syncthreads();
+        MARK(6);
         if (warp == 0) inverse_block(Lf, Tf, Tb, Xs, 3, 0, lane);
-        __syncthreads();
+        MARK(7);
 
         // ---- phase 4: u = T rhs (rows 16 (warp & 3), column half warp >> 2)
         {
@@ -495,7 +512,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
-        __syncthreads();
+        MARK(8);
 
         // ---- phase 5: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
         if (warp >= 4) {
@@ -543,8 +560,17 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 }
             }
         }
+#ifdef PROFILE
+        MARK(9);
+#endif
     }
 
+#ifdef PROFILE
+    if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        for (int i = 0; i < 10; ++i) ht[i] = (float)prof[i];
+    }
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) return;
+#endif
     float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {

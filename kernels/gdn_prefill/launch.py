@@ -16,6 +16,7 @@ THREADS = 256
 _ELEM = {torch.bfloat16: 2, torch.float16: 1}  # QF_BF16, QF_HALF (kernels/common.cuh)
 _GATE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _sm_count: dict = {}
+EXTRA_DEFINES: dict = {}  # development only: extra -D flags (PROFILE, variants) for bench scripts
 
 
 def smem_bytes(dvs: int) -> int:
@@ -95,7 +96,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if N == 0:
         return o, ht
     dvs = dv_split or choose_dv_split(N * Hv, dev)
-    fn = get_function(SRC, KERNEL, dev, {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype]})
+    fn = get_function(SRC, KERNEL, dev, {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES})
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
     i64 = np.int64

@@ -1,0 +1,49 @@
+"""Where the time of one chunk step goes: per-phase cycles (clock64 between barriers, -DPROFILE),
+and timings of compile-time variants. Development only.
+
+    python3 bench/gdn_prefill_prof.py [--ncu]   (--ncu: one plain launch, for ncu to profile)
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gdn_prefill_dev as dev  # noqa: E402
+from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
+
+PHASES = ["wait", "norm+gate", "KK/QK", "[K;Q]S", "diag inv", "lvl1", "lvl2", "lvl3", "T rhs", "o+state"]
+VARIANTS = {"base": {}, "noclob": {"NO_LDSM_CLOBBER": 1}}
+
+
+def main():
+    B, Lq = 1, 4096
+    x = dev.inputs(B, Lq)
+    if "--ncu" in sys.argv:
+        L.gdn_chunk_prefill_cuda(*x, dv_split=32)
+        torch.cuda.synchronize()
+        return
+    import triton.testing
+    nch = Lq // 64
+    for split in (32, 128):
+        L.EXTRA_DEFINES.clear()
+        L.EXTRA_DEFINES["PROFILE"] = 1
+        _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split)
+        cyc = ht.flatten()[:10].cpu() / nch
+        print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))
+              + f" total={cyc.sum():.0f}")
+    for name, defs in VARIANTS.items():
+        L.EXTRA_DEFINES.clear()
+        L.EXTRA_DEFINES.update(defs)
+        for split in (32, 128):
+            for (Bb, Ll) in ((1, 4096), (8, 4096)):
+                xs = [dev.inputs(Bb, Ll, seed=i) for i in range(2)]
+                it = iter(range(10 ** 9))
+                fn = lambda: L.gdn_chunk_prefill_cuda(*xs[next(it) % 2], dv_split=split)  # noqa: E731
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                print(f"variant {name:8s} split {split:3d} B={Bb} L={Ll}: {ms:.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
