@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -247,18 +248,29 @@ _streams: dict = {}
 _smem_limit: dict = {}  # id(RawKernel) -> dynamic shared memory the kernel is allowed
 
 
-def _stream(torch_stream):
-    import cupy
-    ptr = torch_stream.cuda_stream
-    s = _streams.get(ptr)
-    if s is None:
-        s = _streams[ptr] = cupy.cuda.ExternalStream(ptr, torch_stream.device_index)
-    return s
+def _current_stream():
+    """CuPy's view of torch's current stream on the current device (cached per stream)."""
+    import torch
+    try:  # the raw handle without building a torch.cuda.Stream object: a few microseconds per launch
+        dev = torch.cuda.current_device()
+        ptr = torch._C._cuda_getCurrentRawStream(dev)
+    except (AttributeError, RuntimeError):
+        s = torch.cuda.current_stream()
+        dev, ptr = s.device_index, s.cuda_stream
+    cs = _streams.get(ptr)
+    if cs is None:
+        import cupy
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external(obj); a raw handle needs this
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cs = _streams[ptr] = cupy.cuda.ExternalStream(ptr, dev)
+    return cs
 
 
 def _arg(a):
     if a is None:
         return np.uint64(0)  # a null pointer for an optional tensor
+    if isinstance(a, np.generic):
+        return a
     if hasattr(a, "data_ptr"):
         return np.uint64(a.data_ptr())
     if isinstance(a, bool):
@@ -269,16 +281,14 @@ def _arg(a):
         return np.int32(a)
     if isinstance(a, float):
         return np.float32(a)
-    return a
+    raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float or numpy scalar")
 
 
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""
-    import torch
-
     if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = shared_mem
         _smem_limit[id(fn)] = shared_mem
-    stream = _stream(torch.cuda.current_stream())
-    fn.kernel(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+    fn.kernel(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem,
+              stream=_current_stream())

@@ -28,8 +28,10 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None,
 # define sets the launchers use, so that every compiled variant is checked, not just the defaults
 VARIANTS = {
     "conv1d.cu": [{}, {"HAS_BIAS": 1, "HAS_INIT": 1, "VARLEN": 1}, {"TX": 0, "VEC": 4, "W": 3},
+                  {"VEC": 4, "UNROLL": 16}, {"TX": 0, "VEC": 2, "UNROLL": 4},
                   {"TX": 1, "VEC": 1, "TW": 0, "TS": 0, "TB": 0, "HAS_BIAS": 1}],
-    "gdn_decode.cu": [{}, {"TQ": 0, "TV": 0, "TA": 0, "TP": 0}, {"TQ": 1, "TV": 1, "TA": 1, "TP": 2, "D": 64, "DV": 64}],
+    "gdn_decode.cu": [{}, {"TQ": 0, "TV": 0, "TA": 0, "TP": 0}, {"TQ": 1, "TV": 1, "TA": 1, "TP": 2, "D": 64, "DV": 64},
+                      {"VT": 16, "THREADS": 64}, {"VT": 64, "THREADS": 256}, {"VT": 16, "THREADS": 128}],
 }
 
 

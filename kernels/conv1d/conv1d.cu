@@ -39,7 +39,9 @@
 #endif
 
 #define THREADS 128
-#define UNROLL 4   // tokens whose loads are issued together
+#ifndef UNROLL
+#define UNROLL 8   // tokens whose loads are issued together (kept packed in registers until used)
+#endif
 
 static_assert(W >= 2 && W <= 8, "kernel width W must be in 2..8");
 
@@ -48,34 +50,57 @@ typedef qf_type<TS>::t ts;
 typedef qf_type<TW>::t tw;
 typedef qf_type<TB>::t tb;
 
+// VEC elements of T as they sit in memory: one 16- or 8-byte word when they fill it, else VEC elements.
+template <int bytes> struct word_of { typedef void t; };
+template <> struct word_of<16> { typedef uint4 t; };
+template <> struct word_of<8> { typedef uint2 t; };
+template <typename T, typename Wd = typename word_of<VEC * sizeof(T)>::t> struct packed { Wd w; };
+template <typename T> struct packed<T, void> { T e[VEC]; };
+template <typename T> __host__ __device__ constexpr bool is_wide() { return VEC * sizeof(T) == 16 || VEC * sizeof(T) == 8; }
+
+template <typename T>
+__device__ __forceinline__ void load_packed(const T* p, packed<T>& r)
+{
+    if constexpr (is_wide<T>()) r.w = *reinterpret_cast<const decltype(r.w)*>(p);
+    else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) r.e[v] = p[v];
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ float unpack(const packed<T>& r, int v)
+{
+    if constexpr (is_wide<T>()) return to_f(reinterpret_cast<const T*>(&r.w)[v]);
+    else return to_f(r.e[v]);
+}
+
 template <typename T>
 __device__ __forceinline__ void load_vec(const T* p, float* f)
 {
-    if constexpr (VEC * sizeof(T) == 16) {
-        const uint4 r = *reinterpret_cast<const uint4*>(p);
-        const T* e = reinterpret_cast<const T*>(&r);
+    packed<T> r;
+    load_packed(p, r);
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) f[v] = to_f(e[v]);
-    } else {
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) f[v] = to_f(p[v]);
-    }
+    for (int v = 0; v < VEC; ++v) f[v] = unpack(r, v);
 }
 
 template <typename T>
 __device__ __forceinline__ void store_vec(T* p, const float* f)
 {
-    if constexpr (VEC * sizeof(T) == 16) {
-        uint4 r;
-        T* e = reinterpret_cast<T*>(&r);
+    if constexpr (is_wide<T>()) {
+        packed<T> r;
+        T* e = reinterpret_cast<T*>(&r.w);
 #pragma unroll
         for (int v = 0; v < VEC; ++v) e[v] = from_f<T>(f[v]);
-        *reinterpret_cast<uint4*>(p) = r;
+        *reinterpret_cast<decltype(r.w)*>(p) = r.w;
     } else {
 #pragma unroll
         for (int v = 0; v < VEC; ++v) p[v] = from_f<T>(f[v]);
     }
 }
+
+// silu with the fast exp and divide (x / inf gives -0 for very negative x, as it should)
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ int seq_start(const int* cu, int n, int T) { return VARLEN ? cu[n] : n * T; }
 
@@ -163,24 +188,25 @@ causal_conv1d_prefill(const tx* __restrict__ x, const tw* __restrict__ weight, c
         const tx* xr = x + row * x_sb + c0;
         tx* yr = y + (size_t)row * T * C + c0;
         for (; i < seg_end; i += UNROLL) {
-            float xin[UNROLL][VEC];
+            packed<tx> xin[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u)
-                if (i + u < seg_end) load_vec(xr + (long long)(i + u - row * T) * x_st, xin[u]);
+                if (i + u < seg_end) load_packed(xr + (long long)(i + u - row * T) * x_st, xin[u]);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 if (i + u < seg_end) {
                     float out[VEC];
 #pragma unroll
                     for (int v = 0; v < VEC; ++v) {
+                        const float xv = unpack(xin[u], v);
                         float acc = bv[v];
 #pragma unroll
                         for (int j = 0; j < W - 1; ++j) acc = fmaf(w[j][v], win[j][v], acc);
-                        acc = fmaf(w[W - 1][v], xin[u][v], acc);
-                        out[v] = silu_f(acc);
+                        acc = fmaf(w[W - 1][v], xv, acc);
+                        out[v] = silu_fast(acc);
 #pragma unroll
                         for (int j = 0; j < W - 2; ++j) win[j][v] = win[j + 1][v];
-                        win[W - 2][v] = xin[u][v];
+                        win[W - 2][v] = xv;
                     }
                     store_vec(yr + (size_t)(i + u - row * T) * C, out);
                 }

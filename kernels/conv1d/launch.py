@@ -10,6 +10,7 @@ from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).with_name("conv1d.cu")
 THREADS = 128  # as in conv1d.cu
+VEC_BYTES, UNROLL = 16, 8  # bytes of x per thread and token; tokens whose loads are issued together
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _num_sms: dict = {}
 
@@ -66,7 +67,7 @@ def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seql
         return y, final
 
     es = x.element_size()
-    vec = 16 // es
+    vec = max(1, VEC_BYTES // es)
     aligned = (C % vec == 0 and x.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0
                and (x.stride(1) * es) % 16 == 0)
     if not aligned:
@@ -78,7 +79,7 @@ def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seql
     while chunk > 16 and groups * -(-total // chunk) < 4 * _sms(x.device):
         chunk //= 2
     chunks = max(1, -(-total // chunk))
-    defines = {"W": W, "VEC": vec, "TX": _code(x, "x"), "TW": _code(weight, "weight"),
+    defines = {"W": W, "VEC": vec, "UNROLL": UNROLL, "TX": _code(x, "x"), "TW": _code(weight, "weight"),
                "TB": _code(bias, "bias") if bias is not None else 0,
                "HAS_BIAS": int(bias is not None), "HAS_INIT": int(initial_state is not None),
                "VARLEN": int(cu_seqlens is not None)}

@@ -29,16 +29,21 @@
 #define TP QF_FLOAT
 #endif
 
+#ifndef VT
 #define VT 32                 // value columns per block
+#endif
+#ifndef THREADS
 #define THREADS 128
+#endif
 #define VG (VT / 4)           // threads across the columns of a tile (4 columns each)
 #define DG (THREADS / VG)     // threads across the rows
 #define RPT (D / DG)          // state rows per thread
 #define WARPS (THREADS / 32)
 #define L2_EPS 1e-6f
 
-static_assert(D % DG == 0, "D must be a multiple of 16");
-static_assert(DV % VT == 0, "DV must be a multiple of 32");
+static_assert(VG <= 32 && 32 % VG == 0 && THREADS % 32 == 0, "a warp must span whole rows of the tile");
+static_assert(D % DG == 0, "D must be a multiple of THREADS / (VT / 4)");
+static_assert(DV % VT == 0, "DV must be a multiple of VT");
 
 typedef qf_type<TQ>::t tq;
 typedef qf_type<TV>::t tv;
