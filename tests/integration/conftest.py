@@ -1,0 +1,71 @@
+"""A real ComfyUI, started headless on the CPU with this pack installed under an odd folder name.
+
+Needs COMFYUI_DIR (a ComfyUI checkout, outside this repository); every test here is marked
+`comfyui` and skipped without it. ComfyUI runs on COMFYUI_PYTHON (default: this Python), which must
+have ComfyUI's requirements and this pack's. Its base directory is a temporary folder: the pack is
+symlinked into custom_nodes/, the test checkpoint into models/LLM/qwen35-demo/.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+from comfyui_harness import DEMO_MODEL, ROOT, ComfyServer, checkpoint_for_tests, free_port
+
+# ComfyUI-Manager names the folder as it likes; relative imports must not care. (No space: ComfyUI
+# 0.29 lists web files under a folder with a space but answers 404 for them, for every pack.)
+PACK_FOLDER = "Qwen3.5-Fast.odd_name"
+START_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    comfy_dir = Path(os.environ["COMFYUI_DIR"]).resolve()
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    base = tmp_path_factory.mktemp("comfy-base")
+    for d in ("custom_nodes", "models/LLM", "user", "input", "output", "temp"):
+        (base / d).mkdir(parents=True, exist_ok=True)
+    (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+    (base / "models" / "LLM" / DEMO_MODEL).symlink_to(checkpoint_for_tests(), target_is_directory=True)
+    port = free_port()
+    log = base / "comfyui.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
+             str(base), "--disable-auto-launch", "--verbose", "INFO"],
+            cwd=comfy_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = ComfyServer(f"http://127.0.0.1:{port}", log, base)
+    try:
+        end = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                server.get("/object_info/Qwen35Generate")
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"ComfyUI did not answer in {START_TIMEOUT_S} s:\n{server.log_tail()}")
+                time.sleep(1)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def object_info(comfy_server):
+    return comfy_server.get("/object_info")
+
+
