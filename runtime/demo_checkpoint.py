@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 DEMO_NAME = "demo-tiny-qwen35"
 # Bump when what demo_checkpoint writes changes, so old caches are rebuilt.
-DEMO_FORMAT = 1
+DEMO_FORMAT = 2
 COMPLETE_MARKER = ".complete.json"
 SINGLE_FILE_NAME = "qwen35_tiny.safetensors"
 
@@ -269,7 +269,7 @@ def write_tokenizer_files(folder: Path | str) -> None:
     hf.save(str(folder / "tokenizer.json"))
 
     config = {
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": "Qwen3_5Tokenizer",
         "backend": "tokenizers",
         "add_prefix_space": False,
         "bos_token": None,

@@ -116,6 +116,15 @@ def test_demo_tokenizer_files(demo_tok):
         assert tok.encode(text) == package.encode(text), text
 
 
+def test_demo_tokenizer_in_transformers(demo, demo_tok):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(demo)
+    for text in ["हिन्दी भाषा में", "Hello <|im_start|>user\n世界<|im_end|>"]:
+        assert hf.encode(text, add_special_tokens=False) == demo_tok.encode(text), text
+    messages = [{"role": "user", "content": "Hi"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == format_chat("Hi")
+
+
 @pytest.mark.skipif(not (REAL_TOKENIZER / "tokenizer.json").is_file(), reason="../shared/qwen35-tokenizer is absent")
 def test_demo_tokenizer_json_has_the_real_vocabulary_and_merges(demo):
     ours = json.loads((demo / "tokenizer.json").read_text(encoding="utf-8"))
