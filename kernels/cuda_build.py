@@ -245,11 +245,12 @@ def get_function(src_path, name: str, device, defines: dict | None = None):
 
 
 _streams: dict = {}
-_smem_limit: dict = {}  # id(RawKernel) -> dynamic shared memory the kernel is allowed
+_kernels: dict = {}  # (id(RawKernel), device) -> its loaded cupy Function, skipping RawKernel's own lookup
+_smem_limit: dict = {}  # (id(RawKernel), device) -> dynamic shared memory the kernel is allowed
 
 
 def _current_stream():
-    """CuPy's view of torch's current stream on the current device (cached per stream)."""
+    """(device, CuPy's view of torch's current stream on it), cached per stream."""
     import torch
     try:  # the raw handle without building a torch.cuda.Stream object: a few microseconds per launch
         dev = torch.cuda.current_device()
@@ -263,7 +264,7 @@ def _current_stream():
         with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external(obj); a raw handle needs this
             warnings.simplefilter("ignore", DeprecationWarning)
             cs = _streams[ptr] = cupy.cuda.ExternalStream(ptr, dev)
-    return cs
+    return dev, cs
 
 
 def _arg(a):
@@ -287,8 +288,11 @@ def _arg(a):
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""
-    if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get(id(fn), 0):
-        fn.max_dynamic_shared_size_bytes = shared_mem
-        _smem_limit[id(fn)] = shared_mem
-    fn.kernel(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem,
-              stream=_current_stream())
+    dev, stream = _current_stream()
+    if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get((id(fn), dev), 0):
+        fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
+        _smem_limit[(id(fn), dev)] = shared_mem
+    kern = _kernels.get((id(fn), dev))
+    if kern is None:
+        kern = _kernels[(id(fn), dev)] = fn.kernel
+    kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)

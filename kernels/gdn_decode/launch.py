@@ -10,8 +10,9 @@ from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).with_name("gdn_decode.cu")
 # (value columns, threads) per block: gdn_decode.cu's VT and THREADS, for N <= SMALL_N and above.
-# Chosen from timings on an H200 (bench/README.md); (32, 128) is the fallback that fits any D % 16, Dv % 32.
-CONFIG = {"small": (32, 128), "large": (32, 128)}
+# H200, graph replay, Qwen3.5 shapes (bench/variants.py): (32, 128) 68/87/91% of copy bandwidth at N = 8/64/256,
+# (64, 128) 68/90/95%, (16, 64) 69/79/83%, (64, 256) 61/89/95%. (32, 128) also fits any D % 16, Dv % 32.
+CONFIG = {"small": (32, 128), "large": (64, 128)}
 SMALL_N = 32
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _fns: dict = {}  # (defines..., device) -> kernel: keeps the per-token host path short
