@@ -50,7 +50,7 @@ fi
 
 if [ "$bench" = 1 ]; then
   extra=(); [ "$peers" = 1 ] || extra+=(--no-peers)
-  python3 bench/gdn.py --out "$OUT/gdn-h200.json" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
+  python3 bench/gdn.py --out "$OUT/gdn-h200.json" --budget-s "${BENCH_BUDGET_S:-420}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status
