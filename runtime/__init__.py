@@ -6,17 +6,12 @@ No ComfyUI imports here; the nodes are a thin layer over these functions.
     pf = prefill(model, "Describe a lighthouse at dusk.")
     out = generate(model, pf, max_new_tokens=200, sampling=SamplingParams(do_sample=True, temperature=0.7))
 """
+from .demo_checkpoint import demo_checkpoint
 from .errors import Qwen35Error
 from .generate import Generation, Prefill, encode_prompt, generate, prefill, prefill_ids
 from .loader import load_model
 from .model import Cache, Qwen35Model
 from .sampling import SamplingParams
-
-
-def demo_checkpoint(*args, **kwargs):
-    """The tiny random-weight Qwen3.5 checkpoint the demo runs on (made once, then cached)."""
-    from .demo_checkpoint import demo_checkpoint as make
-    return make(*args, **kwargs)
 
 
 __all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
