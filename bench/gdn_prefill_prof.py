@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
-PHASES = ["wait", "norm+gate", "KK/QK", "[K;Q]S", "diag inv", "lvl1", "lvl2", "lvl3", "T rhs", "o+state"]
+PHASES = ["wait", "norm+gate", "L,T,P,[K;Q]S", "T rhs", "o+state"]
 VARIANTS = {"base": {}, "noclob": {"NO_LDSM_CLOBBER": 1}}
 
 
@@ -29,7 +29,7 @@ def main():
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES["PROFILE"] = 1
         _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split)
-        cyc = ht.flatten()[:10].cpu() / nch
+        cyc = ht.flatten()[:len(PHASES)].cpu() / nch
         print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))
               + f" total={cyc.sum():.0f}")
     for name, defs in VARIANTS.items():

@@ -32,14 +32,15 @@ typedef unsigned int u32;
 
 #define CH 64       // chunk length
 #define DK 128      // key / value head dim
-#define NTHR 256    // 8 warps
+#define NTHR 256    // 8 warps: group A = warps 0-3, group B = warps 4-7
+#define NST (DVS <= 64 ? 3 : 2)  // K, Q, V pipeline stages (prefetch distance NST - 1 chunks)
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
 #define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
 #define FST 72          // fp32 row stride of L and T
 #define BST 72          // 16-bit row stride of P and T
 #define NJ (DVS / 8)    // n-tiles of 8 columns per block slice
 
-#ifdef PROFILE  // cycles between block-wide barriers, summed over chunks, left in ht[0..9] of block 0
+#ifdef PROFILE  // cycles between block-wide barriers, summed over chunks, left in ht[0..4] of block 0
 #define MARK(i) do { __syncthreads(); if (tid == 0) { const long long now_ = clock64(); prof[i] += now_ - tprev; tprev = now_; } } while (0)
 #else
 #define MARK(i) __syncthreads()
@@ -49,16 +50,16 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 
 // ---------------------------------------------------------------- shared memory layout (bytes)
 #define SM_K 0
-#define SM_Q (SM_K + 2 * CH * KST * 2)
-#define SM_V (SM_Q + 2 * CH * KST * 2)
-#define SM_S (SM_V + 2 * CH * VST * 2)  // 16-bit state; reused for u once K S, Q S are done
+#define SM_Q (SM_K + NST * CH * KST * 2)
+#define SM_V (SM_Q + NST * CH * KST * 2)
+#define SM_S (SM_V + NST * CH * VST * 2)  // 16-bit state; reused for u once K S, Q S are done
 #define SM_RHS (SM_S + DK * VST * 2) // low half of rhs (the high half overwrites this chunk's v)
 #define SM_L (SM_RHS + CH * VST * 2)   // fp32 L; reused for the scaled u (high) once T is built
 #define SM_T (SM_L + CH * FST * 4)     // fp32 T; reused for the scaled u (low)
 #define SM_TB (SM_T + CH * FST * 4)
 #define SM_P (SM_TB + CH * BST * 2)
-#define SM_X (SM_P + CH * BST * 2)     // 3 warps x 16x16 fp32 scratch for the inverse
-#define SM_VEC (SM_X + 3 * 16 * 20 * 4)
+#define SM_X (SM_P + CH * BST * 2)     // 4 warps x 16x16 fp32 scratch for the inverse
+#define SM_VEC (SM_X + 4 * 16 * 20 * 4)
 #define SM_TOTAL (SM_VEC + 4 * CH * 4)
 
 // ---------------------------------------------------------------- tensor core helpers
@@ -147,55 +148,192 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                  :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(n) : "memory");
+}
+// Barrier among the 128 threads of one warp group (id 1: group A, id 2: group B).
+__device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
 
-// One 16x16 off-diagonal block of T = (I + L)^-1 (fp32 in, tf32 mma):
-// T[bi][bj] = -T[bi][bi] * sum_{kb=bj}^{bi-1} L[bi][kb] T[kb][bj]
-__device__ __forceinline__ void inverse_block(float* Lf, float* Tf, elem* Tb, float* X, int bi, int bj, int lane) {
+// ---------------------------------------------------------------- the 64x64 inverse, 16x16 blocks in fp32
+// acc (16x16 as two m16n8 tiles) += A (16x16 fp32, row stride lda) * B (16x16 fp32, row stride ldb), tf32 mma.
+__device__ __forceinline__ void mm16_tf32(float acc[2][4], const float* A, int lda, const float* B, int ldb, int lane) {
     const int g = lane >> 2, t = lane & 3;
-    float acc[2][4] = {};
-    for (int kb = bj; kb < bi; ++kb) {
 #pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-            const float* Ab = Lf + (16 * bi) * FST + 16 * kb + 8 * ks;
-            u32 af[4] = {tf32(Ab[g * FST + t]), tf32(Ab[(g + 8) * FST + t]),
-                         tf32(Ab[g * FST + t + 4]), tf32(Ab[(g + 8) * FST + t + 4])};
+    for (int ks = 0; ks < 2; ++ks) {
+        const float* Ab = A + 8 * ks;
+        const u32 af[4] = {tf32(Ab[g * lda + t]), tf32(Ab[(g + 8) * lda + t]),
+                           tf32(Ab[g * lda + t + 4]), tf32(Ab[(g + 8) * lda + t + 4])};
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj) {
-                const float* Bb = Tf + (16 * kb + 8 * ks) * FST + 16 * bj + 8 * nj;
-                mma1688tf32(acc[nj], af, tf32(Bb[t * FST + g]), tf32(Bb[(t + 4) * FST + g]));
+        for (int nj = 0; nj < 2; ++nj) {
+            const float* Bb = B + 8 * ks * ldb + 8 * nj;
+            mma1688tf32(acc[nj], af, tf32(Bb[t * ldb + g]), tf32(Bb[(t + 4) * ldb + g]));
+        }
+    }
+}
+// Store sign * acc into a 16x16 fp32 block (row stride ld) and, if Tb, into its 16-bit copy.
+__device__ __forceinline__ void put16(const float acc[2][4], float sign, float* F, int ld, elem* Tb, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+        const int c = 8 * nj + 2 * t;
+        if (F) {
+            *reinterpret_cast<float2*>(F + g * ld + c) = make_float2(sign * acc[nj][0], sign * acc[nj][1]);
+            *reinterpret_cast<float2*>(F + (g + 8) * ld + c) = make_float2(sign * acc[nj][2], sign * acc[nj][3]);
+        }
+        if (Tb) {
+            *reinterpret_cast<u32*>(Tb + g * BST + c) = pack2(sign * acc[nj][0], sign * acc[nj][1]);
+            *reinterpret_cast<u32*>(Tb + (g + 8) * BST + c) = pack2(sign * acc[nj][2], sign * acc[nj][3]);
+        }
+    }
+}
+
+// T = (I + L)^-1 for the strictly lower 64x64 L (fp32, Lf), by the 128 threads of group A.
+// Diagonal 16x16 blocks by substitution; then T10, T32 (= -Tii Lij Tjj); then the lower-left 32x32
+// block as -T_D (L_C T_A). Writes Tb (16-bit, lower part incl. diagonal) and uses Tf (fp32) and Xs.
+__device__ __forceinline__ void invert_tril64(const float* Lf, float* Tf, elem* Tb, float* Xs, int ta) {
+    const int lane = ta & 31, wa = ta >> 5;
+    if (ta < CH) {  // one thread per column of the 4 diagonal blocks, right-looking substitution
+        const int d0 = 16 * (ta >> 4), cc = ta & 15;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 15; ++kk)
+#pragma unroll
+            for (int i = kk + 1; i < 16; ++i) x[i] -= Lf[(d0 + i) * FST + d0 + kk] * x[kk];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            Tf[(d0 + i) * FST + d0 + cc] = x[i];
+            Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(x[i]);
+        }
+    }
+    group_sync(1);
+    float* X = Xs + wa * 320;
+    if (wa < 2) {  // T10 (warp 0), T32 (warp 1)
+        const int bi = 1 + 2 * wa, bj = 2 * wa;
+        float acc[2][4] = {};
+        mm16_tf32(acc, Lf + 16 * bi * FST + 16 * bj, FST, Tf + 16 * bj * FST + 16 * bj, FST, lane);
+        put16(acc, 1.f, X, 20, nullptr, lane);
+        __syncwarp();
+        float y[2][4] = {};
+        mm16_tf32(y, Tf + 16 * bi * FST + 16 * bi, FST, X, 20, lane);
+        put16(y, -1.f, Tf + 16 * bi * FST + 16 * bj, FST, Tb + 16 * bi * BST + 16 * bj, lane);
+    }
+    group_sync(1);
+    const int bi = 2 + (wa >> 1), bj = wa & 1;
+    {  // X(bi, bj) = sum_{kb = bj..1} L[bi][kb] T[kb][bj]  (= L_C T_A)
+        float acc[2][4] = {};
+        for (int kb = bj; kb < 2; ++kb)
+            mm16_tf32(acc, Lf + 16 * bi * FST + 16 * kb, FST, Tf + 16 * kb * FST + 16 * bj, FST, lane);
+        put16(acc, 1.f, X, 20, nullptr, lane);
+    }
+    group_sync(1);
+    {  // T(bi, bj) = -sum_{kb = 2..bi} T[bi][kb] X(kb, bj)
+        float acc[2][4] = {};
+        for (int kb = 2; kb <= bi; ++kb)
+            mm16_tf32(acc, Tf + 16 * bi * FST + 16 * kb, FST, Xs + ((kb - 2) * 2 + bj) * 320, 20, lane);
+        put16(acc, -1.f, nullptr, 0, Tb + 16 * bi * BST + 16 * bj, lane);
+    }
+}
+
+// ---------------------------------------------------------------- chunk-local products
+__device__ __forceinline__ void tri_block(int id, int& bi, int& bj) {  // 0..9 -> lower blocks (bi >= bj)
+    bi = id < 1 ? 0 : id < 3 ? 1 : id < 6 ? 2 : 3;
+    bj = id - bi * (bi + 1) / 2;
+}
+
+// The lower 16x16 blocks {w, w+4, w+8} (< 10) of X K^T (X = K or Q raw rows), scaled and masked:
+// K K^T -> L (fp32, strictly lower, beta_i rk_i rk_j e^{G_i-G_j});  Q K^T -> P (16-bit, rq_i rk_j e^{..}).
+template <bool IS_Q>
+__device__ __forceinline__ void tri_products(const elem* X, const elem* Kc, int w, const float* Gc, const float* Bt,
+                                             const float* Rk, const float* Rq, float* Lf, elem* Pb, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const int nb = w < 2 ? 3 : 2;
+    int bi[3], bj[3];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) tri_block(q < nb ? w + 4 * q : w, bi[q], bj[q]);
+    float acc[3][2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+            if (q < nb) {
+                u32 af[4], bf[4];
+                ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
+                ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
+                mma16816(acc[q][0], af, bf[0], bf[1]);
+                mma16816(acc[q][1], af, bf[2], bf[3]);
             }
         }
     }
 #pragma unroll
-    for (int nj = 0; nj < 2; ++nj) {
-        X[g * 20 + 8 * nj + 2 * t] = acc[nj][0];
-        X[g * 20 + 8 * nj + 2 * t + 1] = acc[nj][1];
-        X[(g + 8) * 20 + 8 * nj + 2 * t] = acc[nj][2];
-        X[(g + 8) * 20 + 8 * nj + 2 * t + 1] = acc[nj][3];
-    }
-    __syncwarp();
-    float y[2][4] = {};
+    for (int q = 0; q < 3; ++q) {
+        if (q < nb) {
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-        const float* Ab = Tf + (16 * bi) * FST + 16 * bi + 8 * ks;
-        u32 af[4] = {tf32(Ab[g * FST + t]), tf32(Ab[(g + 8) * FST + t]),
-                     tf32(Ab[g * FST + t + 4]), tf32(Ab[(g + 8) * FST + t + 4])};
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = 16 * bi[q] + g + 8 * hr;
+                const float gr = Gc[r], fr = IS_Q ? Rq[r] : Bt[r] * Rk[r];
 #pragma unroll
-        for (int nj = 0; nj < 2; ++nj) {
-            const float* Bb = X + (8 * ks) * 20 + 8 * nj;
-            mma1688tf32(y[nj], af, tf32(Bb[t * 20 + g]), tf32(Bb[(t + 4) * 20 + g]));
+                for (int nj = 0; nj < 2; ++nj) {
+                    const int c = 16 * bj[q] + 8 * nj + 2 * t;
+                    const float2 gc = *reinterpret_cast<const float2*>(Gc + c);
+                    const float2 kc = *reinterpret_cast<const float2*>(Rk + c);
+                    const int lim = IS_Q ? 0 : 1;  // P keeps the diagonal, L does not
+                    const float v0 = (r - c >= lim) ? fr * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f)) : 0.f;
+                    const float v1 = (r - c - 1 >= lim) ? fr * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f)) : 0.f;
+                    if (IS_Q) *reinterpret_cast<u32*>(Pb + r * BST + c) = pack2(v0, v1);
+                    else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
+                }
+            }
         }
     }
+}
+
+// acc[j] (16 rows r0.. x DVS) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem.
+// With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
+template <bool TWO>
+__device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, int r0, const elem* Sb,
+                                                 float acc[NJ][4], float acc2[NJ][4], int lane) {
 #pragma unroll
-    for (int nj = 0; nj < 2; ++nj) {
-        const int r = 16 * bi + g, c = 16 * bj + 8 * nj + 2 * t;
-        Tf[r * FST + c] = -y[nj][0];
-        Tf[r * FST + c + 1] = -y[nj][1];
-        Tf[(r + 8) * FST + c] = -y[nj][2];
-        Tf[(r + 8) * FST + c + 1] = -y[nj][3];
-        *reinterpret_cast<u32*>(Tb + r * BST + c) = pack2(-y[nj][0], -y[nj][1]);
-        *reinterpret_cast<u32*>(Tb + (r + 8) * BST + c) = pack2(-y[nj][2], -y[nj][3]);
+    for (int j = 0; j < NJ; ++j) {
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        if (TWO) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk) {
+        u32 af[4], af2[4];
+        ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
+        if (TWO) ldsm4(af2, a_addr(X2, KST, r0, 16 * kk, lane));
+#pragma unroll
+        for (int jp = 0; jp < NJ / 2; ++jp) {
+            u32 bf[4];
+            ldsm4t(bf, bk_addr(Sb, VST, 16 * kk, 16 * jp, lane));
+            mma16816(acc[2 * jp], af, bf[0], bf[1]);
+            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
+            if (TWO) {
+                mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
+                mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves.
+__device__ __forceinline__ void store_rhs(const float acc[NJ][4], int r0, elem* Vc, elem* Rs, const float* Gc,
+                                          const float* Bt, const float* Rk, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const int ra0 = r0 + g, ra1 = ra0 + 8;
+    const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+    const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int cc = 8 * j + 2 * t;
+        const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
+        const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
+        store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
+                    b0 * (x0.x - f0 * acc[j][0]), b0 * (x0.y - f0 * acc[j][1]));
+        store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
+                    b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
     }
 }
 
@@ -260,7 +398,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     const float neg_A = -__expf(A_log[h]);
     const float dtb = dt_bias[h];
 
-    auto load_chunk = [&](int c, int buf) {
+    auto load_chunk = [&](int c, int buf) {  // K, Q rows and this block's V columns; zero past the end
         elem* Kd = Ks + buf * CH * KST;
         elem* Qd = Qs + buf * CH * KST;
         elem* Vd = Vs + buf * CH * VST;
@@ -281,7 +419,6 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             const long long tt = ok ? tok : 0;
             cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
         }
-        cp_async_commit();
     };
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
@@ -312,32 +449,36 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         }
     };
 
-    if (nchunks > 0) {
-        load_chunk(0, 0);
-        if (warp == 0) load_ab(0);
+#pragma unroll
+    for (int st = 0; st < NST - 1; ++st) {
+        if (st < nchunks) load_chunk(st, st);
+        cp_async_commit();
     }
+    if (warp == 0 && nchunks > 0) load_ab(0);
     float oacc[NJ][4];
-
 #ifdef PROFILE
-    long long prof[10] = {}, tprev = clock64();
+    long long prof[5] = {}, tprev = clock64();
 #endif
+
     for (int c = 0; c < nchunks; ++c) {
-        const int buf = c & 1;
+        const int buf = c % NST;
         const elem* Kc = Ks + buf * CH * KST;
         const elem* Qc = Qs + buf * CH * KST;
         elem* Vc = Vs + buf * CH * VST;  // v, then the high half of rhs
-        cp_async_wait_all();
+        cp_async_wait<NST - 2>();
         MARK(0);
-        if (c + 1 < nchunks) load_chunk(c + 1, buf ^ 1);
+        if (c + NST - 1 < nchunks) load_chunk(c + NST - 1, (c + NST - 1) % NST);
+        cp_async_commit();
 
-        // ---- phase 1: gates (warp 0), l2-norm factors, state -> 16-bit smem
+        // ---- phase 1: gates (warp 0), l2-norm factors (2 threads a row), state -> 16-bit smem
         if (warp == 0) {
             float gv[2], bv[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const bool ok = c * CH + 2 * lane + e < len;
-                gv[e] = ok ? neg_A * softplus_f(ra[e] + dtb) : 0.f;
-                bv[e] = ok ? 1.f / (1.f + __expf(-rb[e])) : 0.f;
+                const float x = ra[e] + dtb;
+                gv[e] = ok ? neg_A * (x > 20.f ? x : __logf(1.f + __expf(x))) : 0.f;
+                bv[e] = ok ? __fdividef(1.f, 1.f + __expf(-rb[e])) : 0.f;
             }
             float incl = gv[0] + gv[1];
 #pragma unroll
@@ -345,28 +486,27 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 const float y = __shfl_up_sync(0xffffffffu, incl, off);
                 if (lane >= off) incl += y;
             }
-            const float excl = incl - gv[0] - gv[1];
-            Gc[2 * lane] = excl + gv[0];
-            Gc[2 * lane + 1] = incl;
-            Bt[2 * lane] = bv[0];
-            Bt[2 * lane + 1] = bv[1];
+            *reinterpret_cast<float2*>(Gc + 2 * lane) = make_float2(incl - gv[1], incl);
+            *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
             if (c + 1 < nchunks) load_ab(c + 1);
         }
-#pragma unroll
-        for (int it = 0; it < 8; ++it) {
-            const int row = 16 * warp + 2 * it + (lane >> 4);  // 0..63 K rows, 64..127 Q rows
-            const elem* src = (row < CH ? Kc + row * KST : Qc + (row - CH) * KST) + (lane & 15) * 8;
-            const uint4 raw = *reinterpret_cast<const uint4*>(src);
+        {
+            const int row = tid >> 1, hf = tid & 1;  // rows 0..63 of K, then 0..63 of Q
+            const elem* src = (row < CH ? Kc + row * KST : Qc + (row - CH) * KST) + 64 * hf;
             float ss = 0.f;
-            const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = unpack2(w4[e]);
-                ss += f.x * f.x + f.y * f.y;
+            for (int i = 0; i < 8; ++i) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(src + 8 * ((i + 4 * hf) & 7));  // bank-rotated
+                const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = unpack2(w4[e]);
+                    ss = fmaf(f.x, f.x, ss);
+                    ss = fmaf(f.y, f.y, ss);
+                }
             }
-#pragma unroll
-            for (int off = 8; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-            if ((lane & 15) == 0) {
+            ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+            if (hf == 0) {
                 const float r = rsqrtf(ss + 1e-6f);
                 if (row < CH) Rk[row] = r;
                 else Rq[row - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
@@ -380,107 +520,36 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         }
         MARK(1);
 
-        // ---- phase 2a: lower blocks of K K^T (-> L, fp32) and Q K^T (-> P, 16-bit)
-        for (int blk = warp; blk < 20; blk += 8) {
-            const bool isq = blk >= 10;
-            const int id = isq ? blk - 10 : blk;
-            const int bi = id < 1 ? 0 : id < 3 ? 1 : id < 6 ? 2 : 3;
-            const int bj = id - bi * (bi + 1) / 2;
-            const elem* X = isq ? Qc : Kc;
-            float acc[2][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; ++kk) {
-                u32 af[4], bf[4];
-                ldsm4(af, a_addr(X, KST, 16 * bi, 16 * kk, lane));
-                ldsm4(bf, bn_addr(Kc, KST, 16 * bj, 16 * kk, lane));
-                mma16816(acc[0], af, bf[0], bf[1]);
-                mma16816(acc[1], af, bf[2], bf[3]);
-            }
-#pragma unroll
-            for (int nj = 0; nj < 2; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 16 * bi + g + 8 * (e >> 1), cl = 16 * bj + 8 * nj + 2 * t + (e & 1);
-                    float val = 0.f;
-                    if (isq) {
-                        if (r >= cl) val = Rq[r] * Rk[cl] * acc[nj][e] * __expf(Gc[r] - Gc[cl]);
-                        Pb[r * BST + cl] = from_f<elem>(val);
-                    } else {
-                        if (r > cl) val = Bt[r] * Rk[r] * Rk[cl] * acc[nj][e] * __expf(Gc[r] - Gc[cl]);
-                        Lf[r * FST + cl] = val;
-                    }
-                }
-        }
-
-#ifdef PROFILE
-        MARK(2);
+        // ---- phase 2: group A: L, then T = (I + L)^-1 [, K S -> rhs];  group B: P, Q S -> o part [, K S -> rhs]
+        if (warp < 4) {
+            tri_products<false>(Kc, Kc, warp, Gc, Bt, Rk, Rq, Lf, Pb, lane);
+            group_sync(1);
+            invert_tril64(Lf, Tf, Tb, Xs, tid);
+#if DVS > 64
+            float kacc[NJ][4];
+            rows_times_state<false>(Kc, Kc, 16 * warp, Sb, kacc, kacc, lane);
+            store_rhs(kacc, 16 * warp, Vc, Rs, Gc, Bt, Rk, lane);
 #endif
-        // ---- phase 2b: [K; Q] S for rows 16 (warp & 3) .. +16 (K for warps 0-3, Q for 4-7)
-        {
-            const bool isq = warp >= 4;
-            const int r0 = 16 * (warp & 3);
-            const elem* X = isq ? Qc : Kc;
+        } else {
+            const int wb = warp - 4;
+            tri_products<true>(Qc, Kc, wb, Gc, Bt, Rk, Rq, Lf, Pb, lane);
+#if DVS > 64
+            rows_times_state<false>(Qc, Qc, 16 * wb, Sb, oacc, oacc, lane);
+#else
+            float kacc[NJ][4];
+            rows_times_state<true>(Qc, Kc, 16 * wb, Sb, oacc, kacc, lane);
+            store_rhs(kacc, 16 * wb, Vc, Rs, Gc, Bt, Rk, lane);
+#endif
+            const int ra0 = 16 * wb + g, ra1 = ra0 + 8;
+            const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; ++kk) {
-                u32 af[4];
-                ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
-#pragma unroll
-                for (int jp = 0; jp < NJ / 2; ++jp) {
-                    u32 bf[4];
-                    ldsm4t(bf, bk_addr(Sb, VST, 16 * kk, 16 * jp, lane));
-                    mma16816(oacc[2 * jp], af, bf[0], bf[1]);
-                    mma16816(oacc[2 * jp + 1], af, bf[2], bf[3]);
-                }
-            }
-            const int ra0 = r0 + g, ra1 = ra0 + 8;
-            if (isq) {
-                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
-                }
-            } else {
-                const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
-                const float b0 = Bt[ra0], b1 = Bt[ra1];
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const int cc = 8 * j + 2 * t;
-                    const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
-                    const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
-                    store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
-                                b0 * (x0.x - f0 * oacc[j][0]), b0 * (x0.y - f0 * oacc[j][1]));
-                    store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
-                                b1 * (x1.x - f1 * oacc[j][2]), b1 * (x1.y - f1 * oacc[j][3]));
-                }
+            for (int j = 0; j < NJ; ++j) {
+                oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
             }
         }
-        MARK(3);
+        MARK(2);
 
-        // ---- phase 3: T = (I + L)^-1 by 16x16 blocks: diagonal blocks by substitution, then 3 levels
-        if (tid < CH) {
-            const int d0 = 16 * (tid >> 4), cc = tid & 15;
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                float acc = (i == cc) ? 1.f : 0.f;
-#pragma unroll
-                for (int kk = 0; kk < i; ++kk) acc -= Lf[(d0 + i) * FST + d0 + kk] * x[kk];
-                x[i] = acc;
-                Tf[(d0 + i) * FST + d0 + cc] = acc;
-                Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(acc);
-            }
-        }
-        MARK(4);
-        if (warp < 3) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 1, warp, lane);
-        MARK(5);
-        if (warp < 2) inverse_block(Lf, Tf, Tb, Xs + warp * 320, warp + 2, warp, lane);
-        MARK(6);
-        if (warp == 0) inverse_block(Lf, Tf, Tb, Xs, 3, 0, lane);
-        MARK(7);
-
-        // ---- phase 4: u = T rhs (rows 16 (warp & 3), column half warp >> 2)
+        // ---- phase 3: u = T rhs (rows 16 (warp & 3), column half warp >> 2)
         {
             const int mt = warp & 3, jh = (warp >> 2) * (NJ / 2);
             float acc[NJ / 2][4];
@@ -512,9 +581,9 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
-        MARK(8);
+        MARK(3);
 
-        // ---- phase 5: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
+        // ---- phase 4: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
         if (warp >= 4) {
             const int mt = warp - 4;
             for (int kk = 0; kk <= mt; ++kk) {
@@ -561,13 +630,14 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             }
         }
 #ifdef PROFILE
-        MARK(9);
+        MARK(4);
 #endif
     }
+    cp_async_wait<0>();
 
 #ifdef PROFILE
     if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
-        for (int i = 0; i < 10; ++i) ht[i] = (float)prof[i];
+        for (int i = 0; i < 5; ++i) ht[i] = (float)prof[i];
     }
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) return;
 #endif

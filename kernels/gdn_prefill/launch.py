@@ -21,9 +21,9 @@ EXTRA_DEFINES: dict = {}  # development only: extra -D flags (PROFILE, variants)
 
 def smem_bytes(dvs: int) -> int:
     """Dynamic shared memory of one block (mirrors the SM_* layout in gdn_prefill.cu)."""
-    vst = dvs + 8
-    return (2 * 2 * 64 * (D + 8) * 2 + 2 * 64 * vst * 2 + D * vst * 2 + 64 * vst * 2
-            + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 3 * 16 * 20 * 4 + 4 * 64 * 4)
+    vst, nst = dvs + 8, 3 if dvs <= 64 else 2
+    return (nst * (2 * 64 * (D + 8) * 2 + 64 * vst * 2) + D * vst * 2 + 64 * vst * 2
+            + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4)
 
 
 def _num_sms(device: torch.device) -> int:
