@@ -19,7 +19,7 @@ const CSS = `
 .qwen35-thinking-text { max-height: 120px; font-size: 11px; }
 .qwen35-answer { flex: 1 1 auto; min-height: 40px; background: var(--comfy-input-bg, #222);
   border-radius: 4px; padding: 4px 6px; }
-.qwen35-answer.qwen35-streaming::after { content: "\\u258D"; opacity: 0.6; }
+.qwen35-answer.qwen35-streaming::after { content: "\\258D"; opacity: 0.6; }
 .qwen35-bar { display: flex; gap: 6px; justify-content: flex-end; }
 .qwen35-bar button { font-size: 11px; padding: 1px 8px; cursor: pointer; }
 `;

@@ -1,0 +1,166 @@
+"""The front end in a real browser: headless Chromium (Debian's `chromium`) driven by Playwright.
+
+Loads each example workflow into ComfyUI's page, checks the front end turns it into the prompt we
+expect, queues one with the Run button and watches the answer stream onto the Generate node.
+Set QWEN35_UPDATE_SCREENSHOT=1 to write the screenshot to docs/screenshot.png (else a temp folder).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from comfyui_harness import DEMO_MODEL, ROOT, WORKFLOWS, load_workflow, to_api
+
+pytestmark = pytest.mark.comfyui
+
+CHROMIUM = os.environ.get("QWEN35_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+OUR_NODES = {"Qwen35ModelLoader", "Qwen35TextPrefill", "Qwen35Generate"}
+
+
+@pytest.fixture(scope="module")
+def browser_env(comfy_server):
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
+    comfy_server.post("/settings/Comfy.TutorialCompleted", True)  # no first-run template dialog
+    return comfy_server
+
+
+async def _open(playwright, url: str, user_dir: str):
+    ctx = await playwright.chromium.launch_persistent_context(
+        user_dir, executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+        viewport={"width": 1600, "height": 900})
+    await ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=url)
+    page = ctx.pages[0] if ctx.pages else await ctx.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(url)
+    await page.wait_for_function(
+        "window.app && window.app.graph && app.extensions.some(e => e.name === 'qwen35.fast')", timeout=90_000)
+    return ctx, page, errors
+
+
+async def _load(page, workflow: dict, max_new_tokens: int):
+    await page.evaluate("wf => app.loadGraphData(wf)", workflow)
+    await page.evaluate("""([model, maxNew]) => {
+        for (const n of app.graph.nodes) for (const w of n.widgets ?? []) {
+            if (n.type === 'Qwen35ModelLoader' && w.name === 'model') w.value = model;
+            if (n.type === 'Qwen35Generate' && w.name === 'max_new_tokens') w.value = maxNew;
+        }
+        app.graph.setDirtyCanvas(true, true);
+    }""", [DEMO_MODEL, max_new_tokens])
+
+
+def test_front_end_reads_every_example_workflow(browser_env, object_info):
+    from playwright.async_api import async_playwright
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                for path in sorted(WORKFLOWS.glob("*.json")):
+                    workflow = load_workflow(path.name)
+                    await page.evaluate("wf => app.loadGraphData(wf)", workflow)
+                    theirs = await page.evaluate("async () => (await app.graphToPrompt()).output")
+                    ours = to_api(workflow, object_info)
+                    for nid, node in ours.items():
+                        if node["class_type"] in OUR_NODES:
+                            assert theirs[nid]["class_type"] == node["class_type"], path.name
+                            assert theirs[nid]["inputs"] == node["inputs"], (path.name, nid)
+                assert not errors, errors
+            finally:
+                await ctx.close()
+
+    asyncio.run(run())
+
+
+def test_answer_streams_onto_the_node_in_the_browser(browser_env):
+    from playwright.async_api import async_playwright
+    update = os.environ.get("QWEN35_UPDATE_SCREENSHOT") == "1"
+    shot = ROOT / "docs" / "screenshot.png" if update else Path(tempfile.mkdtemp()) / "screenshot.png"
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                await _load(page, load_workflow("qwen35_one_prefill_two_seeds.json"), max_new_tokens=48)
+                await page.get_by_test_id("queue-button").click()
+                # text on the node while the cursor still blinks: it arrived token by token
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+                    ".some(e => e.textContent.trim().length > 60)", timeout=180_000)
+                streaming_text = await page.evaluate(
+                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+                    ".map(e => e.textContent).find(t => t.trim())")
+                shot.parent.mkdir(parents=True, exist_ok=True)
+                await page.screenshot(path=str(shot))  # mid-answer: the text as it streams in
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-stats')]"
+                    ".filter(e => e.textContent.includes('tok/s decode')).length === 2", timeout=300_000)
+                answers = await page.evaluate("""() => app.graph.nodes
+                    .filter(n => n.type === 'Qwen35Generate')
+                    .map(n => [String(n.id), n.qwen35.answer.textContent])""")
+                prefill_stats = await page.evaluate(
+                    "[...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)")
+                # the copy button puts the answer on the clipboard
+                await page.locator(".qwen35-bar button").first.click()
+                copied = await page.evaluate("navigator.clipboard.readText()")
+                first_answer = await page.evaluate("document.querySelector('.qwen35-answer').textContent")
+                assert not errors, errors
+                return streaming_text, dict(answers), prefill_stats, copied, first_answer
+            finally:
+                await ctx.close()
+
+    streaming_text, answers, stats, copied, first_answer = asyncio.run(run())
+    assert streaming_text.strip()
+    assert any("prompt tokens" in s and "tok/s" in s for s in stats), stats
+    assert copied == first_answer
+    history = browser_env.get("/history?max_items=1")
+    outputs = next(iter(history.values()))["outputs"]
+    for nid, shown in answers.items():
+        assert shown == outputs[nid]["text"][0], f"node {nid}: the node shows other text than /history"
+    assert shot.stat().st_size > 10_000
+
+
+def test_thinking_is_folded_away_in_the_browser(browser_env):
+    from playwright.async_api import async_playwright
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                await _load(page, load_workflow("qwen35_thinking.json"), max_new_tokens=24)
+                await page.get_by_test_id("queue-button").click()
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('decode'))",
+                    timeout=300_000)
+                state = await page.evaluate("""() => {
+                    const d = document.querySelector('details.qwen35-thinking');
+                    return {hidden: d.hidden, open: d.open,
+                            thinking: d.querySelector('.qwen35-thinking-text').textContent};
+                }""")
+                assert not errors, errors
+                return state
+            finally:
+                await ctx.close()
+
+    state = asyncio.run(run())
+    history = browser_env.get("/history?max_items=1")
+    outputs = next(iter(history.values()))["outputs"]
+    gen = next(nid for nid, out in outputs.items() if "qwen35_generate" in out)
+    assert state["thinking"] == outputs[gen]["thinking"][0]
+    assert not state["open"], "thinking should be folded once the answer is there"
+    assert state["hidden"] == (not outputs[gen]["thinking"][0])
+
+
+def test_workflow_templates_list_the_examples(comfy_server):
+    templates = comfy_server.get("/workflow_templates")
+    ours = next(v for k, v in templates.items() if k.startswith("Qwen3.5-Fast"))
+    assert sorted(ours) == sorted(p.stem for p in WORKFLOWS.glob("*.json"))
