@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="only say what would be done")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[qwen35-fast install] %(message)s", stream=sys.stdout)
+    handler = logging.StreamHandler(sys.stdout)  # ComfyUI-Manager shows the script's stdout
+    handler.setFormatter(logging.Formatter("[qwen35-fast install] %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
     package, message = plan()
     log.info("%s", message)
     if package and not args.dry_run:

@@ -1,0 +1,111 @@
+"""install.py, the script ComfyUI-Manager runs after requirements.txt: CuPy for torch's CUDA, once."""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def install():
+    spec = importlib.util.spec_from_file_location("qwen35_install_script", ROOT / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_env(install, monkeypatch, cuda, installed, pip_ok=True):
+    """torch built for `cuda`, the packages in `installed` {dist: version}; pip calls are recorded."""
+    calls = []
+    monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", cuda))
+    monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
+    monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, Path(cmd[cmd.index("--constraint") + 1]).read_text()))
+        if pip_ok:
+            installed[cmd[-1]] = "14.2.0"
+        return subprocess.CompletedProcess(cmd, 0 if pip_ok else 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(install.subprocess, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("cuda, package", [("13.0", "cupy-cuda13x"), ("12.8", "cupy-cuda12x"),
+                                           ("12.4", "cupy-cuda12x")])
+def test_picks_the_cupy_for_torchs_cuda_and_does_nothing_the_second_time(install, monkeypatch, capsys, cuda,
+                                                                        package):
+    installed = {"torch": "2.14.1", "numpy": "2.2.0"}
+    calls = fake_env(install, monkeypatch, cuda, installed)
+    assert install.main([]) == 0
+    assert len(calls) == 1
+    cmd, constraints = calls[0]
+    assert cmd[-1] == package and "torch" not in cmd[-1]
+    assert "torch==2.14.1" in constraints and "numpy==2.2.0" in constraints  # torch is never touched
+    assert install.main([]) == 0
+    assert len(calls) == 1, "the second run installed again"
+    out = capsys.readouterr().out
+    assert f"installing {package}" in out and "Nothing to do" in out
+
+
+def test_without_cuda_says_so_and_exits_0(install, monkeypatch, capsys):
+    calls = fake_env(install, monkeypatch, None, {})
+    assert install.main([]) == 0
+    assert not calls
+    assert "runs on PyTorch" in capsys.readouterr().out
+
+
+def test_unknown_cuda_version_is_left_alone(install, monkeypatch, capsys):
+    calls = fake_env(install, monkeypatch, "11.8", {})
+    assert install.main([]) == 0
+    assert not calls and "runs on PyTorch" in capsys.readouterr().out
+
+
+def test_a_mismatched_cupy_is_reported_not_replaced(install, monkeypatch, capsys):
+    calls = fake_env(install, monkeypatch, "13.0", {"cupy-cuda12x": "13.6.0"})
+    assert install.main([]) == 0
+    assert not calls
+    out = capsys.readouterr().out
+    assert "cupy-cuda12x 13.6.0" in out and "pip uninstall cupy-cuda12x" in out
+
+
+def test_failed_install_says_how_to_retry_and_exits_0(install, monkeypatch, capsys):
+    calls = fake_env(install, monkeypatch, "13.0", {}, pip_ok=False)
+    assert install.main([]) == 0
+    assert len(calls) == 1
+    out = capsys.readouterr().out
+    assert "could not install cupy-cuda13x" in out and "pip install cupy-cuda13x" in out
+
+
+def test_dry_run_installs_nothing(install, monkeypatch, capsys):
+    calls = fake_env(install, monkeypatch, "13.0", {})
+    assert install.main(["--dry-run"]) == 0
+    assert not calls
+
+
+def test_without_network_for_real_it_exits_0(tmp_path):
+    """The real script and the real pip, offline, in a fresh venv whose torch claims CUDA 12.4."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text(textwrap.dedent("""
+        __version__ = "2.6.0+cu124"
+        class version:
+            cuda = "12.4"
+    """))
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty), "PIP_CONFIG_FILE": os.devnull}
+    done = subprocess.run([str(python), str(ROOT / "install.py")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "installing cupy-cuda12x" in done.stdout
+    assert "could not install cupy-cuda12x" in done.stdout and "runs on PyTorch" in done.stdout
