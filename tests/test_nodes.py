@@ -206,3 +206,24 @@ def test_errors_reach_comfyui_with_the_runtime_message(pack, loaded, models_dir)
                                        keep_loaded=True)
     with pytest.raises(Qwen35Error, match="max_new_tokens"):
         _generate(pack, _prefill(pack, loaded), max_new_tokens=0)
+
+
+@pytest.mark.gpu
+def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack, models_dir, comfy):
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="bf16", device="cuda", backend="auto",
+                                           keep_loaded=True)[0]
+    size = model.model_size()
+    assert torch.cuda.memory_allocated() - base >= size
+    pf = _prefill(pack, model)
+    comfy.mm.unload_all_models()  # "Unload models" / POST /free
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    assert held < size, f"{held} bytes still on the GPU after unload (weights: {size})"
+    _generate(pack, pf, max_new_tokens=4)  # loads the weights back by itself
+    assert torch.cuda.memory_allocated() - base >= size
+    model.keep_loaded = False
+    _generate(pack, pf, max_new_tokens=4)  # keep_loaded off: weights leave after the run
+    assert torch.cuda.memory_allocated() - base < size
