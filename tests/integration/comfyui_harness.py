@@ -13,6 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "example_workflows"
 DEMO_MODEL = "qwen35-demo"
+# ComfyUI-Manager names the folder as it likes; relative imports must not care. (No space: ComfyUI
+# 0.29 lists web files under a folder with a space but answers 404 for them, for every pack.)
+PACK_FOLDER = "Qwen3.5-Fast.odd_name"
 
 
 def checkpoint_for_tests() -> Path:

@@ -16,11 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_harness import DEMO_MODEL, ROOT, ComfyServer, checkpoint_for_tests, free_port
+from comfyui_harness import DEMO_MODEL, PACK_FOLDER, ROOT, ComfyServer, checkpoint_for_tests, free_port
 
-# ComfyUI-Manager names the folder as it likes; relative imports must not care. (No space: ComfyUI
-# 0.29 lists web files under a folder with a space but answers 404 for them, for every pack.)
-PACK_FOLDER = "Qwen3.5-Fast.odd_name"
 START_TIMEOUT_S = 300
 
 

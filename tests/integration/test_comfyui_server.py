@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from comfyui_harness import (WORKFLOWS, for_tests, load_workflow, pack_nodes, run_ws, runnable_part,
+from comfyui_harness import (PACK_FOLDER, WORKFLOWS, for_tests, load_workflow, pack_nodes, run_ws, runnable_part,
                              simple_prompt, to_api, collect_ws)
 
 pytestmark = pytest.mark.comfyui
@@ -44,7 +44,12 @@ def test_pack_loaded_under_odd_folder_name_and_serves_its_web_extension(comfy_se
     import urllib.request
     with urllib.request.urlopen(comfy_server.url + ours[0]) as r:  # noqa: S310
         assert b"registerExtension" in r.read()
-    assert "Cannot import" not in comfy_server.log_text()
+    log = comfy_server.log_text()
+    assert "Cannot import" not in log
+    # ComfyUI times each pack's import at start-up: ours must not slow it down
+    seconds = re.search(r"([0-9.]+) seconds: \S*" + re.escape(PACK_FOLDER), log)
+    assert seconds, "no import time logged for the pack"
+    assert float(seconds.group(1)) < 1.0, f"importing the pack took {seconds.group(1)} s"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in WORKFLOWS.glob("*.json")))
