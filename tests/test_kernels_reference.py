@@ -208,8 +208,6 @@ def test_conv_prefill_ref_matches_formula(lens, with_init, with_bias, W):
         assert torch.equal(y, y2) and torch.equal(st, st2)
 
 
-@pytest.mark.xfail(strict=True, reason="reference.py: F.conv1d rejects a sequence of 0 tokens (input W-1 < W); "
-                   "the final state should be the initial state")
 def test_conv_prefill_ref_empty_sequence():
     C, W = 4, 4
     x = torch.randn(1, 3, C)

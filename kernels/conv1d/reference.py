@@ -22,10 +22,12 @@ def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqle
         prev = (torch.zeros(C, W - 1, dtype=x.dtype, device=x.device) if initial_state is None
                 else initial_state[n].to(x.dtype))
         xs = torch.cat([prev, x[row, s:e].transpose(0, 1)], dim=1)  # [C, W-1+L]
+        states.append(xs[:, xs.shape[1] - (W - 1):])
+        if e == s:  # an empty sequence keeps its initial state
+            continue
         out = F.conv1d(xs[None].float(), weight.float()[:, None, :], None if bias is None else bias.float(),
                        groups=C)[0]
         y[row, s:e] = F.silu(out).transpose(0, 1).to(x.dtype)
-        states.append(xs[:, xs.shape[1] - (W - 1):])
     return y, torch.stack(states)
 
 
