@@ -242,48 +242,45 @@ __device__ __forceinline__ void tri_block(int id, int& bi, int& bj) {  // 0..9 -
     bj = id - bi * (bi + 1) / 2;
 }
 
-// The lower 16x16 blocks {w, w+4, w+8} (< 10) of X K^T (X = K or Q raw rows), scaled and masked:
+// The lower 16x16 blocks {w, w+4, w+8} (< 10; warps 2, 3 redo block w as their third) of X K^T
+// (X = raw K rows, or Q rows if is_q), scaled and masked, in one code path for both groups:
 // K K^T -> L (fp32, strictly lower, beta_i rk_i rk_j e^{G_i-G_j});  Q K^T -> P (16-bit, rq_i rk_j e^{..}).
-template <bool IS_Q>
-__device__ __forceinline__ void tri_products(const elem* X, const elem* Kc, int w, const float* Gc, const float* Bt,
-                                             const float* Rk, const float* Rq, float* Lf, elem* Pb, int lane) {
+__device__ __forceinline__ void tri_products(bool is_q, const elem* X, const elem* Kc, int w, const float* Gc,
+                                             const float* Bt, const float* Rk, const float* Rq, float* Lf,
+                                             elem* Pb, int lane) {
     const int g = lane >> 2, t = lane & 3;
-    const int nb = w < 2 ? 3 : 2;
     int bi[3], bj[3];
 #pragma unroll
-    for (int q = 0; q < 3; ++q) tri_block(q < nb ? w + 4 * q : w, bi[q], bj[q]);
+    for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
     float acc[3][2][4] = {};
-#pragma unroll
+#pragma unroll 1
     for (int kk = 0; kk < DK / 16; ++kk) {
 #pragma unroll
         for (int q = 0; q < 3; ++q) {
-            if (q < nb) {
-                u32 af[4], bf[4];
-                ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
-                ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
-                mma16816(acc[q][0], af, bf[0], bf[1]);
-                mma16816(acc[q][1], af, bf[2], bf[3]);
-            }
+            u32 af[4], bf[4];
+            ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
+            ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
+            mma16816(acc[q][0], af, bf[0], bf[1]);
+            mma16816(acc[q][1], af, bf[2], bf[3]);
         }
     }
+    const int lim = is_q ? 0 : 1;  // P keeps the diagonal, L does not
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
-        if (q < nb) {
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int r = 16 * bi[q] + g + 8 * hr;
-                const float gr = Gc[r], fr = IS_Q ? Rq[r] : Bt[r] * Rk[r];
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = 16 * bi[q] + g + 8 * hr;
+            const float gr = Gc[r], fr = is_q ? Rq[r] : Bt[r] * Rk[r];
 #pragma unroll
-                for (int nj = 0; nj < 2; ++nj) {
-                    const int c = 16 * bj[q] + 8 * nj + 2 * t;
-                    const float2 gc = *reinterpret_cast<const float2*>(Gc + c);
-                    const float2 kc = *reinterpret_cast<const float2*>(Rk + c);
-                    const int lim = IS_Q ? 0 : 1;  // P keeps the diagonal, L does not
-                    const float v0 = (r - c >= lim) ? fr * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f)) : 0.f;
-                    const float v1 = (r - c - 1 >= lim) ? fr * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f)) : 0.f;
-                    if (IS_Q) *reinterpret_cast<u32*>(Pb + r * BST + c) = pack2(v0, v1);
-                    else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
-                }
+            for (int nj = 0; nj < 2; ++nj) {
+                const int c = 16 * bj[q] + 8 * nj + 2 * t;
+                const float2 gc = *reinterpret_cast<const float2*>(Gc + c);
+                const float2 kc = *reinterpret_cast<const float2*>(Rk + c);
+                const float m0 = (r - c >= lim) ? fr : 0.f, m1 = (r - c - 1 >= lim) ? fr : 0.f;
+                const float v0 = m0 * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f));
+                const float v1 = m1 * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f));
+                if (is_q) *reinterpret_cast<u32*>(Pb + r * BST + c) = pack2(v0, v1);
+                else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
             }
         }
     }
@@ -299,7 +296,7 @@ __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, 
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
         if (TWO) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
     }
-#pragma unroll
+#pragma unroll 1
     for (int kk = 0; kk < DK / 16; ++kk) {
         u32 af[4], af2[4];
         ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
@@ -521,8 +518,8 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         MARK(1);
 
         // ---- phase 2: group A: L, then T = (I + L)^-1 [, K S -> rhs];  group B: P, Q S -> o part [, K S -> rhs]
+        tri_products(warp >= 4, warp >= 4 ? Qc : Kc, Kc, warp & 3, Gc, Bt, Rk, Rq, Lf, Pb, lane);  // one copy of the code
         if (warp < 4) {
-            tri_products<false>(Kc, Kc, warp, Gc, Bt, Rk, Rq, Lf, Pb, lane);
             group_sync(1);
             invert_tril64(Lf, Tf, Tb, Xs, tid);
 #if DVS > 64
@@ -532,7 +529,6 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
 #endif
         } else {
             const int wb = warp - 4;
-            tri_products<true>(Qc, Kc, wb, Gc, Bt, Rk, Rq, Lf, Pb, lane);
 #if DVS > 64
             rows_times_state<false>(Qc, Qc, 16 * wb, Sb, oacc, oacc, lane);
 #else
@@ -613,7 +609,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             for (int j = 0; j < NJ; ++j) {
                 s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
             }
-#pragma unroll
+#pragma unroll 1
             for (int kk = 0; kk < CH / 16; ++kk) {
                 u32 af[4];
                 ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
