@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
-PHASES = ["wait", "norm+gate", "L,T,P,[K;Q]S", "T rhs", "o+state"]
-VARIANTS = {"base": {}, "noclob": {"NO_LDSM_CLOBBER": 1}}
+PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
+VARIANTS = {}  # name -> extra defines, timed at B=1 and B=8, L=4096
 
 
 def main():
@@ -25,11 +25,12 @@ def main():
         return
     import triton.testing
     nch = Lq // 64
-    for split in (32, 128):
+    for split in (32, 64, 128):
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES["PROFILE"] = 1
         _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split)
         cyc = ht.flatten()[:len(PHASES)].cpu() / nch
+        L.EXTRA_DEFINES.clear()
         print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))
               + f" total={cyc.sum():.0f}")
     for name, defs in VARIANTS.items():

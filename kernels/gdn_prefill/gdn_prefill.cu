@@ -1,17 +1,19 @@
-// Gated DeltaNet chunked prefill, one fused kernel (NVRTC, sm_80+; tuned for sm_90).
+// Gated DeltaNet chunked prefill (NVRTC, sm_80+; tuned for sm_90): two kernels.
 //
-// One thread block owns one (sequence, value head, slice of DVS state columns). The state columns
-// are independent in the delta rule (u = T (beta v - beta e^G K S) needs only S's own columns), so
-// slicing Dv fills the machine when B * Hv is small, with only the chunk-local work (K K^T, Q K^T
-// and the 64x64 triangular inverse) repeated per slice. The block walks its sequence in chunks of
-// 64 tokens; the fp32 state stays in mma accumulator registers across chunks, and nothing but the
-// inputs, o and the final state touches device memory.
-//
-// Per chunk (G = in-chunk cumsum of the log gates, rk/rq = l2-norm factors, K/Q raw rows):
-//   L = tril(beta_i rk_i rk_j e^{G_i-G_j} K K^T, -1)     T = (I + L)^-1   (fp32/tf32, then bf16)
-//   P = tril(rq_i rk_j e^{G_i-G_j} Q K^T)
-//   rhs = beta (v - e^G rk (K S));  u = T rhs;  o = rq e^G (Q S) + P u
-//   S  <- e^{G_end} S + K^T (rk e^{G_end - G} u)
+// gdn_chunk_prep: one 128-thread block per (chunk of 64 tokens, value head), all chunks at once.
+//   From raw q, k, a, b it computes the gates G (in-chunk cumsum of g), beta, the l2-norm factors
+//   rk, rq (q scale folded in), and the two 64x64 chunk matrices that do not depend on the state:
+//     L = tril(beta_i rk_i rk_j e^{G_i-G_j} K K^T, -1)     T = (I + L)^-1   (fp32/tf32, then 16-bit)
+//     P = tril(rq_i rk_j e^{G_i-G_j} Q K^T)
+//   and writes T, P (16-bit) and the four per-token vectors (fp32), ~17 KB per (chunk, head).
+// gdn_chunk_prefill_fwd: one 256-thread block per (sequence, value head, DVS state columns) walks
+//   its chunks in order with the fp32 state in mma accumulator registers:
+//     rhs = beta (v - e^G rk (K S));  u = T rhs;  o = rq e^G (Q S) + P u
+//     S  <- e^{G_end} S + K^T (rk e^{G_end - G} u)
+//   The state columns are independent, so slicing Dv is an exact split that fills the machine when
+//   B * Hv is small. K, Q, V, T, P of the next chunks stream in with cp.async while one computes.
+// The chunk-local work is thus done once per (chunk, head) at full occupancy instead of on the
+// sequential path of every Dv slice (that fused variant was ~3x slower per chunk step).
 // rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
 // alone would put the final state's error near 3e-3; split, it is ~1e-6 (strong decay) to ~7e-4.
 #include "common.cuh"
@@ -32,8 +34,9 @@ typedef unsigned int u32;
 
 #define CH 64       // chunk length
 #define DK 128      // key / value head dim
-#define NTHR 256    // 8 warps: group A = warps 0-3, group B = warps 4-7
-#define NST (DVS <= 64 ? 3 : 2)  // K, Q, V pipeline stages (prefetch distance NST - 1 chunks)
+#define NTHR 256    // main kernel: 8 warps
+#define PTHR 128    // prep kernel: 4 warps
+#define NST (DVS <= 32 ? 3 : 2)  // main kernel pipeline stages (prefetch distance NST - 1 chunks)
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
 #define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
 #define FST 72          // fp32 row stride of L and T
@@ -48,19 +51,37 @@ typedef unsigned int u32;
 
 static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128");
 
-// ---------------------------------------------------------------- shared memory layout (bytes)
-#define SM_K 0
-#define SM_Q (SM_K + NST * CH * KST * 2)
-#define SM_V (SM_Q + NST * CH * KST * 2)
-#define SM_S (SM_V + NST * CH * VST * 2)  // 16-bit state; reused for u once K S, Q S are done
-#define SM_RHS (SM_S + DK * VST * 2) // low half of rhs (the high half overwrites this chunk's v)
-#define SM_L (SM_RHS + CH * VST * 2)   // fp32 L; reused for the scaled u (high) once T is built
-#define SM_T (SM_L + CH * FST * 4)     // fp32 T; reused for the scaled u (low)
-#define SM_TB (SM_T + CH * FST * 4)
-#define SM_P (SM_TB + CH * BST * 2)
-#define SM_X (SM_P + CH * BST * 2)     // 4 warps x 16x16 fp32 scratch for the inverse
-#define SM_VEC (SM_X + 4 * 16 * 20 * 4)
-#define SM_TOTAL (SM_VEC + 4 * CH * 4)
+// ---------------------------------------------------------------- shared memory layouts (bytes)
+// prep kernel
+#define PSM_K 0
+#define PSM_Q (PSM_K + CH * KST * 2)
+#define PSM_L (PSM_Q + CH * KST * 2)
+#define PSM_T (PSM_L + CH * FST * 4)
+#define PSM_TB (PSM_T + CH * FST * 4)
+#define PSM_P (PSM_TB + CH * BST * 2)
+#define PSM_X (PSM_P + CH * BST * 2)     // 4 warps x 16x16 fp32 scratch for the inverse
+#define PSM_VEC (PSM_X + 4 * 16 * 20 * 4)
+#define PSM_TOTAL (PSM_VEC + 4 * CH * 4)
+// main kernel: NST stages of K, Q, V, T, P, vectors; then the 16-bit state (reused for u), rhs (lo),
+// and the scaled u (hi, lo)
+#define STAGE_BYTES (2 * CH * KST * 2 + CH * VST * 2 + 2 * CH * BST * 2 + 4 * CH * 4)
+#define SO_Q (CH * KST * 2)
+#define SO_V (2 * CH * KST * 2)
+#define SO_T (SO_V + CH * VST * 2)
+#define SO_P (SO_T + CH * BST * 2)
+#define SO_F (SO_P + CH * BST * 2)
+#define SM_S (NST * STAGE_BYTES)
+#define SM_RHS (SM_S + DK * VST * 2)
+#define SM_UH (SM_RHS + CH * VST * 2)
+#define SM_UL (SM_UH + CH * VST * 2)
+#define SM_TOTAL (SM_UL + CH * VST * 2)
+
+// Index of the first (chunk, head) slot of sequence n in the prep buffers: n * chunks-per-sequence
+// when all have length T, else bos / 64 + n (distinct and increasing for packed sequences; fewer
+// than T_total / 64 + N slots in all).
+__device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
+    return cu_seqlens ? cu_seqlens[n] / CH + n : n * ((T + CH - 1) / CH);
+}
 
 // ---------------------------------------------------------------- tensor core helpers
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -334,38 +355,153 @@ __device__ __forceinline__ void store_rhs(const float acc[NJ][4], int r0, elem* 
     }
 }
 
+// Grid: (slots, Hv) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences.
+// Outputs per (slot, head): Tg, Pg [64][64] 16-bit (lower blocks; upper blocks zero), Fg [4][64] fp32
+// (G, beta, rk, rq). Strides in elements.
+extern "C" __global__ void __launch_bounds__(PTHR)
+gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
+               const abt* __restrict__ a, const abt* __restrict__ b,
+               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+               const int* __restrict__ cu_seqlens,
+               elem* __restrict__ Tg, elem* __restrict__ Pg, float* __restrict__ Fg,
+               int T, int Hk, int Hv, int N,
+               long long q_sb, long long q_st, long long q_sh,
+               long long k_sb, long long k_st, long long k_sh,
+               long long a_sb, long long a_st, long long a_sh,
+               long long b_sb, long long b_st, long long b_sh)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem* Ks = reinterpret_cast<elem*>(smem + PSM_K);
+    elem* Qs = reinterpret_cast<elem*>(smem + PSM_Q);
+    float* Lf = reinterpret_cast<float*>(smem + PSM_L);
+    float* Tf = reinterpret_cast<float*>(smem + PSM_T);
+    elem* Tb = reinterpret_cast<elem*>(smem + PSM_TB);
+    elem* Pb = reinterpret_cast<elem*>(smem + PSM_P);
+    float* Xs = reinterpret_cast<float*>(smem + PSM_X);
+    float* Gc = reinterpret_cast<float*>(smem + PSM_VEC);
+    float* Bt = Gc + CH;
+    float* Rk = Bt + CH;
+    float* Rq = Rk + CH;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int slot = blockIdx.x, h = blockIdx.y;
+    const int hk = h / (Hv / Hk);
+    int n, c, len, batch;
+    long long bos;
+    if (cu_seqlens) {  // the sequence whose slots hold this one: largest n with first_slot(n) <= slot
+        int lo = 0, hi = N - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (first_slot(cu_seqlens, mid, T) <= slot) lo = mid; else hi = mid - 1;
+        }
+        n = lo;
+        batch = 0;
+        bos = cu_seqlens[n];
+        len = cu_seqlens[n + 1] - (int)bos;
+        c = slot - first_slot(cu_seqlens, n, T);
+    } else {
+        const int nch = (T + CH - 1) / CH;
+        n = slot / nch;
+        c = slot - n * nch;
+        batch = n;
+        bos = 0;
+        len = T;
+    }
+    if (c * CH >= len) return;  // a gap between packed sequences
+    const int tok0 = c * CH;
+    const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
+    const elem* kb = k + batch * k_sb + (bos + tok0) * k_st + hk * k_sh;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int idx = tid + i * PTHR, row = idx >> 4, col = (idx & 15) * 8;
+        const bool ok = tok0 + row < len;
+        const long long tt = ok ? row : 0;
+        cp_async16(Ks + row * KST + col, kb + tt * k_st + col, ok);
+        cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
+    }
+    cp_async_commit();
+    if (warp == 0) {  // gates of tokens 2 lane, 2 lane + 1, and their in-chunk cumsum
+        const abt* ab = a + batch * a_sb + (bos + tok0) * a_st + h * a_sh;
+        const abt* bb = b + batch * b_sb + (bos + tok0) * b_st + h * b_sh;
+        const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+        float gv[2], bv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int i = 2 * lane + e;
+            const bool ok = tok0 + i < len;
+            const float x = ok ? to_f(ab[i * a_st]) + dtb : 0.f;
+            const float y = ok ? to_f(bb[i * b_st]) : 0.f;
+            gv[e] = ok ? neg_A * (x > 20.f ? x : log1pf(__expf(x))) : 0.f;
+            bv[e] = ok ? 1.f / (1.f + __expf(-y)) : 0.f;
+        }
+        float incl = gv[0] + gv[1];
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += y;
+        }
+        *reinterpret_cast<float2*>(Gc + 2 * lane) = make_float2(incl - gv[1], incl);
+        *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    {  // l2-norm factor of row tid (K rows 0..63, then Q rows)
+        const elem* src = tid < CH ? Ks + tid * KST : Qs + (tid - CH) * KST;
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(src + 8 * i);
+            const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = unpack2(w4[e]);
+                ss = fmaf(f.x, f.x, ss);
+                ss = fmaf(f.y, f.y, ss);
+            }
+        }
+        const float r = rsqrtf(ss + 1e-6f);
+        if (tid < CH) Rk[tid] = r;
+        else Rq[tid - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int m = 0; m < 2; ++m)
+        tri_products(m == 1, m == 1 ? Qs : Ks, Ks, warp, Gc, Bt, Rk, Rq, Lf, Pb, lane);
+    __syncthreads();
+    invert_tril64(Lf, Tf, Tb, Xs, tid);
+    __syncthreads();
+
+    const long long ob = ((long long)slot * Hv + h) * CH * CH;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B per matrix; upper blocks as zeros
+        const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
+        const bool upper = (col >> 4) > (row >> 4);
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = upper ? z : *reinterpret_cast<const uint4*>(Tb + row * BST + col);
+        *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = upper ? z : *reinterpret_cast<const uint4*>(Pb + row * BST + col);
+    }
+    if (tid < CH)
+        *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =
+            *reinterpret_cast<const float4*>(Gc + 4 * tid);
+}
+
 // Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
 gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
-                      const abt* __restrict__ a, const abt* __restrict__ b,
-                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                      const elem* __restrict__ Tg, const elem* __restrict__ Pg, const float* __restrict__ Fg,
                       const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
                       elem* __restrict__ o, float* __restrict__ ht,
                       int T, int Hk, int Hv,
                       long long q_sb, long long q_st, long long q_sh,
                       long long k_sb, long long k_st, long long k_sh,
-                      long long v_sb, long long v_st, long long v_sh,
-                      long long a_sb, long long a_st, long long a_sh,
-                      long long b_sb, long long b_st, long long b_sh)
+                      long long v_sb, long long v_st, long long v_sh)
 {
     extern __shared__ __align__(128) unsigned char smem[];
-    elem* Ks = reinterpret_cast<elem*>(smem + SM_K);
-    elem* Qs = reinterpret_cast<elem*>(smem + SM_Q);
-    elem* Vs = reinterpret_cast<elem*>(smem + SM_V);
     elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
-    elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
-    float* Lf = reinterpret_cast<float*>(smem + SM_L);
-    float* Tf = reinterpret_cast<float*>(smem + SM_T);
     elem* Ub = reinterpret_cast<elem*>(smem + SM_S);   // u, once the 16-bit state is dead
-    elem* Uh = reinterpret_cast<elem*>(smem + SM_L);   // rk e^{G_end-G} u (hi), once L is dead
-    elem* Ul = reinterpret_cast<elem*>(smem + SM_T);   // (lo), once T (fp32) is dead
-    elem* Tb = reinterpret_cast<elem*>(smem + SM_TB);
-    elem* Pb = reinterpret_cast<elem*>(smem + SM_P);
-    float* Xs = reinterpret_cast<float*>(smem + SM_X);
-    float* Gc = reinterpret_cast<float*>(smem + SM_VEC);
-    float* Bt = Gc + CH;
-    float* Rk = Bt + CH;
-    float* Rq = Rk + CH;
+    elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
+    elem* Uh = reinterpret_cast<elem*>(smem + SM_UH);  // rk e^{G_end-G} u (hi)
+    elem* Ul = reinterpret_cast<elem*>(smem + SM_UL);  // (lo)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -385,20 +521,21 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         len = T;
         batch_tok = (long long)n * T;
     }
+    const int slot0 = first_slot(cu_seqlens, n, T);
     const elem* qb = q + batch * q_sb + bos * q_st + hk * q_sh;
     const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
     const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
-    const abt* ab = a + batch * a_sb + bos * a_st + h * a_sh;
-    const abt* bb = b + batch * b_sb + bos * b_st + h * b_sh;
     elem* ob = o + (batch_tok * Hv + h) * DK + v0;
     const int nchunks = (len + CH - 1) / CH;
-    const float neg_A = -__expf(A_log[h]);
-    const float dtb = dt_bias[h];
 
-    auto load_chunk = [&](int c, int buf) {  // K, Q rows and this block's V columns; zero past the end
-        elem* Kd = Ks + buf * CH * KST;
-        elem* Qd = Qs + buf * CH * KST;
-        elem* Vd = Vs + buf * CH * VST;
+    auto load_chunk = [&](int c, int buf) {  // K, Q rows, this block's V columns (zero past the end), T, P, vectors
+        unsigned char* st = smem + buf * STAGE_BYTES;
+        elem* Kd = reinterpret_cast<elem*>(st);
+        elem* Qd = reinterpret_cast<elem*>(st + SO_Q);
+        elem* Vd = reinterpret_cast<elem*>(st + SO_V);
+        elem* Td = reinterpret_cast<elem*>(st + SO_T);
+        elem* Pd = reinterpret_cast<elem*>(st + SO_P);
+        float* Fd = reinterpret_cast<float*>(st + SO_F);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
@@ -416,6 +553,14 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             const long long tt = ok ? tok : 0;
             cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
         }
+        const long long sb = ((long long)(slot0 + c) * Hv + h) * CH * CH;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
+            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, true);
+        }
+        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
@@ -433,25 +578,11 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     }
 
-    // Warp 0 keeps the raw a, b of the next chunk's tokens 2 lane, 2 lane + 1 in registers.
-    float ra[2] = {0.f, 0.f}, rb[2] = {0.f, 0.f};
-    auto load_ab = [&](int c) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = c * CH + 2 * lane + e;
-            if (tok < len) {
-                ra[e] = to_f(ab[(long long)tok * a_st]);
-                rb[e] = to_f(bb[(long long)tok * b_st]);
-            }
-        }
-    };
-
 #pragma unroll
     for (int st = 0; st < NST - 1; ++st) {
         if (st < nchunks) load_chunk(st, st);
         cp_async_commit();
     }
-    if (warp == 0 && nchunks > 0) load_ab(0);
     float oacc[NJ][4];
 #ifdef PROFILE
     long long prof[5] = {}, tprev = clock64();
@@ -459,56 +590,22 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
 
     for (int c = 0; c < nchunks; ++c) {
         const int buf = c % NST;
-        const elem* Kc = Ks + buf * CH * KST;
-        const elem* Qc = Qs + buf * CH * KST;
-        elem* Vc = Vs + buf * CH * VST;  // v, then the high half of rhs
+        unsigned char* st = smem + buf * STAGE_BYTES;
+        const elem* Kc = reinterpret_cast<const elem*>(st);
+        const elem* Qc = reinterpret_cast<const elem*>(st + SO_Q);
+        elem* Vc = reinterpret_cast<elem*>(st + SO_V);  // v, then the high half of rhs
+        const elem* Tb = reinterpret_cast<const elem*>(st + SO_T);
+        const elem* Pb = reinterpret_cast<const elem*>(st + SO_P);
+        const float* Gc = reinterpret_cast<const float*>(st + SO_F);
+        const float* Bt = Gc + CH;
+        const float* Rk = Bt + CH;
+        const float* Rq = Rk + CH;
         cp_async_wait<NST - 2>();
         MARK(0);
         if (c + NST - 1 < nchunks) load_chunk(c + NST - 1, (c + NST - 1) % NST);
         cp_async_commit();
 
-        // ---- phase 1: gates (warp 0), l2-norm factors (2 threads a row), state -> 16-bit smem
-        if (warp == 0) {
-            float gv[2], bv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const bool ok = c * CH + 2 * lane + e < len;
-                const float x = ra[e] + dtb;
-                gv[e] = ok ? neg_A * (x > 20.f ? x : __logf(1.f + __expf(x))) : 0.f;
-                bv[e] = ok ? __fdividef(1.f, 1.f + __expf(-rb[e])) : 0.f;
-            }
-            float incl = gv[0] + gv[1];
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += y;
-            }
-            *reinterpret_cast<float2*>(Gc + 2 * lane) = make_float2(incl - gv[1], incl);
-            *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
-            if (c + 1 < nchunks) load_ab(c + 1);
-        }
-        {
-            const int row = tid >> 1, hf = tid & 1;  // rows 0..63 of K, then 0..63 of Q
-            const elem* src = (row < CH ? Kc + row * KST : Qc + (row - CH) * KST) + 64 * hf;
-            float ss = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(src + 8 * ((i + 4 * hf) & 7));  // bank-rotated
-                const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = unpack2(w4[e]);
-                    ss = fmaf(f.x, f.x, ss);
-                    ss = fmaf(f.y, f.y, ss);
-                }
-            }
-            ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-            if (hf == 0) {
-                const float r = rsqrtf(ss + 1e-6f);
-                if (row < CH) Rk[row] = r;
-                else Rq[row - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
-            }
-        }
+        // ---- phase 1: state -> 16-bit smem
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const int r = 16 * warp + g, cc = 8 * j + 2 * t;
@@ -517,30 +614,19 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         }
         MARK(1);
 
-        // ---- phase 2: group A: L, then T = (I + L)^-1 [, K S -> rhs];  group B: P, Q S -> o part [, K S -> rhs]
-        tri_products(warp >= 4, warp >= 4 ? Qc : Kc, Kc, warp & 3, Gc, Bt, Rk, Rq, Lf, Pb, lane);  // one copy of the code
-        if (warp < 4) {
-            group_sync(1);
-            invert_tril64(Lf, Tf, Tb, Xs, tid);
-#if DVS > 64
-            float kacc[NJ][4];
-            rows_times_state<false>(Kc, Kc, 16 * warp, Sb, kacc, kacc, lane);
-            store_rhs(kacc, 16 * warp, Vc, Rs, Gc, Bt, Rk, lane);
-#endif
-        } else {
-            const int wb = warp - 4;
-#if DVS > 64
-            rows_times_state<false>(Qc, Qc, 16 * wb, Sb, oacc, oacc, lane);
-#else
-            float kacc[NJ][4];
-            rows_times_state<true>(Qc, Kc, 16 * wb, Sb, oacc, kacc, lane);
-            store_rhs(kacc, 16 * wb, Vc, Rs, Gc, Bt, Rk, lane);
-#endif
-            const int ra0 = 16 * wb + g, ra1 = ra0 + 8;
-            const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
+        // ---- phase 2: rows 16 (warp & 3) of K (warps 0-3: -> rhs) or Q (warps 4-7: -> o part) times S
+        {
+            const int r0 = 16 * (warp & 3);
+            rows_times_state<false>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
+            if (warp < 4) {
+                store_rhs(oacc, r0, Vc, Rs, Gc, Bt, Rk, lane);
+            } else {
+                const int ra0 = r0 + g, ra1 = ra0 + 8;
+                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
+                for (int j = 0; j < NJ; ++j) {
+                    oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
+                }
             }
         }
         MARK(2);

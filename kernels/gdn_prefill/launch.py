@@ -11,6 +11,7 @@ from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"
 KERNEL = "gdn_chunk_prefill_fwd"
+PREP_KERNEL = "gdn_chunk_prep"
 D = 128
 THREADS = 256
 _ELEM = {torch.bfloat16: 2, torch.float16: 1}  # QF_BF16, QF_HALF (kernels/common.cuh)
@@ -20,10 +21,14 @@ EXTRA_DEFINES: dict = {}  # development only: extra -D flags (PROFILE, variants)
 
 
 def smem_bytes(dvs: int) -> int:
-    """Dynamic shared memory of one block (mirrors the SM_* layout in gdn_prefill.cu)."""
-    vst, nst = dvs + 8, 3 if dvs <= 64 else 2
-    return (nst * (2 * 64 * (D + 8) * 2 + 64 * vst * 2) + D * vst * 2 + 64 * vst * 2
-            + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4)
+    """Dynamic shared memory of one main-kernel block (mirrors SM_TOTAL in gdn_prefill.cu)."""
+    vst, nst = dvs + 8, 3 if dvs <= 32 else 2
+    stage = 2 * 64 * (D + 8) * 2 + 64 * vst * 2 + 2 * 64 * 72 * 2 + 4 * 64 * 4
+    return nst * stage + D * vst * 2 + 3 * 64 * vst * 2
+
+
+PREP_SMEM = 2 * 64 * (D + 8) * 2 + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4
+PREP_THREADS = 128
 
 
 def _num_sms(device: torch.device) -> int:
@@ -96,13 +101,26 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if N == 0:
         return o, ht
     dvs = dv_split or choose_dv_split(N * Hv, dev)
-    fn = get_function(SRC, KERNEL, dev, {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES})
+    defines = {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
+    # Chunk-local matrices T, P (16-bit) and per-token vectors (G, beta, rk, rq), one slot per
+    # (chunk, head); packed sequences use slot bos // 64 + n (see first_slot in the .cu).
+    slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
+    Tg = torch.empty(slots, Hv, 64, 64, dtype=v.dtype, device=dev)
+    Pg = torch.empty_like(Tg)
+    Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     i64 = np.int64
-    args = (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
-            np.int32(T), np.int32(Hk), np.int32(Hv),
-            *(i64(s) for s in q.stride()[:3]), *(i64(s) for s in k.stride()[:3]),
-            *(i64(s) for s in v.stride()[:3]), *(i64(s) for s in a.stride()), *(i64(s) for s in b.stride()))
-    launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1), args, shared_mem=smem_bytes(dvs))
+    qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
+    if slots:
+        prep = get_function(SRC, PREP_KERNEL, dev, defines)
+        launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
+               (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
+                np.int32(N), *qs, *ks, *(i64(x) for x in a.stride()), *(i64(x) for x in b.stride())),
+               shared_mem=PREP_SMEM)
+    fn = get_function(SRC, KERNEL, dev, defines)
+    launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
+           (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
+            *qs, *ks, *(i64(x) for x in v.stride()[:3])),
+           shared_mem=smem_bytes(dvs))
     return o, ht
