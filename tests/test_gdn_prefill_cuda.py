@@ -1,4 +1,4 @@
-"""The fused GDN chunked-prefill CUDA kernel against the float64 token-by-token recurrence."""
+"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths) against the f64 recurrence."""
 import math
 
 import pytest
@@ -54,12 +54,12 @@ def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, o_tol=O_TOL,
+def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, fused=None, o_tol=O_TOL,
                   state_tol=STATE_TOL):
     B, T, Hv = v.shape[:3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split, fused=fused)
     o_ref, ht_ref = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
     assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
     assert ht.shape == (N, Hv, 128, 128) and ht.dtype == torch.float32
@@ -84,48 +84,55 @@ def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype):
     run_and_check(*inputs)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dv_split", [32, 64, 128])
 @pytest.mark.parametrize("decay", ["weak", "model"])
-def test_every_dv_split(dv_split, decay):
+def test_every_dv_split(dv_split, decay, fused):
     inputs = make_inputs(2, 300, 2, 4, torch.bfloat16, decay, 2)
-    run_and_check(*inputs, dv_split=dv_split)
+    run_and_check(*inputs, dv_split=dv_split, fused=fused)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_varlen(with_h0, dtype):
+def test_varlen(with_h0, dtype, fused):
     lens = [1, 129, 1000, 64, 806, 63, 0, 2]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     inputs = make_inputs(1, int(cu[-1]), 2, 4, dtype, "model", len(lens) if with_h0 else None)
-    run_and_check(*inputs, cu_seqlens=cu)
+    run_and_check(*inputs, cu_seqlens=cu, fused=fused)
 
 
-def test_varlen_matches_separate_calls():
+@pytest.mark.parametrize("fused", [True, False])
+def test_varlen_matches_separate_calls(fused):
     lens = [100, 1, 300]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "weak", len(lens))
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused=fused)
     for i in range(len(lens)):
         s, e = int(cu[i]), int(cu[i + 1])
-        oi, hi = _launcher()(q[:, s:e], k[:, s:e], v[:, s:e], a[:, s:e], b[:, s:e], A_log, dt_bias, h0[i:i + 1])
+        oi, hi = _launcher()(q[:, s:e], k[:, s:e], v[:, s:e], a[:, s:e], b[:, s:e], A_log, dt_bias, h0[i:i + 1],
+                             fused=fused)
         torch.testing.assert_close(o[:, s:e], oi, rtol=0, atol=0)
         torch.testing.assert_close(ht[i:i + 1], hi, rtol=0, atol=0)
 
 
-def test_packed_heads_and_gate_dtypes():
+@pytest.mark.parametrize("fused", [True, False])
+def test_packed_heads_and_gate_dtypes(fused):
     inputs = make_inputs(2, 200, 2, 4, torch.bfloat16, "model", 2, gate_dtype=torch.bfloat16, packed=True)
     assert not inputs[0].is_contiguous()
-    run_and_check(*inputs)
+    run_and_check(*inputs, fused=fused)
 
 
-def test_qwen35_shapes():
+@pytest.mark.parametrize("fused", [True, False])
+def test_qwen35_shapes(fused):
     """Hk 16, Hv 32 as in Qwen3.5-9B, bf16, initial state; the default Dv split for B = 1."""
     inputs = make_inputs(1, 700, 16, 32, torch.bfloat16, "model", 1)
-    run_and_check(*inputs)
+    run_and_check(*inputs, fused=fused)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("fused", [True, False])
+def test_deterministic(fused):
     inputs = make_inputs(1, 500, 2, 4, torch.bfloat16, "model", 1, seed=1)
-    o1, h1 = _launcher()(*inputs)
-    o2, h2 = _launcher()(*inputs)
+    o1, h1 = _launcher()(*inputs, fused=fused)
+    o2, h2 = _launcher()(*inputs, fused=fused)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)

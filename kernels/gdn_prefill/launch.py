@@ -9,7 +9,8 @@ import torch
 
 from ..cuda_build import get_function, launch
 
-SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"
+SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"  # prep kernel + sequential kernel
+SRC_FUSED = Path(__file__).resolve().parent / "gdn_prefill_fused.cu"  # one kernel
 KERNEL = "gdn_chunk_prefill_fwd"
 PREP_KERNEL = "gdn_chunk_prep"
 D = 128
@@ -25,6 +26,22 @@ def smem_bytes(dvs: int) -> int:
     vst, nst = dvs + 8, 3 if dvs <= 32 else 2
     stage = 2 * 64 * (D + 8) * 2 + 64 * vst * 2 + 2 * 64 * 72 * 2 + 4 * 64 * 4
     return nst * stage + D * vst * 2 + 3 * 64 * vst * 2
+
+
+def smem_bytes_fused(dvs: int) -> int:
+    """Dynamic shared memory of one block of gdn_prefill_fused.cu (mirrors its SM_TOTAL)."""
+    vst, nst = dvs + 8, 3 if dvs <= 64 else 2
+    return (nst * (2 * 64 * (D + 8) * 2 + 64 * vst * 2) + D * vst * 2 + 64 * vst * 2
+            + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4)
+
+
+FUSED_MAX_T = 2048  # measured crossover (H200, B=1): fused 0.105 ms vs two-kernel 0.18 at 1024; 0.384 vs 0.278 at 4096
+
+
+def use_fused(T: int, dvs: int) -> bool:
+    """Single-kernel path for short inputs (T: tokens per row, or all packed tokens) and for grids
+    that already fill the GPU with whole state columns (dvs 128), where it measured as fast or faster."""
+    return T <= FUSED_MAX_T or dvs == 128
 
 
 PREP_SMEM = 2 * 64 * (D + 8) * 2 + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4
@@ -58,13 +75,15 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            A_log: torch.Tensor, dt_bias: torch.Tensor,
                            initial_state: Optional[torch.Tensor] = None,
                            cu_seqlens: Optional[torch.Tensor] = None,
-                           dv_split: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           dv_split: Optional[int] = None,
+                           fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
     with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
-    [N, Hv, 128, 128] fp32. `dv_split` (32, 64, 128) overrides the state columns per block.
+    [N, Hv, 128, 128] fp32. `dv_split` (32, 64, 128) overrides the state columns per block, `fused`
+    the choice between the one-kernel and the two-kernel path (see use_fused).
     Launch only: no synchronisation, capturable in a CUDA graph.
     """
     B, T, Hk, Dk = q.shape
@@ -104,23 +123,32 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     defines = {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
+    i64 = np.int64
+    qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
+    vs = tuple(i64(x) for x in v.stride()[:3])
+    abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
+    if use_fused(T, dvs) if fused is None else fused:
+        fn = get_function(SRC_FUSED, KERNEL, dev, defines)
+        launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
+               (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
+                np.int32(T), np.int32(Hk), np.int32(Hv), *qs, *ks, *vs, *abs_),
+               shared_mem=smem_bytes_fused(dvs))
+        return o, ht
     # Chunk-local matrices T, P (16-bit) and per-token vectors (G, beta, rk, rq), one slot per
     # (chunk, head); packed sequences use slot bos // 64 + n (see first_slot in the .cu).
     slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
     Tg = torch.empty(slots, Hv, 64, 64, dtype=v.dtype, device=dev)
     Pg = torch.empty_like(Tg)
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
-    i64 = np.int64
-    qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     if slots:
         prep = get_function(SRC, PREP_KERNEL, dev, defines)
         launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
-                np.int32(N), *qs, *ks, *(i64(x) for x in a.stride()), *(i64(x) for x in b.stride())),
+                np.int32(N), *qs, *ks, *abs_),
                shared_mem=PREP_SMEM)
     fn = get_function(SRC, KERNEL, dev, defines)
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
-            *qs, *ks, *(i64(x) for x in v.stride()[:3])),
+            *qs, *ks, *vs),
            shared_mem=smem_bytes(dvs))
     return o, ht
