@@ -1,10 +1,12 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
-    python3 bench/gdn_prefill_dev.py [--check] [--splits 32,64,128] [--json PATH]
+    python3 bench/gdn_prefill_dev.py [--check] [--splits 32,64,128] [--paths auto,fused,split] [--graph] [--json PATH]
 
-Times every (B, L) of the anchor table for each Dv split and the automatic choice, with initial and
-final state, bf16, l2-norm in kernel; inputs rotate between sets so no call reads a warm L2. With
---check, first prints the error of a few configurations against the float64 recurrence.
+Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
+prep + sequential kernels), with initial and final state, bf16, l2-norm in kernel; inputs rotate
+between sets so no call reads a warm L2. --graph times CUDA-graph replays (no Python launch cost,
+as in a captured model); without it, eager calls as do_bench sees them. With --check, first prints
+the error of a few configurations against the float64 recurrence.
 """
 import argparse
 import json
@@ -50,26 +52,49 @@ def check():
         print(f"B={B} L={L:5d} Hk={Hk:2d} Hv={Hv:2d} split={split}  {eo:.2e}  {es:.2e}  finite={fin}")
 
 
-def bench(splits):
+def _graph_fn(fn):
+    """fn captured in a CUDA graph (after a warm-up that compiles); returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def bench(splits, paths, graph):
     import triton.testing
     rows = []
     for (B, L), (fqla, fla) in ANCHORS.items():
         nsets = max(2, min(8, (1 << 30) // (B * L * 32 * 128 * 2 * 3)))
         sets = [inputs(B, L, seed=i) for i in range(nsets)]
         auto = choose_dv_split(B * 32, torch.device("cuda"))
-        for split in splits:
-            it = iter(range(10 ** 9))
-            fn = lambda: gdn_chunk_prefill_cuda(*sets[next(it) % nsets], dv_split=split)  # noqa: E731
-            fn()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            rows.append(dict(B=B, L=L, split=split, auto=split == auto, ms=round(ms, 4),
-                             flashqla=fqla, fla=fla))
+        for path in paths:
+            fused = {"auto": None, "fused": True, "split": False}[path]
+            for split in splits:
+                if path == "auto" and split != auto:
+                    continue
+                if graph:  # one graph per input set, replayed in turn
+                    reps = [_graph_fn(lambda x=x: gdn_chunk_prefill_cuda(*x, dv_split=split, fused=fused))
+                            for x in sets]
+                    it = iter(range(10 ** 9))
+                    fn = lambda: reps[next(it) % nsets]()  # noqa: E731
+                else:
+                    it = iter(range(10 ** 9))
+                    fn = lambda: gdn_chunk_prefill_cuda(*sets[next(it) % nsets], dv_split=split,  # noqa: E731
+                                                        fused=fused)
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                rows.append(dict(B=B, L=L, path=path, split=split, graph=graph, ms=round(ms, 4),
+                                 flashqla=fqla, fla=fla))
         del sets
-    print(f"{'B':>2} {'L':>6} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
+    print(f"{'B':>2} {'L':>6} {'path':>5} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
     for r in rows:
-        star = "*" if r["auto"] else " "
-        print(f"{r['B']:>2} {r['L']:>6} {r['split']:>4}{star} {r['ms']:8.4f} {r['ms'] / r['flashqla']:11.2f} "
-              f"{r['ms'] / r['fla']:7.2f}")
+        print(f"{r['B']:>2} {r['L']:>6} {r['path']:>5} {r['split']:>5} {r['ms']:8.4f} "
+              f"{r['ms'] / r['flashqla']:11.2f} {r['ms'] / r['fla']:7.2f}")
     return rows
 
 
@@ -77,11 +102,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--splits", default="32,64,128")
+    ap.add_argument("--paths", default="auto")
+    ap.add_argument("--graph", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     if args.check:
         check()
-    rows = bench([int(s) for s in args.splits.split(",")])
+    rows = bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

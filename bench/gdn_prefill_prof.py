@@ -1,4 +1,5 @@
-"""Where the time of one chunk step goes: per-phase cycles (clock64 between barriers, -DPROFILE),
+"""Where the time of one chunk step of the sequential kernel (gdn_prefill.cu) goes: per-phase cycles
+(clock64 between barriers, -DPROFILE),
 and timings of compile-time variants. Development only.
 
     python3 bench/gdn_prefill_prof.py [--ncu]   (--ncu: one plain launch, for ncu to profile)
@@ -28,7 +29,7 @@ def main():
     for split in (32, 64, 128):
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES["PROFILE"] = 1
-        _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split)
+        _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split, fused=False)  # PROFILE marks of gdn_prefill.cu
         cyc = ht.flatten()[:len(PHASES)].cpu() / nch
         L.EXTRA_DEFINES.clear()
         print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))
