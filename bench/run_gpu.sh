@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
-#   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/gdn.py.
+#   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
+#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/gdn.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
-#   bash bench/run_gpu.sh [--no-tests] [--no-sanitizer] [--no-bench] [--no-peers]
+#   bash bench/run_gpu.sh [--no-tests] [--no-sanitizer] [--no-e2e] [--no-bench] [--no-peers]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-tests=1 sanitizer=1 bench=1 peers=1
+tests=1 sanitizer=1 bench=1 peers=1 e2e=1
 for a in "$@"; do
   case $a in
-    --no-tests) tests=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;;
+    --no-tests) tests=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -28,7 +29,7 @@ export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py \
+  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_gdn_prefill_cuda.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -46,6 +47,11 @@ if [ "$sanitizer" = 1 ]; then
   else
     echo "compute-sanitizer not found" | tee "$OUT/sanitizer-memcheck.log"
   fi
+fi
+
+if [ "$e2e" = 1 ]; then
+  python3 bench/e2e.py --out "$OUT/e2e-h200.json" 2>&1 | tee "$OUT/e2e.log" | tail -8
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$bench" = 1 ]; then
