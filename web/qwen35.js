@@ -133,6 +133,14 @@ function onStream(view, d) {
   }
 }
 
+// The run stopped before this node finished (cancel or error): keep the partial text, say so.
+function onStopped(view, why) {
+  if (!view.answer.classList.contains("qwen35-streaming")) return;
+  view.answer.classList.remove("qwen35-streaming");
+  const n = view.stats.textContent.match(/^(\d+) \//);
+  view.stats.textContent = n ? `${why} after ${n[1]} tokens` : why;
+}
+
 function onGenerateExecuted(view, output) {
   const text = output?.text?.[0] ?? "";
   const thinking = output?.thinking?.[0] ?? "";
@@ -196,6 +204,13 @@ app.registerExtension({
       const node = findNode(detail.display_node ?? detail.node);
       if (node?.qwen35?.answer) onStream(node.qwen35, detail);
     });
+    const stopAll = (why) => () => {
+      for (const node of (app.rootGraph ?? app.graph)?.nodes ?? []) {
+        if (node.qwen35?.answer) onStopped(node.qwen35, why);
+      }
+    };
+    api.addEventListener("execution_interrupted", stopAll("stopped"));
+    api.addEventListener("execution_error", stopAll("failed"));
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const setup = SETUP[nodeData.name];

@@ -160,6 +160,41 @@ def test_thinking_is_folded_away_in_the_browser(browser_env):
     assert state["hidden"] == (not outputs[gen]["thinking"][0])
 
 
+def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
+    from playwright.async_api import async_playwright
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
+                workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
+                workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
+                await _load(page, workflow, max_new_tokens=5000)
+                await page.evaluate("""() => { const w = app.graph.nodes.find(n => n.type === 'Qwen35Generate')
+                    .widgets.find(w => w.name === 'seed'); w.value = 4242; }""")
+                await page.get_by_test_id("queue-button").click()
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+                    ".some(e => e.textContent.trim().length > 10)", timeout=180_000)
+                await asyncio.to_thread(browser_env.post, "/interrupt", {})
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.startsWith('stopped'))",
+                    timeout=60_000)
+                state = await page.evaluate("""() => ({
+                    streaming: document.querySelectorAll('.qwen35-answer.qwen35-streaming').length,
+                    answer: document.querySelector('.qwen35-answer').textContent,
+                    stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
+                assert not errors, errors
+                return state
+            finally:
+                await ctx.close()
+
+    state = asyncio.run(run())
+    assert state["streaming"] == 0 and state["answer"].strip()
+    assert any(s.startswith("stopped after ") for s in state["stats"]), state["stats"]
+
+
 def test_workflow_templates_list_the_examples(comfy_server):
     templates = comfy_server.get("/workflow_templates")
     ours = next(v for k, v in templates.items() if k.startswith("Qwen3.5-Fast"))
