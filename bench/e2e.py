@@ -82,11 +82,21 @@ def main():
         tps = a.decode / (time.perf_counter() - t0)
         rows.append({"backend": chosen.name, "reason": chosen.reason, "layers": a.layers, "tokens": a.tokens,
                      "prefill_ms": round(ms, 2), "decode_tok_per_s": round(tps, 1)})
+    # bf16 tolerance: the same weights in fp32 on the PyTorch path are the reference; the kernels must
+    # land as close to it as the bf16 PyTorch path does (random deep nets amplify any rounding)
+    ref_model = Qwen35Model(model.config, torch.float32, torch.device("cuda"))
+    with torch.no_grad():
+        for p32, p16 in zip(ref_model.parameters(), model.parameters()):
+            p32.copy_(p16)
+    del model
+    ref_model.set_backend("torch")
+    ref = ref_model.forward_prefill(ids, ref_model.new_cache(1, a.tokens)).float()
+    rel = {k: float((v - ref).norm() / ref.norm()) for k, v in logits.items()}
     err = float((logits["cuda"] - logits["torch"]).norm() / logits["torch"].norm())
     top = bool(logits["cuda"].argmax() == logits["torch"].argmax())
     result = {"model": "Qwen3.5-9B-shaped, random weights, bf16", "rows": rows,
               "logits_rel_err_cuda_vs_torch": err, "same_argmax": top,
-              "gpu": torch.cuda.get_device_name()}
+              "logits_rel_err_vs_fp32": rel, "gpu": torch.cuda.get_device_name()}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("| GDN path | prefill %d tok (ms) | decode (tok/s) |" % a.tokens)
@@ -94,7 +104,8 @@ def main():
     for r in rows:
         print(f"| {r['backend']} | {r['prefill_ms']:.1f} | {r['decode_tok_per_s']:.1f} |")
     print(f"logits relative error, kernels vs PyTorch path: {err:.2e} (same argmax: {top})")
-    assert err < 5e-2, "kernels and the PyTorch path disagree beyond bf16 tolerance"
+    print(f"against the fp32 model: PyTorch path (bf16) {rel['torch']:.2e}, kernels (bf16) {rel['cuda']:.2e}")
+    assert rel["cuda"] <= 1.5 * rel["torch"] + 1e-3, "the kernels are further from fp32 than bf16 rounding explains"
 
 
 if __name__ == "__main__":
