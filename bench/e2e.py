@@ -12,6 +12,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 import torch
 
 from qwen35_fast.runtime.config import FULL, LINEAR, TextConfig
+from qwen35_fast.runtime.decode_graph import GraphedDecode
 from qwen35_fast.runtime.model import Qwen35Model
 
 
@@ -73,6 +74,7 @@ def main():
         ms = timed(lambda: run(), reps=3)
         lg, cache = run()
         logits[backend] = lg.float()
+        step = GraphedDecode(model, cache.clone()) if backend == "cuda" else None
         tok = lg.argmax(-1)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -80,8 +82,16 @@ def main():
             tok = model.forward_decode(tok, cache).argmax(-1)
         torch.cuda.synchronize()
         tps = a.decode / (time.perf_counter() - t0)
-        rows.append({"backend": chosen.name, "reason": chosen.reason, "layers": a.layers, "tokens": a.tokens,
-                     "prefill_ms": round(ms, 2), "decode_tok_per_s": round(tps, 1)})
+        row = {"backend": chosen.name, "reason": chosen.reason, "layers": a.layers, "tokens": a.tokens,
+               "prefill_ms": round(ms, 2), "decode_tok_per_s": round(tps, 1)}
+        if step is not None:  # the same greedy decode replayed from a CUDA graph, as generate() runs it
+            tok = int(lg.argmax())
+            t0 = time.perf_counter()
+            for _ in range(a.decode):
+                tok = int(step(tok).argmax())
+            row["decode_graph_tok_per_s"] = round(a.decode / (time.perf_counter() - t0), 1)
+            del step
+        rows.append(row)
     # bf16 tolerance: the same weights in fp32 on the PyTorch path are the reference; the kernels must
     # land as close to it as the bf16 PyTorch path does (random deep nets amplify any rounding)
     ref_model = Qwen35Model(model.config, torch.float32, torch.device("cuda"))
@@ -99,10 +109,11 @@ def main():
               "logits_rel_err_vs_fp32": rel, "gpu": torch.cuda.get_device_name()}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("| GDN path | prefill %d tok (ms) | decode (tok/s) |" % a.tokens)
-    print("| --- | --- | --- |")
+    print("| GDN path | prefill %d tok (ms) | decode eager (tok/s) | decode CUDA graph (tok/s) |" % a.tokens)
+    print("| --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['backend']} | {r['prefill_ms']:.1f} | {r['decode_tok_per_s']:.1f} |")
+        print(f"| {r['backend']} | {r['prefill_ms']:.1f} | {r['decode_tok_per_s']:.1f} | "
+              f"{r.get('decode_graph_tok_per_s', '-')} |")
     print(f"logits relative error, kernels vs PyTorch path: {err:.2e} (same argmax: {top})")
     print(f"against the fp32 model: PyTorch path (bf16) {rel['torch']:.2e}, kernels (bf16) {rel['cuda']:.2e}")
     assert rel["cuda"] <= 1.5 * rel["torch"] + 1e-3, "the kernels are further from fp32 than bf16 rounding explains"

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .model import Cache, Qwen35Model
 from .sampling import SamplingParams, apply_penalties, choose
@@ -120,6 +121,7 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
     cache = pf.cache.clone(pf.n_tokens + budget)
+    step = graphed_decode(model, cache) if budget > 2 else None
     generator = torch.Generator(device=dev).manual_seed(int(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     seen = torch.tensor(pf.token_ids, dtype=torch.long, device=dev)
@@ -143,7 +145,8 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
         if on_token is not None:
             on_token(stream.feed(tok), n + 1, max_new_tokens)
         if n + 1 < budget:
-            logits = model.forward_decode(torch.tensor([tok], device=dev), cache)[0]
+            logits = (step(tok) if step is not None
+                      else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0
     from .chat import split_thinking
     text = model.tokenizer.decode(out, skip_special_tokens=False)

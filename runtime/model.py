@@ -104,6 +104,24 @@ class Cache:
                      self.length)
 
 
+class DecodeSlot:
+    """Where the next decoded token goes, kept on the device: pos [1] and the attention mask over the
+    cache's capacity (True up to and including pos)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self._slots = torch.arange(capacity, device=device)
+        self.mask = torch.zeros(1, 1, 1, capacity, dtype=torch.bool, device=device)
+
+    def set(self, position: int) -> None:
+        self.pos.fill_(position)
+        self.advance(0)
+
+    def advance(self, by: int = 1) -> None:
+        self.pos.add_(by)
+        torch.le(self._slots, self.pos, out=self.mask.view(-1))
+
+
 class Qwen35Model(nn.Module):
     """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes."""
 
@@ -121,6 +139,10 @@ class Qwen35Model(nn.Module):
         rd = config.rotary_dim
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (
             torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd), persistent=False)
+        sec = config.mrope_section
+        self.register_buffer("rope_section", torch.tensor(  # which position (t, h, w) each frequency reads
+            [1 if i % 3 == 1 and i < 3 * sec[1] else 2 if i % 3 == 2 and i < 3 * sec[2] else 0
+             for i in range(rd // 2)], dtype=torch.long, device=device), persistent=False)
         self.requested_backend = "auto"
         self.backend = kernels.select_backend("torch", device)
         self._backend_device = None
@@ -155,12 +177,7 @@ class Qwen35Model(nn.Module):
         i % 3 == 1, width when i % 3 == 2 (within 3 * section), temporal otherwise.
         """
         freqs = positions[..., None].float() * self.inv_freq  # [3, T, rd/2]
-        idx = torch.arange(freqs.shape[-1], device=freqs.device)
-        sec = self.config.mrope_section
-        pick = torch.zeros_like(idx)
-        pick[(idx % 3 == 1) & (idx < 3 * sec[1])] = 1
-        pick[(idx % 3 == 2) & (idx < 3 * sec[2])] = 2
-        f = freqs.gather(0, pick[None, None, :].expand(1, freqs.shape[1], -1))[0]
+        f = freqs.gather(0, self.rope_section[None, None, :].expand(1, freqs.shape[1], -1))[0]
         emb = torch.cat([f, f], dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -211,7 +228,7 @@ class Qwen35Model(nn.Module):
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
         return self._gdn_out(m, o[:, None], z[:, None])
 
-    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int):
+    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int, slot=None):
         c = self.config
         B, T, _ = x.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -219,15 +236,20 @@ class Qwen35Model(nn.Module):
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
         q = self._apply_rope(rms_norm(q, m.q_norm, c.rms_norm_eps), cos, sin)
         k = self._apply_rope(rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps), cos, sin)
-        end = start + T
-        cache.k[i][:, :, start:end] = k.transpose(1, 2)
-        cache.v[i][:, :, start:end] = v.view(B, T, Hkv, hd).transpose(1, 2)
-        mask = None
-        if T > 1 and start > 0:  # new tokens see the whole prefix and, causally, each other
-            mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), cache.k[i][:, :, :end], cache.v[i][:, :, :end], attn_mask=mask,
-            is_causal=T > 1 and start == 0, scale=hd ** -0.5, enable_gqa=H != Hkv)
+        v = v.view(B, T, Hkv, hd)
+        if slot is not None:  # one token at a device-side position: attends over the whole buffer, masked
+            cache.k[i].index_copy_(2, slot.pos, k.transpose(1, 2))
+            cache.v[i].index_copy_(2, slot.pos, v.transpose(1, 2))
+            keys, values, mask, causal = cache.k[i], cache.v[i], slot.mask, False
+        else:
+            end = start + T
+            cache.k[i][:, :, start:end] = k.transpose(1, 2)
+            cache.v[i][:, :, start:end] = v.transpose(1, 2)
+            keys, values, mask, causal = cache.k[i][:, :, :end], cache.v[i][:, :, :end], None, T > 1 and start == 0
+            if T > 1 and start > 0:  # new tokens see the whole prefix and, causally, each other
+                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
+                                             scale=hd ** -0.5, enable_gqa=H != Hkv)
         out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
         return F.linear(out, m.o_proj)
 
@@ -235,17 +257,17 @@ class Qwen35Model(nn.Module):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool):
+    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None):
         c = self.config
         T = h.shape[1]
-        pos = torch.arange(start, start + T, device=h.device).expand(3, T)
-        cos, sin = self.rope(pos)
+        pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
+        cos, sin = self.rope(pos.expand(3, T))
         for i, blk in enumerate(self.blocks):
             x = rms_norm(h, blk.input_norm, c.rms_norm_eps)
             if blk.kind == LINEAR:
                 x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i)
             else:
-                x = self._attention(blk.mixer, x, cache, i, cos, sin, start)
+                x = self._attention(blk.mixer, x, cache, i, cos, sin, start, slot)
             h = h + x
             h = h + self._mlp(blk, rms_norm(h, blk.post_norm, c.rms_norm_eps))
         return h
@@ -278,6 +300,13 @@ class Qwen35Model(nn.Module):
         """One new token per sequence, ids [B]; appends to `cache`; returns fp32 logits [B, vocab]."""
         h = self._layers(F.embedding(ids[:, None], self.embed), cache, cache.length, decode=True)
         cache.length += 1
+        return self.logits(h[:, 0])
+
+    @torch.inference_mode()
+    def forward_decode_at(self, ids: torch.Tensor, slot: "DecodeSlot", cache: Cache) -> torch.Tensor:
+        """forward_decode with the position on the device (slot.pos) and no host-side shapes, so a
+        CUDA graph can capture it; the caller advances slot.pos and cache.length."""
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, 0, decode=True, slot=slot)
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:

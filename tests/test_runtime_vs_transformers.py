@@ -57,3 +57,22 @@ def test_prefill_logits_match_a_full_recompute(pair):
         step = ours.forward_decode(ids[0, t:t + 1], cache)[0]
     full = ours.forward_prefill(ids, ours.new_cache(1, 70))[0]
     assert rel(step, full) <= TOL
+
+
+def test_decode_at_a_device_position_matches_decode(pair):
+    """The graph-capturable step (position and mask on the device) computes what forward_decode does."""
+    from qwen35_fast.runtime.model import DecodeSlot
+    _, ours = pair
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
+    a, b = ours.new_cache(1, 48), ours.new_cache(1, 48)
+    ours.forward_prefill(ids, a)
+    ours.forward_prefill(ids, b)
+    slot = DecodeSlot(48, torch.device("cpu"))
+    slot.set(b.length)
+    for t in range(5):
+        tok = torch.tensor([100 + t])
+        want = ours.forward_decode(tok, a)
+        got = ours.forward_decode_at(tok, slot, b)
+        slot.advance()
+        b.length += 1
+        assert rel(got, want) <= 1e-6

@@ -1,0 +1,62 @@
+"""Decode steps replayed from one CUDA graph, so a token costs one graph launch of host time
+instead of a few hundred kernel launches from Python."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .model import Cache, DecodeSlot, Qwen35Model
+
+log = logging.getLogger(__name__)
+_warned = False
+
+
+class GraphedDecode:
+    """One captured decode step over `cache` (whose capacity is fixed for the whole generation).
+
+    The token id and its position live in device tensors the graph reads; the logits land in a
+    static tensor that the next call overwrites.
+    """
+
+    def __init__(self, model: Qwen35Model, cache: Cache):
+        dev = model.device
+        self.cache = cache
+        self.ids = torch.zeros(1, dtype=torch.long, device=dev)
+        self.slot = DecodeSlot(cache.capacity, dev)
+        states = [t for t in cache.conv + cache.ssm if t is not None]
+        saved = [t.clone() for t in states]
+        self.slot.set(cache.length)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: loads kernel modules and library workspaces before capture
+            model.forward_decode_at(self.ids, self.slot, cache)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for t, s in zip(states, saved):  # the warm-up stepped the GDN states: put them back
+            t.copy_(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.forward_decode_at(self.ids, self.slot, cache)
+
+    def __call__(self, token: int) -> torch.Tensor:
+        """Append `token` at the cache's end; returns fp32 logits [1, vocab] (valid until the next call)."""
+        self.ids.fill_(token)
+        self.graph.replay()
+        self.slot.advance()
+        self.cache.length += 1
+        return self.logits
+
+
+def graphed_decode(model: Qwen35Model, cache: Cache) -> GraphedDecode | None:
+    """A GraphedDecode on CUDA, or None (CPU, QWEN35_CUDA_GRAPHS=0, or capture failed: decode runs eagerly)."""
+    global _warned
+    if model.device.type != "cuda" or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0":
+        return None
+    try:
+        return GraphedDecode(model, cache)
+    except Exception as e:  # noqa: BLE001 - any capture failure leaves eager decoding, which always works
+        if not _warned:
+            _warned = True
+            log.warning("Qwen3.5 decode runs without CUDA graphs (capture failed: %s)", e)
+        return None
