@@ -12,15 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder shadows the Hugging Face `kernels` package that transformers probes for (and imports).
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
 
-if "qwen35_fast" not in sys.modules:
-    try:
-        import qwen35_fast  # noqa: F401  (pip install -e .)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("qwen35_fast", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["qwen35_fast"] = module
-        spec.loader.exec_module(module)
+# bench/_import.py holds the one fallback for both: load the repo as `qwen35_fast` when not pip-installed
+_spec = importlib.util.spec_from_file_location("_qwen35_import", ROOT / "bench" / "_import.py")
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 
 def _has_cuda():
