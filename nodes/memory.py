@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+import weakref
 
 import torch
 
@@ -29,6 +30,7 @@ class ManagedModel:
         self.offload_device = torch.device(offload_device)
         self.keep_loaded = keep_loaded
         self.clone_base_uuid = uuid.uuid4()
+        self._prefill_caches = weakref.WeakSet()  # states of the prefills ComfyUI still caches
 
     def __repr__(self):
         return (f"ManagedModel({self.model.path}, on {self.current_loaded_device()}, "
@@ -68,6 +70,8 @@ class ManagedModel:
                  self.offload_device)
         if not self._on(self.offload_device):
             self.model.to(self.offload_device)
+            for cache in list(self._prefill_caches):  # generate copies them back to the model's device
+                cache.to(self.offload_device)
 
     def model_patches_to(self, device_or_dtype):
         pass
@@ -88,6 +92,10 @@ class ManagedModel:
         return other is self or getattr(other, "model", None) is self.model
 
     # --- what the nodes call ---
+    def track(self, prefill) -> None:
+        """Park this prefill's state with the weights whenever the model is unloaded."""
+        self._prefill_caches.add(prefill.cache)
+
     def load(self):
         """Brings the weights to the load device, freeing other models' VRAM first if needed."""
         mm.load_models_gpu([self])

@@ -65,6 +65,7 @@ class Qwen35TextPrefill(io.ComfyNode):
                  "thinking": result.thinking}
         log.info("Qwen3.5 prefill: %d tokens in %.1f ms (%.0f tok/s, %s)", result.n_tokens, result.ms,
                  result.tokens_per_s, result.backend)
+        model.track(result)
         return io.NodeOutput(ModelPrefill(model, result), ui={"qwen35_prefill": [stats]})
 
 

@@ -120,7 +120,7 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     limit = model.config.max_position_embeddings
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
-    cache = pf.cache.clone(pf.n_tokens + budget)
+    cache = pf.cache.clone(pf.n_tokens + budget, device=dev)
     step = graphed_decode(model, cache) if budget > 2 else None
     generator = torch.Generator(device=dev).manual_seed(int(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)

@@ -71,7 +71,7 @@ class Block(nn.Module):
                                  requires_grad=False)
 
 
-@dataclass
+@dataclass(eq=False)
 class Cache:
     """Per-sequence state after some tokens: GDN conv and recurrent states, attention K/V.
 
@@ -88,20 +88,26 @@ class Cache:
     def capacity(self) -> int:
         return next(t.shape[2] for t in self.k if t is not None)
 
-    def clone(self, capacity: int | None = None) -> "Cache":
-        """A deep copy with room for `capacity` tokens (at least `length`)."""
+    def clone(self, capacity: int | None = None, device: torch.device | None = None) -> "Cache":
+        """A deep copy on `device` (default: where it is) with room for `capacity` tokens (at least `length`)."""
         cap = max(capacity or self.capacity, self.length)
 
         def grow(t):
             if t is None:
                 return None
-            out = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+            out = torch.zeros(t.shape[0], t.shape[1], cap, t.shape[3], dtype=t.dtype, device=device or t.device)
             out[:, :, :self.length] = t[:, :, :self.length]
             return out
 
-        copy = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731
+        copy = lambda xs: [None if t is None else t.to(device or t.device, copy=True) for t in xs]  # noqa: E731
         return Cache(copy(self.conv), copy(self.ssm), [grow(t) for t in self.k], [grow(t) for t in self.v],
                      self.length)
+
+    def to(self, device: torch.device | str) -> None:
+        """Moves every tensor to `device`, in place; the contents stay the same (a cached prefill can wait
+        in system RAM while its model is unloaded; generate copies it back to the model's device)."""
+        for xs in (self.conv, self.ssm, self.k, self.v):
+            xs[:] = [None if t is None else t.to(device) for t in xs]
 
 
 class DecodeSlot:

@@ -222,6 +222,8 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
     assert held < size, f"{held} bytes still on the GPU after unload (weights: {size})"
+    state = pf.prefill.cache
+    assert all(t is None or t.device.type == "cpu" for t in state.ssm + state.conv + state.k + state.v)
     _generate(pack, pf, max_new_tokens=4)  # loads the weights back by itself
     assert torch.cuda.memory_allocated() - base >= size
     model.keep_loaded = False

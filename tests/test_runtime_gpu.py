@@ -36,3 +36,13 @@ def test_graphed_decode_gives_what_eager_decode_gives(folder, monkeypatch):
     eager = [generate(model, pf, max_new_tokens=24, sampling=s, seed=3) for s in (SamplingParams(), sampled)]
     for g, e in zip(graphed, eager):
         assert g.token_ids == e.token_ids
+
+
+def test_a_prefill_moved_to_ram_generates_the_same(folder):
+    """ComfyUI unloads the model and parks cached prefills in RAM; generate brings the state back."""
+    model = load_model(folder, dtype="bf16", device="cuda")
+    pf = prefill_ids(model, list(range(9000, 9100)))
+    before = generate(model, pf, max_new_tokens=12)
+    pf.cache.to("cpu")
+    assert all(t is None or t.device.type == "cpu" for t in pf.cache.ssm + pf.cache.k)
+    assert generate(model, pf, max_new_tokens=12).token_ids == before.token_ids
