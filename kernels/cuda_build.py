@@ -37,14 +37,33 @@ class KernelBuildError(RuntimeError):
 
 # ----------------------------------------------------------------------------- NVRTC and headers
 
+def _torch_cuda_major() -> int:
+    """The CUDA major version torch was built with (13 when unknown): CuPy and NVRTC must match it."""
+    try:
+        import torch
+        return int((torch.version.cuda or "13").split(".")[0])
+    except Exception:  # noqa: BLE001 - only shapes a hint
+        return 13
+
+
+def _pip_hint(what: str) -> str:
+    """The pip package for NVIDIA's `what` ("nvrtc" or "runtime") that matches torch's CUDA."""
+    major = _torch_cuda_major()
+    return f"'nvidia-cuda-{what}=={major}.*'" if major >= 13 else f"'nvidia-cuda-{what}-cu{major}'"
+
+
+def _cupy_hint() -> str:
+    return f"'cupy-cuda{_torch_cuda_major()}x'"
+
+
 def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
         nvrtc.getVersion()
     except Exception as e:  # ImportError, or the NVRTC shared library itself is missing
         raise KernelBuildError(
-            f"NVRTC is not available ({type(e).__name__}: {e}); install 'cupy-cuda13x' and "
-            "'nvidia-cuda-nvrtc==13.*' (pip), or a CUDA 13 toolkit") from e
+            f"NVRTC is not available ({type(e).__name__}: {e}); install {_cupy_hint()} and "
+            f"{_pip_hint('nvrtc')} (pip; the CUDA major version of your torch), or a CUDA toolkit") from e
     return nvrtc
 
 
@@ -102,7 +121,7 @@ def cuda_include_dir() -> Path:
             raise KernelBuildError(
                 f"CUDA headers not found: no {HEADER} under $CUDA_PATH, $CUDA_HOME, pip's nvidia/cu13/include "
                 f"or nvidia/cuda_runtime/include, the toolkit beside nvcc, or /usr/local/cuda (tried {tried}). "
-                "Fix: pip install 'nvidia-cuda-runtime==13.*', or set CUDA_HOME to a CUDA toolkit")
+                f"Fix: pip install {_pip_hint('runtime')}, or set CUDA_HOME to a CUDA toolkit")
     return _include_dir
 
 
