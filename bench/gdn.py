@@ -3,7 +3,8 @@
     python bench/gdn.py [--out bench/results/gdn-h200.json] [--no-peers] [--budget-s 420]
 
 Measures, in the same run: the card's copy bandwidth (bytes read + written) and bf16 matmul rate;
-the chunked prefill of ours (kernels/gdn_prefill/launch.py), fla's Triton path (FLA_FLASH_QLA=0) and
+the chunked prefill of ours (kernels/gdn_prefill/launch.py: the default dispatch as "ours", and each
+opt-in variant in VARIANTS below as its own row "ours-<variant>"), fla's Triton path (FLA_FLASH_QLA=0) and
 FlashQLA on Qwen3.5-9B GDN shapes (16 q/k heads, 32 v heads, dim 128, bf16, initial and final
 state), eager from Python and as CUDA-graph replay, with a roofline floor per row; our decode step's
 state bandwidth at N = 8, 64, 256; our causal conv1d. Writes a JSON list of rows and prints a table.
@@ -33,6 +34,8 @@ DEV = "cuda"
 HK, HV, D = 16, 32, 128
 PREFILL_SIZES = [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (8, 4096)]
 DECODE_N = [8, 64, 256]
+VARIANTS = ["split_o"]  # opt-in variants of gdn_chunk_prefill_cuda, timed beside the default
+PREFILL_IMPLS = ["ours"] + [f"ours-{v}" for v in VARIANTS] + ["fla", "flashqla"]
 T0 = time.time()
 
 
@@ -120,8 +123,15 @@ def load_impls(with_peers):
         def run_ours(x):
             return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None)
         impls["ours"] = run_ours
+        for var in VARIANTS:
+            def run_var(x, var=var):
+                return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None,
+                            variant=var)
+            impls[f"ours-{var}"] = run_var
     except Exception as e:
         missing["ours"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for var in VARIANTS:
+            missing[f"ours-{var}"] = missing["ours"]
     if not with_peers:
         return impls, missing
     try:
@@ -143,6 +153,38 @@ def load_impls(with_peers):
     except Exception as e:
         missing["flashqla"] = f"{type(e).__name__}: {str(e)[:200]}"
     return impls, missing
+
+
+def kernel_breakdown(f, x, reps=5):
+    """GPU milliseconds of each kernel one call of ours launches (CUDA events around every launch,
+    median over reps; eager, warm L2): where the time of the prep / sequential / output kernels goes."""
+    import qwen35_fast.kernels.gdn_prefill.launch as L
+    orig_launch, orig_get = L.launch, L.get_function
+    names, rec, per = {}, [], {}
+
+    def get_function(src, name, dev, defines=None):
+        fn = orig_get(src, name, dev, defines)
+        names[id(fn)] = name
+        return fn
+
+    def launch(fn, grid, block, args, shared_mem=0):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        orig_launch(fn, grid, block, args, shared_mem=shared_mem)
+        e.record()
+        rec.append((names.get(id(fn), "?"), s, e))
+
+    L.launch, L.get_function = launch, get_function
+    try:
+        for _ in range(reps):
+            rec.clear()
+            f(x)
+            torch.cuda.synchronize()
+            for name, s, e in rec:
+                per.setdefault(name, []).append(s.elapsed_time(e))
+    finally:
+        L.launch, L.get_function = orig_launch, orig_get
+    return {k: round(sorted(v)[len(v) // 2], 4) for k, v in per.items()}
 
 
 def prefill_cost(B, L):
@@ -255,16 +297,23 @@ def conv_rows(bw):
 
 # ----------------------------------------------------------------------------- main
 
+def _kms(r):
+    k = r.get("kernels_ms")
+    if not isinstance(k, dict):
+        return str(k or "")
+    return " ".join(f"{n.replace('gdn_chunk_', '')} {v:.3f}" for n, v in k.items())
+
+
 def table(rows):
-    lines = ["| impl | B | L | ms eager | ms graph | floor ms | graph (or eager) / floor | note |",
+    lines = ["| impl | B | L | ms eager | ms graph | floor ms | graph (or eager) / floor | note or kernel ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        if r.get("impl") in ("ours", "fla", "flashqla"):
+        if r.get("impl") in PREFILL_IMPLS:
             best = r.get("ms_graph") or r.get("ms_eager")
             ratio = f"{best / r['floor_ms']:.1f}" if best else "—"
             fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
             lines.append(f"| {r['impl']} | {r['B']} | {r['L']:,} | {fmt(r.get('ms_eager'))} | {fmt(r.get('ms_graph'))} "
-                         f"| {r['floor_ms']:.3f} | {ratio} | {r.get('note', r.get('error', ''))[:80]} |")
+                         f"| {r['floor_ms']:.3f} | {ratio} | {r.get('note', r.get('error', _kms(r)))[:80]} |")
     lines += ["", "| decode N | ms eager | ms graph | GB/s | of copy BW |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         if r.get("impl") == "ours-decode":
@@ -315,7 +364,7 @@ def main():
         nbytes, flops = prefill_cost(B, L)
         floor = max(nbytes / bw, flops / tf) * 1e3
         x = prefill_inputs(B, L)
-        for name in ("ours", "fla", "flashqla"):
+        for name in PREFILL_IMPLS:
             row = {"impl": name, "B": B, "L": L, "ms_eager": None, "ms_graph": None, "floor_ms": round(floor, 4),
                    "floor_bytes_ms": round(nbytes / bw * 1e3, 4), "floor_flops_ms": round(flops / tf * 1e3, 4)}
             if name not in impls:
@@ -331,6 +380,11 @@ def main():
                     row["tok_per_s"] = round(B * L / row["ms_eager"] * 1e3)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                if row["ms_eager"] is not None and name.startswith("ours"):
+                    try:
+                        row["kernels_ms"] = kernel_breakdown(f, x)
+                    except Exception as e:
+                        row["kernels_ms"] = f"{type(e).__name__}: {str(e)[:160]}"
                 if row["ms_eager"] is not None:
                     try:
                         row["ms_graph"] = round(bench_ms(graph_of(lambda: f(x)).replay), 4)

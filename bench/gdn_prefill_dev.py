@@ -1,9 +1,11 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
-    python3 bench/gdn_prefill_dev.py [--check] [--splits 32,64,128] [--paths auto,fused,split] [--graph] [--json PATH]
+    python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,split_o,split_o_auto]
+                                     [--graph] [--json PATH]
 
 Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
-prep + sequential kernels), with initial and final state, bf16, l2-norm in kernel; inputs rotate
+prep + sequential kernels; split_o: the opt-in variant of gdn_prefill_split.cu at each split,
+split_o_auto: that variant with its own split choice), with initial and final state, bf16, l2-norm in kernel; inputs rotate
 between sets so no call reads a warm L2. --graph times CUDA-graph replays (no Python launch cost,
 as in a captured model); without it, eager calls as do_bench sees them. With --check, first prints
 the error of a few configurations against the float64 recurrence.
@@ -41,15 +43,18 @@ def inputs(B, L, Hk=16, Hv=32, seed=0):
 
 def check():
     print("config                              o err     state err")
-    for (B, L, Hk, Hv, split) in [(1, 300, 16, 32, None), (2, 1000, 2, 4, 32), (2, 1000, 2, 4, 64),
-                                  (2, 1000, 2, 4, 128), (1, 4097, 1, 2, None)]:
+    for (B, L, Hk, Hv, split, var) in [(1, 300, 16, 32, None, None), (2, 1000, 2, 4, 32, None),
+                                       (2, 1000, 2, 4, 64, None), (2, 1000, 2, 4, 128, None),
+                                       (1, 4097, 1, 2, None, None), (1, 300, 16, 32, None, "split_o"),
+                                       (2, 1000, 2, 4, 16, "split_o"), (1, 4097, 1, 2, None, "split_o")]:
         x = inputs(B, L, Hk, Hv, seed=L)
-        o, ht = gdn_chunk_prefill_cuda(*x, dv_split=split)
+        o, ht = gdn_chunk_prefill_cuda(*x, dv_split=split, variant=var)
         o_ref, ht_ref = gdn_prefill_recurrent_f64(*x)
         eo = ((o.double() - o_ref).norm() / o_ref.norm()).item()
         es = ((ht.double() - ht_ref).norm() / ht_ref.norm()).item()
         fin = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
-        print(f"B={B} L={L:5d} Hk={Hk:2d} Hv={Hv:2d} split={split}  {eo:.2e}  {es:.2e}  finite={fin}")
+        print(f"B={B} L={L:5d} Hk={Hk:2d} Hv={Hv:2d} split={split} {var or 'default'}  {eo:.2e}  {es:.2e}  "
+              f"finite={fin}")
 
 
 def _graph_fn(fn):
@@ -73,27 +78,34 @@ def bench(splits, paths, graph):
         sets = [inputs(B, L, seed=i) for i in range(nsets)]
         auto = choose_dv_split(B * 32, torch.device("cuda"))
         for path in paths:
-            fused = {"auto": None, "fused": True, "split": False}[path]
+            kw = {"auto": {}, "fused": {"fused": True}, "split": {"fused": False},
+                  "split_o": {"variant": "split_o"}, "split_o_auto": {"variant": "split_o"}}[path]
             for split in splits:
                 if path == "auto" and split != auto:
                     continue
+                if split == 16 and path != "split_o":  # DVS 16 exists in the split_o kernels only
+                    continue
+                if path == "split_o_auto":  # once, with the variant's own choice
+                    if split != splits[0]:
+                        continue
+                    split = None
                 if graph:  # one graph per input set, replayed in turn
-                    reps = [_graph_fn(lambda x=x: gdn_chunk_prefill_cuda(*x, dv_split=split, fused=fused))
+                    reps = [_graph_fn(lambda x=x: gdn_chunk_prefill_cuda(*x, dv_split=split, **kw))
                             for x in sets]
                     it = iter(range(10 ** 9))
                     fn = lambda: reps[next(it) % nsets]()  # noqa: E731
                 else:
                     it = iter(range(10 ** 9))
                     fn = lambda: gdn_chunk_prefill_cuda(*sets[next(it) % nsets], dv_split=split,  # noqa: E731
-                                                        fused=fused)
+                                                        **kw)
                 fn()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                 rows.append(dict(B=B, L=L, path=path, split=split, graph=graph, ms=round(ms, 4),
                                  flashqla=fqla, fla=fla))
         del sets
-    print(f"{'B':>2} {'L':>6} {'path':>5} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
+    print(f"{'B':>2} {'L':>6} {'path':>12} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
     for r in rows:
-        print(f"{r['B']:>2} {r['L']:>6} {r['path']:>5} {r['split']:>5} {r['ms']:8.4f} "
+        print(f"{r['B']:>2} {r['L']:>6} {r['path']:>12} {str(r['split']):>5} {r['ms']:8.4f} "
               f"{r['ms'] / r['flashqla']:11.2f} {r['ms'] / r['fla']:7.2f}")
     return rows
 

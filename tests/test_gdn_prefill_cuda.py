@@ -1,4 +1,5 @@
-"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths) against the f64 recurrence."""
+"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths, and the opt-in "split_o"
+variant: prep + state-only sequential kernel + parallel output kernel) against the f64 recurrence."""
 import math
 
 import pytest
@@ -50,17 +51,33 @@ def _poison(*shapes_dtypes):
     del junk
 
 
+# How each test calls the launcher: the default dispatch, a forced path, or the opt-in variant.
+PATHS = {"default": {}, "fused": {"fused": True}, "two": {"fused": False}, "split_o": {"variant": "split_o"}}
+_ref_cache: dict = {}  # one entry: the f64 reference of the last inputs (the paths of one case share it)
+
+
+def reference(key, *args):
+    if key is None or key not in _ref_cache:
+        _ref_cache.clear()
+        out = gdn_prefill_recurrent_f64(*args)
+        if key is None:
+            return out
+        _ref_cache[key] = out
+    return _ref_cache[key]
+
+
 def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
 def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, fused=None, o_tol=O_TOL,
-                  state_tol=STATE_TOL):
+                  state_tol=STATE_TOL, variant=None, ref_key=None):
     B, T, Hv = v.shape[:3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split, fused=fused)
-    o_ref, ht_ref = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split, fused=fused,
+                        variant=variant)
+    o_ref, ht_ref = reference(ref_key, q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
     assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
     assert ht.shape == (N, Hv, 128, 128) and ht.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -77,11 +94,13 @@ for i, (T, B) in enumerate((T, B) for T in (1, 63, 64, 65, 1000, 4097) for B in 
     CASES.append((T, B) + _cycle[i % len(_cycle)])
 
 
+@pytest.mark.parametrize("path", ["default", "split_o"])
 @pytest.mark.parametrize("T,B,ratio,with_h0,decay,dtype", CASES)
-def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype):
+def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype, path):
     Hk = 2 if T < 4000 else 1
-    inputs = make_inputs(B, T, Hk, Hk * ratio, dtype, decay, B if with_h0 else None)
-    run_and_check(*inputs)
+    seed = 1000 * T + 10 * B + ratio  # both paths of a case see the same inputs and share one reference
+    inputs = make_inputs(B, T, Hk, Hk * ratio, dtype, decay, B if with_h0 else None, seed=seed)
+    run_and_check(*inputs, **PATHS[path], ref_key=(T, B, ratio, with_h0, decay, dtype, seed))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -92,60 +111,74 @@ def test_every_dv_split(dv_split, decay, fused):
     run_and_check(*inputs, dv_split=dv_split, fused=fused)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dv_split", [16, 32, 64, 128])
+@pytest.mark.parametrize("decay", ["weak", "model"])
+def test_split_o_every_dv_split(dv_split, decay):
+    inputs = make_inputs(2, 300, 2, 4, torch.bfloat16, decay, 2)
+    run_and_check(*inputs, dv_split=dv_split, variant="split_o")
+
+
+def test_unknown_variant():
+    inputs = make_inputs(1, 8, 1, 1, torch.bfloat16, "model")
+    with pytest.raises(ValueError, match="variant"):
+        _launcher()(*inputs, variant="nope")
+
+
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_varlen(with_h0, dtype, fused):
+def test_varlen(with_h0, dtype, path):
     lens = [1, 129, 1000, 64, 806, 63, 0, 2]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    inputs = make_inputs(1, int(cu[-1]), 2, 4, dtype, "model", len(lens) if with_h0 else None)
-    run_and_check(*inputs, cu_seqlens=cu, fused=fused)
+    inputs = make_inputs(1, int(cu[-1]), 2, 4, dtype, "model", len(lens) if with_h0 else None,
+                         seed=11 + with_h0 + 2 * (dtype == torch.float16))
+    run_and_check(*inputs, cu_seqlens=cu, **PATHS[path], ref_key=("varlen", with_h0, dtype))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_varlen_matches_separate_calls(fused):
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+def test_varlen_matches_separate_calls(path):
     lens = [100, 1, 300]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "weak", len(lens))
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused=fused)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, **PATHS[path])
     for i in range(len(lens)):
         s, e = int(cu[i]), int(cu[i + 1])
         oi, hi = _launcher()(q[:, s:e], k[:, s:e], v[:, s:e], a[:, s:e], b[:, s:e], A_log, dt_bias, h0[i:i + 1],
-                             fused=fused)
+                             **PATHS[path])
         torch.testing.assert_close(o[:, s:e], oi, rtol=0, atol=0)
         torch.testing.assert_close(ht[i:i + 1], hi, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_packed_heads_and_gate_dtypes(fused):
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+def test_packed_heads_and_gate_dtypes(path):
     inputs = make_inputs(2, 200, 2, 4, torch.bfloat16, "model", 2, gate_dtype=torch.bfloat16, packed=True)
     assert not inputs[0].is_contiguous()
-    run_and_check(*inputs, fused=fused)
+    run_and_check(*inputs, **PATHS[path])
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_qwen35_shapes(fused):
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+def test_qwen35_shapes(path):
     """Hk 16, Hv 32 as in Qwen3.5-9B, bf16, initial state; the default Dv split for B = 1."""
-    inputs = make_inputs(1, 700, 16, 32, torch.bfloat16, "model", 1)
-    run_and_check(*inputs, fused=fused)
+    inputs = make_inputs(1, 700, 16, 32, torch.bfloat16, "model", 1, seed=700)
+    run_and_check(*inputs, **PATHS[path], ref_key="qwen35")
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_deterministic(fused):
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+def test_deterministic(path):
     inputs = make_inputs(1, 500, 2, 4, torch.bfloat16, "model", 1, seed=1)
-    o1, h1 = _launcher()(*inputs, fused=fused)
-    o2, h2 = _launcher()(*inputs, fused=fused)
+    o1, h1 = _launcher()(*inputs, **PATHS[path])
+    o2, h2 = _launcher()(*inputs, **PATHS[path])
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_cuda_graph_capture(fused):
+@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+def test_cuda_graph_capture(path):
     """The launch captures into a CUDA graph (no host sync, no host reads of device data); replays
     on new inputs copied into the captured buffers match eager calls."""
     lens = [70, 1, 200]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     static = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "model", len(lens), seed=3)
-    fn = lambda: _launcher()(*static, cu, fused=fused)  # noqa: E731
+    fn = lambda: _launcher()(*static, cu, **PATHS[path])  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -158,6 +191,6 @@ def test_cuda_graph_capture(fused):
     for dst, src in zip(static, fresh):
         dst.copy_(src)
     graph.replay()
-    o_e, h_e = _launcher()(*fresh, cu, fused=fused)
+    o_e, h_e = _launcher()(*fresh, cu, **PATHS[path])
     torch.testing.assert_close(o_g, o_e, rtol=0, atol=0)
     torch.testing.assert_close(h_g, h_e, rtol=0, atol=0)

@@ -11,6 +11,8 @@ from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"  # prep kernel + sequential kernel
 SRC_FUSED = Path(__file__).resolve().parent / "gdn_prefill_fused.cu"  # one kernel
+SRC_SPLIT = Path(__file__).resolve().parent / "gdn_prefill_split.cu"  # variant "split_o": state + output kernels
+VARIANTS = (None, "split_o")  # None: the default dispatch (use_fused, choose_dv_split)
 KERNEL = "gdn_chunk_prefill_fwd"
 PREP_KERNEL = "gdn_chunk_prep"
 D = 128
@@ -42,6 +44,24 @@ def use_fused(T: int, dvs: int) -> bool:
     """Single-kernel path for short inputs (T: tokens per row, or all packed tokens) and for grids
     that already fill the GPU with whole state columns (dvs 128), where it measured as fast or faster."""
     return T <= FUSED_MAX_T or dvs == 128
+
+
+def smem_bytes_split(dvs: int) -> int:
+    """Dynamic shared memory of one gdn_chunk_state block (mirrors SM_TOTAL in gdn_prefill_split.cu)."""
+    vst = dvs + 8
+    stage = 64 * (D + 8) * 2 + 64 * vst * 2 + 64 * 72 * 2 + 4 * 64 * 4
+    return 2 * stage + D * vst * 2 + 3 * 64 * vst * 2
+
+
+OUT_SMEM = 64 * (D + 8) * 2 + D * 72 * 2 + 64 * 72 * 2 + 64 * 72 * 2 + 4 * 64 * 4  # gdn_chunk_out (OSM_TOTAL)
+OUT_THREADS = 128
+OUT_COLS = 64
+
+
+def choose_dv_split_split_o(n_heads_total: int, device: torch.device) -> int:
+    """State columns per gdn_chunk_state block: 32 (two blocks per SM) once that grid fills two
+    blocks per SM, else 16 (B=1, Hv=32: 256 blocks, two per SM)."""
+    return 32 if n_heads_total * (D // 32) >= 0.9 * 2 * _num_sms(device) else 16
 
 
 PREP_SMEM = 2 * 64 * (D + 8) * 2 + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4
@@ -76,16 +96,21 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            initial_state: Optional[torch.Tensor] = None,
                            cu_seqlens: Optional[torch.Tensor] = None,
                            dv_split: Optional[int] = None,
-                           fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           fused: Optional[bool] = None,
+                           variant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
     with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
     [N, Hv, 128, 128] fp32. `dv_split` (32, 64, 128) overrides the state columns per block, `fused`
-    the choice between the one-kernel and the two-kernel path (see use_fused).
+    the choice between the one-kernel and the two-kernel path (see use_fused). `variant="split_o"`
+    runs the opt-in three-kernel path (prep, state-only sequential kernel, parallel output kernel;
+    gdn_prefill_split.cu); `dv_split` then may also be 16, and `fused` is ignored.
     Launch only: no synchronisation, capturable in a CUDA graph.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown gdn prefill variant {variant!r}; known: {VARIANTS}")
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if Dk != D or Dv != D or k.shape != q.shape or v.shape[:2] != (B, T):
@@ -119,6 +144,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
     if N == 0:
         return o, ht
+    if variant == "split_o":
+        return _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv_split, B, T, Hk, Hv, N)
     dvs = dv_split or choose_dv_split(N * Hv, dev)
     defines = {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
     if _GATE[b.dtype] != _GATE[a.dtype]:
@@ -151,4 +178,60 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
             *qs, *ks, *vs),
            shared_mem=smem_bytes(dvs))
+    return o, ht
+
+
+_carveout_set: set = set()
+
+
+def _prefer_smem(fn, dev: torch.device) -> None:
+    """Ask for the largest shared-memory carveout once per kernel and device, so that two blocks of
+    gdn_chunk_state (75-89 KB each at DVS 16/32) share an SM (the driver's default should, this makes sure)."""
+    key = (id(fn), dev.index if dev.index is not None else torch.cuda.current_device())
+    if key in _carveout_set:
+        return
+    _carveout_set.add(key)
+    try:
+        fn.preferred_shared_memory_carveout = 100
+    except Exception:  # a hint only
+        pass
+
+
+def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv_split, B, T, Hk, Hv, N):
+    """Variant "split_o": prep (gdn_prefill.cu) -> gdn_chunk_state (state only; writes the 16-bit
+    state entering every chunk and u) -> gdn_chunk_out (o for all chunks at once)."""
+    dev = q.device
+    dvs = dv_split or choose_dv_split_split_o(N * Hv, dev)
+    if dvs not in (16, 32, 64, 128):
+        raise ValueError(f"dv_split must be 16, 32, 64 or 128, got {dvs}")
+    if _GATE[b.dtype] != _GATE[a.dtype]:
+        b = b.to(a.dtype)
+    base = {"IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
+    i64 = np.int64
+    qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
+    vs = tuple(i64(x) for x in v.stride()[:3])
+    abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
+    slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
+    Tg = torch.empty(slots, Hv, 64, 64, dtype=v.dtype, device=dev)
+    Pg = torch.empty_like(Tg)
+    Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
+    Hs = torch.empty(slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
+    Ug = torch.empty(slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
+    if slots:
+        prep = get_function(SRC, PREP_KERNEL, dev, base)
+        launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
+               (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
+                np.int32(N), *qs, *ks, *abs_),
+               shared_mem=PREP_SMEM)
+    fn = get_function(SRC_SPLIT, "gdn_chunk_state", dev, {**base, "DVS": dvs})
+    _prefer_smem(fn, dev)
+    launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
+           (k, v, Tg, Fg, initial_state, cu_seqlens, Hs, Ug, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
+            *ks, *vs),
+           shared_mem=smem_bytes_split(dvs))
+    if slots:
+        out = get_function(SRC_SPLIT, "gdn_chunk_out", dev, {**base, "DVS": dvs})
+        launch(out, (slots, Hv, D // OUT_COLS), (OUT_THREADS, 1, 1),
+               (q, Pg, Fg, Hs, Ug, cu_seqlens, o, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(N), *qs),
+               shared_mem=OUT_SMEM)
     return o, ht

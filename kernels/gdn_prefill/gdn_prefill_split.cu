@@ -1,0 +1,457 @@
+// Gated DeltaNet chunked prefill, variant "split_o" (NVRTC, sm_80+): the state-independent work and
+// the output leave the sequential path. Three launches:
+//   1. gdn_chunk_prep (gdn_prefill.cu, unchanged): per (chunk, head) T = (I+L)^-1, P, G, beta, rk, rq.
+//   2. gdn_chunk_state (here): one 256-thread block per (sequence, value head, DVS state columns) walks
+//      the chunks with the fp32 state in registers and does only what the next state needs:
+//        rhs = beta (v - e^G rk (K S));  u = T rhs;  S <- e^{G_end} S + K^T (rk e^{G_end - G} u)
+//      It writes the 16-bit state entering every chunk (Hs) and u (Ug) to device memory.
+//      All 8 warps share K S (4 row tiles x 2 column halves), nothing else runs beside the chain, and
+//      without Q and P in shared memory a block needs ~75 KB (DVS 16) / ~89 KB (DVS 32): two blocks
+//      per SM, so DVS 16 gives B=1 two resident, independent slices per SM to hide each other's latency.
+//   3. gdn_chunk_out (here): all (chunk, head, 64 columns) at once: o = rq e^G (Q Hs) + P Ug.
+// The roundings are those of the two-kernel path: Q S with the 16-bit state, P u with 16-bit u,
+// rhs and the scaled u as hi + lo 16-bit pairs in the state chain.
+#include "common.cuh"
+
+#ifndef DVS
+#define DVS 32  // state columns per block of gdn_chunk_state: 16, 32, 64 or 128
+#endif
+#ifndef IN_T
+#define IN_T QF_BF16  // q, k, v, o element type: QF_BF16 or QF_HALF
+#endif
+
+typedef qf_type<IN_T>::t elem;
+typedef unsigned int u32;
+
+#define CH 64       // chunk length
+#define DK 128      // key / value head dim
+#define NTHR 256    // state kernel: 8 warps
+#define OTHR 128    // output kernel: 4 warps
+#define KST (DK + 8)    // smem row stride (elements) of K, Q tiles
+#define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
+#define BST 72          // 16-bit row stride of T and P tiles
+#define NJ (DVS / 8)    // n-tiles of 8 columns per state slice
+#define NH (NJ / 2)     // n-tiles per warp in the K S and T rhs phases (column halves)
+#define OVS 64          // output kernel: columns per block
+#define OST (OVS + 8)
+#define SMIN (DVS <= 32 ? 2 : 1)  // blocks per SM the state kernel is built for
+
+static_assert(DVS == 16 || DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 16, 32, 64 or 128");
+
+// ---------------------------------------------------------------- shared memory layouts (bytes)
+// state kernel: 2 stages of K, V, T, vectors; then the 16-bit state, rhs (lo), scaled u (hi, lo)
+#define SO_V (CH * KST * 2)
+#define SO_T (SO_V + CH * VST * 2)
+#define SO_F (SO_T + CH * BST * 2)
+#define STAGE_BYTES (SO_F + 4 * CH * 4)
+#define SM_S (2 * STAGE_BYTES)
+#define SM_RHS (SM_S + DK * VST * 2)
+#define SM_UH (SM_RHS + CH * VST * 2)
+#define SM_UL (SM_UH + CH * VST * 2)
+#define SM_TOTAL (SM_UL + CH * VST * 2)
+// output kernel
+#define OSM_Q 0
+#define OSM_S (OSM_Q + CH * KST * 2)
+#define OSM_P (OSM_S + DK * OST * 2)
+#define OSM_U (OSM_P + CH * BST * 2)
+#define OSM_F (OSM_U + CH * OST * 2)
+#define OSM_TOTAL (OSM_F + 4 * CH * 4)
+
+// First (chunk, head) slot of sequence n, as in gdn_prefill.cu (the prep kernel's buffers).
+__device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
+    return cu_seqlens ? cu_seqlens[n] / CH + n : n * ((T + CH - 1) / CH);
+}
+
+// ---------------------------------------------------------------- tensor core helpers
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm2t(u32 r[2], const void* p) {  // lanes 0-15 give the addresses
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
+}
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if IN_T == QF_BF16
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ u32 pack2(float x, float y) {
+#if IN_T == QF_BF16
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+#else
+    __half2 h = __floats2half2_rn(x, y);
+#endif
+    return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ float2 unpack2(u32 u) {
+#if IN_T == QF_BF16
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+#else
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+#endif
+}
+// x ~= hi + lo in two 16-bit values each.
+__device__ __forceinline__ void store_split(elem* hi, elem* lo, float x, float y) {
+    const u32 h = pack2(x, y);
+    const float2 hf = unpack2(h);
+    *reinterpret_cast<u32*>(hi) = h;
+    *reinterpret_cast<u32*>(lo) = pack2(x - hf.x, y - hf.y);
+}
+
+// ldmatrix lane addresses (see gdn_prefill.cu): A 16x16 at (r0, c0) of a row-major [m][k] tile;
+// A as the transpose of a row-major [k][m] tile; B (n-tiles n0, n0 + 8) x k16 from a row-major [k][n] tile.
+__device__ __forceinline__ const elem* a_addr(const elem* base, int ld, int r0, int c0, int lane) {
+    return base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8;
+}
+__device__ __forceinline__ const elem* at_addr(const elem* base, int ld, int m0, int k0, int lane) {
+    return base + (k0 + (lane & 7) + ((lane >> 4) << 3)) * ld + m0 + ((lane >> 3) & 1) * 8;
+}
+__device__ __forceinline__ const elem* bk_addr(const elem* base, int ld, int k0, int n0, int lane) {
+    return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8;
+}
+
+// acc[j] += A (fragment af) * B[k0:k0+16, n0 + 8j : n0 + 8j + 8] for j < NT, B a row-major [k][n] tile.
+template <int NT>
+__device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const elem* B, int ld, int k0, int n0,
+                                        int lane) {
+    if (NT == 1) {
+        u32 bf[2];
+        ldsm2t(bf, bk_addr(B, ld, k0, n0, lane));
+        mma16816(acc[0], af, bf[0], bf[1]);
+    } else {
+#pragma unroll
+        for (int jp = 0; jp < NT / 2; ++jp) {
+            u32 bf[4];
+            ldsm4t(bf, bk_addr(B, ld, k0, n0 + 16 * jp, lane));
+            mma16816(acc[2 * jp], af, bf[0], bf[1]);
+            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------- sequential kernel: the state only
+// Grid: (128 / DVS, Hv, N). Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv,
+// 64, 128] 16-bit u of each chunk (all 64 rows; rows past a sequence's end are not used). Strides in elements.
+extern "C" __global__ void __launch_bounds__(NTHR, SMIN)
+gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
+                const elem* __restrict__ Tg, const float* __restrict__ Fg,
+                const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
+                elem* __restrict__ Hs, elem* __restrict__ Ug, float* __restrict__ ht,
+                int T, int Hk, int Hv,
+                long long k_sb, long long k_st, long long k_sh,
+                long long v_sb, long long v_st, long long v_sh)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
+    elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
+    elem* Uh = reinterpret_cast<elem*>(smem + SM_UH);  // rk e^{G_end-G} u (hi)
+    elem* Ul = reinterpret_cast<elem*>(smem + SM_UL);  // (lo)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
+    const int hk = h / (Hv / Hk);
+
+    long long bos;
+    int len, batch;
+    if (cu_seqlens) {
+        batch = 0;
+        bos = cu_seqlens[n];
+        len = cu_seqlens[n + 1] - (int)bos;
+    } else {
+        batch = n;
+        bos = 0;
+        len = T;
+    }
+    const int slot0 = first_slot(cu_seqlens, n, T);
+    const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
+    const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
+    const int nchunks = (len + CH - 1) / CH;
+
+    auto load_chunk = [&](int c, int buf) {  // K rows, this block's V columns (zero past the end), T, vectors
+        unsigned char* st = smem + buf * STAGE_BYTES;
+        elem* Kd = reinterpret_cast<elem*>(st);
+        elem* Vd = reinterpret_cast<elem*>(st + SO_V);
+        elem* Td = reinterpret_cast<elem*>(st + SO_T);
+        float* Fd = reinterpret_cast<float*>(st + SO_F);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
+            const int tok = c * CH + row;
+            const bool ok = tok < len;
+            const long long tt = ok ? tok : 0;
+            cp_async16(Kd + row * KST + col, kb + tt * k_st + col, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < (8 * DVS + NTHR - 1) / NTHR; ++i) {  // 64 rows x DVS / 8 pieces
+            const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+            if (idx < 8 * DVS) {
+                const int tok = c * CH + row;
+                const bool ok = tok < len;
+                const long long tt = ok ? tok : 0;
+                cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
+            }
+        }
+        const long long sb = ((long long)(slot0 + c) * Hv + h) * CH * CH;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
+        }
+        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
+    };
+
+    // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
+    float s[NJ][4];
+    if (h0) {
+        const float* hp = h0 + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const float2 x0 = *reinterpret_cast<const float2*>(hp + g * DK + 8 * j + 2 * t);
+            const float2 x1 = *reinterpret_cast<const float2*>(hp + (g + 8) * DK + 8 * j + 2 * t);
+            s[j][0] = x0.x; s[j][1] = x0.y; s[j][2] = x1.x; s[j][3] = x1.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    }
+
+    if (nchunks > 0) load_chunk(0, 0);
+    cp_async_commit();
+
+    const int mt = warp & 3, jh = (warp >> 2) * NH;  // phases 2, 3: row tile, first n-tile of the column half
+    const int ra0 = 16 * mt + g, ra1 = ra0 + 8;
+    for (int c = 0; c < nchunks; ++c) {
+        unsigned char* st = smem + (c & 1) * STAGE_BYTES;
+        const elem* Kc = reinterpret_cast<const elem*>(st);
+        elem* Vc = reinterpret_cast<elem*>(st + SO_V);  // v, then the high half of rhs
+        const elem* Tb = reinterpret_cast<const elem*>(st + SO_T);
+        const float* Gc = reinterpret_cast<const float*>(st + SO_F);
+        const float* Bt = Gc + CH;
+        const float* Rk = Bt + CH;
+        cp_async_wait_all();
+        __syncthreads();
+        if (c + 1 < nchunks) load_chunk(c + 1, (c + 1) & 1);
+        cp_async_commit();
+
+        // ---- phase 1: state -> 16-bit smem
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int r = 16 * warp + g, cc = 8 * j + 2 * t;
+            *reinterpret_cast<u32*>(Sb + r * VST + cc) = pack2(s[j][0], s[j][1]);
+            *reinterpret_cast<u32*>(Sb + (r + 8) * VST + cc) = pack2(s[j][2], s[j][3]);
+        }
+        __syncthreads();
+
+        // ---- the 16-bit state entering chunk c -> Hs (16-byte stores; read by gdn_chunk_out)
+        {
+            elem* hs = Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0;
+#pragma unroll
+            for (int i = 0; i < DVS / 16; ++i) {  // 128 rows x DVS / 8 pieces
+                const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+                *reinterpret_cast<uint4*>(hs + row * DK + col) = *reinterpret_cast<const uint4*>(Sb + row * VST + col);
+            }
+        }
+
+        // ---- phase 2: rhs = beta (v - e^G rk (K S)) for rows 16 mt, n-tiles jh .. jh + NH
+        {
+            float acc[NH][4];
+#pragma unroll
+            for (int j = 0; j < NH; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 2
+            for (int kk = 0; kk < DK / 16; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(Kc, KST, 16 * mt, 16 * kk, lane));
+                mma_row<NH>(acc, af, Sb, VST, 16 * kk, 8 * jh, lane);
+            }
+            const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+            const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                const int cc = 8 * (jh + j) + 2 * t;
+                const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
+                const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
+                store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
+                            b0 * (x0.x - f0 * acc[j][0]), b0 * (x0.y - f0 * acc[j][1]));
+                store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
+                            b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> Ug (16-bit) and the scaled u (hi, lo)
+        {
+            float acc[NH][4];
+#pragma unroll
+            for (int j = 0; j < NH; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            for (int kk = 0; kk <= mt; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(Tb, BST, 16 * mt, 16 * kk, lane));
+                mma_row<NH>(acc, af, Vc, VST, 16 * kk, 8 * jh, lane);
+                mma_row<NH>(acc, af, Rs, VST, 16 * kk, 8 * jh, lane);
+            }
+            const float gend = Gc[CH - 1];
+            const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
+            elem* ug = Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0;
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                const int cc = 8 * (jh + j) + 2 * t;
+                *reinterpret_cast<u32*>(ug + ra0 * DK + cc) = pack2(acc[j][0], acc[j][1]);
+                *reinterpret_cast<u32*>(ug + ra1 * DK + cc) = pack2(acc[j][2], acc[j][3]);
+                store_split(Uh + ra0 * VST + cc, Ul + ra0 * VST + cc, f0 * acc[j][0], f0 * acc[j][1]);
+                store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
+            }
+        }
+        __syncthreads();
+
+        // ---- phase 4: S <- e^{G_end} S + K^T (scaled u), rows 16 warp of the state, all DVS columns
+        {
+            const float decay = __expf(Gc[CH - 1]);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
+            }
+#pragma unroll 1
+            for (int kk = 0; kk < CH / 16; ++kk) {
+                u32 af[4];
+                ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
+                mma_row<NJ>(s, af, Uh, VST, 16 * kk, 0, lane);
+                mma_row<NJ>(s, af, Ul, VST, 16 * kk, 0, lane);
+            }
+        }
+    }
+    cp_async_wait_all();
+
+    float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
+        *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
+    }
+}
+
+// ---------------------------------------------------------------- output kernel: all chunks at once
+// Grid: (slots, Hv, 128 / OVS), slots as the prep kernel's. o = rq e^G (Q S_c) + P u for the chunk's
+// rows < its sequence's length; o is contiguous [B, T, Hv, 128]. Strides in elements.
+extern "C" __global__ void __launch_bounds__(OTHR)
+gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const float* __restrict__ Fg,
+              const elem* __restrict__ Hs, const elem* __restrict__ Ug, const int* __restrict__ cu_seqlens,
+              elem* __restrict__ o, int T, int Hk, int Hv, int N,
+              long long q_sb, long long q_st, long long q_sh)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem* Qs = reinterpret_cast<elem*>(smem + OSM_Q);
+    elem* Ss = reinterpret_cast<elem*>(smem + OSM_S);
+    elem* Ps = reinterpret_cast<elem*>(smem + OSM_P);
+    elem* Us = reinterpret_cast<elem*>(smem + OSM_U);
+    float* Gc = reinterpret_cast<float*>(smem + OSM_F);
+    const float* Rq = Gc + 3 * CH;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int slot = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * OVS;
+    const int hk = h / (Hv / Hk);
+    int n, c, len, batch;
+    long long bos, batch_tok;
+    if (cu_seqlens) {  // the sequence whose slots hold this one: largest n with first_slot(n) <= slot
+        int lo = 0, hi = N - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (first_slot(cu_seqlens, mid, T) <= slot) lo = mid; else hi = mid - 1;
+        }
+        n = lo;
+        batch = 0;
+        bos = cu_seqlens[n];
+        len = cu_seqlens[n + 1] - (int)bos;
+        c = slot - first_slot(cu_seqlens, n, T);
+        batch_tok = bos;
+    } else {
+        const int nch = (T + CH - 1) / CH;
+        n = slot / nch;
+        c = slot - n * nch;
+        batch = n;
+        bos = 0;
+        len = T;
+        batch_tok = (long long)n * T;
+    }
+    if (c * CH >= len) return;  // a gap between packed sequences
+    const int tok0 = c * CH;
+    const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
+    const long long sh = (long long)slot * Hv + h;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // Q: 64 rows x 16 pieces (zero past the end); S: 128 rows x 8 pieces
+        const int idx = tid + i * OTHR;
+        {
+            const int row = idx >> 4, col = (idx & 15) * 8;
+            const bool ok = tok0 + row < len;
+            const long long tt = ok ? row : 0;
+            cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
+        }
+        {
+            const int row = idx >> 3, col = (idx & 7) * 8;
+            cp_async16(Ss + row * OST + col, Hs + sh * DK * DK + row * DK + v0 + col, true);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // P: 64 x 64; u: 64 rows x this block's 64 columns
+        const int idx = tid + i * OTHR, row = idx >> 3, col = (idx & 7) * 8;
+        cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, true);
+        cp_async16(Us + row * OST + col, Ug + sh * CH * DK + row * DK + v0 + col, true);
+    }
+    if (tid < CH) cp_async16(Gc + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+
+    float acc[OVS / 8][4];
+#pragma unroll
+    for (int j = 0; j < OVS / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 2
+    for (int kk = 0; kk < DK / 16; ++kk) {
+        u32 af[4];
+        ldsm4(af, a_addr(Qs, KST, 16 * warp, 16 * kk, lane));
+        mma_row<OVS / 8>(acc, af, Ss, OST, 16 * kk, 0, lane);
+    }
+    const int r0 = 16 * warp + g, r1 = r0 + 8;
+    const float f0 = Rq[r0] * __expf(Gc[r0]), f1 = Rq[r1] * __expf(Gc[r1]);
+#pragma unroll
+    for (int j = 0; j < OVS / 8; ++j) {
+        acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
+    }
+    for (int kk = 0; kk <= warp; ++kk) {
+        u32 af[4];
+        ldsm4(af, a_addr(Ps, BST, 16 * warp, 16 * kk, lane));
+        mma_row<OVS / 8>(acc, af, Us, OST, 16 * kk, 0, lane);
+    }
+    elem* ob = o + (batch_tok * Hv + h) * DK + v0;
+#pragma unroll
+    for (int j = 0; j < OVS / 8; ++j) {
+        const int cc = 8 * j + 2 * t;
+        if (tok0 + r0 < len)
+            *reinterpret_cast<u32*>(ob + (long long)(tok0 + r0) * Hv * DK + cc) = pack2(acc[j][0], acc[j][1]);
+        if (tok0 + r1 < len)
+            *reinterpret_cast<u32*>(ob + (long long)(tok0 + r1) * Hv * DK + cc) = pack2(acc[j][2], acc[j][3]);
+    }
+}
