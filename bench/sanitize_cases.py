@@ -43,5 +43,10 @@ else:
     ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
     gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                            torch.randn(2, Hv, D, D, device=dev), torch.tensor([0, 77, 200], dtype=torch.int32, device=dev))
+    for split in (16, 32):  # the opt-in split_o variant (gdn_prefill_split.cu)
+        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
+                               torch.randn(2, Hv, D, D, device=dev),
+                               torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split,
+                               variant="split_o")
 torch.cuda.synchronize()
 print("sanitize cases ran")
