@@ -218,7 +218,7 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     Hs = torch.empty(slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
     Ug = torch.empty(slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
     if slots:
-        prep = get_function(SRC, PREP_KERNEL, dev, base)
+        prep = get_function(SRC, PREP_KERNEL, dev, {**base, "DVS": 32})  # the module the default B=1 path loads
         launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
                 np.int32(N), *qs, *ks, *abs_),
