@@ -62,67 +62,11 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
     return cu_seqlens ? cu_seqlens[n] / CH + n : n * ((T + CH - 1) / CH);
 }
 
-// ---------------------------------------------------------------- tensor core helpers
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+#include "mma_tiles.cuh"
 
-__device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
-}
-__device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
-}
 __device__ __forceinline__ void ldsm2t(u32 r[2], const void* p) {  // lanes 0-15 give the addresses
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
-}
-
-__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-#if IN_T == QF_BF16
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-__device__ __forceinline__ u32 pack2(float x, float y) {
-#if IN_T == QF_BF16
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-#else
-    __half2 h = __floats2half2_rn(x, y);
-#endif
-    return *reinterpret_cast<u32*>(&h);
-}
-__device__ __forceinline__ float2 unpack2(u32 u) {
-#if IN_T == QF_BF16
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
-#else
-    return __half22float2(*reinterpret_cast<__half2*>(&u));
-#endif
-}
-// x ~= hi + lo in two 16-bit values each.
-__device__ __forceinline__ void store_split(elem* hi, elem* lo, float x, float y) {
-    const u32 h = pack2(x, y);
-    const float2 hf = unpack2(h);
-    *reinterpret_cast<u32*>(hi) = h;
-    *reinterpret_cast<u32*>(lo) = pack2(x - hf.x, y - hf.y);
-}
-
-// ldmatrix lane addresses (see gdn_prefill.cu): A 16x16 at (r0, c0) of a row-major [m][k] tile;
-// A as the transpose of a row-major [k][m] tile; B (n-tiles n0, n0 + 8) x k16 from a row-major [k][n] tile.
-__device__ __forceinline__ const elem* a_addr(const elem* base, int ld, int r0, int c0, int lane) {
-    return base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8;
-}
-__device__ __forceinline__ const elem* at_addr(const elem* base, int ld, int m0, int k0, int lane) {
-    return base + (k0 + (lane & 7) + ((lane >> 4) << 3)) * ld + m0 + ((lane >> 3) & 1) * 8;
-}
-__device__ __forceinline__ const elem* bk_addr(const elem* base, int ld, int k0, int n0, int lane) {
-    return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8;
 }
 
 // acc[j] += A (fragment af) * B[k0:k0+16, n0 + 8j : n0 + 8j + 8] for j < NT, B a row-major [k][n] tile.
@@ -143,13 +87,6 @@ __device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const e
         }
     }
 }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------- sequential kernel: the state only
 // Grid: (128 / DVS, Hv, N). Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv,
@@ -251,7 +188,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         const float* Gc = reinterpret_cast<const float*>(st + SO_F);
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
         if (c + 1 < nchunks) load_chunk(c + 1, (c + 1) & 1);
         cp_async_commit();
@@ -342,7 +279,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
             }
         }
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
 
     float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
@@ -422,7 +359,7 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
     }
     if (tid < CH) cp_async16(Gc + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
     cp_async_commit();
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
 
     float acc[OVS / 8][4];

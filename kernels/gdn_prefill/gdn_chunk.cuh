@@ -1,0 +1,186 @@
+// Device helpers shared by gdn_prefill.cu and gdn_prefill_fused.cu: the 64x64 triangular inverse and
+// the chunk-local products. Included after the including file has defined elem, u32 and the tile
+// macros (CH, DK, KST, VST, FST, BST, ...) it relies on.
+#pragma once
+#include "mma_tiles.cuh"
+
+// ---------------------------------------------------------------- the 64x64 inverse, 16x16 blocks in fp32
+// acc (16x16 as two m16n8 tiles) += A (16x16 fp32, row stride lda) * B (16x16 fp32, row stride ldb), tf32 mma.
+__device__ __forceinline__ void mm16_tf32(float acc[2][4], const float* A, int lda, const float* B, int ldb, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+        const float* Ab = A + 8 * ks;
+        const u32 af[4] = {tf32(Ab[g * lda + t]), tf32(Ab[(g + 8) * lda + t]),
+                           tf32(Ab[g * lda + t + 4]), tf32(Ab[(g + 8) * lda + t + 4])};
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+            const float* Bb = B + 8 * ks * ldb + 8 * nj;
+            mma1688tf32(acc[nj], af, tf32(Bb[t * ldb + g]), tf32(Bb[(t + 4) * ldb + g]));
+        }
+    }
+}
+// Store sign * acc into a 16x16 fp32 block (row stride ld) and, if Tb, into its 16-bit copy.
+__device__ __forceinline__ void put16(const float acc[2][4], float sign, float* F, int ld, elem* Tb, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+        const int c = 8 * nj + 2 * t;
+        if (F) {
+            *reinterpret_cast<float2*>(F + g * ld + c) = make_float2(sign * acc[nj][0], sign * acc[nj][1]);
+            *reinterpret_cast<float2*>(F + (g + 8) * ld + c) = make_float2(sign * acc[nj][2], sign * acc[nj][3]);
+        }
+        if (Tb) {
+            *reinterpret_cast<u32*>(Tb + g * BST + c) = pack2(sign * acc[nj][0], sign * acc[nj][1]);
+            *reinterpret_cast<u32*>(Tb + (g + 8) * BST + c) = pack2(sign * acc[nj][2], sign * acc[nj][3]);
+        }
+    }
+}
+
+// T = (I + L)^-1 for the strictly lower 64x64 L (fp32, Lf), by the 128 threads of group A.
+// Diagonal 16x16 blocks by substitution; then T10, T32 (= -Tii Lij Tjj); then the lower-left 32x32
+// block as -T_D (L_C T_A). Writes Tb (16-bit, lower part incl. diagonal) and uses Tf (fp32) and Xs.
+__device__ __forceinline__ void invert_tril64(const float* Lf, float* Tf, elem* Tb, float* Xs, int ta) {
+    const int lane = ta & 31, wa = ta >> 5;
+    if (ta < CH) {  // one thread per column of the 4 diagonal blocks, right-looking substitution
+        const int d0 = 16 * (ta >> 4), cc = ta & 15;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 15; ++kk)
+#pragma unroll
+            for (int i = kk + 1; i < 16; ++i) x[i] -= Lf[(d0 + i) * FST + d0 + kk] * x[kk];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            Tf[(d0 + i) * FST + d0 + cc] = x[i];
+            Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(x[i]);
+        }
+    }
+    group_sync(1);
+    float* X = Xs + wa * 320;
+    if (wa < 2) {  // T10 (warp 0), T32 (warp 1)
+        const int bi = 1 + 2 * wa, bj = 2 * wa;
+        float acc[2][4] = {};
+        mm16_tf32(acc, Lf + 16 * bi * FST + 16 * bj, FST, Tf + 16 * bj * FST + 16 * bj, FST, lane);
+        put16(acc, 1.f, X, 20, nullptr, lane);
+        __syncwarp();
+        float y[2][4] = {};
+        mm16_tf32(y, Tf + 16 * bi * FST + 16 * bi, FST, X, 20, lane);
+        put16(y, -1.f, Tf + 16 * bi * FST + 16 * bj, FST, Tb + 16 * bi * BST + 16 * bj, lane);
+    }
+    group_sync(1);
+    const int bi = 2 + (wa >> 1), bj = wa & 1;
+    {  // X(bi, bj) = sum_{kb = bj..1} L[bi][kb] T[kb][bj]  (= L_C T_A)
+        float acc[2][4] = {};
+        for (int kb = bj; kb < 2; ++kb)
+            mm16_tf32(acc, Lf + 16 * bi * FST + 16 * kb, FST, Tf + 16 * kb * FST + 16 * bj, FST, lane);
+        put16(acc, 1.f, X, 20, nullptr, lane);
+    }
+    group_sync(1);
+    {  // T(bi, bj) = -sum_{kb = 2..bi} T[bi][kb] X(kb, bj)
+        float acc[2][4] = {};
+        for (int kb = 2; kb <= bi; ++kb)
+            mm16_tf32(acc, Tf + 16 * bi * FST + 16 * kb, FST, Xs + ((kb - 2) * 2 + bj) * 320, 20, lane);
+        put16(acc, -1.f, nullptr, 0, Tb + 16 * bi * BST + 16 * bj, lane);
+    }
+}
+
+// ---------------------------------------------------------------- chunk-local products
+__device__ __forceinline__ void tri_block(int id, int& bi, int& bj) {  // 0..9 -> lower blocks (bi >= bj)
+    bi = id < 1 ? 0 : id < 3 ? 1 : id < 6 ? 2 : 3;
+    bj = id - bi * (bi + 1) / 2;
+}
+
+// The lower 16x16 blocks {w, w+4, w+8} (< 10; warps 2, 3 redo block w as their third) of X K^T
+// (X = raw K rows, or Q rows if is_q), scaled and masked, in one code path for both groups:
+// K K^T -> L (fp32, strictly lower, beta_i rk_i rk_j e^{G_i-G_j});  Q K^T -> P (16-bit, rq_i rk_j e^{..}).
+__device__ __forceinline__ void tri_products(bool is_q, const elem* X, const elem* Kc, int w, const float* Gc,
+                                             const float* Bt, const float* Rk, const float* Rq, float* Lf,
+                                             elem* Pb, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    int bi[3], bj[3];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
+    float acc[3][2][4] = {};
+#pragma unroll 1
+    for (int kk = 0; kk < DK / 16; ++kk) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+            u32 af[4], bf[4];
+            ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
+            ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
+            mma16816(acc[q][0], af, bf[0], bf[1]);
+            mma16816(acc[q][1], af, bf[2], bf[3]);
+        }
+    }
+    const int lim = is_q ? 0 : 1;  // P keeps the diagonal, L does not
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = 16 * bi[q] + g + 8 * hr;
+            const float gr = Gc[r], fr = is_q ? Rq[r] : Bt[r] * Rk[r];
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj) {
+                const int c = 16 * bj[q] + 8 * nj + 2 * t;
+                const float2 gc = *reinterpret_cast<const float2*>(Gc + c);
+                const float2 kc = *reinterpret_cast<const float2*>(Rk + c);
+                const float m0 = (r - c >= lim) ? fr : 0.f, m1 = (r - c - 1 >= lim) ? fr : 0.f;
+                const float v0 = m0 * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f));
+                const float v1 = m1 * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f));
+                if (is_q) *reinterpret_cast<u32*>(Pb + r * BST + c) = pack2(v0, v1);
+                else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
+            }
+        }
+    }
+}
+
+// acc[j] (16 rows r0.. x DVS) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem.
+// With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
+template <bool TWO>
+__device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, int r0, const elem* Sb,
+                                                 float acc[NJ][4], float acc2[NJ][4], int lane) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        if (TWO) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
+    }
+#pragma unroll 1
+    for (int kk = 0; kk < DK / 16; ++kk) {
+        u32 af[4], af2[4];
+        ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
+        if (TWO) ldsm4(af2, a_addr(X2, KST, r0, 16 * kk, lane));
+#pragma unroll
+        for (int jp = 0; jp < NJ / 2; ++jp) {
+            u32 bf[4];
+            ldsm4t(bf, bk_addr(Sb, VST, 16 * kk, 16 * jp, lane));
+            mma16816(acc[2 * jp], af, bf[0], bf[1]);
+            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
+            if (TWO) {
+                mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
+                mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves.
+__device__ __forceinline__ void store_rhs(const float acc[NJ][4], int r0, elem* Vc, elem* Rs, const float* Gc,
+                                          const float* Bt, const float* Rk, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const int ra0 = r0 + g, ra1 = ra0 + 8;
+    const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+    const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int cc = 8 * j + 2 * t;
+        const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
+        const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
+        store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
+                    b0 * (x0.x - f0 * acc[j][0]), b0 * (x0.y - f0 * acc[j][1]));
+        store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
+                    b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
+    }
+}
+
