@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .chat import format_chat, split_thinking
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .model import Cache, Qwen35Model
@@ -61,7 +62,6 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     if not isinstance(prompt, str) or not prompt.strip():
         raise Qwen35Error("the prompt is empty; write a prompt")
     if use_chat_template:
-        from .chat import format_chat
         text = format_chat(prompt, system_prompt=system_prompt, thinking=thinking)
     else:
         text = (system_prompt + "\n\n" if system_prompt else "") + prompt
@@ -124,7 +124,10 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     step = graphed_decode(model, cache) if budget > 2 else None
     generator = torch.Generator(device=dev).manual_seed(int(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
-    seen = torch.tensor(pf.token_ids, dtype=torch.long, device=dev)
+    penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
+    # prompt and answer ids on the device, written one token at a time (penalties read slices of it)
+    history = torch.empty(pf.n_tokens + budget, dtype=torch.long, device=dev)
+    history[:pf.n_tokens] = torch.tensor(pf.token_ids, dtype=torch.long)
     out: list[int] = []
     stream = model.tokenizer.stream_decoder()
     logits = pf.logits.to(dev)
@@ -132,8 +135,10 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     t0 = time.perf_counter()
     first_ms = 0.0
     for n in range(budget):
-        gen = torch.tensor(out, dtype=torch.long, device=dev)
-        tok = choose(apply_penalties(logits, seen, gen, sampling), sampling, generator)
+        if penalised:
+            end = pf.n_tokens + n
+            logits = apply_penalties(logits, history[:end], history[pf.n_tokens:end], sampling)
+        tok = choose(logits, sampling, generator)
         if n == 0:
             first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
             t_decode = time.perf_counter()
@@ -141,14 +146,13 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
             finish = "stop"
             break
         out.append(tok)
-        seen = torch.cat([seen, seen.new_tensor([tok])])
+        history[pf.n_tokens + n] = tok
         if on_token is not None:
             on_token(stream.feed(tok), n + 1, max_new_tokens)
         if n + 1 < budget:
             logits = (step(tok) if step is not None
                       else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0
-    from .chat import split_thinking
     text = model.tokenizer.decode(out, skip_special_tokens=False)
     thinking, answer = split_thinking(text, started_in_thinking=pf.thinking)
     return Generation(answer, thinking, tuple(out), first_ms,
