@@ -33,11 +33,10 @@ class Backend:
 _warned: set[str] = set()
 
 
-def select_backend(requested: str, device: torch.device | str) -> Backend:
-    """Pick the kernel backend for `device`. `requested` is "auto", "cuda" or "torch".
+def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
+    """Pick the kernel backend for tensors of `dtype` on `device`. `requested` is "auto", "cuda" or "torch".
 
-    "cuda" on a machine where the kernels cannot run raises; "auto" falls back to PyTorch and
-    logs the reason once.
+    "cuda" where the kernels cannot run raises; "auto" falls back to PyTorch and logs the reason once.
     """
     if requested not in BACKENDS:
         raise ValueError(f"kernel backend {requested!r} is not one of {', '.join(BACKENDS)}")
@@ -49,6 +48,12 @@ def select_backend(requested: str, device: torch.device | str) -> Backend:
             raise RuntimeError(f"kernel backend 'cuda' needs a CUDA device, the model is on {device}; "
                                "choose device 'cuda' or backend 'auto'/'torch'")
         return Backend("torch", f"PyTorch reference path (model on {device.type})")
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        if requested == "cuda":
+            raise RuntimeError(f"the CUDA kernels take bf16 or fp16, the model is {str(dtype).replace('torch.', '')}; "
+                               "load it as bf16/fp16, or choose backend 'auto'/'torch'")
+        return Backend("torch", f"PyTorch path: the CUDA kernels take bf16/fp16, the model is "
+                                f"{str(dtype).replace('torch.', '')}")
     try:
         from . import cuda_impl
         ok, reason = cuda_impl.cuda_status(device)

@@ -160,26 +160,16 @@ class Qwen35Model(nn.Module):
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
         if self._backend_device != self.device:
-            if self.dtype == torch.float32 and self.device.type == "cuda" and self.requested_backend != "torch":
-                if self.requested_backend == "cuda":
-                    raise Qwen35Error("the CUDA kernels take bf16 or fp16 weights; load with dtype bf16/fp16, "
-                                      "or choose backend 'torch' or 'auto' for fp32")
-                self.backend = kernels.Backend("torch", "PyTorch path: the CUDA kernels take bf16/fp16, "
-                                                        "the model is fp32")
-            else:
-                try:
-                    self.backend = kernels.select_backend(self.requested_backend, self.device)
-                except (RuntimeError, ValueError) as e:
-                    raise Qwen35Error(str(e)) from None
+            try:
+                self.backend = kernels.select_backend(self.requested_backend, self.device, self.dtype)
+            except (RuntimeError, ValueError) as e:
+                raise Qwen35Error(str(e)) from None
             self._backend_device = self.device
         return self.backend
 
     def set_backend(self, requested: str) -> kernels.Backend:
         """Choose the GDN backend again ("auto", "cuda" or "torch")."""
         self.requested_backend, self._backend_device = requested, None
-        return self.select_backend()
-
-    def _gdn_backend(self):
         return self.select_backend()
 
     # --- rotary embedding -------------------------------------------------------------------
@@ -227,7 +217,7 @@ class Qwen35Model(nn.Module):
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int):
         mixed, z, b, a = self._split_gdn(m, x)
-        be = self._gdn_backend()
+        be = self.select_backend()
         mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, backend=be)
@@ -235,7 +225,7 @@ class Qwen35Model(nn.Module):
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int):
         mixed, z, b, a = self._split_gdn(m, x[:, 0])
-        be = self._gdn_backend()
+        be = self.select_backend()
         mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
