@@ -59,6 +59,8 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
     prompt = for_tests(runnable_part(full, object_info))
     generators = pack_nodes(prompt, "Qwen35Generate")
     assert generators, f"{name} has no Qwen35Generate node"
+    for nid in pack_nodes(prompt, "Qwen35TextPrefill"):  # other tests may have run this workflow on this
+        prompt[nid]["inputs"]["prompt"] += f" ({name})"   # server: a new prompt keeps ComfyUI's cache out
     prefills_before = comfy_server.log_text().count("Qwen3.5 prefill:")
     entry = comfy_server.wait(comfy_server.queue(prompt))
     assert entry["status"]["status_str"] == "success", entry["status"]["messages"][-1:]
