@@ -53,5 +53,6 @@ def write_single_file(hf_folder: Path, out: Path) -> Path:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of `a` against the reference `b`, in float64."""
     a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -7,6 +7,8 @@ import torch
 
 from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
 
+from _models import rel
+
 pytestmark = pytest.mark.gpu
 
 O_TOL, STATE_TOL = 5e-3, 3e-3
@@ -64,10 +66,6 @@ def reference(key, *args):
             return out
         _ref_cache[key] = out
     return _ref_cache[key]
-
-
-def rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
 
 
 def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, fused=None, o_tol=O_TOL,

@@ -16,6 +16,8 @@ import torch
 
 from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
 
+from _models import rel
+
 CH, D = 64, 128
 
 
@@ -147,10 +149,6 @@ def _inputs(B, T, Hk, Hv, h0_n, seed):
     return q, k, v, a, b, A_log, dt_bias, h0
 
 
-def _rel(x, ref):
-    return ((x - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("dvs", [16, 32, 128])
 @pytest.mark.parametrize("lens,ratio,with_h0", [
     ([1, 129, 0, 64, 70, 2], 2, True),
@@ -170,7 +168,7 @@ def test_split_o_model_exact(lens, ratio, with_h0, dvs):
     o, ht = emulate(*x, cu=cu, dvs=dvs)
     o_ref, ht_ref = gdn_prefill_recurrent_f64(*x, cu)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()  # every token and state column written
-    assert _rel(o, o_ref) < 1e-10 and _rel(ht, ht_ref) < 1e-10
+    assert rel(o, o_ref) < 1e-10 and rel(ht, ht_ref) < 1e-10
 
 
 def test_split_o_model_bf16_budget():
@@ -180,5 +178,5 @@ def test_split_o_model_bf16_budget():
     x = _inputs(1, sum(lens), 1, 2, len(lens), seed=5)
     o, ht = emulate(*x, cu=cu, dvs=32, rnd=True)
     o_ref, ht_ref = gdn_prefill_recurrent_f64(*x, cu)
-    eo, es = _rel(o, o_ref), _rel(ht, ht_ref)
+    eo, es = rel(o, o_ref), rel(ht, ht_ref)
     assert math.isfinite(eo) and eo <= 5e-3 and es <= 3e-3, (eo, es)

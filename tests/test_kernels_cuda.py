@@ -10,6 +10,8 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 
+from _models import rel
+
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
@@ -27,11 +29,6 @@ def poison_allocator(*shapes_dtypes):
     outputs (torch.empty inside the launchers) then start as NaN, not as stale good values."""
     blocks = [torch.full(shape, float("nan"), dtype=dt, device=DEV) for shape, dt in shapes_dtypes for _ in range(2)]
     del blocks
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 TOL_OUT = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -15,10 +15,7 @@ from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.gdn_prefill.reference import (gdn_prefill_chunked, gdn_prefill_recurrent_f64,
                                                        gate_and_beta)
 
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+from _models import rel
 
 
 # decay strength: A = exp(A_log) in [lo, hi] and dt_bias; "strong" drives exp(g) towards 1e-3 per token
