@@ -4,6 +4,9 @@
 #   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/gdn.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
+# The nodes' tests (tests/test_nodes.py, the VRAM test among them) run against a real ComfyUI when
+# .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
+# the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them).
 #   bash bench/run_gpu.sh [--no-tests] [--no-sanitizer] [--no-e2e] [--no-bench] [--no-peers]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +34,13 @@ if ls .whl2/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl2/*.whl \
     && export PYTHONPATH=/tmp/site2:${PYTHONPATH:-}
 fi
+comfy_dir=
+if [ -f .whl3/comfyui.tgz ]; then
+  mkdir -p /tmp/comfy-src && tar xzf .whl3/comfyui.tgz -C /tmp/comfy-src \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 .whl3/*.whl \
+    && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site3 && comfy_dir=/tmp/comfy-src/comfyui \
+    || echo "ComfyUI or its wheels did not install; the nodes' tests are skipped"
+fi
 export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
@@ -38,6 +48,11 @@ if [ "$tests" = 1 ]; then
   python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_gdn_prefill_cuda.py tests/test_runtime_gpu.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ -n "$comfy_dir" ]; then
+    COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes.py -rs \
+      2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 
 if [ "$sanitizer" = 1 ]; then
