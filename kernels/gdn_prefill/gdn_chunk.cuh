@@ -93,16 +93,15 @@ __device__ __forceinline__ void tri_block(int id, int& bi, int& bj) {  // 0..9 -
 }
 
 // The lower 16x16 blocks {w, w+4, w+8} (< 10; warps 2, 3 redo block w as their third) of X K^T
-// (X = raw K rows, or Q rows if is_q), scaled and masked, in one code path for both groups:
-// K K^T -> L (fp32, strictly lower, beta_i rk_i rk_j e^{G_i-G_j});  Q K^T -> P (16-bit, rq_i rk_j e^{..}).
-__device__ __forceinline__ void tri_products(bool is_q, const elem* X, const elem* Kc, int w, const float* Gc,
-                                             const float* Bt, const float* Rk, const float* Rq, float* Lf,
-                                             elem* Pb, int lane) {
-    const int g = lane >> 2, t = lane & 3;
+// (X = raw K rows, or Q rows), unscaled, into acc.
+__device__ __forceinline__ void tri_acc(const elem* X, const elem* Kc, int w, float acc[3][2][4], int lane) {
     int bi[3], bj[3];
 #pragma unroll
     for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
-    float acc[3][2][4] = {};
+#pragma unroll
+    for (int q = 0; q < 3; ++q)
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) acc[q][nj][0] = acc[q][nj][1] = acc[q][nj][2] = acc[q][nj][3] = 0.f;
 #pragma unroll 1
     for (int kk = 0; kk < DK / 16; ++kk) {
 #pragma unroll
@@ -114,6 +113,17 @@ __device__ __forceinline__ void tri_products(bool is_q, const elem* X, const ele
             mma16816(acc[q][1], af, bf[2], bf[3]);
         }
     }
+}
+
+// tri_acc's blocks scaled and masked: K K^T -> L (fp32, row stride FST, strictly lower,
+// beta_i rk_i rk_j e^{G_i-G_j});  Q K^T (is_q) -> P (16-bit, row stride pst, rq_i rk_j e^{..}).
+__device__ __forceinline__ void tri_store(bool is_q, const float acc[3][2][4], int w, const float* Gc,
+                                          const float* Bt, const float* Rk, const float* Rq, float* Lf,
+                                          elem* Pb, int pst, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    int bi[3], bj[3];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
     const int lim = is_q ? 0 : 1;  // P keeps the diagonal, L does not
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
@@ -129,11 +139,20 @@ __device__ __forceinline__ void tri_products(bool is_q, const elem* X, const ele
                 const float m0 = (r - c >= lim) ? fr : 0.f, m1 = (r - c - 1 >= lim) ? fr : 0.f;
                 const float v0 = m0 * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f));
                 const float v1 = m1 * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f));
-                if (is_q) *reinterpret_cast<u32*>(Pb + r * BST + c) = pack2(v0, v1);
+                if (is_q) *reinterpret_cast<u32*>(Pb + r * pst + c) = pack2(v0, v1);
                 else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
             }
         }
     }
+}
+
+// Both in one code path for both groups (is_q selects Q K^T -> P, else K K^T -> L).
+__device__ __forceinline__ void tri_products(bool is_q, const elem* X, const elem* Kc, int w, const float* Gc,
+                                             const float* Bt, const float* Rk, const float* Rq, float* Lf,
+                                             elem* Pb, int lane) {
+    float acc[3][2][4];
+    tri_acc(X, Kc, w, acc, lane);
+    tri_store(is_q, acc, w, Gc, Bt, Rk, Rq, Lf, Pb, BST, lane);
 }
 
 // acc[j] (16 rows r0.. x DVS) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem.

@@ -39,7 +39,7 @@ typedef unsigned int u32;
 #define NST (DVS <= 32 ? 3 : 2)  // main kernel pipeline stages (prefetch distance NST - 1 chunks)
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
 #define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
-#define FST 72          // fp32 row stride of L and T
+#define FST 68          // fp32 row stride of L and T (prep kernel): 64 rows fill exactly a K or Q tile
 #define BST 72          // 16-bit row stride of P and T
 #define NJ (DVS / 8)    // n-tiles of 8 columns per block slice
 
@@ -52,16 +52,16 @@ typedef unsigned int u32;
 static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128");
 
 // ---------------------------------------------------------------- shared memory layouts (bytes)
-// prep kernel
+// prep kernel: L and T (fp32) take the place of K and Q once the products are in registers
 #define PSM_K 0
 #define PSM_Q (PSM_K + CH * KST * 2)
-#define PSM_L (PSM_Q + CH * KST * 2)
-#define PSM_T (PSM_L + CH * FST * 4)
-#define PSM_TB (PSM_T + CH * FST * 4)
-#define PSM_P (PSM_TB + CH * BST * 2)
-#define PSM_X (PSM_P + CH * BST * 2)     // 4 warps x 16x16 fp32 scratch for the inverse
+#define PSM_L PSM_K
+#define PSM_T PSM_Q
+#define PSM_TB (PSM_Q + CH * KST * 2)
+#define PSM_X (PSM_TB + CH * BST * 2)    // 4 warps x 16x16 fp32 scratch for the inverse
 #define PSM_VEC (PSM_X + 4 * 16 * 20 * 4)
-#define PSM_TOTAL (PSM_VEC + 4 * CH * 4)
+#define PSM_TOTAL (PSM_VEC + 4 * CH * 4)  // 50 KB: 4 blocks per SM
+static_assert(CH * FST * 4 <= CH * KST * 2, "L / T rows must fit in the K / Q tiles they replace");
 // main kernel: NST stages of K, Q, V, T, P, vectors; then the 16-bit state (reused for u), rhs (lo),
 // and the scaled u (hi, lo)
 #define STAGE_BYTES (2 * CH * KST * 2 + CH * VST * 2 + 2 * CH * BST * 2 + 4 * CH * 4)
@@ -85,10 +85,11 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 
 #include "gdn_chunk.cuh"
 
-// Grid: (slots, Hv) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences.
+// Grid: (Hv, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences; the value
+// heads of one q/k head are neighbours in launch order, so their second read of K, Q hits L2.
 // Outputs per (slot, head): Tg, Pg [64][64] 16-bit (lower blocks; upper blocks zero), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
-extern "C" __global__ void __launch_bounds__(PTHR)
+extern "C" __global__ void __launch_bounds__(PTHR, 4)
 gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
                const abt* __restrict__ a, const abt* __restrict__ b,
                const float* __restrict__ A_log, const float* __restrict__ dt_bias,
@@ -106,7 +107,6 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     float* Lf = reinterpret_cast<float*>(smem + PSM_L);
     float* Tf = reinterpret_cast<float*>(smem + PSM_T);
     elem* Tb = reinterpret_cast<elem*>(smem + PSM_TB);
-    elem* Pb = reinterpret_cast<elem*>(smem + PSM_P);
     float* Xs = reinterpret_cast<float*>(smem + PSM_X);
     float* Gc = reinterpret_cast<float*>(smem + PSM_VEC);
     float* Bt = Gc + CH;
@@ -114,7 +114,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     float* Rq = Rk + CH;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int slot = blockIdx.x, h = blockIdx.y;
+    const int h = blockIdx.x, slot = blockIdx.y;
     const int hk = h / (Hv / Hk);
     int n, c, len, batch;
     long long bos;
@@ -194,21 +194,27 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         else Rq[tid - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
     }
     __syncthreads();
-#pragma unroll 1
-    for (int m = 0; m < 2; ++m)
-        tri_products(m == 1, m == 1 ? Qs : Ks, Ks, warp, Gc, Bt, Rk, Rq, Lf, Pb, lane);
+    float kacc[3][2][4], qacc[3][2][4];
+    tri_acc(Ks, Ks, warp, kacc, lane);
+    tri_acc(Qs, Ks, warp, qacc, lane);
+    __syncthreads();  // K and Q are dead: L and T take their place
+    const long long ob = ((long long)slot * Hv + h) * CH * CH;
+    tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
+    tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
     __syncthreads();
     invert_tril64(Lf, Tf, Tb, Xs, tid);
     __syncthreads();
 
-    const long long ob = ((long long)slot * Hv + h) * CH * CH;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B per matrix; upper blocks as zeros
+    for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; upper blocks as zeros (P's too)
         const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
-        const bool upper = (col >> 4) > (row >> 4);
         const uint4 z = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = upper ? z : *reinterpret_cast<const uint4*>(Tb + row * BST + col);
-        *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = upper ? z : *reinterpret_cast<const uint4*>(Pb + row * BST + col);
+        if ((col >> 4) > (row >> 4)) {
+            *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = z;
+            *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = z;
+        } else {
+            *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
+        }
     }
     if (tid < CH)
         *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =

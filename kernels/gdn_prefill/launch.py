@@ -64,7 +64,7 @@ def choose_dv_split_split_o(n_heads_total: int, device: torch.device) -> int:
     return 32 if n_heads_total * (D // 32) >= 0.9 * 2 * _num_sms(device) else 16
 
 
-PREP_SMEM = 2 * 64 * (D + 8) * 2 + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4
+PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4  # PSM_TOTAL in gdn_prefill.cu
 PREP_THREADS = 128
 
 
@@ -169,7 +169,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     if slots:
         prep = get_function(SRC, PREP_KERNEL, dev, defines)
-        launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
+        launch(prep, (Hv, slots, 1), (PREP_THREADS, 1, 1),
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
                 np.int32(N), *qs, *ks, *abs_),
                shared_mem=PREP_SMEM)
@@ -219,7 +219,7 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     Ug = torch.empty(slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
     if slots:
         prep = get_function(SRC, PREP_KERNEL, dev, {**base, "DVS": 32})  # the module the default B=1 path loads
-        launch(prep, (slots, Hv, 1), (PREP_THREADS, 1, 1),
+        launch(prep, (Hv, slots, 1), (PREP_THREADS, 1, 1),
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
                 np.int32(N), *qs, *ks, *abs_),
                shared_mem=PREP_SMEM)
