@@ -173,12 +173,18 @@ def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
     assert isinstance(_generate(pack, pf, max_new_tokens=4)[0], str)  # the next run is normal
 
 
-def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, loaded, comfy):
-    pf = _prefill(pack, loaded)
+def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, models_dir, comfy):
+    # on the device ComfyUI manages (a GPU when there is one): "Unload models" frees that device only
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="auto", backend="torch",
+                                           keep_loaded=True)[0]
+    pf = _prefill(pack, model)
     comfy.mm.unload_all_models()  # what "Unload models" and POST /free {"unload_models": true} do
-    assert not any(m.model is loaded for m in comfy.mm.current_loaded_models)
+    assert not any(m.model is model for m in comfy.mm.current_loaded_models)
+    assert model.current_loaded_device() == model.offload_device
     _generate(pack, pf, max_new_tokens=3)
-    assert any(m.model is loaded for m in comfy.mm.current_loaded_models)
+    assert any(m.model is model for m in comfy.mm.current_loaded_models)
+    assert model.current_loaded_device() == model.load_device
+    model.release()
 
 
 def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
@@ -228,4 +234,23 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     assert torch.cuda.memory_allocated() - base >= size
     model.keep_loaded = False
     _generate(pack, pf, max_new_tokens=4)  # keep_loaded off: weights leave after the run
-    assert torch.cuda.memory_allocated() - base < size
+    assert model.current_loaded_device().type == "cpu"
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    assert held < size, f"{held} bytes still on the GPU after a run with keep_loaded off: {_cuda_tensors()}"
+
+
+def _cuda_tensors(top=8):
+    """The largest live CUDA tensors by shape, for a failure message."""
+    import gc
+    import torch
+    found = {}
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and obj.is_cuda:
+                key = (tuple(obj.shape), str(obj.dtype))
+                n, size = found.get(key, (0, 0))
+                found[key] = (n + 1, size + obj.untyped_storage().nbytes())
+        except Exception:  # noqa: BLE001 - objects that fail to answer are not what we look for
+            pass
+    return sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
