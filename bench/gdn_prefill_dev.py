@@ -1,7 +1,7 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
     python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,split_o,split_o_auto]
-                                     [--graph] [--json PATH]
+                                     [--graph] [--sizes 1x64,8x1024] [--json PATH]
 
 Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
 prep + sequential kernels; split_o: the opt-in variant of gdn_prefill_split.cu at each split,
@@ -70,10 +70,11 @@ def _graph_fn(fn):
     return g.replay
 
 
-def bench(splits, paths, graph):
+def bench(splits, paths, graph, sizes=None):
     import triton.testing
     rows = []
-    for (B, L), (fqla, fla) in ANCHORS.items():
+    for (B, L) in sizes or list(ANCHORS):
+        fqla, fla = ANCHORS.get((B, L), (float("nan"), float("nan")))
         nsets = max(2, min(8, (1 << 30) // (B * L * 32 * 128 * 2 * 3)))
         sets = [inputs(B, L, seed=i) for i in range(nsets)]
         auto = choose_dv_split(B * 32, torch.device("cuda"))
@@ -116,11 +117,13 @@ if __name__ == "__main__":
     ap.add_argument("--splits", default="32,64,128")
     ap.add_argument("--paths", default="auto")
     ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--sizes", help="BxL,... (default: the anchor sizes), e.g. 1x64,1x512,8x1024")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     if args.check:
         check()
-    rows = bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph)
+    sizes = [tuple(int(v) for v in bl.split("x")) for bl in args.sizes.split(",")] if args.sizes else None
+    rows = bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph, sizes)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

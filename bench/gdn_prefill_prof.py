@@ -14,6 +14,7 @@ import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
 PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
+PREP_PHASES = ["load+gates", "norms", "KK/QK mma", "scale+store P", "inverse", "store T"]
 VARIANTS = {}  # name -> extra defines, timed at B=1 and B=8, L=4096
 
 
@@ -34,6 +35,24 @@ def main():
         L.EXTRA_DEFINES.clear()
         print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))
               + f" total={cyc.sum():.0f}")
+    # the prep kernel's phases, as block (0, 0) saw them (it leaves them in its own Fg row)
+    seen = []
+    orig = L.launch
+
+    def spy(fn, grid, block, args, shared_mem=0):
+        orig(fn, grid, block, args, shared_mem=shared_mem)
+        seen.append(args)
+    L.EXTRA_DEFINES["PROFILE"] = 1
+    L.launch = spy
+    try:
+        L.gdn_chunk_prefill_cuda(*x, dv_split=32, fused=False)
+    finally:
+        L.launch = orig
+        L.EXTRA_DEFINES.clear()
+    torch.cuda.synchronize()
+    cyc = seen[0][9].flatten()[:len(PREP_PHASES)].cpu()
+    print("prep block cycles " + " ".join(f"{n}={c:.0f}" for n, c in zip(PREP_PHASES, cyc.tolist()))
+          + f" total={cyc.sum():.0f}")
     for name, defs in VARIANTS.items():
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES.update(defs)

@@ -7,16 +7,16 @@
 # The nodes' tests (tests/test_nodes.py, the VRAM test among them) run against a real ComfyUI when
 # .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
 # the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them).
-#   bash bench/run_gpu.sh [--no-tests] [--no-sanitizer] [--no-e2e] [--no-bench] [--no-peers]
+#   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-sanitizer] [--no-e2e] [--no-bench] [--no-peers]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-tests=1 sanitizer=1 bench=1 peers=1 e2e=1
+tests=1 comfyui=1 sanitizer=1 bench=1 peers=1 e2e=1
 for a in "$@"; do
   case $a in
-    --no-tests) tests=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;;
+    --no-tests) tests=0 ;; --no-comfyui) comfyui=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -48,11 +48,11 @@ if [ "$tests" = 1 ]; then
   python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_gdn_prefill_cuda.py tests/test_runtime_gpu.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  if [ -n "$comfy_dir" ]; then
-    COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes.py -rs \
-      2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  fi
+fi
+if [ "$comfyui" = 1 ] && [ -n "$comfy_dir" ]; then
+  COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes.py -rs \
+    2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$sanitizer" = 1 ]; then

@@ -115,6 +115,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.x, slot = blockIdx.y;
+#ifdef PROFILE  // block (0, 0) leaves the cycles of its phases in its own Fg row (development only)
+    long long prof[6] = {}, tprev = clock64();
+#endif
     const int hk = h / (Hv / Hk);
     int n, c, len, batch;
     long long bos;
@@ -174,7 +177,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
     }
     cp_async_wait<0>();
-    __syncthreads();
+    MARK(0);
     {  // l2-norm factor of row tid (K rows 0..63, then Q rows)
         const elem* src = tid < CH ? Ks + tid * KST : Qs + (tid - CH) * KST;
         float ss = 0.f;
@@ -193,17 +196,17 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         if (tid < CH) Rk[tid] = r;
         else Rq[tid - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
     }
-    __syncthreads();
+    MARK(1);
     float kacc[3][2][4], qacc[3][2][4];
     tri_acc(Ks, Ks, warp, kacc, lane);
     tri_acc(Qs, Ks, warp, qacc, lane);
-    __syncthreads();  // K and Q are dead: L and T take their place
+    MARK(2);  // K and Q are dead: L and T take their place
     const long long ob = ((long long)slot * Hv + h) * CH * CH;
     tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
     tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
-    __syncthreads();
+    MARK(3);
     invert_tril64(Lf, Tf, Tb, Xs, tid);
-    __syncthreads();
+    MARK(4);
 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; upper blocks as zeros (P's too)
@@ -219,6 +222,11 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     if (tid < CH)
         *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =
             *reinterpret_cast<const float4*>(Gc + 4 * tid);
+#ifdef PROFILE
+    MARK(5);
+    if (tid == 0 && h == 0 && slot == 0)
+        for (int i = 0; i < 6; ++i) Fg[i] = (float)prof[i];
+#endif
 }
 
 // Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
