@@ -69,9 +69,13 @@ class ManagedModel:
         log.info("Qwen3.5: unloading %s from %s to %s", self.model.path, self.current_loaded_device(),
                  self.offload_device)
         if not self._on(self.offload_device):
+            left = self.current_loaded_device()
             self.model.to(self.offload_device)
             for cache in list(self._prefill_caches):  # generate copies them back to the model's device
                 cache.to(self.offload_device)
+            if left.type == "cuda":
+                from ..runtime import free_gpu_workspaces
+                free_gpu_workspaces()  # the matmul workspaces our runs left behind (32 MiB per stream)
 
     def model_patches_to(self, device_or_dtype):
         pass

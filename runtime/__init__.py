@@ -6,6 +6,7 @@ No ComfyUI imports here; the nodes are a thin layer over these functions.
     pf = prefill(model, "Describe a lighthouse at dusk.")
     out = generate(model, pf, max_new_tokens=200, sampling=SamplingParams(do_sample=True, temperature=0.7))
 """
+from .decode_graph import free_gpu_workspaces
 from .demo_checkpoint import demo_checkpoint
 from .errors import Qwen35Error
 from .generate import Generation, Prefill, encode_prompt, generate, prefill, prefill_ids
@@ -15,4 +16,4 @@ from .sampling import SamplingParams
 
 
 __all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
-           "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint"]
+           "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint", "free_gpu_workspaces"]

@@ -11,6 +11,28 @@ from .model import Cache, DecodeSlot, Qwen35Model
 
 log = logging.getLogger(__name__)
 _warned = False
+_side_streams: dict = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every warm-up and capture. Each stream that runs a matmul gets its
+    own cuBLAS workspace (32 MiB on Hopper) that PyTorch keeps; a fresh pool stream per generation
+    would pile up to 32 of them."""
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(torch.device("cuda", key))
+    return _side_streams[key]
+
+
+def free_gpu_workspaces() -> None:
+    """Frees the cuBLAS workspaces PyTorch keeps per stream (they come back with the next matmul):
+    with the weights they are what a model leaves on the GPU after it is unloaded."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    for name in ("_cuda_clearCublasWorkspaces", "_cuda_clearCublasLtWorkspaces"):
+        clear = getattr(torch._C, name, None)
+        if clear is not None:
+            clear()
 
 
 class GraphedDecode:
@@ -28,7 +50,7 @@ class GraphedDecode:
         states = [t for t in cache.conv + cache.ssm if t is not None]
         saved = [t.clone() for t in states]
         self.slot.set(cache.length)
-        side = torch.cuda.Stream(dev)
+        side = _side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: loads kernel modules and library workspaces before capture
             model.forward_decode_at(self.ids, self.slot, cache)
@@ -36,7 +58,7 @@ class GraphedDecode:
         for t, s in zip(states, saved):  # the warm-up stepped the GDN states: put them back
             t.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=side):
             self.logits = model.forward_decode_at(self.ids, self.slot, cache)
 
     def __call__(self, token: int) -> torch.Tensor:

@@ -227,7 +227,7 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     comfy.mm.unload_all_models()  # "Unload models" / POST /free
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
-    assert held < size, f"{held} bytes still on the GPU after unload (weights: {size})"
+    assert held <= 4 * 2**20, f"{held} bytes still on the GPU after unload (weights: {size}): {_cuda_tensors()}"
     state = pf.prefill.cache
     assert all(t is None or t.device.type == "cpu" for t in state.ssm + state.conv + state.k + state.v)
     _generate(pack, pf, max_new_tokens=4)  # loads the weights back by itself
@@ -236,8 +236,8 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     _generate(pack, pf, max_new_tokens=4)  # keep_loaded off: weights leave after the run
     assert model.current_loaded_device().type == "cpu"
     torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - base
-    assert held < size, f"{held} bytes still on the GPU after a run with keep_loaded off: {_cuda_tensors()}"
+    held = torch.cuda.memory_allocated() - base  # weights, parked prefill state, graph pools, cuBLAS workspaces
+    assert held <= 4 * 2**20, f"{held} bytes still on the GPU after a run with keep_loaded off: {_cuda_tensors()}"
 
 
 def _cuda_tensors(top=8):

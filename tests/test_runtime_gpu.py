@@ -46,3 +46,23 @@ def test_a_prefill_moved_to_ram_generates_the_same(folder):
     pf.cache.to("cpu")
     assert all(t is None or t.device.type == "cpu" for t in pf.cache.ssm + pf.cache.k)
     assert generate(model, pf, max_new_tokens=12).token_ids == before.token_ids
+
+
+def test_repeated_generations_do_not_grow_vram_and_workspaces_free():
+    from qwen35_fast.runtime import demo_checkpoint, free_gpu_workspaces
+    model = load_model(demo_checkpoint(), dtype="bf16", device="cuda", backend="auto")
+    pf = prefill_ids(model, list(range(1000, 1040)))
+    assert pf.logits.device.type == "cpu"  # a cached prefill holds no VRAM beyond its state
+    generate(model, pf, max_new_tokens=8)
+    torch.cuda.synchronize()
+    after_one = torch.cuda.memory_allocated()
+    for seed in range(4):  # each capture used a fresh pool stream once: one cuBLAS workspace apiece
+        generate(model, pf, max_new_tokens=8, seed=seed)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == after_one
+    weights = model.size_bytes()
+    model.to("cpu")
+    pf.cache.to("cpu")
+    free_gpu_workspaces()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < after_one - weights + 2**20

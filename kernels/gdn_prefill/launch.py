@@ -37,13 +37,17 @@ def smem_bytes_fused(dvs: int) -> int:
             + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4)
 
 
-FUSED_MAX_T = 2048  # measured crossover (H200, B=1): fused 0.105 ms vs two-kernel 0.18 at 1024; 0.384 vs 0.278 at 4096
+# Measured crossover (H200, CUDA-graph replay, after the prep kernel went to 4 blocks per SM): B=1 fused vs
+# two-kernel 0.014 vs 0.019 ms at 64 tokens, 0.032 vs 0.029 at 256, 0.104 vs 0.072 at 1024; B=8 L=4096
+# DVS 128: 1.40 vs 1.34 (bench/gdn_prefill_dev.py --paths fused,split --sizes ...).
+FUSED_MAX_T = 192
 
 
-def use_fused(T: int, dvs: int) -> bool:
-    """Single-kernel path for short inputs (T: tokens per row, or all packed tokens) and for grids
-    that already fill the GPU with whole state columns (dvs 128), where it measured as fast or faster."""
-    return T <= FUSED_MAX_T or dvs == 128
+def use_fused(T: int) -> bool:
+    """Single-kernel path for short inputs only (T: tokens per row, or all packed tokens): below ~3
+    chunks one launch beats the prep kernel's extra pass; from there on the two-kernel path wins at
+    every measured size and split."""
+    return T <= FUSED_MAX_T
 
 
 def smem_bytes_split(dvs: int) -> int:
@@ -154,7 +158,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     vs = tuple(i64(x) for x in v.stride()[:3])
     abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
-    if use_fused(T, dvs) if fused is None else fused:
+    if use_fused(T) if fused is None else fused:
         fn = get_function(SRC_FUSED, KERNEL, dev, defines)
         launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
                (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
