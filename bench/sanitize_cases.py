@@ -41,8 +41,10 @@ else:
     kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
     ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
-    gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
-                           torch.randn(2, Hv, D, D, device=dev), torch.tensor([0, 77, 200], dtype=torch.int32, device=dev))
+    for fused, split in ((True, None), (False, 32), (False, 128)):  # one kernel; prep + sequential kernel
+        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
+                               torch.randn(2, Hv, D, D, device=dev),
+                               torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
     for split in (16, 32):  # the opt-in split_o variant (gdn_prefill_split.cu)
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
