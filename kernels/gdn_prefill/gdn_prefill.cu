@@ -74,8 +74,7 @@ static_assert(CH * FST * 4 <= CH * KST * 2, "L / T rows must fit in the K / Q ti
 #define SM_RHS (SM_S + DK * VST * 2)
 #define SM_UH (SM_RHS + CH * VST * 2)
 #define SM_UL (SM_UH + CH * VST * 2)
-#define SM_BAR (SM_UL + CH * VST * 2)    // NST mbarriers (bulk copies, sm_90+)
-#define SM_TOTAL (SM_BAR + 8 * NST)
+#define SM_TOTAL (SM_UL + CH * VST * 2)
 
 // Index of the first (chunk, head) slot of sequence n in the prep buffers: n * chunks-per-sequence
 // when all have length T, else bos / 64 + n (distinct and increasing for packed sequences; fewer
@@ -273,56 +272,6 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     elem* ob = o + (batch_tok * Hv + h) * DK + v0;
     const int nchunks = (len + CH - 1) / CH;
 
-#ifdef HAS_BULK_COPY
-    // Warp 0 issues the chunk's rows as bulk copies (K, Q, this block's V columns, T, P, vectors), counted
-    // in bytes on the stage's mbarrier; rows past the end are zeroed by plain stores (the barrier at the
-    // top of the chunk that reads them orders those).
-    mbar_t* bars = reinterpret_cast<mbar_t*>(smem + SM_BAR);
-    if (tid == 0) {
-        for (int i = 0; i < NST; ++i) mbar_init(bars + i, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
-    auto load_chunk = [&](int c, int buf) {
-        if (warp != 0) return;
-        unsigned char* st = smem + buf * STAGE_BYTES;
-        elem* Kd = reinterpret_cast<elem*>(st);
-        elem* Qd = reinterpret_cast<elem*>(st + SO_Q);
-        elem* Vd = reinterpret_cast<elem*>(st + SO_V);
-        elem* Td = reinterpret_cast<elem*>(st + SO_T);
-        elem* Pd = reinterpret_cast<elem*>(st + SO_P);
-        float* Fd = reinterpret_cast<float*>(st + SO_F);
-        mbar_t* bar = bars + buf;
-        const int nvalid = min(CH, len - c * CH);
-        if (lane == 0)
-            mbar_arrive_expect(bar, nvalid * (2 * DK + DVS) * 2 + 2 * CH * CH * 2 + 4 * CH * 4);
-        __syncwarp();
-        fence_proxy_async();  // the block read (and wrote) this stage before the barrier we passed
-        const long long sb = ((long long)(slot0 + c) * Hv + h) * CH * CH;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const int row = lane + 32 * rr;
-            const long long tok = (long long)c * CH + row;
-            if (row < nvalid) {
-                bulk_copy(Kd + row * KST, kb + tok * k_st, DK * 2, bar);
-                bulk_copy(Qd + row * KST, qb + tok * q_st, DK * 2, bar);
-                bulk_copy(Vd + row * VST, vb + tok * v_st, DVS * 2, bar);
-            } else {
-                const uint4 z = make_uint4(0, 0, 0, 0);
-#pragma unroll
-                for (int i = 0; i < DK / 8; ++i) {
-                    *reinterpret_cast<uint4*>(Kd + row * KST + 8 * i) = z;
-                    *reinterpret_cast<uint4*>(Qd + row * KST + 8 * i) = z;
-                }
-#pragma unroll
-                for (int i = 0; i < DVS / 8; ++i) *reinterpret_cast<uint4*>(Vd + row * VST + 8 * i) = z;
-            }
-            bulk_copy(Td + row * BST, Tg + sb + row * CH, CH * 2, bar);
-            bulk_copy(Pd + row * BST, Pg + sb + row * CH, CH * 2, bar);
-        }
-        if (lane == 0) bulk_copy(Fd, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH, 4 * CH * 4, bar);
-    };
-#else
     auto load_chunk = [&](int c, int buf) {  // K, Q rows, this block's V columns (zero past the end), T, P, vectors
         unsigned char* st = smem + buf * STAGE_BYTES;
         elem* Kd = reinterpret_cast<elem*>(st);
@@ -357,7 +306,6 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         }
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
-#endif
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
@@ -396,11 +344,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
-#ifdef HAS_BULK_COPY
-        mbar_wait(bars + buf, (c / NST) & 1);
-#else
         cp_async_wait<NST - 2>();
-#endif
         MARK(0);
         if (c + NST - 1 < nchunks) load_chunk(c + NST - 1, (c + NST - 1) % NST);
         cp_async_commit();

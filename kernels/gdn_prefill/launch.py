@@ -27,7 +27,7 @@ def smem_bytes(dvs: int) -> int:
     """Dynamic shared memory of one main-kernel block (mirrors SM_TOTAL in gdn_prefill.cu)."""
     vst, nst = dvs + 8, 3 if dvs <= 32 else 2
     stage = 2 * 64 * (D + 8) * 2 + 64 * vst * 2 + 2 * 64 * 72 * 2 + 4 * 64 * 4
-    return nst * stage + D * vst * 2 + 3 * 64 * vst * 2 + 8 * nst  # + the stages' mbarriers
+    return nst * stage + D * vst * 2 + 3 * 64 * vst * 2
 
 
 def smem_bytes_fused(dvs: int) -> int:

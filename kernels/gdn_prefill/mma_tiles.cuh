@@ -94,36 +94,3 @@ template <int n> __device__ __forceinline__ void cp_async_wait() {
 }
 // Barrier among the 128 threads of one warp group (id 1: group A, id 2: group B).
 __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
-
-// ---------------------------------------------------------------- bulk copies (sm_90+: the TMA unit)
-// cp.async.bulk moves whole rows global -> shared without the load/store pipe that ldmatrix and the
-// mma epilogues need; completion is counted in bytes on an mbarrier.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define HAS_BULK_COPY 1
-typedef unsigned long long mbar_t;
-__device__ __forceinline__ void mbar_init(mbar_t* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also announces `bytes` of bulk copies completing on this phase of `bar`.
-__device__ __forceinline__ void mbar_arrive_expect(mbar_t* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(mbar_t* bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
-// Orders this thread's earlier generic-proxy shared-memory accesses (after a barrier: the block's) before
-// its following bulk copies into the same bytes.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// bytes (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst, counted on bar.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, mbar_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-#endif
