@@ -37,16 +37,17 @@ def smem_bytes_fused(dvs: int) -> int:
             + 2 * 64 * 72 * 4 + 2 * 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4)
 
 
-# Measured crossover (H200, CUDA-graph replay, after the prep kernel went to 4 blocks per SM): B=1 fused vs
+# Measured (H200, CUDA-graph replay, after the prep kernel went to 4 blocks per SM): B=1 fused vs
 # two-kernel 0.014 vs 0.019 ms at 64 tokens, 0.032 vs 0.029 at 256, 0.104 vs 0.072 at 1024; B=8 L=4096
-# DVS 128: 1.40 vs 1.34 (bench/gdn_prefill_dev.py --paths fused,split --sizes ...).
-FUSED_MAX_T = 192
+# DVS 128: 1.40 vs 1.34 (bench/gdn_prefill_dev.py --paths fused,split --sizes ...). The fused kernel would
+# win below ~190 tokens (by 5 us per layer), but compute-sanitizer racecheck reports shared-memory
+# hazards in it (kernels/gdn_prefill/NOTES.md), so the default is the two-kernel path at every length.
+FUSED_MAX_T = 0
 
 
 def use_fused(T: int) -> bool:
-    """Single-kernel path for short inputs only (T: tokens per row, or all packed tokens): below ~3
-    chunks one launch beats the prep kernel's extra pass; from there on the two-kernel path wins at
-    every measured size and split."""
+    """Whether the default dispatch takes the single-kernel path (T: tokens per row, or all packed
+    tokens): only up to FUSED_MAX_T, which is 0 until the fused kernel is racecheck-clean."""
     return T <= FUSED_MAX_T
 
 
