@@ -65,6 +65,10 @@ if [ "$sanitizer" = 1 ]; then
       rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -4 "$OUT/sanitizer-$tool.log"
       [ $rc = 0 ] || status=1
     done
+    # the opt-in prefill paths (fused kernel, split_o), reported apart: they are not what the runtime runs
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$cs" --tool racecheck --error-exitcode 9 \
+      python3 bench/sanitize_cases.py --opt-in >"$OUT/sanitizer-racecheck-opt-in.log" 2>&1
+    echo "compute-sanitizer racecheck, opt-in paths too: exit $?"; tail -2 "$OUT/sanitizer-racecheck-opt-in.log"
   else
     echo "compute-sanitizer not found" | tee "$OUT/sanitizer-memcheck.log"
   fi

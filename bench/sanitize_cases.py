@@ -1,6 +1,9 @@
 """One small case per CUDA kernel, for compute-sanitizer (memcheck, racecheck) in bench/run_gpu.sh.
 
-    compute-sanitizer --tool memcheck python bench/sanitize_cases.py
+    compute-sanitizer --tool memcheck python bench/sanitize_cases.py [--opt-in]
+
+Without --opt-in: the kernels the runtime launches by default. With it: also the opt-in prefill paths
+(the single fused kernel, variant "split_o").
 """
 import sys
 from pathlib import Path
@@ -41,11 +44,12 @@ else:
     kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
     ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
-    for fused, split in ((True, None), (False, 32), (False, 128)):  # one kernel; prep + sequential kernel
+    opt_in = "--opt-in" in sys.argv
+    for fused, split in ((False, 32), (False, 128)) + (((True, None),) if opt_in else ()):
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
                                torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
-    for split in (16, 32):  # the opt-in split_o variant (gdn_prefill_split.cu)
+    for split in (16, 32) if opt_in else ():  # the opt-in split_o variant (gdn_prefill_split.cu)
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
                                torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split,
