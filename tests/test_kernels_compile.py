@@ -85,3 +85,11 @@ def test_missing_headers_error(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_build, "_include_candidates", lambda: [tmp_path])
     with pytest.raises(cuda_build.KernelBuildError, match="cuda_bf16.h"):
         cuda_build.cuda_include_dir()
+
+
+def test_prefill_too_many_chunks_for_one_launch_is_a_clear_error():
+    from qwen35_fast.kernels.gdn_prefill import launch
+    assert launch._prep_slots(8, 4096, 8, None) == 512
+    assert launch._prep_slots(1, 1000, 3, object()) == 16 + 3 + 1  # packed: one spare slot per sequence
+    with pytest.raises(ValueError, match="prefill in smaller pieces"):
+        launch._prep_slots(1, 64 * 65536, 1, None)

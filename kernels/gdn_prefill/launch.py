@@ -89,6 +89,18 @@ def choose_dv_split(n_heads_total: int, device: torch.device) -> int:
     return 32
 
 
+MAX_SLOTS = 65535  # the prep kernel's grid y: (chunk, sequence) slots of one call
+
+
+def _prep_slots(B: int, T: int, N: int, cu_seqlens) -> int:
+    """(chunk, head) slots of the prep buffers: B * ceil(T / 64), or ceil(T / 64) + N + 1 when packed."""
+    slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
+    if slots > MAX_SLOTS:
+        raise ValueError(f"gdn prefill: {B} x {T} tokens make {slots} chunks of 64 in one call; the kernel takes "
+                         f"at most {MAX_SLOTS} (about 4.19 million tokens): prefill in smaller pieces")
+    return slots
+
+
 def _vec16(x: torch.Tensor) -> torch.Tensor:
     """x with a unit last stride and 16-byte aligned rows (cp.async copies 16 bytes), else a contiguous copy."""
     ok = (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
@@ -168,7 +180,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         return o, ht
     # Chunk-local matrices T, P (16-bit) and per-token vectors (G, beta, rk, rq), one slot per
     # (chunk, head); packed sequences use slot bos // 64 + n (see first_slot in the .cu).
-    slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
+    slots = _prep_slots(B, T, N, cu_seqlens)
     Tg = torch.empty(slots, Hv, 64, 64, dtype=v.dtype, device=dev)
     Pg = torch.empty_like(Tg)
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
@@ -216,7 +228,7 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     vs = tuple(i64(x) for x in v.stride()[:3])
     abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
-    slots = (T + 63) // 64 + N + 1 if cu_seqlens is not None else B * ((T + 63) // 64)
+    slots = _prep_slots(B, T, N, cu_seqlens)
     Tg = torch.empty(slots, Hv, 64, 64, dtype=v.dtype, device=dev)
     Pg = torch.empty_like(Tg)
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
