@@ -34,7 +34,9 @@ DEV = "cuda"
 HK, HV, D = 16, 32, 128
 PREFILL_SIZES = [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (8, 4096)]
 DECODE_N = [8, 64, 256]
-VARIANTS = ["split_o"]  # opt-in variants of gdn_chunk_prefill_cuda, timed beside the default
+# other paths of gdn_chunk_prefill_cuda timed beside the default: the opt-in variant, and the two-kernel
+# path without its sequence split (the column split alone, the default before the split)
+VARIANTS = {"split_o": {"variant": "split_o"}, "noseg": {"segments": False}}
 PREFILL_IMPLS = ["ours"] + [f"ours-{v}" for v in VARIANTS] + ["fla", "flashqla"]
 T0 = time.time()
 
@@ -123,10 +125,9 @@ def load_impls(with_peers):
         def run_ours(x):
             return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None)
         impls["ours"] = run_ours
-        for var in VARIANTS:
-            def run_var(x, var=var):
-                return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None,
-                            variant=var)
+        for var, kw in VARIANTS.items():
+            def run_var(x, kw=kw):
+                return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None, **kw)
             impls[f"ours-{var}"] = run_var
     except Exception as e:
         missing["ours"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -200,9 +201,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def accuracy(impls):
+def accuracy(impls, L=300):
     from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
-    x = prefill_inputs(1, 300, seed=1)
+    x = prefill_inputs(1, L, seed=1)
     o_ref, S_ref = gdn_prefill_recurrent_f64(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"])
     out = {}
     for name, f in impls.items():
@@ -358,6 +359,7 @@ def main():
     for name, why in missing.items():
         print(f"{name}: missing ({why})", flush=True)
     info["accuracy_L300"] = accuracy(impls)
+    info["accuracy_L4096"] = accuracy(impls, 4096)  # long enough for the sequence split
     save()
 
     for B, L in PREFILL_SIZES:

@@ -1,10 +1,10 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
-    python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,split_o,split_o_auto]
+    python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,noseg,split_o,split_o_auto]
                                      [--graph] [--sizes 1x64,8x1024] [--json PATH]
 
 Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
-prep + sequential kernels; split_o: the opt-in variant of gdn_prefill_split.cu at each split,
+prep + sequential kernels (noseg: without the sequence split); split_o: the opt-in variant of gdn_prefill_split.cu at each split,
 split_o_auto: that variant with its own split choice), with initial and final state, bf16, l2-norm in kernel; inputs rotate
 between sets so no call reads a warm L2. --graph times CUDA-graph replays (no Python launch cost,
 as in a captured model); without it, eager calls as do_bench sees them. With --check, first prints
@@ -80,6 +80,7 @@ def bench(splits, paths, graph, sizes=None):
         auto = choose_dv_split(B * 32, torch.device("cuda"))
         for path in paths:
             kw = {"auto": {}, "fused": {"fused": True}, "split": {"fused": False},
+                  "noseg": {"fused": False, "segments": False},
                   "split_o": {"variant": "split_o"}, "split_o_auto": {"variant": "split_o"}}[path]
             for split in splits:
                 if path == "auto" and split != auto:

@@ -39,7 +39,7 @@ try:
 except ImportError as e:
     print(f"prefill kernel not checked: {e}")
 else:
-    T = 200
+    T = 700  # sequences of 77 and 623 tokens: the second one takes the sequence split (10 chunks)
     qp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
@@ -48,11 +48,11 @@ else:
     for fused, split in ((False, 32), (False, 128)) + (((True, None),) if opt_in else ()):
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
-                               torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
+                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
     for split in (16, 32) if opt_in else ():  # the opt-in split_o variant (gdn_prefill_split.cu)
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
-                               torch.tensor([0, 77, 200], dtype=torch.int32, device=dev), dv_split=split,
+                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split,
                                variant="split_o")
 torch.cuda.synchronize()
 print("sanitize cases ran")

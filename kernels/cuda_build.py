@@ -304,6 +304,22 @@ def _arg(a):
     raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float or numpy scalar")
 
 
+_smem_optin: dict = {}
+
+
+def max_shared_memory(device) -> int:
+    """Bytes of dynamic shared memory one block may opt in to on `device` (H100/H200: 227 KiB, A100:
+    163 KiB, RTX 30/40/50 series: 99 KiB)."""
+    import cupy
+    import torch
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _smem_optin:
+        _smem_optin[idx] = int(cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, idx))
+    return _smem_optin[idx]
+
+
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""

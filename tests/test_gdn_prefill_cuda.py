@@ -1,5 +1,6 @@
-"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths, and the opt-in "split_o"
-variant: prep + state-only sequential kernel + parallel output kernel) against the f64 recurrence."""
+"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths, the two-kernel path's sequence
+split, and the opt-in "split_o" variant: prep + state-only sequential kernel + parallel output kernel)
+against the f64 recurrence."""
 import math
 
 import pytest
@@ -54,7 +55,8 @@ def _poison(*shapes_dtypes):
 
 
 # How each test calls the launcher: the default dispatch, a forced path, or the opt-in variant.
-PATHS = {"default": {}, "fused": {"fused": True}, "two": {"fused": False}, "split_o": {"variant": "split_o"}}
+PATHS = {"default": {}, "fused": {"fused": True}, "two": {"fused": False}, "split_o": {"variant": "split_o"},
+         "noseg": {"fused": False, "segments": False}}
 _ref_cache: dict = {}  # one entry: the f64 reference of the last inputs (the paths of one case share it)
 
 
@@ -69,12 +71,12 @@ def reference(key, *args):
 
 
 def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, fused=None, o_tol=O_TOL,
-                  state_tol=STATE_TOL, variant=None, ref_key=None):
+                  state_tol=STATE_TOL, variant=None, ref_key=None, segments=None):
     B, T, Hv = v.shape[:3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
     o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split, fused=fused,
-                        variant=variant)
+                        variant=variant, segments=segments)
     o_ref, ht_ref = reference(ref_key, q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
     assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
     assert ht.shape == (N, Hv, 128, 128) and ht.dtype == torch.float32
@@ -92,7 +94,7 @@ for i, (T, B) in enumerate((T, B) for T in (1, 63, 64, 65, 1000, 4097) for B in 
     CASES.append((T, B) + _cycle[i % len(_cycle)])
 
 
-@pytest.mark.parametrize("path", ["default", "split_o"])
+@pytest.mark.parametrize("path", ["default", "noseg", "split_o"])
 @pytest.mark.parametrize("T,B,ratio,with_h0,decay,dtype", CASES)
 def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype, path):
     Hk = 2 if T < 4000 else 1
@@ -133,11 +135,12 @@ def test_varlen(with_h0, dtype, path):
     run_and_check(*inputs, cu_seqlens=cu, **PATHS[path], ref_key=("varlen", with_h0, dtype))
 
 
+@pytest.mark.parametrize("decay", ["weak", "model"])
 @pytest.mark.parametrize("path", ["fused", "two", "split_o"])
-def test_varlen_matches_separate_calls(path):
-    lens = [100, 1, 300]
+def test_varlen_matches_separate_calls(path, decay):
+    lens = [100, 1, 700]  # 700 tokens: 11 chunks, split in segments unless the decay is weak
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "weak", len(lens))
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, decay, len(lens))
     o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, **PATHS[path])
     for i in range(len(lens)):
         s, e = int(cu[i]), int(cu[i + 1])
@@ -173,7 +176,7 @@ def test_deterministic(path):
 def test_cuda_graph_capture(path):
     """The launch captures into a CUDA graph (no host sync, no host reads of device data); replays
     on new inputs copied into the captured buffers match eager calls."""
-    lens = [70, 1, 200]
+    lens = [70, 1, 600]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     static = make_inputs(1, sum(lens), 2, 4, torch.bfloat16, "model", len(lens), seed=3)
     fn = lambda: _launcher()(*static, cu, **PATHS[path])  # noqa: E731
@@ -192,3 +195,46 @@ def test_cuda_graph_capture(path):
     o_e, h_e = _launcher()(*fresh, cu, **PATHS[path])
     torch.testing.assert_close(o_g, o_e, rtol=0, atol=0)
     torch.testing.assert_close(h_g, h_e, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the sequence split of the two-kernel path
+def chunk_decay_gates(B, T, per_chunk, seed):
+    """a, A_log, dt_bias giving value head h a log-decay of about per_chunk[h] per 64 tokens."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    Hv = len(per_chunk)
+    a = 10.0 + 0.1 * torch.randn(B, T, Hv, generator=g, device="cuda")  # softplus(a) ~ a ~ 10
+    A_log = (-torch.tensor(per_chunk, device="cuda") / (64 * 10.0)).log()
+    return a, A_log, torch.zeros(Hv, device="cuda")
+
+
+@pytest.mark.parametrize("T,B,per_chunk,with_h0", [
+    (566, 1, (-50.0, -3.0), True),     # 9 chunks: segments of 3, 3, 3 and an empty one
+    (4097, 2, (-3.0, -3.0), False),    # 7 chunks of warm-up per boundary (half a segment is 8)
+    (4097, 1, (-3.0, -0.01), True),    # one head split, the other (weak decay) keeps the column split
+    (18000, 1, (-0.62,), True),        # 34 chunks of warm-up: the walk back crosses one 32-chunk step
+])
+def test_sequence_split_vs_f64(T, B, per_chunk, with_h0):
+    Hv = len(per_chunk)
+    q, k, v, _, b, _, _, h0 = make_inputs(B, T, 1, Hv, torch.bfloat16, "model", B if with_h0 else None, seed=T)
+    a, A_log, dt_bias = chunk_decay_gates(B, T, per_chunk, seed=T)
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("segments", T, B, per_chunk, with_h0))
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, segments=False, ref_key=("segments", T, B, per_chunk, with_h0))
+
+
+def test_sequence_split_is_taken_per_head(monkeypatch):
+    """With the warm-up cut at 2^-1 instead of 2^-30, the split drops e^-1 of the state at every segment
+    start: the heads it takes show that error, the weak-decay heads (column split) stay exact."""
+    from qwen35_fast.kernels.gdn_prefill import launch as L
+    monkeypatch.setitem(L.EXTRA_DEFINES, "SEG_DROP_BITS", 1)
+    T, per_chunk = 4096, (-1.0, -0.005, -1.0, -0.005)
+    q, k, v, _, b, _, _, h0 = make_inputs(1, T, 2, 4, torch.bfloat16, "model", 1, seed=5)
+    a, A_log, dt_bias = chunk_decay_gates(1, T, per_chunk, seed=5)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0)
+    o_ref, _ = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0)
+    rows = torch.cat([torch.arange(16) + 64 * c for c in (16, 32, 48)])  # first rows of segments 1, 2, 3
+    err = [rel(o[0, rows, h], o_ref[0, rows, h]) for h in range(4)]
+    assert min(err[0], err[2]) > 0.05 and max(err[1], err[3]) <= O_TOL, err
+    monkeypatch.delitem(L.EXTRA_DEFINES, "SEG_DROP_BITS")
+    o_off, _ = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, segments=False)
+    assert torch.equal(o[..., 1, :], o_off[..., 1, :]) and torch.equal(o[..., 3, :], o_off[..., 3, :])

@@ -155,13 +155,14 @@ __device__ __forceinline__ void tri_products(bool is_q, const elem* X, const ele
     tri_store(is_q, acc, w, Gc, Bt, Rk, Rq, Lf, Pb, BST, lane);
 }
 
-// acc[j] (16 rows r0.. x DVS) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem.
-// With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
-template <bool TWO>
+// acc[j] (16 rows r0.. x W columns) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem
+// (row stride W + 8). With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
+template <bool TWO, int W>
 __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, int r0, const elem* Sb,
-                                                 float acc[NJ][4], float acc2[NJ][4], int lane) {
+                                                 float acc[W / 8][4], float acc2[W / 8][4], int lane) {
+    constexpr int NJ_ = W / 8, VST_ = W + 8;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    for (int j = 0; j < NJ_; ++j) {
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
         if (TWO) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
     }
@@ -171,9 +172,9 @@ __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, 
         ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
         if (TWO) ldsm4(af2, a_addr(X2, KST, r0, 16 * kk, lane));
 #pragma unroll
-        for (int jp = 0; jp < NJ / 2; ++jp) {
+        for (int jp = 0; jp < NJ_ / 2; ++jp) {
             u32 bf[4];
-            ldsm4t(bf, bk_addr(Sb, VST, 16 * kk, 16 * jp, lane));
+            ldsm4t(bf, bk_addr(Sb, VST_, 16 * kk, 16 * jp, lane));
             mma16816(acc[2 * jp], af, bf[0], bf[1]);
             mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
             if (TWO) {
@@ -184,21 +185,24 @@ __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, 
     }
 }
 
-// rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves.
-__device__ __forceinline__ void store_rhs(const float acc[NJ][4], int r0, elem* Vc, elem* Rs, const float* Gc,
+// rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves;
+// W columns, row stride W + 8.
+template <int W>
+__device__ __forceinline__ void store_rhs(const float acc[W / 8][4], int r0, elem* Vc, elem* Rs, const float* Gc,
                                           const float* Bt, const float* Rk, int lane) {
+    constexpr int NJ_ = W / 8, VST_ = W + 8;
     const int g = lane >> 2, t = lane & 3;
     const int ra0 = r0 + g, ra1 = ra0 + 8;
     const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
     const float b0 = Bt[ra0], b1 = Bt[ra1];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    for (int j = 0; j < NJ_; ++j) {
         const int cc = 8 * j + 2 * t;
-        const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST + cc));
-        const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST + cc));
-        store_split(Vc + ra0 * VST + cc, Rs + ra0 * VST + cc,
+        const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST_ + cc));
+        const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST_ + cc));
+        store_split(Vc + ra0 * VST_ + cc, Rs + ra0 * VST_ + cc,
                     b0 * (x0.x - f0 * acc[j][0]), b0 * (x0.y - f0 * acc[j][1]));
-        store_split(Vc + ra1 * VST + cc, Rs + ra1 * VST + cc,
+        store_split(Vc + ra1 * VST_ + cc, Rs + ra1 * VST_ + cc,
                     b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
     }
 }

@@ -36,12 +36,9 @@ typedef unsigned int u32;
 #define DK 128      // key / value head dim
 #define NTHR 256    // main kernel: 8 warps
 #define PTHR 128    // prep kernel: 4 warps
-#define NST (DVS <= 32 ? 3 : 2)  // main kernel pipeline stages (prefetch distance NST - 1 chunks)
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
-#define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
 #define FST 68          // fp32 row stride of L and T (prep kernel): 64 rows fill exactly a K or Q tile
 #define BST 72          // 16-bit row stride of P and T
-#define NJ (DVS / 8)    // n-tiles of 8 columns per block slice
 
 #ifdef PROFILE  // cycles between block-wide barriers, summed over chunks, left in ht[0..4] of block 0
 #define MARK(i) do { __syncthreads(); if (tid == 0) { const long long now_ = clock64(); prof[i] += now_ - tprev; tprev = now_; } } while (0)
@@ -62,19 +59,6 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 #define PSM_VEC (PSM_X + 4 * 16 * 20 * 4)
 #define PSM_TOTAL (PSM_VEC + 4 * CH * 4)  // 50 KB: 4 blocks per SM
 static_assert(CH * FST * 4 <= CH * KST * 2, "L / T rows must fit in the K / Q tiles they replace");
-// main kernel: NST stages of K, Q, V, T, P, vectors; then the 16-bit state (reused for u), rhs (lo),
-// and the scaled u (hi, lo)
-#define STAGE_BYTES (2 * CH * KST * 2 + CH * VST * 2 + 2 * CH * BST * 2 + 4 * CH * 4)
-#define SO_Q (CH * KST * 2)
-#define SO_V (2 * CH * KST * 2)
-#define SO_T (SO_V + CH * VST * 2)
-#define SO_P (SO_T + CH * BST * 2)
-#define SO_F (SO_P + CH * BST * 2)
-#define SM_S (NST * STAGE_BYTES)
-#define SM_RHS (SM_S + DK * VST * 2)
-#define SM_UH (SM_RHS + CH * VST * 2)
-#define SM_UL (SM_UH + CH * VST * 2)
-#define SM_TOTAL (SM_UL + CH * VST * 2)
 
 // Index of the first (chunk, head) slot of sequence n in the prep buffers: n * chunks-per-sequence
 // when all have length T, else bos / 64 + n (distinct and increasing for packed sequences; fewer
@@ -229,57 +213,61 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
 #endif
 }
 
-// Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
-extern "C" __global__ void __launch_bounds__(NTHR, 1)
-gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
-                      const elem* __restrict__ Tg, const elem* __restrict__ Pg, const float* __restrict__ Fg,
-                      const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
-                      elem* __restrict__ o, float* __restrict__ ht,
-                      int T, int Hk, int Hv,
-                      long long q_sb, long long q_st, long long q_sh,
-                      long long k_sb, long long k_st, long long k_sh,
-                      long long v_sb, long long v_st, long long v_sh)
+// ---------------------------------------------------------------- the sequential kernel
+// Shared memory of one block walking W state columns: NST stages of K, Q, V, T, P, vectors; then the
+// 16-bit state (reused for u), rhs (lo), and the scaled u (hi, lo). Byte offsets.
+template <int W> struct Geo {
+    static constexpr int NST = W <= 32 ? 3 : 2;  // pipeline stages (prefetch distance NST - 1 chunks)
+    static constexpr int VST = W + 8;            // row stride of the W-wide tiles
+    static constexpr int SO_Q = CH * KST * 2, SO_V = 2 * CH * KST * 2;
+    static constexpr int SO_T = SO_V + CH * VST * 2, SO_P = SO_T + CH * BST * 2, SO_F = SO_P + CH * BST * 2;
+    static constexpr int STAGE = SO_F + 4 * CH * 4;
+    static constexpr int S = NST * STAGE, RHS = S + DK * VST * 2, UH = RHS + CH * VST * 2, UL = UH + CH * VST * 2;
+    static constexpr int TOTAL = UL + CH * VST * 2;
+};
+
+// One block's walk: state columns [v0, v0 + W) of head h of sequence n over chunks [cw, cend). Chunks
+// before cbeg only carry the state (warm-up of a sequence segment); o is written for [cbeg, cend).
+struct Walk {
+    const elem *qb, *kb, *vb;  // token 0 of the sequence at this block's head (vb, ob: column 0)
+    elem* ob;
+    long long q_st, k_st, v_st;
+    int Hv, h, n, v0, len, slot0;
+    int cw, cbeg, cend;
+    bool from_h0, write_ht;    // start from h0 (else zero); store the final state
+};
+
+template <int W>
+__device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
+                                            const elem* __restrict__ Tg, const elem* __restrict__ Pg,
+                                            const float* __restrict__ Fg, const float* __restrict__ h0,
+                                            float* __restrict__ ht)
 {
-    extern __shared__ __align__(128) unsigned char smem[];
-    elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
-    elem* Ub = reinterpret_cast<elem*>(smem + SM_S);   // u, once the 16-bit state is dead
-    elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
-    elem* Uh = reinterpret_cast<elem*>(smem + SM_UH);  // rk e^{G_end-G} u (hi)
-    elem* Ul = reinterpret_cast<elem*>(smem + SM_UL);  // (lo)
+    typedef Geo<W> GW;
+    constexpr int NJ_ = W / 8, VST_ = GW::VST, NST_ = GW::NST;
+    elem* Sb = reinterpret_cast<elem*>(smem + GW::S);
+    elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
+    elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
+    elem* Uh = reinterpret_cast<elem*>(smem + GW::UH);  // rk e^{G_end-G} u (hi)
+    elem* Ul = reinterpret_cast<elem*>(smem + GW::UL);  // (lo)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
-    const int hk = h / (Hv / Hk);
-
-    long long bos, batch_tok;  // first token of the sequence in its batch row; flat token index of it
-    int len, batch;
-    if (cu_seqlens) {
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-        batch_tok = bos;
-    } else {
-        batch = n;
-        bos = 0;
-        len = T;
-        batch_tok = (long long)n * T;
-    }
-    const int slot0 = first_slot(cu_seqlens, n, T);
-    const elem* qb = q + batch * q_sb + bos * q_st + hk * q_sh;
-    const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
-    const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
-    elem* ob = o + (batch_tok * Hv + h) * DK + v0;
-    const int nchunks = (len + CH - 1) / CH;
+    const int v0 = wk.v0, h = wk.h, Hv = wk.Hv, len = wk.len;
+    const elem* qb = wk.qb;
+    const elem* kb = wk.kb;
+    const elem* vb = wk.vb + v0;
+    elem* ob = wk.ob + v0;
+    const long long q_st = wk.q_st, k_st = wk.k_st, v_st = wk.v_st;
 
     auto load_chunk = [&](int c, int buf) {  // K, Q rows, this block's V columns (zero past the end), T, P, vectors
-        unsigned char* st = smem + buf * STAGE_BYTES;
+        unsigned char* st = smem + buf * GW::STAGE;
         elem* Kd = reinterpret_cast<elem*>(st);
-        elem* Qd = reinterpret_cast<elem*>(st + SO_Q);
-        elem* Vd = reinterpret_cast<elem*>(st + SO_V);
-        elem* Td = reinterpret_cast<elem*>(st + SO_T);
-        elem* Pd = reinterpret_cast<elem*>(st + SO_P);
-        float* Fd = reinterpret_cast<float*>(st + SO_F);
+        elem* Qd = reinterpret_cast<elem*>(st + GW::SO_Q);
+        elem* Vd = reinterpret_cast<elem*>(st + GW::SO_V);
+        elem* Td = reinterpret_cast<elem*>(st + GW::SO_T);
+        elem* Pd = reinterpret_cast<elem*>(st + GW::SO_P);
+        float* Fd = reinterpret_cast<float*>(st + GW::SO_F);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
@@ -290,85 +278,86 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             cp_async16(Qd + row * KST + col, qb + tt * q_st + col, ok);
         }
 #pragma unroll
-        for (int i = 0; i < DVS / 32; ++i) {
-            const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+        for (int i = 0; i < W / 32; ++i) {
+            const int idx = tid + i * NTHR, row = idx / (W / 8), col = (idx % (W / 8)) * 8;
             const int tok = c * CH + row;
             const bool ok = tok < len;
             const long long tt = ok ? tok : 0;
-            cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
+            cp_async16(Vd + row * VST_ + col, vb + tt * v_st + col, ok);
         }
-        const long long sb = ((long long)(slot0 + c) * Hv + h) * CH * CH;
+        const long long sb = ((long long)(wk.slot0 + c) * Hv + h) * CH * CH;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
             cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
             cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, true);
         }
-        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
+        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
 
-    // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
-    float s[NJ][4];
-    if (h0) {
-        const float* hp = h0 + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+    // The state slice rows [16 warp, 16 warp + 16) x W columns, as mma accumulators.
+    float s[NJ_][4];
+    if (wk.from_h0 && h0) {
+        const float* hp = h0 + (((long long)wk.n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
+        for (int j = 0; j < NJ_; ++j) {
             const float2 x0 = *reinterpret_cast<const float2*>(hp + g * DK + 8 * j + 2 * t);
             const float2 x1 = *reinterpret_cast<const float2*>(hp + (g + 8) * DK + 8 * j + 2 * t);
             s[j][0] = x0.x; s[j][1] = x0.y; s[j][2] = x1.x; s[j][3] = x1.y;
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int j = 0; j < NJ_; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     }
 
 #pragma unroll
-    for (int st = 0; st < NST - 1; ++st) {
-        if (st < nchunks) load_chunk(st, st);
+    for (int st = 0; st < NST_ - 1; ++st) {
+        if (wk.cw + st < wk.cend) load_chunk(wk.cw + st, st);
         cp_async_commit();
     }
-    float oacc[NJ][4];
+    float oacc[NJ_][4];
 #ifdef PROFILE
     long long prof[5] = {}, tprev = clock64();
 #endif
 
-    for (int c = 0; c < nchunks; ++c) {
-        const int buf = c % NST;
-        unsigned char* st = smem + buf * STAGE_BYTES;
+    for (int c = wk.cw, i = 0; c < wk.cend; ++c, ++i) {
+        const int buf = i % NST_;
+        const bool out = c >= wk.cbeg;  // else a warm-up chunk: state only
+        unsigned char* st = smem + buf * GW::STAGE;
         const elem* Kc = reinterpret_cast<const elem*>(st);
-        const elem* Qc = reinterpret_cast<const elem*>(st + SO_Q);
-        elem* Vc = reinterpret_cast<elem*>(st + SO_V);  // v, then the high half of rhs
-        const elem* Tb = reinterpret_cast<const elem*>(st + SO_T);
-        const elem* Pb = reinterpret_cast<const elem*>(st + SO_P);
-        const float* Gc = reinterpret_cast<const float*>(st + SO_F);
+        const elem* Qc = reinterpret_cast<const elem*>(st + GW::SO_Q);
+        elem* Vc = reinterpret_cast<elem*>(st + GW::SO_V);  // v, then the high half of rhs
+        const elem* Tb = reinterpret_cast<const elem*>(st + GW::SO_T);
+        const elem* Pb = reinterpret_cast<const elem*>(st + GW::SO_P);
+        const float* Gc = reinterpret_cast<const float*>(st + GW::SO_F);
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
-        cp_async_wait<NST - 2>();
+        cp_async_wait<NST_ - 2>();
         MARK(0);
-        if (c + NST - 1 < nchunks) load_chunk(c + NST - 1, (c + NST - 1) % NST);
+        if (c + NST_ - 1 < wk.cend) load_chunk(c + NST_ - 1, (i + NST_ - 1) % NST_);
         cp_async_commit();
 
         // ---- phase 1: state -> 16-bit smem
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
+        for (int j = 0; j < NJ_; ++j) {
             const int r = 16 * warp + g, cc = 8 * j + 2 * t;
-            *reinterpret_cast<u32*>(Sb + r * VST + cc) = pack2(s[j][0], s[j][1]);
-            *reinterpret_cast<u32*>(Sb + (r + 8) * VST + cc) = pack2(s[j][2], s[j][3]);
+            *reinterpret_cast<u32*>(Sb + r * VST_ + cc) = pack2(s[j][0], s[j][1]);
+            *reinterpret_cast<u32*>(Sb + (r + 8) * VST_ + cc) = pack2(s[j][2], s[j][3]);
         }
         MARK(1);
 
         // ---- phase 2: rows 16 (warp & 3) of K (warps 0-3: -> rhs) or Q (warps 4-7: -> o part) times S
-        {
+        if (warp < 4 || out) {
             const int r0 = 16 * (warp & 3);
-            rows_times_state<false>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
+            rows_times_state<false, W>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
             if (warp < 4) {
-                store_rhs(oacc, r0, Vc, Rs, Gc, Bt, Rk, lane);
+                store_rhs<W>(oacc, r0, Vc, Rs, Gc, Bt, Rk, lane);
             } else {
                 const int ra0 = r0 + g, ra1 = ra0 + 8;
                 const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
 #pragma unroll
-                for (int j = 0; j < NJ; ++j) {
+                for (int j = 0; j < NJ_; ++j) {
                     oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
                 }
             }
@@ -377,18 +366,18 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
 
         // ---- phase 3: u = T rhs (rows 16 (warp & 3), column half warp >> 2)
         {
-            const int mt = warp & 3, jh = (warp >> 2) * (NJ / 2);
-            float acc[NJ / 2][4];
+            const int mt = warp & 3, jh = (warp >> 2) * (NJ_ / 2);
+            float acc[NJ_ / 2][4];
 #pragma unroll
-            for (int j = 0; j < NJ / 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            for (int j = 0; j < NJ_ / 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             for (int kk = 0; kk <= mt; ++kk) {
                 u32 af[4];
                 ldsm4(af, a_addr(Tb, BST, 16 * mt, 16 * kk, lane));
 #pragma unroll
-                for (int jp = 0; jp < NJ / 4; ++jp) {
+                for (int jp = 0; jp < NJ_ / 4; ++jp) {
                     u32 bh[4], bl[4];
-                    ldsm4t(bh, bk_addr(Vc, VST, 16 * kk, 8 * jh + 16 * jp, lane));
-                    ldsm4t(bl, bk_addr(Rs, VST, 16 * kk, 8 * jh + 16 * jp, lane));
+                    ldsm4t(bh, bk_addr(Vc, VST_, 16 * kk, 8 * jh + 16 * jp, lane));
+                    ldsm4t(bl, bk_addr(Rs, VST_, 16 * kk, 8 * jh + 16 * jp, lane));
                     mma16816(acc[2 * jp], af, bh[0], bh[1]);
                     mma16816(acc[2 * jp + 1], af, bh[2], bh[3]);
                     mma16816(acc[2 * jp], af, bl[0], bl[1]);
@@ -399,33 +388,33 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             const int ra0 = 16 * mt + g, ra1 = ra0 + 8;
             const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
 #pragma unroll
-            for (int j = 0; j < NJ / 2; ++j) {
+            for (int j = 0; j < NJ_ / 2; ++j) {
                 const int cc = 8 * (jh + j) + 2 * t;
-                *reinterpret_cast<u32*>(Ub + ra0 * VST + cc) = pack2(acc[j][0], acc[j][1]);
-                *reinterpret_cast<u32*>(Ub + ra1 * VST + cc) = pack2(acc[j][2], acc[j][3]);
-                store_split(Uh + ra0 * VST + cc, Ul + ra0 * VST + cc, f0 * acc[j][0], f0 * acc[j][1]);
-                store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
+                *reinterpret_cast<u32*>(Ub + ra0 * VST_ + cc) = pack2(acc[j][0], acc[j][1]);
+                *reinterpret_cast<u32*>(Ub + ra1 * VST_ + cc) = pack2(acc[j][2], acc[j][3]);
+                store_split(Uh + ra0 * VST_ + cc, Ul + ra0 * VST_ + cc, f0 * acc[j][0], f0 * acc[j][1]);
+                store_split(Uh + ra1 * VST_ + cc, Ul + ra1 * VST_ + cc, f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
         MARK(3);
 
         // ---- phase 4: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
-        if (warp >= 4) {
+        if (warp >= 4 && out) {
             const int mt = warp - 4;
             for (int kk = 0; kk <= mt; ++kk) {
                 u32 af[4];
                 ldsm4(af, a_addr(Pb, BST, 16 * mt, 16 * kk, lane));
 #pragma unroll
-                for (int jp = 0; jp < NJ / 2; ++jp) {
+                for (int jp = 0; jp < NJ_ / 2; ++jp) {
                     u32 bf[4];
-                    ldsm4t(bf, bk_addr(Ub, VST, 16 * kk, 16 * jp, lane));
+                    ldsm4t(bf, bk_addr(Ub, VST_, 16 * kk, 16 * jp, lane));
                     mma16816(oacc[2 * jp], af, bf[0], bf[1]);
                     mma16816(oacc[2 * jp + 1], af, bf[2], bf[3]);
                 }
             }
             const int tok0 = c * CH + 16 * mt + g, tok1 = tok0 + 8;
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
+            for (int j = 0; j < NJ_; ++j) {
                 const int cc = 8 * j + 2 * t;
                 if (tok0 < len)
                     *reinterpret_cast<u32*>(ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[j][0], oacc[j][1]);
@@ -436,7 +425,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
         {
             const float decay = __expf(Gc[CH - 1]);
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
+            for (int j = 0; j < NJ_; ++j) {
                 s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
             }
 #pragma unroll 1
@@ -444,10 +433,10 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                 u32 af[4];
                 ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
 #pragma unroll
-                for (int jp = 0; jp < NJ / 2; ++jp) {
+                for (int jp = 0; jp < NJ_ / 2; ++jp) {
                     u32 bh[4], bl[4];
-                    ldsm4t(bh, bk_addr(Uh, VST, 16 * kk, 16 * jp, lane));
-                    ldsm4t(bl, bk_addr(Ul, VST, 16 * kk, 16 * jp, lane));
+                    ldsm4t(bh, bk_addr(Uh, VST_, 16 * kk, 16 * jp, lane));
+                    ldsm4t(bl, bk_addr(Ul, VST_, 16 * kk, 16 * jp, lane));
                     mma16816(s[2 * jp], af, bh[0], bh[1]);
                     mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
                     mma16816(s[2 * jp], af, bl[0], bl[1]);
@@ -467,10 +456,119 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     }
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) return;
 #endif
-    float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
+    if (!wk.write_ht) return;
+    float* hp = ht + (((long long)wk.n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    for (int j = 0; j < NJ_; ++j) {
         *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
         *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
     }
+}
+
+// Sequence split (seg != 0, DVS < 128): when a sequence has at least SEG_MIN_CHUNKS chunks, the
+// 128 / DVS blocks of a head take one segment of its chunks each with all 128 state columns, instead
+// of one column slice each over all chunks (DVS 128 does ~1.6x the work per cycle of DVS 32). A
+// segment starts from a zero state w chunks before its first chunk, where w is the fewest chunks
+// whose gates multiply the earlier state by at most 2^-SEG_DROP_BITS (2^-30: below fp32 resolution,
+// since every (I - beta k k^T) factor has norm <= 1 with beta in (0, 1) and |k| <= 1), or from the
+// initial state at chunk 0 when the walk back reaches it. If some boundary of a head needs more than
+// half a segment of warm-up (weak decay), that head keeps the column split: exact in every case,
+// never slower than the column split alone.
+#ifndef SEG_DROP_BITS
+#define SEG_DROP_BITS 30  // (tests lower it to see that the split is taken)
+#endif
+#define SEG_DECAY (-0.6931471805599453f * SEG_DROP_BITS)
+#ifndef SEG_MIN_CHUNKS
+#define SEG_MIN_CHUNKS 8
+#endif
+
+// Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
+// Dynamic shared memory: Geo<DVS>::TOTAL, or the larger Geo<128>::TOTAL when seg is set.
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
+                      const elem* __restrict__ Tg, const elem* __restrict__ Pg, const float* __restrict__ Fg,
+                      const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
+                      elem* __restrict__ o, float* __restrict__ ht,
+                      int T, int Hk, int Hv,
+                      long long q_sb, long long q_st, long long q_sh,
+                      long long k_sb, long long k_st, long long k_sh,
+                      long long v_sb, long long v_st, long long v_sh, int seg)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int h = blockIdx.y, n = blockIdx.z;
+    const int hk = h / (Hv / Hk);
+
+    long long bos, batch_tok;  // first token of the sequence in its batch row; flat token index of it
+    int len, batch;
+    if (cu_seqlens) {
+        batch = 0;
+        bos = cu_seqlens[n];
+        len = cu_seqlens[n + 1] - (int)bos;
+        batch_tok = bos;
+    } else {
+        batch = n;
+        bos = 0;
+        len = T;
+        batch_tok = (long long)n * T;
+    }
+    const int nchunks = (len + CH - 1) / CH;
+    Walk wk;
+    wk.qb = q + batch * q_sb + bos * q_st + hk * q_sh;
+    wk.kb = k + batch * k_sb + bos * k_st + hk * k_sh;
+    wk.vb = v + batch * v_sb + bos * v_st + h * v_sh;
+    wk.ob = o + (batch_tok * Hv + h) * DK;
+    wk.q_st = q_st; wk.k_st = k_st; wk.v_st = v_st;
+    wk.Hv = Hv; wk.h = h; wk.n = n; wk.len = len;
+    wk.slot0 = first_slot(cu_seqlens, n, T);
+    wk.v0 = blockIdx.x * DVS;
+    wk.cw = wk.cbeg = 0;
+    wk.cend = nchunks;
+    wk.from_h0 = wk.write_ht = true;
+#if DVS < 128
+    if (seg && nchunks >= SEG_MIN_CHUNKS) {
+        constexpr int NSEG = DK / DVS;
+        __shared__ int warm[NSEG];  // first chunk of the walk of segment s (-1: more than maxw chunks)
+        const int per = (nchunks + NSEG - 1) / NSEG, maxw = max(1, per / 2);
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (warp < NSEG - 1 && (warp + 1) * per < nchunks) {  // warp s - 1 walks back from boundary s
+            const int cb = (warp + 1) * per, lo = max(0, cb - maxw);
+            const float* gend = Fg + ((long long)wk.slot0 * Hv + h) * 4 * CH + (CH - 1);  // G_end of chunk 0
+            const long long cstride = (long long)Hv * 4 * CH;
+            float run = 0.f;  // sum of G_end over the chunks walked so far
+            int found = -1;
+            for (int base = cb - 1; base >= lo && found < 0; base -= 32) {
+                const int j = base - lane;
+                const bool in = j >= lo;
+                float x = in ? gend[j * cstride] : 0.f;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    const float y = __shfl_up_sync(0xffffffffu, x, off);
+                    if (lane >= off) x += y;
+                }
+                x += run;  // log of the decay from the start of chunk j to the boundary
+                const unsigned hit = __ballot_sync(0xffffffffu, in && x <= SEG_DECAY);
+                if (hit) found = base - (__ffs(hit) - 1);
+                run = __shfl_sync(0xffffffffu, x, 31);
+            }
+            if (found < 0 && lo == 0) found = 0;  // reached the sequence start: begin there, from h0
+            if (lane == 0) warm[warp + 1] = found;
+        }
+        __syncthreads();
+        bool ok = true;
+        for (int s = 1; s < NSEG; ++s) ok = ok && (s * per >= nchunks || warm[s] >= 0);
+        if (ok) {
+            const int sg = blockIdx.x;
+            wk.cbeg = min(sg * per, nchunks);
+            wk.cend = min(wk.cbeg + per, nchunks);
+            if (wk.cbeg == wk.cend) return;  // an empty tail segment (nchunks > 0: another block writes ht)
+            wk.cw = sg ? warm[sg] : 0;
+            wk.v0 = 0;
+            wk.from_h0 = wk.cw == 0;
+            wk.write_ht = wk.cend == nchunks;
+            walk_chunks<DK>(smem, wk, Tg, Pg, Fg, h0, ht);
+            return;
+        }
+    }
+#endif
+    walk_chunks<DVS>(smem, wk, Tg, Pg, Fg, h0, ht);
 }

@@ -256,17 +256,17 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             invert_tril64(Lf, Tf, Tb, Xs, tid);
 #if DVS > 64
             float kacc[NJ][4];
-            rows_times_state<false>(Kc, Kc, 16 * warp, Sb, kacc, kacc, lane);
-            store_rhs(kacc, 16 * warp, Vc, Rs, Gc, Bt, Rk, lane);
+            rows_times_state<false, DVS>(Kc, Kc, 16 * warp, Sb, kacc, kacc, lane);
+            store_rhs<DVS>(kacc, 16 * warp, Vc, Rs, Gc, Bt, Rk, lane);
 #endif
         } else {
             const int wb = warp - 4;
 #if DVS > 64
-            rows_times_state<false>(Qc, Qc, 16 * wb, Sb, oacc, oacc, lane);
+            rows_times_state<false, DVS>(Qc, Qc, 16 * wb, Sb, oacc, oacc, lane);
 #else
             float kacc[NJ][4];
-            rows_times_state<true>(Qc, Kc, 16 * wb, Sb, oacc, kacc, lane);
-            store_rhs(kacc, 16 * wb, Vc, Rs, Gc, Bt, Rk, lane);
+            rows_times_state<true, DVS>(Qc, Kc, 16 * wb, Sb, oacc, kacc, lane);
+            store_rhs<DVS>(kacc, 16 * wb, Vc, Rs, Gc, Bt, Rk, lane);
 #endif
             const int ra0 = 16 * wb + g, ra1 = ra0 + 8;
             const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import get_function, launch
+from ..cuda_build import get_function, launch, max_shared_memory
 
 SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"  # prep kernel + sequential kernel
 SRC_FUSED = Path(__file__).resolve().parent / "gdn_prefill_fused.cu"  # one kernel
@@ -24,7 +24,8 @@ EXTRA_DEFINES: dict = {}  # development only: extra -D flags (PROFILE, variants)
 
 
 def smem_bytes(dvs: int) -> int:
-    """Dynamic shared memory of one main-kernel block (mirrors SM_TOTAL in gdn_prefill.cu)."""
+    """Dynamic shared memory of one main-kernel block walking dvs columns (mirrors Geo<W>::TOTAL in
+    gdn_prefill.cu): 199 KB at 32, 169 KB at 64, 225 KB at 128; only sm_90 / sm_100 have that much."""
     vst, nst = dvs + 8, 3 if dvs <= 32 else 2
     stage = 2 * 64 * (D + 8) * 2 + 64 * vst * 2 + 2 * 64 * 72 * 2 + 4 * 64 * 4
     return nst * stage + D * vst * 2 + 3 * 64 * vst * 2
@@ -101,6 +102,14 @@ def _prep_slots(B: int, T: int, N: int, cu_seqlens) -> int:
     return slots
 
 
+def _fits(need: int, dev: torch.device, what: str) -> None:
+    """Raise a clear error when a forced kernel configuration needs more shared memory than the card has."""
+    have = max_shared_memory(dev)
+    if need > have:
+        raise ValueError(f"gdn prefill: {what} needs {need} bytes of shared memory per block, this GPU allows "
+                         f"{have}; leave dv_split / fused unset and the launcher picks a path that fits")
+
+
 def _vec16(x: torch.Tensor) -> torch.Tensor:
     """x with a unit last stride and 16-byte aligned rows (cp.async copies 16 bytes), else a contiguous copy."""
     ok = (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
@@ -114,7 +123,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            cu_seqlens: Optional[torch.Tensor] = None,
                            dv_split: Optional[int] = None,
                            fused: Optional[bool] = None,
-                           variant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           variant: Optional[str] = None,
+                           segments: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
@@ -123,7 +133,11 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     [N, Hv, 128, 128] fp32. `dv_split` (32, 64, 128) overrides the state columns per block, `fused`
     the choice between the one-kernel and the two-kernel path (see use_fused). `variant="split_o"`
     runs the opt-in three-kernel path (prep, state-only sequential kernel, parallel output kernel;
-    gdn_prefill_split.cu); `dv_split` then may also be 16, and `fused` is ignored.
+    gdn_prefill_split.cu); `dv_split` then may also be 16, and `fused` is ignored. `segments=False`
+    turns off the sequence split of the two-kernel path (on by default where it applies: fewer than
+    128 columns per block, a card with 225 KB of shared memory per block; see gdn_chunk_prefill_fwd).
+    On cards with less shared memory per block than the two-kernel path needs (A100, RTX 30/40/50
+    series) the default dispatch takes "split_o", whose blocks need at most 89 KB.
     Launch only: no synchronisation, capturable in a CUDA graph.
     """
     if variant not in VARIANTS:
@@ -161,6 +175,10 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
     if N == 0:
         return o, ht
+    take_fused = use_fused(T) if fused is None else fused
+    if (variant is None and fused is None and dv_split is None
+            and smem_bytes(choose_dv_split(N * Hv, dev)) > max_shared_memory(dev)):
+        variant = "split_o"  # the card's blocks are too small for the sequential kernel
     if variant == "split_o":
         return _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv_split, B, T, Hk, Hv, N)
     dvs = dv_split or choose_dv_split(N * Hv, dev)
@@ -171,7 +189,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     vs = tuple(i64(x) for x in v.stride()[:3])
     abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
-    if use_fused(T) if fused is None else fused:
+    if take_fused:
+        _fits(smem_bytes_fused(dvs), dev, f"the fused kernel at dv_split {dvs}")
         fn = get_function(SRC_FUSED, KERNEL, dev, defines)
         launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
                (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
@@ -190,11 +209,13 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
                 np.int32(N), *qs, *ks, *abs_),
                shared_mem=PREP_SMEM)
+    _fits(smem_bytes(dvs), dev, f"the sequential kernel at dv_split {dvs}")
+    seg = segments is not False and dvs < D and smem_bytes(D) <= max_shared_memory(dev)
     fn = get_function(SRC, KERNEL, dev, defines)
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
-            *qs, *ks, *vs),
-           shared_mem=smem_bytes(dvs))
+            *qs, *ks, *vs, np.int32(seg)),
+           shared_mem=max(smem_bytes(dvs), smem_bytes(D)) if seg else smem_bytes(dvs))
     return o, ht
 
 
@@ -221,6 +242,7 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     dvs = dv_split or choose_dv_split_split_o(N * Hv, dev)
     if dvs not in (16, 32, 64, 128):
         raise ValueError(f"dv_split must be 16, 32, 64 or 128, got {dvs}")
+    _fits(smem_bytes_split(dvs), dev, f"variant split_o at dv_split {dvs}")
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
     base = {"IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}

@@ -1,0 +1,66 @@
+"""Which kernels the prefill launcher picks for a card's shared memory per block, checked on the CPU with
+the kernel launches recorded instead of run (the GPU tests check the results of every path)."""
+import pytest
+import torch
+
+from qwen35_fast.kernels.gdn_prefill import launch as L
+
+H200, A100, RTX = 232448, 166912, 101376  # bytes of shared memory one block may opt in to
+
+
+class Fn:
+    def __init__(self, name, defines):
+        self.name, self.defines = name, dict(defines)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """A card with 132 SMs; get_function and launch record what would run."""
+    rec = []
+    monkeypatch.setattr(L, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(L, "_prefer_smem", lambda fn, dev: None)
+    monkeypatch.setattr(L, "get_function", lambda src, name, dev, defines: Fn(name, defines))
+    monkeypatch.setattr(L, "launch", lambda fn, grid, block, args, shared_mem=0:
+                        rec.append((fn.name, fn.defines.get("DVS"), tuple(grid), shared_mem, args)))
+    return rec
+
+
+def run(monkeypatch, limit, B=1, T=4096, Hk=16, Hv=32, **kw):
+    monkeypatch.setattr(L, "max_shared_memory", lambda dev: limit)
+    q = torch.zeros(B, T, Hk, 128, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, Hv, 128, dtype=torch.bfloat16)
+    a = torch.zeros(B, T, Hv)
+    return L.gdn_chunk_prefill_cuda(q, q, v, a, a, torch.zeros(Hv), torch.zeros(Hv), **kw)
+
+
+def test_hopper_takes_the_two_kernel_path_with_the_sequence_split(calls, monkeypatch):
+    run(monkeypatch, H200)
+    assert [c[0] for c in calls] == ["gdn_chunk_prep", "gdn_chunk_prefill_fwd"]
+    name, dvs, grid, smem, args = calls[1]
+    assert dvs == 32 and grid == (4, 32, 1)  # B=1, Hv=32: four blocks per head
+    assert int(args[-1]) == 1 and smem == L.smem_bytes(128) <= H200  # the split walks 128 columns
+
+
+def test_no_split_when_asked_or_with_whole_state_columns(calls, monkeypatch):
+    run(monkeypatch, H200, segments=False)
+    assert int(calls[-1][4][-1]) == 0 and calls[-1][3] == L.smem_bytes(32)
+    run(monkeypatch, H200, B=8)  # 256 heads fill the card with DVS 128: nothing to split
+    assert calls[-1][1] == 128 and int(calls[-1][4][-1]) == 0
+
+
+@pytest.mark.parametrize("limit", [A100, RTX])
+@pytest.mark.parametrize("B", [1, 8])
+def test_smaller_cards_take_split_o_and_every_block_fits(calls, monkeypatch, limit, B):
+    run(monkeypatch, limit, B=B)
+    assert [c[0] for c in calls] == ["gdn_chunk_prep", "gdn_chunk_state", "gdn_chunk_out"]
+    assert all(c[3] <= limit for c in calls)
+
+
+def test_forced_configuration_that_does_not_fit_is_a_clear_error(calls, monkeypatch):
+    with pytest.raises(ValueError, match="shared memory per block.*leave dv_split"):
+        run(monkeypatch, RTX, dv_split=32)
+    with pytest.raises(ValueError, match="fused kernel"):
+        run(monkeypatch, A100, fused=True)
+    with pytest.raises(ValueError, match="split_o at dv_split 128"):
+        run(monkeypatch, RTX, variant="split_o", dv_split=128)
+    assert calls == [] or all(c[3] <= RTX for c in calls)
