@@ -1,7 +1,7 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
     python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,noseg,split_o,split_o_auto]
-                                     [--graph] [--sizes 1x64,8x1024] [--json PATH]
+                                     [--graph] [--sizes 1x64,8x1024] [--prep-heads 1,2] [--json PATH]
 
 Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
 prep + sequential kernels (noseg: without the sequence split); split_o: the opt-in variant of gdn_prefill_split.cu at each split,
@@ -119,12 +119,20 @@ if __name__ == "__main__":
     ap.add_argument("--paths", default="auto")
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--sizes", help="BxL,... (default: the anchor sizes), e.g. 1x64,1x512,8x1024")
+    ap.add_argument("--prep-heads", help="value heads per prep block to try, e.g. 1,2 (default: the launcher's choice)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     if args.check:
         check()
     sizes = [tuple(int(v) for v in bl.split("x")) for bl in args.sizes.split(",")] if args.sizes else None
-    rows = bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph, sizes)
+    import qwen35_fast.kernels.gdn_prefill.launch as launch_mod
+    rows = []
+    for hpb in (args.prep_heads.split(",") if args.prep_heads else [None]):
+        launch_mod.PREP_HPB = None if hpb is None else int(hpb)
+        if hpb is not None:
+            print(f"prep kernel: {hpb} value head(s) per block")
+        for r in bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph, sizes):
+            rows.append({**r, "prep_heads": launch_mod.PREP_HPB})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -238,3 +238,19 @@ def test_sequence_split_is_taken_per_head(monkeypatch):
     monkeypatch.delitem(L.EXTRA_DEFINES, "SEG_DROP_BITS")
     o_off, _ = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, segments=False)
     assert torch.equal(o[..., 1, :], o_off[..., 1, :]) and torch.equal(o[..., 3, :], o_off[..., 3, :])
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 4), (1, 3)])
+def test_prep_value_heads_per_block(monkeypatch, Hk, Hv):
+    """The prep kernel forms K K^T, Q K^T once for all value heads of a q/k head (hpb = Hv / Hk) or once
+    per value head (hpb = 1): the same numbers either way, and right against the f64 recurrence."""
+    from qwen35_fast.kernels.gdn_prefill import launch as L
+    lens = [300, 1, 129]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    inputs = make_inputs(1, sum(lens), Hk, Hv, torch.bfloat16, "model", len(lens), seed=Hv)
+    outs = []
+    for hpb in (1, Hv // Hk):
+        monkeypatch.setattr(L, "PREP_HPB", hpb)
+        run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv))
+        outs.append(_launcher()(*inputs, cu))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

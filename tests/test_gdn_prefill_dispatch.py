@@ -64,3 +64,11 @@ def test_forced_configuration_that_does_not_fit_is_a_clear_error(calls, monkeypa
     with pytest.raises(ValueError, match="split_o at dv_split 128"):
         run(monkeypatch, RTX, variant="split_o", dv_split=128)
     assert calls == [] or all(c[3] <= RTX for c in calls)
+
+
+def test_prep_value_heads_per_block(monkeypatch):
+    monkeypatch.setattr(L, "_num_sms", lambda dev: 132)
+    assert L.choose_prep_heads(16, 32, 16, None) == 1  # 1,024 tokens: one wave of blocks either way
+    assert L.choose_prep_heads(16, 32, 512, None) == 2  # 32k tokens: K K^T, Q K^T once per q/k head
+    assert L.choose_prep_heads(16, 48, 512, None) == 3
+    assert L.choose_prep_heads(16, 16, 512, None) == 1

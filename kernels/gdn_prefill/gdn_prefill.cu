@@ -69,8 +69,10 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 
 #include "gdn_chunk.cuh"
 
-// Grid: (Hv, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences; the value
-// heads of one q/k head are neighbours in launch order, so their second read of K, Q hits L2.
+// Grid: (Hv / hpb, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences. A
+// block takes hpb value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q and forms the raw
+// K K^T and Q K^T once, then per value head applies that head's gates and inverts (I + L). hpb = 1
+// gives the most blocks (short prompts: one wave, latency counts); hpb = Hv / Hk the least work.
 // Outputs per (slot, head): Tg, Pg [64][64] 16-bit (lower blocks; upper blocks zero), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
 extern "C" __global__ void __launch_bounds__(PTHR, 4)
@@ -79,7 +81,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
                const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                const int* __restrict__ cu_seqlens,
                elem* __restrict__ Tg, elem* __restrict__ Pg, float* __restrict__ Fg,
-               int T, int Hk, int Hv, int N,
+               int T, int Hk, int Hv, int N, int hpb,
                long long q_sb, long long q_st, long long q_sh,
                long long k_sb, long long k_st, long long k_sh,
                long long a_sb, long long a_st, long long a_sh,
@@ -98,11 +100,11 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     float* Rq = Rk + CH;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.x, slot = blockIdx.y;
+    const int hfirst = blockIdx.x * hpb, slot = blockIdx.y;
 #ifdef PROFILE  // block (0, 0) leaves the cycles of its phases in its own Fg row (development only)
     long long prof[6] = {}, tprev = clock64();
 #endif
-    const int hk = h / (Hv / Hk);
+    const int hk = hfirst / (Hv / Hk);
     int n, c, len, batch;
     long long bos;
     if (cu_seqlens) {  // the sequence whose slots hold this one: largest n with first_slot(n) <= slot
@@ -137,7 +139,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
     }
     cp_async_commit();
-    if (warp == 0) {  // gates of tokens 2 lane, 2 lane + 1, and their in-chunk cumsum
+    auto gates = [&](int h) {  // warp 0: gates of tokens 2 lane, 2 lane + 1 of head h, their in-chunk cumsum
         const abt* ab = a + batch * a_sb + (bos + tok0) * a_st + h * a_sh;
         const abt* bb = b + batch * b_sb + (bos + tok0) * b_st + h * b_sh;
         const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
@@ -159,7 +161,8 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         }
         *reinterpret_cast<float2*>(Gc + 2 * lane) = make_float2(incl - gv[1], incl);
         *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
-    }
+    };
+    if (warp == 0) gates(hfirst);  // while K, Q load
     cp_async_wait<0>();
     MARK(0);
     {  // l2-norm factor of row tid (K rows 0..63, then Q rows)
@@ -181,34 +184,42 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         else Rq[tid - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
     }
     MARK(1);
-    float kacc[3][2][4], qacc[3][2][4];
+    float kacc[3][2][4], qacc[3][2][4];  // raw K K^T, Q K^T blocks: shared by the value heads
     tri_acc(Ks, Ks, warp, kacc, lane);
     tri_acc(Qs, Ks, warp, qacc, lane);
     MARK(2);  // K and Q are dead: L and T take their place
-    const long long ob = ((long long)slot * Hv + h) * CH * CH;
-    tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
-    tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
-    MARK(3);
-    invert_tril64(Lf, Tf, Tb, Xs, tid);
-    MARK(4);
+    for (int j = 0; j < hpb; ++j) {
+        const int h = hfirst + j;
+        if (j) {  // the previous head's stores are done with Gc, Bt, Tb
+            __syncthreads();
+            if (warp == 0) gates(h);
+            __syncthreads();
+        }
+        const long long ob = ((long long)slot * Hv + h) * CH * CH;
+        tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
+        tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
+        MARK(3);
+        invert_tril64(Lf, Tf, Tb, Xs, tid);
+        MARK(4);
 
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; upper blocks as zeros (P's too)
-        const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
-        const uint4 z = make_uint4(0, 0, 0, 0);
-        if ((col >> 4) > (row >> 4)) {
-            *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = z;
-            *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = z;
-        } else {
-            *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
+        for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; upper blocks as zeros (P's too)
+            const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            if ((col >> 4) > (row >> 4)) {
+                *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = z;
+                *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = z;
+            } else {
+                *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
+            }
         }
+        if (tid < CH)
+            *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =
+                *reinterpret_cast<const float4*>(Gc + 4 * tid);
     }
-    if (tid < CH)
-        *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =
-            *reinterpret_cast<const float4*>(Gc + 4 * tid);
 #ifdef PROFILE
     MARK(5);
-    if (tid == 0 && h == 0 && slot == 0)
+    if (tid == 0 && blockIdx.x == 0 && slot == 0)
         for (int i = 0; i < 6; ++i) Fg[i] = (float)prof[i];
 #endif
 }

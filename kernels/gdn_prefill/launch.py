@@ -72,6 +72,23 @@ def choose_dv_split_split_o(n_heads_total: int, device: torch.device) -> int:
 
 PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4  # PSM_TOTAL in gdn_prefill.cu
 PREP_THREADS = 128
+PREP_BLOCKS_PER_SM = 4
+# Cycles of one prep block (H200, PROFILE marks): ~16k to load K, Q and form K K^T, Q K^T, ~9k more per
+# value head (gates, L, P, the inverse, stores).
+PREP_SHARED_CYCLES, PREP_HEAD_CYCLES = 16_000, 9_000
+PREP_HPB: Optional[int] = None  # development only: force the value heads per prep block
+
+
+def choose_prep_heads(Hk: int, Hv: int, slots: int, device: torch.device) -> int:
+    """Value heads per prep block (a divisor of Hv / Hk) with the fewest estimated cycles: waves of
+    blocks times one block's life. One head per block when that fits in one wave (short prompts)."""
+    if PREP_HPB is not None:
+        return PREP_HPB
+    r, per_wave = Hv // Hk, PREP_BLOCKS_PER_SM * _num_sms(device)
+
+    def cost(hpb):
+        return -(-(Hv // hpb) * slots // per_wave) * (PREP_SHARED_CYCLES + hpb * PREP_HEAD_CYCLES)
+    return min((d for d in range(1, r + 1) if r % d == 0), key=lambda d: (cost(d), d))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -204,11 +221,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     Pg = torch.empty_like(Tg)
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     if slots:
-        prep = get_function(SRC, PREP_KERNEL, dev, defines)
-        launch(prep, (Hv, slots, 1), (PREP_THREADS, 1, 1),
-               (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
-                np.int32(N), *qs, *ks, *abs_),
-               shared_mem=PREP_SMEM)
+        _prep(q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, T, Hk, Hv, N, slots, qs, ks, abs_, defines)
     _fits(smem_bytes(dvs), dev, f"the sequential kernel at dv_split {dvs}")
     seg = segments is not False and dvs < D and smem_bytes(D) <= max_shared_memory(dev)
     fn = get_function(SRC, KERNEL, dev, defines)
@@ -217,6 +230,16 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
             *qs, *ks, *vs, np.int32(seg)),
            shared_mem=max(smem_bytes(dvs), smem_bytes(D)) if seg else smem_bytes(dvs))
     return o, ht
+
+
+def _prep(q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, T, Hk, Hv, N, slots, qs, ks, abs_, defines):
+    """gdn_chunk_prep (gdn_prefill.cu): T, P and the per-token vectors of every (chunk, value head)."""
+    dev = q.device
+    hpb = choose_prep_heads(Hk, Hv, slots, dev)
+    launch(get_function(SRC, PREP_KERNEL, dev, defines), (Hv // hpb, slots, 1), (PREP_THREADS, 1, 1),
+           (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
+            np.int32(N), np.int32(hpb), *qs, *ks, *abs_),
+           shared_mem=PREP_SMEM)
 
 
 _carveout_set: set = set()
@@ -256,12 +279,9 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     Hs = torch.empty(slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
     Ug = torch.empty(slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
-    if slots:
-        prep = get_function(SRC, PREP_KERNEL, dev, {**base, "DVS": 32})  # the module the default B=1 path loads
-        launch(prep, (Hv, slots, 1), (PREP_THREADS, 1, 1),
-               (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
-                np.int32(N), *qs, *ks, *abs_),
-               shared_mem=PREP_SMEM)
+    if slots:  # the prep kernel of the module the default B=1 path loads
+        _prep(q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, T, Hk, Hv, N, slots, qs, ks, abs_,
+              {**base, "DVS": 32})
     fn = get_function(SRC_SPLIT, "gdn_chunk_state", dev, {**base, "DVS": dvs})
     _prefer_smem(fn, dev)
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
