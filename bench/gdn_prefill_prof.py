@@ -30,7 +30,7 @@ def main():
     for split in (32, 64, 128):
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES["PROFILE"] = 1
-        _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split, fused=False)  # PROFILE marks of gdn_prefill.cu
+        _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split, fused=False, segments=False)  # PROFILE marks of gdn_prefill.cu
         cyc = ht.flatten()[:len(PHASES)].cpu() / nch
         L.EXTRA_DEFINES.clear()
         print(f"split {split}: cycles/chunk " + " ".join(f"{n}={c:.0f}" for n, c in zip(PHASES, cyc.tolist()))

@@ -156,11 +156,11 @@ __device__ __forceinline__ void tri_products(bool is_q, const elem* X, const ele
 }
 
 // acc[j] (16 rows r0.. x W columns) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem
-// (row stride W + 8). With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
-template <bool TWO, int W>
+// (row stride LD). With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
+template <bool TWO, int W, int LD = W + 8>
 __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, int r0, const elem* Sb,
                                                  float acc[W / 8][4], float acc2[W / 8][4], int lane) {
-    constexpr int NJ_ = W / 8, VST_ = W + 8;
+    constexpr int NJ_ = W / 8, VST_ = LD;
 #pragma unroll
     for (int j = 0; j < NJ_; ++j) {
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -186,11 +186,11 @@ __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, 
 }
 
 // rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves;
-// W columns, row stride W + 8.
-template <int W>
+// W columns, row stride LD.
+template <int W, int LD = W + 8>
 __device__ __forceinline__ void store_rhs(const float acc[W / 8][4], int r0, elem* Vc, elem* Rs, const float* Gc,
                                           const float* Bt, const float* Rk, int lane) {
-    constexpr int NJ_ = W / 8, VST_ = W + 8;
+    constexpr int NJ_ = W / 8, VST_ = LD;
     const int g = lane >> 2, t = lane & 3;
     const int ra0 = r0 + g, ra1 = ra0 + 8;
     const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);

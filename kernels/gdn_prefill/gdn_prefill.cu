@@ -248,6 +248,10 @@ struct Walk {
     bool from_h0, write_ht;    // start from h0 (else zero); store the final state
 };
 
+// Two layouts of the state accumulators over the 8 warps. Narrow (W <= 64): warp w holds rows
+// [16 w, 16 w + 16) x all W columns. Wide (W = 128): warp w holds rows [32 (w & 3), +32) x columns
+// [64 (w >> 2), +64), and in the products with S every warp takes a 64-column half: each S, u
+// fragment is read by 4 warps instead of 8 (shared-memory traffic per chunk ~630 -> ~440 KB).
 template <int W>
 __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
                                             const elem* __restrict__ Tg, const elem* __restrict__ Pg,
@@ -256,6 +260,8 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 {
     typedef Geo<W> GW;
     constexpr int NJ_ = W / 8, VST_ = GW::VST, NST_ = GW::NST;
+    constexpr bool WIDE = W == 128;
+    constexpr int OJ = WIDE ? 8 : NJ_;  // n-tiles of one warp's o (and rhs) rows
     elem* Sb = reinterpret_cast<elem*>(smem + GW::S);
     elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
     elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
@@ -270,6 +276,9 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     const elem* vb = wk.vb + v0;
     elem* ob = wk.ob + v0;
     const long long q_st = wk.q_st, k_st = wk.k_st, v_st = wk.v_st;
+    // state accumulator s[jj][0..1] sits at (srow(jj), scol(jj) + 0..1), s[jj][2..3] 8 rows below
+    auto srow = [&](int jj) { return WIDE ? 32 * (warp & 3) + 16 * (jj >> 3) + g : 16 * warp + g; };
+    auto scol = [&](int jj) { return WIDE ? 64 * (warp >> 2) + 8 * (jj & 7) + 2 * t : 8 * jj + 2 * t; };
 
     auto load_chunk = [&](int c, int buf) {  // K, Q rows, this block's V columns (zero past the end), T, P, vectors
         unsigned char* st = smem + buf * GW::STAGE;
@@ -309,11 +318,11 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     // The state slice rows [16 warp, 16 warp + 16) x W columns, as mma accumulators.
     float s[NJ_][4];
     if (wk.from_h0 && h0) {
-        const float* hp = h0 + (((long long)wk.n * Hv + h) * DK + 16 * warp) * DK + v0;
+        const float* hp = h0 + ((long long)wk.n * Hv + h) * DK * DK + v0;
 #pragma unroll
         for (int j = 0; j < NJ_; ++j) {
-            const float2 x0 = *reinterpret_cast<const float2*>(hp + g * DK + 8 * j + 2 * t);
-            const float2 x1 = *reinterpret_cast<const float2*>(hp + (g + 8) * DK + 8 * j + 2 * t);
+            const float2 x0 = *reinterpret_cast<const float2*>(hp + srow(j) * DK + scol(j));
+            const float2 x1 = *reinterpret_cast<const float2*>(hp + (srow(j) + 8) * DK + scol(j));
             s[j][0] = x0.x; s[j][1] = x0.y; s[j][2] = x1.x; s[j][3] = x1.y;
         }
     } else {
@@ -326,7 +335,7 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         if (wk.cw + st < wk.cend) load_chunk(wk.cw + st, st);
         cp_async_commit();
     }
-    float oacc[NJ_][4];
+    float oacc[OJ][4];
 #ifdef PROFILE
     long long prof[5] = {}, tprev = clock64();
 #endif
@@ -352,14 +361,29 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         // ---- phase 1: state -> 16-bit smem
 #pragma unroll
         for (int j = 0; j < NJ_; ++j) {
-            const int r = 16 * warp + g, cc = 8 * j + 2 * t;
+            const int r = srow(j), cc = scol(j);
             *reinterpret_cast<u32*>(Sb + r * VST_ + cc) = pack2(s[j][0], s[j][1]);
             *reinterpret_cast<u32*>(Sb + (r + 8) * VST_ + cc) = pack2(s[j][2], s[j][3]);
         }
         MARK(1);
 
-        // ---- phase 2: rows 16 (warp & 3) of K (warps 0-3: -> rhs) or Q (warps 4-7: -> o part) times S
-        if (warp < 4 || out) {
+        // ---- phase 2, wide: rows 16 (warp & 3) of K (-> rhs) and Q (-> o part) times S's column half
+        if constexpr (WIDE) {
+            const int r0 = 16 * (warp & 3), c0 = 64 * (warp >> 2);
+            float kacc[8][4];
+            if (out) rows_times_state<true, 64, VST_>(Kc, Qc, r0, Sb + c0, kacc, oacc, lane);
+            else rows_times_state<false, 64, VST_>(Kc, Kc, r0, Sb + c0, kacc, kacc, lane);
+            store_rhs<64, VST_>(kacc, r0, Vc + c0, Rs + c0, Gc, Bt, Rk, lane);
+            if (out) {
+                const int ra0 = r0 + g, ra1 = ra0 + 8;
+                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    oacc[j][0] *= f0; oacc[j][1] *= f0; oacc[j][2] *= f1; oacc[j][3] *= f1;
+                }
+            }
+        // ---- phase 2, narrow: rows 16 (warp & 3) of K (warps 0-3: -> rhs) or Q (warps 4-7: -> o part) times S
+        } else if (warp < 4 || out) {
             const int r0 = 16 * (warp & 3);
             rows_times_state<false, W>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
             if (warp < 4) {
@@ -409,8 +433,33 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         }
         MARK(3);
 
-        // ---- phase 4: o = rq e^G Q S + P u (warps 4-7); S <- e^{G_end} S + K^T (scaled u) (all warps)
-        if (warp >= 4 && out) {
+        // ---- phase 4: o = rq e^G Q S + P u (wide: all warps, a column half each; narrow: warps 4-7);
+        //      S <- e^{G_end} S + K^T (scaled u) (all warps)
+        if constexpr (WIDE) {
+          if (out) {
+            const int mt = warp & 3, c0 = 64 * (warp >> 2);
+            for (int kk = 0; kk <= mt; ++kk) {
+                u32 af[4];
+                ldsm4(af, a_addr(Pb, BST, 16 * mt, 16 * kk, lane));
+#pragma unroll
+                for (int jp = 0; jp < 4; ++jp) {
+                    u32 bf[4];
+                    ldsm4t(bf, bk_addr(Ub, VST_, 16 * kk, c0 + 16 * jp, lane));
+                    mma16816(oacc[2 * jp], af, bf[0], bf[1]);
+                    mma16816(oacc[2 * jp + 1], af, bf[2], bf[3]);
+                }
+            }
+            const int tok0 = c * CH + 16 * mt + g, tok1 = tok0 + 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int cc = c0 + 8 * j + 2 * t;
+                if (tok0 < len)
+                    *reinterpret_cast<u32*>(ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[j][0], oacc[j][1]);
+                if (tok1 < len)
+                    *reinterpret_cast<u32*>(ob + (long long)tok1 * Hv * DK + cc) = pack2(oacc[j][2], oacc[j][3]);
+            }
+          }
+        } else if (warp >= 4 && out) {
             const int mt = warp - 4;
             for (int kk = 0; kk <= mt; ++kk) {
                 u32 af[4];
@@ -439,19 +488,43 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
             for (int j = 0; j < NJ_; ++j) {
                 s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
             }
+            if constexpr (WIDE) {  // rows 32 (warp & 3) + 0 / 16, columns c0 + 0..63
+                const int m0 = 32 * (warp & 3), c0 = 64 * (warp >> 2);
 #pragma unroll 1
-            for (int kk = 0; kk < CH / 16; ++kk) {
-                u32 af[4];
-                ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
+                for (int kk = 0; kk < CH / 16; ++kk) {
+                    u32 a0[4], a1[4];
+                    ldsm4t(a0, at_addr(Kc, KST, m0, 16 * kk, lane));
+                    ldsm4t(a1, at_addr(Kc, KST, m0 + 16, 16 * kk, lane));
 #pragma unroll
-                for (int jp = 0; jp < NJ_ / 2; ++jp) {
-                    u32 bh[4], bl[4];
-                    ldsm4t(bh, bk_addr(Uh, VST_, 16 * kk, 16 * jp, lane));
-                    ldsm4t(bl, bk_addr(Ul, VST_, 16 * kk, 16 * jp, lane));
-                    mma16816(s[2 * jp], af, bh[0], bh[1]);
-                    mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
-                    mma16816(s[2 * jp], af, bl[0], bl[1]);
-                    mma16816(s[2 * jp + 1], af, bl[2], bl[3]);
+                    for (int jp = 0; jp < 4; ++jp) {
+                        u32 bh[4], bl[4];
+                        ldsm4t(bh, bk_addr(Uh, VST_, 16 * kk, c0 + 16 * jp, lane));
+                        ldsm4t(bl, bk_addr(Ul, VST_, 16 * kk, c0 + 16 * jp, lane));
+                        mma16816(s[2 * jp], a0, bh[0], bh[1]);
+                        mma16816(s[2 * jp + 1], a0, bh[2], bh[3]);
+                        mma16816(s[8 + 2 * jp], a1, bh[0], bh[1]);
+                        mma16816(s[8 + 2 * jp + 1], a1, bh[2], bh[3]);
+                        mma16816(s[2 * jp], a0, bl[0], bl[1]);
+                        mma16816(s[2 * jp + 1], a0, bl[2], bl[3]);
+                        mma16816(s[8 + 2 * jp], a1, bl[0], bl[1]);
+                        mma16816(s[8 + 2 * jp + 1], a1, bl[2], bl[3]);
+                    }
+                }
+            } else {
+#pragma unroll 1
+                for (int kk = 0; kk < CH / 16; ++kk) {
+                    u32 af[4];
+                    ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
+#pragma unroll
+                    for (int jp = 0; jp < NJ_ / 2; ++jp) {
+                        u32 bh[4], bl[4];
+                        ldsm4t(bh, bk_addr(Uh, VST_, 16 * kk, 16 * jp, lane));
+                        ldsm4t(bl, bk_addr(Ul, VST_, 16 * kk, 16 * jp, lane));
+                        mma16816(s[2 * jp], af, bh[0], bh[1]);
+                        mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
+                        mma16816(s[2 * jp], af, bl[0], bl[1]);
+                        mma16816(s[2 * jp + 1], af, bl[2], bl[3]);
+                    }
                 }
             }
         }
@@ -468,11 +541,11 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) return;
 #endif
     if (!wk.write_ht) return;
-    float* hp = ht + (((long long)wk.n * Hv + h) * DK + 16 * warp) * DK + v0;
+    float* hp = ht + ((long long)wk.n * Hv + h) * DK * DK + v0;
 #pragma unroll
     for (int j = 0; j < NJ_; ++j) {
-        *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
-        *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
+        *reinterpret_cast<float2*>(hp + srow(j) * DK + scol(j)) = make_float2(s[j][0], s[j][1]);
+        *reinterpret_cast<float2*>(hp + (srow(j) + 8) * DK + scol(j)) = make_float2(s[j][2], s[j][3]);
     }
 }
 
