@@ -2,8 +2,10 @@
 
     compute-sanitizer --tool memcheck python bench/sanitize_cases.py [--opt-in]
 
-Without --opt-in: the kernels the runtime launches by default. With it: also the opt-in prefill paths
-(the single fused kernel, variant "split_o").
+Without --opt-in: the kernels the runtime launches by default: the two-kernel prefill (with its
+sequence split) and variant "split_o", the default on cards with less shared memory per block (A100,
+RTX). With --opt-in: also the single fused prefill kernel. --only-split-o: the split_o kernels alone
+(to tell which kernel a hazard is in).
 """
 import sys
 from pathlib import Path
@@ -44,12 +46,19 @@ else:
     kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
     ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
-    opt_in = "--opt-in" in sys.argv
-    for fused, split in ((False, 32), (False, 128)) + (((True, None),) if opt_in else ()):
+    opt_in, only_split_o = "--opt-in" in sys.argv, "--only-split-o" in sys.argv
+    for fused, split in () if only_split_o else ((False, 32), (False, 128)) + (((True, None),) if opt_in else ()):
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
                                torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
-    for split in (16, 32) if opt_in else ():  # the opt-in split_o variant (gdn_prefill_split.cu)
+    if not only_split_o:  # the prep kernel with both value heads of a q/k head in one block
+        import qwen35_fast.kernels.gdn_prefill.launch as launch_mod
+        launch_mod.PREP_HPB = Hv // Hk
+        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
+                               torch.randn(2, Hv, D, D, device=dev),
+                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=32, fused=False)
+        launch_mod.PREP_HPB = None
+    for split in (16, 32):  # variant split_o (gdn_prefill_split.cu)
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
                                torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split,
