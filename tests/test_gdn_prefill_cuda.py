@@ -240,7 +240,7 @@ def test_sequence_split_is_taken_per_head(monkeypatch):
     assert torch.equal(o[..., 1, :], o_off[..., 1, :]) and torch.equal(o[..., 3, :], o_off[..., 3, :])
 
 
-@pytest.mark.parametrize("Hk,Hv", [(2, 4), (1, 3)])
+@pytest.mark.parametrize("Hk,Hv", [(2, 4), (1, 3), (1, 4)])
 def test_prep_value_heads_per_block(monkeypatch, Hk, Hv):
     """The prep kernel forms K K^T, Q K^T once for all value heads of a q/k head (hpb = Hv / Hk) or once
     per value head (hpb = 1): the same numbers either way, and right against the f64 recurrence."""

@@ -56,8 +56,9 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 #define PSM_T PSM_Q
 #define PSM_TB (PSM_Q + CH * KST * 2)
 #define PSM_X (PSM_TB + CH * BST * 2)    // 4 warps x 16x16 fp32 scratch for the inverse
-#define PSM_VEC (PSM_X + 4 * 16 * 20 * 4)
-#define PSM_TOTAL (PSM_VEC + 4 * CH * 4)  // 50 KB: 4 blocks per SM
+#define PSM_VEC (PSM_X + 4 * 16 * 20 * 4)  // rk, rq; then G, beta of each of up to PREP_MAX_HEADS heads
+#define PREP_MAX_HEADS 4
+#define PSM_TOTAL (PSM_VEC + (2 + 2 * PREP_MAX_HEADS) * CH * 4)  // 51 KB: 4 blocks per SM
 static_assert(CH * FST * 4 <= CH * KST * 2, "L / T rows must fit in the K / Q tiles they replace");
 
 // Index of the first (chunk, head) slot of sequence n in the prep buffers: n * chunks-per-sequence
@@ -70,8 +71,9 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 #include "gdn_chunk.cuh"
 
 // Grid: (Hv / hpb, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences. A
-// block takes hpb value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q and forms the raw
-// K K^T and Q K^T once, then per value head applies that head's gates and inverts (I + L). hpb = 1
+// block takes hpb <= PREP_MAX_HEADS value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q,
+// forms the raw K K^T and Q K^T once (warp j computes head j's gates meanwhile), then per value head
+// applies that head's gates and inverts (I + L). hpb = 1
 // gives the most blocks (short prompts: one wave, latency counts); hpb = Hv / Hk the least work.
 // Outputs per (slot, head): Tg, Pg [64][64] 16-bit (lower blocks; upper blocks zero), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
@@ -94,10 +96,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     float* Tf = reinterpret_cast<float*>(smem + PSM_T);
     elem* Tb = reinterpret_cast<elem*>(smem + PSM_TB);
     float* Xs = reinterpret_cast<float*>(smem + PSM_X);
-    float* Gc = reinterpret_cast<float*>(smem + PSM_VEC);
-    float* Bt = Gc + CH;
-    float* Rk = Bt + CH;
+    float* Rk = reinterpret_cast<float*>(smem + PSM_VEC);
     float* Rq = Rk + CH;
+    float* Gv = Rq + CH;  // [hpb][G (64), beta (64)]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hfirst = blockIdx.x * hpb, slot = blockIdx.y;
@@ -139,7 +140,10 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
     }
     cp_async_commit();
-    auto gates = [&](int h) {  // warp 0: gates of tokens 2 lane, 2 lane + 1 of head h, their in-chunk cumsum
+    if (warp < hpb) {  // warp j: gates of tokens 2 lane, 2 lane + 1 of head hfirst + j, their in-chunk cumsum
+        const int h = hfirst + warp;
+        float* Gc = Gv + warp * 2 * CH;
+        float* Bt = Gc + CH;
         const abt* ab = a + batch * a_sb + (bos + tok0) * a_st + h * a_sh;
         const abt* bb = b + batch * b_sb + (bos + tok0) * b_st + h * b_sh;
         const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
@@ -161,8 +165,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         }
         *reinterpret_cast<float2*>(Gc + 2 * lane) = make_float2(incl - gv[1], incl);
         *reinterpret_cast<float2*>(Bt + 2 * lane) = make_float2(bv[0], bv[1]);
-    };
-    if (warp == 0) gates(hfirst);  // while K, Q load
+    }
     cp_async_wait<0>();
     MARK(0);
     {  // l2-norm factor of row tid (K rows 0..63, then Q rows)
@@ -188,13 +191,10 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     tri_acc(Ks, Ks, warp, kacc, lane);
     tri_acc(Qs, Ks, warp, qacc, lane);
     MARK(2);  // K and Q are dead: L and T take their place
-    for (int j = 0; j < hpb; ++j) {
-        const int h = hfirst + j;
-        if (j) {  // the previous head's stores are done with Gc, Bt, Tb
-            __syncthreads();
-            if (warp == 0) gates(h);
-            __syncthreads();
-        }
+    for (int j = 0; j < hpb; ++j) {  // no barrier between heads: head j + 1 writes L (read by head j's
+        const int h = hfirst + j;     // inverse, before MARK(4)) and then, after MARK(3), T (read by head j's stores)
+        const float* Gc = Gv + j * 2 * CH;
+        const float* Bt = Gc + CH;
         const long long ob = ((long long)slot * Hv + h) * CH * CH;
         tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
         tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
@@ -213,9 +213,11 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
                 *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
             }
         }
-        if (tid < CH)
+        if (tid < CH) {  // [G, beta, rk, rq] of head h: 64 pieces of 16 B
+            const float* src = tid < CH / 2 ? Gc + 4 * tid : Rk + 4 * (tid - CH / 2);  // Gc, Bt and Rk, Rq adjoin
             *reinterpret_cast<float4*>(Fg + ((long long)slot * Hv + h) * 4 * CH + 4 * tid) =
-                *reinterpret_cast<const float4*>(Gc + 4 * tid);
+                *reinterpret_cast<const float4*>(src);
+        }
     }
 #ifdef PROFILE
     MARK(5);
@@ -343,6 +345,7 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     for (int c = wk.cw, i = 0; c < wk.cend; ++c, ++i) {
         const int buf = i % NST_;
         const bool out = c >= wk.cbeg;  // else a warm-up chunk: state only
+        const bool szero = c == wk.cw && !(wk.from_h0 && h0);  // S = 0 entering this chunk: K S = Q S = 0
         unsigned char* st = smem + buf * GW::STAGE;
         const elem* Kc = reinterpret_cast<const elem*>(st);
         const elem* Qc = reinterpret_cast<const elem*>(st + GW::SO_Q);
@@ -359,11 +362,13 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         cp_async_commit();
 
         // ---- phase 1: state -> 16-bit smem
+        if (!szero) {
 #pragma unroll
-        for (int j = 0; j < NJ_; ++j) {
-            const int r = srow(j), cc = scol(j);
-            *reinterpret_cast<u32*>(Sb + r * VST_ + cc) = pack2(s[j][0], s[j][1]);
-            *reinterpret_cast<u32*>(Sb + (r + 8) * VST_ + cc) = pack2(s[j][2], s[j][3]);
+            for (int j = 0; j < NJ_; ++j) {
+                const int r = srow(j), cc = scol(j);
+                *reinterpret_cast<u32*>(Sb + r * VST_ + cc) = pack2(s[j][0], s[j][1]);
+                *reinterpret_cast<u32*>(Sb + (r + 8) * VST_ + cc) = pack2(s[j][2], s[j][3]);
+            }
         }
         MARK(1);
 
@@ -371,8 +376,16 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         if constexpr (WIDE) {
             const int r0 = 16 * (warp & 3), c0 = 64 * (warp >> 2);
             float kacc[8][4];
-            if (out) rows_times_state<true, 64, VST_>(Kc, Qc, r0, Sb + c0, kacc, oacc, lane);
-            else rows_times_state<false, 64, VST_>(Kc, Kc, r0, Sb + c0, kacc, kacc, lane);
+            if (szero) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) kacc[j][e] = oacc[j][e] = 0.f;
+            } else if (out) {
+                rows_times_state<true, 64, VST_>(Kc, Qc, r0, Sb + c0, kacc, oacc, lane);
+            } else {
+                rows_times_state<false, 64, VST_>(Kc, Kc, r0, Sb + c0, kacc, kacc, lane);
+            }
             store_rhs<64, VST_>(kacc, r0, Vc + c0, Rs + c0, Gc, Bt, Rk, lane);
             if (out) {
                 const int ra0 = r0 + g, ra1 = ra0 + 8;
@@ -385,7 +398,12 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         // ---- phase 2, narrow: rows 16 (warp & 3) of K (warps 0-3: -> rhs) or Q (warps 4-7: -> o part) times S
         } else if (warp < 4 || out) {
             const int r0 = 16 * (warp & 3);
-            rows_times_state<false, W>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
+            if (szero) {
+#pragma unroll
+                for (int j = 0; j < NJ_; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.f;
+            } else {
+                rows_times_state<false, W>(warp < 4 ? Kc : Qc, Qc, r0, Sb, oacc, oacc, lane);
+            }
             if (warp < 4) {
                 store_rhs<W>(oacc, r0, Vc, Rs, Gc, Bt, Rk, lane);
             } else {

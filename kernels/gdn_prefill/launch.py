@@ -70,7 +70,8 @@ def choose_dv_split_split_o(n_heads_total: int, device: torch.device) -> int:
     return 32 if n_heads_total * (D // 32) >= 0.9 * 2 * _num_sms(device) else 16
 
 
-PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + 4 * 64 * 4  # PSM_TOTAL in gdn_prefill.cu
+PREP_MAX_HEADS = 4  # value heads one prep block can take (PREP_MAX_HEADS in gdn_prefill.cu)
+PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + (2 + 2 * PREP_MAX_HEADS) * 64 * 4  # PSM_TOTAL
 PREP_THREADS = 128
 PREP_BLOCKS_PER_SM = 4
 # Cycles of one prep block (H200, PROFILE marks): ~16k to load K, Q and form K K^T, Q K^T, ~9k more per
@@ -80,15 +81,15 @@ PREP_HPB: Optional[int] = None  # development only: force the value heads per pr
 
 
 def choose_prep_heads(Hk: int, Hv: int, slots: int, device: torch.device) -> int:
-    """Value heads per prep block (a divisor of Hv / Hk) with the fewest estimated cycles: waves of
-    blocks times one block's life. One head per block when that fits in one wave (short prompts)."""
+    """Value heads per prep block (a divisor of Hv / Hk, at most PREP_MAX_HEADS) with the fewest estimated
+    cycles: waves of blocks times one block's life. One head per block when that fits in one wave."""
     if PREP_HPB is not None:
         return PREP_HPB
     r, per_wave = Hv // Hk, PREP_BLOCKS_PER_SM * _num_sms(device)
 
     def cost(hpb):
         return -(-(Hv // hpb) * slots // per_wave) * (PREP_SHARED_CYCLES + hpb * PREP_HEAD_CYCLES)
-    return min((d for d in range(1, r + 1) if r % d == 0), key=lambda d: (cost(d), d))
+    return min((d for d in range(1, min(r, PREP_MAX_HEADS) + 1) if r % d == 0), key=lambda d: (cost(d), d))
 
 
 def _num_sms(device: torch.device) -> int:
