@@ -27,13 +27,27 @@ def _num_seqs(B, cu_seqlens):
     return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _register(name, fn, fake, mutates_args=()):
-    """Register `fn` as NS::name; if an earlier import of this pack already did, reuse that op."""
-    qualname = f"{NS}::{name}"
+def _existing_op(name):
+    """NS::name if an earlier import of this pack registered it, else None."""
     try:
-        op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
-    except RuntimeError:  # the pack was imported twice under two module names (pip and custom_nodes)
         return getattr(getattr(torch.ops, NS), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _register(name, fn, fake, mutates_args=()):
+    """Register `fn` as NS::name; if an earlier import of this pack already did, reuse that op.
+
+    The pack can be imported twice under two module names (pip and custom_nodes; or its `kernels/`
+    folder as a top-level `kernels` when the repository root is on sys.path and transformers probes
+    for the Hugging Face package of that name). A second registration attempt must not even start:
+    the failed attempt's library fragment, torn down, leaves the first op dangling (a segfault at its
+    next call), so look the op up first.
+    """
+    op = _existing_op(name)
+    if op is not None:
+        return op
+    op = torch.library.custom_op(f"{NS}::{name}", mutates_args=mutates_args)(fn)
     op.register_fake(fake)
     return op
 

@@ -26,3 +26,35 @@ def test_fp32_models_run_the_pytorch_path():
 def test_unknown_backend():
     with pytest.raises(ValueError, match="'triton' is not one of auto, cuda, torch"):
         kernels.select_backend("triton", "cpu")
+
+
+def test_a_second_import_of_the_pack_shares_its_ops():
+    """With the repository root on sys.path (pytest does that for a checkout whose folder name has a
+    dash), transformers' probe for the Hugging Face `kernels` package imports our kernels/ folder as a
+    top-level `kernels`: a second import of the pack. It must reuse the registered ops; registering them
+    again left the first ones dangling and their next call failed ("vector::reserve") or segfaulted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = f"""
+import gc, sys
+sys.path.insert(0, {str(root / "bench")!r})
+import _import  # the repository as qwen35_fast
+import torch
+import qwen35_fast.kernels.ops as first
+sys.path.insert(0, {str(root)!r})
+import transformers.activations  # probes for `kernels` and finds ours
+assert sys.modules["kernels"].__file__.startswith({str(root)!r})
+N, Hk, Hv, D = 1, 2, 4, 128
+args = lambda: (torch.randn(N, Hk, D), torch.randn(N, Hk, D), torch.randn(N, Hv, D), torch.randn(N, Hv),
+                torch.randn(N, Hv), torch.zeros(Hv), torch.zeros(Hv), torch.randn(N, Hv, D, D), False)
+gc.collect()
+for _ in range(3):
+    assert first.gdn_decode_step_op(*args()).shape == (N, Hv, D)
+    assert sys.modules["kernels.ops"].gdn_decode_step_op(*args()).shape == (N, Hv, D)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
