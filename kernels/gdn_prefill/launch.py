@@ -83,9 +83,12 @@ PREP_HPB: Optional[int] = None  # development only: force the value heads per pr
 def choose_prep_heads(Hk: int, Hv: int, slots: int, device: torch.device) -> int:
     """Value heads per prep block (a divisor of Hv / Hk, at most PREP_MAX_HEADS) with the fewest estimated
     cycles: waves of blocks times one block's life. One head per block when that fits in one wave."""
+    r = Hv // Hk
     if PREP_HPB is not None:
+        if r % PREP_HPB or PREP_HPB > PREP_MAX_HEADS:
+            raise ValueError(f"PREP_HPB={PREP_HPB} must divide Hv / Hk = {r} and be at most {PREP_MAX_HEADS}")
         return PREP_HPB
-    r, per_wave = Hv // Hk, PREP_BLOCKS_PER_SM * _num_sms(device)
+    per_wave = PREP_BLOCKS_PER_SM * _num_sms(device)
 
     def cost(hpb):
         return -(-(Hv // hpb) * slots // per_wave) * (PREP_SHARED_CYCLES + hpb * PREP_HEAD_CYCLES)
