@@ -1,6 +1,7 @@
 // Gated DeltaNet chunked prefill (NVRTC, sm_80+; tuned for sm_90): two kernels.
 //
-// gdn_chunk_prep: one 128-thread block per (chunk of 64 tokens, value head), all chunks at once.
+// gdn_chunk_prep: one 128-thread block per (chunk of 64 tokens, 1 to 4 value heads of one q/k head),
+//   all chunks at once.
 //   From raw q, k, a, b it computes the gates G (in-chunk cumsum of g), beta, the l2-norm factors
 //   rk, rq (q scale folded in), and the two 64x64 chunk matrices that do not depend on the state:
 //     L = tril(beta_i rk_i rk_j e^{G_i-G_j} K K^T, -1)     T = (I + L)^-1   (fp32/tf32, then 16-bit)
@@ -11,7 +12,9 @@
 //     rhs = beta (v - e^G rk (K S));  u = T rhs;  o = rq e^G (Q S) + P u
 //     S  <- e^{G_end} S + K^T (rk e^{G_end - G} u)
 //   The state columns are independent, so slicing Dv is an exact split that fills the machine when
-//   B * Hv is small. K, Q, V, T, P of the next chunks stream in with cp.async while one computes.
+//   B * Hv is small; for long sequences the blocks of a head rather split the sequence (segments with a
+//   gate-chosen warm-up, see below) and each walks all 128 columns. K, Q, V, T, P of the next chunks
+//   stream in with cp.async while one computes.
 // The chunk-local work is thus done once per (chunk, head) at full occupancy instead of on the
 // sequential path of every Dv slice (that fused variant was ~3x slower per chunk step).
 // rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
@@ -317,7 +320,7 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
 
-    // The state slice rows [16 warp, 16 warp + 16) x W columns, as mma accumulators.
+    // This warp's part of the state slice (srow, scol above), as mma accumulators.
     float s[NJ_][4];
     if (wk.from_h0 && h0) {
         const float* hp = h0 + ((long long)wk.n * Hv + h) * DK * DK + v0;
