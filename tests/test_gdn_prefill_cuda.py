@@ -254,3 +254,15 @@ def test_prep_value_heads_per_block(monkeypatch, Hk, Hv):
         run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv))
         outs.append(_launcher()(*inputs, cu))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dv_split", [32, 64])
+def test_sequence_split_at_each_column_split(dv_split):
+    """4 segments (DVS 32) or 2 (DVS 64) per head; one head split (3 chunks of warm-up), one weak-decay
+    head on the column split; against f64 and against the call without the split."""
+    T, B, per_chunk = 1500, 2, (-8.0, -0.01)
+    q, k, v, _, b, _, _, h0 = make_inputs(B, T, 1, 2, torch.bfloat16, "model", B, seed=dv_split)
+    a, A_log, dt_bias = chunk_decay_gates(B, T, per_chunk, seed=dv_split)
+    key = ("split-dvs", dv_split)
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, ref_key=key)
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, segments=False, ref_key=key)
