@@ -12,7 +12,6 @@ the error of a few configurations against the float64 recurrence.
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
