@@ -259,7 +259,7 @@ def test_prep_value_heads_per_block(monkeypatch, Hk, Hv):
 @pytest.mark.parametrize("dv_split", [32, 64])
 def test_sequence_split_at_each_column_split(dv_split):
     """4 segments (DVS 32) or 2 (DVS 64) per head; one head split (3 chunks of warm-up), one weak-decay
-    head on the column split; against f64 and against the call without the split."""
+    head on the column split; with and without the split, each against f64."""
     T, B, per_chunk = 1500, 2, (-8.0, -0.01)
     q, k, v, _, b, _, _, h0 = make_inputs(B, T, 1, 2, torch.bfloat16, "model", B, seed=dv_split)
     a, A_log, dt_bias = chunk_decay_gates(B, T, per_chunk, seed=dv_split)
