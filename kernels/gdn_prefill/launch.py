@@ -123,9 +123,8 @@ def _prep_slots(B: int, T: int, N: int, cu_seqlens) -> int:
     return slots
 
 
-def _fits(need: int, dev: torch.device, what: str) -> None:
+def _fits(need: int, have: int, what: str) -> None:
     """Raise a clear error when a forced kernel configuration needs more shared memory than the card has."""
-    have = max_shared_memory(dev)
     if need > have:
         raise ValueError(f"gdn prefill: {what} needs {need} bytes of shared memory per block, this GPU allows "
                          f"{have}; leave dv_split / fused unset and the launcher picks a path that fits")
@@ -197,12 +196,12 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if N == 0:
         return o, ht
     take_fused = use_fused(T) if fused is None else fused
-    if (variant is None and fused is None and dv_split is None
-            and smem_bytes(choose_dv_split(N * Hv, dev)) > max_shared_memory(dev)):
+    limit, auto_dvs = max_shared_memory(dev), choose_dv_split(N * Hv, dev)
+    if variant is None and fused is None and dv_split is None and smem_bytes(auto_dvs) > limit:
         variant = "split_o"  # the card's blocks are too small for the sequential kernel
     if variant == "split_o":
         return _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv_split, B, T, Hk, Hv, N)
-    dvs = dv_split or choose_dv_split(N * Hv, dev)
+    dvs = dv_split or auto_dvs
     defines = {"DVS": dvs, "IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
@@ -211,7 +210,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     vs = tuple(i64(x) for x in v.stride()[:3])
     abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
     if take_fused:
-        _fits(smem_bytes_fused(dvs), dev, f"the fused kernel at dv_split {dvs}")
+        _fits(smem_bytes_fused(dvs), limit, f"the fused kernel at dv_split {dvs}")
         fn = get_function(SRC_FUSED, KERNEL, dev, defines)
         launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
                (q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht,
@@ -226,8 +225,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     Fg = torch.empty(slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     if slots:
         _prep(q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, T, Hk, Hv, N, slots, qs, ks, abs_, defines)
-    _fits(smem_bytes(dvs), dev, f"the sequential kernel at dv_split {dvs}")
-    seg = segments is not False and dvs < D and smem_bytes(D) <= max_shared_memory(dev)
+    _fits(smem_bytes(dvs), limit, f"the sequential kernel at dv_split {dvs}")
+    seg = segments is not False and dvs < D and smem_bytes(D) <= limit
     fn = get_function(SRC, KERNEL, dev, defines)
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
@@ -269,7 +268,7 @@ def _split_o(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, o, ht, dv
     dvs = dv_split or choose_dv_split_split_o(N * Hv, dev)
     if dvs not in (16, 32, 64, 128):
         raise ValueError(f"dv_split must be 16, 32, 64 or 128, got {dvs}")
-    _fits(smem_bytes_split(dvs), dev, f"variant split_o at dv_split {dvs}")
+    _fits(smem_bytes_split(dvs), max_shared_memory(dev), f"variant split_o at dv_split {dvs}")
     if _GATE[b.dtype] != _GATE[a.dtype]:
         b = b.to(a.dtype)
     base = {"IN_T": _ELEM[v.dtype], "AB_T": _GATE[a.dtype], **EXTRA_DEFINES}
