@@ -1,14 +1,17 @@
 """Development timing of our fused GDN prefill kernel (Qwen3.5-9B shapes) on one GPU.
 
     python3 bench/gdn_prefill_dev.py [--check] [--splits 16,32,64,128] [--paths auto,fused,split,noseg,split_o,split_o_auto]
-                                     [--graph] [--sizes 1x64,8x1024] [--prep-heads 1,2] [--json PATH]
+                                     [--graph] [--sizes 1x64,8x1024] [--prep-heads 1,2]
+                                     [--define-sets ';NO_WGMMA=1'] [--json PATH]
 
 Times every (B, L) of the anchor table for each Dv split and path (auto choice, one fused kernel, or
 prep + sequential kernels (noseg: without the sequence split); split_o: the opt-in variant of gdn_prefill_split.cu at each split,
 split_o_auto: that variant with its own split choice), with initial and final state, bf16, l2-norm in kernel; inputs rotate
 between sets so no call reads a warm L2. --graph times CUDA-graph replays (no Python launch cost,
 as in a captured model); without it, eager calls as do_bench sees them. With --check, first prints
-the error of a few configurations against the float64 recurrence.
+the error of a few configurations against the float64 recurrence. --define-sets times each path once per
+set of extra -D flags for the kernels (sets split by ';', flags by ','; an empty set is the default
+build), e.g. ';NO_WGMMA=1' compares the wgmma walk with the mma.sync one.
 """
 import argparse
 import json
@@ -119,19 +122,29 @@ if __name__ == "__main__":
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--sizes", help="BxL,... (default: the anchor sizes), e.g. 1x64,1x512,8x1024")
     ap.add_argument("--prep-heads", help="value heads per prep block to try, e.g. 1,2 (default: the launcher's choice)")
+    ap.add_argument("--define-sets", default="")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
-    if args.check:
+    if args.check and not args.define_sets:
         check()
     sizes = [tuple(int(v) for v in bl.split("x")) for bl in args.sizes.split(",")] if args.sizes else None
     import qwen35_fast.kernels.gdn_prefill.launch as launch_mod
     rows = []
-    for hpb in (args.prep_heads.split(",") if args.prep_heads else [None]):
-        launch_mod.PREP_HPB = None if hpb is None else int(hpb)
-        if hpb is not None:
-            print(f"prep kernel: {hpb} value head(s) per block")
-        for r in bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph, sizes):
-            rows.append({**r, "prep_heads": launch_mod.PREP_HPB})
+    for dset in args.define_sets.split(";"):
+        defs = dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in dset.split(",") if kv)
+        launch_mod.EXTRA_DEFINES.clear()
+        launch_mod.EXTRA_DEFINES.update(defs)
+        if args.define_sets:
+            print(f"extra defines: {defs or 'none'}")
+            if args.check:
+                check()
+        for hpb in (args.prep_heads.split(",") if args.prep_heads else [None]):
+            launch_mod.PREP_HPB = None if hpb is None else int(hpb)
+            if hpb is not None:
+                print(f"prep kernel: {hpb} value head(s) per block")
+            for r in bench([int(s) for s in args.splits.split(",")], args.paths.split(","), args.graph, sizes):
+                rows.append({**r, "prep_heads": launch_mod.PREP_HPB, "defines": defs})
+    launch_mod.EXTRA_DEFINES.clear()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

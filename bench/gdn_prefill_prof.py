@@ -2,7 +2,9 @@
 (clock64 between barriers, -DPROFILE),
 and timings of compile-time variants. Development only.
 
-    python3 bench/gdn_prefill_prof.py [--ncu]   (--ncu: one plain launch, for ncu to profile)
+    python3 bench/gdn_prefill_prof.py [--ncu] [--splits 32,64,128]   (--ncu: one plain launch, for ncu to profile)
+
+Split 128 walks with the wgmma walk on sm_90a (NO_WGMMA=1 in the variants for the mma.sync one).
 """
 import sys
 from pathlib import Path
@@ -27,7 +29,10 @@ def main():
         return
     import triton.testing
     nch = Lq // 64
-    for split in (32, 64, 128):
+    splits = (32, 64, 128)
+    if "--splits" in sys.argv:
+        splits = tuple(int(v) for v in sys.argv[sys.argv.index("--splits") + 1].split(","))
+    for split in splits:
         L.EXTRA_DEFINES.clear()
         L.EXTRA_DEFINES["PROFILE"] = 1
         _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split, fused=False, segments=False)  # PROFILE marks of gdn_prefill.cu

@@ -266,3 +266,34 @@ def test_sequence_split_at_each_column_split(dv_split):
     key = ("split-dvs", dv_split)
     run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, ref_key=key)
     run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, segments=False, ref_key=key)
+
+
+def _hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="wgmma needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ks,n,c0,trans_a", [(1, 128, 0, 0), (4, 128, 0, 0), (2, 64, 0, 0), (4, 64, 64, 0),
+                                             (4, 128, 0, 1), (3, 64, 64, 1)])
+def test_wgmma_tiles(ks, n, c0, trans_a, dtype):
+    """wgmma.cuh against torch: the A fragments (plain and transposed ldmatrix), the canonical B layout,
+    its descriptors and the accumulator layout the prefill walk relies on."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from qwen35_fast.kernels import cuda_build
+    from qwen35_fast.kernels.gdn_prefill import launch as L
+    src = Path(L.__file__).parent / "wgmma_check.cu"
+    fn = cuda_build.get_function(src, "wgmma_check", "cuda", {"IN_T": L._ELEM[dtype]})
+    K = 16 * ks
+    A = torch.randn(64, K, device="cuda").to(dtype)
+    B = torch.randn(K, 128, device="cuda").to(dtype)
+    D = torch.full((64, n), float("nan"), device="cuda")
+    a_in = A.t().contiguous() if trans_a else A
+    cuda_build.launch(fn, (1, 1, 1), (128, 1, 1), (a_in, B, D, ks, n, c0, trans_a,
+                                                    np.int32(2048), np.int32(128)))
+    torch.cuda.synchronize()
+    ref = A.float() @ B.float()[:, c0:c0 + n]
+    assert rel(D, ref) < 1e-5, rel(D, ref)

@@ -570,6 +570,263 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     }
 }
 
+// ---------------------------------------------------------------- the 128-column walk on wgmma (sm_90a)
+// Same arithmetic and roundings as walk_chunks<128>; the products run as warpgroup mma with B from
+// shared memory. Warpgroup 0 (warps 0-3) and 1 (warps 4-7) hold state rows [64 wg, +64) x 128 columns.
+// Per chunk: S -> 16-bit (canonical layout); group 0 forms K S and the rhs, group 1 Q S; u = T rhs
+// (group wg: columns [64 wg, +64)); group 1 adds P u to o; both add K^T (scaled u) to their state rows.
+// V, rhs, the 16-bit state, u and the scaled u sit in the canonical layout (wgmma.cuh); K, Q, T, P keep
+// the padded layout and reach the tensor cores through ldmatrix as A fragments.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(NO_WGMMA)
+#define GDN_WGMMA 1
+#include "wgmma.cuh"
+
+struct GeoWG {
+    static constexpr int NST = 2;
+    static constexpr int SO_Q = CH * KST * 2, SO_V = 2 * CH * KST * 2;
+    static constexpr int SO_T = SO_V + CH * DK * 2, SO_P = SO_T + CH * BST * 2, SO_F = SO_P + CH * BST * 2;
+    static constexpr int STAGE = SO_F + 4 * CH * 4;
+    static constexpr int S = NST * STAGE, RHS = S + DK * DK * 2, UH = RHS + CH * DK * 2, UL = UH + CH * DK * 2;
+    static constexpr int TOTAL = UL + CH * DK * 2;
+};
+static_assert(GeoWG::TOTAL <= Geo<128>::TOTAL, "the launcher sizes shared memory by Geo<128>");
+static_assert(GeoWG::SO_V % 16 == 0 && GeoWG::STAGE % 16 == 0 && GeoWG::S % 16 == 0, "descriptors need 16 B");
+
+__device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& wk,
+                                               const elem* __restrict__ Tg, const elem* __restrict__ Pg,
+                                               const float* __restrict__ Fg, const float* __restrict__ h0,
+                                               float* __restrict__ ht)
+{
+    typedef GeoWG GW;
+    elem* Sb = reinterpret_cast<elem*>(smem + GW::S);
+    elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
+    elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
+    elem* Uh = reinterpret_cast<elem*>(smem + GW::UH);  // rk e^{G_end-G} u (hi)
+    elem* Ul = reinterpret_cast<elem*>(smem + GW::UL);  // (lo)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // warpgroup index and chunk range through a shuffle: provably warp-uniform for the compiler, which
+    // otherwise serializes the wgmma in branches on them
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int g = lane >> 2, t = lane & 3, wq = warp & 3;
+    const int cw = __shfl_sync(0xffffffffu, wk.cw, 0), cbeg = __shfl_sync(0xffffffffu, wk.cbeg, 0);
+    const int cend = __shfl_sync(0xffffffffu, wk.cend, 0);
+    const int h = wk.h, Hv = wk.Hv, len = wk.len;
+    const int srow = 64 * wg + 16 * wq + g;  // state rows srow, srow + 8 (columns 8 j + 2 t, +1)
+
+    auto load_chunk = [&](int c, int buf) {  // K, Q rows, V (canonical layout; zero past the end), T, P, vectors
+        unsigned char* st = smem + buf * GW::STAGE;
+        elem* Kd = reinterpret_cast<elem*>(st);
+        elem* Qd = reinterpret_cast<elem*>(st + GW::SO_Q);
+        elem* Vd = reinterpret_cast<elem*>(st + GW::SO_V);
+        elem* Td = reinterpret_cast<elem*>(st + GW::SO_T);
+        elem* Pd = reinterpret_cast<elem*>(st + GW::SO_P);
+        float* Fd = reinterpret_cast<float*>(st + GW::SO_F);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
+            const int tok = c * CH + row;
+            const bool ok = tok < len;
+            const long long tt = ok ? tok : 0;
+            cp_async16(Kd + row * KST + col, wk.kb + tt * wk.k_st + col, ok);
+            cp_async16(Qd + row * KST + col, wk.qb + tt * wk.q_st + col, ok);
+            cp_async16(Vd + cb_off(row, col), wk.vb + tt * wk.v_st + col, ok);
+        }
+        const long long sb = ((long long)(wk.slot0 + c) * Hv + h) * CH * CH;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
+            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, true);
+        }
+        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
+    };
+
+    float s[64];  // this thread's state entries (accumulator layout of wgmma.cuh)
+    if (wk.from_h0 && h0) {
+        const float* hp = h0 + ((long long)wk.n * Hv + h) * DK * DK;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float2 x0 = *reinterpret_cast<const float2*>(hp + srow * DK + 8 * j + 2 * t);
+            const float2 x1 = *reinterpret_cast<const float2*>(hp + (srow + 8) * DK + 8 * j + 2 * t);
+            s[4 * j] = x0.x; s[4 * j + 1] = x0.y; s[4 * j + 2] = x1.x; s[4 * j + 3] = x1.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) s[i] = 0.f;
+    }
+
+    if (cw < cend) load_chunk(cw, 0);
+    cp_async_commit();
+    float acc[64];  // group 0: K S; group 1: Q S, then o
+#ifdef PROFILE
+    long long prof[5] = {}, tprev = clock64();
+#endif
+
+    for (int c = cw, i = 0; c < cend; ++c, ++i) {
+        const int buf = i & 1;
+        const bool out = c >= cbeg;  // else a warm-up chunk: state only
+        const bool szero = c == cw && !(wk.from_h0 && h0);  // S = 0 entering this chunk: K S = Q S = 0
+        unsigned char* st = smem + buf * GW::STAGE;
+        const elem* Kc = reinterpret_cast<const elem*>(st);
+        const elem* Qc = reinterpret_cast<const elem*>(st + GW::SO_Q);
+        elem* Vc = reinterpret_cast<elem*>(st + GW::SO_V);  // v, then the high half of rhs
+        const elem* Tb = reinterpret_cast<const elem*>(st + GW::SO_T);
+        const elem* Pb = reinterpret_cast<const elem*>(st + GW::SO_P);
+        const float* Gc = reinterpret_cast<const float*>(st + GW::SO_F);
+        const float* Bt = Gc + CH;
+        const float* Rk = Bt + CH;
+        const float* Rq = Rk + CH;
+        cp_async_wait<0>();
+        MARK(0);
+        if (c + 1 < cend) load_chunk(c + 1, buf ^ 1);
+        cp_async_commit();
+
+        // ---- phase 1: state -> 16-bit smem
+        if (!szero) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                *reinterpret_cast<u32*>(Sb + cb_off(srow, 8 * j + 2 * t)) = pack2(s[4 * j], s[4 * j + 1]);
+                *reinterpret_cast<u32*>(Sb + cb_off(srow + 8, 8 * j + 2 * t)) = pack2(s[4 * j + 2], s[4 * j + 3]);
+            }
+            fence_proxy_async();
+        }
+        MARK(1);
+
+        // ---- phase 2: group 0: K S -> rhs (hi over v, lo in Rs); group 1: Q S -> o part
+        const int ra0 = 16 * wq + g, ra1 = ra0 + 8;  // this thread's chunk rows in the 64-row products
+        if (wg == 0 || out) {
+            if (szero) {
+#pragma unroll
+                for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+            } else {
+                const elem* X = wg == 0 ? Kc : Qc;
+                u32 af[8][4];
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) ldsm4(af[kk], a_addr(X, KST, 16 * wq, 16 * kk, lane));
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) wg_m64n128(acc, af[kk], wg_desc(Sb + cb_off(16 * kk, 0)), kk);
+                wg_commit();
+                wg_wait<0>();
+                wg_pin(acc);
+            }
+            if (wg == 0) {
+                const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+                const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const int o0 = cb_off(ra0, 8 * j + 2 * t), o1 = cb_off(ra1, 8 * j + 2 * t);
+                    const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + o0));
+                    const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + o1));
+                    store_split(Vc + o0, Rs + o0, b0 * (x0.x - f0 * acc[4 * j]), b0 * (x0.y - f0 * acc[4 * j + 1]));
+                    store_split(Vc + o1, Rs + o1, b1 * (x1.x - f1 * acc[4 * j + 2]), b1 * (x1.y - f1 * acc[4 * j + 3]));
+                }
+                fence_proxy_async();
+            } else {
+                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] *= f0; acc[4 * j + 1] *= f0; acc[4 * j + 2] *= f1; acc[4 * j + 3] *= f1;
+                }
+            }
+        }
+        MARK(2);
+
+        // ---- phase 3: u = T rhs, columns [64 wg, +64) (hi and lo halves of rhs)
+        {
+            u32 af[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) ldsm4(af[kk], a_addr(Tb, BST, 16 * wq, 16 * kk, lane));
+            float ua[32];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                wg_m64n64(ua, af[kk], wg_desc(Vc + cb_off(16 * kk, 64 * wg)), kk);
+                wg_m64n64(ua, af[kk], wg_desc(Rs + cb_off(16 * kk, 64 * wg)), 1);
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(ua);
+            const float gend = Gc[CH - 1];
+            const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int o0 = cb_off(ra0, 64 * wg + 8 * j + 2 * t), o1 = cb_off(ra1, 64 * wg + 8 * j + 2 * t);
+                *reinterpret_cast<u32*>(Ub + o0) = pack2(ua[4 * j], ua[4 * j + 1]);
+                *reinterpret_cast<u32*>(Ub + o1) = pack2(ua[4 * j + 2], ua[4 * j + 3]);
+                store_split(Uh + o0, Ul + o0, f0 * ua[4 * j], f0 * ua[4 * j + 1]);
+                store_split(Uh + o1, Ul + o1, f1 * ua[4 * j + 2], f1 * ua[4 * j + 3]);
+            }
+            fence_proxy_async();
+        }
+        MARK(3);
+
+        // ---- phase 4: group 1: o += P u; both: S <- e^{G_end} S + K^T (scaled u), rows [64 wg, +64)
+        {
+            const bool with_o = wg == 1 && out;
+            u32 pf[4][4], kf[4][4];
+            if (with_o) {
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], a_addr(Pb, BST, 16 * wq, 16 * kk, lane));
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) ldsm4t(kf[kk], at_addr(Kc, KST, 64 * wg + 16 * wq, 16 * kk, lane));
+            const float decay = __expf(Gc[CH - 1]);
+#pragma unroll
+            for (int e = 0; e < 64; ++e) s[e] *= decay;
+            wg_pin(s);  // the scaling and o's accumulators settle before the fence, not inside the wgmma window
+            if (with_o) wg_pin(acc);
+            wg_fence();
+            if (with_o) {  // its own group, waited for before the state update is issued (reading o's
+#pragma unroll         // accumulators while a later group runs would make ptxas serialize every wgmma)
+                for (int kk = 0; kk < 4; ++kk) wg_m64n128(acc, pf[kk], wg_desc(Ub + cb_off(16 * kk, 0)), 1);
+                wg_commit();
+                wg_wait<0>();
+                wg_pin(acc);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                wg_m64n128(s, kf[kk], wg_desc(Uh + cb_off(16 * kk, 0)), 1);
+                wg_m64n128(s, kf[kk], wg_desc(Ul + cb_off(16 * kk, 0)), 1);
+            }
+            wg_commit();
+            if (with_o) {  // o stores while the state update runs
+                const int tok0 = c * CH + ra0, tok1 = tok0 + 8;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const int cc = 8 * j + 2 * t;
+                    if (tok0 < len)
+                        *reinterpret_cast<u32*>(wk.ob + (long long)tok0 * Hv * DK + cc) = pack2(acc[4 * j], acc[4 * j + 1]);
+                    if (tok1 < len)
+                        *reinterpret_cast<u32*>(wk.ob + (long long)tok1 * Hv * DK + cc) = pack2(acc[4 * j + 2], acc[4 * j + 3]);
+                }
+            }
+            wg_wait<0>();
+            wg_pin(s);
+        }
+#ifdef PROFILE
+        MARK(4);
+#endif
+    }
+    cp_async_wait<0>();
+
+#ifdef PROFILE
+    if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        for (int i = 0; i < 5; ++i) ht[i] = (float)prof[i];
+    }
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) return;
+#endif
+    if (!wk.write_ht) return;
+    float* hp = ht + ((long long)wk.n * Hv + h) * DK * DK;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<float2*>(hp + srow * DK + 8 * j + 2 * t) = make_float2(s[4 * j], s[4 * j + 1]);
+        *reinterpret_cast<float2*>(hp + (srow + 8) * DK + 8 * j + 2 * t) = make_float2(s[4 * j + 2], s[4 * j + 3]);
+    }
+}
+#endif
+
 // Sequence split (seg != 0, DVS < 128): when a sequence has at least SEG_MIN_CHUNKS chunks, the
 // 128 / DVS blocks of a head take one segment of its chunks each with all 128 state columns, instead
 // of one column slice each over all chunks (DVS 128 does ~1.6x the work per cycle of DVS 32). A
@@ -670,10 +927,18 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             wk.v0 = 0;
             wk.from_h0 = wk.cw == 0;
             wk.write_ht = wk.cend == nchunks;
+#ifdef GDN_WGMMA
+            walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht);
+#else
             walk_chunks<DK>(smem, wk, Tg, Pg, Fg, h0, ht);
+#endif
             return;
         }
     }
 #endif
+#if defined(GDN_WGMMA) && DVS == 128
+    walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht);
+#else
     walk_chunks<DVS>(smem, wk, Tg, Pg, Fg, h0, ht);
+#endif
 }
