@@ -613,6 +613,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
     const int cend = __shfl_sync(0xffffffffu, wk.cend, 0);
     const int h = wk.h, Hv = wk.Hv, len = wk.len;
     const int srow = 64 * wg + 16 * wq + g;  // state rows srow, srow + 8 (columns 8 j + 2 t, +1)
+    const int c0 = 64 * wg;                  // this group's column half in K S, Q S, u, o
 
     auto load_chunk = [&](int c, int buf) {  // K, Q rows, V (canonical layout; zero past the end), T, P, vectors
         unsigned char* st = smem + buf * GW::STAGE;
@@ -630,7 +631,11 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
             const long long tt = ok ? tok : 0;
             cp_async16(Kd + row * KST + col, wk.kb + tt * wk.k_st + col, ok);
             cp_async16(Qd + row * KST + col, wk.qb + tt * wk.q_st + col, ok);
-            cp_async16(Vd + cb_off(row, col), wk.vb + tt * wk.v_st + col, ok);
+            // V: a warp fills 4 whole core matrices (8 rows x 4 pieces, 512 contiguous bytes): no bank conflicts
+            const int vrow = 8 * (idx >> 7) + (idx & 7), vcol = 32 * ((idx >> 5) & 3) + 8 * ((idx >> 3) & 3);
+            const int vtok = c * CH + vrow;
+            const bool vok = vtok < len;
+            cp_async16(Vd + cb_off(vrow, vcol), wk.vb + (vok ? vtok : 0) * wk.v_st + vcol, vok);
         }
         const long long sb = ((long long)(wk.slot0 + c) * Hv + h) * CH * CH;
 #pragma unroll
@@ -658,15 +663,15 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
 
     if (cw < cend) load_chunk(cw, 0);
     cp_async_commit();
-    float acc[64];  // group 0: K S; group 1: Q S, then o
 #ifdef PROFILE
     long long prof[5] = {}, tprev = clock64();
 #endif
 
+    // The wgmma sequences below are branch-free (Q S and P u also run in warm-up chunks, whose o is not
+    // stored; a zero state is written as zeros): ptxas then tracks the groups and keeps them asynchronous.
     for (int c = cw, i = 0; c < cend; ++c, ++i) {
         const int buf = i & 1;
         const bool out = c >= cbeg;  // else a warm-up chunk: state only
-        const bool szero = c == cw && !(wk.from_h0 && h0);  // S = 0 entering this chunk: K S = Q S = 0
         unsigned char* st = smem + buf * GW::STAGE;
         const elem* Kc = reinterpret_cast<const elem*>(st);
         const elem* Qc = reinterpret_cast<const elem*>(st + GW::SO_Q);
@@ -682,58 +687,74 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         if (c + 1 < cend) load_chunk(c + 1, buf ^ 1);
         cp_async_commit();
 
-        // ---- phase 1: state -> 16-bit smem
-        if (!szero) {
+        // ---- phase 1: state -> 16-bit smem (rows srow, srow + 8 of 16 tiles: 8 stmatrix.x4)
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                *reinterpret_cast<u32*>(Sb + cb_off(srow, 8 * j + 2 * t)) = pack2(s[4 * j], s[4 * j + 1]);
-                *reinterpret_cast<u32*>(Sb + cb_off(srow + 8, 8 * j + 2 * t)) = pack2(s[4 * j + 2], s[4 * j + 3]);
+        for (int j = 0; j < 16; j += 2)
+            stsm4(const_cast<elem*>(cb_mat(Sb, 64 * wg + 16 * wq, 8 * j, lane)),
+                  pack2(s[4 * j], s[4 * j + 1]), pack2(s[4 * j + 2], s[4 * j + 3]),
+                  pack2(s[4 * j + 4], s[4 * j + 5]), pack2(s[4 * j + 6], s[4 * j + 7]));
+        fence_proxy_async();
+        MARK(1);
+
+        // ---- phase 2: K S and Q S, columns [c0, +64); rhs = beta (v - e^G rk K S) as hi (over v) + lo (Rs)
+        const int ra0 = 16 * wq + g, ra1 = ra0 + 8;  // this thread's chunk rows in the 64-row products
+        float kacc[32], oacc[32];
+        {
+            u32 kf[8][4], qf[8][4];
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) ldsm4(kf[kk], a_addr(Kc, KST, 16 * wq, 16 * kk, lane));
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) ldsm4(qf[kk], a_addr(Qc, KST, 16 * wq, 16 * kk, lane));
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) wg_m64n64(kacc, kf[kk], wg_desc(Sb + cb_off(16 * kk, c0)), kk);
+            wg_commit();
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) wg_m64n64(oacc, qf[kk], wg_desc(Sb + cb_off(16 * kk, c0)), kk);
+            wg_commit();
+            wg_wait<1>();  // K S done; Q S may still run
+            wg_pin(kacc);
+        }
+        {
+            const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
+            const float b0 = Bt[ra0], b1 = Bt[ra1];
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                elem* vp = const_cast<elem*>(cb_mat(Vc, 16 * wq, c0 + 8 * j, lane));
+                elem* lp = const_cast<elem*>(cb_mat(Rs, 16 * wq, c0 + 8 * j, lane));
+                u32 vr[4], hi[4], lo[4];
+                ldsm4(vr, vp);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // register q: tile j + (q >> 1), row g + 8 (q & 1)
+                    const float f = (q & 1) ? f1 : f0, bb = (q & 1) ? b1 : b0;
+                    const float* kp = kacc + 4 * (j + (q >> 1)) + 2 * (q & 1);
+                    const float2 x = unpack2(vr[q]);
+                    const float y0 = bb * (x.x - f * kp[0]), y1 = bb * (x.y - f * kp[1]);
+                    hi[q] = pack2(y0, y1);
+                    const float2 hf = unpack2(hi[q]);
+                    lo[q] = pack2(y0 - hf.x, y1 - hf.y);
+                }
+                stsm4(vp, hi[0], hi[1], hi[2], hi[3]);
+                stsm4(lp, lo[0], lo[1], lo[2], lo[3]);
             }
             fence_proxy_async();
         }
-        MARK(1);
-
-        // ---- phase 2: group 0: K S -> rhs (hi over v, lo in Rs); group 1: Q S -> o part
-        const int ra0 = 16 * wq + g, ra1 = ra0 + 8;  // this thread's chunk rows in the 64-row products
-        if (wg == 0 || out) {
-            if (szero) {
+        wg_wait<0>();
+        wg_pin(oacc);
+        {
+            const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
 #pragma unroll
-                for (int e = 0; e < 64; ++e) acc[e] = 0.f;
-            } else {
-                const elem* X = wg == 0 ? Kc : Qc;
-                u32 af[8][4];
-#pragma unroll
-                for (int kk = 0; kk < 8; ++kk) ldsm4(af[kk], a_addr(X, KST, 16 * wq, 16 * kk, lane));
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < 8; ++kk) wg_m64n128(acc, af[kk], wg_desc(Sb + cb_off(16 * kk, 0)), kk);
-                wg_commit();
-                wg_wait<0>();
-                wg_pin(acc);
-            }
-            if (wg == 0) {
-                const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
-                const float b0 = Bt[ra0], b1 = Bt[ra1];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const int o0 = cb_off(ra0, 8 * j + 2 * t), o1 = cb_off(ra1, 8 * j + 2 * t);
-                    const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + o0));
-                    const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + o1));
-                    store_split(Vc + o0, Rs + o0, b0 * (x0.x - f0 * acc[4 * j]), b0 * (x0.y - f0 * acc[4 * j + 1]));
-                    store_split(Vc + o1, Rs + o1, b1 * (x1.x - f1 * acc[4 * j + 2]), b1 * (x1.y - f1 * acc[4 * j + 3]));
-                }
-                fence_proxy_async();
-            } else {
-                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    acc[4 * j] *= f0; acc[4 * j + 1] *= f0; acc[4 * j + 2] *= f1; acc[4 * j + 3] *= f1;
-                }
+            for (int j = 0; j < 8; ++j) {
+                oacc[4 * j] *= f0; oacc[4 * j + 1] *= f0; oacc[4 * j + 2] *= f1; oacc[4 * j + 3] *= f1;
             }
         }
+#ifdef PROFILE
         MARK(2);
+#else
+        group_sync(1 + wg);  // phase 3 reads only this group's columns of rhs
+#endif
 
-        // ---- phase 3: u = T rhs, columns [64 wg, +64) (hi and lo halves of rhs)
+        // ---- phase 3: u = T rhs, columns [c0, +64) (hi and lo halves of rhs)
         {
             u32 af[4][4];
 #pragma unroll
@@ -742,8 +763,8 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                wg_m64n64(ua, af[kk], wg_desc(Vc + cb_off(16 * kk, 64 * wg)), kk);
-                wg_m64n64(ua, af[kk], wg_desc(Rs + cb_off(16 * kk, 64 * wg)), 1);
+                wg_m64n64(ua, af[kk], wg_desc(Vc + cb_off(16 * kk, c0)), kk);
+                wg_m64n64(ua, af[kk], wg_desc(Rs + cb_off(16 * kk, c0)), 1);
             }
             wg_commit();
             wg_wait<0>();
@@ -751,55 +772,58 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
             const float gend = Gc[CH - 1];
             const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int o0 = cb_off(ra0, 64 * wg + 8 * j + 2 * t), o1 = cb_off(ra1, 64 * wg + 8 * j + 2 * t);
-                *reinterpret_cast<u32*>(Ub + o0) = pack2(ua[4 * j], ua[4 * j + 1]);
-                *reinterpret_cast<u32*>(Ub + o1) = pack2(ua[4 * j + 2], ua[4 * j + 3]);
-                store_split(Uh + o0, Ul + o0, f0 * ua[4 * j], f0 * ua[4 * j + 1]);
-                store_split(Uh + o1, Ul + o1, f1 * ua[4 * j + 2], f1 * ua[4 * j + 3]);
+            for (int j = 0; j < 8; j += 2) {
+                u32 ur[4], hi[4], lo[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float f = (q & 1) ? f1 : f0;
+                    const float* up = ua + 4 * (j + (q >> 1)) + 2 * (q & 1);
+                    ur[q] = pack2(up[0], up[1]);
+                    hi[q] = pack2(f * up[0], f * up[1]);
+                    const float2 hf = unpack2(hi[q]);
+                    lo[q] = pack2(f * up[0] - hf.x, f * up[1] - hf.y);
+                }
+                stsm4(const_cast<elem*>(cb_mat(Ub, 16 * wq, c0 + 8 * j, lane)), ur[0], ur[1], ur[2], ur[3]);
+                stsm4(const_cast<elem*>(cb_mat(Uh, 16 * wq, c0 + 8 * j, lane)), hi[0], hi[1], hi[2], hi[3]);
+                stsm4(const_cast<elem*>(cb_mat(Ul, 16 * wq, c0 + 8 * j, lane)), lo[0], lo[1], lo[2], lo[3]);
             }
             fence_proxy_async();
         }
         MARK(3);
 
-        // ---- phase 4: group 1: o += P u; both: S <- e^{G_end} S + K^T (scaled u), rows [64 wg, +64)
+        // ---- phase 4: o (columns [c0, +64)) += P u; S <- e^{G_end} S + K^T (scaled u), rows [64 wg, +64)
         {
-            const bool with_o = wg == 1 && out;
             u32 pf[4][4], kf[4][4];
-            if (with_o) {
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], a_addr(Pb, BST, 16 * wq, 16 * kk, lane));
-            }
+            for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], a_addr(Pb, BST, 16 * wq, 16 * kk, lane));
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4t(kf[kk], at_addr(Kc, KST, 64 * wg + 16 * wq, 16 * kk, lane));
             const float decay = __expf(Gc[CH - 1]);
 #pragma unroll
             for (int e = 0; e < 64; ++e) s[e] *= decay;
             wg_pin(s);  // the scaling and o's accumulators settle before the fence, not inside the wgmma window
-            if (with_o) wg_pin(acc);
+            wg_pin(oacc);
             wg_fence();
-            if (with_o) {  // its own group, waited for before the state update is issued (reading o's
-#pragma unroll         // accumulators while a later group runs would make ptxas serialize every wgmma)
-                for (int kk = 0; kk < 4; ++kk) wg_m64n128(acc, pf[kk], wg_desc(Ub + cb_off(16 * kk, 0)), 1);
-                wg_commit();
-                wg_wait<0>();
-                wg_pin(acc);
-            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wg_m64n64(oacc, pf[kk], wg_desc(Ub + cb_off(16 * kk, c0)), 1);
+            wg_commit();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
                 wg_m64n128(s, kf[kk], wg_desc(Uh + cb_off(16 * kk, 0)), 1);
                 wg_m64n128(s, kf[kk], wg_desc(Ul + cb_off(16 * kk, 0)), 1);
             }
             wg_commit();
-            if (with_o) {  // o stores while the state update runs
+            wg_wait<1>();  // P u done; the state update may still run
+            wg_pin(oacc);
+            if (out) {
                 const int tok0 = c * CH + ra0, tok1 = tok0 + 8;
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const int cc = 8 * j + 2 * t;
+                for (int j = 0; j < 8; ++j) {
+                    const int cc = c0 + 8 * j + 2 * t;
                     if (tok0 < len)
-                        *reinterpret_cast<u32*>(wk.ob + (long long)tok0 * Hv * DK + cc) = pack2(acc[4 * j], acc[4 * j + 1]);
+                        *reinterpret_cast<u32*>(wk.ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[4 * j], oacc[4 * j + 1]);
                     if (tok1 < len)
-                        *reinterpret_cast<u32*>(wk.ob + (long long)tok1 * Hv * DK + cc) = pack2(acc[4 * j + 2], acc[4 * j + 3]);
+                        *reinterpret_cast<u32*>(wk.ob + (long long)tok1 * Hv * DK + cc) = pack2(oacc[4 * j + 2], oacc[4 * j + 3]);
                 }
             }
             wg_wait<0>();

@@ -76,3 +76,16 @@ __device__ __forceinline__ void wg_m64n64(float d[32], const u32 a[4], unsigned 
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
+
+// ldmatrix / stmatrix on a canonical tile: the 16 x 16 block at (r0, c0) (multiples of 8 and 16) as four
+// 8 x 8 matrices (rows r0 / r0 + 8 x columns c0, then the same at c0 + 8), each 128 contiguous bytes.
+// Register q of the x4 holds, for thread (g, t), the pair at row g (+ 8 for odd q), columns 2 t, 2 t + 1
+// of its matrix: accumulators d[4 j], d[4 j + 1] -> q = 0, d[4 j + 2, 3] -> 1, tile j + 1 -> 2, 3.
+__device__ __forceinline__ const elem* cb_mat(const elem* base, int r0, int c0, int lane) {
+    const int q = lane >> 3;
+    return base + cb_off(r0 + 8 * (q & 1) + (lane & 7), c0 + 8 * (q >> 1));
+}
+__device__ __forceinline__ void stsm4(elem* p, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(smem_u32(p)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
