@@ -78,7 +78,8 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 // forms the raw K K^T and Q K^T once (warp j computes head j's gates meanwhile), then per value head
 // applies that head's gates and inverts (I + L). hpb = 1
 // gives the most blocks (short prompts: one wave, latency counts); hpb = Hv / Hk the least work.
-// Outputs per (slot, head): Tg, Pg [64][64] 16-bit (lower blocks; upper blocks zero), Fg [4][64] fp32
+// Outputs per (slot, head): Tg, Pg [64][64] 16-bit (the lower 16 x 16 blocks only; the upper ones, zero, are
+// neither written nor read: readers zero-fill them), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
 extern "C" __global__ void __launch_bounds__(PTHR, 4)
 gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
@@ -206,15 +207,10 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         MARK(4);
 
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; upper blocks as zeros (P's too)
+        for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; the upper blocks (zero) are left out
             const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
-            const uint4 z = make_uint4(0, 0, 0, 0);
-            if ((col >> 4) > (row >> 4)) {
-                *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = z;
-                *reinterpret_cast<uint4*>(Pg + ob + row * CH + col) = z;
-            } else {
+            if ((col >> 4) <= (row >> 4))
                 *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
-            }
         }
         if (tid < CH) {  // [G, beta, rk, rq] of head h: 64 pieces of 16 B
             const float* src = tid < CH / 2 ? Gc + 4 * tid : Rk + 4 * (tid - CH / 2);  // Gc, Bt and Rk, Rq adjoin
@@ -314,8 +310,9 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
-            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, true);
+            const bool lower = (col >> 4) <= (row >> 4);  // upper 16 x 16 blocks are zero: not stored, not read
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, lower);
+            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, lower);
         }
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
@@ -641,8 +638,9 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
-            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, true);
+            const bool lower = (col >> 4) <= (row >> 4);  // upper 16 x 16 blocks are zero: not stored, not read
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, lower);
+            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, lower);
         }
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
@@ -684,8 +682,6 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         const float* Rq = Rk + CH;
         cp_async_wait<0>();
         MARK(0);
-        if (c + 1 < cend) load_chunk(c + 1, buf ^ 1);
-        cp_async_commit();
 
         // ---- phase 1: state -> 16-bit smem (rows srow, srow + 8 of 16 tiles: 8 stmatrix.x4)
 #pragma unroll
@@ -712,6 +708,11 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) wg_m64n64(oacc, qf[kk], wg_desc(Sb + cb_off(16 * kk, c0)), kk);
             wg_commit();
+            // the next chunk's loads go out while K S and Q S run: their ~2k cycles of cp.async issue per
+            // chunk then overlap some tensor work (9.0k -> 8.5k cycles per chunk; issued at the start of
+            // the chunk, after phase 1 or after phase 3: 9.0-9.4k; during the state update: 9.7k)
+            if (c + 1 < cend) load_chunk(c + 1, buf ^ 1);
+            cp_async_commit();
             wg_wait<1>();  // K S done; Q S may still run
             wg_pin(kacc);
         }

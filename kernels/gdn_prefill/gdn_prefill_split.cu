@@ -155,7 +155,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, true);
+            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, (col >> 4) <= (row >> 4));  // lower blocks only
         }
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
@@ -354,7 +354,7 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // P: 64 x 64; u: 64 rows x this block's 64 columns
         const int idx = tid + i * OTHR, row = idx >> 3, col = (idx & 7) * 8;
-        cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, true);
+        cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
         cp_async16(Us + row * OST + col, Ug + sh * CH * DK + row * DK + v0 + col, true);
     }
     if (tid < CH) cp_async16(Gc + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
