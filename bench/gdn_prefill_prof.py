@@ -2,9 +2,10 @@
 (clock64 between barriers, -DPROFILE),
 and timings of compile-time variants. Development only.
 
-    python3 bench/gdn_prefill_prof.py [--ncu] [--splits 32,64,128]   (--ncu: one plain launch, for ncu to profile)
+    python3 bench/gdn_prefill_prof.py [--ncu] [--splits 32,64,128] [--defines NO_WGMMA=1,...]
+    (--ncu: one plain launch, for ncu to profile)
 
-Split 128 walks with the wgmma walk on sm_90a (NO_WGMMA=1 in the variants for the mma.sync one).
+Split 128 walks with the wgmma walk on sm_90a; --defines NO_WGMMA=1 profiles the mma.sync walk instead.
 """
 import sys
 from pathlib import Path
@@ -32,8 +33,12 @@ def main():
     splits = (32, 64, 128)
     if "--splits" in sys.argv:
         splits = tuple(int(v) for v in sys.argv[sys.argv.index("--splits") + 1].split(","))
+    extra = {}
+    if "--defines" in sys.argv:
+        extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in sys.argv[sys.argv.index("--defines") + 1].split(",")}
     for split in splits:
         L.EXTRA_DEFINES.clear()
+        L.EXTRA_DEFINES.update(extra)
         L.EXTRA_DEFINES["PROFILE"] = 1
         _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=split, fused=False, segments=False)  # PROFILE marks of gdn_prefill.cu
         cyc = ht.flatten()[:len(PHASES)].cpu() / nch

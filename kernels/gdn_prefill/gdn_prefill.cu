@@ -15,6 +15,8 @@
 //   B * Hv is small; for long sequences the blocks of a head rather split the sequence (segments with a
 //   gate-chosen warm-up, see below) and each walks all 128 columns. K, Q, V, T, P of the next chunks
 //   stream in with cp.async while one computes.
+// On sm_90a the 128-column walk runs its products as warpgroup mma (walk_chunks_wg, wgmma.cuh); the
+// mma.sync walk (walk_chunks) serves the narrower column slices and every other architecture.
 // The chunk-local work is thus done once per (chunk, head) at full occupancy instead of on the
 // sequential path of every Dv slice (that fused variant was ~3x slower per chunk step).
 // rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
