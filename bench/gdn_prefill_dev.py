@@ -132,7 +132,7 @@ if __name__ == "__main__":
     import qwen35_fast.kernels.gdn_prefill.launch as launch_mod
     rows = []
     for dset in args.define_sets.split(";"):
-        defs = dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in dset.split(",") if kv)
+        defs = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in dset.split(",") if kv}
         launch_mod.EXTRA_DEFINES.clear()
         launch_mod.EXTRA_DEFINES.update(defs)
         if args.define_sets:
