@@ -60,6 +60,19 @@ def test_compiles(src, arch):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])  # B200-class and RTX 50-class cards
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: str(p.relative_to(KERNELS)))
+def test_compiles_newer_archs(src, arch):
+    """The first and the last define set of each source for the newer targets (the full sets run above)."""
+    if int(arch[3:]) not in cuda_build.supported_archs():
+        pytest.skip(f"NVRTC {cuda_build.nvrtc_version()} does not target {arch}")
+    sets = VARIANTS.get(src.name, [{}])
+    for defines in dict.fromkeys(map(lambda d: tuple(sorted(d.items())), (sets[0], sets[-1]))):
+        cubin = cuda_build.compile_cubin(src, arch, dict(defines))
+        assert cubin[:4] == b"\x7fELF", f"{src.name} {arch} {defines}: not a cubin"
+
+
+@needs_nvrtc
 def test_compile_error_names_log_file(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     bad = tmp_path / "broken.cu"
