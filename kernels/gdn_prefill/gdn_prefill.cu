@@ -571,11 +571,12 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 
 // ---------------------------------------------------------------- the 128-column walk on wgmma (sm_90a)
 // Same arithmetic and roundings as walk_chunks<128>; the products run as warpgroup mma with B from
-// shared memory. Warpgroup 0 (warps 0-3) and 1 (warps 4-7) hold state rows [64 wg, +64) x 128 columns.
-// Per chunk: S -> 16-bit (canonical layout); group 0 forms K S and the rhs, group 1 Q S; u = T rhs
-// (group wg: columns [64 wg, +64)); group 1 adds P u to o; both add K^T (scaled u) to their state rows.
+// shared memory. Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
+// Per chunk: S -> 16-bit (canonical layout); then group wg takes the column half [64 wg, +64) of K S,
+// Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
 // V, rhs, the 16-bit state, u and the scaled u sit in the canonical layout (wgmma.cuh); K, Q, T, P keep
-// the padded layout and reach the tensor cores through ldmatrix as A fragments.
+// the padded layout and reach the tensor cores through ldmatrix as A fragments. kernels/gdn_prefill/NOTES.md
+// has the cycle counts and the variants that were measured and dropped.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(NO_WGMMA)
 #define GDN_WGMMA 1
 #include "wgmma.cuh"
