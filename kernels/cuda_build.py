@@ -289,6 +289,8 @@ def _current_stream():
 def _arg(a):
     if a is None:
         return np.uint64(0)  # a null pointer for an optional tensor
+    if isinstance(a, TensorMap):
+        return a.arg
     if isinstance(a, np.generic):
         return a
     if hasattr(a, "data_ptr"):
@@ -302,6 +304,55 @@ def _arg(a):
     if isinstance(a, float):
         return np.float32(a)
     raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float or numpy scalar")
+
+
+# ----------------------------------------------------------------------------- TMA tensor maps
+_encode_tiled = None
+
+
+def _tensor_map_encoder():
+    """cuTensorMapEncodeTiled from the driver library (CUDA 12+), through ctypes."""
+    global _encode_tiled
+    if _encode_tiled is None:
+        import ctypes
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _encode_tiled = fn
+    return _encode_tiled
+
+
+class TensorMap:
+    """A CUtensorMap (128 bytes, 64-byte aligned, in host memory) for a kernel parameter passed by value
+    (`const __grid_constant__` in the kernel; `launch` hands the driver its address). 16-bit elements,
+    128-byte swizzle, zero fill out of bounds. `dims` innermost first, `strides` in bytes for dims[1:],
+    `box` the tile one copy moves. TensorMap.zero() is an all-zero map for kernels that will not use it."""
+    __slots__ = ("_buf", "arg")
+
+    def __init__(self, ptr: int = 0, dims=(), strides=(), box=()):
+        import ctypes
+        from cupy.cuda.function import CPointer
+        self._buf = ctypes.create_string_buffer(128 + 64)
+        addr = (ctypes.addressof(self._buf) + 63) & ~63
+        if dims:
+            rank = len(dims)
+            rc = _tensor_map_encoder()(
+                addr, 1, rank, ptr,  # CU_TENSOR_MAP_DATA_TYPE_UINT16
+                (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+                0, 3, 2, 0)  # no interleave, 128-byte swizzle, L2 promotion 128 B, zero fill
+            if rc != 0:
+                raise ValueError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tuple(dims)}, strides "
+                                 f"{tuple(strides)} bytes, box {tuple(box)}: strides must be multiples of 16 bytes "
+                                 f"and the address 16-byte aligned")
+        self.arg = CPointer(addr)
+
+    @staticmethod
+    def zero() -> "TensorMap":
+        return TensorMap()
 
 
 _smem_optin: dict = {}

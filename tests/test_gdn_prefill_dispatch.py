@@ -22,7 +22,12 @@ def calls(monkeypatch):
     monkeypatch.setattr(L, "get_function", lambda src, name, dev, defines: Fn(name, defines))
     monkeypatch.setattr(L, "launch", lambda fn, grid, block, args, shared_mem=0:
                         rec.append((fn.name, fn.defines.get("DVS"), tuple(grid), shared_mem, args)))
+    monkeypatch.setattr(L, "_uses_tma", lambda dev, defines: False)  # the TMA test below turns it on
+    monkeypatch.setattr(L, "_zero_maps", lambda: ["zero map"] * 5)
     return rec
+
+
+SEG = -6  # the sequential kernel's `seg` argument: before the five tensor maps
 
 
 def run(monkeypatch, limit, B=1, T=4096, Hk=16, Hv=32, **kw):
@@ -38,14 +43,15 @@ def test_hopper_takes_the_two_kernel_path_with_the_sequence_split(calls, monkeyp
     assert [c[0] for c in calls] == ["gdn_chunk_prep", "gdn_chunk_prefill_fwd"]
     name, dvs, grid, smem, args = calls[1]
     assert dvs == 32 and grid == (4, 32, 1)  # B=1, Hv=32: four blocks per head
-    assert int(args[-1]) == 1 and smem == L.smem_bytes(128) <= H200  # the split walks 128 columns
+    assert int(args[SEG]) == 1 and smem == L.smem_bytes(128) <= H200  # the split walks 128 columns
 
 
 def test_no_split_when_asked_or_with_whole_state_columns(calls, monkeypatch):
     run(monkeypatch, H200, segments=False)
-    assert int(calls[-1][4][-1]) == 0 and calls[-1][3] == L.smem_bytes(32)
+    assert int(calls[-1][4][SEG]) == 0 and calls[-1][3] == L.smem_bytes(32)
     run(monkeypatch, H200, B=8)  # 256 heads fill the card with DVS 128: nothing to split
-    assert calls[-1][1] == 128 and int(calls[-1][4][-1]) == 0
+    assert calls[-1][1] == 128 and int(calls[-1][4][SEG]) == 0
+    assert list(calls[-1][4][-5:]) == ["zero map"] * 5  # no tensor maps where the kernel does not use them
 
 
 @pytest.mark.parametrize("limit", [A100, RTX])
@@ -72,3 +78,36 @@ def test_prep_value_heads_per_block(monkeypatch):
     assert L.choose_prep_heads(16, 32, 512, None) == 2  # 32k tokens: K K^T, Q K^T once per q/k head
     assert L.choose_prep_heads(16, 48, 512, None) == 3
     assert L.choose_prep_heads(16, 16, 512, None) == 1
+
+
+def test_hopper_passes_tensor_maps_of_k_q_v_t_p(calls, monkeypatch):
+    """On sm_90 the walk's copies are TMA tiles: 64 tokens x 64 columns of K, Q, V ([B][T][H][128], strides
+    in bytes as the tensors have them) and 64 x 64 tiles of T and P."""
+    made = []
+
+    class Map:
+        def __init__(self, ptr, dims, strides, box):
+            made.append((ptr, dims, strides, box))
+    monkeypatch.setattr(L, "_uses_tma", lambda dev, defines: True)
+    monkeypatch.setattr(L, "TensorMap", Map)
+    L._maps.clear()
+    B, T, Hk, Hv = 2, 300, 2, 4
+    qkv = torch.zeros(B, T, (2 * Hk + Hv) * 128, dtype=torch.bfloat16)  # q, k, v as slices of one projection
+    q = qkv[..., :Hk * 128].view(B, T, Hk, 128)
+    k = qkv[..., Hk * 128:2 * Hk * 128].view(B, T, Hk, 128)
+    v = qkv[..., 2 * Hk * 128:].view(B, T, Hv, 128)
+    monkeypatch.setattr(L, "max_shared_memory", lambda dev: H200)
+    a = torch.zeros(B, T, Hv)
+    L.gdn_chunk_prefill_cuda(q, k, v, a, a, torch.zeros(Hv), torch.zeros(Hv))
+    L._maps.clear()
+    row = qkv.stride(1) * 2
+    slots = B * ((T + 63) // 64)
+    assert [m[1:] for m in made] == [
+        ((128, Hk, T, B), (256, row, row * T), (64, 1, 64, 1)),  # k
+        ((128, Hk, T, B), (256, row, row * T), (64, 1, 64, 1)),  # q
+        ((128, Hv, T, B), (256, row, row * T), (64, 1, 64, 1)),  # v
+        ((64, slots * Hv * 64), (128,), (64, 64)),                # T
+        ((64, slots * Hv * 64), (128,), (64, 64)),                # P
+    ]
+    assert [m[0] for m in made[:3]] == [k.data_ptr(), q.data_ptr(), v.data_ptr()]
+    assert all(isinstance(x, Map) for x in calls[-1][4][-5:])

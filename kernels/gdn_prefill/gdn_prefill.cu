@@ -74,6 +74,7 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 }
 
 #include "gdn_chunk.cuh"
+#include "tma.cuh"
 
 // Grid: (Hv / hpb, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences. A
 // block takes hpb <= PREP_MAX_HEADS value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q,
@@ -247,6 +248,7 @@ struct Walk {
     elem* ob;
     long long q_st, k_st, v_st;
     int Hv, h, n, v0, len, slot0;
+    int hk, batch, bos;        // tile coordinates of the tensor-map copies: q/k head, batch row, first token
     int cw, cbeg, cend;
     bool from_h0, write_ht;    // start from h0 (else zero); store the final state
 };
@@ -581,23 +583,28 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 #define GDN_WGMMA 1
 #include "wgmma.cuh"
 
-struct GeoWG {
+struct GeoWG {  // K, Q, V as two 128-byte-swizzled [64][64] halves each, T, P swizzled [64][64] (TMA boxes)
     static constexpr int NST = 2;
-    static constexpr int SO_Q = CH * KST * 2, SO_V = 2 * CH * KST * 2;
-    static constexpr int SO_T = SO_V + CH * DK * 2, SO_P = SO_T + CH * BST * 2, SO_F = SO_P + CH * BST * 2;
+    static constexpr int SO_Q = CH * DK * 2, SO_V = 2 * CH * DK * 2;
+    static constexpr int SO_T = SO_V + CH * DK * 2, SO_P = SO_T + CH * CH * 2, SO_F = SO_P + CH * CH * 2;
     static constexpr int STAGE = SO_F + 4 * CH * 4;
+    static constexpr int BYTES = STAGE;  // what the copies of one chunk deliver
     static constexpr int S = NST * STAGE, RHS = S + DK * DK * 2, UH = RHS + CH * DK * 2, UL = UH + CH * DK * 2;
-    static constexpr int TOTAL = UL + CH * DK * 2;
+    static constexpr int TOTAL = UL + CH * DK * 2 + 1024;  // + the alignment of the base to 1 KB
 };
 static_assert(GeoWG::TOTAL <= Geo<128>::TOTAL, "the launcher sizes shared memory by Geo<128>");
-static_assert(GeoWG::SO_V % 16 == 0 && GeoWG::STAGE % 16 == 0 && GeoWG::S % 16 == 0, "descriptors need 16 B");
+static_assert(GeoWG::STAGE % 1024 == 0 && GeoWG::SO_T % 1024 == 0 && GeoWG::SO_P % 1024 == 0 && GeoWG::S % 1024 == 0,
+              "swizzled tiles need 1 KB alignment");
 
-__device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& wk,
+__device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Walk& wk,
                                                const elem* __restrict__ Tg, const elem* __restrict__ Pg,
                                                const float* __restrict__ Fg, const float* __restrict__ h0,
-                                               float* __restrict__ ht)
+                                               float* __restrict__ ht, const TmaDesc* tmk, const TmaDesc* tmq,
+                                               const TmaDesc* tmv, const TmaDesc* tmt, const TmaDesc* tmp,
+                                               unsigned long long* bars)
 {
     typedef GeoWG GW;
+    unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     elem* Sb = reinterpret_cast<elem*>(smem + GW::S);
     elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
     elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
@@ -615,37 +622,24 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
     const int srow = 64 * wg + 16 * wq + g;  // state rows srow, srow + 8 (columns 8 j + 2 t, +1)
     const int c0 = 64 * wg;                  // this group's column half in K S, Q S, u, o
 
-    auto load_chunk = [&](int c, int buf) {  // K, Q rows, V (canonical layout; zero past the end), T, P, vectors
+    // Thread 0 copies chunk c into stage buf: K, Q, V rows as two 64-column boxes each (zero past the
+    // tensor's end; a packed sequence's last chunk reads the next sequence's rows, which only meet beta = 0
+    // and a zero scaled u), T, P, the vectors; all counted on bars[buf].
+    auto issue_chunk = [&](int c, int buf) {
         unsigned char* st = smem + buf * GW::STAGE;
-        elem* Kd = reinterpret_cast<elem*>(st);
-        elem* Qd = reinterpret_cast<elem*>(st + GW::SO_Q);
-        elem* Vd = reinterpret_cast<elem*>(st + GW::SO_V);
-        elem* Td = reinterpret_cast<elem*>(st + GW::SO_T);
-        elem* Pd = reinterpret_cast<elem*>(st + GW::SO_P);
-        float* Fd = reinterpret_cast<float*>(st + GW::SO_F);
+        unsigned long long* bar = bars + buf;
+        mbar_expect_tx(bar, GW::BYTES);
+        const int tok = wk.bos + c * CH;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
-            const int tok = c * CH + row;
-            const bool ok = tok < len;
-            const long long tt = ok ? tok : 0;
-            cp_async16(Kd + row * KST + col, wk.kb + tt * wk.k_st + col, ok);
-            cp_async16(Qd + row * KST + col, wk.qb + tt * wk.q_st + col, ok);
-            // V: a warp fills 4 whole core matrices (8 rows x 4 pieces, 512 contiguous bytes): no bank conflicts
-            const int vrow = 8 * (idx >> 7) + (idx & 7), vcol = 32 * ((idx >> 5) & 3) + 8 * ((idx >> 3) & 3);
-            const int vtok = c * CH + vrow;
-            const bool vok = vtok < len;
-            cp_async16(Vd + cb_off(vrow, vcol), wk.vb + (vok ? vtok : 0) * wk.v_st + vcol, vok);
+        for (int half = 0; half < 2; ++half) {
+            tma_load_4d(st + half * CH * 64 * 2, tmk, 64 * half, wk.hk, tok, wk.batch, bar);
+            tma_load_4d(st + GW::SO_Q + half * CH * 64 * 2, tmq, 64 * half, wk.hk, tok, wk.batch, bar);
+            tma_load_4d(st + GW::SO_V + half * CH * 64 * 2, tmv, 64 * half, h, tok, wk.batch, bar);
         }
-        const long long sb = ((long long)(wk.slot0 + c) * Hv + h) * CH * CH;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-            const bool lower = (col >> 4) <= (row >> 4);  // upper 16 x 16 blocks are zero: not stored, not read
-            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, lower);
-            cp_async16(Pd + row * BST + col, Pg + sb + row * CH + col, lower);
-        }
-        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(wk.slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
+        const long long sl = (long long)(wk.slot0 + c) * Hv + h;
+        tma_load_2d(st + GW::SO_T, tmt, 0, (int)(sl * CH), bar);
+        tma_load_2d(st + GW::SO_P, tmp, 0, (int)(sl * CH), bar);
+        bulk_load(st + GW::SO_F, Fg + sl * 4 * CH, 4 * CH * 4, bar);
     };
 
     float s[64];  // this thread's state entries (accumulator layout of wgmma.cuh)
@@ -662,8 +656,13 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         for (int i = 0; i < 64; ++i) s[i] = 0.f;
     }
 
-    if (cw < cend) load_chunk(cw, 0);
-    cp_async_commit();
+    if (tid == 0) {
+        mbar_init(bars, 1);
+        mbar_init(bars + 1, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid == 0 && cw < cend) issue_chunk(cw, 0);
 #ifdef PROFILE
     long long prof[5] = {}, tprev = clock64();
 #endif
@@ -683,8 +682,18 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
-        cp_async_wait<0>();
+        mbar_wait(bars + buf, (i >> 1) & 1);
+        {  // T and P arrive without their upper 16 x 16 blocks (the prep kernel leaves them out): zero them
+            for (int idx = tid; idx < 384; idx += NTHR) {
+                const int m = idx >= 192, pc = idx - 192 * m, bk = pc >> 5;
+                const int bi = bk < 3 ? 0 : bk < 5 ? 1 : 2, bj = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
+                elem* tile = reinterpret_cast<elem*>(st + (m ? GW::SO_P : GW::SO_T));
+                *reinterpret_cast<uint4*>(tile + sw64(16 * bi + ((pc & 31) >> 1), 16 * bj + 8 * (pc & 1))) =
+                    make_uint4(0, 0, 0, 0);
+            }
+        }
         MARK(0);
+        if (tid == 0 && c + 1 < cend) issue_chunk(c + 1, buf ^ 1);  // its stage was last read in chunk c - 1
 
         // ---- phase 1: state -> 16-bit smem (rows srow, srow + 8 of 16 tiles: 8 stmatrix.x4)
 #pragma unroll
@@ -701,9 +710,9 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         {
             u32 kf[8][4], qf[8][4];
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) ldsm4(kf[kk], a_addr(Kc, KST, 16 * wq, 16 * kk, lane));
+            for (int kk = 0; kk < 8; ++kk) ldsm4(kf[kk], Kc + sw128(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) ldsm4(qf[kk], a_addr(Qc, KST, 16 * wq, 16 * kk, lane));
+            for (int kk = 0; kk < 8; ++kk) ldsm4(qf[kk], Qc + sw128(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) wg_m64n64(kacc, kf[kk], wg_desc(Sb + cb_off(16 * kk, c0)), kk);
@@ -711,11 +720,6 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) wg_m64n64(oacc, qf[kk], wg_desc(Sb + cb_off(16 * kk, c0)), kk);
             wg_commit();
-            // the next chunk's loads go out while K S and Q S run: their ~2k cycles of cp.async issue per
-            // chunk then overlap some tensor work (9.0k -> 8.5k cycles per chunk; issued at the start of
-            // the chunk, after phase 1 or after phase 3: 9.0-9.4k; during the state update: 9.7k)
-            if (c + 1 < cend) load_chunk(c + 1, buf ^ 1);
-            cp_async_commit();
             wg_wait<1>();  // K S done; Q S may still run
             wg_pin(kacc);
         }
@@ -724,7 +728,8 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
             const float b0 = Bt[ra0], b1 = Bt[ra1];
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
-                elem* vp = const_cast<elem*>(cb_mat(Vc, 16 * wq, c0 + 8 * j, lane));
+                const int q8 = lane >> 3;  // v and rhs hi: the 128-byte swizzled layout the copy wrote
+                elem* vp = Vc + sw128(16 * wq + 8 * (q8 & 1) + (lane & 7), c0 + 8 * j + 8 * (q8 >> 1));
                 elem* lp = const_cast<elem*>(cb_mat(Rs, 16 * wq, c0 + 8 * j, lane));
                 u32 vr[4], hi[4], lo[4];
                 ldsm4(vr, vp);
@@ -762,12 +767,12 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         {
             u32 af[4][4];
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) ldsm4(af[kk], a_addr(Tb, BST, 16 * wq, 16 * kk, lane));
+            for (int kk = 0; kk < 4; ++kk) ldsm4(af[kk], Tb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
             float ua[32];
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                wg_m64n64(ua, af[kk], wg_desc(Vc + cb_off(16 * kk, c0)), kk);
+                wg_m64n64(ua, af[kk], wg_desc_sw128(Vc + wg * CH * 64 + 16 * kk * 64), kk);
                 wg_m64n64(ua, af[kk], wg_desc(Rs + cb_off(16 * kk, c0)), 1);
             }
             wg_commit();
@@ -799,9 +804,11 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         {
             u32 pf[4][4], kf[4][4];
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], a_addr(Pb, BST, 16 * wq, 16 * kk, lane));
+            for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], Pb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) ldsm4t(kf[kk], at_addr(Kc, KST, 64 * wg + 16 * wq, 16 * kk, lane));
+            for (int kk = 0; kk < 4; ++kk)  // K^T rows 64 wg + 16 wq .., ldmatrix .trans of K rows 16 kk ..
+                ldsm4t(kf[kk], Kc + sw128(16 * kk + (lane & 7) + ((lane >> 4) << 3),
+                                          64 * wg + 16 * wq + ((lane >> 3) & 1) * 8));
             const float decay = __expf(Gc[CH - 1]);
 #pragma unroll
             for (int e = 0; e < 64; ++e) s[e] *= decay;
@@ -837,7 +844,6 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem, const Walk& 
         MARK(4);
 #endif
     }
-    cp_async_wait<0>();
 
 #ifdef PROFILE
     if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
@@ -882,9 +888,15 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                       int T, int Hk, int Hv,
                       long long q_sb, long long q_st, long long q_sh,
                       long long k_sb, long long k_st, long long k_sh,
-                      long long v_sb, long long v_st, long long v_sh, int seg)
+                      long long v_sb, long long v_st, long long v_sh, int seg,
+                      const __grid_constant__ TmaDesc tm_k, const __grid_constant__ TmaDesc tm_q,
+                      const __grid_constant__ TmaDesc tm_v, const __grid_constant__ TmaDesc tm_t,
+                      const __grid_constant__ TmaDesc tm_p)
 {
     extern __shared__ __align__(128) unsigned char smem[];
+#ifdef GDN_WGMMA
+    __shared__ unsigned long long tma_bar[2];  // the wgmma walk's copy barriers, one per stage
+#endif
     const int h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
 
@@ -909,6 +921,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     wk.ob = o + (batch_tok * Hv + h) * DK;
     wk.q_st = q_st; wk.k_st = k_st; wk.v_st = v_st;
     wk.Hv = Hv; wk.h = h; wk.n = n; wk.len = len;
+    wk.hk = hk; wk.batch = batch; wk.bos = (int)bos;
     wk.slot0 = first_slot(cu_seqlens, n, T);
     wk.v0 = blockIdx.x * DVS;
     wk.cw = wk.cbeg = 0;
@@ -956,7 +969,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             wk.from_h0 = wk.cw == 0;
             wk.write_ht = wk.cend == nchunks;
 #ifdef GDN_WGMMA
-            walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht);
+            walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
 #else
             walk_chunks<DK>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif
@@ -965,7 +978,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     }
 #endif
 #if defined(GDN_WGMMA) && DVS == 128
-    walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht);
+    walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
 #else
     walk_chunks<DVS>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif

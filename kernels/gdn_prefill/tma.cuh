@@ -1,0 +1,53 @@
+// Hopper tensor-memory-accelerator copies (TMA, sm_90) for the GDN prefill walk: 2-D / 4-D tiles described
+// by tensor maps the launcher encodes (cuTensorMapEncodeTiled, 128-byte swizzle) and passes by value,
+// plain bulk copies, and the shared-memory barriers (mbarrier) they complete on. Included after
+// mma_tiles.cuh.
+#pragma once
+
+// A CUtensorMap (128 opaque bytes) as a kernel parameter (__grid_constant__: its address is a parameter
+// address, which is what the copy instructions take).
+struct __align__(64) TmaDesc { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// Makes initialised barriers visible to the copy engine (then a block barrier).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// The one arrival of a phase, announcing the bytes the copies of that phase will deliver.
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Waits until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
+    asm volatile("{\n.reg .pred P1;\nWAIT_LOOP:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@!P1 bra WAIT_LOOP;\n}\n" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* map, int c0, int c1, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc* map, int c0, int c1, int c2, int c3,
+                                            unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)) : "memory");
+}
+// bytes (a multiple of 16) from 16-byte aligned global src to 16-byte aligned shared dst
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+// The 128-byte swizzle TMA writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (layout type 1): in a
+// [rows][64] 16-bit tile (128-byte rows, 1024-byte aligned) the 16-byte piece p of row r sits at p ^ (r & 7).
+// Offsets in elements; c a multiple of 8 addresses a whole 16-byte piece.
+__device__ __forceinline__ int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+// A [64][128] tile as two such [64][64] halves (two TMA boxes), half h at h * 4096 elements.
+__device__ __forceinline__ int sw128(int r, int c) { return (c >> 6) * 4096 + sw64(r, c & 63); }
+// Descriptor of a B operand [K][64] (N contiguous) in that swizzled layout starting at row group p
+// (1024-byte aligned): 8-row groups 1 KB apart; the N extent is one 64-wide block, so LBO and SBO are both
+// 1 KB (whichever of the two the hardware takes for the 8-row step).
+__device__ __forceinline__ unsigned long long wg_desc_sw128(const void* p) {
+    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)(1024 >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
