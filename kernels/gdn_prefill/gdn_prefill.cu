@@ -576,9 +576,11 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 // shared memory. Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
 // Per chunk: S -> 16-bit (canonical layout); then group wg takes the column half [64 wg, +64) of K S,
 // Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
-// V, rhs, the 16-bit state, u and the scaled u sit in the canonical layout (wgmma.cuh); K, Q, T, P keep
-// the padded layout and reach the tensor cores through ldmatrix as A fragments. kernels/gdn_prefill/NOTES.md
-// has the cycle counts and the variants that were measured and dropped.
+// K, Q, V, T, P arrive by TMA (tma.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
+// in the 128-byte swizzled layout; K, Q, T, P reach the tensor cores through ldmatrix as A fragments, rhs
+// (hi, over v) as a swizzled B operand. The 16-bit state, rhs (lo), u and the scaled u sit in the canonical
+// no-swizzle layout (wgmma.cuh). kernels/gdn_prefill/NOTES.md has the cycle counts and the variants that
+// were measured and dropped.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(NO_WGMMA)
 #define GDN_WGMMA 1
 #include "wgmma.cuh"
