@@ -111,3 +111,26 @@ def test_hopper_passes_tensor_maps_of_k_q_v_t_p(calls, monkeypatch):
     ]
     assert [m[0] for m in made[:3]] == [k.data_ptr(), q.data_ptr(), v.data_ptr()]
     assert all(isinstance(x, Map) for x in calls[-1][4][-5:])
+
+
+def test_tensor_maps_fall_back_to_a_packed_copy(calls, monkeypatch):
+    """Strides the copy engine refuses (here: heads outermost, as a [B, H, T, D] tensor viewed as
+    [B, T, H, D]) make the launcher map a packed copy instead of failing."""
+    class Map:
+        def __init__(self, ptr, dims, strides, box):
+            if list(strides) != sorted(strides):
+                raise ValueError("strides")
+            self.ptr, self.strides = ptr, strides
+    monkeypatch.setattr(L, "_uses_tma", lambda dev, defines: True)
+    monkeypatch.setattr(L, "TensorMap", Map)
+    monkeypatch.setattr(L, "max_shared_memory", lambda dev: H200)
+    L._maps.clear()
+    B, T, H = 1, 200, 2
+    q = torch.zeros(B, H, T, 128, dtype=torch.bfloat16).transpose(1, 2)  # strides (.., 128, T * 128, 1)
+    a = torch.zeros(B, T, H)
+    L.gdn_chunk_prefill_cuda(q, q, q, a, a, torch.zeros(H), torch.zeros(H))
+    L._maps.clear()
+    maps = calls[-1][4][-5:]
+    assert [m.strides for m in maps[:3]] == [(256, H * 256, H * 256 * T)] * 3
+    assert q.data_ptr() not in {m.ptr for m in maps}
+    assert len({m.ptr for m in maps[:3]}) == 3  # each copy stays alive until the launch: no reuse of its memory

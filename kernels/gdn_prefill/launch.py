@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import TensorMap, get_function, launch, max_shared_memory
+from ..cuda_build import TensorMap, arch_for_capability, get_function, launch, max_shared_memory
 
 SRC = Path(__file__).resolve().parent / "gdn_prefill.cu"  # prep kernel + sequential kernel
 SRC_FUSED = Path(__file__).resolve().parent / "gdn_prefill_fused.cu"  # one kernel
@@ -228,7 +228,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     _fits(smem_bytes(dvs), limit, f"the sequential kernel at dv_split {dvs}")
     seg = segments is not False and dvs < D and smem_bytes(D) <= limit
     fn = get_function(SRC, KERNEL, dev, defines)
-    maps = _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv) if _uses_tma(dev, defines) else _zero_maps()
+    keep: list = []  # packed copies the maps point at, alive until the kernel is queued
+    maps = _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv, keep) if _uses_tma(dev, defines) else _zero_maps()
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
             *qs, *ks, *vs, np.int32(seg), *maps),
@@ -237,8 +238,9 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
 
 
 def _uses_tma(dev: torch.device, defines: dict) -> bool:
-    """The sm_90a build of gdn_prefill.cu walks 128 state columns on wgmma, fed by TMA copies."""
-    return torch.cuda.get_device_capability(dev) == (9, 0) and not defines.get("NO_WGMMA")
+    """The sm_90a build of gdn_prefill.cu walks 128 state columns on wgmma, fed by TMA copies (the same
+    test as the kernel's: an sm_90a target and no NO_WGMMA)."""
+    return arch_for_capability(*torch.cuda.get_device_capability(dev)) == "sm_90a" and not defines.get("NO_WGMMA")
 
 
 _maps: dict = {}  # (address, dims, strides) -> TensorMap: the same tensors (a graph, the allocator's reuse) encode once
@@ -261,13 +263,21 @@ def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
     return m
 
 
-def _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv) -> list:
+def _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv, keep: list) -> list:
     """Tensor maps of the wgmma walk's copies, in kernel order k, q, v, T, P: K, Q, V as [B][T][H][128]
-    tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows."""
+    tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows. A packed
+    copy made for strides the copy engine refuses goes to `keep`: the caller holds it until the launch
+    is queued (after that, stream order protects it)."""
     out = []
     for x, H in ((k, Hk), (q, Hk), (v, Hv)):
-        sb, st, sh = (int(s) * x.element_size() for s in x.stride()[:3])
-        out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
+        try:
+            sb, st, sh = (int(s) * x.element_size() for s in x.stride()[:3])
+            out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
+        except ValueError:  # strides the copy engine does not take (e.g. heads outermost): a packed copy
+            x = x.contiguous()
+            keep.append(x)
+            sb, st, sh = (int(s) * x.element_size() for s in x.stride()[:3])
+            out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
     rows = Tg.shape[0] * Hv * 64
     out += [_map(x, (64, rows), (128,), (64, 64)) for x in (Tg, Pg)]
     return out
