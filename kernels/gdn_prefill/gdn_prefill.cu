@@ -599,7 +599,6 @@ static_assert(GeoWG::STAGE % 1024 == 0 && GeoWG::SO_T % 1024 == 0 && GeoWG::SO_P
               "swizzled tiles need 1 KB alignment");
 
 __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Walk& wk,
-                                               const elem* __restrict__ Tg, const elem* __restrict__ Pg,
                                                const float* __restrict__ Fg, const float* __restrict__ h0,
                                                float* __restrict__ ht, const TmaDesc* tmk, const TmaDesc* tmq,
                                                const TmaDesc* tmv, const TmaDesc* tmt, const TmaDesc* tmp,
@@ -971,7 +970,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             wk.from_h0 = wk.cw == 0;
             wk.write_ht = wk.cend == nchunks;
 #ifdef GDN_WGMMA
-            walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
+            walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
 #else
             walk_chunks<DK>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif
@@ -980,7 +979,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     }
 #endif
 #if defined(GDN_WGMMA) && DVS == 128
-    walk_chunks_wg(smem, wk, Tg, Pg, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
+    walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
 #else
     walk_chunks<DVS>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif
