@@ -237,10 +237,16 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     return o, ht
 
 
+_sm90a: dict = {}  # device index -> whether its kernels are built for sm_90a (asked once, not per launch)
+
+
 def _uses_tma(dev: torch.device, defines: dict) -> bool:
     """The sm_90a build of gdn_prefill.cu walks 128 state columns on wgmma, fed by TMA copies (the same
     test as the kernel's: an sm_90a target and no NO_WGMMA)."""
-    return arch_for_capability(*torch.cuda.get_device_capability(dev)) == "sm_90a" and not defines.get("NO_WGMMA")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _sm90a:
+        _sm90a[idx] = arch_for_capability(*torch.cuda.get_device_capability(idx)) == "sm_90a"
+    return _sm90a[idx] and not defines.get("NO_WGMMA")
 
 
 _maps: dict = {}  # (address, dims, strides) -> TensorMap: the same tensors (a graph, the allocator's reuse) encode once
