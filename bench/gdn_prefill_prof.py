@@ -2,8 +2,8 @@
 (clock64 between barriers, -DPROFILE),
 and timings of compile-time variants. Development only.
 
-    python3 bench/gdn_prefill_prof.py [--ncu] [--splits 32,64,128] [--defines NO_WGMMA=1,...]
-    (--ncu: one plain launch, for ncu to profile)
+    python3 bench/gdn_prefill_prof.py [--ncu] [--size 1x4096] [--splits 32,64,128] [--defines NO_WGMMA=1,...]
+    (--ncu: one plain launch of the default dispatch at --size, for ncu to profile)
 
 Split 128 walks with the wgmma walk on sm_90a; --defines NO_WGMMA=1 profiles the mma.sync walk instead.
 """
@@ -17,15 +17,17 @@ import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
 PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
-PREP_PHASES = ["load+gates", "norms", "KK/QK mma", "scale+store P", "inverse", "store T"]
+PREP_PHASES = ["load+gates", "KK/QK/QQ mma+norms", "scale+store L,P", "inverse", "store T"]
 VARIANTS = {}  # name -> extra defines, timed at B=1 and B=8, L=4096
 
 
 def main():
     B, Lq = 1, 4096
+    if "--size" in sys.argv:
+        B, Lq = (int(v) for v in sys.argv[sys.argv.index("--size") + 1].split("x"))
     x = dev.inputs(B, Lq)
     if "--ncu" in sys.argv:
-        L.gdn_chunk_prefill_cuda(*x, dv_split=32)
+        L.gdn_chunk_prefill_cuda(*x)
         torch.cuda.synchronize()
         return
     import triton.testing

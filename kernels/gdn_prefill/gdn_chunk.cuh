@@ -5,30 +5,33 @@
 #include "mma_tiles.cuh"
 
 // ---------------------------------------------------------------- the 64x64 inverse, 16x16 blocks in fp32
-// acc (16x16 as two m16n8 tiles) += A (16x16 fp32, row stride lda) * B (16x16 fp32, row stride ldb), tf32 mma.
+// acc (16x16 as two m16n8 tiles) += A (16x16, row stride lda) * B (16x16, row stride ldb), tf32 mma. Both hold
+// fp32 values already rounded to tf32 (cvt.rna) where they were stored: rounded once there, not at every use.
 __device__ __forceinline__ void mm16_tf32(float acc[2][4], const float* A, int lda, const float* B, int ldb, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
         const float* Ab = A + 8 * ks;
-        const u32 af[4] = {tf32(Ab[g * lda + t]), tf32(Ab[(g + 8) * lda + t]),
-                           tf32(Ab[g * lda + t + 4]), tf32(Ab[(g + 8) * lda + t + 4])};
+        const u32 af[4] = {__float_as_uint(Ab[g * lda + t]), __float_as_uint(Ab[(g + 8) * lda + t]),
+                           __float_as_uint(Ab[g * lda + t + 4]), __float_as_uint(Ab[(g + 8) * lda + t + 4])};
 #pragma unroll
         for (int nj = 0; nj < 2; ++nj) {
             const float* Bb = B + 8 * ks * ldb + 8 * nj;
-            mma1688tf32(acc[nj], af, tf32(Bb[t * ldb + g]), tf32(Bb[(t + 4) * ldb + g]));
+            mma1688tf32(acc[nj], af, __float_as_uint(Bb[t * ldb + g]), __float_as_uint(Bb[(t + 4) * ldb + g]));
         }
     }
 }
-// Store sign * acc into a 16x16 fp32 block (row stride ld) and, if Tb, into its 16-bit copy.
+__device__ __forceinline__ float tf32r(float x) { return __uint_as_float(tf32(x)); }
+// Store sign * acc into a 16x16 fp32 block (row stride ld; rounded to tf32: it only feeds mm16_tf32) and, if Tb,
+// into its 16-bit copy.
 __device__ __forceinline__ void put16(const float acc[2][4], float sign, float* F, int ld, elem* Tb, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nj = 0; nj < 2; ++nj) {
         const int c = 8 * nj + 2 * t;
         if (F) {
-            *reinterpret_cast<float2*>(F + g * ld + c) = make_float2(sign * acc[nj][0], sign * acc[nj][1]);
-            *reinterpret_cast<float2*>(F + (g + 8) * ld + c) = make_float2(sign * acc[nj][2], sign * acc[nj][3]);
+            *reinterpret_cast<float2*>(F + g * ld + c) = make_float2(tf32r(sign * acc[nj][0]), tf32r(sign * acc[nj][1]));
+            *reinterpret_cast<float2*>(F + (g + 8) * ld + c) = make_float2(tf32r(sign * acc[nj][2]), tf32r(sign * acc[nj][3]));
         }
         if (Tb) {
             *reinterpret_cast<u32*>(Tb + g * BST + c) = pack2(sign * acc[nj][0], sign * acc[nj][1]);
@@ -37,9 +40,10 @@ __device__ __forceinline__ void put16(const float acc[2][4], float sign, float* 
     }
 }
 
-// T = (I + L)^-1 for the strictly lower 64x64 L (fp32, Lf), by the 128 threads of group A.
+// T = (I + L)^-1 for the strictly lower 64x64 L (fp32, Lf: the diagonal blocks exact, the blocks below them
+// rounded to tf32 as tri_store leaves them), by the 128 threads of group A.
 // Diagonal 16x16 blocks by substitution; then T10, T32 (= -Tii Lij Tjj); then the lower-left 32x32
-// block as -T_D (L_C T_A). Writes Tb (16-bit, lower part incl. diagonal) and uses Tf (fp32) and Xs.
+// block as -T_D (L_C T_A). Writes Tb (16-bit, lower part incl. diagonal) and uses Tf (tf32) and Xs.
 __device__ __forceinline__ void invert_tril64(const float* Lf, float* Tf, elem* Tb, float* Xs, int ta) {
     const int lane = ta & 31, wa = ta >> 5;
     if (ta < CH) {  // one thread per column of the 4 diagonal blocks, right-looking substitution
@@ -53,7 +57,7 @@ __device__ __forceinline__ void invert_tril64(const float* Lf, float* Tf, elem* 
             for (int i = kk + 1; i < 16; ++i) x[i] -= Lf[(d0 + i) * FST + d0 + kk] * x[kk];
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            Tf[(d0 + i) * FST + d0 + cc] = x[i];
+            Tf[(d0 + i) * FST + d0 + cc] = tf32r(x[i]);
             Tb[(d0 + i) * BST + d0 + cc] = from_f<elem>(x[i]);
         }
     }
@@ -87,17 +91,23 @@ __device__ __forceinline__ void invert_tril64(const float* Lf, float* Tf, elem* 
 }
 
 // ---------------------------------------------------------------- chunk-local products
-__device__ __forceinline__ void tri_block(int id, int& bi, int& bj) {  // 0..9 -> lower blocks (bi >= bj)
-    bi = id < 1 ? 0 : id < 3 ? 1 : id < 6 ? 2 : 3;
-    bj = id - bi * (bi + 1) / 2;
+// The lower 16x16 blocks of a 64x64 product that warp w (of 4) owns: first its diagonal block (w, w), then
+// #w and, for warps 0 and 1, #(w + 4) of the six below the diagonal, (1,0) (2,0) (3,0) (2,1) (3,1) (3,2).
+// 10 blocks, none twice; warps 2 and 3 have two (tri_nblocks).
+__device__ __forceinline__ void tri_blocks(int w, int bi[3], int bj[3]) {
+    bi[0] = bj[0] = w;
+    bi[1] = w == 3 ? 2 : w + 1;
+    bj[1] = w == 3 ? 1 : 0;
+    bi[2] = 3;
+    bj[2] = w + 1;
 }
+__device__ __forceinline__ int tri_nblocks(int w) { return w < 2 ? 3 : 2; }
 
-// The lower 16x16 blocks {w, w+4, w+8} (< 10; warps 2, 3 redo block w as their third) of X K^T
-// (X = raw K rows, or Q rows), unscaled, into acc.
+// Warp w's blocks (tri_blocks) of X K^T (X = raw K rows, or Q rows), unscaled, into acc.
 __device__ __forceinline__ void tri_acc(const elem* X, const elem* Kc, int w, float acc[3][2][4], int lane) {
     int bi[3], bj[3];
-#pragma unroll
-    for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
+    tri_blocks(w, bi, bj);
+    const int nq = tri_nblocks(w);
 #pragma unroll
     for (int q = 0; q < 3; ++q)
 #pragma unroll
@@ -106,6 +116,7 @@ __device__ __forceinline__ void tri_acc(const elem* X, const elem* Kc, int w, fl
     for (int kk = 0; kk < DK / 16; ++kk) {
 #pragma unroll
         for (int q = 0; q < 3; ++q) {
+            if (q >= nq) break;  // warp-uniform
             u32 af[4], bf[4];
             ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
             ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
@@ -115,32 +126,53 @@ __device__ __forceinline__ void tri_acc(const elem* X, const elem* Kc, int w, fl
     }
 }
 
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // tri_acc's blocks scaled and masked: K K^T -> L (fp32, row stride FST, strictly lower,
 // beta_i rk_i rk_j e^{G_i-G_j});  Q K^T (is_q) -> P (16-bit, row stride pst, rq_i rk_j e^{..}).
+// Only the diagonal block needs the mask: below it i > j, so G_i <= G_j and e^{G_i-G_j} <= 1. Above the
+// diagonal the exponential may overflow; the mask selects 0 there (a select, not a product). L's blocks
+// below the diagonal only feed the inverse's tf32 products: stored rounded to tf32; its diagonal blocks stay
+// exact fp32 (the substitution).
 __device__ __forceinline__ void tri_store(bool is_q, const float acc[3][2][4], int w, const float* Gc,
                                           const float* Bt, const float* Rk, const float* Rq, float* Lf,
                                           elem* Pb, int pst, int lane) {
+    constexpr float LOG2E = 1.4426950408889634f;
     const int g = lane >> 2, t = lane & 3;
     int bi[3], bj[3];
-#pragma unroll
-    for (int q = 0; q < 3; ++q) tri_block(w + 4 * q < 10 ? w + 4 * q : w, bi[q], bj[q]);
+    tri_blocks(w, bi, bj);
+    const int nq = tri_nblocks(w);
     const int lim = is_q ? 0 : 1;  // P keeps the diagonal, L does not
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
+        if (q >= nq) break;  // warp-uniform
+        float2 gc[2], kc[2];
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+            const int c = 16 * bj[q] + 8 * nj + 2 * t;
+            gc[nj] = *reinterpret_cast<const float2*>(Gc + c);
+            kc[nj] = *reinterpret_cast<const float2*>(Rk + c);
+        }
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
             const int r = 16 * bi[q] + g + 8 * hr;
-            const float gr = Gc[r], fr = is_q ? Rq[r] : Bt[r] * Rk[r];
+            const float gr = Gc[r] * LOG2E, fr = is_q ? Rq[r] : Bt[r] * Rk[r];
 #pragma unroll
             for (int nj = 0; nj < 2; ++nj) {
                 const int c = 16 * bj[q] + 8 * nj + 2 * t;
-                const float2 gc = *reinterpret_cast<const float2*>(Gc + c);
-                const float2 kc = *reinterpret_cast<const float2*>(Rk + c);
-                const float m0 = (r - c >= lim) ? fr : 0.f, m1 = (r - c - 1 >= lim) ? fr : 0.f;
-                const float v0 = m0 * kc.x * acc[q][nj][2 * hr] * __expf(fminf(gr - gc.x, 0.f));
-                const float v1 = m1 * kc.y * acc[q][nj][2 * hr + 1] * __expf(fminf(gr - gc.y, 0.f));
+                float v0 = acc[q][nj][2 * hr] * (fr * kc[nj].x) * ex2_ftz(fmaf(gc[nj].x, -LOG2E, gr));
+                float v1 = acc[q][nj][2 * hr + 1] * (fr * kc[nj].y) * ex2_ftz(fmaf(gc[nj].y, -LOG2E, gr));
+                if (q == 0) {
+                    v0 = r - c >= lim ? v0 : 0.f;
+                    v1 = r - c - 1 >= lim ? v1 : 0.f;
+                }
                 if (is_q) *reinterpret_cast<u32*>(Pb + r * pst + c) = pack2(v0, v1);
-                else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
+                else if (q == 0) *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(v0, v1);
+                else *reinterpret_cast<float2*>(Lf + r * FST + c) = make_float2(tf32r(v0), tf32r(v1));
             }
         }
     }

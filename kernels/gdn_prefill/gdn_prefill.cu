@@ -76,6 +76,54 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 #include "gdn_chunk.cuh"
 #include "tma.cuh"
 
+// The prep kernel's products, one pass over K and Q: warp w's blocks (tri_blocks) of K K^T and Q K^T, and the
+// squared l2 norms of the rows of K and Q from the diagonals of its diagonal blocks of K K^T and Q Q^T (the
+// latter costs two more mma per k step: its B fragments are the A fragments of Q already loaded, as are
+// K K^T's for the diagonal block). Leaves the norm factors in Rk, Rq (q scale folded in); the caller syncs.
+__device__ __forceinline__ void tri_acc_kq(const elem* Ks, const elem* Qs, int w, float kacc[3][2][4],
+                                           float qacc[3][2][4], float* Rk, float* Rq, int lane) {
+    int bi[3], bj[3];
+    tri_blocks(w, bi, bj);
+    const int nq = tri_nblocks(w);
+    float qq[2][4] = {};
+#pragma unroll
+    for (int q = 0; q < 3; ++q)
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kacc[q][nj][e] = qacc[q][nj][e] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < DK / 16; ++kk) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+            if (q >= nq) break;  // warp-uniform
+            u32 ak[4], aq[4], bf[4];
+            ldsm4(ak, a_addr(Ks, KST, 16 * bi[q], 16 * kk, lane));
+            ldsm4(aq, a_addr(Qs, KST, 16 * bi[q], 16 * kk, lane));
+            if (q == 0) {  // rows bj = bi: B (two n-tiles) = {a0, a2}, {a1, a3}
+                bf[0] = ak[0]; bf[1] = ak[2]; bf[2] = ak[1]; bf[3] = ak[3];
+                mma16816(qq[0], aq, aq[0], aq[2]);
+                mma16816(qq[1], aq, aq[1], aq[3]);
+            } else {
+                ldsm4(bf, bn_addr(Ks, KST, 16 * bj[q], 16 * kk, lane));
+            }
+            mma16816(kacc[q][0], ak, bf[0], bf[1]);
+            mma16816(kacc[q][1], ak, bf[2], bf[3]);
+            mma16816(qacc[q][0], aq, bf[0], bf[1]);
+            mma16816(qacc[q][1], aq, bf[2], bf[3]);
+        }
+    }
+    const int g = lane >> 2, t = lane & 3;
+    if (t == g >> 1) {  // this lane holds diagonal entries (g, g) and (g + 8, g + 8) of both diagonal blocks
+        const bool odd = g & 1;  // column 2t + 1 (selects, not a register index: that would go to local memory)
+        const int r = 16 * w + g;
+        Rk[r] = rsqrtf((odd ? kacc[0][0][1] : kacc[0][0][0]) + 1e-6f);
+        Rk[r + 8] = rsqrtf((odd ? kacc[0][1][3] : kacc[0][1][2]) + 1e-6f);
+        Rq[r] = rsqrtf((odd ? qq[0][1] : qq[0][0]) + 1e-6f) * 0.08838834764831845f;  // 128 ** -0.5
+        Rq[r + 8] = rsqrtf((odd ? qq[1][3] : qq[1][2]) + 1e-6f) * 0.08838834764831845f;
+    }
+}
+
 // Grid: (Hv / hpb, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences. A
 // block takes hpb <= PREP_MAX_HEADS value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q,
 // forms the raw K K^T and Q K^T once (warp j computes head j's gates meanwhile), then per value head
@@ -110,7 +158,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hfirst = blockIdx.x * hpb, slot = blockIdx.y;
 #ifdef PROFILE  // block (0, 0) leaves the cycles of its phases in its own Fg row (development only)
-    long long prof[6] = {}, tprev = clock64();
+    long long prof[5] = {}, tprev = clock64();
 #endif
     const int hk = hfirst / (Hv / Hk);
     int n, c, len, batch;
@@ -175,39 +223,19 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     }
     cp_async_wait<0>();
     MARK(0);
-    {  // l2-norm factor of row tid (K rows 0..63, then Q rows)
-        const elem* src = tid < CH ? Ks + tid * KST : Qs + (tid - CH) * KST;
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(src + 8 * i);
-            const u32 w4[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = unpack2(w4[e]);
-                ss = fmaf(f.x, f.x, ss);
-                ss = fmaf(f.y, f.y, ss);
-            }
-        }
-        const float r = rsqrtf(ss + 1e-6f);
-        if (tid < CH) Rk[tid] = r;
-        else Rq[tid - CH] = r * 0.08838834764831845f;  // 128 ** -0.5
-    }
-    MARK(1);
     float kacc[3][2][4], qacc[3][2][4];  // raw K K^T, Q K^T blocks: shared by the value heads
-    tri_acc(Ks, Ks, warp, kacc, lane);
-    tri_acc(Qs, Ks, warp, qacc, lane);
-    MARK(2);  // K and Q are dead: L and T take their place
+    tri_acc_kq(Ks, Qs, warp, kacc, qacc, Rk, Rq, lane);
+    MARK(1);  // K and Q are dead: L and T take their place
     for (int j = 0; j < hpb; ++j) {  // no barrier between heads: head j + 1 writes L (read by head j's
-        const int h = hfirst + j;     // inverse, before MARK(4)) and then, after MARK(3), T (read by head j's stores)
+        const int h = hfirst + j;     // inverse, before MARK(3)) and then, after MARK(2), T (read by head j's stores)
         const float* Gc = Gv + j * 2 * CH;
         const float* Bt = Gc + CH;
         const long long ob = ((long long)slot * Hv + h) * CH * CH;
         tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
         tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
-        MARK(3);
+        MARK(2);
         invert_tril64(Lf, Tf, Tb, Xs, tid);
-        MARK(4);
+        MARK(3);
 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; the upper blocks (zero) are left out
@@ -222,9 +250,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         }
     }
 #ifdef PROFILE
-    MARK(5);
+    MARK(4);
     if (tid == 0 && blockIdx.x == 0 && slot == 0)
-        for (int i = 0; i < 6; ++i) Fg[i] = (float)prof[i];
+        for (int i = 0; i < 5; ++i) Fg[i] = (float)prof[i];
 #endif
 }
 
