@@ -17,7 +17,7 @@ import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
 PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
-PREP_PHASES = ["load+gates", "KK/QK/QQ mma+norms", "scale+store L,P", "inverse", "store T"]
+PREP_PHASES = ["load+gates", "KK/QK/QQ mma+norms", "heads (L, inverse, T | P)"]
 VARIANTS = {}  # name -> extra defines, timed at B=1 and B=8, L=4096
 
 

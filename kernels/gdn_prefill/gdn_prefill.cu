@@ -1,6 +1,6 @@
 // Gated DeltaNet chunked prefill (NVRTC, sm_80+; tuned for sm_90): two kernels.
 //
-// gdn_chunk_prep: one 128-thread block per (chunk of 64 tokens, 1 to 4 value heads of one q/k head),
+// gdn_chunk_prep: one 256-thread block per (chunk of 64 tokens, 1 to 4 value heads of one q/k head),
 //   all chunks at once.
 //   From raw q, k, a, b it computes the gates G (in-chunk cumsum of g), beta, the l2-norm factors
 //   rk, rq (q scale folded in), and the two 64x64 chunk matrices that do not depend on the state:
@@ -40,7 +40,10 @@ typedef unsigned int u32;
 #define CH 64       // chunk length
 #define DK 128      // key / value head dim
 #define NTHR 256    // main kernel: 8 warps
-#define PTHR 128    // prep kernel: 4 warps
+#define PTHR 256    // prep kernel: 8 warps, two groups of 4 (K K^T -> L -> T; Q K^T -> P)
+#ifndef PREP_MINB
+#define PREP_MINB 4  // prep blocks per SM the registers are sized for (64 per thread)
+#endif
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
 #define FST 68          // fp32 row stride of L and T (prep kernel): 64 rows fill exactly a K or Q tile
 #define BST 72          // 16-bit row stride of P and T
@@ -76,63 +79,64 @@ __device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
 #include "gdn_chunk.cuh"
 #include "tma.cuh"
 
-// The prep kernel's products, one pass over K and Q: warp w's blocks (tri_blocks) of K K^T and Q K^T, and the
-// squared l2 norms of the rows of K and Q from the diagonals of its diagonal blocks of K K^T and Q Q^T (the
-// latter costs two more mma per k step: its B fragments are the A fragments of Q already loaded, as are
-// K K^T's for the diagonal block). Leaves the norm factors in Rk, Rq (q scale folded in); the caller syncs.
-__device__ __forceinline__ void tri_acc_kq(const elem* Ks, const elem* Qs, int w, float kacc[3][2][4],
-                                           float qacc[3][2][4], float* Rk, float* Rq, int lane) {
+// One group's products in the prep kernel: warp w's blocks (tri_blocks) of K K^T (group 0) or Q K^T (group 1),
+// and the squared l2 norms of the rows of K (Q) from the diagonal of its diagonal block of K K^T (of Q Q^T:
+// two more mma per k step, whose B fragments are the A fragments of Q already loaded, as K K^T's are for its
+// diagonal block). Leaves the norm factors in Rn (q scale folded in for Q); the caller syncs.
+template <bool IS_Q>
+__device__ __forceinline__ void prep_products(const elem* Ks, const elem* Qs, int w, float acc[3][2][4], float* Rn,
+                                              int lane) {
+    const elem* X = IS_Q ? Qs : Ks;
     int bi[3], bj[3];
     tri_blocks(w, bi, bj);
     const int nq = tri_nblocks(w);
-    float qq[2][4] = {};
+    float dg[2][4] = {};  // the diagonal block of Q Q^T (group 1)
 #pragma unroll
     for (int q = 0; q < 3; ++q)
 #pragma unroll
         for (int nj = 0; nj < 2; ++nj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) kacc[q][nj][e] = qacc[q][nj][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc[q][nj][e] = 0.f;
 #pragma unroll 1
     for (int kk = 0; kk < DK / 16; ++kk) {
 #pragma unroll
         for (int q = 0; q < 3; ++q) {
             if (q >= nq) break;  // warp-uniform
-            u32 ak[4], aq[4], bf[4];
-            ldsm4(ak, a_addr(Ks, KST, 16 * bi[q], 16 * kk, lane));
-            ldsm4(aq, a_addr(Qs, KST, 16 * bi[q], 16 * kk, lane));
-            if (q == 0) {  // rows bj = bi: B (two n-tiles) = {a0, a2}, {a1, a3}
-                bf[0] = ak[0]; bf[1] = ak[2]; bf[2] = ak[1]; bf[3] = ak[3];
-                mma16816(qq[0], aq, aq[0], aq[2]);
-                mma16816(qq[1], aq, aq[1], aq[3]);
+            u32 ax[4], bf[4];
+            ldsm4(ax, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
+            if (q == 0 && !IS_Q) {  // rows bj = bi of K itself: B (two n-tiles) = {a0, a2}, {a1, a3}
+                bf[0] = ax[0]; bf[1] = ax[2]; bf[2] = ax[1]; bf[3] = ax[3];
             } else {
                 ldsm4(bf, bn_addr(Ks, KST, 16 * bj[q], 16 * kk, lane));
             }
-            mma16816(kacc[q][0], ak, bf[0], bf[1]);
-            mma16816(kacc[q][1], ak, bf[2], bf[3]);
-            mma16816(qacc[q][0], aq, bf[0], bf[1]);
-            mma16816(qacc[q][1], aq, bf[2], bf[3]);
+            if (q == 0 && IS_Q) {
+                mma16816(dg[0], ax, ax[0], ax[2]);
+                mma16816(dg[1], ax, ax[1], ax[3]);
+            }
+            mma16816(acc[q][0], ax, bf[0], bf[1]);
+            mma16816(acc[q][1], ax, bf[2], bf[3]);
         }
     }
     const int g = lane >> 2, t = lane & 3;
-    if (t == g >> 1) {  // this lane holds diagonal entries (g, g) and (g + 8, g + 8) of both diagonal blocks
+    if (t == g >> 1) {  // this lane holds diagonal entries (g, g) and (g + 8, g + 8) of the diagonal block
         const bool odd = g & 1;  // column 2t + 1 (selects, not a register index: that would go to local memory)
-        const int r = 16 * w + g;
-        Rk[r] = rsqrtf((odd ? kacc[0][0][1] : kacc[0][0][0]) + 1e-6f);
-        Rk[r + 8] = rsqrtf((odd ? kacc[0][1][3] : kacc[0][1][2]) + 1e-6f);
-        Rq[r] = rsqrtf((odd ? qq[0][1] : qq[0][0]) + 1e-6f) * 0.08838834764831845f;  // 128 ** -0.5
-        Rq[r + 8] = rsqrtf((odd ? qq[1][3] : qq[1][2]) + 1e-6f) * 0.08838834764831845f;
+        const float(*d)[4] = IS_Q ? dg : acc[0];
+        const float sc = IS_Q ? 0.08838834764831845f : 1.f;  // 128 ** -0.5
+        Rn[16 * w + g] = rsqrtf((odd ? d[0][1] : d[0][0]) + 1e-6f) * sc;
+        Rn[16 * w + g + 8] = rsqrtf((odd ? d[1][3] : d[1][2]) + 1e-6f) * sc;
     }
 }
 
 // Grid: (Hv / hpb, slots) with slots = B * ceil(T / 64), or ceil(T / 64) + N for packed sequences. A
-// block takes hpb <= PREP_MAX_HEADS value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q,
-// forms the raw K K^T and Q K^T once (warp j computes head j's gates meanwhile), then per value head
-// applies that head's gates and inverts (I + L). hpb = 1
+// block takes hpb <= PREP_MAX_HEADS value heads of one q/k head (hpb divides Hv / Hk): it reads K, Q
+// (warp j computes head j's gates meanwhile); group 0 (warps 0-3) forms the raw K K^T once and per value
+// head applies that head's gates, inverts (I + L) and stores T; group 1 (warps 4-7) forms Q K^T once and
+// per head stores P, alongside (8 warps of 64 registers: 4 blocks per SM hide each other's latency). hpb = 1
 // gives the most blocks (short prompts: one wave, latency counts); hpb = Hv / Hk the least work.
 // Outputs per (slot, head): Tg, Pg [64][64] 16-bit (the lower 16 x 16 blocks only; the upper ones, zero, are
 // neither written nor read: readers zero-fill them), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
-extern "C" __global__ void __launch_bounds__(PTHR, 4)
+extern "C" __global__ void __launch_bounds__(PTHR, PREP_MINB)
 gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
                const abt* __restrict__ a, const abt* __restrict__ b,
                const float* __restrict__ A_log, const float* __restrict__ dt_bias,
@@ -158,7 +162,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hfirst = blockIdx.x * hpb, slot = blockIdx.y;
 #ifdef PROFILE  // block (0, 0) leaves the cycles of its phases in its own Fg row (development only)
-    long long prof[5] = {}, tprev = clock64();
+    long long prof[3] = {}, tprev = clock64();
 #endif
     const int hk = hfirst / (Hv / Hk);
     int n, c, len, batch;
@@ -187,7 +191,7 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
     const elem* kb = k + batch * k_sb + (bos + tok0) * k_st + hk * k_sh;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < CH * DK / 8 / PTHR; ++i) {
         const int idx = tid + i * PTHR, row = idx >> 4, col = (idx & 15) * 8;
         const bool ok = tok0 + row < len;
         const long long tt = ok ? row : 0;
@@ -223,23 +227,29 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     }
     cp_async_wait<0>();
     MARK(0);
-    float kacc[3][2][4], qacc[3][2][4];  // raw K K^T, Q K^T blocks: shared by the value heads
-    tri_acc_kq(Ks, Qs, warp, kacc, qacc, Rk, Rq, lane);
+    const int grp = warp >> 2, w = warp & 3;
+    float acc[3][2][4];  // raw K K^T (group 0) or Q K^T (group 1) blocks: shared by the value heads
+    if (grp == 0) prep_products<false>(Ks, Qs, w, acc, Rk, lane);
+    else prep_products<true>(Ks, Qs, w, acc, Rq, lane);
     MARK(1);  // K and Q are dead: L and T take their place
-    for (int j = 0; j < hpb; ++j) {  // no barrier between heads: head j + 1 writes L (read by head j's
-        const int h = hfirst + j;     // inverse, before MARK(3)) and then, after MARK(2), T (read by head j's stores)
+    for (int j = 0; j < hpb; ++j) {
+        const int h = hfirst + j;
         const float* Gc = Gv + j * 2 * CH;
         const float* Bt = Gc + CH;
         const long long ob = ((long long)slot * Hv + h) * CH * CH;
-        tri_store(false, kacc, warp, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
-        tri_store(true, qacc, warp, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);  // P straight to memory
-        MARK(2);
+        if (grp == 1) {  // P straight to memory
+            tri_store(true, acc, w, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);
+            continue;
+        }
+        // group 0; no block barrier between heads: head j + 1 writes L after head j's inverse read it, and T
+        // after head j's stores read it, each behind a group barrier
+        tri_store(false, acc, w, Gc, Bt, Rk, Rq, Lf, nullptr, 0, lane);
+        group_sync(1);
         invert_tril64(Lf, Tf, Tb, Xs, tid);
-        MARK(3);
-
+        group_sync(1);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; the upper blocks (zero) are left out
-            const int idx = tid + i * PTHR, row = idx >> 3, col = (idx & 7) * 8;
+            const int idx = tid + i * 128, row = idx >> 3, col = (idx & 7) * 8;
             if ((col >> 4) <= (row >> 4))
                 *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
         }
@@ -250,9 +260,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         }
     }
 #ifdef PROFILE
-    MARK(4);
+    MARK(2);
     if (tid == 0 && blockIdx.x == 0 && slot == 0)
-        for (int i = 0; i < 5; ++i) Fg[i] = (float)prof[i];
+        for (int i = 0; i < 3; ++i) Fg[i] = (float)prof[i];
 #endif
 }
 

@@ -72,7 +72,7 @@ def choose_dv_split_split_o(n_heads_total: int, device: torch.device) -> int:
 
 PREP_MAX_HEADS = 4  # value heads one prep block can take (PREP_MAX_HEADS in gdn_prefill.cu)
 PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + (2 + 2 * PREP_MAX_HEADS) * 64 * 4  # PSM_TOTAL
-PREP_THREADS = 128
+PREP_THREADS = 256
 PREP_BLOCKS_PER_SM = 4
 # Cycles of one prep block (H200, PROFILE marks): ~16k to load K, Q and form K K^T, Q K^T, ~9k more per
 # value head (gates, L, P, the inverse, stores).
