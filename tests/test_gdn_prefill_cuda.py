@@ -305,8 +305,8 @@ def test_wgmma_tiles(ks, n, c0, trans_a, dtype):
 def test_mma_sync_walk_on_hopper(monkeypatch, T, B, dtype, dv_split):
     """NO_WGMMA=1 builds the mma.sync 128-column walk (what Blackwell-class cards run) on the H200, where
     the wgmma walk is the default: whole heads (DVS 128) and the walks of the sequence split (4,097 tokens)
-    stay right against f64, and the two walks agree (on the H200 bit for bit: both add the same 16-wide
-    products in the same order)."""
+    stay right against f64, and the two walks agree to the one rounding they do differently (the wgmma
+    walk's state update takes the scaled u in fp16, the mma.sync walk as bf16 hi + lo)."""
     from qwen35_fast.kernels.gdn_prefill import launch as L
     inputs = make_inputs(B, T, 2, 4, dtype, "model", B, seed=T + B)
     key = ("walks", T, B, dtype)
@@ -315,4 +315,4 @@ def test_mma_sync_walk_on_hopper(monkeypatch, T, B, dtype, dv_split):
     monkeypatch.setitem(L.EXTRA_DEFINES, "NO_WGMMA", 1)
     run_and_check(*inputs, dv_split=dv_split, fused=False, ref_key=key)
     o_mma, ht_mma = _launcher()(*inputs, dv_split=dv_split, fused=False)
-    assert rel(o_wg, o_mma) < 4e-3 and rel(ht_wg, ht_mma) < 1e-4, (rel(o_wg, o_mma), rel(ht_wg, ht_mma))
+    assert rel(o_wg, o_mma) < 4e-3 and rel(ht_wg, ht_mma) < 1e-3, (rel(o_wg, o_mma), rel(ht_wg, ht_mma))

@@ -20,7 +20,8 @@
 // The chunk-local work is thus done once per (chunk, head) at full occupancy instead of on the
 // sequential path of every Dv slice (that fused variant was ~3x slower per chunk step).
 // rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
-// alone would put the final state's error near 3e-3; split, it is ~1e-6 (strong decay) to ~7e-4.
+// alone would put the final state's error near 3e-3; split, it is ~1e-6 (strong decay) to ~7e-4. (The wgmma
+// walk takes the scaled u as one fp16 value instead, with K^T in fp16: 11 bits, see walk_chunks_wg.)
 #include "common.cuh"
 
 #ifndef DVS
@@ -610,8 +611,10 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 }
 
 // ---------------------------------------------------------------- the 128-column walk on wgmma (sm_90a)
-// Same arithmetic and roundings as walk_chunks<128>; the products run as warpgroup mma with B from
-// shared memory. Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
+// Same arithmetic as walk_chunks<128>; the products run as warpgroup mma with B from shared memory. One
+// rounding differs: the state update takes the scaled u as one fp16 value (11 bits) against K^T converted to
+// fp16 in registers, where the mma.sync walk adds a hi and a lo bf16 half (16 bits): half the update's
+// tensor work for a final-state error still ~10x below fla's and FlashQLA's (NOTES.md). Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
 // Per chunk: S -> 16-bit (canonical layout); then group wg takes the column half [64 wg, +64) of K S,
 // Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
 // K, Q, V, T, P arrive by TMA (tma.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
@@ -629,8 +632,8 @@ struct GeoWG {  // K, Q, V as two 128-byte-swizzled [64][64] halves each, T, P s
     static constexpr int SO_T = SO_V + CH * DK * 2, SO_P = SO_T + CH * CH * 2, SO_F = SO_P + CH * CH * 2;
     static constexpr int STAGE = SO_F + 4 * CH * 4;
     static constexpr int BYTES = STAGE;  // what the copies of one chunk deliver
-    static constexpr int S = NST * STAGE, RHS = S + DK * DK * 2, UH = RHS + CH * DK * 2, UL = UH + CH * DK * 2;
-    static constexpr int TOTAL = UL + CH * DK * 2 + 1024;  // + the alignment of the base to 1 KB
+    static constexpr int S = NST * STAGE, RHS = S + DK * DK * 2, UH = RHS + CH * DK * 2;
+    static constexpr int TOTAL = UH + CH * DK * 2 + 1024;  // + the alignment of the base to 1 KB
 };
 static_assert(GeoWG::TOTAL <= Geo<128>::TOTAL, "the launcher sizes shared memory by Geo<128>");
 static_assert(GeoWG::STAGE % 1024 == 0 && GeoWG::SO_T % 1024 == 0 && GeoWG::SO_P % 1024 == 0 && GeoWG::S % 1024 == 0,
@@ -647,8 +650,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     elem* Sb = reinterpret_cast<elem*>(smem + GW::S);
     elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
     elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
-    elem* Uh = reinterpret_cast<elem*>(smem + GW::UH);  // rk e^{G_end-G} u (hi)
-    elem* Ul = reinterpret_cast<elem*>(smem + GW::UL);  // (lo)
+    elem* Uh = reinterpret_cast<elem*>(smem + GW::UH);  // rk e^{G_end-G} u in fp16 (whatever the input type)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // warpgroup index and chunk range through a shuffle: provably warp-uniform for the compiler, which
@@ -821,19 +823,16 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
-                u32 ur[4], hi[4], lo[4];
+                u32 ur[4], hs[4];
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const float f = (q & 1) ? f1 : f0;
                     const float* up = ua + 4 * (j + (q >> 1)) + 2 * (q & 1);
                     ur[q] = pack2(up[0], up[1]);
-                    hi[q] = pack2(f * up[0], f * up[1]);
-                    const float2 hf = unpack2(hi[q]);
-                    lo[q] = pack2(f * up[0] - hf.x, f * up[1] - hf.y);
+                    hs[q] = pack_f16_sat(f * up[0], f * up[1]);
                 }
                 stsm4(const_cast<elem*>(cb_mat(Ub, 16 * wq, c0 + 8 * j, lane)), ur[0], ur[1], ur[2], ur[3]);
-                stsm4(const_cast<elem*>(cb_mat(Uh, 16 * wq, c0 + 8 * j, lane)), hi[0], hi[1], hi[2], hi[3]);
-                stsm4(const_cast<elem*>(cb_mat(Ul, 16 * wq, c0 + 8 * j, lane)), lo[0], lo[1], lo[2], lo[3]);
+                stsm4(const_cast<elem*>(cb_mat(Uh, 16 * wq, c0 + 8 * j, lane)), hs[0], hs[1], hs[2], hs[3]);
             }
             fence_proxy_async();
         }
@@ -845,9 +844,12 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], Pb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)  // K^T rows 64 wg + 16 wq .., ldmatrix .trans of K rows 16 kk ..
+            for (int kk = 0; kk < 4; ++kk) {  // K^T rows 64 wg + 16 wq .., ldmatrix .trans of K rows 16 kk ..
                 ldsm4t(kf[kk], Kc + sw128(16 * kk + (lane & 7) + ((lane >> 4) << 3),
                                           64 * wg + 16 * wq + ((lane >> 3) & 1) * 8));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) kf[kk][e] = to_f16_pair(kf[kk][e]);  // the state update runs in fp16
+            }
             const float decay = __expf(Gc[CH - 1]);
 #pragma unroll
             for (int e = 0; e < 64; ++e) s[e] *= decay;
@@ -858,10 +860,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             for (int kk = 0; kk < 4; ++kk) wg_m64n64(oacc, pf[kk], wg_desc(Ub + cb_off(16 * kk, c0)), 1);
             wg_commit();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                wg_m64n128(s, kf[kk], wg_desc(Uh + cb_off(16 * kk, 0)), 1);
-                wg_m64n128(s, kf[kk], wg_desc(Ul + cb_off(16 * kk, 0)), 1);
-            }
+            for (int kk = 0; kk < 4; ++kk) wg_m64n128_f16(s, kf[kk], wg_desc(Uh + cb_off(16 * kk, 0)), 1);
             wg_commit();
             wg_wait<1>();  // P u done; the state update may still run
             wg_pin(oacc);
