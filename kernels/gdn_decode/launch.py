@@ -12,6 +12,9 @@ SRC = Path(__file__).with_name("gdn_decode.cu")
 # (value columns, threads) per block: gdn_decode.cu's VT and THREADS, for N <= SMALL_N and above.
 # H200, graph replay, Qwen3.5 shapes (bench/variants.py): (32, 128) 68/87/91% of copy bandwidth at N = 8/64/256,
 # (64, 128) 68/90/95%, (16, 64) 69/79/83%, (64, 256) 61/89/95%. (32, 128) also fits any D % 16, Dv % 32.
+# At N = 8 a plain torch copy of the same bytes takes 10.0 us (79% of copy bandwidth) against our 11.7 us;
+# capping the blocks per SM so that late blocks read while early ones write is slower (13-16 us;
+# bench/decode_occupancy.py, 2026-11-30): every block must read its whole tile before it can write.
 CONFIG = {"small": (32, 128), "large": (64, 128)}
 SMALL_N = 32
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
