@@ -70,13 +70,7 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 #define PSM_TOTAL (PSM_VEC + (2 + 2 * PREP_MAX_HEADS) * CH * 4)  // 51 KB: 4 blocks per SM
 static_assert(CH * FST * 4 <= CH * KST * 2, "L / T rows must fit in the K / Q tiles they replace");
 
-// Index of the first (chunk, head) slot of sequence n in the prep buffers: n * chunks-per-sequence
-// when all have length T, else bos / 64 + n (distinct and increasing for packed sequences; fewer
-// than T_total / 64 + N slots in all).
-__device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
-    return cu_seqlens ? cu_seqlens[n] / CH + n : n * ((T + CH - 1) / CH);
-}
-
+#include "seq.cuh"
 #include "gdn_chunk.cuh"
 #include "tma.cuh"
 
@@ -166,27 +160,10 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
     long long prof[3] = {}, tprev = clock64();
 #endif
     const int hk = hfirst / (Hv / Hk);
-    int n, c, len, batch;
-    long long bos;
-    if (cu_seqlens) {  // the sequence whose slots hold this one: largest n with first_slot(n) <= slot
-        int lo = 0, hi = N - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (first_slot(cu_seqlens, mid, T) <= slot) lo = mid; else hi = mid - 1;
-        }
-        n = lo;
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-        c = slot - first_slot(cu_seqlens, n, T);
-    } else {
-        const int nch = (T + CH - 1) / CH;
-        n = slot / nch;
-        c = slot - n * nch;
-        batch = n;
-        bos = 0;
-        len = T;
-    }
+    int n, c;
+    const SeqSpan sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
+    const long long bos = sp.bos;
+    const int len = sp.len, batch = sp.batch;
     if (c * CH >= len) return;  // a gap between packed sequences
     const int tok0 = c * CH;
     const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
@@ -938,19 +915,9 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     const int h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
 
-    long long bos, batch_tok;  // first token of the sequence in its batch row; flat token index of it
-    int len, batch;
-    if (cu_seqlens) {
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-        batch_tok = bos;
-    } else {
-        batch = n;
-        bos = 0;
-        len = T;
-        batch_tok = (long long)n * T;
-    }
+    const SeqSpan sp = seq_span(cu_seqlens, n, T);
+    const long long bos = sp.bos, batch_tok = sp.batch_tok;
+    const int len = sp.len, batch = sp.batch;
     const int nchunks = (len + CH - 1) / CH;
     Walk wk;
     wk.qb = q + batch * q_sb + bos * q_st + hk * q_sh;

@@ -65,6 +65,7 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 #define SM_TOTAL (SM_VEC + 4 * CH * 4)
 
 #include "gdn_chunk.cuh"
+#include "seq.cuh"
 
 // Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
@@ -104,19 +105,9 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
 
-    long long bos, batch_tok;  // first token of the sequence in its batch row; flat token index of it
-    int len, batch;
-    if (cu_seqlens) {
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-        batch_tok = bos;
-    } else {
-        batch = n;
-        bos = 0;
-        len = T;
-        batch_tok = (long long)n * T;
-    }
+    const SeqSpan sp = seq_span(cu_seqlens, n, T);
+    const long long bos = sp.bos, batch_tok = sp.batch_tok;
+    const int len = sp.len, batch = sp.batch;
     const elem* qb = q + batch * q_sb + bos * q_st + hk * q_sh;
     const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
     const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;

@@ -57,10 +57,7 @@ static_assert(DVS == 16 || DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 16
 #define OSM_F (OSM_U + CH * OST * 2)
 #define OSM_TOTAL (OSM_F + 4 * CH * 4)
 
-// First (chunk, head) slot of sequence n, as in gdn_prefill.cu (the prep kernel's buffers).
-__device__ __forceinline__ int first_slot(const int* cu_seqlens, int n, int T) {
-    return cu_seqlens ? cu_seqlens[n] / CH + n : n * ((T + CH - 1) / CH);
-}
+#include "seq.cuh"
 
 #include "mma_tiles.cuh"
 
@@ -111,17 +108,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
 
-    long long bos;
-    int len, batch;
-    if (cu_seqlens) {
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-    } else {
-        batch = n;
-        bos = 0;
-        len = T;
-    }
+    const SeqSpan sp = seq_span(cu_seqlens, n, T);
+    const long long bos = sp.bos;
+    const int len = sp.len, batch = sp.batch;
     const int slot0 = first_slot(cu_seqlens, n, T);
     const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
     const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
@@ -310,29 +299,10 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
     const int g = lane >> 2, t = lane & 3;
     const int slot = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * OVS;
     const int hk = h / (Hv / Hk);
-    int n, c, len, batch;
-    long long bos, batch_tok;
-    if (cu_seqlens) {  // the sequence whose slots hold this one: largest n with first_slot(n) <= slot
-        int lo = 0, hi = N - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (first_slot(cu_seqlens, mid, T) <= slot) lo = mid; else hi = mid - 1;
-        }
-        n = lo;
-        batch = 0;
-        bos = cu_seqlens[n];
-        len = cu_seqlens[n + 1] - (int)bos;
-        c = slot - first_slot(cu_seqlens, n, T);
-        batch_tok = bos;
-    } else {
-        const int nch = (T + CH - 1) / CH;
-        n = slot / nch;
-        c = slot - n * nch;
-        batch = n;
-        bos = 0;
-        len = T;
-        batch_tok = (long long)n * T;
-    }
+    int n, c;
+    const SeqSpan sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
+    const long long bos = sp.bos, batch_tok = sp.batch_tok;
+    const int len = sp.len, batch = sp.batch;
     if (c * CH >= len) return;  // a gap between packed sequences
     const int tok0 = c * CH;
     const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
