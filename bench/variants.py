@@ -1,7 +1,7 @@
 """Tile and unroll variants of the decode and conv1d kernels, each checked and timed in one run
 (graph replay, median), to pick the launchers' defaults. Prints one table.
 
-    python bench/variants.py
+    python bench/variants.py [--decode VTxTHREADS,... [--n 8,32]]   (--decode: only those decode tiles)
 """
 import sys
 import time
@@ -39,9 +39,19 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     A_log, dt_bias = torch.rand(HV, device=DEV) + 0.5, torch.ones(HV, device=DEV)
     lines = []
-    sets = {N: decode_sets(N, max(1, (256 << 20) // (N * HV * D * D * 4))) for N in (8, 64, 256)}
-    for cfg in [(32, 128), (32, 256), (16, 64), (16, 128), (64, 256), (64, 128)]:
-        dec.CONFIG = {"small": cfg, "large": cfg}
+    cfgs = [(32, 128), (32, 256), (16, 64), (16, 128), (64, 256), (64, 128)]
+    ns = (8, 64, 256)
+    only_decode = "--decode" in sys.argv
+    if only_decode:
+        cfgs = [tuple(int(x) for x in c.split("x")) for c in sys.argv[sys.argv.index("--decode") + 1].split(",")]
+        if "--n" in sys.argv:
+            ns = tuple(int(x) for x in sys.argv[sys.argv.index("--n") + 1].split(","))
+    sets = {N: decode_sets(N, max(1, (256 << 20) // (N * HV * D * D * 4))) for N in ns}
+    hints = ({}, {"STREAM_HINTS": 1}) if only_decode else ({},)
+    for cfg, extra in [(c, e) for c in cfgs for e in hints]:
+        dec.EXTRA_DEFINES.clear()
+        dec.EXTRA_DEFINES.update(extra)
+        dec.CONFIG = {"tiny": cfg, "small": cfg, "large": cfg}
         dec._fns.clear()
         s = decode_sets(3, 1)[0]
         st_ref = s["state"].clone()
@@ -55,11 +65,14 @@ def main():
                     dec.gdn_decode_step_cuda(x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, x["state"])
             ms = bench_ms(graph_of(step_all).replay) / len(ss)
             res.append(f"N={N}: {ms * 1e3:.1f} us {2 * N * HV * D * D * 4 / (ms * 1e-3) / bw:.0%}")
-        lines.append(f"decode VT,THREADS={cfg} ok={ok} | " + " | ".join(res))
+        lines.append(f"decode VT,THREADS={cfg}{' stream hints' if extra else ''} ok={ok} | " + " | ".join(res))
         print(lines[-1], flush=True)
+    dec.EXTRA_DEFINES.clear()
+    if only_decode:
+        return
 
     # host overhead of one eager decode call (CPU time per call while the GPU keeps up)
-    dec.CONFIG = {"small": (32, 128), "large": (32, 128)}
+    dec.CONFIG = {"tiny": (32, 128), "small": (32, 128), "large": (32, 128)}
     x = sets[8][0]
     for _ in range(20):
         dec.gdn_decode_step_cuda(x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, x["state"])

@@ -33,7 +33,8 @@ VARIANTS = {
                   {"VEC": 4, "UNROLL": 16}, {"TX": 0, "VEC": 2, "UNROLL": 4},
                   {"TX": 1, "VEC": 1, "TW": 0, "TS": 0, "TB": 0, "HAS_BIAS": 1}],
     "gdn_decode.cu": [{}, {"TQ": 0, "TV": 0, "TA": 0, "TP": 0}, {"TQ": 1, "TV": 1, "TA": 1, "TP": 2, "D": 64, "DV": 64},
-                      {"VT": 16, "THREADS": 64}, {"VT": 64, "THREADS": 256}, {"VT": 16, "THREADS": 128}],
+                      {"VT": 16, "THREADS": 64}, {"VT": 64, "THREADS": 256}, {"VT": 16, "THREADS": 128},
+                      {"VT": 16, "THREADS": 32}, {"VT": 16, "THREADS": 32, "D": 64, "DV": 64}],
     # gdn_prefill/launch.py: DVS (state columns per block) x IN_T (bf16 2, fp16 1) x AB_T (gate dtype fp32 0,
     # fp16 1, bf16 2); the split_o variant also takes DVS 16 and does not read a, b
     "gdn_prefill.cu": [{"DVS": d, "IN_T": i, "AB_T": a} for d in (32, 64, 128) for i in (2, 1) for a in (0, 1, 2)],

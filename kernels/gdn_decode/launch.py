@@ -9,16 +9,20 @@ import torch
 from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).with_name("gdn_decode.cu")
-# (value columns, threads) per block: gdn_decode.cu's VT and THREADS, for N <= SMALL_N and above.
+# (value columns, threads) per block: gdn_decode.cu's VT and THREADS, for N <= TINY_N, N <= SMALL_N and above.
 # H200, graph replay, Qwen3.5 shapes (bench/variants.py): (32, 128) 68/87/91% of copy bandwidth at N = 8/64/256,
 # (64, 128) 68/90/95%, (16, 64) 69/79/83%, (64, 256) 61/89/95%. (32, 128) also fits any D % 16, Dv % 32.
 # At N = 8 a plain torch copy of the same bytes takes 10.0 us (79% of copy bandwidth) against our 11.7 us;
 # capping the blocks per SM so that late blocks read while early ones write is slower (13-16 us;
-# bench/decode_occupancy.py, 2026-11-30): every block must read its whole tile before it can write.
-CONFIG = {"small": (32, 128), "large": (64, 128)}
-SMALL_N = 32
+# bench/decode_occupancy.py, 2026-11-30): every block must read its whole tile before it can write. Smaller
+# blocks let the early ones write sooner: at N = 8, (16, 32) one warp per block 11.2 us (71%), (16, 64) 11.5,
+# (32, 128) 11.7, (8, 32) 13.8; at N = 32 (32, 128) keeps the lead, 38.6 us vs 42.0 for (16, 32)
+# (bench/results/decode-variants-h200.txt).
+CONFIG = {"tiny": (16, 32), "small": (32, 128), "large": (64, 128)}
+TINY_N, SMALL_N = 8, 32
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _fns: dict = {}  # (defines..., device) -> kernel: keeps the per-token host path short
+EXTRA_DEFINES: dict = {}  # development only (bench/variants.py): extra -D flags for gdn_decode.cu
 
 
 def _code(t: torch.Tensor, name: str) -> int:
@@ -35,7 +39,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tile(N: int, D: int, Dv: int) -> tuple[int, int]:
-    for vt, threads in (CONFIG["small" if N <= SMALL_N else "large"], (32, 128)):
+    size = "tiny" if N <= TINY_N else "small" if N <= SMALL_N else "large"
+    for vt, threads in (CONFIG[size], (32, 128)):
         if Dv % vt == 0 and D % (threads // (vt // 4)) == 0:
             return vt, threads
     raise ValueError(f"gdn_decode_step: needs D % 16 == 0 and Dv % 32 == 0 (D={D}, Dv={Dv})")
@@ -73,11 +78,11 @@ def gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state):
     if N == 0:
         return out
     vt, threads = _tile(N, D, Dv)
-    key = (D, Dv, vt, threads, q.dtype, v.dtype, a.dtype, A_log.dtype, q.device)
+    key = (D, Dv, vt, threads, q.dtype, v.dtype, a.dtype, A_log.dtype, q.device, *sorted(EXTRA_DEFINES.items()))
     fn = _fns.get(key)
     if fn is None:
         defines = {"D": D, "DV": Dv, "VT": vt, "THREADS": threads, "TQ": _code(q, "q"), "TV": _code(v, "v"),
-                   "TA": _code(a, "a"), "TP": _code(A_log, "A_log")}
+                   "TA": _code(a, "a"), "TP": _code(A_log, "A_log"), **EXTRA_DEFINES}
         fn = _fns[key] = get_function(SRC, "gdn_decode_step", q.device, defines)
     launch(fn, (Dv // vt, Hv, N), (threads, 1, 1),
            (q, k, v, a, b, A_log, dt_bias, state, out, np.int32(Hk), np.int32(Hv),
