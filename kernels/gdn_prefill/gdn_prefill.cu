@@ -591,7 +591,8 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 // Same arithmetic as walk_chunks<128>; the products run as warpgroup mma with B from shared memory. One
 // rounding differs: the state update takes the scaled u as one fp16 value (11 bits) against K^T converted to
 // fp16 in registers, where the mma.sync walk adds a hi and a lo bf16 half (16 bits): half the update's
-// tensor work for a final-state error still ~10x below fla's and FlashQLA's (NOTES.md). Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
+// tensor work for a final-state error still ~10x below fla's and FlashQLA's (NOTES.md).
+// Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
 // Per chunk: S -> 16-bit (canonical layout); then group wg takes the column half [64 wg, +64) of K S,
 // Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
 // K, Q, V, T, P arrive by TMA (tma.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
