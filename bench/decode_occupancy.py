@@ -7,26 +7,18 @@ same bytes. CUDA-graph replay of 16 rotated steps, like bench/gdn.py.
 import sys
 from pathlib import Path
 
-import torch
-import triton.testing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _import  # noqa: E402,F401
+import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
+from gdn import bench_ms, graph_of  # noqa: E402
 from qwen35_fast.kernels.gdn_decode import launch as DL  # noqa: E402
 
 HK, HV, D, COPIES = 16, 32, 128, 16
 
 
 def graph_ms(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
+    return bench_ms(graph_of(fn).replay)
 
 
 def main():
