@@ -74,9 +74,9 @@ PREP_MAX_HEADS = 4  # value heads one prep block can take (PREP_MAX_HEADS in gdn
 PREP_SMEM = 2 * 64 * (D + 8) * 2 + 64 * 72 * 2 + 4 * 16 * 20 * 4 + (2 + 2 * PREP_MAX_HEADS) * 64 * 4  # PSM_TOTAL
 PREP_THREADS = 256
 PREP_BLOCKS_PER_SM = 4
-# Cycles of one prep block (H200, PROFILE marks): ~16k to load K, Q and form K K^T, Q K^T, ~9k more per
-# value head (gates, L, P, the inverse, stores).
-PREP_SHARED_CYCLES, PREP_HEAD_CYCLES = 16_000, 9_000
+# Cycles of one prep block (H200, PROFILE marks, 4 blocks of 8 warps per SM): ~19k to load K, Q and form
+# K K^T, Q K^T, ~9k more per value head (L, the inverse, T; P alongside).
+PREP_SHARED_CYCLES, PREP_HEAD_CYCLES = 19_000, 9_000
 PREP_HPB: Optional[int] = None  # development only: force the value heads per prep block
 
 
