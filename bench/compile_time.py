@@ -19,10 +19,11 @@ from qwen35_fast.kernels import cuda_build  # noqa: E402
 
 KERNELS = Path(cuda_build.__file__).parent
 # (source, defines) as the launchers ask for them for a bf16 model: the device probe, conv1d prefill and
-# update, the decode step and the two-kernel prefill (its DVS 32 module also holds the 128-column walk of
-# the sequence split). The single fused prefill kernel is opt-in and not loaded by default.
+# update, the decode step (its tile for up to 8 sequences) and the two-kernel prefill (its DVS 32 module
+# also holds the 128-column walk of the sequence split). The single fused prefill kernel is opt-in and not
+# loaded by default.
 MODULES = [("probe.cu", {}), ("conv1d/conv1d.cu", {}), ("conv1d/conv1d.cu", {"TX": 0}),
-           ("gdn_decode/gdn_decode.cu", {}),
+           ("gdn_decode/gdn_decode.cu", {"VT": 16, "THREADS": 32}),
            ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2, "AB_T": 2})]
 
 
