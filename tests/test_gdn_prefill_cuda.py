@@ -299,6 +299,17 @@ def test_wgmma_tiles(ks, n, c0, trans_a, dtype):
     assert rel(D, ref) < 1e-5, rel(D, ref)
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+def test_large_and_small_values(scale):
+    """v (and with it u and the state) scaled far from 1: on Hopper the state update takes the scaled u in
+    fp16 (range 6e-5 .. 65504 in normal numbers, clamped, never inf); relative errors must not care about
+    the scale. h0 scales with v, as a real model's state would."""
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, 1000, 2, 4, torch.bfloat16, "weak", 1, seed=7)
+    v, h0 = (v.float() * scale).to(v.dtype), h0 * scale
+    for dv_split in (None, 128):
+        run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, ref_key=("scale", scale))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="the wgmma walk is the default on sm_90 only")
 @pytest.mark.parametrize("T,B,dtype,dv_split", [(1000, 3, torch.bfloat16, 128), (1000, 3, torch.float16, 128),
                                                 (4097, 1, torch.bfloat16, None)])
