@@ -47,10 +47,7 @@ def main():
         if "--n" in sys.argv:
             ns = tuple(int(x) for x in sys.argv[sys.argv.index("--n") + 1].split(","))
     sets = {N: decode_sets(N, max(1, (256 << 20) // (N * HV * D * D * 4))) for N in ns}
-    hints = ({}, {"STREAM_HINTS": 1}) if only_decode else ({},)
-    for cfg, extra in [(c, e) for c in cfgs for e in hints]:
-        dec.EXTRA_DEFINES.clear()
-        dec.EXTRA_DEFINES.update(extra)
+    for cfg in cfgs:
         dec.CONFIG = {"tiny": cfg, "small": cfg, "large": cfg}
         dec._fns.clear()
         s = decode_sets(3, 1)[0]
@@ -65,9 +62,8 @@ def main():
                     dec.gdn_decode_step_cuda(x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, x["state"])
             ms = bench_ms(graph_of(step_all).replay) / len(ss)
             res.append(f"N={N}: {ms * 1e3:.1f} us {2 * N * HV * D * D * 4 / (ms * 1e-3) / bw:.0%}")
-        lines.append(f"decode VT,THREADS={cfg}{' stream hints' if extra else ''} ok={ok} | " + " | ".join(res))
+        lines.append(f"decode VT,THREADS={cfg} ok={ok} | " + " | ".join(res))
         print(lines[-1], flush=True)
-    dec.EXTRA_DEFINES.clear()
     if only_decode:
         return
 

@@ -70,11 +70,7 @@ gdn_decode_step(const tq* __restrict__ q, const tq* __restrict__ k, const tv* __
     float4 s[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i)
-#ifdef STREAM_HINTS  // development: evict-first loads and streaming stores of the state
-        s[i] = __ldcs(reinterpret_cast<const float4*>(S + (size_t)(dg + i * DG) * DV + col));
-#else
         s[i] = *reinterpret_cast<const float4*>(S + (size_t)(dg + i * DG) * DV + col);
-#endif
 
     // while the state is in flight: q, k, their norms, the gates and this thread's v
     __shared__ float qs[D], ks[D];
@@ -147,11 +143,7 @@ gdn_decode_step(const tq* __restrict__ q, const tq* __restrict__ k, const tv* __
     for (int i = 0; i < RPT; ++i) {
         const float4 t = make_float4(fmaf(decay, s[i].x, kr[i] * u[0]), fmaf(decay, s[i].y, kr[i] * u[1]),
                                      fmaf(decay, s[i].z, kr[i] * u[2]), fmaf(decay, s[i].w, kr[i] * u[3]));
-#ifdef STREAM_HINTS
-        __stcs(reinterpret_cast<float4*>(S + (size_t)(dg + i * DG) * DV + col), t);
-#else
         __stwb(reinterpret_cast<float4*>(S + (size_t)(dg + i * DG) * DV + col), t);
-#endif
     }
     if (dg == 0) {
         tv* on = out + ((size_t)n * Hv + h) * DV + col;

@@ -17,12 +17,11 @@ SRC = Path(__file__).with_name("gdn_decode.cu")
 # bench/decode_occupancy.py, 2026-11-30): every block must read its whole tile before it can write. Smaller
 # blocks let the early ones write sooner: at N = 8, (16, 32) one warp per block 11.2 us (71%), (16, 64) 11.5,
 # (32, 128) 11.7, (8, 32) 13.8; at N = 32 (32, 128) keeps the lead, 38.6 us vs 42.0 for (16, 32)
-# (bench/results/decode-variants-h200.txt).
+# (bench/results/decode-variants-h200.txt). Streaming cache hints on the state (__ldcs / __stcs) did not help.
 CONFIG = {"tiny": (16, 32), "small": (32, 128), "large": (64, 128)}
 TINY_N, SMALL_N = 8, 32
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _fns: dict = {}  # (defines..., device) -> kernel: keeps the per-token host path short
-EXTRA_DEFINES: dict = {}  # development only (bench/variants.py): extra -D flags for gdn_decode.cu
 
 
 def _code(t: torch.Tensor, name: str) -> int:
@@ -78,11 +77,11 @@ def gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state):
     if N == 0:
         return out
     vt, threads = _tile(N, D, Dv)
-    key = (D, Dv, vt, threads, q.dtype, v.dtype, a.dtype, A_log.dtype, q.device, *sorted(EXTRA_DEFINES.items()))
+    key = (D, Dv, vt, threads, q.dtype, v.dtype, a.dtype, A_log.dtype, q.device)
     fn = _fns.get(key)
     if fn is None:
         defines = {"D": D, "DV": Dv, "VT": vt, "THREADS": threads, "TQ": _code(q, "q"), "TV": _code(v, "v"),
-                   "TA": _code(a, "a"), "TP": _code(A_log, "A_log"), **EXTRA_DEFINES}
+                   "TA": _code(a, "a"), "TP": _code(A_log, "A_log")}
         fn = _fns[key] = get_function(SRC, "gdn_decode_step", q.device, defines)
     launch(fn, (Dv // vt, Hv, N), (threads, 1, 1),
            (q, k, v, a, b, A_log, dt_bias, state, out, np.int32(Hk), np.int32(Hv),
