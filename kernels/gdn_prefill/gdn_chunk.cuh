@@ -217,6 +217,28 @@ __device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, 
     }
 }
 
+// acc[j] (state rows r0..r0+16 x W columns) += K^T (rows r0.., all CH tokens of the chunk in Kc) times the
+// scaled u given as hi + lo 16-bit halves (Uh, Ul: [CH][W], row stride LD).
+template <int W, int LD>
+__device__ __forceinline__ void state_update_hilo(float acc[W / 8][4], const elem* Kc, const elem* Uh, const elem* Ul,
+                                                  int r0, int lane) {
+#pragma unroll 1
+    for (int kk = 0; kk < CH / 16; ++kk) {
+        u32 af[4];
+        ldsm4t(af, at_addr(Kc, KST, r0, 16 * kk, lane));
+#pragma unroll
+        for (int jp = 0; jp < W / 16; ++jp) {
+            u32 bh[4], bl[4];
+            ldsm4t(bh, bk_addr(Uh, LD, 16 * kk, 16 * jp, lane));
+            ldsm4t(bl, bk_addr(Ul, LD, 16 * kk, 16 * jp, lane));
+            mma16816(acc[2 * jp], af, bh[0], bh[1]);
+            mma16816(acc[2 * jp + 1], af, bh[2], bh[3]);
+            mma16816(acc[2 * jp], af, bl[0], bl[1]);
+            mma16816(acc[2 * jp + 1], af, bl[2], bl[3]);
+        }
+    }
+}
+
 // rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves;
 // W columns, row stride LD.
 template <int W, int LD = W + 8>

@@ -549,21 +549,7 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
                     }
                 }
             } else {
-#pragma unroll 1
-                for (int kk = 0; kk < CH / 16; ++kk) {
-                    u32 af[4];
-                    ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
-#pragma unroll
-                    for (int jp = 0; jp < NJ_ / 2; ++jp) {
-                        u32 bh[4], bl[4];
-                        ldsm4t(bh, bk_addr(Uh, VST_, 16 * kk, 16 * jp, lane));
-                        ldsm4t(bl, bk_addr(Ul, VST_, 16 * kk, 16 * jp, lane));
-                        mma16816(s[2 * jp], af, bh[0], bh[1]);
-                        mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
-                        mma16816(s[2 * jp], af, bl[0], bl[1]);
-                        mma16816(s[2 * jp + 1], af, bl[2], bl[3]);
-                    }
-                }
+                state_update_hilo<W, VST_>(s, Kc, Uh, Ul, 16 * warp, lane);
             }
         }
 #ifdef PROFILE

@@ -332,21 +332,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             for (int j = 0; j < NJ; ++j) {
                 s[j][0] *= decay; s[j][1] *= decay; s[j][2] *= decay; s[j][3] *= decay;
             }
-#pragma unroll 1
-            for (int kk = 0; kk < CH / 16; ++kk) {
-                u32 af[4];
-                ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
-#pragma unroll
-                for (int jp = 0; jp < NJ / 2; ++jp) {
-                    u32 bh[4], bl[4];
-                    ldsm4t(bh, bk_addr(Uh, VST, 16 * kk, 16 * jp, lane));
-                    ldsm4t(bl, bk_addr(Ul, VST, 16 * kk, 16 * jp, lane));
-                    mma16816(s[2 * jp], af, bh[0], bh[1]);
-                    mma16816(s[2 * jp + 1], af, bh[2], bh[3]);
-                    mma16816(s[2 * jp], af, bl[0], bl[1]);
-                    mma16816(s[2 * jp + 1], af, bl[2], bl[3]);
-                }
-            }
+            state_update_hilo<DVS, VST>(s, Kc, Uh, Ul, 16 * warp, lane);
         }
 #ifdef PROFILE
         MARK(4);
