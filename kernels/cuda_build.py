@@ -329,10 +329,11 @@ class TensorMap:
     """A CUtensorMap (128 bytes, 64-byte aligned, in host memory) for a kernel parameter passed by value
     (`const __grid_constant__` in the kernel; `launch` hands the driver its address). 16-bit elements,
     128-byte swizzle, zero fill out of bounds. `dims` innermost first, `strides` in bytes for dims[1:],
-    `box` the tile one copy moves. TensorMap.zero() is an all-zero map for kernels that will not use it."""
+    `box` the tile one copy moves, `promotion` the L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B,
+    2 128 B, 3 256 B). TensorMap.zero() is an all-zero map for kernels that will not use it."""
     __slots__ = ("_buf", "arg")
 
-    def __init__(self, ptr: int = 0, dims=(), strides=(), box=()):
+    def __init__(self, ptr: int = 0, dims=(), strides=(), box=(), promotion: int = 2):
         import ctypes
         from cupy.cuda.function import CPointer
         self._buf = ctypes.create_string_buffer(128 + 64)
@@ -343,7 +344,7 @@ class TensorMap:
                 addr, 1, rank, ptr,  # CU_TENSOR_MAP_DATA_TYPE_UINT16
                 (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                 (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-                0, 3, 2, 0)  # no interleave, 128-byte swizzle, L2 promotion 128 B, zero fill
+                0, 3, promotion, 0)  # no interleave, 128-byte swizzle, L2 promotion, zero fill
             if rc != 0:
                 raise ValueError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tuple(dims)}, strides "
                                  f"{tuple(strides)} bytes, box {tuple(box)}: strides must be multiples of 16 bytes "

@@ -86,7 +86,7 @@ def test_hopper_passes_tensor_maps_of_k_q_v_t_p(calls, monkeypatch):
     made = []
 
     class Map:
-        def __init__(self, ptr, dims, strides, box):
+        def __init__(self, ptr, dims, strides, box, promotion=2):
             made.append((ptr, dims, strides, box))
     monkeypatch.setattr(L, "_uses_tma", lambda dev, defines: True)
     monkeypatch.setattr(L, "TensorMap", Map)
@@ -117,7 +117,7 @@ def test_tensor_maps_fall_back_to_a_packed_copy(calls, monkeypatch):
     """Strides the copy engine refuses (here: heads outermost, as a [B, H, T, D] tensor viewed as
     [B, T, H, D]) make the launcher map a packed copy instead of failing."""
     class Map:
-        def __init__(self, ptr, dims, strides, box):
+        def __init__(self, ptr, dims, strides, box, promotion=2):
             if list(strides) != sorted(strides):
                 raise ValueError("strides")
             self.ptr, self.strides = ptr, strides

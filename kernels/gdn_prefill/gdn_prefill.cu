@@ -633,7 +633,14 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     auto issue_chunk = [&](int c, int buf) {
         unsigned char* st = smem + buf * GW::STAGE;
         unsigned long long* bar = bars + buf;
+#if defined(WALK_NO_TP)  // development only (timing): no T, P copies
+        mbar_expect_tx(bar, GW::BYTES - 2 * CH * CH * 2);
+#elif defined(WALK_SPLIT_BAR)  // T, P on a barrier of their own (bars[2 + buf]), waited for before phase 3
+        mbar_expect_tx(bar, GW::BYTES - 2 * CH * CH * 2);
+        mbar_expect_tx(bar + 2, 2 * CH * CH * 2);
+#else
         mbar_expect_tx(bar, GW::BYTES);
+#endif
         const int tok = wk.bos + c * CH;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -642,8 +649,13 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             tma_load_4d(st + GW::SO_V + half * CH * 64 * 2, tmv, 64 * half, h, tok, wk.batch, bar);
         }
         const long long sl = (long long)(wk.slot0 + c) * Hv + h;
+#if defined(WALK_SPLIT_BAR)
+        tma_load_2d(st + GW::SO_T, tmt, 0, (int)(sl * CH), bar + 2);
+        tma_load_2d(st + GW::SO_P, tmp, 0, (int)(sl * CH), bar + 2);
+#elif !defined(WALK_NO_TP)
         tma_load_2d(st + GW::SO_T, tmt, 0, (int)(sl * CH), bar);
         tma_load_2d(st + GW::SO_P, tmp, 0, (int)(sl * CH), bar);
+#endif
         bulk_load(st + GW::SO_F, Fg + sl * 4 * CH, 4 * CH * 4, bar);
     };
 
@@ -664,6 +676,8 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     if (tid == 0) {
         mbar_init(bars, 1);
         mbar_init(bars + 1, 1);
+        mbar_init(bars + 2, 1);
+        mbar_init(bars + 3, 1);
         mbar_init_fence();
     }
     __syncthreads();
@@ -688,6 +702,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
         mbar_wait(bars + buf, (i >> 1) & 1);
+#if !defined(WALK_FRAG_MASK) && !defined(WALK_SPLIT_BAR)
         {  // T and P arrive without their upper 16 x 16 blocks (the prep kernel leaves them out): zero them
             for (int idx = tid; idx < 384; idx += NTHR) {
                 const int m = idx >= 192, pc = idx - 192 * m, bk = pc >> 5;
@@ -697,8 +712,13 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
                     make_uint4(0, 0, 0, 0);
             }
         }
+#endif
         MARK(0);
         if (tid == 0 && c + 1 < cend) issue_chunk(c + 1, buf ^ 1);  // its stage was last read in chunk c - 1
+#ifdef WALK_COPIES_ONLY  // development only (timing): the copies and waits of the walk, no products
+        __syncthreads();
+        continue;
+#endif
 
         // ---- phase 1: state -> 16-bit smem (rows srow, srow + 8 of 16 tiles: 8 stmatrix.x4)
 #pragma unroll
@@ -771,8 +791,17 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         // ---- phase 3: u = T rhs, columns [c0, +64) (hi and lo halves of rhs)
         {
             u32 af[4][4];
+#ifdef WALK_SPLIT_BAR
+            mbar_wait(bars + 2 + buf, (i >> 1) & 1);
+#endif
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4(af[kk], Tb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
+#if defined(WALK_FRAG_MASK) || defined(WALK_SPLIT_BAR)  // T's upper blocks (never written) as zeros
+#pragma unroll
+            for (int kk = 1; kk < 4; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) af[kk][e] = kk > wq ? 0u : af[kk][e];
+#endif
             float ua[32];
             wg_fence();
 #pragma unroll
@@ -807,6 +836,12 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             u32 pf[4][4], kf[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], Pb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
+#if defined(WALK_FRAG_MASK) || defined(WALK_SPLIT_BAR)  // P's upper blocks (never written) as zeros
+#pragma unroll
+            for (int kk = 1; kk < 4; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pf[kk][e] = kk > wq ? 0u : pf[kk][e];
+#endif
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // K^T rows 64 wg + 16 wq .., ldmatrix .trans of K rows 16 kk ..
                 ldsm4t(kf[kk], Kc + sw128(16 * kk + (lane & 7) + ((lane >> 4) << 3),
@@ -828,7 +863,11 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             wg_commit();
             wg_wait<1>();  // P u done; the state update may still run
             wg_pin(oacc);
+#ifdef WALK_NO_OSTORE  // development only (timing): o not stored (a test the compiler cannot fold)
+            if (out && len == -12345) {
+#else
             if (out) {
+#endif
                 const int tok0 = c * CH + ra0, tok1 = tok0 + 8;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
@@ -897,7 +936,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
 {
     extern __shared__ __align__(128) unsigned char smem[];
 #ifdef GDN_WGMMA
-    __shared__ unsigned long long tma_bar[2];  // the wgmma walk's copy barriers, one per stage
+    __shared__ unsigned long long tma_bar[4];  // the wgmma walk's copy barriers, one per stage (+ T, P's)
 #endif
     const int h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);

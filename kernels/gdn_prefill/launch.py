@@ -249,7 +249,8 @@ def _uses_tma(dev: torch.device, defines: dict) -> bool:
     return _sm90a[idx] and not defines.get("NO_WGMMA")
 
 
-_maps: dict = {}  # (address, dims, strides) -> TensorMap: the same tensors (a graph, the allocator's reuse) encode once
+L2_PROMOTION = 2  # the walk's tensor maps: L2 promotion 128 B (cuda_build.TensorMap)
+_maps: dict = {}  # (address, dims, strides, promotion) -> TensorMap: the same tensors (a graph, the allocator's reuse) encode once
 _zero: list = []
 
 
@@ -260,12 +261,12 @@ def _zero_maps() -> list:
 
 
 def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
-    key = (x.data_ptr(), dims, strides)
+    key = (x.data_ptr(), dims, strides, L2_PROMOTION)
     m = _maps.get(key)
     if m is None:
         if len(_maps) >= 256:
             _maps.clear()
-        m = _maps[key] = TensorMap(x.data_ptr(), dims, strides, box)
+        m = _maps[key] = TensorMap(x.data_ptr(), dims, strides, box, L2_PROMOTION)
     return m
 
 
