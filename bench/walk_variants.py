@@ -6,10 +6,8 @@ into kernels/gdn_prefill/NOTES.md.
     python3 bench/walk_variants.py [--sizes 1x32768,8x4096] [--only name,...]
 
 A variant is a set of extra -D flags and/or an L2 promotion of the walk's tensor maps (launch.L2_PROMOTION).
-WALK_FRAG_MASK zeroes T's and P's upper blocks in the A fragments instead of in shared memory;
-WALK_SPLIT_BAR (implies it) puts T, P on a barrier of their own, waited for before phase 3. Variants
-named "time:..." compile out work (WALK_NO_TP, WALK_NO_OSTORE, WALK_COPIES_ONLY) and give wrong results
-on purpose; the others must reproduce the default's output bit for bit, which is checked.
+Variants named "time:..." compile out work (WALK_NO_TP, WALK_NO_OSTORE, WALK_COPIES_ONLY) and give wrong
+results on purpose; the others must reproduce the default's output bit for bit, which is checked.
 """
 import sys
 from pathlib import Path
@@ -25,10 +23,6 @@ PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
 VARIANTS = {  # name -> (extra defines, L2 promotion)
     "default": ({}, 2),
     "promo-256": ({}, 3),
-    "promo-none": ({}, 0),
-    "frag-mask": ({"WALK_FRAG_MASK": 1}, 2),
-    "split-bar": ({"WALK_SPLIT_BAR": 1}, 2),
-    "split-bar+promo-256": ({"WALK_SPLIT_BAR": 1}, 3),
     "time:no-T-P-copies": ({"WALK_NO_TP": 1}, 2),
     "time:no-o-stores": ({"WALK_NO_OSTORE": 1}, 2),
     "time:copies-only": ({"WALK_COPIES_ONLY": 1}, 2),

@@ -80,9 +80,9 @@ def test_prep_value_heads_per_block(monkeypatch):
     assert L.choose_prep_heads(16, 16, 512, None) == 1
 
 
-def test_hopper_passes_tensor_maps_of_k_q_v_t_p(calls, monkeypatch):
+def test_hopper_passes_tensor_maps_of_k_q_v_t_p_o(calls, monkeypatch):
     """On sm_90 the walk's copies are TMA tiles: 64 tokens x 64 columns of K, Q, V ([B][T][H][128], strides
-    in bytes as the tensors have them) and 64 x 64 tiles of T and P."""
+    in bytes as the tensors have them), 64 x 64 tiles of T and P, and o's tiles like V's (o contiguous)."""
     made = []
 
     class Map:
@@ -108,9 +108,11 @@ def test_hopper_passes_tensor_maps_of_k_q_v_t_p(calls, monkeypatch):
         ((128, Hv, T, B), (256, row, row * T), (64, 1, 64, 1)),  # v
         ((64, slots * Hv * 64), (128,), (64, 64)),                # T
         ((64, slots * Hv * 64), (128,), (64, 64)),                # P
+        ((128, Hv, T, B), (256, Hv * 256, Hv * 256 * T), (64, 1, 64, 1)),  # o
     ]
     assert [m[0] for m in made[:3]] == [k.data_ptr(), q.data_ptr(), v.data_ptr()]
-    assert all(isinstance(x, Map) for x in calls[-1][4][-5:])
+    assert made[5][0] == calls[-1][4][8].data_ptr()  # the o the kernel writes
+    assert all(isinstance(x, Map) for x in calls[-1][4][-6:])
 
 
 def test_tensor_maps_fall_back_to_a_packed_copy(calls, monkeypatch):
@@ -130,7 +132,7 @@ def test_tensor_maps_fall_back_to_a_packed_copy(calls, monkeypatch):
     a = torch.zeros(B, T, H)
     L.gdn_chunk_prefill_cuda(q, q, q, a, a, torch.zeros(H), torch.zeros(H))
     L._maps.clear()
-    maps = calls[-1][4][-5:]
+    maps = calls[-1][4][-6:]
     assert [m.strides for m in maps[:3]] == [(256, H * 256, H * 256 * T)] * 3
     assert q.data_ptr() not in {m.ptr for m in maps}
     assert len({m.ptr for m in maps[:3]}) == 3  # each copy stays alive until the launch: no reuse of its memory

@@ -607,7 +607,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
                                                const float* __restrict__ Fg, const float* __restrict__ h0,
                                                float* __restrict__ ht, const TmaDesc* tmk, const TmaDesc* tmq,
                                                const TmaDesc* tmv, const TmaDesc* tmt, const TmaDesc* tmp,
-                                               unsigned long long* bars)
+                                               const TmaDesc* tmo, unsigned long long* bars)
 {
     typedef GeoWG GW;
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -615,6 +615,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     elem* Ub = reinterpret_cast<elem*>(smem + GW::S);   // u, once the 16-bit state is dead
     elem* Rs = reinterpret_cast<elem*>(smem + GW::RHS);
     elem* Uh = reinterpret_cast<elem*>(smem + GW::UH);  // rk e^{G_end-G} u in fp16 (whatever the input type)
+    elem* Ot = reinterpret_cast<elem*>(smem + GW::RHS);  // o of a full chunk on its way out, once rhs is dead
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // warpgroup index and chunk range through a shuffle: provably warp-uniform for the compiler, which
@@ -633,11 +634,8 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     auto issue_chunk = [&](int c, int buf) {
         unsigned char* st = smem + buf * GW::STAGE;
         unsigned long long* bar = bars + buf;
-#if defined(WALK_NO_TP)  // development only (timing): no T, P copies
+#ifdef WALK_NO_TP  // development only (timing): no T, P copies
         mbar_expect_tx(bar, GW::BYTES - 2 * CH * CH * 2);
-#elif defined(WALK_SPLIT_BAR)  // T, P on a barrier of their own (bars[2 + buf]), waited for before phase 3
-        mbar_expect_tx(bar, GW::BYTES - 2 * CH * CH * 2);
-        mbar_expect_tx(bar + 2, 2 * CH * CH * 2);
 #else
         mbar_expect_tx(bar, GW::BYTES);
 #endif
@@ -649,10 +647,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             tma_load_4d(st + GW::SO_V + half * CH * 64 * 2, tmv, 64 * half, h, tok, wk.batch, bar);
         }
         const long long sl = (long long)(wk.slot0 + c) * Hv + h;
-#if defined(WALK_SPLIT_BAR)
-        tma_load_2d(st + GW::SO_T, tmt, 0, (int)(sl * CH), bar + 2);
-        tma_load_2d(st + GW::SO_P, tmp, 0, (int)(sl * CH), bar + 2);
-#elif !defined(WALK_NO_TP)
+#ifndef WALK_NO_TP
         tma_load_2d(st + GW::SO_T, tmt, 0, (int)(sl * CH), bar);
         tma_load_2d(st + GW::SO_P, tmp, 0, (int)(sl * CH), bar);
 #endif
@@ -676,8 +671,6 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     if (tid == 0) {
         mbar_init(bars, 1);
         mbar_init(bars + 1, 1);
-        mbar_init(bars + 2, 1);
-        mbar_init(bars + 3, 1);
         mbar_init_fence();
     }
     __syncthreads();
@@ -702,17 +695,6 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
         mbar_wait(bars + buf, (i >> 1) & 1);
-#if !defined(WALK_FRAG_MASK) && !defined(WALK_SPLIT_BAR)
-        {  // T and P arrive without their upper 16 x 16 blocks (the prep kernel leaves them out): zero them
-            for (int idx = tid; idx < 384; idx += NTHR) {
-                const int m = idx >= 192, pc = idx - 192 * m, bk = pc >> 5;
-                const int bi = bk < 3 ? 0 : bk < 5 ? 1 : 2, bj = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
-                elem* tile = reinterpret_cast<elem*>(st + (m ? GW::SO_P : GW::SO_T));
-                *reinterpret_cast<uint4*>(tile + sw64(16 * bi + ((pc & 31) >> 1), 16 * bj + 8 * (pc & 1))) =
-                    make_uint4(0, 0, 0, 0);
-            }
-        }
-#endif
         MARK(0);
         if (tid == 0 && c + 1 < cend) issue_chunk(c + 1, buf ^ 1);  // its stage was last read in chunk c - 1
 #ifdef WALK_COPIES_ONLY  // development only (timing): the copies and waits of the walk, no products
@@ -727,6 +709,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
                   pack2(s[4 * j], s[4 * j + 1]), pack2(s[4 * j + 2], s[4 * j + 3]),
                   pack2(s[4 * j + 4], s[4 * j + 5]), pack2(s[4 * j + 6], s[4 * j + 7]));
         fence_proxy_async();
+        if ((tid & 127) == 0) bulk_wait_read();  // last chunk's o store has read the rhs space phase 2 rewrites
         MARK(1);
 
         // ---- phase 2: K S and Q S, columns [c0, +64); rhs = beta (v - e^G rk K S) as hi (over v) + lo (Rs)
@@ -791,17 +774,12 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         // ---- phase 3: u = T rhs, columns [c0, +64) (hi and lo halves of rhs)
         {
             u32 af[4][4];
-#ifdef WALK_SPLIT_BAR
-            mbar_wait(bars + 2 + buf, (i >> 1) & 1);
-#endif
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4(af[kk], Tb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
-#if defined(WALK_FRAG_MASK) || defined(WALK_SPLIT_BAR)  // T's upper blocks (never written) as zeros
 #pragma unroll
-            for (int kk = 1; kk < 4; ++kk)
+            for (int kk = 1; kk < 4; ++kk)  // T's upper blocks (the prep kernel leaves them out) as zeros
 #pragma unroll
                 for (int e = 0; e < 4; ++e) af[kk][e] = kk > wq ? 0u : af[kk][e];
-#endif
             float ua[32];
             wg_fence();
 #pragma unroll
@@ -836,12 +814,10 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             u32 pf[4][4], kf[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) ldsm4(pf[kk], Pb + sw64(16 * wq + (lane & 15), 16 * kk + (lane >> 4) * 8));
-#if defined(WALK_FRAG_MASK) || defined(WALK_SPLIT_BAR)  // P's upper blocks (never written) as zeros
 #pragma unroll
-            for (int kk = 1; kk < 4; ++kk)
+            for (int kk = 1; kk < 4; ++kk)  // and P's
 #pragma unroll
                 for (int e = 0; e < 4; ++e) pf[kk][e] = kk > wq ? 0u : pf[kk][e];
-#endif
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // K^T rows 64 wg + 16 wq .., ldmatrix .trans of K rows 16 kk ..
                 ldsm4t(kf[kk], Kc + sw128(16 * kk + (lane & 7) + ((lane >> 4) << 3),
@@ -863,19 +839,45 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
             wg_commit();
             wg_wait<1>();  // P u done; the state update may still run
             wg_pin(oacc);
+            // o of a full chunk leaves as one TMA store per group: stmatrix into the (dead) rhs space in the
+            // 128-byte swizzled layout of a 64 x 64 box, then one thread of the group issues the copy, whose
+            // shared-memory read is waited for before phase 2 of the next chunk rewrites that space. A
+            // partial chunk (a sequence's last) stores from registers, token by token: a box would run into
+            // the next packed sequence's rows.
 #ifdef WALK_NO_OSTORE  // development only (timing): o not stored (a test the compiler cannot fold)
             if (out && len == -12345) {
 #else
             if (out) {
 #endif
-                const int tok0 = c * CH + ra0, tok1 = tok0 + 8;
+                if ((c + 1) * CH <= len) {
+                    elem* ot = Ot + wg * CH * 64;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int cc = c0 + 8 * j + 2 * t;
-                    if (tok0 < len)
-                        *reinterpret_cast<u32*>(wk.ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[4 * j], oacc[4 * j + 1]);
-                    if (tok1 < len)
-                        *reinterpret_cast<u32*>(wk.ob + (long long)tok1 * Hv * DK + cc) = pack2(oacc[4 * j + 2], oacc[4 * j + 3]);
+                    for (int j = 0; j < 8; j += 2) {
+                        const int q8 = lane >> 3;
+                        u32 r[4];
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {  // register q: columns 8 (j + (q >> 1)), row g + 8 (q & 1)
+                            const float* op = oacc + 4 * (j + (q >> 1)) + 2 * (q & 1);
+                            r[q] = pack2(op[0], op[1]);
+                        }
+                        stsm4(ot + sw64(16 * wq + 8 * (q8 & 1) + (lane & 7), 8 * j + 8 * (q8 >> 1)), r[0], r[1], r[2], r[3]);
+                    }
+                    fence_proxy_async();
+                    group_sync(1 + wg);
+                    if (wq == 0 && lane == 0) {
+                        tma_store_4d(tmo, ot, c0, h, wk.bos + c * CH, wk.batch);
+                        bulk_commit();
+                    }
+                } else {
+                    const int tok0 = c * CH + ra0, tok1 = tok0 + 8;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int cc = c0 + 8 * j + 2 * t;
+                        if (tok0 < len)
+                            *reinterpret_cast<u32*>(wk.ob + (long long)tok0 * Hv * DK + cc) = pack2(oacc[4 * j], oacc[4 * j + 1]);
+                        if (tok1 < len)
+                            *reinterpret_cast<u32*>(wk.ob + (long long)tok1 * Hv * DK + cc) = pack2(oacc[4 * j + 2], oacc[4 * j + 3]);
+                    }
                 }
             }
             wg_wait<0>();
@@ -885,6 +887,8 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         MARK(4);
 #endif
     }
+
+    if ((tid & 127) == 0) bulk_wait();  // the o stores this thread issued
 
 #ifdef PROFILE
     if (tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
@@ -932,11 +936,11 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
                       long long v_sb, long long v_st, long long v_sh, int seg,
                       const __grid_constant__ TmaDesc tm_k, const __grid_constant__ TmaDesc tm_q,
                       const __grid_constant__ TmaDesc tm_v, const __grid_constant__ TmaDesc tm_t,
-                      const __grid_constant__ TmaDesc tm_p)
+                      const __grid_constant__ TmaDesc tm_p, const __grid_constant__ TmaDesc tm_o)
 {
     extern __shared__ __align__(128) unsigned char smem[];
 #ifdef GDN_WGMMA
-    __shared__ unsigned long long tma_bar[4];  // the wgmma walk's copy barriers, one per stage (+ T, P's)
+    __shared__ unsigned long long tma_bar[2];  // the wgmma walk's copy barriers, one per stage
 #endif
     const int h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
@@ -1000,7 +1004,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
             wk.from_h0 = wk.cw == 0;
             wk.write_ht = wk.cend == nchunks;
 #ifdef GDN_WGMMA
-            walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
+            walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, &tm_o, tma_bar);
 #else
             walk_chunks<DK>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif
@@ -1009,7 +1013,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     }
 #endif
 #if defined(GDN_WGMMA) && DVS == 128
-    walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, tma_bar);
+    walk_chunks_wg(smem, wk, Fg, h0, ht, &tm_k, &tm_q, &tm_v, &tm_t, &tm_p, &tm_o, tma_bar);
 #else
     walk_chunks<DVS>(smem, wk, Tg, Pg, Fg, h0, ht);
 #endif

@@ -229,7 +229,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     seg = segments is not False and dvs < D and smem_bytes(D) <= limit
     fn = get_function(SRC, KERNEL, dev, defines)
     keep: list = []  # packed copies the maps point at, alive until the kernel is queued
-    maps = _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv, keep) if _uses_tma(dev, defines) else _zero_maps()
+    maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep) if _uses_tma(dev, defines) else _zero_maps()
     launch(fn, (D // dvs, Hv, N), (THREADS, 1, 1),
            (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
             *qs, *ks, *vs, np.int32(seg), *maps),
@@ -257,7 +257,7 @@ _zero: list = []
 def _zero_maps() -> list:
     if not _zero:
         _zero.append(TensorMap.zero())
-    return _zero * 5
+    return _zero * 6
 
 
 def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
@@ -270,9 +270,10 @@ def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
     return m
 
 
-def _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv, keep: list) -> list:
-    """Tensor maps of the wgmma walk's copies, in kernel order k, q, v, T, P: K, Q, V as [B][T][H][128]
-    tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows. A packed
+def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> list:
+    """Tensor maps of the wgmma walk's copies, in kernel order k, q, v, T, P, o: K, Q, V as [B][T][H][128]
+    tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows, and the
+    output o (contiguous [B, T, Hv, 128]) in the tiles of V, which the walk stores full chunks through. A packed
     copy made for strides the copy engine refuses goes to `keep`: the caller holds it until the launch
     is queued (after that, stream order protects it)."""
     out = []
@@ -287,6 +288,8 @@ def _tensor_maps(q, k, v, Tg, Pg, B, T, Hk, Hv, keep: list) -> list:
             out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
     rows = Tg.shape[0] * Hv * 64
     out += [_map(x, (64, rows), (128,), (64, 64)) for x in (Tg, Pg)]
+    row = Hv * D * o.element_size()
+    out.append(_map(o, (D, Hv, T, B), (D * o.element_size(), row, row * T), (64, 1, 64, 1)))
     return out
 
 
