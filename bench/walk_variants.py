@@ -6,7 +6,8 @@ into kernels/gdn_prefill/NOTES.md.
     python3 bench/walk_variants.py [--sizes 1x32768,8x4096] [--only name,...]
 
 A variant is a set of extra -D flags and/or an L2 promotion of the walk's tensor maps (launch.L2_PROMOTION).
-Variants named "time:..." compile out work (WALK_NO_TP, WALK_NO_OSTORE, WALK_COPIES_ONLY) and give wrong
+Variants named "time:..." compile out work (WALK_NO_TP, WALK_NO_OSTORE, WALK_COPIES_ONLY; in the prep
+kernel PREP_NO_PSTORE, PREP_NO_TSTORE) and give wrong
 results on purpose; the others must reproduce the default's output bit for bit, which is checked.
 """
 import sys
@@ -26,6 +27,9 @@ VARIANTS = {  # name -> (extra defines, L2 promotion)
     "time:no-T-P-copies": ({"WALK_NO_TP": 1}, 2),
     "time:no-o-stores": ({"WALK_NO_OSTORE": 1}, 2),
     "time:copies-only": ({"WALK_COPIES_ONLY": 1}, 2),
+    "time:prep-no-P-stores": ({"PREP_NO_PSTORE": 1}, 2),
+    "time:prep-no-T-stores": ({"PREP_NO_TSTORE": 1}, 2),
+    "time:prep-no-P-T-stores": ({"PREP_NO_PSTORE": 1, "PREP_NO_TSTORE": 1}, 2),
 }
 
 

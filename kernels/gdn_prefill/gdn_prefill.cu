@@ -216,6 +216,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
         const float* Bt = Gc + CH;
         const long long ob = ((long long)slot * Hv + h) * CH * CH;
         if (grp == 1) {  // P straight to memory
+#ifdef PREP_NO_PSTORE  // development only (timing): P not stored (a test the compiler cannot fold)
+            if (len == -12345)
+#endif
             tri_store(true, acc, w, Gc, Bt, Rk, Rq, nullptr, Pg + ob, CH, lane);
             continue;
         }
@@ -228,6 +231,9 @@ gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // 64 rows x 8 pieces of 16 B; the upper blocks (zero) are left out
             const int idx = tid + i * 128, row = idx >> 3, col = (idx & 7) * 8;
+#ifdef PREP_NO_TSTORE  // development only (timing): T not stored
+            if (len == -12345)
+#endif
             if ((col >> 4) <= (row >> 4))
                 *reinterpret_cast<uint4*>(Tg + ob + row * CH + col) = *reinterpret_cast<const uint4*>(Tb + row * BST + col);
         }
