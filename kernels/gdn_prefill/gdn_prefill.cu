@@ -129,7 +129,7 @@ __device__ __forceinline__ void prep_products(const elem* Ks, const elem* Qs, in
 // per head stores P, alongside (8 warps of 64 registers: 4 blocks per SM hide each other's latency). hpb = 1
 // gives the most blocks (short prompts: one wave, latency counts); hpb = Hv / Hk the least work.
 // Outputs per (slot, head): Tg, Pg [64][64] 16-bit (the lower 16 x 16 blocks only; the upper ones, zero, are
-// neither written nor read: readers zero-fill them), Fg [4][64] fp32
+// not written: readers zero them where they load them), Fg [4][64] fp32
 // (G, beta, rk, rq). Strides in elements.
 extern "C" __global__ void __launch_bounds__(PTHR, PREP_MINB)
 gdn_chunk_prep(const elem* __restrict__ q, const elem* __restrict__ k,
@@ -589,9 +589,11 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 // Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
 // K, Q, V, T, P arrive by TMA (tma.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
 // in the 128-byte swizzled layout; K, Q, T, P reach the tensor cores through ldmatrix as A fragments, rhs
-// (hi, over v) as a swizzled B operand. The 16-bit state, rhs (lo), u and the scaled u sit in the canonical
-// no-swizzle layout (wgmma.cuh). kernels/gdn_prefill/NOTES.md has the cycle counts and the variants that
-// were measured and dropped.
+// (hi, over v) as a swizzled B operand (T's and P's upper blocks, never written, are zeroed in the
+// fragments). The 16-bit state, rhs (lo), u and the scaled u sit in the canonical no-swizzle layout
+// (wgmma.cuh). o of a full chunk leaves by TMA store too (one per group, staged where rhs was): 4-byte
+// stores from registers held up the next chunk's copies (1.5k of 7.4k cycles per chunk).
+// kernels/gdn_prefill/NOTES.md has the cycle counts and the variants that were measured and dropped.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(NO_WGMMA)
 #define GDN_WGMMA 1
 #include "wgmma.cuh"
