@@ -63,5 +63,11 @@ else:
                                torch.randn(2, Hv, D, D, device=dev),
                                torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split,
                                variant="split_o")
+from qwen35_fast.kernels.rms_norm.launch import gated_rms_norm_cuda, rms_norm_cuda  # noqa: E402
+
+xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)
+rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
+rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
+gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -1,4 +1,5 @@
-"""GDN operators: chunked prefill, one-token decode step, causal conv1d (prefill and update).
+"""The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
+prefill and update) and the two RMSNorms (plain, and the GDN output's gated one).
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -101,5 +102,17 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, backend: Backend | No
     return ops.causal_conv1d_update_op(x, conv_state, weight, bias, bool(backend and backend.use_cuda))
 
 
+def rms_norm(x, weight, eps: float, backend: Backend | None = None):
+    """Qwen3.5's zero-centred RMSNorm over the last dimension: x / rms(x) * (1 + weight), in fp32,
+    returned in x.dtype. x: [..., D]; weight: [D]."""
+    return ops.rms_norm_op(x, weight, float(eps), bool(backend and backend.use_cuda))
+
+
+def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
+    """The GDN output norm: weight * (x / rms(x)) * silu(gate) over the last dimension. x, gate: [..., D];
+    weight: [D]."""
+    return ops.gated_rms_norm_op(x, gate, weight, float(eps), bool(backend and backend.use_cuda))
+
+
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update"]
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm"]

@@ -1,4 +1,4 @@
-"""CUDA implementations of the four GDN operators, and the check that they can run on a device.
+"""CUDA implementations of the kernels' operators, and the check that they can run on a device.
 
 Imported only when a CUDA backend is considered (kernels/__init__.py, kernels/ops.py). Importing
 it needs CuPy; an ImportError here means "no CUDA kernels" to `select_backend`.
@@ -12,6 +12,7 @@ import torch
 
 from .conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_update_cuda
 from .gdn_decode.launch import gdn_decode_step_cuda
+from .rms_norm.launch import gated_rms_norm_cuda, rms_norm_cuda
 
 _PROBE_SRC = Path(__file__).with_name("probe.cu")
 _status: dict = {}
@@ -64,4 +65,4 @@ def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu
 
 
 __all__ = ["cuda_status", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",
-           "causal_conv1d_prefill_cuda", "causal_conv1d_update_cuda"]
+           "causal_conv1d_prefill_cuda", "causal_conv1d_update_cuda", "rms_norm_cuda", "gated_rms_norm_cuda"]

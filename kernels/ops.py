@@ -1,4 +1,5 @@
-"""The four GDN operators as torch custom ops (namespace `qwen35_fast`).
+"""The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
+two RMSNorms.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
 as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
@@ -14,6 +15,7 @@ import torch
 from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
+from .rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 
 NS = "qwen35_fast"
 
@@ -101,8 +103,31 @@ def _conv_update_fake(x, conv_state, weight, bias, use_cuda):
     return torch.empty_like(x)
 
 
+def _norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().rms_norm_cuda(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def _norm_fake(x, weight, eps, use_cuda):
+    return torch.empty_like(x)
+
+
+def _gated_norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                     use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().gated_rms_norm_cuda(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate, weight, eps)
+
+
+def _gated_norm_fake(x, gate, weight, eps, use_cuda):
+    return torch.empty_like(x)
+
+
 gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
 gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
 causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
 causal_conv1d_update_op = _register("causal_conv1d_update", _conv_update_impl, _conv_update_fake,
                                     mutates_args=("conv_state",))
+rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
+gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)

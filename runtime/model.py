@@ -2,8 +2,8 @@
 
 Projections that read the same input are fused into one matrix at load time (GDN's qkv/z/b/a,
 attention's q+gate/k/v, the MLP's gate/up), so each layer runs three or four matmuls. The GDN math
-(causal conv1d, gated delta rule) goes through `kernels`, which runs CUDA kernels or the PyTorch
-references according to the backend picked at load.
+(causal conv1d, gated delta rule) and the RMSNorms go through `kernels`, which runs CUDA kernels or the
+PyTorch references according to the backend picked at load.
 """
 from __future__ import annotations
 
@@ -16,19 +16,6 @@ from torch import nn
 from .. import kernels
 from .config import LINEAR, TextConfig
 from .errors import Qwen35Error
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm: (x / rms(x)) * w * silu(gate), per value head."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
 class GDNLayer(nn.Module):
@@ -212,7 +199,7 @@ class Qwen35Model(nn.Module):
     def _gdn_out(self, m: GDNLayer, o, z):
         c = self.config
         z = z.reshape(*z.shape[:-1], c.linear_num_value_heads, c.linear_value_head_dim)
-        o = gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps)
+        o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=self.select_backend())
         return F.linear(o.flatten(-2), m.out_proj)
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int):
@@ -237,8 +224,9 @@ class Qwen35Model(nn.Module):
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = F.linear(x, m.qkv).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
-        q = self._apply_rope(rms_norm(q, m.q_norm, c.rms_norm_eps), cos, sin)
-        k = self._apply_rope(rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps), cos, sin)
+        be = self.select_backend()
+        q = self._apply_rope(kernels.rms_norm(q, m.q_norm, c.rms_norm_eps, backend=be), cos, sin)
+        k = self._apply_rope(kernels.rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, backend=be), cos, sin)
         v = v.view(B, T, Hkv, hd)
         if slot is not None:  # one token at a device-side position: attends over the whole buffer, masked
             cache.k[i].index_copy_(2, slot.pos, k.transpose(1, 2))
@@ -265,19 +253,20 @@ class Qwen35Model(nn.Module):
         T = h.shape[1]
         pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
         cos, sin = self.rope(pos.expand(3, T))
+        be = self.select_backend()
         for i, blk in enumerate(self.blocks):
-            x = rms_norm(h, blk.input_norm, c.rms_norm_eps)
+            x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
             if blk.kind == LINEAR:
                 x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i)
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, start, slot)
             h = h + x
-            h = h + self._mlp(blk, rms_norm(h, blk.post_norm, c.rms_norm_eps))
+            h = h + self._mlp(blk, kernels.rms_norm(h, blk.post_norm, c.rms_norm_eps, backend=be))
         return h
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, vocab] for the hidden state of one position per sequence [B, hidden]."""
-        h = rms_norm(h_last, self.final_norm, self.config.rms_norm_eps)
+        h = kernels.rms_norm(h_last, self.final_norm, self.config.rms_norm_eps, backend=self.select_backend())
         return F.linear(h, self.embed if self.lm_head is None else self.lm_head).float()
 
     def new_cache(self, batch: int, capacity: int) -> Cache:

@@ -40,12 +40,15 @@ VARIANTS = {
     "gdn_prefill.cu": [{"DVS": d, "IN_T": i, "AB_T": a} for d in (32, 64, 128) for i in (2, 1) for a in (0, 1, 2)],
     "gdn_prefill_fused.cu": [{"DVS": d, "IN_T": i, "AB_T": a} for d in (32, 64, 128) for i in (2, 1) for a in (0, 1, 2)],
     "gdn_prefill_split.cu": [{"DVS": d, "IN_T": i, "AB_T": 0} for d in (16, 32, 64, 128) for i in (2, 1)],
+    # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
+    "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
+                    for i in (2, 1) for w in (0, i) for g in (0, 1)],
 }
 
 
 def test_sources_found():
     names = {p.name for p in SOURCES}
-    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu"} <= names
+    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu"} <= names
 
 
 @needs_nvrtc

@@ -1,4 +1,5 @@
-"""CUDA kernels against the PyTorch references on a GPU (decode step, causal conv1d prefill and update).
+"""CUDA kernels against the PyTorch references on a GPU (decode step, causal conv1d prefill and update,
+the RMSNorms).
 
 Fresh random inputs per case; the caching allocator is filled with NaN before each launch so that an
 output element the kernel forgets to write shows up; states are checked to be updated in place.
@@ -9,6 +10,7 @@ import torch
 from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
+from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 
 from _models import rel
 
@@ -223,6 +225,75 @@ def test_conv_update_state_slice_of_cache(impl):
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
+# ----------------------------------------------------------------------------- RMSNorm
+
+NORM_TOL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}  # relative Frobenius: a last-bit difference here and there
+
+
+@pytest.mark.parametrize("D", [64, 128, 256, 1024, 2560, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 7, 37, 1000])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float16, torch.float32), (torch.float16, torch.float16)])
+def test_rms_norm_matches_reference(impl, D, rows, dtype, wdtype):
+    g = torch.Generator(device=DEV).manual_seed(D * rows)
+    x = (torch.randn(rows, D, generator=g, device=DEV) * 3).to(dtype)
+    w = (torch.randn(D, generator=g, device=DEV) * 0.3).to(wdtype)
+    poison_allocator(((rows, D), dtype))
+    y = impl.rms_norm_cuda(x, w, 1e-6)
+    ref = rms_norm_ref(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape and not y.isnan().any()
+    assert rel(y, ref) < NORM_TOL[dtype]
+    assert (y == ref).float().mean() > 0.95  # the same roundings: almost every element bit for bit
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                          (torch.float16, torch.float16)])
+def test_gated_rms_norm_matches_reference(impl, D, dtype, wdtype):
+    g = torch.Generator(device=DEV).manual_seed(D)
+    B, T, H = 2, 77, 5
+    x = torch.randn(B, T, H, D, generator=g, device=DEV).to(dtype)
+    gate = (torch.randn(B, T, H, D, generator=g, device=DEV) * 2).to(dtype)
+    w = (1 + 0.2 * torch.randn(D, generator=g, device=DEV)).to(wdtype)
+    poison_allocator(((B, T, H, D), dtype))
+    y = impl.gated_rms_norm_cuda(x, gate, w, 1e-6)
+    ref = gated_rms_norm_ref(x, gate, w, 1e-6)
+    assert y.shape == x.shape and not y.isnan().any()
+    assert rel(y, ref) < NORM_TOL[dtype]
+    assert (y == ref).float().mean() > 0.95
+
+
+def test_norms_take_strided_views_as_the_model_has_them(impl):
+    """Attention's q is one half of a [.., H, 2 hd] projection and GDN's gate z a column slice of the
+    input projection: both are read in place (row strides the kernel takes), the result is contiguous."""
+    B, T, H, hd = 2, 50, 4, 256
+    qg = torch.randn(B, T, H, 2 * hd, device=DEV, dtype=torch.bfloat16)
+    q = qg.chunk(2, dim=-1)[0]
+    w = torch.randn(hd, device=DEV) * 0.1
+    y = impl.rms_norm_cuda(q, w, 1e-6)
+    assert y.is_contiguous() and torch.equal(y, impl.rms_norm_cuda(q.contiguous(), w, 1e-6))
+    assert rel(y, rms_norm_ref(q, w, 1e-6)) < NORM_TOL[torch.bfloat16]
+    Hv, dv = 8, 128
+    proj = torch.randn(B, T, 3 * Hv * dv + 16, device=DEV, dtype=torch.bfloat16)
+    z = proj[..., Hv * dv:2 * Hv * dv].reshape(B, T, Hv, dv)
+    o = torch.randn(B, T, Hv, dv, device=DEV, dtype=torch.bfloat16)
+    wn = torch.rand(dv, device=DEV, dtype=torch.bfloat16)
+    y = impl.gated_rms_norm_cuda(o, z, wn, 1e-6)
+    assert torch.equal(y, impl.gated_rms_norm_cuda(o, z.contiguous(), wn, 1e-6))
+    assert rel(y, gated_rms_norm_ref(o, z, wn, 1e-6)) < NORM_TOL[torch.bfloat16]
+
+
+def test_norms_fall_back_where_the_kernel_does_not_apply(impl):
+    """fp32 inputs and row lengths the kernel does not take (not a multiple of 8, D / 8 neither dividing
+    nor a multiple of 32, above MAX_D) give the reference's result exactly; zero rows give an empty result."""
+    for D, dtype in [(4096, torch.float32), (100, torch.bfloat16), (96, torch.bfloat16), (8192, torch.bfloat16)]:
+        x = torch.randn(3, D, device=DEV, dtype=dtype)
+        w = torch.randn(D, device=DEV)
+        assert torch.equal(impl.rms_norm_cuda(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert impl.rms_norm_cuda(torch.empty(0, 7, 128, device=DEV, dtype=torch.bfloat16),
+                              torch.zeros(128, device=DEV), 1e-6).shape == (0, 7, 128)
+
+
 # ----------------------------------------------------------------------------- integration
 
 def test_select_backend_auto_picks_cuda():
@@ -239,11 +310,13 @@ def test_custom_ops_under_torch_compile(impl):
     x = torch.randn(N, C, device=DEV, dtype=torch.bfloat16)
     weight = torch.randn(C, W, device=DEV, dtype=torch.bfloat16)
     conv_state = torch.randn(N, C, W - 1, device=DEV, dtype=torch.bfloat16)
+    wn, wf = torch.rand(D, device=DEV, dtype=torch.bfloat16), torch.randn(D, device=DEV) * 0.1  # the norms' weights
 
     def step(q, k, v, a, b, state, x, conv_state):
         y = kernels.causal_conv1d_update(x, conv_state, weight, None, backend=backend)
         o = kernels.gdn_decode_step(q * 1.0, k, v, a, b, A_log, dt_bias, state, backend=backend)
-        return o * 2, y + 1
+        o = kernels.gated_rms_norm(o, v, wn, 1e-6, backend=backend)
+        return kernels.rms_norm(o * 2, wf, 1e-6, backend=backend), y + 1
 
     s1, c1 = state.clone(), conv_state.clone()
     o_eager, y_eager = step(q, k, v, a, b, s1, x, c1)

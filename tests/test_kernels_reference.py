@@ -2,7 +2,7 @@
 
 The chunked GDN prefill (what the runtime runs without CUDA kernels, and what the CUDA kernels are
 compared with) must match the float64 token-by-token recurrence over many shapes; the decode and
-conv1d references must match loops written straight from their equations.
+conv1d references must match loops written straight from their equations, the RMSNorms their formulas.
 """
 import math
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.gdn_prefill.reference import (gdn_prefill_chunked, gdn_prefill_recurrent_f64,
@@ -227,3 +228,35 @@ def test_conv_update_ref_matches_prefill(with_bias):
         y = causal_conv1d_update_ref(x[:, t], state, weight, bias)
         assert torch.allclose(y, y_want[:, t], atol=1e-6)
     assert torch.equal(state, st_want)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+def test_rms_norm_ref_matches_formula():
+    """x / sqrt(mean(x^2) + eps) * (1 + w) in float64, rounded once to the input dtype."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, generator=g) * 0.3
+    xd = x.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+    got = kernels.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and rel(got, want) < 4e-3
+
+
+def test_gated_rms_norm_ref_matches_formula():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 9, 3, 128, generator=g)
+    gate = torch.randn(2, 9, 3, 128, generator=g)
+    w = torch.rand(128, generator=g)
+    xd, gd = x.double(), gate.double()
+    want = w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * gd * torch.sigmoid(gd)
+    assert rel(kernels.gated_rms_norm(x, gate, w, 1e-6), want) < 1e-6
+
+
+def test_norm_ops_pass_opcheck():
+    """The norms are torch custom ops with fake implementations (what torch.compile traces through)."""
+    from qwen35_fast.kernels import ops
+    x, gate = torch.randn(4, 2, 128), torch.randn(4, 2, 128)
+    w = torch.rand(128)
+    torch.library.opcheck(ops.rms_norm_op, (x, w, 1e-6, False))
+    torch.library.opcheck(ops.gated_rms_norm_op, (x, gate, w, 1e-6, False))

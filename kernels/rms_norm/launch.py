@@ -1,0 +1,77 @@
+"""Launcher of rms_norm.cu: the model's RMSNorm (and the GDN output's gated norm) in one pass."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch
+from .reference import gated_rms_norm_ref, rms_norm_ref
+
+SRC = Path(__file__).with_name("rms_norm.cu")
+WARPS = 8  # as in rms_norm.cu
+_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+MAX_D = 5120  # a row stays in registers: 5,120 (Qwen3.5-27B's hidden size) takes ~200 per thread, 8,192 spills
+
+
+def supported(D: int) -> bool:
+    """Row lengths the kernel takes: D / 8 divides 32 or is a multiple of 32 (64, 128, 256, 1024, 2048,
+    2560, 4096, 5120: every Qwen3.5 size), at most MAX_D."""
+    nv, rem = divmod(D, 8)
+    return rem == 0 and 0 < D <= MAX_D and (32 % nv == 0 if nv < 32 else nv % 32 == 0)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as an [R, H, D] view (H = x.shape[-2], 1 for a vector) with unit last stride and 16-byte aligned
+    rows, or a contiguous copy when its strides do not allow that."""
+    D = x.shape[-1]
+    H = x.shape[-2] if x.dim() >= 2 else 1
+    try:
+        v = x.view(-1, H, D)
+    except RuntimeError:
+        v = x.reshape(-1, H, D)
+    aligned = (v.stride(2) == 1 and v.data_ptr() % 16 == 0 and v.stride(0) % 8 == 0 and v.stride(1) % 8 == 0)
+    return v if aligned else v.contiguous()
+
+
+def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    xv = _rows(x)
+    gv = _rows(gate) if gate is not None else xv
+    w = weight.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = xv.shape[0] * xv.shape[1]
+    if rows == 0:
+        return y
+    defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None)}
+    per_block = WARPS * (32 // min(D // 8, 32))
+    i64 = np.int64
+    launch(get_function(SRC, "rms_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
+           (WARPS * 32, 1, 1),
+           (xv, gv, w, y, i64(rows), np.int32(xv.shape[1]), i64(xv.stride(0)), i64(xv.stride(1)),
+            i64(gv.stride(0)), i64(gv.stride(1)), np.float32(eps)))
+    return y
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
+    ok = (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (x.dtype, torch.float32)
+          and supported(x.shape[-1]) and weight.shape == x.shape[-1:] and x.dim() >= 1)
+    return ok and (gate is None or (gate.shape == x.shape and gate.dtype == x.dtype))
+
+
+def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as reference.rms_norm_ref; shapes or dtypes the kernel does not take run the reference."""
+    if not _kernel_takes(x, weight, None):
+        return rms_norm_ref(x, weight, eps)
+    return _norm(x, None, weight, eps)
+
+
+def gated_rms_norm_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as reference.gated_rms_norm_ref (same fallback)."""
+    if not _kernel_takes(x, weight, gate):
+        return gated_rms_norm_ref(x, gate, weight, eps)
+    return _norm(x, gate, weight, eps)
