@@ -20,11 +20,15 @@ from qwen35_fast.kernels import cuda_build  # noqa: E402
 KERNELS = Path(cuda_build.__file__).parent
 # (source, defines) as the launchers ask for them for a bf16 model: the device probe, conv1d prefill and
 # update, the decode step (its tile for up to 8 sequences) and the two-kernel prefill (its DVS 32 module
-# also holds the 128-column walk of the sequence split). The single fused prefill kernel is opt-in and not
-# loaded by default.
+# also holds the 128-column walk of the sequence split), and the RMSNorms of the 9B model (hidden 4096 with
+# an fp32 weight, attention's q / k norm 256 with an fp32 weight, the GDN gated norm 128 with a bf16
+# weight). The single fused prefill kernel is opt-in and not loaded by default.
 MODULES = [("probe.cu", {}), ("conv1d/conv1d.cu", {}), ("conv1d/conv1d.cu", {"TX": 0}),
            ("gdn_decode/gdn_decode.cu", {"VT": 16, "THREADS": 32}),
-           ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2, "AB_T": 2})]
+           ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2, "AB_T": 2}),
+           ("rms_norm/rms_norm.cu", {"DIM": 4096, "IN_T": 2, "W_T": 0, "GATED": 0}),
+           ("rms_norm/rms_norm.cu", {"DIM": 256, "IN_T": 2, "W_T": 0, "GATED": 0}),
+           ("rms_norm/rms_norm.cu", {"DIM": 128, "IN_T": 2, "W_T": 2, "GATED": 1})]
 
 
 def main():

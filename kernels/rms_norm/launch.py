@@ -13,8 +13,6 @@ from .reference import gated_rms_norm_ref, rms_norm_ref
 SRC = Path(__file__).with_name("rms_norm.cu")
 WARPS = 8  # as in rms_norm.cu
 _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 MAX_D = 5120  # a row stays in registers: 5,120 (Qwen3.5-27B's hidden size) takes ~200 per thread, 8,192 spills
 
 
@@ -58,8 +56,8 @@ def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, e
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
-    ok = (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (x.dtype, torch.float32)
-          and supported(x.shape[-1]) and weight.shape == x.shape[-1:] and x.dim() >= 1)
+    ok = (x.dim() >= 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (x.dtype, torch.float32)
+          and supported(x.shape[-1]) and weight.shape == x.shape[-1:])
     return ok and (gate is None or (gate.shape == x.shape and gate.dtype == x.dtype))
 
 
