@@ -46,7 +46,8 @@ def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, e
     if rows == 0:
         return y
     defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None)}
-    per_block = WARPS * (32 // min(D // 8, 32))
+    nv = D // 8
+    per_block = WARPS * 32 // (nv if nv <= 32 else 128 if nv % 128 == 0 else 32)  # RPB of rms_norm.cu
     i64 = np.int64
     launch(get_function(SRC, "rms_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
            (WARPS * 32, 1, 1),

@@ -5,7 +5,9 @@
 //                     element type first, and w * [.] too when W_T is the element type: the roundings of
 //                     the PyTorch expression in reference.py)
 // Rows are (i, j) of an [R, H, DIM] view with element strides (s0, s1, 1); x and gate have their own.
-// LPR lanes hold one row (DIM / 8 vectors of 8 elements, VPL per lane); a warp takes 32 / LPR rows.
+// TPR threads hold one row (DIM / 8 vectors of 8 elements, VPL per thread): up to 32 lanes of a warp
+// (32 / TPR rows per warp), or 128 threads (4 warps, partial sums through shared memory) where DIM / 8
+// is a multiple of 128, so that long rows keep VPL small (registers: occupancy).
 #include "common.cuh"
 
 #ifndef DIM
@@ -24,11 +26,11 @@
 typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
 
-#define NV (DIM / 8)                  // 16-byte vectors per row
-#define LPR (NV < 32 ? NV : 32)       // lanes per row
-#define VPL (NV / LPR)                // vectors per lane
-#define RPW (32 / LPR)                // rows per warp
+#define NV (DIM / 8)                                        // 16-byte vectors per row
+#define TPR (NV <= 32 ? NV : NV % 128 == 0 ? 128 : 32)      // threads per row
+#define VPL (NV / TPR)                                      // vectors per thread
 #define WARPS 8
+#define RPB (WARPS * 32 / TPR)                              // rows per block
 static_assert(DIM % 8 == 0 && (NV < 32 ? 32 % NV == 0 : NV % 32 == 0),
               "DIM / 8 must divide 32 or be a multiple of 32");
 
@@ -42,8 +44,8 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
              elem* __restrict__ y, long long rows, int H, long long xs0, long long xs1, long long gs0,
              long long gs1, float eps)
 {
-    const int lane = threadIdx.x & 31, li = lane % LPR;
-    const long long row = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * RPW + lane / LPR;
+    const int li = threadIdx.x % TPR;
+    const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;
     const bool ok = row < rows;
     const long long r = ok ? row : 0;
     const long long ri = r / H, rj = r % H;
@@ -52,7 +54,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
-        const int col = (k * LPR + li) * 8;
+        const int col = (k * TPR + li) * 8;
         v[k].u = ok ? *reinterpret_cast<const uint4*>(xr + col) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -61,7 +63,18 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
         }
     }
 #pragma unroll
-    for (int off = LPR / 2; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    for (int off = (TPR < 32 ? TPR : 32) / 2; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+#if TPR > 32
+    __shared__ float part[WARPS];
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    {
+        const int w0 = (threadIdx.x / TPR) * (TPR / 32);  // the row's first warp
+        ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < TPR / 32; ++i) ss += part[w0 + i];
+    }
+#endif
     if (!ok) return;
     const float rr = rsqrtf(ss * (1.f / DIM) + eps);  // the mean as torch forms it: sum times 1 / n
 #if GATED
@@ -70,7 +83,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     elem* yr = y + r * DIM;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
-        const int col = (k * LPR + li) * 8;
+        const int col = (k * TPR + li) * 8;
 #if GATED
         Vec8 gv;
         gv.u = *reinterpret_cast<const uint4*>(gr + col);
