@@ -196,35 +196,33 @@ class Qwen35Model(nn.Module):
                 k.reshape(*shape, c.linear_num_key_heads, c.linear_key_head_dim),
                 v.reshape(*shape, c.linear_num_value_heads, c.linear_value_head_dim))
 
-    def _gdn_out(self, m: GDNLayer, o, z):
+    def _gdn_out(self, m: GDNLayer, o, z, be: kernels.Backend):
         c = self.config
         z = z.reshape(*z.shape[:-1], c.linear_num_value_heads, c.linear_value_head_dim)
-        o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=self.select_backend())
+        o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=be)
         return F.linear(o.flatten(-2), m.out_proj)
 
-    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int):
+    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         mixed, z, b, a = self._split_gdn(m, x)
-        be = self.select_backend()
         mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, backend=be)
-        return self._gdn_out(m, o, z)
+        return self._gdn_out(m, o, z, be)
 
-    def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int):
+    def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         mixed, z, b, a = self._split_gdn(m, x[:, 0])
-        be = self.select_backend()
         mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
-        return self._gdn_out(m, o[:, None], z[:, None])
+        return self._gdn_out(m, o[:, None], z[:, None], be)
 
-    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int, slot=None):
+    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int, be: kernels.Backend,
+                   slot=None):
         c = self.config
         B, T, _ = x.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = F.linear(x, m.qkv).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
-        be = self.select_backend()
         q = self._apply_rope(kernels.rms_norm(q, m.q_norm, c.rms_norm_eps, backend=be), cos, sin)
         k = self._apply_rope(kernels.rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, backend=be), cos, sin)
         v = v.view(B, T, Hkv, hd)
@@ -253,13 +251,13 @@ class Qwen35Model(nn.Module):
         T = h.shape[1]
         pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
         cos, sin = self.rope(pos.expand(3, T))
-        be = self.select_backend()
+        be = self.select_backend()  # once per forward pass; every operator below takes it
         for i, blk in enumerate(self.blocks):
             x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
             if blk.kind == LINEAR:
-                x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i)
+                x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i, be)
             else:
-                x = self._attention(blk.mixer, x, cache, i, cos, sin, start, slot)
+                x = self._attention(blk.mixer, x, cache, i, cos, sin, start, be, slot)
             h = h + x
             h = h + self._mlp(blk, kernels.rms_norm(h, blk.post_norm, c.rms_norm_eps, backend=be))
         return h
