@@ -15,6 +15,7 @@ os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp()  # before cuda_build reads it:
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp()
 
 import _import  # noqa: E402,F401  (the repo as `qwen35_fast`)
+
 from qwen35_fast.kernels import cuda_build  # noqa: E402
 
 KERNELS = Path(cuda_build.__file__).parent

@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _import  # noqa: E402,F401
 import torch  # noqa: E402
 
-from gdn import bench_ms, graph_of  # noqa: E402
+import _import  # noqa: E402,F401
+
 from qwen35_fast.kernels.gdn_decode import launch as DL  # noqa: E402
+
+from gdn import bench_ms, graph_of  # noqa: E402
 
 HK, HV, D, COPIES = 16, 32, 128, 16
 

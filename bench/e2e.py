@@ -8,8 +8,9 @@ import argparse
 import json
 import time
 
-import _import  # noqa: F401  (the repo as `qwen35_fast`)
 import torch
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.runtime.config import FULL, LINEAR, TextConfig
 from qwen35_fast.runtime.decode_graph import GraphedDecode
@@ -100,7 +101,7 @@ def main():
     with torch.no_grad():
         for p32, p16 in zip(ref_model.parameters(), model.parameters()):
             p32.copy_(p16)
-    del model
+    model = None  # frees the weights (run() above is done with them)
     ref_model.set_backend("torch")
     ref = ref_model.forward_prefill(ids, ref_model.new_cache(1, a.tokens)).float()
     rel = {k: float((v - ref).norm() / ref.norm()) for k, v in logits.items()}

@@ -6,12 +6,14 @@ share the GDN kernels take. Development only.
 """
 import argparse
 
-import _import  # noqa: F401  (the repo as `qwen35_fast`)
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from e2e import nine_b, random_weights_, timed
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
 from qwen35_fast.runtime.model import Qwen35Model
+
+from e2e import nine_b, random_weights_, timed
 
 
 def main():

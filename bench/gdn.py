@@ -27,8 +27,9 @@ from pathlib import Path
 os.environ.setdefault("FLA_FLASH_QLA", "0")  # fla's own Triton kernels, not its FlashQLA route
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _import  # noqa: E402,F401  (the repository as `qwen35_fast`)
 import torch  # noqa: E402
+
+import _import  # noqa: E402,F401  (the repository as `qwen35_fast`)
 
 DEV = "cuda"
 HK, HV, D = 16, 32, 128
@@ -91,11 +92,11 @@ def ceilings():
     a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
     b = torch.empty_like(a)
     bw = 2 * n / (bench_ms(lambda: b.copy_(a)) * 1e-3)
-    del a, b
+    a = b = None  # frees the buffers (the lambda above is done with them)
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
     y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
     tf = 2 * 8192 ** 3 / (bench_ms(lambda: x @ y) * 1e-3)
-    del x, y
+    x = y = None
     torch.cuda.empty_cache()
     return bw, tf
 
@@ -257,7 +258,7 @@ def decode_rows(bw):
             row["note"] = note
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del sets
+        sets = None
         torch.cuda.empty_cache()
     return rows
 
@@ -396,7 +397,7 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
             save()
-        del x
+        x = None
         torch.cuda.empty_cache()
 
     print()

@@ -22,9 +22,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
-from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda, choose_dv_split  # noqa: E402
+from qwen35_fast.kernels.gdn_prefill.launch import choose_dv_split, gdn_chunk_prefill_cuda  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64  # noqa: E402
+
+import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
 
 ANCHORS = {  # ms per call on one H200 (shared/anchors/gdn-prefill-h200.json): FlashQLA, fla
     (1, 1024): (0.425, 0.818), (1, 4096): (0.438, 0.919), (1, 16384): (0.659, 1.165),
@@ -106,7 +107,7 @@ def bench(splits, paths, graph, sizes=None):
                 ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                 rows.append(dict(B=B, L=L, path=path, split=split, graph=graph, ms=round(ms, 4),
                                  flashqla=fqla, fla=fla))
-        del sets
+        sets = None
     print(f"{'B':>2} {'L':>6} {'path':>12} {'split':>5} {'ms':>8} {'vs FlashQLA':>11} {'vs fla':>7}")
     for r in rows:
         print(f"{r['B']:>2} {r['L']:>6} {r['path']:>12} {str(r['split']):>5} {r['ms']:8.4f} "

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gdn_prefill_dev as dev  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
+
+import gdn_prefill_dev as dev  # noqa: E402
 
 PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
 PREP_PHASES = ["load+gates", "KK/QK/QQ mma+norms", "heads (L, inverse, T | P)"]

@@ -5,8 +5,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import conftest  # noqa: E402,F401
 from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda  # noqa: E402
+
+import conftest  # noqa: E402,F401
 
 torch.manual_seed(0)
 dev = "cuda"

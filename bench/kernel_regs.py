@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
 from qwen35_fast.kernels import cuda_build as cb  # noqa: E402
+
+import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
 
 
 def main():

@@ -7,13 +7,15 @@ replays, median ms; with bytes over the measured copy bandwidth as the floor. Wr
 import argparse
 import json
 
-import _import  # noqa: F401  (the repo as `qwen35_fast`)
 import torch
 import torch.nn.functional as F
 
-from gdn import bench_ms, ceilings, graph_of
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
 from qwen35_fast.kernels.rms_norm.launch import gated_rms_norm_cuda, rms_norm_cuda
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+
+from gdn import bench_ms, ceilings, graph_of
 
 DEV = "cuda"
 

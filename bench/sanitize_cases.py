@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _import  # noqa: E402,F401
 import torch  # noqa: E402
+
+import _import  # noqa: E402,F401
 
 from qwen35_fast.kernels.conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_update_cuda  # noqa: E402
 from qwen35_fast.kernels.gdn_decode.launch import gdn_decode_step_cuda  # noqa: E402

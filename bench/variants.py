@@ -8,14 +8,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _import  # noqa: E402,F401
 import torch  # noqa: E402
 
-from gdn import bench_ms, graph_of, ceilings  # noqa: E402
+import _import  # noqa: E402,F401
+
 from qwen35_fast.kernels.conv1d import launch as conv  # noqa: E402
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref  # noqa: E402
 from qwen35_fast.kernels.gdn_decode import launch as dec  # noqa: E402
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref  # noqa: E402
+
+from gdn import bench_ms, ceilings, graph_of  # noqa: E402
 
 DEV = "cuda"
 HK, HV, D = 16, 32, 128

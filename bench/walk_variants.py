@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
+
 import gdn_prefill_dev as dev  # noqa: E402
 from gdn import bench_ms, graph_of  # noqa: E402
-from qwen35_fast.kernels.gdn_prefill import launch as L  # noqa: E402
 
 PHASES = ["wait", "S->smem", "[K;Q]S+rhs", "T rhs", "o+state"]
 VARIANTS = {  # name -> (extra defines, L2 promotion)
@@ -64,7 +65,7 @@ def main():
             it = iter(range(10 ** 9))
             ms = bench_ms(lambda: graphs[next(it) % 2].replay())
             row.append(f"{sz[0]}x{sz[1]} {ms:.4f}{same}")
-            del graphs
+            graphs = None
         use({**defines, "PROFILE": 1}, promo)
         x = data[sizes[-1]][0] if sizes[-1] == (1, 4096) else dev.inputs(1, 4096)
         _, ht = L.gdn_chunk_prefill_cuda(*x, dv_split=128, fused=False, segments=False)

@@ -335,6 +335,7 @@ class TensorMap:
 
     def __init__(self, ptr: int = 0, dims=(), strides=(), box=(), promotion: int = 2):
         import ctypes
+
         from cupy.cuda.function import CPointer
         self._buf = ctypes.create_string_buffer(128 + 64)
         addr = (ctypes.addressof(self._buf) + 63) & ~63

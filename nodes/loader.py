@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import logging
 
+import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
-
-import comfy.model_management as mm
 
 from .memory import ManagedModel
 from .models_folder import available_models, weights_bytes

@@ -12,9 +12,8 @@ import logging
 import uuid
 import weakref
 
-import torch
-
 import comfy.model_management as mm
+import torch
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from comfy_api.latest import io
-
 import comfy.model_management as mm
 import comfy.utils
+from comfy_api.latest import io
 
 from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
 

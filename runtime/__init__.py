@@ -14,6 +14,5 @@ from .loader import load_model
 from .model import Cache, Qwen35Model
 from .sampling import SamplingParams
 
-
 __all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
            "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint", "free_gpu_workspaces"]

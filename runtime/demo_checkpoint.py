@@ -241,7 +241,7 @@ def write_tokenizer_files(folder: Path | str) -> None:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import BPE
 
-    from .tokenizer import IM_END, END_OF_TEXT, byte_level_encode, load_tokenizer
+    from .tokenizer import END_OF_TEXT, IM_END, byte_level_encode, load_tokenizer
 
     folder = Path(folder)
     source = load_tokenizer(None)

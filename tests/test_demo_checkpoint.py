@@ -9,7 +9,12 @@ import torch
 
 from qwen35_fast.runtime.chat import format_chat
 from qwen35_fast.runtime.demo_checkpoint import (
-    COMPLETE_MARKER, DEMO_NAME, SINGLE_FILE_NAME, demo_checkpoint, make_checkpoint, tiny_configs,
+    COMPLETE_MARKER,
+    DEMO_NAME,
+    SINGLE_FILE_NAME,
+    demo_checkpoint,
+    make_checkpoint,
+    tiny_configs,
     tiny_qwen35_config,
 )
 from qwen35_fast.runtime.tokenizer import load_tokenizer

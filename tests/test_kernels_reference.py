@@ -13,11 +13,9 @@ import torch.nn.functional as F
 from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
-from qwen35_fast.kernels.gdn_prefill.reference import (gdn_prefill_chunked, gdn_prefill_recurrent_f64,
-                                                       gate_and_beta)
+from qwen35_fast.kernels.gdn_prefill.reference import gate_and_beta, gdn_prefill_chunked, gdn_prefill_recurrent_f64
 
 from _models import rel
-
 
 # decay strength: A = exp(A_log) in [lo, hi] and dt_bias; "strong" drives exp(g) towards 1e-3 per token
 DECAY = {"weak": (0.01, 0.1, -4.0), "mid": (1.0, 16.0, 1.0), "strong": (8.0, 16.0, 3.0)}

@@ -6,7 +6,6 @@ Runs in-process on the CPU with the demo's tiny checkpoint: what a ComfyUI run d
 import os
 import shutil
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -243,6 +242,7 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
 def _cuda_tensors(top=8):
     """The largest live CUDA tensors by shape, for a failure message."""
     import gc
+
     import torch
     found = {}
     for obj in gc.get_objects():

