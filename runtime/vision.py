@@ -1,0 +1,391 @@
+"""The Qwen3.5 vision tower: pixel patches -> vision tokens in the language model's width.
+
+    patches [N, C*T*P*P] --patch embed (Conv3d with stride = kernel, i.e. one matmul)--> [N, D]
+      + learned position grid (side x side, bilinearly resampled to each image's patch grid)
+      -> depth x (LayerNorm, attention with 2-D rotary, LayerNorm, GELU-tanh MLP), residual
+      -> merger: LayerNorm, 2x2 neighbouring patches concatenated, MLP -> [N/4, text hidden]
+
+Patches arrive in merge-block order (block row, block column, row in block, column in block), as
+transformers' processor and `media.py` lay them out, so the merger's 2x2 groups are four
+consecutive rows. Attention is full (non-causal) inside one image or one 2-frame slice of a video
+and never crosses them: `plan()` groups the slices by length and each group runs as one batched
+SDPA call, so a prompt costs one attention launch per distinct slice size, not one per image.
+
+Sizes come from the checkpoint (config.json's `vision_config`, or the tensor shapes of a single
+file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152 (9B, 27B).
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from .checkpoint import read_header
+from .errors import Qwen35Error
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+LAYER_NORM_EPS = 1e-6
+# Heads of the released towers by width (a single .safetensors file does not say; 64 or 72 per head)
+HEADS_BY_WIDTH = {768: 12, 1024: 16, 1152: 16}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10_000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one patch row: channels x temporal patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+    @property
+    def grid_side(self) -> int:
+        return int(round(self.num_position_embeddings ** 0.5))
+
+    @property
+    def shape_name(self) -> str:
+        return f"{self.depth}x{self.hidden_size}"
+
+
+def vision_config_from_hf(cfg: dict, source: str = "config.json") -> VisionConfig | None:
+    """The tower's sizes from a Hugging Face Qwen3.5 config (None when it has no vision_config)."""
+    v = cfg.get("vision_config")
+    if not v:
+        return None
+    try:
+        rope = v.get("rope_parameters") or {}
+        text = cfg.get("text_config", {})
+        return VisionConfig(
+            depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_heads=v["num_heads"], out_hidden_size=v.get("out_hidden_size", text.get("hidden_size")),
+            patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
+            spatial_merge_size=v.get("spatial_merge_size", 2), in_channels=v.get("in_channels", 3),
+            num_position_embeddings=v.get("num_position_embeddings", 2304),
+            rope_theta=rope.get("rope_theta", 10_000.0))
+    except KeyError as e:
+        raise Qwen35Error(f"{source}: vision_config lacks {e.args[0]!r}; re-download the checkpoint's config.json")
+
+
+def infer_vision_config(shapes: dict[str, tuple[int, ...]], source: str) -> VisionConfig:
+    """The tower's sizes from tensor shapes keyed without prefix ('blocks.0.attn.qkv.weight', ...)."""
+    def shape(name):
+        if name not in shapes:
+            raise Qwen35Error(f"{source}: vision tensor {name!r} is missing; the vision tower in this file is "
+                              "incomplete (text prompts still work)")
+        return shapes[name]
+
+    hidden, channels, t, p, _ = shape("patch_embed.proj.weight")
+    depth = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))
+    merged_in = shape("merger.linear_fc1.weight")[1]
+    return VisionConfig(
+        depth=depth, hidden_size=hidden, intermediate_size=shape("blocks.0.mlp.linear_fc1.weight")[0],
+        num_heads=HEADS_BY_WIDTH.get(hidden, max(1, hidden // 64)),
+        out_hidden_size=shape("merger.linear_fc2.weight")[0], patch_size=p, temporal_patch_size=t,
+        spatial_merge_size=int(round((merged_in // hidden) ** 0.5)), in_channels=channels,
+        num_position_embeddings=shape("pos_embed.weight")[0])
+
+
+def expected_vision_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every tower tensor (names without prefix) and its shape."""
+    d, i, m = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.merge_unit
+    out = {"patch_embed.proj.weight": (d, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size),
+           "patch_embed.proj.bias": (d,), "pos_embed.weight": (vc.num_position_embeddings, d),
+           "merger.norm.weight": (d,), "merger.norm.bias": (d,),
+           "merger.linear_fc1.weight": (m, m), "merger.linear_fc1.bias": (m,),
+           "merger.linear_fc2.weight": (vc.out_hidden_size, m), "merger.linear_fc2.bias": (vc.out_hidden_size,)}
+    for b in range(vc.depth):
+        p = f"blocks.{b}."
+        out.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "norm2.weight": (d,),
+                    p + "norm2.bias": (d,), p + "attn.qkv.weight": (3 * d, d), p + "attn.qkv.bias": (3 * d,),
+                    p + "attn.proj.weight": (d, d), p + "attn.proj.bias": (d,),
+                    p + "mlp.linear_fc1.weight": (i, d), p + "mlp.linear_fc1.bias": (i,),
+                    p + "mlp.linear_fc2.weight": (d, i), p + "mlp.linear_fc2.bias": (d,)})
+    return out
+
+
+# --- the per-call plan: everything that depends on the image sizes only ---------------------------
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """Index math for one tower call, made once from the grids (none of it reads pixels).
+
+    grids: (t, h, w) per image / video in patches; pos_index, pos_weight: [N, 4] taps into the
+    learned position grid; cos, sin: [N, head_dim] fp32 rotary; groups: (token index [S*L] or None
+    when the group is every token in order, S slices, L tokens each).
+    """
+    grids: tuple[tuple[int, int, int], ...]
+    pos_index: torch.Tensor
+    pos_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    groups: tuple[tuple[torch.Tensor | None, int, int], ...]
+
+    @property
+    def n_patches(self) -> int:
+        return sum(t * h * w for t, h, w in self.grids)
+
+
+def _block_order_rows_cols(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each patch of an h x w grid, listed in merge-block order."""
+    br = torch.arange(h // m).view(-1, 1, 1, 1)
+    bc = torch.arange(w // m).view(1, -1, 1, 1)
+    ir = torch.arange(m).view(1, 1, -1, 1)
+    ic = torch.arange(m).view(1, 1, 1, -1)
+    shape = (h // m, w // m, m, m)
+    return (br * m + ir).expand(shape).reshape(-1), (bc * m + ic).expand(shape).reshape(-1)
+
+
+def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
+    """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]."""
+    grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+    m, side = vc.spatial_merge_size, vc.grid_side
+    rows, cols, heights, widths = [], [], [], []
+    for t, h, w in grids:
+        if t < 1 or h < m or w < m or h % m or w % m:
+            raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
+        r, c = _block_order_rows_cols(h, w, m)
+        rows.append(r.repeat(t))
+        cols.append(c.repeat(t))
+        heights.append(torch.full((t * h * w,), h))
+        widths.append(torch.full((t * h * w,), w))
+    row, col = torch.cat(rows), torch.cat(cols)
+
+    def taps(index, size):  # bilinear, corners aligned: patch 0 -> grid 0, last patch -> grid side-1
+        src = index.float() * (side - 1) / (size - 1).clamp_min(1).float()
+        lo = src.floor()
+        return lo.long(), (lo.long() + 1).clamp_max(side - 1), src - lo
+
+    r0, r1, fr = taps(row, torch.cat(heights))
+    c0, c1, fc = taps(col, torch.cat(widths))
+    pos_index = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], dim=1)
+    pos_weight = torch.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], dim=1)
+
+    hd = vc.head_dim
+    inv_freq = 1.0 / vc.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2))
+    f = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=1)
+    emb = torch.cat([f, f], dim=1)
+
+    # attention slices: one per image, one per temporal patch of a video; grouped by length
+    lengths = [h * w for t, h, w in grids for _ in range(t)]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(n, []).append(starts[i])
+    groups = []
+    for n, firsts in by_len.items():
+        if len(by_len) == 1:
+            groups.append((None, len(firsts), n))
+        else:
+            idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
+            groups.append((idx.to(device), len(firsts), n))
+    return VisionPlan(grids, pos_index.to(device), pos_weight.to(device), emb.cos().to(device),
+                      emb.sin().to(device), tuple(groups))
+
+
+# --- weights and forward ------------------------------------------------------------------------
+
+def _param(*shape, dtype, device):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc: VisionConfig, dtype, device):
+        super().__init__()
+        d, i = vc.hidden_size, vc.intermediate_size
+        e = dict(dtype=dtype, device=device)
+        self.norm1_w, self.norm1_b = _param(d, **e), _param(d, **e)
+        self.qkv_w, self.qkv_b = _param(3 * d, d, **e), _param(3 * d, **e)
+        self.proj_w, self.proj_b = _param(d, d, **e), _param(d, **e)
+        self.norm2_w, self.norm2_b = _param(d, **e), _param(d, **e)
+        self.fc1_w, self.fc1_b = _param(i, d, **e), _param(i, **e)
+        self.fc2_w, self.fc2_b = _param(d, i, **e), _param(d, **e)
+
+
+class VisionTower(nn.Module):
+    """Weights of the tower; `forward(pixels, plan)` runs it."""
+
+    def __init__(self, vc: VisionConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = vc
+        self.dtype = dtype
+        d, m = vc.hidden_size, vc.hidden_size * vc.merge_unit
+        e = dict(dtype=dtype, device=device)
+        self.patch_w, self.patch_b = _param(d, vc.patch_dim, **e), _param(d, **e)
+        self.pos_embed = _param(vc.num_position_embeddings, d, **e)
+        self.blocks = nn.ModuleList(VisionBlock(vc, dtype, device) for _ in range(vc.depth))
+        self.merge_norm_w, self.merge_norm_b = _param(d, **e), _param(d, **e)
+        self.merge_fc1_w, self.merge_fc1_b = _param(m, m, **e), _param(m, **e)
+        self.merge_fc2_w, self.merge_fc2_b = _param(vc.out_hidden_size, m, **e), _param(vc.out_hidden_size, **e)
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_w.device
+
+    def plan(self, grids) -> VisionPlan:
+        return plan(self.config, grids, self.device)
+
+    def _attention(self, blk: VisionBlock, x: torch.Tensor, p: VisionPlan) -> torch.Tensor:
+        vc = self.config
+        n, d = x.shape
+        qkv = F.linear(x, blk.qkv_w, blk.qkv_b).view(n, 3, vc.num_heads, vc.head_dim)
+        q, k, v = qkv.unbind(1)
+        cos, sin = p.cos[:, None, :], p.sin[:, None, :]
+
+        def rotate(t):  # 2-D rotary over the whole head (h features, then w features), in fp32
+            t = t.float()
+            half = t.shape[-1] // 2
+            return (t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin).to(x.dtype)
+
+        q, k = rotate(q), rotate(k)
+        out = torch.empty_like(v) if len(p.groups) > 1 else None
+        for index, s, length in p.groups:  # one batched call per distinct slice length
+            qs, ks, vs = (t if index is None else t.index_select(0, index) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(*(t.view(s, length, vc.num_heads, vc.head_dim).transpose(1, 2)
+                                                 for t in (qs, ks, vs)))
+            o = o.transpose(1, 2).reshape(s * length, vc.num_heads, vc.head_dim)
+            if index is None:
+                out = o
+            else:
+                out.index_copy_(0, index, o)
+        return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, p: VisionPlan) -> torch.Tensor:
+        """pixels [N, C*T*P*P] (normalised, merge-block order) -> vision tokens [N / 4, out_hidden]."""
+        vc = self.config
+        if pixels.shape != (p.n_patches, vc.patch_dim):
+            raise Qwen35Error(f"vision input has shape {list(pixels.shape)}, the grids need "
+                              f"[{p.n_patches}, {vc.patch_dim}]")
+        d = vc.hidden_size
+        x = F.linear(pixels.to(self.device, self.dtype), self.patch_w, self.patch_b)
+        pos = (self.pos_embed[p.pos_index].float() * p.pos_weight[..., None]).sum(1)
+        x = x + pos.to(x.dtype)
+        for blk in self.blocks:
+            x = x + self._attention(blk, F.layer_norm(x, (d,), blk.norm1_w, blk.norm1_b, LAYER_NORM_EPS), p)
+            y = F.layer_norm(x, (d,), blk.norm2_w, blk.norm2_b, LAYER_NORM_EPS)
+            x = x + F.linear(F.gelu(F.linear(y, blk.fc1_w, blk.fc1_b), approximate="tanh"), blk.fc2_w, blk.fc2_b)
+        x = F.layer_norm(x, (d,), self.merge_norm_w, self.merge_norm_b, LAYER_NORM_EPS)
+        x = x.reshape(-1, d * vc.merge_unit)
+        return F.linear(F.gelu(F.linear(x, self.merge_fc1_w, self.merge_fc1_b)), self.merge_fc2_w, self.merge_fc2_b)
+
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+    def flops(self, grids) -> float:
+        """Matmul FLOPs of one call (projections, MLPs, attention, merger)."""
+        vc = self.config
+        d, i, m = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.merge_unit
+        n = sum(t * h * w for t, h, w in grids)
+        attn = sum(t * (h * w) ** 2 for t, h, w in grids) * 4 * d
+        per_block = 2 * n * (3 * d * d + d * d + 2 * d * i) + attn
+        return 2 * n * vc.patch_dim * d + vc.depth * per_block + 2 * (n // vc.merge_unit) * (m * m + m * vc.out_hidden_size)
+
+
+# --- finding and reading the weights --------------------------------------------------------------
+
+# checkpoint name (without prefix) -> (attribute path on the tower); the conv weight is flattened
+def _targets(tower: VisionTower) -> dict[str, torch.Tensor]:
+    t = {"patch_embed.proj.weight": tower.patch_w, "patch_embed.proj.bias": tower.patch_b,
+         "pos_embed.weight": tower.pos_embed, "merger.norm.weight": tower.merge_norm_w,
+         "merger.norm.bias": tower.merge_norm_b, "merger.linear_fc1.weight": tower.merge_fc1_w,
+         "merger.linear_fc1.bias": tower.merge_fc1_b, "merger.linear_fc2.weight": tower.merge_fc2_w,
+         "merger.linear_fc2.bias": tower.merge_fc2_b}
+    names = {"norm1": "norm1", "norm2": "norm2", "attn.qkv": "qkv", "attn.proj": "proj",
+             "mlp.linear_fc1": "fc1", "mlp.linear_fc2": "fc2"}
+    for b, blk in enumerate(tower.blocks):
+        for ck, attr in names.items():
+            t[f"blocks.{b}.{ck}.weight"] = getattr(blk, attr + "_w")
+            t[f"blocks.{b}.{ck}.bias"] = getattr(blk, attr + "_b")
+    return t
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(path.glob("*.safetensors"))
+
+
+@dataclass(frozen=True)
+class VisionCheckpoint:
+    config: VisionConfig
+    tensors: dict[str, tuple[Path, str]]  # name without prefix -> (file, name in file)
+
+
+def locate_vision(path: str | Path, text_hidden: int) -> VisionCheckpoint | None:
+    """The vision tower's config and tensors in a checkpoint folder or file; None when it has none."""
+    path = Path(path)
+    tensors, shapes = {}, {}
+    for file in _weight_files(path):
+        for name, meta in read_header(file).items():
+            for prefix in VISION_PREFIXES:
+                if name.startswith(prefix):
+                    tensors[name[len(prefix):]] = (file, name)
+                    shapes[name[len(prefix):]] = tuple(meta["shape"])
+                    break
+    if not tensors:
+        return None
+    vc = None
+    if path.is_dir() and (path / "config.json").exists():
+        vc = vision_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    if vc is None:
+        vc = infer_vision_config(shapes, str(path))
+    want = expected_vision_shapes(vc)
+    missing = [k for k in want if k not in shapes]
+    if missing:
+        raise Qwen35Error(f"{path}: {len(missing)} vision-tower weights are missing, e.g. {', '.join(missing[:3])}; "
+                          "the checkpoint's vision part is incomplete (text prompts still work)")
+    for k, s in want.items():
+        if tuple(shapes[k]) != s:
+            raise Qwen35Error(f"{path}: vision weight {k} has shape {list(shapes[k])} but the vision config needs "
+                              f"{list(s)}; the vision weights do not fit the config")
+    if vc.out_hidden_size != text_hidden:
+        raise Qwen35Error(f"{path}: the vision tower writes width {vc.out_hidden_size} but the text model's width "
+                          f"is {text_hidden}; the vision weights belong to another model size")
+    return VisionCheckpoint(vc, tensors)
+
+
+def load_vision(ck: VisionCheckpoint, dtype: torch.dtype, device: torch.device) -> VisionTower:
+    """The tower with its weights read once, straight onto `device` in `dtype`."""
+    tower = VisionTower(ck.config, dtype, device)
+    with ExitStack() as stack, torch.no_grad():
+        handles = {}
+        for name, param in _targets(tower).items():
+            file, key = ck.tensors[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            t = handles[file].get_tensor(key)
+            param.copy_(t.reshape(param.shape).to(param.device))
+    return tower
+
+
+__all__ = ["VisionConfig", "VisionTower", "VisionPlan", "VisionCheckpoint", "plan", "locate_vision",
+           "load_vision", "vision_config_from_hf", "infer_vision_config", "expected_vision_shapes"]
