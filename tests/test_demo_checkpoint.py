@@ -1,12 +1,18 @@
-"""The tiny demo checkpoint and the test checkpoints: loadable by transformers, cached, in the right layouts."""
+"""The tiny demo checkpoint and the test checkpoints: loadable by transformers, cached, in the right layouts.
+
+The checkpoints are written without transformers; these tests load them in transformers and compare the
+tensor names, shapes and config with what transformers itself makes for the same settings."""
 import importlib
 import json
+import logging
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from qwen35_fast.runtime import load_model
 from qwen35_fast.runtime.chat import format_chat
 from qwen35_fast.runtime.demo_checkpoint import (
     COMPLETE_MARKER,
@@ -14,6 +20,7 @@ from qwen35_fast.runtime.demo_checkpoint import (
     SINGLE_FILE_NAME,
     demo_checkpoint,
     make_checkpoint,
+    tensor_shapes,
     tiny_configs,
     tiny_qwen35_config,
 )
@@ -192,6 +199,40 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("damage", ["cut short", "same size, other bytes", "deleted", "marker unreadable"])
+def test_damaged_cache_is_built_again(tmp_path, monkeypatch, caplog, damage):
+    calls = []
+    monkeypatch.setattr(demo_mod, "make_checkpoint", _fake_make(calls))
+    path = demo_checkpoint(tmp_path)
+    config = path / "config.json"
+    if damage == "cut short":
+        config.write_text("{")
+    elif damage == "same size, other bytes":
+        config.write_text("[]")
+    elif damage == "deleted":
+        config.unlink()
+    else:
+        (path / COMPLETE_MARKER).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger=demo_mod.__name__):
+        assert demo_checkpoint(tmp_path) == path
+    assert len(calls) == 2 and config.read_text() == "{}"
+    assert "building it again" in caplog.text and "re-download" not in caplog.text
+    assert demo_checkpoint(tmp_path) == path and len(calls) == 2  # and now it is trusted again
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEMO_NAME]
+
+
+def test_cut_short_demo_weights_are_rebuilt_byte_for_byte(demo, tmp_path):
+    copy = tmp_path / DEMO_NAME
+    shutil.copytree(demo, copy)
+    weights = copy / "model.safetensors"
+    original = (demo / "model.safetensors").read_bytes()
+    weights.write_bytes(original[: len(original) // 2])  # as an interrupted copy or a full disk leaves it
+    assert demo_mod.damage(copy) == f"model.safetensors has {len(original) // 2} bytes, {len(original)} were written"
+    assert demo_checkpoint(tmp_path) == copy
+    assert weights.read_bytes() == original  # the build is deterministic: the same seed, the same file
+    assert load_model(copy, dtype="fp32", device="cpu", backend="torch") is not None
+
+
 def test_default_cache_dir_follows_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert demo_mod.default_cache_dir() == tmp_path / "qwen35_fast"
@@ -233,12 +274,33 @@ def test_same_seed_same_weights(tmp_path):
     assert not torch.equal(a["model.language_model.embed_tokens.weight"], c["model.language_model.embed_tokens.weight"])
 
 
+def _hf_config(config: dict):
+    from transformers import Qwen3_5Config
+    return Qwen3_5Config(text_config=config["text_config"], vision_config=config["vision_config"],
+                         tie_word_embeddings=config["tie_word_embeddings"])
+
+
+@pytest.mark.parametrize("name", sorted(tiny_configs()))
+def test_tensor_layout_and_config_match_transformers(name):
+    from transformers import Qwen3_5ForConditionalGeneration
+    config = tiny_qwen35_config({**tiny_configs()[name], **SMALL})
+    text = config["text_config"]
+    assert len(text["layer_types"]) == text["num_hidden_layers"]
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(_hf_config(config))
+    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    if config["tie_word_embeddings"]:
+        theirs.pop("lm_head.weight")  # tied: transformers does not save it either
+    assert tensor_shapes(config) == theirs
+    # What transformers writes into config.json for the same settings, apart from its version stamp.
+    written = hf.config.to_diff_dict() | {"architectures": ["Qwen3_5ForConditionalGeneration"], "dtype": "bfloat16"}
+    written.pop("transformers_version", None)
+    assert json.loads(json.dumps(config)) == json.loads(json.dumps(written))
+
+
 @pytest.mark.parametrize("name", sorted(tiny_configs()))
 def test_tiny_variants_load_in_transformers(tmp_path, name):
     overrides = {**tiny_configs()[name], **SMALL}
-    config = tiny_qwen35_config(overrides)
-    text = config.text_config
-    assert len(text.layer_types) == text.num_hidden_layers
     folder = make_checkpoint(tmp_path, overrides, seed=1)
     model = _load_hf(folder)
     with torch.no_grad():
@@ -249,5 +311,24 @@ def test_tiny_variants_load_in_transformers(tmp_path, name):
 def test_sharded_checkpoint(tmp_path):
     folder = make_checkpoint(tmp_path, SMALL, seed=2, max_shard_size="200KB")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards == sorted(p.name for p in folder.glob("model-*.safetensors"))
+    whole = _text_keys(make_checkpoint(tmp_path / "whole", SMALL, seed=2))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    for file in shards:  # no shard over the limit unless it holds one tensor
+        tensors = _text_keys_of(folder / file)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 200_000
+    sharded = _text_keys(folder)
+    assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
     _load_hf(folder)
+
+
+def _text_keys_of(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(file))
+
+
+@pytest.mark.parametrize("size", ["200 parsecs", "-5KB", "KB"])
+def test_bad_shard_size_is_refused(tmp_path, size):
+    with pytest.raises(ValueError, match="max_shard_size"):
+        make_checkpoint(tmp_path, SMALL, max_shard_size=size)
