@@ -1,5 +1,5 @@
 """The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
-two RMSNorms.
+two RMSNorms, and paged attention over the K/V block pool.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
 as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
@@ -15,6 +15,7 @@ import torch
 from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
+from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 
 NS = "qwen35_fast"
@@ -124,6 +125,22 @@ def _gated_norm_fake(x, gate, weight, eps, use_cuda):
     return torch.empty_like(x)
 
 
+def _paged_attention_impl(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                          v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                          cu_q: torch.Tensor, gate: Optional[torch.Tensor], max_q: int, scale: float,
+                          write_kv: bool, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        from .paged_attention.launch import paged_attention_cuda
+        return paged_attention_cuda(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, max_q,
+                                    scale, write_kv)
+    return paged_attention_ref(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, scale, write_kv)
+
+
+def _paged_attention_fake(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, max_q, scale,
+                          write_kv, use_cuda):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
 gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
 causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
@@ -131,3 +148,5 @@ causal_conv1d_update_op = _register("causal_conv1d_update", _conv_update_impl, _
                                     mutates_args=("conv_state",))
 rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
+paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
+                               mutates_args=("k_pool", "v_pool"))

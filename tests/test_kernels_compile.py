@@ -43,6 +43,9 @@ VARIANTS = {
     # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
     "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
                     for i in (2, 1) for w in (0, i) for g in (0, 1)],
+    # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
+    # compiles the full grid (GQA 6, sm_86 / sm_120 too)
+    "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],
 }
 
 

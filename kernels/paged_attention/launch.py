@@ -1,0 +1,139 @@
+"""Launchers of paged_attention.cu (prefill and decode over the paged K/V pool of runtime/kv_pool.py).
+
+Planning is host-only arithmetic on shapes (`plan`): the warps per block, the row tiles and the number
+of key splits follow from (max new tokens per sequence, N, Hkv, GQA group, the block table's capacity)
+and never from device values, so a decode step launched with the same shapes is the same launch every
+time and can be captured in a CUDA graph (cache_lens and cu_q live on the device and may change
+between replays).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch
+
+SRC = Path(__file__).with_name("paged_attention.cu")
+BN = 32  # keys per tile, as in paged_attention.cu
+MAX_SPLITS = 128
+MIN_TILES_PER_SPLIT = 4  # a split reads at least 128 keys: below that the combine costs more than it saves
+_sms: dict = {}
+
+
+def _sm_count(device) -> int:
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _sms:
+        _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sms[idx]
+
+
+def smem_bytes(warps_m: int, head_dim: int) -> int:
+    """Dynamic shared memory of one block: Q tile plus two stages of K and V tiles, padded rows."""
+    return (16 * warps_m + 4 * BN) * (head_dim + 8) * 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    warps_m: int  # warps per block, each owning 16 (token, q head) rows
+    row_tiles: int  # blocks along the rows of the longest sequence
+    splits: int  # blocks sharing one row tile's keys (1: no combine pass)
+
+
+def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
+         splits: Optional[int] = None) -> Plan:
+    """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
+    Splits the keys so that about two blocks per SM are busy (three for one-warp blocks, whose 76 KB of
+    shared memory lets three share an H100/H200 SM): decode, and short prefills on long contexts."""
+    rows = max(1, max_q) * group
+    warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
+    row_tiles = math.ceil(rows / (16 * warps_m))
+    if splits is None:
+        base = row_tiles * num_seqs * num_kv_heads
+        max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / BN) // MIN_TILES_PER_SPLIT))
+        splits = max(1, min(max_splits, math.ceil((3 if warps_m == 1 else 2) * sm_count / base)))
+    return Plan(warps_m, row_tiles, splits)
+
+
+def _check_rows(t: torch.Tensor, name: str, shape: tuple) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"paged_attention: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"paged_attention: {name} must be bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+        raise ValueError(f"paged_attention: {name} needs a unit last stride, token and head strides that are "
+                         f"multiples of 8 and a 16-byte aligned start (strides {t.stride()}); pass .contiguous()")
+
+
+def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                         v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                         cu_q: torch.Tensor, gate: Optional[torch.Tensor], max_q: int, scale: Optional[float] = None,
+                         write_kv: bool = True, out: Optional[torch.Tensor] = None,
+                         splits: Optional[int] = None) -> torch.Tensor:
+    """Attention of the new tokens over the paged pool, the new K/V stored in the pool in the same launch.
+
+    q, gate: [T, H, D] bf16 (gate optional: out *= sigmoid(gate)); k_new, v_new: [T, Hkv, D] bf16;
+    k_pool, v_pool: [num_blocks, block_size, Hkv, D] bf16 contiguous (updated in place when write_kv);
+    block_table: int32 [N, max_blocks]; cache_lens: int32 [N]; cu_q: int32 [N + 1], cu_q[N] = T;
+    max_q: at least the largest cu_q[n + 1] - cu_q[n] (a host int: the launch never reads the device).
+    Returns out [T, H, D] bf16 (written into `out` when given). cache_lens[n] + new tokens of sequence n
+    must fit in its max_blocks * block_size slots; nothing checks that on the host (it would need a sync).
+    """
+    T, H, D = q.shape
+    num_blocks, bs, Hkv, Dk = k_pool.shape
+    N, max_blocks = block_table.shape
+    if Dk != D or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError(f"paged_attention: pools must be contiguous [num_blocks, block_size, Hkv, {D}], got "
+                         f"k {tuple(k_pool.shape)}, v {tuple(v_pool.shape)}")
+    if k_pool.dtype != torch.bfloat16 or v_pool.dtype != torch.bfloat16:
+        raise TypeError(f"paged_attention: pools must be bfloat16, got {k_pool.dtype}, {v_pool.dtype}")
+    if H % Hkv:
+        raise ValueError(f"paged_attention: {H} query heads is not a multiple of {Hkv} kv heads")
+    if D % 16 or bs & (bs - 1):
+        raise ValueError(f"paged_attention: needs head_dim % 16 == 0 and a power-of-two block size (D={D}, block {bs})")
+    _check_rows(q, "q", (T, H, D))
+    _check_rows(k_new, "k_new", (T, Hkv, D))
+    _check_rows(v_new, "v_new", (T, Hkv, D))
+    if gate is not None:
+        _check_rows(gate, "gate", (T, H, D))
+    for t, name, shape in ((block_table, "block_table", (N, max_blocks)), (cache_lens, "cache_lens", (N,)),
+                           (cu_q, "cu_q", (N + 1,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must be a contiguous int32 {shape} tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if out is None:
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"paged_attention: out must be a contiguous {q.dtype} {(T, H, D)} tensor, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if T == 0 or N == 0:
+        return out
+    group = H // Hkv
+    p = plan(max_q, N, Hkv, group, max_blocks * bs, _sm_count(q.device), splits)
+    defines = {"HEAD_DIM": D, "GROUP": group, "WARPS_M": p.warps_m, "BLOCK_SIZE": bs,
+               "SPLIT": int(p.splits > 1), "GATE": int(gate is not None)}
+    fn = get_function(SRC, "paged_attention_fwd", q.device, defines)
+    g = gate if gate is not None else q
+    scale = D ** -0.5 if scale is None else scale
+    i64 = np.int64
+    o_part = lse_part = None
+    if p.splits > 1:
+        o_part = torch.empty(p.splits, T, H, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(p.splits, T, H, dtype=torch.float32, device=q.device)
+    launch(fn, (p.row_tiles, N * Hkv, p.splits), (32 * p.warps_m, 1, 1),
+           (q, i64(q.stride(0)), i64(q.stride(1)), g, i64(g.stride(0)), i64(g.stride(1)),
+            k_new, i64(k_new.stride(0)), i64(k_new.stride(1)), v_new, i64(v_new.stride(0)), i64(v_new.stride(1)),
+            k_pool, v_pool, block_table, np.int32(max_blocks), cache_lens, cu_q, out, o_part, lse_part,
+            np.int32(Hkv), np.int32(T), np.float32(scale * math.log2(math.e)), np.int32(bool(write_kv))),
+           shared_mem=smem_bytes(p.warps_m, D))
+    if p.splits > 1:
+        comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
+        launch(comb, (T * H, 1, 1), (D // 4, 1, 1),
+               (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
+                np.int32(p.splits)))
+    return out

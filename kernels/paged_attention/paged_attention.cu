@@ -1,0 +1,361 @@
+// Paged attention for Qwen3.5's full-attention layers: the new tokens of each sequence attend causally
+// to themselves and to every token already in the paged K/V pool (prefill), or 1..16 new tokens attend
+// to a long cached context split across thread blocks (decode). One kernel does both.
+//
+// Layout (documented once, in runtime/kv_pool.py; repeated here only as the kernel reads it):
+//   k_pool, v_pool   [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM] bf16, one pair per attention layer
+//   block_table      int32 [N, bt_stride]: key position p of sequence n lives in block
+//                    block_table[n, p / BLOCK_SIZE], row p % BLOCK_SIZE; entries past the last block
+//                    a sequence needs are never read
+//   cache_lens       int32 [N]: tokens already in the pool before this call (the prefix)
+//   cu_q             int32 [N + 1]: sequence n's new tokens are rows cu_q[n] .. cu_q[n+1] of q, k_new, ...
+//   q, gate, out     [T, H, HEAD_DIM] (H = Hkv * GROUP; q head h reads kv head h / GROUP)
+//   k_new, v_new     [T, Hkv, HEAD_DIM]: the new tokens' K (rotary applied) and V
+// New token i of sequence n sees key positions 0 .. cache_lens[n] + i. With write_kv, its K/V are also
+// stored in slot cache_lens[n] + i of the pool (by the blocks of split 0, each (token, kv head) once);
+// the attention itself reads the new tokens' K/V from k_new / v_new, so no block waits for another.
+//
+// Work split: a thread block takes BM = 16 * WARPS_M rows of one (sequence, kv head), a row being one
+// (new token, q head of the group): GQA heads share every K/V tile loaded. Each warp owns 16 rows and
+// keeps their output (16 x HEAD_DIM, fp32) in registers; K/V tiles of BN = 32 keys are gathered through
+// the block table straight into shared memory with cp.async (two stages), S = Q K^T and O += P V run on
+// mma.sync m16n8k16 bf16 with fp32 accumulation, online softmax in the exp2 domain.
+// With SPLIT, blockIdx.z takes one contiguous share of the row tile's key tiles and writes its
+// normalised partial output and log2-sum-exp (fp32) for paged_attention_combine; without, the block
+// writes out = softmax(Q K^T) V * sigmoid(gate) directly.
+// Shared memory: (BM + 4 * BN) * (HEAD_DIM + 8) * 2 bytes: 101,376 B at WARPS_M = 4 (the RTX 30/40/50
+// opt-in maximum, exactly), 76,032 B at WARPS_M = 1.
+#include "common.cuh"
+
+typedef unsigned int u32;
+typedef __nv_bfloat16 elem;
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 256
+#endif
+#ifndef GROUP
+#define GROUP 4  // q heads per kv head
+#endif
+#ifndef WARPS_M
+#define WARPS_M 4
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef SPLIT
+#define SPLIT 0
+#endif
+#ifndef GATE
+#define GATE 1
+#endif
+
+#define BN 32
+#define BM (16 * WARPS_M)
+#define THREADS (32 * WARPS_M)
+#define LDS (HEAD_DIM + 8)  // padded row: the 8 rows one ldmatrix reads fall in distinct banks
+#define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per row
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldsm4(u32 r[4], const elem* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm4t(u32 r[4], const elem* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(n) : "memory");
+}
+__device__ __forceinline__ u32 pack_bf16(float x, float y) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
+__device__ __forceinline__ long long slot_of(const int* bt, int p) {
+    return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
+                    const elem* __restrict__ gate, long long g_st, long long g_sh,
+                    const elem* __restrict__ k_new, long long kn_st, long long kn_sh,
+                    const elem* __restrict__ v_new, long long vn_st, long long vn_sh,
+                    elem* __restrict__ k_pool, elem* __restrict__ v_pool,
+                    const int* __restrict__ block_table, int bt_stride,
+                    const int* __restrict__ cache_lens, const int* __restrict__ cu_q,
+                    elem* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                    int Hkv, int total_q, float scale_log2, int write_kv) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]
+    elem* Ks = Qs + BM * LDS;                         // [2][BN][LDS]
+    elem* Vs = Ks + 2 * BN * LDS;                     // [2][BN][LDS]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = blockIdx.y / Hkv, kvh = blockIdx.y % Hkv;
+    const int q0 = cu_q[n], nq = cu_q[n + 1] - q0;
+    const int rows = nq * GROUP;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest (last) row tiles start first
+    if (r0 >= rows) return;
+    const int L = cache_lens[n];
+    const int H = Hkv * GROUP;
+    const int* bt = block_table + (long long)n * bt_stride;
+    const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
+    const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
+
+    // Append: the tokens whose first row lies in this tile (so each one is stored by exactly one block).
+    if (write_kv && blockIdx.z == 0) {
+        const int t_lo = (r0 + GROUP - 1) / GROUP, t_hi = min(nq, (r0 + BM + GROUP - 1) / GROUP);
+        for (int c = tid; c < (t_hi - t_lo) * CHUNKS; c += THREADS) {
+            const int t = t_lo + c / CHUNKS, ch = c % CHUNKS;
+            const long long dst = (slot_of(bt, L + t) * Hkv + kvh) * HEAD_DIM + ch * 8;
+            *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + t * kn_st + ch * 8);
+            *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + t * vn_st + ch * 8);
+        }
+    }
+
+    // Key tiles this block covers: up to the last visible key of its last row.
+    const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
+    const int ntiles = (kv_end + BN - 1) / BN;
+    int j0 = 0, j1 = ntiles;
+    const int rA = r0 + warp * 16 + (lane >> 2), rB = rA + 8;  // the two rows this thread holds
+#if SPLIT
+    {
+        const int per = (ntiles + gridDim.z - 1) / gridDim.z;
+        j0 = blockIdx.z * per;
+        j1 = min(ntiles, j0 + per);
+        if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
+            if ((lane & 3) == 0) {
+                for (int half = 0; half < 2; ++half) {
+                    const int r = half ? rB : rA;
+                    if (r < rows) {
+                        const long long row = (long long)q0 + r / GROUP;
+                        lse_part[((long long)blockIdx.z * total_q + row) * H + kvh * GROUP + r % GROUP] = NEG_INF;
+                    }
+                }
+            }
+            return;
+        }
+    }
+#endif
+
+    for (int c = tid; c < BM * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, ch = c % CHUNKS, gr = r0 + r;
+        const bool ok = gr < rows;
+        const int t = ok ? gr / GROUP : 0, h = kvh * GROUP + (ok ? gr % GROUP : 0);
+        cp_async16(Qs + r * LDS + ch * 8, q + (long long)(q0 + t) * q_st + (long long)h * q_sh + ch * 8, ok);
+    }
+
+    auto load_kv = [&](int j, int stage) {
+        elem* ks = Ks + stage * BN * LDS;
+        elem* vs = Vs + stage * BN * LDS;
+        for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, ch = c % CHUNKS, p = j * BN + r;
+            const elem* ksrc = kn;
+            const elem* vsrc = vn;
+            bool ok = true;
+            if (p < L) {
+                const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
+                ksrc = k_pool + off;
+                vsrc = v_pool + off;
+            } else if (p < L + nq) {
+                ksrc = kn + (long long)(p - L) * kn_st;
+                vsrc = vn + (long long)(p - L) * vn_st;
+            } else {
+                ok = false;  // past the sequence: zeros, so that P = 0 times V stays 0
+            }
+            cp_async16(ks + r * LDS + ch * 8, ksrc + ch * 8, ok);
+            cp_async16(vs + r * LDS + ch * 8, vsrc + ch * 8, ok);
+        }
+        cp_async_commit();
+    };
+
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    // last visible key position of each row (rows past the tile's end act as its last token)
+    const int limA = L + min(rA, rows - 1) / GROUP, limB = L + min(rB, rows - 1) / GROUP;
+
+    load_kv(j0, 0);  // Q's copies join this first group
+    for (int j = j0; j < j1; ++j) {
+        const int st = (j - j0) & 1;
+        if (j + 1 < j1) {
+            load_kv(j + 1, st ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const elem* ks = Ks + st * BN * LDS;
+        const elem* vs = Vs + st * BN * LDS;
+
+        float s[BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 a[4];
+            ldsm4(a, Qs + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                u32 b[4];
+                ldsm4(b, ks + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(s[2 * nn], a, b[0], b[1]);
+                mma_bf16(s[2 * nn + 1], a, b[2], b[3]);
+            }
+        }
+
+        // mask (causal, and past the sequence), scale into the log2 domain, online softmax
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = j * BN + i * 8 + 2 * (lane & 3) + e;
+                s[i][e] = p <= limA ? s[i][e] * scale_log2 : NEG_INF;
+                s[i][2 + e] = p <= limB ? s[i][2 + e] * scale_log2 : NEG_INF;
+                mx[0] = fmaxf(mx[0], s[i][e]);
+                mx[1] = fmaxf(mx[1], s[i][2 + e]);
+            }
+        }
+        float mu[2], alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
+            alpha[h] = exp2f(m[h] - mu[h]);
+            m[h] = mx[h];
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            s[i][0] = exp2f(s[i][0] - mu[0]);
+            s[i][1] = exp2f(s[i][1] - mu[0]);
+            s[i][2] = exp2f(s[i][2] - mu[1]);
+            s[i][3] = exp2f(s[i][3] - mu[1]);
+            rs[0] += s[i][0] + s[i][1];
+            rs[1] += s[i][2] + s[i][3];
+        }
+        l[0] = l[0] * alpha[0] + rs[0];
+        l[1] = l[1] * alpha[1] + rs[1];
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+
+        // O += P V: the S accumulators are, pairwise, the A fragments of P
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
+                u32 b[4];
+                ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dn * 16 + (lane >> 4) * 8);
+                mma_bf16(o[2 * dn], a, b[0], b[1]);
+                mma_bf16(o[2 * dn + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // this stage is refilled by the next iteration's copies
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? rB : rA;
+        if (r >= rows) continue;
+        const int t = r / GROUP, h = kvh * GROUP + r % GROUP;
+        const long long row = (long long)(q0 + t) * H + h;
+        const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
+#if SPLIT
+        float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            const int col = d * 8 + 2 * (lane & 3);
+            *reinterpret_cast<float2*>(op + col) = make_float2(o[d][2 * half] * inv, o[d][2 * half + 1] * inv);
+        }
+        if ((lane & 3) == 0)
+            lse_part[(long long)blockIdx.z * total_q * H + row] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
+#else
+        elem* orow = out + row * HEAD_DIM;
+#if GATE
+        const elem* grow = gate + (long long)(q0 + t) * g_st + (long long)h * g_sh;
+#endif
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            const int col = d * 8 + 2 * (lane & 3);
+            float x0 = o[d][2 * half] * inv, x1 = o[d][2 * half + 1] * inv;
+#if GATE
+            const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + col));
+            x0 *= sigmoid_f(g.x);
+            x1 *= sigmoid_f(g.y);
+#endif
+            *reinterpret_cast<u32*>(orow + col) = pack_bf16(x0, x1);
+        }
+#endif
+    }
+}
+
+// Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
+// sigmoid(gate). One block of HEAD_DIM / 4 threads per (token, q head) row; empty shares (lse = -inf)
+// are skipped, so their o_part is never read.
+extern "C" __global__ void __launch_bounds__(HEAD_DIM / 4)
+paged_attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                        const elem* __restrict__ gate, long long g_st, long long g_sh,
+                        elem* __restrict__ out, int total_q, int H, int splits) {
+    const long long row = blockIdx.x;
+    const long long stride = (long long)total_q * H;
+    const int c = threadIdx.x * 4;
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[s * stride + row]);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float ls = lse_part[s * stride + row];
+        if (ls == NEG_INF) continue;
+        const float w = exp2f(ls - mx);
+        const float4 v = *reinterpret_cast<const float4*>(o_part + (s * stride + row) * HEAD_DIM + c);
+        acc[0] += w * v.x;
+        acc[1] += w * v.y;
+        acc[2] += w * v.z;
+        acc[3] += w * v.w;
+        wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#if GATE
+    const long long t = row / H, h = row % H;
+    const elem* grow = gate + t * g_st + h * g_sh + c;
+    const float2 g01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow));
+    const float2 g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + 2));
+    const float gs[4] = {sigmoid_f(g01.x), sigmoid_f(g01.y), sigmoid_f(g23.x), sigmoid_f(g23.y)};
+#else
+    const float gs[4] = {1.f, 1.f, 1.f, 1.f};
+#endif
+    uint2 pk;
+    pk.x = pack_bf16(acc[0] * inv * gs[0], acc[1] * inv * gs[1]);
+    pk.y = pack_bf16(acc[2] * inv * gs[2], acc[3] * inv * gs[3]);
+    *reinterpret_cast<uint2*>(out + row * HEAD_DIM + c) = pk;
+}

@@ -1,0 +1,225 @@
+"""Paged attention (kernels/paged_attention): the reference against plain attention on contiguous K/V
+(CPU), the op's fake and schema, the launch plan, compiles for every target; on a GPU the kernels against
+the reference over a sampled grid of block sizes, prefixes (0..32K), new tokens (1..4K) and GQA shapes,
+with shuffled block tables, NaN in every pool block a sequence does not own, and a NaN-poisoned output."""
+import math
+
+import pytest
+import torch
+
+from qwen35_fast.kernels import cuda_build, ops
+from qwen35_fast.kernels.paged_attention import launch as pa_launch
+from qwen35_fast.kernels.paged_attention.reference import gather_kv, paged_attention_ref
+
+SRC = pa_launch.SRC
+
+
+def make_case(seed, block_size, lens, H=16, Hkv=4, D=256, device="cpu", spare_blocks=3, shuffle=True):
+    """Random inputs for sequences with (cached, new) token counts `lens`: a pool with each sequence's
+    blocks scattered (shuffled), every block nobody owns full of NaN, block-table padding pointing at a
+    NaN block. Returns a dict of the op's arguments plus `nan_block`."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(lens)
+    need = [math.ceil((L + nq) / block_size) for L, nq in lens]
+    max_blocks = max(need) + 1
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g)  # drawn either way: the same values follow
+    perm = perm if shuffle else torch.arange(num_blocks)
+    nan_block = int(perm[-1])
+    table = torch.full((N, max_blocks), nan_block, dtype=torch.int32)
+    at = 0
+    for n, k in enumerate(need):
+        table[n, :k] = perm[at:at + k].to(torch.int32)
+        at += k
+    pool_shape = (num_blocks, block_size, Hkv, D)
+    k_pool = torch.full(pool_shape, float("nan"), dtype=torch.bfloat16)
+    v_pool = torch.full(pool_shape, float("nan"), dtype=torch.bfloat16)
+    flat_k, flat_v = k_pool.view(-1, Hkv, D), v_pool.view(-1, Hkv, D)
+    for n, (L, _) in enumerate(lens):  # only the cached positions hold numbers; new slots stay NaN until written
+        pos = torch.arange(L)
+        s = table[n].long()[pos // block_size] * block_size + pos % block_size
+        flat_k[s] = torch.randn(L, Hkv, D, generator=g).to(torch.bfloat16)
+        flat_v[s] = torch.randn(L, Hkv, D, generator=g).to(torch.bfloat16)
+    T = sum(nq for _, nq in lens)
+    cu = torch.tensor([0] + [nq for _, nq in lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    qg = torch.randn(T, H, 2 * D, generator=g).to(torch.bfloat16)  # q and gate interleaved per head, as the model's view
+    args = dict(q=qg[..., :D], gate=qg[..., D:] * 2, k_new=torch.randn(T, Hkv, D, generator=g).to(torch.bfloat16),
+                v_new=torch.randn(T, Hkv, D, generator=g).to(torch.bfloat16), k_pool=k_pool, v_pool=v_pool,
+                block_table=table, cache_lens=torch.tensor([L for L, _ in lens], dtype=torch.int32), cu_q=cu)
+    args = {k: v.to(device) for k, v in args.items()}
+    args["max_q"] = max(nq for _, nq in lens)
+    args["nan_block"] = nan_block
+    return args
+
+
+def _ref(a, write_kv=True):
+    return paged_attention_ref(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
+                               a["cache_lens"], a["cu_q"], a["gate"], write_kv=write_kv)
+
+
+def _rel(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# ----------------------------------------------------------------------------- reference (CPU)
+
+def test_reference_matches_plain_attention_on_contiguous_kv():
+    """Gathering through a shuffled table and masking lower-right equals float64 softmax attention written
+    out by hand over the concatenated keys."""
+    lens = [(37, 5), (0, 9), (70, 1)]
+    a = make_case(1, 16, lens, H=8, Hkv=2, D=64)
+    out = _ref(a, write_kv=False)
+    assert torch.isfinite(out).all()
+    cu, G = a["cu_q"].tolist(), 4
+    for n, (L, nq) in enumerate(lens):
+        k = torch.cat([gather_kv(a["k_pool"], a["block_table"][n], L), a["k_new"][cu[n]:cu[n + 1]]]).double()
+        v = torch.cat([gather_kv(a["v_pool"], a["block_table"][n], L), a["v_new"][cu[n]:cu[n + 1]]]).double()
+        q = a["q"][cu[n]:cu[n + 1]].double()
+        for h in range(8):
+            s = q[:, h] @ k[:, h // G].T / 8.0
+            for i in range(nq):
+                s[i, L + i + 1:] = -math.inf
+            o = torch.softmax(s, -1) @ v[:, h // G]
+            o = o * torch.sigmoid(a["gate"][cu[n]:cu[n + 1], h].double())
+            assert _rel(out[cu[n]:cu[n + 1], h], o) < 4e-3
+
+
+def test_reference_block_order_and_nan_blocks_do_not_matter():
+    lens = [(100, 7), (33, 2)]
+    a = make_case(2, 16, lens, H=8, Hkv=2, D=64, shuffle=True)
+    b = make_case(2, 16, lens, H=8, Hkv=2, D=64, shuffle=False)
+    # same random K/V values (drawn in the same order), another placement in the pool
+    torch.testing.assert_close(_ref(a, False), _ref(b, False), rtol=0, atol=0)
+
+
+def test_reference_writes_new_kv_into_their_slots():
+    lens = [(20, 13), (0, 3)]
+    a = make_case(3, 16, lens, H=4, Hkv=2, D=32)
+    _ref(a, write_kv=True)
+    for n, (L, nq) in enumerate(lens):
+        got = gather_kv(a["k_pool"], a["block_table"][n], L + nq)[L:]
+        assert torch.equal(got, a["k_new"][int(a["cu_q"][n]):int(a["cu_q"][n + 1])])
+    assert torch.isnan(a["k_pool"][a["nan_block"]]).all()
+
+
+def test_op_reference_path_and_fake():
+    a = make_case(4, 16, [(10, 4)], H=4, Hkv=2, D=32)
+    args = (a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"], a["cache_lens"],
+            a["cu_q"], a["gate"], a["max_q"], 32 ** -0.5, True, False)
+    ref = _ref(make_case(4, 16, [(10, 4)], H=4, Hkv=2, D=32))
+    out = ops.paged_attention_op(*args)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.library.opcheck(ops.paged_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_plan_is_fixed_by_shapes():
+    """Decode (1 token, 9B heads): one warp per block, keys split until ~3 blocks per SM; shorter capacity
+    fewer splits; a long prefill needs no split."""
+    p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
+    assert p.warps_m == 1 and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
+    assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // 32 // pa_launch.MIN_TILES_PER_SPLIT
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
+    assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
+    assert pa_launch.plan(4, 8, 4, 4, 4096, 132).warps_m == 1
+
+
+def test_shared_memory_fits_consumer_cards():
+    assert pa_launch.smem_bytes(4, 256) <= 101_376  # RTX 30/40/50 opt-in maximum
+    assert pa_launch.smem_bytes(1, 256) <= 101_376
+
+
+# ----------------------------------------------------------------------------- compiles (CPU, NVRTC)
+
+def _nvrtc_missing():
+    try:
+        cuda_build.nvrtc_version()
+    except cuda_build.KernelBuildError as e:
+        return str(e)
+    return None
+
+
+VARIANTS = [{"GROUP": g, "WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s, "GATE": 1}
+            for g in (4, 6) for w in (1, 2, 4) for b in (16, 64) for s in (0, 1)] + [{"GATE": 0, "HEAD_DIM": 128}]
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason="NVRTC is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120"])
+def test_compiles_for_every_card(arch):
+    if int(arch[3:].rstrip("a")) not in cuda_build.supported_archs():
+        pytest.skip(f"NVRTC {cuda_build.nvrtc_version()} does not target {arch}")
+    sets = VARIANTS if arch in ("sm_80", "sm_90a") else VARIANTS[:: 5] + VARIANTS[-1:]
+    for d in sets:
+        assert cuda_build.compile_cubin(SRC, arch, d)[:4] == b"\x7fELF", f"{arch} {d}"
+
+
+# ----------------------------------------------------------------------------- kernels vs reference (GPU)
+
+# (block size, [(cached, new) per sequence], H, Hkv): prefixes 0..32K, new tokens 1..4K, GQA 4 and 6
+CASES = [
+    (16, [(0, 1)], 16, 4), (64, [(0, 1)], 16, 4), (16, [(0, 7)], 16, 4), (64, [(0, 100)], 16, 4),
+    (16, [(5, 1)], 16, 4), (64, [(63, 16)], 16, 4), (16, [(100, 3)], 16, 4), (64, [(1000, 1)], 16, 4),
+    (16, [(4096, 16)], 16, 4), (64, [(4095, 256)], 16, 4), (16, [(32768, 1)], 16, 4), (64, [(32768, 16)], 16, 4),
+    (16, [(0, 4096)], 16, 4), (64, [(8192, 1024)], 16, 4), (16, [(32768, 4096)], 16, 4), (64, [(1, 2048)], 16, 4),
+    (16, [(777, 333)], 16, 4), (64, [(20000, 9)], 16, 4),
+    (16, [(300, 50)], 24, 4), (64, [(5000, 1)], 24, 4), (16, [(0, 513)], 24, 4),  # 27B: 24 q / 4 kv heads
+    (64, [(1234, 77)], 8, 2), (16, [(9000, 2)], 8, 2),  # 0.8B: 8 q / 2 kv heads
+    (16, [(0, 50), (1000, 1), (300, 17), (64, 64)], 16, 4),  # varlen batch
+    (64, [(4000, 1), (17, 1), (0, 1), (31000, 1)], 16, 4),  # decode batch
+    (16, [(2048, 4), (100, 16), (7, 11)], 16, 4),
+]
+
+
+def _run_cuda(a, splits=None):
+    out = torch.full_like(a["q"], float("nan"), memory_format=torch.contiguous_format)
+    pa_launch.paged_attention_cuda(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
+                                   a["cache_lens"], a["cu_q"], a["gate"], a["max_q"], out=out, splits=splits)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forced_splits", [None, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_vs_reference(case, forced_splits):
+    bs, lens, H, Hkv = CASES[case]
+    a = make_case(1000 * case + (forced_splits or 0), bs, lens, H=H, Hkv=Hkv, device="cuda")
+    before_k, before_v = a["k_pool"].clone(), a["v_pool"].clone()
+    out = _run_cuda(a, forced_splits)
+    r = {k: (v.clone() if k in ("k_pool", "v_pool") else v) for k, v in a.items()}
+    r["k_pool"], r["v_pool"] = before_k.clone(), before_v.clone()
+    ref = _ref(r, write_kv=True)
+    assert not torch.isnan(out).any(), "an output element was not written, or a NaN block was read"
+    err = _rel(out, ref)
+    assert err < 1e-2, f"relative error {err:.2e}"
+    # the pool afterwards: exactly the reference's (new K/V in their slots, nothing else touched)
+    for got, want in ((a["k_pool"], r["k_pool"]), (a["v_pool"], r["v_pool"])):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_paged_attention_block_order_does_not_change_the_result():
+    lens = [(5000, 16), (300, 1)]
+    a = make_case(7, 16, lens, device="cuda", shuffle=True)
+    b = make_case(7, 16, lens, device="cuda", shuffle=False)
+    assert torch.equal(_run_cuda(a), _run_cuda(b))
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """One launch shape for a capacity: capture once, then move cache_lens on the device and replay."""
+    lens = [(2000, 1), (30000, 1)]
+    a = make_case(11, 64, lens, device="cuda", spare_blocks=8)
+    out = torch.empty_like(a["q"])
+    args = (a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"], a["cache_lens"], a["cu_q"],
+            a["gate"], 1)
+    pa_launch.paged_attention_cuda(*args, write_kv=False, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa_launch.paged_attention_cuda(*args, write_kv=False, out=out)
+    for lens_now in ([1999, 29000], [5, 12345], [2000, 30000]):
+        a["cache_lens"].copy_(torch.tensor(lens_now, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = _ref(a, write_kv=False)
+        assert not torch.isnan(out).any()
+        assert _rel(out, ref) < 1e-2, lens_now
