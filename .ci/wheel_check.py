@@ -4,8 +4,11 @@ module of `qwen35_fast` from it. Exits non-zero, naming what is wrong, when:
 - a file the checkout ships (a module of a package, a kernel's .cu / .cuh, a web/ or
   example_workflows/ file) is missing from the wheel, or the wheel carries something else (tests/,
   bench/, a virtual environment, build leftovers);
-- a module fails to import from the installed copy. Modules that import ComfyUI (nodes/) are imported
-  too when COMFYUI_DIR names a ComfyUI checkout; without one they must fail on ComfyUI's modules alone.
+- a module fails to import from the installed copy, with the test-only packages (transformers, pytest,
+  jinja2) made unimportable. Modules that import ComfyUI (nodes/) are imported too when COMFYUI_DIR
+  names a ComfyUI checkout; without one they must fail on ComfyUI's modules alone;
+- `python -m qwen35_fast demo` (the tiny checkpoint built from scratch, then a few tokens on the CPU)
+  fails from the installed copy without the test-only packages.
 
     python .ci/wheel_check.py          # from the repository root, in the environment the tests use
 
@@ -29,6 +32,13 @@ NOT_SHIPPED = {"tests", "bench", "build", "venv", ".venv", ".ci", "docs"}
 DATA_SUFFIXES = {".cu", ".cuh"}
 DATA_FOLDERS = {"web", "example_workflows"}
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_execution", "folder_paths", "server", "nodes"}
+# Installed for the tests only (the test extra); the pack must run without them.
+TEST_ONLY = ("transformers", "pytest", "jinja2")
+BLOCK_TEST_ONLY = f"import sys\nfor name in {TEST_ONLY!r}:\n    sys.modules[name] = None\n"
+DEMO = BLOCK_TEST_ONLY + (
+    "import runpy\n"
+    "sys.argv = ['qwen35_fast', 'demo', '--max-new-tokens', '4', '--device', 'cpu', '--backend', 'torch']\n"
+    "runpy.run_module('qwen35_fast', run_name='__main__', alter_sys=True)\n")
 
 # Run in a fresh interpreter whose path starts with the installed copy: imports each module, prints JSON.
 IMPORTER = r"""
@@ -118,8 +128,8 @@ def main() -> int:
         subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True)
         comfy_dir = os.environ.get("COMFYUI_DIR", "")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), comfy_dir) if p)}
-        done = subprocess.run([sys.executable, "-c", IMPORTER, str(site), comfy_dir, PACKAGE], cwd=work, env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", BLOCK_TEST_ONLY + IMPORTER, str(site), comfy_dir, PACKAGE],
+                              cwd=work, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             problems.append(f"importing {PACKAGE} from the wheel failed:\n{done.stderr}")
         else:
@@ -138,6 +148,15 @@ def main() -> int:
             print(f"wheel {wheel.name}: {len(shipped)} files; {imported} of {len(results)} modules imported "
                   f"from the installed copy" + (f"; without ComfyUI: {', '.join(needs_comfy)}" if needs_comfy
                                                  else ""))
+
+        demo = subprocess.run([sys.executable, "-c", DEMO], cwd=work, capture_output=True, text=True,
+                              env={**env, "XDG_CACHE_HOME": str(work / "cache")})
+        if demo.returncode != 0 or "--- answer" not in demo.stdout:
+            problems.append(f"`python -m {PACKAGE} demo` failed from the wheel (exit {demo.returncode}):\n"
+                            f"{demo.stdout[-2000:]}\n{demo.stderr[-4000:]}")
+        else:
+            print(f"python -m {PACKAGE} demo from the wheel, without {', '.join(TEST_ONLY)}: "
+                  + demo.stdout.strip().splitlines()[-1].strip())
 
         for p in problems:
             print(f"wheel check: {p}", file=sys.stderr)
