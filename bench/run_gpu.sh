@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
-#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/gdn.py.
+#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/gdn.py, bench/paged_attention.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
 # The nodes' tests (tests/test_nodes.py, the VRAM test among them) run against a real ComfyUI when
@@ -48,7 +48,7 @@ export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_gdn_prefill_cuda.py tests/test_runtime_gpu.py \
+  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_gdn_prefill_cuda.py tests/test_runtime_gpu.py tests/test_paged_attention.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -85,6 +85,8 @@ fi
 if [ "$bench" = 1 ]; then
   extra=(); [ "$peers" = 1 ] || extra+=(--no-peers)
   python3 bench/gdn.py --out "$OUT/gdn-h200.json" --budget-s "${BENCH_BUDGET_S:-420}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 bench/paged_attention.py --out "$OUT/paged-h200.json" 2>&1 | tee "$OUT/paged-bench.log" | grep -v '^{'
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

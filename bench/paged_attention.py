@@ -1,0 +1,192 @@
+"""Paged attention (kernels/paged_attention) at the 9B shape (16 q / 4 kv heads, head dim 256, bf16):
+Nq new tokens after Nkv cached ones, causal over the new tokens, every cached one visible.
+
+    ms_paged       our kernel, the block table shuffled over the pool
+    ms_contiguous  the same kernel, the blocks in order
+    ms_sdpa        PyTorch SDPA on contiguous [Nkv + Nq] keys with the lower-right causal mask, the fastest
+                   backend that takes it (cuDNN, flash, memory-efficient; GQA native or K/V expanded beforehand)
+Ours also stores the Nq new K/V in the pool and applies the sigmoid output gate; SDPA does neither.
+All timings are CUDA-graph replays (median ms per call); for small Nkv each graph cycles through several
+copies of the K/V so that they do not sit in L2. For Nq <= 16 the row also gives the K/V bytes over the
+measured copy bandwidth (read + written bytes of a 1 GiB device copy). Writes JSON.
+
+    python3 bench/paged_attention.py [--out bench/results/paged-h200.json]
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast.kernels.paged_attention.launch import _sm_count, paged_attention_cuda, plan
+
+from gdn import bench_ms, ceilings
+
+DEV = "cuda"
+H, HKV, D = 16, 4, 256
+NQS = (1, 16, 256, 1024, 4096)
+NKVS = (1024, 4096, 16384, 65536)
+BLOCKS = (16, 64)
+L2_DEFEAT_BYTES = 256 << 20  # cycle through this much K/V per graph when one copy would fit in L2 (50 MB)
+
+
+def graph_ms(calls):
+    """Median ms of one call of `calls` (a list of closures), all captured in one CUDA graph and replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    torch.cuda.synchronize()
+    return bench_ms(g.replay, warmup_ms=20, rep_ms=120) / len(calls)
+
+
+def paged_setup(Nq, Nkv, bs, copies, shuffle, gen):
+    """A pool holding `copies` sequences of Nkv cached tokens (+ room for Nq), one block table each."""
+    need = math.ceil((Nkv + Nq) / bs)
+    nb = need * copies
+    k_pool = torch.randn(nb, bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v_pool = torch.randn(nb, bs, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(nb, device=DEV, generator=gen) if shuffle else torch.arange(nb, device=DEV)
+    tables = [order[c * need:(c + 1) * need].to(torch.int32).view(1, need).contiguous() for c in range(copies)]
+    return k_pool, v_pool, tables
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/paged-h200.json")
+    ap.add_argument("--quick", action="store_true", help="Nkv 1024 and 65536 only")
+    a = ap.parse_args()
+    t_start = time.time()
+    bw, tf = ceilings()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s, bf16 matmul {tf / 1e12:.0f} TFLOP/s")
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows, sdpa_notes = [], {}
+    nkvs = (1024, 65536) if a.quick else NKVS
+    for Nkv in nkvs:
+        kv_bytes = 2 * Nkv * HKV * D * 2
+        copies = max(1, min(8, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        for Nq in NQS:
+            qg = torch.randn(Nq, H, 2 * D, device=DEV, dtype=torch.bfloat16, generator=gen)
+            q, gate = qg[..., :D], qg[..., D:]
+            k_new = torch.randn(Nq, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+            v_new = torch.randn(Nq, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+            cache_lens = torch.tensor([Nkv], dtype=torch.int32, device=DEV)
+            cu_q = torch.tensor([0, Nq], dtype=torch.int32, device=DEV)
+            sdpa_ms, sdpa_how = sdpa_time(Nq, Nkv, copies, q, gen)
+            sdpa_notes[f"{Nq}x{Nkv}"] = sdpa_how
+            for bs in BLOCKS:
+                ms = {}
+                for name, shuffle in (("paged", True), ("contiguous", False)):
+                    k_pool, v_pool, tables = paged_setup(Nq, Nkv, bs, copies, shuffle, gen)
+                    calls = [lambda t=t, kp=k_pool, vp=v_pool: paged_attention_cuda(q, k_new, v_new, kp, vp, t,
+                                                                                    cache_lens, cu_q, gate, Nq)
+                             for t in tables]
+                    ms[name] = graph_ms(calls)
+                    calls = k_pool = v_pool = tables = None  # frees the pool before the next one
+                p = plan(Nq, 1, HKV, H // HKV, math.ceil((Nkv + Nq) / bs) * bs, _sm_count(DEV))
+                row = {"Nq": Nq, "Nkv": Nkv, "block": bs, "ms_paged": round(ms["paged"], 5),
+                       "ms_contiguous": round(ms["contiguous"], 5),
+                       "ms_sdpa": None if sdpa_ms is None else round(sdpa_ms, 5),
+                       "splits": p.splits, "warps_m": p.warps_m}
+                if Nq <= 16:
+                    row["kv_copy_bw_fraction"] = round(kv_bytes / (ms["paged"] * 1e-3) / bw, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    sweep = decode_split_sweep(bw, gen)
+    goals = check_goals(rows)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": round(bw / 1e12, 3),
+              "matmul_TFLOPs": round(tf / 1e12, 1), "shape": {"H": H, "Hkv": HKV, "D": D, "dtype": "bf16"},
+              "rows": rows, "sdpa_backend": sdpa_notes, "decode_split_sweep": sweep, "goals": goals,
+              "seconds": round(time.time() - t_start, 1)}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("| Nq | Nkv | block | paged ms | contiguous ms | SDPA ms | copy-bw fraction |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        sdpa = "-" if r["ms_sdpa"] is None else f"{r['ms_sdpa']:.4f}"
+        print(f"| {r['Nq']} | {r['Nkv']} | {r['block']} | {r['ms_paged']:.4f} | {r['ms_contiguous']:.4f} | {sdpa} | "
+              f"{r.get('kv_copy_bw_fraction', '')} |")
+    print(json.dumps(goals, indent=1))
+    print(json.dumps(sweep))
+
+
+def sdpa_time(Nq, Nkv, copies, q, gen):
+    """(ms, how) of the fastest SDPA backend on the contiguous keys, or (None, reasons)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    ks = [torch.randn(1, HKV, Nkv + Nq, D, device=DEV, dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
+    vs = [torch.randn_like(k) for k in ks]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Nq, D]
+    mask = causal_lower_right(Nq, Nkv + Nq)
+    best, how, tried = None, None, []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in ("native", "expanded"):
+            try:
+                if gqa == "native":
+                    kk, vv = ks, vs
+                else:
+                    kk = [k.repeat_interleave(H // HKV, 1) for k in ks]
+                    vv = [v.repeat_interleave(H // HKV, 1) for v in vs]
+
+                def call(k, v, backend=backend, gqa=gqa):
+                    with sdpa_kernel([backend]):
+                        if Nq == 1:  # one query sees every key: no mask needed
+                            return F.scaled_dot_product_attention(qh, k, v, enable_gqa=gqa == "native")
+                        return F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=gqa == "native")
+                ms = graph_ms([lambda k=k, v=v: call(k, v) for k, v in zip(kk, vv)])
+                tried.append(f"{backend.name}/{gqa}: {ms:.4f} ms")
+                if best is None or ms < best:
+                    best, how = ms, f"{backend.name}/{gqa}"
+                del kk, vv
+                break  # native GQA worked: expanding can only be slower
+            except Exception as e:  # noqa: BLE001 - a backend that does not take the case
+                tried.append(f"{backend.name}/{gqa}: {type(e).__name__}: {str(e)[:80]}")
+    torch.cuda.empty_cache()
+    return best, {"best": how, "tried": tried}
+
+
+def decode_split_sweep(bw, gen):
+    """Nq = 1 over 65,536 keys (block 16): ms and copy-bandwidth fraction per forced split count."""
+    Nq, Nkv, bs = 1, 65536, 16
+    kv_bytes = 2 * Nkv * HKV * D * 2
+    k_pool, v_pool, tables = paged_setup(Nq, Nkv, bs, 1, True, gen)
+    qg = torch.randn(Nq, H, 2 * D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k_new = torch.randn(Nq, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    cache_lens = torch.tensor([Nkv], dtype=torch.int32, device=DEV)
+    cu_q = torch.tensor([0, Nq], dtype=torch.int32, device=DEV)
+    out = {}
+    for s in (16, 32, 64, 99, 128):
+        ms = graph_ms([lambda: paged_attention_cuda(qg[..., :D], k_new, k_new, k_pool, v_pool, tables[0], cache_lens,
+                                                    cu_q, qg[..., D:], Nq, splits=s)])
+        out[s] = {"ms": round(ms, 5), "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
+    return out
+
+
+def check_goals(rows):
+    paged_vs_contig = max(r["ms_paged"] / r["ms_contiguous"] for r in rows)
+    big = [r for r in rows if r["Nq"] >= 256 and r["ms_sdpa"] is not None]
+    small = [r for r in rows if r["Nq"] <= 16]
+    return {
+        "paged_le_1.1x_contiguous": paged_vs_contig <= 1.1, "worst_paged_over_contiguous": round(paged_vs_contig, 3),
+        "paged_le_sdpa_for_Nq_ge_256": all(r["ms_paged"] <= r["ms_sdpa"] for r in big),
+        "worst_paged_over_sdpa_Nq_ge_256": round(max(r["ms_paged"] / r["ms_sdpa"] for r in big), 3) if big else None,
+        "Nq_le_16_ge_70pct_copy_bw": all(r["kv_copy_bw_fraction"] >= 0.7 for r in small),
+        "min_copy_bw_fraction_Nq_le_16": min(r["kv_copy_bw_fraction"] for r in small),
+        "copy_bw_fraction_Nq_le_16_at_65536": [r["kv_copy_bw_fraction"] for r in small if r["Nkv"] == 65536],
+    }
+
+
+if __name__ == "__main__":
+    main()
