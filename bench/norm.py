@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--out", default="bench/results/norm-h200.json")
     a = ap.parse_args()
     bw, _ = ceilings()
+    torch.manual_seed(0)
     T, hidden, Hv, dv, H, hd = 4096, 4096, 32, 128, 16, 256
     x = torch.randn(1, T, hidden, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(hidden, device=DEV) * 0.1

@@ -39,6 +39,7 @@ def decode_sets(N, copies):
 def main():
     bw, _ = ceilings()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    torch.manual_seed(0)
     A_log, dt_bias = torch.rand(HV, device=DEV) + 0.5, torch.ones(HV, device=DEV)
     lines = []
     cfgs = [(32, 128), (32, 256), (16, 64), (16, 128), (64, 256), (64, 128)]

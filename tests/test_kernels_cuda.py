@@ -4,6 +4,8 @@ the RMSNorms).
 Fresh random inputs per case; the caching allocator is filled with NaN before each launch so that an
 output element the kernel forgets to write shows up; states are checked to be updated in place.
 """
+import zlib
+
 import pytest
 import torch
 
@@ -62,8 +64,9 @@ DECODE_CASES = [  # N, Hk, Hv, D, Dv
 def test_decode_matches_reference(impl, case, dtype, gate_dtype, param_dtype):
     N, Hk, Hv, D, Dv = case
     for rep in range(2):  # fresh inputs each time
+        seed = zlib.crc32(repr((case, dtype, gate_dtype, rep)).encode())  # the same in every process
         q, k, v, a, b, A_log, dt_bias, state = decode_inputs(N, Hk, Hv, D, Dv, dtype, gate_dtype, param_dtype,
-                                                             seed=hash((case, dtype, gate_dtype, rep)) % 2 ** 31)
+                                                             seed=seed)
         state_ref = state.clone()
         o_ref = gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
         ptr = state.data_ptr()
@@ -133,7 +136,7 @@ def check_conv(y, st, y_ref, st_ref, dtype):
 @pytest.mark.parametrize("with_bias,with_init", [(False, False), (True, True), (True, False), (False, True)])
 def test_conv_prefill_matches_reference(impl, T, C, dtype, with_bias, with_init):
     B, W = 2, 4
-    x, weight, bias, init = conv_inputs(B, T, C, W, dtype, dtype, hash((T, C, dtype, with_bias)) % 2 ** 31,
+    x, weight, bias, init = conv_inputs(B, T, C, W, dtype, dtype, zlib.crc32(repr((T, C, dtype, with_bias)).encode()),
                                         with_bias, with_init, B)
     y_ref, st_ref = causal_conv1d_prefill_ref(x, weight, bias, init)
     poison_allocator(((B, T, C), dtype), ((B, C, W - 1), dtype))

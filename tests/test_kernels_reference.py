@@ -5,6 +5,7 @@ compared with) must match the float64 token-by-token recurrence over many shapes
 conv1d references must match loops written straight from their equations, the RMSNorms their formulas.
 """
 import math
+import zlib
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ CASES = [  # B, T, Hk, Hv, D, Dv
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_chunked_matches_f64_recurrence(case, with_state, decay):
     B, T, Hk, Hv, D, Dv = case
-    inputs = gdn_inputs(B, T, Hk, Hv, D, Dv, decay, seed=hash((case, with_state, decay)) % 2 ** 31)
+    inputs = gdn_inputs(B, T, Hk, Hv, D, Dv, decay, seed=zlib.crc32(repr((case, with_state, decay)).encode()))
     h0 = torch.randn(B, Hv, D, Dv) * 0.5 if with_state else None
     o, S = gdn_prefill_chunked(*inputs, h0)
     o_ref, S_ref = gdn_prefill_recurrent_f64(*inputs, h0)
