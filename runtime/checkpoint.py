@@ -6,11 +6,13 @@ size before any tensor is read, so a truncated download is reported as such, by 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
+from .config import FULL, LINEAR, TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
 from .errors import Qwen35Error
 
 # Where the text model's tensors live in the files people have, most specific first.
@@ -27,23 +29,62 @@ class Checkpoint:
     tokenizer_dir: Path | None
 
 
+# Bytes per element of the dtypes a safetensors header can name (to check each tensor's extent).
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# What the text model can be loaded from: the three floating types it computes in.
+LOADABLE_DTYPES = ("BF16", "F16", "F32")
+FP8_MARKERS = ("weight_scale_inv", "weight_scale", "scale_weight", "scaled_fp8", "input_scale")
+
+
 def read_header(file: Path) -> dict:
-    """The safetensors header of `file`, checked against the file's size."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise Qwen35Error(f"{file}: {size} bytes is too short to be a safetensors file; re-download it")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
-            raise Qwen35Error(f"{file}: not a safetensors file, or truncated (header of {n} bytes in a file "
-                              f"of {size}); re-download it")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise Qwen35Error(f"{file}: the safetensors header is not valid JSON; the file is corrupt, "
-                              "re-download it") from None
+    """The safetensors header of `file`, checked against the file's size and for well-formed entries."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise Qwen35Error(f"{file}: {size} bytes is too short to be a safetensors file; re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                raise Qwen35Error(f"{file}: not a safetensors file, or truncated (header of {n} bytes in a "
+                                  f"file of {size}); re-download it")
+            raw = f.read(n)
+    except OSError as e:
+        raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") \
+            from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise Qwen35Error(f"{file}: the safetensors header is not valid JSON; the file is corrupt, "
+                          "re-download it") from None
+    if not isinstance(header, dict):
+        raise Qwen35Error(f"{file}: the safetensors header is a JSON {type(header).__name__}, not an object "
+                          "of tensors; the file is corrupt or not a safetensors file, re-download it")
     header.pop("__metadata__", None)
+    spans = []
+    for name, t in header.items():
+        ok = (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+              and all(type(d) is int and d >= 0 for d in t["shape"])
+              and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+              and all(type(o) is int for o in t["data_offsets"])
+              and 0 <= t["data_offsets"][0] <= t["data_offsets"][1])
+        if not ok:
+            raise Qwen35Error(f"{file}: the header entry of tensor {name!r} is malformed (it needs dtype, a shape "
+                              f"of sizes and data_offsets [start, end]; found {str(t)[:120]}); the file is "
+                              "corrupt, re-download it")
+        start, end = t["data_offsets"]
+        width = DTYPE_BYTES.get(t["dtype"])
+        if width is not None and end - start != width * math.prod(t["shape"]):
+            raise Qwen35Error(f"{file}: tensor {name!r} ({t['dtype']} {t['shape']}) needs "
+                              f"{width * math.prod(t['shape'])} bytes but its data_offsets span {end - start}; "
+                              "the file is corrupt, re-download it")
+        spans.append((start, end, name))
+    spans.sort()
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise Qwen35Error(f"{file}: tensors {a!r} and {b!r} overlap in the file (data_offsets); the file is "
+                              "corrupt, re-download it")
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + n + end > size:
         raise Qwen35Error(f"{file}: truncated: its header needs {8 + n + end} bytes, the file has {size}; "
@@ -65,22 +106,87 @@ def _strip(name: str) -> str | None:
 
 def _collect(files: list[Path]) -> tuple[dict[str, tuple[Path, str]], dict[str, tuple[int, ...]], list[str]]:
     tensors, shapes, other = {}, {}, []
+    dtypes: dict[str, str] = {}
+    seen: dict[str, Path] = {}
     for file in files:
         for name, meta in read_header(file).items():
+            if name in seen:
+                raise Qwen35Error(f"tensor {name!r} is in both {seen[name].name} and {file.name}; a checkpoint "
+                                  "holds each tensor once, so the folder mixes files of two downloads: keep one")
+            seen[name] = file
             key = _strip(name)
             if key is None:
                 other.append(name)
                 continue
             tensors[key] = (file, name)
             shapes[key] = tuple(meta["shape"])
+            dtypes[key] = meta["dtype"]
+    if not _is_qwen35(seen):
+        return tensors, shapes, other  # the caller says what this is instead
+    source = files[0] if len(files) == 1 else files[0].parent
+    fp8 = sorted(n for n in seen if n.rsplit(".", 1)[-1] in FP8_MARKERS)
+    if fp8 or any(d.startswith("F8") for d in dtypes.values()):
+        example = fp8[0] if fp8 else next(k for k, d in dtypes.items() if d.startswith("F8"))
+        raise Qwen35Error(f"{source}: an FP8-quantized checkpoint (e.g. {example}); FP8 weights are not "
+                          "supported yet: use the bf16 release of this model")
+    for key, dtype in dtypes.items():
+        if dtype not in LOADABLE_DTYPES:
+            raise Qwen35Error(f"{source}: tensor {tensors[key][1]!r} is {dtype}; Qwen3.5 weights load from "
+                              f"{', '.join(LOADABLE_DTYPES)} only (quantized or integer weights are not "
+                              "supported): use the bf16 release of this model")
     return tensors, shapes, other
 
 
-def _not_qwen35(source: Path, other: list[str]) -> Qwen35Error:
-    sample = ", ".join(sorted(other)[:3]) or "no tensors"
-    return Qwen35Error(f"{source}: not a Qwen3.5 checkpoint: found {len(other)} tensors such as {sample}, but "
-                       "no Qwen3.5 text-model weights (embed_tokens, layers.N.linear_attn...). Pick a Qwen3.5 "
+def looks_like(names: list[str]) -> str:
+    """A short guess at what model a list of tensor names belongs to, for an error message."""
+    joined = "\n".join(names)
+    def has(*parts):
+        return any(p in joined for p in parts)
+    if has("diffusion_model.", "double_blocks.", "joint_blocks.", "transformer_blocks."):
+        kind = "a diffusion model"
+    elif has("first_stage_model.", "decoder.up.", "encoder.down."):
+        kind = "a VAE"
+    elif has("encoder.block.", "shared.weight"):
+        kind = "a T5 text encoder"
+    elif has("text_model.encoder.layers.", "text_projection"):
+        kind = "a CLIP text encoder"
+    elif has("linear_attn.") and has(".mlp.experts.", ".mlp.gate.weight"):
+        kind = "a mixture-of-experts model with Gated DeltaNet layers (Qwen3.5 MoE or Qwen3-Next)"
+    elif has(".mlp.experts."):
+        kind = "a mixture-of-experts language model"
+    elif has("visual.blocks.", "visual.merger.") and has("layers."):
+        kind = "a vision-language model without Gated DeltaNet layers (Qwen2.5-VL or Qwen3-VL)"
+    elif has("self_attn.q_norm."):
+        kind = "a Qwen3-style language model (attention in every layer, no Gated DeltaNet layers)"
+    elif has("self_attn.q_proj.bias"):
+        kind = "a Qwen2-style language model (no Gated DeltaNet layers)"
+    elif has("self_attn.q_proj."):
+        kind = "a Llama-style language model (no Gated DeltaNet layers)"
+    else:
+        kind = "another kind of model"
+    sample = ", ".join(sorted(names)[:3]) or "no tensors"
+    return f"{kind}: {len(names)} tensors such as {sample}"
+
+
+def _not_qwen35(source: Path, names: list[str]) -> Qwen35Error:
+    return Qwen35Error(f"{source}: this is not a Qwen3.5 checkpoint: found {looks_like(names)}. Pick a Qwen3.5 "
                        "checkpoint folder (models/LLM/<name>/) or a Qwen3.5 text-encoder .safetensors file")
+
+
+def _is_qwen35(names) -> bool:
+    """Dense Qwen3.5 text weights: embeddings and Gated DeltaNet layers, no experts."""
+    names = list(names)
+    return (any(n.endswith("embed_tokens.weight") for n in names)
+            and any(n.endswith("linear_attn.A_log") for n in names)
+            and not any(".mlp.experts." in n for n in names))
+
+
+def is_qwen35_file(file: Path) -> bool:
+    """Whether a .safetensors file holds Qwen3.5 text weights, from its header alone (no tensor is read)."""
+    try:
+        return _is_qwen35(read_header(Path(file)))
+    except Qwen35Error:
+        return False
 
 
 def check_shapes(config: TextConfig, shapes: dict[str, tuple[int, ...]], source: Path) -> None:
@@ -96,6 +202,83 @@ def check_shapes(config: TextConfig, shapes: dict[str, tuple[int, ...]], source:
                               "the weights do not fit the config (wrong config.json or a different model size)")
 
 
+def _all_names(tensors: dict[str, tuple[Path, str]], other: list[str]) -> list[str]:
+    return [name for _, name in tensors.values()] + other
+
+
+def _infer(shapes: dict[str, tuple[int, ...]], source: Path) -> TextConfig:
+    try:
+        return infer_from_shapes(shapes, str(source))
+    except Qwen35Error:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+        raise Qwen35Error(f"{source}: the tensor shapes are not those of a Qwen3.5 text model (e.g. embed_tokens "
+                          f"is {list(shapes.get('embed_tokens.weight', ()))}, it needs [vocab, hidden]; {e}); the "
+                          "file is damaged or another model") from None
+
+
+def _check_sizes(config: TextConfig, source: Path) -> None:
+    """Every size in the config is a positive whole number (a string or a float would pass into the model)."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+        value = getattr(config, name)
+        if type(value) is not int or value < 1:
+            raise Qwen35Error(f"{source}: {name} is {value!r}; it must be a whole number >= 1. Re-download "
+                              "config.json")
+    bad = [t for t in config.layer_types if t not in (LINEAR, FULL)]
+    if bad:
+        raise Qwen35Error(f"{source}: layer_types holds {bad[0]!r}; Qwen3.5 layers are {LINEAR!r} or {FULL!r}")
+
+
+def _read_config(cfg_file: Path) -> dict:
+    try:
+        cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise Qwen35Error(f"{cfg_file}: cannot be read ({e.strerror or e}); check the file and its permissions") \
+            from None
+    except UnicodeDecodeError as e:
+        raise Qwen35Error(f"{cfg_file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is "
+                          "corrupt, re-download it") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise Qwen35Error(f"{cfg_file}: not valid JSON ({e}); re-download it") from None
+    if not isinstance(cfg, dict):
+        raise Qwen35Error(f"{cfg_file}: holds a JSON {type(cfg).__name__}, not an object of settings; "
+                          "re-download it")
+    if cfg.get("model_type") == "qwen3_5" and not isinstance(cfg.get("text_config", {}), dict):
+        raise Qwen35Error(f"{cfg_file}: text_config is {cfg['text_config']!r}, not an object of settings; "
+                          "re-download it")
+    if "quantization_config" in cfg:
+        method = (cfg["quantization_config"] or {}).get("quant_method", "?") \
+            if isinstance(cfg["quantization_config"], dict) else "?"
+        raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {method}); quantized "
+                          "weights (FP8, GPTQ, AWQ...) are not supported yet: use the bf16 release of this model")
+    return cfg
+
+
+def _index_files(path: Path, index: Path) -> list[Path]:
+    """The weight files a model.safetensors.index.json names, each confined to the checkpoint folder."""
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise TypeError("weight_map is not an object of file names")
+    except OSError as e:
+        raise Qwen35Error(f"{index}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise Qwen35Error(f"{index}: not a valid index ({type(e).__name__}: {e}); it needs a weight_map "
+                          "of tensor name -> file name: re-download it, or delete it to load every "
+                          "*.safetensors file in the folder") from None
+    root = path.resolve()
+    files = set()
+    for name in weight_map.values():
+        file = (path / name)
+        if not file.resolve().is_relative_to(root) or not name.endswith(".safetensors"):
+            raise Qwen35Error(f"{index}: names {name!r}, which is not a .safetensors file inside {path}; an index "
+                              "may only point to weight files in its own folder")
+        files.add(file)
+    return sorted(files)
+
+
 def locate(path: str | Path) -> Checkpoint:
     """Check `path` (a checkpoint folder or one .safetensors file) and map its text weights."""
     path = Path(path).expanduser()
@@ -107,27 +290,31 @@ def locate(path: str | Path) -> Checkpoint:
             raise Qwen35Error(f"{path}: only .safetensors weights are loaded (never pickle .bin/.pt/.ckpt); "
                               "convert the file to safetensors")
         tensors, shapes, other = _collect([path])
-        if "embed_tokens.weight" not in shapes:
-            raise _not_qwen35(path, other)
-        config = infer_from_shapes(shapes, str(path))
+        if not _is_qwen35(_all_names(tensors, other)):
+            raise _not_qwen35(path, _all_names(tensors, other))
+        config = _infer(shapes, path)
         check_shapes(config, shapes, path)
         tok_dir = path.parent if (path.parent / "tokenizer.json").exists() else None
         return Checkpoint(path, config, tensors, tok_dir)
 
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        found = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
+        try:
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
+        except OSError as e:
+            raise Qwen35Error(f"{path}: cannot be read ({e.strerror or e}); check the folder's permissions") \
+                from None
         raise Qwen35Error(f"{path}: no config.json, so this is not a Hugging Face checkpoint folder "
                           f"(found: {found}); point the loader at the folder that holds config.json and "
                           "model*.safetensors")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise Qwen35Error(f"{cfg_file}: not valid JSON ({e}); re-download it") from None
-    config = from_hf_dict(cfg, str(cfg_file))
+        config = from_hf_dict(_read_config(cfg_file), str(cfg_file))
+    except (TypeError, AttributeError) as e:  # a setting of the wrong JSON type (a list where a number goes...)
+        raise Qwen35Error(f"{cfg_file}: a setting has the wrong type ({e}); re-download config.json") from None
+    _check_sizes(config, cfg_file)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = _index_files(path, index)
         absent = [f.name for f in files if not f.exists()]
         if absent:
             raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}, which is missing; the download "
@@ -139,7 +326,12 @@ def locate(path: str | Path) -> Checkpoint:
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""
         raise Qwen35Error(f"{path}: no .safetensors weights{hint}")
     tensors, shapes, other = _collect(files)
-    if "embed_tokens.weight" not in shapes:
-        raise _not_qwen35(path, other)
+    if not _is_qwen35(_all_names(tensors, other)):
+        raise _not_qwen35(path, _all_names(tensors, other))
+    in_files = 1 + max((int(k.split(".")[1]) for k in shapes if k.split(".")[0] == "layers"
+                        and k.split(".")[1].isdigit()), default=-1)
+    if config.num_hidden_layers != in_files:
+        raise Qwen35Error(f"{cfg_file}: the config has {config.num_hidden_layers} layers but the weights hold "
+                          f"{in_files}; the config does not belong to these weights, re-download it")
     check_shapes(config, shapes, path)
     return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None)

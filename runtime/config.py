@@ -12,6 +12,7 @@ DEFAULT_PARTIAL_ROTARY = 0.25
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 DEFAULT_MAX_POSITIONS = 262_144
 DEFAULT_EOS = (248044, 248046)  # <|endoftext|>, <|im_end|>
+MAX_LAYERS = 1024  # the largest Qwen3.5 has 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
     text = cfg.get("text_config", cfg) if model_type == "qwen3_5" else cfg
     try:
         n_layers = text["num_hidden_layers"]
+        if type(n_layers) is not int or not 1 <= n_layers <= MAX_LAYERS:  # before anything is sized by it
+            raise Qwen35Error(f"{source}: num_hidden_layers is {n_layers!r}; Qwen3.5 models have 1 to "
+                              f"{MAX_LAYERS} layers. Re-download config.json")
         layer_types = text.get("layer_types") or [
             LINEAR if (i + 1) % text.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}

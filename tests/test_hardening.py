@@ -1,0 +1,236 @@
+"""Issue 12: every bad input a user can hand the runtime gets a Qwen35Error naming it and the fix, and the
+same process then still loads a good model and generates the same text as before."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill
+from qwen35_fast.runtime.checkpoint import is_qwen35_file
+
+from _models import make_hf_model, write_single_file
+
+PROMPT = "Name three colours."
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    f = tmp_path_factory.mktemp("good")
+    make_hf_model(f, seed=5, vocab=248320)
+    return f
+
+
+def _answer(path) -> tuple[int, ...]:
+    model = load_model(path, dtype="fp32", device="cpu")
+    return generate(model, prefill(model, PROMPT), max_new_tokens=6).token_ids
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return _answer(folder)
+
+
+@pytest.fixture
+def still_works(folder, reference):
+    """After the test's failing case: the same process loads the good model and says the same."""
+    yield
+    assert _answer(folder) == reference
+
+
+def _copy(folder, tmp_path, name="ck"):
+    dst = tmp_path / name
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _raw_safetensors(path, header: bytes, data: bytes = b""):
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+# --- 1: other models' files -------------------------------------------------------------------
+
+def _qwen3_file(path):
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.zeros(4),
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4),
+               "model.layers.0.self_attn.q_norm.weight": torch.zeros(4),
+               "model.layers.0.mlp.gate_proj.weight": torch.zeros(4, 4)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind, tensors, found", [
+    ("qwen3", None, r"Qwen3-style language model \(attention in every layer, no Gated DeltaNet"),
+    ("t5", {"encoder.block.0.layer.0.SelfAttention.q.weight": torch.zeros(2, 2), "shared.weight": torch.zeros(2, 2)},
+     "a T5 text encoder"),
+    ("clip", {"text_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(2, 2)}, "a CLIP text encoder"),
+    ("qwen25vl", {"model.embed_tokens.weight": torch.zeros(2, 2), "visual.blocks.0.attn.qkv.weight": torch.zeros(2),
+                  "model.layers.0.self_attn.q_proj.bias": torch.zeros(2)}, "Qwen2.5-VL or Qwen3-VL"),
+])
+def test_other_text_encoders_say_what_they_are(tmp_path, still_works, kind, tensors, found):
+    f = tmp_path / f"{kind}.safetensors"
+    if tensors is None:
+        _qwen3_file(f)
+    else:
+        save_file(tensors, str(f))
+    assert not is_qwen35_file(f)
+    with pytest.raises(Qwen35Error, match=rf"this is not a Qwen3.5 checkpoint: found .*{found}"):
+        load_model(f, device="cpu")
+
+
+def test_header_check_tells_qwen35_files_apart(folder, tmp_path, still_works):
+    assert is_qwen35_file(write_single_file(folder, tmp_path / "q.safetensors"))
+    assert not is_qwen35_file(_raw_safetensors(tmp_path / "junk.safetensors", b"[1, 2]"))
+    assert not is_qwen35_file(tmp_path / "absent.safetensors")
+
+
+# --- 4: weights of the wrong kind -----------------------------------------------------------------
+
+def _single_with(folder, tmp_path, change):
+    """The good model as one file, with `change(tensors)` applied."""
+    from safetensors import safe_open
+    tensors = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys() if not k.startswith(("model.visual.", "mtp."))})
+    change(tensors)
+    out = tmp_path / "changed.safetensors"
+    save_file(tensors, str(out))
+    return out
+
+
+EMBED = "model.language_model.embed_tokens.weight"
+QPROJ = "model.language_model.layers.3.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.int8)}), rf"tensor '{QPROJ}' is I8; .*use the bf16 release"),
+    (lambda t: t.update({QPROJ: t[QPROJ] > 0}), rf"tensor '{QPROJ}' is BOOL"),
+    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn)}), r"FP8-quantized checkpoint .*not supported yet"),
+    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn), QPROJ + "_scale_inv": torch.ones(1)}),
+     r"FP8-quantized checkpoint .*not supported yet"),
+    (lambda t: t.update({QPROJ.replace(".weight", ".weight_scale_inv"): torch.ones(1)}),
+     r"FP8-quantized checkpoint \(e\.g\. .*weight_scale_inv\)"),
+    (lambda t: t.update({EMBED: t[EMBED].double()}), rf"tensor '{EMBED}' is F64"),
+])
+def test_weights_of_the_wrong_dtype(folder, tmp_path, still_works, change, message):
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(_single_with(folder, tmp_path, change), device="cpu")
+
+
+def test_a_tensor_in_two_shards(folder, tmp_path, still_works):
+    ck = _copy(folder, tmp_path)
+    save_file({EMBED: torch.zeros(248320, 64)}, str(ck / "zz-extra.safetensors"))
+    with pytest.raises(Qwen35Error, match=rf"tensor '{EMBED}' is in both model.safetensors and "
+                                          r"zz-extra.safetensors; .*keep one"):
+        load_model(ck, device="cpu")
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_index_cannot_point_outside_the_folder(folder, tmp_path, still_works, target):
+    ck = _copy(folder, tmp_path)
+    shutil.copy(ck / "model.safetensors", tmp_path / "outside.safetensors")
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {EMBED: target}}))
+    with pytest.raises(Qwen35Error, match=rf"names '{target}', which is not a .safetensors file inside"):
+        load_model(ck, device="cpu")
+
+
+def test_quantization_config_is_refused(folder, tmp_path, still_works):
+    ck = _copy(folder, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=r"quantized checkpoint \(quantization_config: fp8\)"):
+        load_model(ck, device="cpu")
+
+
+# --- 5: malformed files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("header, message", [
+    (b"[1, 2, 3]", "the safetensors header is a JSON list, not an object"),
+    (b'"text"', "is a JSON str"),
+    (b'{"a": {"dtype": "F32", "shape": [2]}}', r"entry of tensor 'a' is malformed"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}', r"entry of tensor 'a' is malformed"),
+    (b'{"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', r"entry of tensor 'a' is malformed"),
+    (b'{"a": 5}', r"entry of tensor 'a' is malformed"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}', r"needs 8 bytes but its data_offsets span 12"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     b'"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}', r"tensors 'a' and 'b' overlap"),
+    (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+])
+def test_malformed_safetensors_headers(tmp_path, still_works, header, message):
+    f = _raw_safetensors(tmp_path / "bad.safetensors", header, bytes(16))
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(f, device="cpu")
+
+
+def test_one_dimensional_embedding(folder, tmp_path, still_works):
+    f = _single_with(folder, tmp_path, lambda t: t.update({EMBED: t[EMBED].flatten()}))
+    with pytest.raises(Qwen35Error, match=r"not those of a Qwen3.5 text model \(e\.g\. embed_tokens is "
+                                          r"\[15892480\], it needs \[vocab, hidden\]"):
+        load_model(f, device="cpu")
+
+
+@pytest.mark.parametrize("config, message", [
+    (b"[1, 2]", "holds a JSON list, not an object of settings"),
+    (json.dumps({"model_type": "qwen3_5", "text_config": None}).encode(), "text_config is None, not an object"),
+    (b'{"model_type": "qwen3_5", \xff\xfe}', r"not UTF-8 text \(byte 0xff at 26\)"),
+    (b'{"model_type": ', "not valid JSON"),
+])
+def test_malformed_config_json(folder, tmp_path, still_works, config, message):
+    ck = _copy(folder, tmp_path)
+    (ck / "config.json").write_bytes(config)
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(ck, device="cpu")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(num_hidden_layers=10**7), r"num_hidden_layers is 10000000; Qwen3.5 models have 1 to 1024"),
+    (lambda c: c.update(num_hidden_layers=8, layer_types=None), r"the config has 8 layers but the weights hold 4"),
+    (lambda c: c.update(hidden_size="64"), r"hidden_size is '64'; it must be a whole number"),
+    (lambda c: c.update(num_hidden_layers=4.0), r"num_hidden_layers is 4.0"),
+    (lambda c: c.update(rope_parameters=[1, 2]), r"a setting has the wrong type"),
+    (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding"]), r"layer_types holds 'sliding'"),
+])
+def test_config_sizes_are_checked_before_anything_is_allocated(folder, tmp_path, still_works, edit, message):
+    ck = _copy(folder, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg["text_config"])
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(ck, device="cpu")
+
+
+@pytest.mark.parametrize("index, message", [
+    (b"{", "not a valid index"),
+    (b"[]", "not a valid index"),
+    (b'{"weight_map": [1]}', "not a valid index"),
+    (b'{"weight_map": {"a": 3}}', "not a valid index"),
+    (b'{"metadata": {}}', "not a valid index"),
+])
+def test_malformed_index(folder, tmp_path, still_works, index, message):
+    ck = _copy(folder, tmp_path)
+    (ck / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(ck, device="cpu")
+
+
+def test_symlink_loop_in_the_folder(folder, tmp_path, still_works):
+    ck = _copy(folder, tmp_path)
+    os.symlink("loop.safetensors", ck / "loop.safetensors")
+    with pytest.raises(Qwen35Error, match=r"loop.safetensors: cannot be read \(Too many levels of symbolic links"):
+        load_model(ck, device="cpu")
+
+
+def test_cli_prints_error_and_exits_2(tmp_path):
+    f = _raw_safetensors(tmp_path / "bad.safetensors", b"[1]")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-m", "qwen35_fast", "run", "--model", str(f), "--device", "cpu"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "error: " in out.stderr and "not an object" in out.stderr and "Traceback" not in out.stderr
