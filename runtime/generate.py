@@ -28,6 +28,7 @@ class Prefill:
     backend: str
     thinking: bool = False
     model_id: int = 0  # id() of the model that made it: a prefill only fits that model
+    vision: object = None  # multimodal.VisionStats when the prompt had images or video
 
     @property
     def n_tokens(self) -> int:

@@ -84,6 +84,23 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
             param[row:row + t.shape[0]].copy_(t.to(param.device, non_blocking=False))
 
 
+def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+    """Loads the checkpoint's vision tower into model.vision; a missing or broken one leaves None and the
+    reason in model.vision_note (text prompts work either way)."""
+    from .vision import load_vision, locate_vision
+    try:
+        found = locate_vision(ckpt.path, ckpt.config.hidden_size)
+    except Qwen35Error as e:
+        model.vision_note = str(e)
+        log.warning("Qwen3.5 vision tower not loaded: %s", e)
+        return
+    if found is None:
+        model.vision_note = f"{ckpt.path.name} has no vision-tower weights (model.visual.*)"
+        return
+    model.vision = load_vision(found, dtype, device)
+    model.vision_note = f"vision tower {found.config.shape_name}"
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                backend: str = "auto") -> Qwen35Model:
     """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
@@ -105,6 +122,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     try:
         model = Qwen35Model(ckpt.config, dt, dev)
         _fill(model, ckpt)
+        _attach_vision(model, ckpt, dt, dev)
         model.requested_backend = backend
         model.select_backend()
     except BaseException:

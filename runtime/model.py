@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import rope
 from .config import LINEAR, TextConfig
 from .errors import Qwen35Error
 
@@ -64,12 +65,15 @@ class Cache:
 
     conv[i]: [B, conv_dim, W-1]; ssm[i]: [B, Hv, Dk, Dv] fp32 (GDN layers, None elsewhere);
     k[i], v[i]: [B, Hkv, capacity, head_dim] (attention layers, None elsewhere); `length` tokens are in it.
+    rope_delta: what a token appended at slot `length` adds to its slot to get its rotary position
+    (0 for text; negative after images, whose tokens share positions; see rope.py).
     """
     conv: list
     ssm: list
     k: list
     v: list
     length: int
+    rope_delta: int = 0
 
     @property
     def capacity(self) -> int:
@@ -88,7 +92,7 @@ class Cache:
 
         copy = lambda xs: [None if t is None else t.to(device or t.device, copy=True) for t in xs]  # noqa: E731
         return Cache(copy(self.conv), copy(self.ssm), [grow(t) for t in self.k], [grow(t) for t in self.v],
-                     self.length)
+                     self.length, self.rope_delta)
 
     def to(self, device: torch.device | str) -> None:
         """Moves every tensor to `device`, in place; the contents stay the same (a cached prefill can wait
@@ -130,12 +134,11 @@ class Qwen35Model(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False)
         rd = config.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (
-            torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd), persistent=False)
-        sec = config.mrope_section
-        self.register_buffer("rope_section", torch.tensor(  # which position (t, h, w) each frequency reads
-            [1 if i % 3 == 1 and i < 3 * sec[1] else 2 if i % 3 == 2 and i < 3 * sec[2] else 0
-             for i in range(rd // 2)], dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("inv_freq", rope.inv_freq(rd, config.rope_theta, device), persistent=False)
+        self.register_buffer("rope_section", rope.section_index(rd, config.mrope_section, device),
+                             persistent=False)
+        self.vision = None  # the vision tower (vision.VisionTower) when the checkpoint has one
+        self.vision_note = "no vision tower loaded"  # why vision is None, or which tower it is
         self.requested_backend = "auto"
         self.backend = kernels.select_backend("torch", device)
         self._backend_device = None
@@ -161,15 +164,9 @@ class Qwen35Model(nn.Module):
 
     # --- rotary embedding -------------------------------------------------------------------
     def rope(self, positions: torch.Tensor):
-        """cos, sin [T, rotary_dim] for position ids [3, T] (temporal, height, width; equal for text).
-
-        Qwen3.5 interleaves the three sections over the frequency index: index i takes height when
-        i % 3 == 1, width when i % 3 == 2 (within 3 * section), temporal otherwise.
-        """
-        freqs = positions[..., None].float() * self.inv_freq  # [3, T, rd/2]
-        f = freqs.gather(0, self.rope_section[None, None, :].expand(1, freqs.shape[1], -1))[0]
-        emb = torch.cat([f, f], dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        """cos, sin [T, rotary_dim] for position ids [3, T] (temporal, height, width; equal for text);
+        the three are interleaved over the frequencies as rope.py describes."""
+        return rope.cos_sin(positions, self.inv_freq, self.rope_section, self.dtype)
 
     @staticmethod
     def _apply_rope(x, cos, sin):
@@ -246,11 +243,13 @@ class Qwen35Model(nn.Module):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None):
+    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None, positions=None):
         c = self.config
         T = h.shape[1]
-        pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
-        cos, sin = self.rope(pos.expand(3, T))
+        if positions is None:  # text: the cache slot plus the offset images before it left
+            pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
+            positions = (pos + cache.rope_delta if cache.rope_delta else pos).expand(3, T)
+        cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         for i, blk in enumerate(self.blocks):
             x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
@@ -279,10 +278,21 @@ class Qwen35Model(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def forward_prefill(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Run prompt ids [B, T] into an empty `cache`; returns fp32 logits of the last position [B, vocab]."""
-        h = self._layers(F.embedding(ids, self.embed), cache, 0, decode=False)
+    def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
+                        rope_delta: int = 0) -> torch.Tensor:
+        """Run prompt ids [B, T] into an empty `cache`; returns fp32 logits of the last position [B, vocab].
+
+        vision: (index [n] long, features [n, hidden]): token slots of sequence 0 whose embedding is
+        replaced by vision-tower output; positions: [3, T] rotary ids (default: 0 .. T-1 for all three);
+        rope_delta: stored in the cache for the tokens decoded after this prompt (rope.py).
+        """
+        h = F.embedding(ids, self.embed)
+        if vision is not None:
+            index, features = vision
+            h[0].index_copy_(0, index, features.to(h.dtype))
+        h = self._layers(h, cache, 0, decode=False, positions=positions)
         cache.length = ids.shape[1]
+        cache.rope_delta = rope_delta
         return self.logits(h[:, -1])
 
     @torch.inference_mode()
@@ -300,4 +310,4 @@ class Qwen35Model(nn.Module):
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return sum(p.numel() * p.element_size() for p in self.parameters())  # the vision tower included

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 
-def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32, tie=False):
+def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32, tie=False, vision=None):
     """Small widths; rotary settings as every released Qwen3.5 has them (head_dim 256, a quarter rotated)."""
     from transformers import Qwen3_5Config
     return Qwen3_5Config(
@@ -18,7 +18,8 @@ def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32
                          tie_word_embeddings=tie,
                          rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                               mrope_section=[11, 11, 10], mrope_interleaved=True)),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        vision_config={**dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+                       **(vision or {})},
         tie_word_embeddings=tie)
 
 

@@ -1,0 +1,238 @@
+"""ComfyUI IMAGE / VIDEO tensors -> the vision tower's input: normalised patches, grids, frame timestamps.
+
+The rules are the ones of the checkpoint's processor (Qwen2-VL image processor and Qwen3-VL video
+processor with Qwen3.5's settings), so an image gives the same patch grid and the same number of
+tokens as transformers' processor gives for it:
+  * RGB: grey is repeated to three channels; alpha is composited over white (as the processor's RGB
+    conversion does);
+  * size (`smart_resize`): each side rounded to a multiple of 32 (patch 16 x merge 2), then scaled
+    down to at most max_pixels or up to at least min_pixels, keeping the aspect ratio;
+  * bicubic resampling with antialiasing (PIL's filter, which the processor uses), then
+    (x - 0.5) / 0.5 per channel;
+  * patches in merge-block order, each [C, T=2, 16, 16] flattened; an image fills both temporal slots.
+Video: frames are sampled at `fps` (2) between min_frames and max_frames, one pixel budget is spread
+over all frames, frames go in pairs (an odd count repeats the last frame) and each pair becomes one
+slice with the timestamp text `<{t:.1f} seconds>` (mean time of its two frames) before it.
+Resizing runs in fp32 on whatever device the input is on.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import Qwen35Error
+
+# Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
+IMAGE_MIN_PIXELS = 65_536
+IMAGE_MAX_PIXELS = 16_777_216
+VIDEO_MIN_PIXELS = 4_096
+VIDEO_MAX_PIXELS = 25_165_824
+VIDEO_FPS = 2.0
+VIDEO_MIN_FRAMES = 4
+VIDEO_MAX_FRAMES = 768
+MEAN = (0.5, 0.5, 0.5)
+STD = (0.5, 0.5, 0.5)
+MAX_ASPECT = 200
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = IMAGE_MIN_PIXELS
+    max_pixels: int = IMAGE_MAX_PIXELS
+    video_min_pixels: int = VIDEO_MIN_PIXELS
+    video_max_pixels: int = VIDEO_MAX_PIXELS
+    fps: float = VIDEO_FPS
+    min_frames: int = VIDEO_MIN_FRAMES
+    max_frames: int = VIDEO_MAX_FRAMES
+    mean: tuple[float, ...] = MEAN
+    std: tuple[float, ...] = STD
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
+    """Preprocessing settings from a checkpoint folder's preprocessor_config.json and
+    video_preprocessor_config.json where present, else Qwen3.5's defaults; `overrides` win."""
+    values = {}
+    folder = Path(folder) if folder else None
+    for name, prefix in (("preprocessor_config.json", ""), ("video_preprocessor_config.json", "video_")):
+        if folder is None or not (folder / name).is_file():
+            continue
+        try:
+            cfg = json.loads((folder / name).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise Qwen35Error(f"{folder / name}: not valid JSON ({e}); re-download it") from None
+        size = cfg.get("size") or {}
+        lo = cfg.get("min_pixels", size.get("shortest_edge"))
+        hi = cfg.get("max_pixels", size.get("longest_edge"))
+        if lo is not None:
+            values[prefix + "min_pixels"] = int(lo)
+        if hi is not None:
+            values[prefix + "max_pixels"] = int(hi)
+        for key in ("patch_size", "temporal_patch_size", "merge_size"):
+            if key in cfg and not prefix:
+                values[key] = int(cfg[key])
+        if prefix:
+            for key in ("fps", "min_frames", "max_frames"):
+                if cfg.get(key) is not None:
+                    values[key] = cfg[key]
+        elif cfg.get("image_mean") and cfg.get("image_std"):
+            values["mean"], values["std"] = tuple(cfg["image_mean"]), tuple(cfg["image_std"])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Preprocessing(**values)
+
+
+def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = IMAGE_MIN_PIXELS,
+                 max_pixels: int = IMAGE_MAX_PIXELS, frames: int = 1, temporal_factor: int = 1) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, pixel count (times the frames, rounded to
+    `temporal_factor`) within [min_pixels, max_pixels], aspect ratio kept as well as that allows."""
+    if height <= 0 or width <= 0:
+        raise Qwen35Error(f"an image is {width}x{height} pixels; both sides must be at least 1")
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise Qwen35Error(f"an image is {width}x{height} pixels: its aspect ratio is over {MAX_ASPECT}, which Qwen3.5 "
+                          "does not take; crop it")
+    if temporal_factor > 1:  # video frames smaller than one block are first scaled up to one
+        if frames < temporal_factor:
+            frames = temporal_factor
+        if height < factor or width < factor:
+            up = max(factor / height, factor / width)
+            height, width = int(height * up), int(width * up)
+    t = round(frames / temporal_factor) * temporal_factor if temporal_factor > 1 else 1
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if t * h * w > max_pixels:
+        scale = math.sqrt(frames * height * width / max_pixels)
+        h = max(factor, math.floor(height / scale / factor) * factor)
+        w = max(factor, math.floor(width / scale / factor) * factor)
+    elif t * h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (frames * height * width))
+        h = math.ceil(height * scale / factor) * factor
+        w = math.ceil(width * scale / factor) * factor
+    return h, w
+
+
+def to_rgb(images: torch.Tensor) -> torch.Tensor:
+    """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32."""
+    if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4):
+        shape = list(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise Qwen35Error(f"an image input must be a tensor [batch, height, width, channels], got {shape}")
+    if images.dim() == 3:
+        images = images[None]
+    b, h, w, c = images.shape
+    if b == 0:
+        raise Qwen35Error("the image batch is empty (0 images); connect an image or leave the input empty")
+    if h == 0 or w == 0:
+        raise Qwen35Error(f"an image is {w}x{h} pixels; both sides must be at least 1")
+    if c not in (1, 2, 3, 4):
+        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")
+    x = images.float().clamp(0, 1)
+    color, alpha = (x[..., :c - 1], x[..., c - 1:]) if c in (2, 4) else (x, None)
+    if color.shape[-1] == 1:
+        color = color.expand(b, h, w, 3)
+    if alpha is not None:
+        color = color * alpha + (1 - alpha)  # over white
+    return color.permute(0, 3, 1, 2).contiguous()
+
+
+def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[B, 3, H, W] fp32 -> [B, 3, h, w]: bicubic with antialiasing, clamped to 0..1 as 8-bit images are."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+
+
+def _patchify(frames: torch.Tensor, pp: Preprocessing) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """frames [F, 3, H, W] normalised, F a multiple of the temporal patch -> patches [N, 3*T*P*P], grid."""
+    f, c, h, w = frames.shape
+    p, m, tp = pp.patch_size, pp.merge_size, pp.temporal_patch_size
+    gt, gh, gw = f // tp, h // p, w // p
+    x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
+    # -> (time, block row, block col, row in block, col in block, channel, frame in pair, py, px)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+
+
+def _normalise(x: torch.Tensor, pp: Preprocessing) -> torch.Tensor:
+    mean = torch.tensor(pp.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(pp.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return (x - mean) / std
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """One image or one video ready for the tower: patches [N, C*T*P*P] fp32 and grid (t, h, w) in
+    patches; for a video, the timestamp (seconds) of each of its t slices."""
+    kind: str  # "image" | "video"
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+    source_size: tuple[int, int]  # (height, width) before resizing
+    timestamps: tuple[float, ...] = ()
+    scaled_down: bool = False  # resized below its own size to fit max_pixels
+
+    def n_tokens(self, merge_size: int = 2) -> int:
+        t, h, w = self.grid
+        return t * h * w // merge_size ** 2
+
+
+def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None) -> list[VisionInput]:
+    """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image)."""
+    pp = pp or Preprocessing()
+    rgb = to_rgb(images)
+    _, _, h, w = rgb.shape
+    size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
+    x = _normalise(_resize(rgb, size), pp)
+    scaled = h * w > pp.max_pixels
+    out = []
+    for frame in x:
+        pixels, grid = _patchify(frame[None].expand(pp.temporal_patch_size, -1, -1, -1), pp)
+        out.append(VisionInput("image", pixels, grid, (h, w), (), scaled))
+    return out
+
+
+def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]:
+    """Indices of the frames to keep: `pp.fps` per second of video, within [min_frames, max_frames]
+    and at most every frame; spread evenly from the first frame to the last."""
+    if total <= 0:
+        raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
+    if not source_fps or source_fps <= 0:
+        raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be above 0 frames per second")
+    n = int(total / source_fps * pp.fps)
+    n = min(max(n, pp.min_frames), pp.max_frames, total)
+    return torch.linspace(0, total - 1, n).round().long().tolist()
+
+
+def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None) -> VisionInput:
+    """A video as ComfyUI frames [F, H, W, C] in 0..1 at `fps` frames per second -> one VisionInput."""
+    pp = pp or Preprocessing()
+    if isinstance(frames, torch.Tensor) and frames.dim() == 4 and frames.shape[0] == 0:
+        raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
+    if not isinstance(frames, torch.Tensor) or frames.dim() != 4:
+        raise Qwen35Error("a video must be frames [count, height, width, channels]")
+    index = sample_frames(frames.shape[0], fps, pp)
+    rgb = to_rgb(frames[index])
+    tp, sampled = pp.temporal_patch_size, len(index)
+    if len(index) % tp:  # pairs of frames: the last one fills the gap
+        rgb = torch.cat([rgb, rgb[-1:].expand(tp - len(index) % tp, -1, -1, -1)])
+        index = index + [index[-1]] * (tp - len(index) % tp)
+    _, _, h, w = rgb.shape
+    size = smart_resize(h, w, pp.factor, pp.video_min_pixels, pp.video_max_pixels, frames=sampled,
+                        temporal_factor=tp)
+    x = _normalise(_resize(rgb, size), pp)
+    pixels, grid = _patchify(x, pp)
+    times = [i / fps for i in index]
+    stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
+    return VisionInput("video", pixels, grid, (h, w), stamps, sampled * h * w > pp.video_max_pixels)
+
+
+__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",
+           "preprocess_video", "sample_frames"]

@@ -1,0 +1,190 @@
+"""Prompts with images and video: token layout, vision tower, multimodal positions, one prefill.
+
+Layout of one image in the prompt: <|vision_start|> <|image_pad|> x n <|vision_end|>, n = patches / 4.
+A video becomes, for each 2-frame slice, the text `<{t:.1f} seconds>` and then
+<|vision_start|> <|video_pad|> x n <|vision_end|>. The prompt names where each goes: `<image>` (the
+next image not yet placed), `<image 2>` (the second image, counting from 1), `<video>`. Inputs the
+prompt does not name go before its text, images first, as Qwen's chat template places the images
+and videos of a message ahead of its text.
+
+The tower runs once over all inputs (in the order they appear in the prompt), its output replaces
+the embeddings of the pad tokens, and the text model runs with the positions rope.py lays out.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .chat import format_chat
+from .errors import Qwen35Error
+from .generate import Prefill, _sync
+from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
+from .model import Qwen35Model
+from .rope import TextRun, VisionSpan, layout_positions
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
+PLACEHOLDER = re.compile(r"<image(?:\s*(\d+))?>|<video>")
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")  # private-use marks: where input i goes in the chat text
+
+
+def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list[int]]:
+    """The prompt with each placeholder replaced by a sentinel for input i (images 0..n-1, the video
+    n), unnamed inputs put in front; returns (text, input indices in order of appearance)."""
+    used: list[int] = []
+    next_free = [0]
+
+    def take(match: re.Match) -> str:
+        if match.group(0) == "<video>":
+            if not has_video:
+                raise Qwen35Error("the prompt names <video> but no video is connected; connect one or remove "
+                                  "<video> from the prompt")
+            i = n_images
+        elif match.group(1) is not None:
+            k = int(match.group(1))
+            if not 1 <= k <= n_images:
+                raise Qwen35Error(f"the prompt names <image {k}> but {n_images} image(s) are connected; images "
+                                  f"are counted from 1")
+            i = k - 1
+        else:
+            while next_free[0] in used:
+                next_free[0] += 1
+            if next_free[0] >= n_images:
+                raise Qwen35Error(f"the prompt has more <image> placeholders than the {n_images} image(s) "
+                                  "connected")
+            i = next_free[0]
+        if i in used:
+            name = "<video>" if i == n_images else f"image {i + 1}"
+            raise Qwen35Error(f"the prompt places {name} twice; name each image or video once")
+        used.append(i)
+        return f"\ue000{i}\ue001"
+
+    body = PLACEHOLDER.sub(take, prompt.strip())
+    front = [i for i in range(n_images + has_video) if i not in used]
+    order = front + used
+    return "".join(f"\ue000{i}\ue001" for i in front) + body, order
+
+
+def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], list]:
+    """Token ids and rope parts of one input."""
+    t, h, w = inp.grid
+    hm, wm = h // merge, w // merge
+    if inp.kind == "image":
+        return [VISION_START] + [IMAGE_PAD] * (t * hm * wm) + [VISION_END], [TextRun(1), VisionSpan(hm, wm),
+                                                                           TextRun(1)]
+    ids, parts = [], []
+    for stamp in inp.timestamps:
+        text = tokenizer.encode(f"<{stamp:.1f} seconds>")
+        ids += text + [VISION_START] + [VIDEO_PAD] * (hm * wm) + [VISION_END]
+        parts += [TextRun(len(text) + 1), VisionSpan(hm, wm), TextRun(1)]
+    return ids, parts
+
+
+def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_images: int,
+                 system_prompt: str = "", thinking: bool = False, use_chat_template: bool = True):
+    """(token ids, rope parts, inputs in the order the prompt places them)."""
+    text, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
+    if not text.strip():
+        raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
+    if use_chat_template:
+        text = format_chat(text, system_prompt=system_prompt, thinking=thinking)
+    elif system_prompt:
+        text = system_prompt + "\n\n" + text
+    merge = model.vision.config.spatial_merge_size if model.vision is not None else 2
+    ids, parts = [], []
+    pieces = _SENTINEL.split(text)  # text, input index, text, input index, ..., text
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:
+            if piece:
+                enc = model.tokenizer.encode(piece)
+                ids += enc
+                parts.append(TextRun(len(enc)))
+        else:
+            more_ids, more_parts = _vision_tokens(inputs[int(piece)], model.tokenizer, merge)
+            ids += more_ids
+            parts += more_parts
+    return ids, parts, [inputs[i] for i in order]
+
+
+def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:
+    pp = read_preprocessing(getattr(model, "path", None), max_pixels=max_pixels)
+    out: list[VisionInput] = []
+    if images is not None:
+        if isinstance(images, torch.Tensor):
+            out += preprocess_images(images, pp)
+        else:
+            for item in images:
+                out += preprocess_images(item, pp) if isinstance(item, torch.Tensor) else [item]
+    n_images = len(out)
+    if video is not None:
+        if isinstance(video, VisionInput):
+            out.append(video)
+        else:
+            frames, fps = video
+            out.append(preprocess_video(frames, fps, pp))
+    return out, n_images
+
+
+@torch.compiler.disable
+def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
+                       thinking: bool = False, use_chat_template: bool = True,
+                       max_pixels: int | None = None) -> Prefill:
+    """Prefill a prompt with images and / or a video.
+
+    images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
+      a list of such tensors, or VisionInputs from media.preprocess_images; video: (frames [F, H, W, C],
+      fps) or a VisionInput from media.preprocess_video. max_pixels overrides the checkpoint's limit
+      per image. Returns a Prefill; generate() continues from it as from a text prefill.
+    """
+    has_vision = images is not None or video is not None
+    if has_vision and model.vision is None:
+        note = getattr(model, "vision_note", "")
+        raise Qwen35Error(f"this checkpoint has no usable vision tower ({note or 'no model.visual.* weights'}), so "
+                          "it cannot read images or video; text prompts still work (leave the image and video "
+                          "inputs empty, or load a full Qwen3.5 checkpoint that includes the vision weights)")
+    inputs, n_images = _as_inputs(model, images, video, max_pixels)
+    ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt, thinking, use_chat_template)
+    limit = model.config.max_position_embeddings
+    n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
+    if len(ids) >= limit:
+        raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
+                          f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
+    positions, delta = layout_positions(parts, model.device)
+    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    vision = None
+    model.select_backend()
+    _sync(model.device)
+    t0 = time.perf_counter()
+    if ordered:
+        tower = model.vision
+        pixels = torch.cat([inp.pixels.to(model.device) for inp in ordered])
+        features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
+        slots = ((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0]
+        vision = (slots, features)
+    _sync(model.device)
+    t1 = time.perf_counter()
+    cache = model.new_cache(1, len(ids))
+    logits = model.forward_prefill(x, cache, vision=vision, positions=positions, rope_delta=delta)[0]
+    _sync(model.device)
+    t2 = time.perf_counter()
+    stats = VisionStats(n_vision, len(ids) - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                        sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
+    return Prefill(tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000, model.backend.name, thinking, id(model),
+                   vision=stats)
+
+
+@dataclass(frozen=True)
+class VisionStats:
+    """What a multimodal prefill did."""
+    vision_tokens: int
+    text_tokens: int
+    vision_ms: float
+    prefill_ms: float
+    scaled_down: int  # inputs resized down to fit max_pixels
+    grids: tuple[tuple[int, int, int], ...]
+
+
+__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "VisionStats", "VISION_START", "VISION_END",
+           "IMAGE_PAD", "VIDEO_PAD"]
