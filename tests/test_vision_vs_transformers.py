@@ -159,10 +159,10 @@ def test_transformers_pixel_values_give_the_same_logits():
         hf, ours = _make(d, TOWERS["d2w32h2"], seed=11)
         err, _ = _check(hf, ours, "What is this?", [theirs])
         assert err <= TOL, err
-        # our resize of the same image differs from PIL's 8-bit one by a little: logits within 2%
+        # our fp32 resize differs from PIL's 8-bit one (mean 0.003 of the normalised range): logits within 0.2%
         pf_mine = prefill_multimodal(ours, "What is this?", images=[mine])
         pf_theirs = prefill_multimodal(ours, "What is this?", images=[theirs])
-        assert rel(pf_mine.logits, pf_theirs.logits) < 2e-2
+        assert rel(pf_mine.logits, pf_theirs.logits) < 2e-3  # measured 2.3e-4 .. 3.0e-4
 
 
 def test_greedy_generation_equals_transformers_with_an_image(pair):

@@ -1,0 +1,103 @@
+"""Preprocessing of ComfyUI IMAGE / VIDEO tensors against transformers' Qwen2-VL image processor (PIL)."""
+import pytest
+import torch
+
+from qwen35_fast.runtime.errors import Qwen35Error
+from qwen35_fast.runtime.media import (Preprocessing, preprocess_images, preprocess_video, read_preprocessing,
+                                       sample_frames, smart_resize, to_rgb)
+
+
+def _processor(pp: Preprocessing):
+    pytest.importorskip("PIL")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, min_pixels=pp.min_pixels, max_pixels=pp.max_pixels)
+
+
+@pytest.mark.parametrize("h,w", [(1, 1), (10, 1000), (31, 33), (480, 640), (1023, 767), (1024, 1024), (2000, 80),
+                                 (4000, 6000), (7, 1400)])
+def test_smart_resize_equals_transformers(h, w):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as theirs
+    for lo, hi in ((65_536, 16_777_216), (4096, 1_003_520), (256 * 256, 512 * 512)):
+        assert smart_resize(h, w, 32, lo, hi) == theirs(h, w, 32, lo, hi)
+
+
+@pytest.mark.parametrize("h,w,pixels", [(90, 70, None), (300, 200, None), (256, 256, None), (700, 1200, 512 * 512),
+                                        (3000, 2000, 1024 * 1024)])
+def test_grid_tokens_and_pixels_match_transformers(h, w, pixels):
+    import numpy as np
+    pp = Preprocessing(max_pixels=pixels or Preprocessing().max_pixels)
+    proc = _processor(pp)
+    u8 = (torch.rand(h, w, 3, generator=torch.Generator().manual_seed(h * w)) * 255).round().to(torch.uint8)
+    got = proc(images=[np.asarray(u8)], return_tensors="pt")
+    mine = preprocess_images(u8[None].float() / 255, pp)[0]
+    assert mine.grid == tuple(got["image_grid_thw"][0].tolist())
+    assert mine.n_tokens() == int(got["image_grid_thw"][0].prod()) // 4
+    assert mine.pixels.shape == got["pixel_values"].shape
+    diff = (mine.pixels - got["pixel_values"]).abs()
+    # PIL resizes in 8 bits (rounding: 2/255 in the normalised range); no resize at all -> identical
+    if (h, w) == (256, 256):
+        assert diff.max() < 1e-6
+    else:
+        assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
+    assert mine.scaled_down == (h * w > pp.max_pixels)
+
+
+def test_grey_and_rgba_become_rgb():
+    grey = torch.rand(1, 40, 50, 1)
+    assert torch.equal(to_rgb(grey), grey.permute(0, 3, 1, 2).expand(1, 3, 40, 50))
+    rgba = torch.rand(1, 40, 50, 4)
+    rgba[..., 3] = 0  # fully transparent -> white
+    assert torch.allclose(to_rgb(rgba), torch.ones(1, 3, 40, 50))
+    rgba[..., 3] = 1
+    assert torch.allclose(to_rgb(rgba), rgba[..., :3].permute(0, 3, 1, 2))
+
+
+def test_image_patches_are_in_merge_block_order():
+    """Patch row k of a 64x64 image (2x2 blocks of 2x2 patches) is the 16x16 square the processor puts there."""
+    x = torch.rand(1, 64, 64, 3)
+    pp = Preprocessing(min_pixels=64 * 64, max_pixels=64 * 64)
+    inp = preprocess_images(x, pp)[0]
+    norm = (x[0].permute(2, 0, 1) - 0.5) / 0.5
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3),
+             (2, 0), (2, 1), (3, 0), (3, 1), (2, 2), (2, 3), (3, 2), (3, 3)]
+    for k, (r, c) in enumerate(order):
+        patch = norm[:, r * 16:(r + 1) * 16, c * 16:(c + 1) * 16]
+        row = inp.pixels[k].view(3, 2, 16, 16)
+        assert torch.allclose(row[:, 0], patch, atol=1e-6) and torch.allclose(row[:, 1], patch, atol=1e-6)
+
+
+def test_video_frames_timestamps_and_budget():
+    pp = Preprocessing()
+    assert sample_frames(10 * 30, 30.0, pp) == torch.linspace(0, 299, 20).round().long().tolist()
+    assert len(sample_frames(3, 30.0, pp)) == 3  # never more frames than the video has
+    assert len(sample_frames(30, 30.0, pp)) == 4  # at least min_frames
+    v = preprocess_video(torch.rand(9, 48, 64, 3), fps=2.0, pp=pp)  # 4.5 s at 2 fps -> 9 frames -> 10 (pairs)
+    assert v.grid[0] == 5 and len(v.timestamps) == 5
+    assert v.timestamps[0] == pytest.approx(0.25) and v.timestamps[-1] == pytest.approx(4.0)
+    big = preprocess_video(torch.rand(8, 720, 1280, 3), fps=2.0,
+                           pp=Preprocessing(video_max_pixels=8 * 200_000))
+    t, h, w = big.grid
+    assert 2 * t * h * w * 256 <= 8 * 200_000 and big.scaled_down
+
+
+def test_bad_input_messages():
+    with pytest.raises(Qwen35Error, match="0x64 pixels"):
+        preprocess_images(torch.rand(1, 64, 0, 3))
+    with pytest.raises(Qwen35Error, match="empty"):
+        preprocess_images(torch.rand(0, 64, 64, 3))
+    with pytest.raises(Qwen35Error, match="0 frames"):
+        preprocess_video(torch.rand(0, 64, 64, 3), fps=24.0)
+    with pytest.raises(Qwen35Error, match="aspect ratio"):
+        preprocess_images(torch.rand(1, 1, 400, 3))
+
+
+def test_read_preprocessing_from_the_checkpoint(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(
+        '{"size": {"longest_edge": 1000000, "shortest_edge": 1024}, "patch_size": 16, "merge_size": 2}')
+    (tmp_path / "video_preprocessor_config.json").write_text('{"size": {"longest_edge": 5000, "shortest_edge": 9},'
+                                                             ' "fps": 1, "max_frames": 10}')
+    pp = read_preprocessing(tmp_path, max_pixels=500_000)
+    assert (pp.min_pixels, pp.max_pixels, pp.video_min_pixels, pp.video_max_pixels) == (1024, 500_000, 9, 5000)
+    assert (pp.fps, pp.max_frames) == (1, 10)
+    assert read_preprocessing(None) == Preprocessing()
