@@ -4,6 +4,7 @@ No ComfyUI imports here; the nodes are a thin layer over these functions.
 
     model = load_model("models/LLM/Qwen3.5-9B", dtype="bf16", device="cuda")
     pf = prefill(model, "Describe a lighthouse at dusk.")
+    pf = prefill_multimodal(model, "What is in <image>?", images=image)  # ComfyUI IMAGE [B, H, W, C]
     out = generate(model, pf, max_new_tokens=200, sampling=SamplingParams(do_sample=True, temperature=0.7))
 """
 from .decode_graph import free_gpu_workspaces
@@ -12,7 +13,9 @@ from .errors import Qwen35Error
 from .generate import Generation, Prefill, encode_prompt, generate, prefill, prefill_ids
 from .loader import load_model
 from .model import Cache, Qwen35Model
+from .multimodal import prefill_multimodal
 from .sampling import SamplingParams
 
 __all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
-           "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint", "free_gpu_workspaces"]
+           "prefill_multimodal", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
+           "free_gpu_workspaces"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chat import format_chat
+from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
 from .generate import Prefill, _sync
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
@@ -83,28 +83,53 @@ def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], 
 
 
 def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_images: int,
-                 system_prompt: str = "", thinking: bool = False, use_chat_template: bool = True):
-    """(token ids, rope parts, inputs in the order the prompt places them)."""
-    text, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
-    if not text.strip():
+                 system_prompt: str = "", thinking: bool = False, use_chat_template: bool = True,
+                 allow_special_tokens: bool = False):
+    """(token ids, rope parts, inputs in the order the prompt places them).
+
+    The chat template's markers are special tokens; the user's text (prompt and system prompt) is
+    plain text unless allow_special_tokens, as for text prompts (generate.encode_prompt).
+    """
+    if prompt is not None and not isinstance(prompt, str):
+        raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
+    body, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
+    if not body.strip():
         raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
-    if use_chat_template:
-        text = format_chat(text, system_prompt=system_prompt, thinking=thinking)
-    elif system_prompt:
-        text = system_prompt + "\n\n" + text
+    if not isinstance(system_prompt, str):
+        raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
+    tok = model.tokenizer
+    user = tok.encode if allow_special_tokens else getattr(tok, "encode_text", tok.encode)
     merge = model.vision.config.spatial_merge_size if model.vision is not None else 2
     ids, parts = [], []
-    pieces = _SENTINEL.split(text)  # text, input index, text, input index, ..., text
-    for k, piece in enumerate(pieces):
-        if k % 2 == 0:
-            if piece:
-                enc = model.tokenizer.encode(piece)
-                ids += enc
-                parts.append(TextRun(len(enc)))
-        else:
-            more_ids, more_parts = _vision_tokens(inputs[int(piece)], model.tokenizer, merge)
-            ids += more_ids
-            parts += more_parts
+
+    def add(text: str, encode) -> None:
+        if text:
+            enc = encode(text)
+            ids.extend(enc)
+            parts.append(TextRun(len(enc)))
+
+    def add_body() -> None:
+        pieces = _SENTINEL.split(body)  # text, input index, text, input index, ..., text
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                add(piece, user)
+            else:
+                more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge)
+                ids.extend(more_ids)
+                parts.extend(more_parts)
+
+    if not use_chat_template:
+        add(system_prompt + "\n\n" if system_prompt else "", user)
+        add_body()
+    else:  # the text format_chat writes, with the vision spans in the user message
+        if system_prompt.strip():
+            add(f"{IM_START}system\n", tok.encode)
+            add(system_prompt.strip(), user)
+            add(f"{IM_END}\n", tok.encode)
+        add(f"{IM_START}user\n", tok.encode)
+        add_body()
+        add(f"{IM_END}\n", tok.encode)
+        add(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING, tok.encode)
     return ids, parts, [inputs[i] for i in order]
 
 
@@ -130,7 +155,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
 @torch.compiler.disable
 def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
                        thinking: bool = False, use_chat_template: bool = True,
-                       max_pixels: int | None = None) -> Prefill:
+                       max_pixels: int | None = None, allow_special_tokens: bool = False) -> Prefill:
     """Prefill a prompt with images and / or a video.
 
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
@@ -145,7 +170,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
                           "it cannot read images or video; text prompts still work (leave the image and video "
                           "inputs empty, or load a full Qwen3.5 checkpoint that includes the vision weights)")
     inputs, n_images = _as_inputs(model, images, video, max_pixels)
-    ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt, thinking, use_chat_template)
+    ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt, thinking, use_chat_template,
+                                       allow_special_tokens)
     limit = model.config.max_position_embeddings
     n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
     if len(ids) >= limit:
