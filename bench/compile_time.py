@@ -20,13 +20,14 @@ from qwen35_fast.kernels import cuda_build  # noqa: E402
 
 KERNELS = Path(cuda_build.__file__).parent
 # (source, defines) as the launchers ask for them for a bf16 model: the device probe, conv1d prefill and
-# update, the decode step (its tile for up to 8 sequences) and the two-kernel prefill (its DVS 32 module
-# also holds the 128-column walk of the sequence split), and the RMSNorms of the 9B model (hidden 4096 with
-# an fp32 weight, attention's q / k norm 256 with an fp32 weight, the GDN gated norm 128 with a bf16
-# weight). The single fused prefill kernel is opt-in and not loaded by default.
+# update, the decode step (its tile for up to 8 sequences), the prefill's prep kernel and the Hopper walk
+# (its DVS 32 module also holds the 128-column walk of the sequence split; --arch sm_86 etc. load the
+# portable path's DVS 64 module instead), and the RMSNorms of the 9B model (hidden 4096 with an fp32 weight,
+# attention's q / k norm 256 with an fp32 weight, the GDN gated norm 128 with a bf16 weight).
 MODULES = [("probe.cu", {}), ("conv1d/conv1d.cu", {}), ("conv1d/conv1d.cu", {"TX": 0}),
            ("gdn_decode/gdn_decode.cu", {"VT": 16, "THREADS": 32}),
-           ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2, "AB_T": 2}),
+           ("gdn_prefill/prep.cu", {"IN_T": 2, "AB_T": 2}),
+           ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2}),
            ("rms_norm/rms_norm.cu", {"DIM": 4096, "IN_T": 2, "W_T": 0, "GATED": 0}),
            ("rms_norm/rms_norm.cu", {"DIM": 256, "IN_T": 2, "W_T": 0, "GATED": 0}),
            ("rms_norm/rms_norm.cu", {"DIM": 128, "IN_T": 2, "W_T": 2, "GATED": 1})]
@@ -38,7 +39,10 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile-time.json"))
     a = ap.parse_args()
     rows, t0 = [], time.perf_counter()
-    for src, defines in MODULES:
+    modules = MODULES if a.arch == "sm_90a" else [
+        (s, d) if s != "gdn_prefill/gdn_prefill.cu" else ("gdn_prefill/portable.cu", {"DVS": 64, "IN_T": 2})
+        for s, d in MODULES]
+    for src, defines in modules:
         t = time.perf_counter()
         cuda_build.compile_cubin(KERNELS / src, a.arch, defines)
         rows.append({"source": src, "defines": defines, "s": round(time.perf_counter() - t, 3)})

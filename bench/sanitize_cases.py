@@ -1,11 +1,9 @@
 """One small case per CUDA kernel, for compute-sanitizer (memcheck, racecheck) in bench/run_gpu.sh.
 
-    compute-sanitizer --tool memcheck python bench/sanitize_cases.py [--opt-in]
+    compute-sanitizer --tool memcheck python bench/sanitize_cases.py
 
-Without --opt-in: the kernels the runtime launches by default: the two-kernel prefill (with its
-sequence split) and variant "split_o", the default on cards with less shared memory per block (A100,
-RTX). With --opt-in: also the single fused prefill kernel. --only-split-o: the split_o kernels alone
-(to tell which kernel a hazard is in).
+The prefill on both paths of kernels/gdn_prefill/plan.py: the Hopper path (where the GPU is sm_90: column
+split, sequence split, whole heads) and the portable path built for compute_80 (column slices, segments).
 """
 import sys
 from pathlib import Path
@@ -47,23 +45,20 @@ else:
     kp = torch.randn(1, T, Hk, D, device=dev, dtype=torch.bfloat16)
     vp = torch.randn(1, T, Hv, D, device=dev, dtype=torch.bfloat16)
     ap, bp = torch.randn(1, T, Hv, device=dev), torch.randn(1, T, Hv, device=dev)
-    opt_in, only_split_o = "--opt-in" in sys.argv, "--only-split-o" in sys.argv
-    for fused, split in () if only_split_o else ((False, 32), (False, 128)) + (((True, None),) if opt_in else ()):
+    import qwen35_fast.kernels.gdn_prefill.plan as plan_mod
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    runs = [{"path": "hopper", "dv_split": 32}, {"path": "hopper", "dv_split": 128}] if hopper else []
+    runs += [{"path": "portable", "arch": "compute_80", "dv_split": 16, "segments": 1},
+             {"path": "portable", "arch": "compute_80", "dv_split": 64, "segments": 4},
+             {"path": "portable", "arch": "compute_80", "dv_split": 32, "segments": 3}]
+    for i, kw in enumerate(runs):
+        if i == 0:  # the prep kernel with both value heads of a q/k head in one block
+            plan_mod.prep_heads, keep = (lambda *a: Hv // Hk), plan_mod.prep_heads
         gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
                                torch.randn(2, Hv, D, D, device=dev),
-                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split, fused=fused)
-    if not only_split_o:  # the prep kernel with both value heads of a q/k head in one block
-        import qwen35_fast.kernels.gdn_prefill.launch as launch_mod
-        launch_mod.PREP_HPB = Hv // Hk
-        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
-                               torch.randn(2, Hv, D, D, device=dev),
-                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=32, fused=False)
-        launch_mod.PREP_HPB = None
-    for split in (16, 32):  # variant split_o (gdn_prefill_split.cu)
-        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
-                               torch.randn(2, Hv, D, D, device=dev),
-                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), dv_split=split,
-                               variant="split_o")
+                               torch.tensor([0, 77, T], dtype=torch.int32, device=dev), **kw)
+        if i == 0:
+            plan_mod.prep_heads = keep
 from qwen35_fast.kernels.rms_norm.launch import gated_rms_norm_cuda, rms_norm_cuda  # noqa: E402
 
 xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)

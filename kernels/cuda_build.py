@@ -235,20 +235,21 @@ def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | Non
     return path
 
 
-def get_function(src_path, name: str, device, defines: dict | None = None):
-    """The `extern "C"` kernel `name` of `src_path`, compiled for `device` with `-D` `defines`.
+def get_function(src_path, name: str, device, defines: dict | None = None, arch: str | None = None):
+    """The `extern "C"` kernel `name` of `src_path`, compiled for `device` with `-D` `defines` (for `arch`,
+    an NVRTC target the device runs, e.g. "compute_80"; default: arch_for_capability of the device).
     Returns a cupy.RawKernel; cached in memory and on disk."""
     import torch
 
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     dkey = tuple(sorted((defines or {}).items()))
-    fast = (str(src_path), name, dkey, index)
+    fast = (str(src_path), name, dkey, index, arch)
     fn = _by_path.get(fast)
     if fn is None:
         src_path = Path(src_path)
         source = src_path.read_text()
-        arch = arch_for_capability(*torch.cuda.get_device_capability(index))
+        arch = arch or arch_for_capability(*torch.cuda.get_device_capability(index))
         key = (source, _local_headers(src_path), dkey, arch, name, index)
         with _lock:
             fn = _functions.get(key)

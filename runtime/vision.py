@@ -31,7 +31,8 @@ from .errors import Qwen35Error
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 LAYER_NORM_EPS = 1e-6
-# Heads of the released towers by width (a single .safetensors file does not say; 64 or 72 per head)
+# Heads of the released towers by width: a single .safetensors file does not say (64 or 72 per head);
+# a tower of another width in a single file is read as heads of 64
 HEADS_BY_WIDTH = {768: 12, 1024: 16, 1152: 16}
 
 

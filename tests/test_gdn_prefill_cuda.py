@@ -1,6 +1,7 @@
-"""The GDN chunked-prefill CUDA kernels (one-kernel and two-kernel paths, the two-kernel path's sequence
-split, and the opt-in "split_o" variant: prep + state-only sequential kernel + parallel output kernel)
-against the f64 recurrence."""
+"""The GDN chunked-prefill CUDA kernels against the f64 recurrence, on both paths of plan.py: the Hopper
+path (sm_90a: prep + wgmma walk with the sequence split) and the portable path (prep + state walk with
+column slices and segments + output kernel), the latter built as the RTX cards get it (compute_80 PTX on
+an sm_90 card) wherever the GPU can run that."""
 import math
 
 import pytest
@@ -25,9 +26,9 @@ def _launcher():
     return gdn_chunk_prefill_cuda
 
 
-def make_inputs(B, T, Hk, Hv, dtype, decay, h0_n=None, gate_dtype=torch.float32, packed=False, seed=None):
+def make_inputs(B, T, Hk, Hv, dtype, decay, h0_n=None, gate_dtype=torch.float32, packed=False, seed=0):
     g = torch.Generator(device="cuda")
-    g.manual_seed(seed if seed is not None else torch.seed() % 2 ** 31)
+    g.manual_seed(seed)
     dev = "cuda"
     (alo, ahi), a_scale, a_shift = DECAYS[decay]
     if packed:  # q, k, v as head slices of one projection, like a fused qkv linear produces
@@ -54,9 +55,27 @@ def _poison(*shapes_dtypes):
     del junk
 
 
-# How each test calls the launcher: the default dispatch, a forced path, or the opt-in variant.
-PATHS = {"default": {}, "fused": {"fused": True}, "two": {"fused": False}, "split_o": {"variant": "split_o"},
-         "noseg": {"fused": False, "segments": False}}
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+PORTABLE_ARCH = "compute_80" if _hopper() else None  # on the H200: the PTX an sm_80-class build gives
+# How each test calls the launcher: a path, and a forced split or segment count
+PATHS = {"hopper": {"path": "hopper"}, "hopper_noseg": {"path": "hopper", "segments": 1},
+         "portable": {"path": "portable", "arch": PORTABLE_ARCH},
+         "portable_seg": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 64, "segments": 4},
+         "portable_16": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 16, "segments": 1}}
+ALL = list(PATHS)
+MAIN = ["hopper", "portable", "portable_seg"]
+
+
+@pytest.fixture(autouse=True)
+def _skip_hopper_elsewhere(request):
+    path = request.node.callspec.params.get("path", "") if hasattr(request.node, "callspec") else ""
+    if path.startswith("hopper") and not _hopper():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+
+
 _ref_cache: dict = {}  # one entry: the f64 reference of the last inputs (the paths of one case share it)
 
 
@@ -70,13 +89,12 @@ def reference(key, *args):
     return _ref_cache[key]
 
 
-def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, dv_split=None, fused=None, o_tol=O_TOL,
-                  state_tol=STATE_TOL, variant=None, ref_key=None, segments=None):
+def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, o_tol=O_TOL, state_tol=STATE_TOL,
+                  ref_key=None, **kw):
     B, T, Hv = v.shape[:3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, dv_split=dv_split, fused=fused,
-                        variant=variant, segments=segments)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, **kw)
     o_ref, ht_ref = reference(ref_key, q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
     assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
     assert ht.shape == (N, Hv, 128, 128) and ht.dtype == torch.float32
@@ -94,7 +112,7 @@ for i, (T, B) in enumerate((T, B) for T in (1, 63, 64, 65, 1000, 4097) for B in 
     CASES.append((T, B) + _cycle[i % len(_cycle)])
 
 
-@pytest.mark.parametrize("path", ["default", "noseg", "split_o"])
+@pytest.mark.parametrize("path", ALL)
 @pytest.mark.parametrize("T,B,ratio,with_h0,decay,dtype", CASES)
 def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype, path):
     Hk = 2 if T < 4000 else 1
@@ -103,28 +121,27 @@ def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype, path):
     run_and_check(*inputs, **PATHS[path], ref_key=(T, B, ratio, with_h0, decay, dtype, seed))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("dv_split", [32, 64, 128])
+@pytest.mark.parametrize("path,dv_split", [("hopper", 32), ("hopper", 64), ("hopper", 128),
+                                           ("portable", 16), ("portable", 32), ("portable", 64)])
+@pytest.mark.parametrize("segments", [None, 1, 3])
 @pytest.mark.parametrize("decay", ["weak", "model"])
-def test_every_dv_split(dv_split, decay, fused):
-    inputs = make_inputs(2, 300, 2, 4, torch.bfloat16, decay, 2)
-    run_and_check(*inputs, dv_split=dv_split, fused=fused)
+def test_every_dv_split(path, dv_split, segments, decay):
+    if path == "hopper" and segments == 3:
+        pytest.skip("the Hopper walk splits into 128 / dv_split segments or none")
+    inputs = make_inputs(2, 700, 2, 4, torch.bfloat16, decay, 2, seed=dv_split + (segments or 0))
+    run_and_check(*inputs, path=path, dv_split=dv_split, segments=segments,
+                  arch=PORTABLE_ARCH if path == "portable" else None, ref_key=("dvs", decay, dv_split, segments))
 
 
-@pytest.mark.parametrize("dv_split", [16, 32, 64, 128])
-@pytest.mark.parametrize("decay", ["weak", "model"])
-def test_split_o_every_dv_split(dv_split, decay):
-    inputs = make_inputs(2, 300, 2, 4, torch.bfloat16, decay, 2)
-    run_and_check(*inputs, dv_split=dv_split, variant="split_o")
-
-
-def test_unknown_variant():
+def test_bad_overrides_are_clear_errors():
     inputs = make_inputs(1, 8, 1, 1, torch.bfloat16, "model")
-    with pytest.raises(ValueError, match="variant"):
-        _launcher()(*inputs, variant="nope")
+    with pytest.raises(ValueError, match="path"):
+        _launcher()(*inputs, path="nope")
+    with pytest.raises(ValueError, match="dv_split"):
+        _launcher()(*inputs, path="portable", dv_split=128)
 
 
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_varlen(with_h0, dtype, path):
@@ -136,7 +153,7 @@ def test_varlen(with_h0, dtype, path):
 
 
 @pytest.mark.parametrize("decay", ["weak", "model"])
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 def test_varlen_matches_separate_calls(path, decay):
     lens = [100, 1, 700]  # 700 tokens: 11 chunks, split in segments unless the decay is weak
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
@@ -150,21 +167,21 @@ def test_varlen_matches_separate_calls(path, decay):
         torch.testing.assert_close(ht[i:i + 1], hi, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 def test_packed_heads_and_gate_dtypes(path):
     inputs = make_inputs(2, 200, 2, 4, torch.bfloat16, "model", 2, gate_dtype=torch.bfloat16, packed=True)
     assert not inputs[0].is_contiguous()
     run_and_check(*inputs, **PATHS[path])
 
 
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 def test_qwen35_shapes(path):
     """Hk 16, Hv 32 as in Qwen3.5-9B, bf16, initial state; the default Dv split for B = 1."""
     inputs = make_inputs(1, 700, 16, 32, torch.bfloat16, "model", 1, seed=700)
     run_and_check(*inputs, **PATHS[path], ref_key="qwen35")
 
 
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 def test_deterministic(path):
     inputs = make_inputs(1, 500, 2, 4, torch.bfloat16, "model", 1, seed=1)
     o1, h1 = _launcher()(*inputs, **PATHS[path])
@@ -172,7 +189,7 @@ def test_deterministic(path):
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
 
-@pytest.mark.parametrize("path", ["fused", "two", "split_o"])
+@pytest.mark.parametrize("path", MAIN)
 def test_cuda_graph_capture(path):
     """The launch captures into a CUDA graph (no host sync, no host reads of device data); replays
     on new inputs copied into the captured buffers match eager calls."""
@@ -197,7 +214,7 @@ def test_cuda_graph_capture(path):
     torch.testing.assert_close(h_g, h_e, rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------- the sequence split of the two-kernel path
+# ---------------------------------------------------------------- the sequence split (both paths)
 def chunk_decay_gates(B, T, per_chunk, seed):
     """a, A_log, dt_bias giving value head h a log-decay of about per_chunk[h] per 64 tokens."""
     g = torch.Generator(device="cuda")
@@ -208,68 +225,73 @@ def chunk_decay_gates(B, T, per_chunk, seed):
     return a, A_log, torch.zeros(Hv, device="cuda")
 
 
+SPLITS = {"hopper": [{"path": "hopper", "dv_split": 32}, {"path": "hopper", "dv_split": 32, "segments": 1}],
+          "portable": [{"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 64, "segments": 4},
+                       {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 32, "segments": 7},
+                       {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 64, "segments": 1}]}
+
+
+@pytest.mark.parametrize("path", ["hopper", "portable"])
 @pytest.mark.parametrize("T,B,per_chunk,with_h0", [
-    (566, 1, (-50.0, -3.0), True),     # 9 chunks: segments of 3, 3, 3 and an empty one
+    (566, 1, (-50.0, -3.0), True),     # 9 chunks: segments of 3, 3, 3 and an empty one (4 segments)
     (4097, 2, (-3.0, -3.0), False),    # 7 chunks of warm-up per boundary (half a segment is 8)
-    (4097, 1, (-3.0, -0.01), True),    # one head split, the other (weak decay) keeps the column split
+    (4097, 1, (-3.0, -0.01), True),    # one head split, the other (weak decay) walks unsplit
     (18000, 1, (-0.62,), True),        # 34 chunks of warm-up: the walk back crosses one 32-chunk step
 ])
-def test_sequence_split_vs_f64(T, B, per_chunk, with_h0):
+def test_sequence_split_vs_f64(path, T, B, per_chunk, with_h0):
     Hv = len(per_chunk)
     q, k, v, _, b, _, _, h0 = make_inputs(B, T, 1, Hv, torch.bfloat16, "model", B if with_h0 else None, seed=T)
     a, A_log, dt_bias = chunk_decay_gates(B, T, per_chunk, seed=T)
-    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("segments", T, B, per_chunk, with_h0))
-    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, segments=False, ref_key=("segments", T, B, per_chunk, with_h0))
+    for kw in SPLITS[path]:
+        run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("segments", T, B, per_chunk, with_h0), **kw)
 
 
-def test_sequence_split_is_taken_per_head(monkeypatch):
+@pytest.mark.parametrize("path", ["hopper", "portable"])
+def test_sequence_split_is_taken_per_head(path):
     """With the warm-up cut at 2^-1 instead of 2^-30, the split drops e^-1 of the state at every segment
-    start: the heads it takes show that error, the weak-decay heads (column split) stay exact."""
-    from qwen35_fast.kernels.gdn_prefill import launch as L
-    monkeypatch.setitem(L.EXTRA_DEFINES, "SEG_DROP_BITS", 1)
+    start: the heads it takes show that error, the weak-decay heads (walked unsplit) stay exact."""
+    kw = SPLITS[path][0]
     T, per_chunk = 4096, (-1.0, -0.005, -1.0, -0.005)
     q, k, v, _, b, _, _, h0 = make_inputs(1, T, 2, 4, torch.bfloat16, "model", 1, seed=5)
     a, A_log, dt_bias = chunk_decay_gates(1, T, per_chunk, seed=5)
-    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0)
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, defines={"SEG_DROP_BITS": 1}, **kw)
     o_ref, _ = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0)
     rows = torch.cat([torch.arange(16) + 64 * c for c in (16, 32, 48)])  # first rows of segments 1, 2, 3
     err = [rel(o[0, rows, h], o_ref[0, rows, h]) for h in range(4)]
     assert min(err[0], err[2]) > 0.05 and max(err[1], err[3]) <= O_TOL, err
-    monkeypatch.delitem(L.EXTRA_DEFINES, "SEG_DROP_BITS")
-    o_off, _ = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, segments=False)
+    o_off, _ = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, **{**kw, "segments": 1})
     assert torch.equal(o[..., 1, :], o_off[..., 1, :]) and torch.equal(o[..., 3, :], o_off[..., 3, :])
 
 
+@pytest.mark.parametrize("path", ["hopper", "portable"])
 @pytest.mark.parametrize("Hk,Hv", [(2, 4), (1, 3), (1, 4)])
-def test_prep_value_heads_per_block(monkeypatch, Hk, Hv):
+def test_prep_value_heads_per_block(monkeypatch, path, Hk, Hv):
     """The prep kernel forms K K^T, Q K^T once for all value heads of a q/k head (hpb = Hv / Hk) or once
     per value head (hpb = 1): the same numbers either way, and right against the f64 recurrence."""
-    from qwen35_fast.kernels.gdn_prefill import launch as L
+    from qwen35_fast.kernels.gdn_prefill import plan as P
     lens = [300, 1, 129]
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     inputs = make_inputs(1, sum(lens), Hk, Hv, torch.bfloat16, "model", len(lens), seed=Hv)
     outs = []
     for hpb in (1, Hv // Hk):
-        monkeypatch.setattr(L, "PREP_HPB", hpb)
-        run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv))
-        outs.append(_launcher()(*inputs, cu))
+        monkeypatch.setattr(P, "prep_heads", lambda *a, hpb=hpb: hpb)
+        run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv), **PATHS[path])
+        outs.append(_launcher()(*inputs, cu, **PATHS[path]))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("dv_split", [32, 64])
-def test_sequence_split_at_each_column_split(dv_split):
+def test_hopper_sequence_split_at_each_column_split(dv_split):
     """4 segments (DVS 32) or 2 (DVS 64) per head; one head split (3 chunks of warm-up), one weak-decay
     head on the column split; with and without the split, each against f64."""
+    if not _hopper():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
     T, B, per_chunk = 1500, 2, (-8.0, -0.01)
     q, k, v, _, b, _, _, h0 = make_inputs(B, T, 1, 2, torch.bfloat16, "model", B, seed=dv_split)
     a, A_log, dt_bias = chunk_decay_gates(B, T, per_chunk, seed=dv_split)
     key = ("split-dvs", dv_split)
-    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, ref_key=key)
-    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, fused=False, segments=False, ref_key=key)
-
-
-def _hopper():
-    return torch.cuda.get_device_capability() == (9, 0)
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, path="hopper", dv_split=dv_split, ref_key=key)
+    run_and_check(q, k, v, a, b, A_log, dt_bias, h0, path="hopper", dv_split=dv_split, segments=1, ref_key=key)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="wgmma needs an sm_90 GPU")
@@ -279,13 +301,12 @@ def _hopper():
 def test_wgmma_tiles(ks, n, c0, trans_a, dtype):
     """wgmma.cuh against torch: the A fragments (plain and transposed ldmatrix), the canonical B layout,
     its descriptors and the accumulator layout the prefill walk relies on."""
-    from pathlib import Path
 
     import numpy as np
 
     from qwen35_fast.kernels import cuda_build
     from qwen35_fast.kernels.gdn_prefill import launch as L
-    src = Path(L.__file__).parent / "wgmma_check.cu"
+    src = L.HERE / "wgmma_check.cu"
     fn = cuda_build.get_function(src, "wgmma_check", "cuda", {"IN_T": L._ELEM[dtype]})
     K = 16 * ks
     A = torch.randn(64, K, device="cuda").to(dtype)
@@ -306,24 +327,7 @@ def test_large_and_small_values(scale):
     the scale. h0 scales with v, as a real model's state would."""
     q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, 1000, 2, 4, torch.bfloat16, "weak", 1, seed=7)
     v, h0 = (v.float() * scale).to(v.dtype), h0 * scale
-    for dv_split in (None, 128):
-        run_and_check(q, k, v, a, b, A_log, dt_bias, h0, dv_split=dv_split, ref_key=("scale", scale))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="the wgmma walk is the default on sm_90 only")
-@pytest.mark.parametrize("T,B,dtype,dv_split", [(1000, 3, torch.bfloat16, 128), (1000, 3, torch.float16, 128),
-                                                (4097, 1, torch.bfloat16, None)])
-def test_mma_sync_walk_on_hopper(monkeypatch, T, B, dtype, dv_split):
-    """NO_WGMMA=1 builds the mma.sync 128-column walk (what Blackwell-class cards run) on the H200, where
-    the wgmma walk is the default: whole heads (DVS 128) and the walks of the sequence split (4,097 tokens)
-    stay right against f64, and the two walks agree to the one rounding they do differently (the wgmma
-    walk's state update takes the scaled u in fp16, the mma.sync walk as bf16 hi + lo)."""
-    from qwen35_fast.kernels.gdn_prefill import launch as L
-    inputs = make_inputs(B, T, 2, 4, dtype, "model", B, seed=T + B)
-    key = ("walks", T, B, dtype)
-    run_and_check(*inputs, dv_split=dv_split, fused=False, ref_key=key)
-    o_wg, ht_wg = _launcher()(*inputs, dv_split=dv_split, fused=False)
-    monkeypatch.setitem(L.EXTRA_DEFINES, "NO_WGMMA", 1)
-    run_and_check(*inputs, dv_split=dv_split, fused=False, ref_key=key)
-    o_mma, ht_mma = _launcher()(*inputs, dv_split=dv_split, fused=False)
-    assert rel(o_wg, o_mma) < 4e-3 and rel(ht_wg, ht_mma) < 1e-3, (rel(o_wg, o_mma), rel(ht_wg, ht_mma))
+    for kw in ({"path": "hopper"}, {"path": "hopper", "dv_split": 128}, PATHS["portable"]):
+        if kw["path"] == "hopper" and not _hopper():
+            continue
+        run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("scale", scale), **kw)

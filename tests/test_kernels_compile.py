@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from qwen35_fast.kernels import cuda_build
+from qwen35_fast.kernels.gdn_prefill import plan as _P
 
 KERNELS = Path(cuda_build.__file__).resolve().parent
 SOURCES = sorted(KERNELS.rglob("*.cu"))
-ARCHS = ["sm_80", "sm_89", "sm_90", "sm_90a"]  # sm_90a: what cuda_build picks on H100/H200
+ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"]  # sm_90a: what cuda_build picks on H100/H200
+ONLY = {"gdn_prefill.cu": ("sm_90a",)}  # the Hopper path's walk
 
 
 def _nvrtc_missing():
@@ -35,11 +37,12 @@ VARIANTS = {
     "gdn_decode.cu": [{}, {"TQ": 0, "TV": 0, "TA": 0, "TP": 0}, {"TQ": 1, "TV": 1, "TA": 1, "TP": 2, "D": 64, "DV": 64},
                       {"VT": 16, "THREADS": 64}, {"VT": 64, "THREADS": 256}, {"VT": 16, "THREADS": 128},
                       {"VT": 16, "THREADS": 32}, {"VT": 16, "THREADS": 32, "D": 64, "DV": 64}],
-    # gdn_prefill/launch.py: DVS (state columns per block) x IN_T (bf16 2, fp16 1) x AB_T (gate dtype fp32 0,
-    # fp16 1, bf16 2); the split_o variant also takes DVS 16 and does not read a, b
-    "gdn_prefill.cu": [{"DVS": d, "IN_T": i, "AB_T": a} for d in (32, 64, 128) for i in (2, 1) for a in (0, 1, 2)],
-    "gdn_prefill_fused.cu": [{"DVS": d, "IN_T": i, "AB_T": a} for d in (32, 64, 128) for i in (2, 1) for a in (0, 1, 2)],
-    "gdn_prefill_split.cu": [{"DVS": d, "IN_T": i, "AB_T": 0} for d in (16, 32, 64, 128) for i in (2, 1)],
+    # gdn_prefill/plan.py + launch.py: the sizes the plan hands each module (the kernels static_assert them)
+    "prep.cu": [{"IN_T": i, "AB_T": a, "PREP_SMEM": _P.prep_smem()} for i in (2, 1) for a in (0, 1, 2)],
+    "gdn_prefill.cu": [{"DVS": d, "IN_T": i, "WALK_SMEM": _P.hopper_walk_smem(d), "WALK128_SMEM": _P.hopper_walk_smem(128)}
+                       for d in (32, 64, 128) for i in (2, 1)],
+    "portable.cu": [{"DVS": d, "IN_T": i, "STATE_SMEM": _P.portable_state_smem(d), "OUT_SMEM": _P.PORTABLE_OUT_SMEM}
+                    for d in _P.PORTABLE_SPLITS for i in (2, 1)],
     # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
     "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
                     for i in (2, 1) for w in (0, i) for g in (0, 1)],
@@ -58,6 +61,8 @@ def test_sources_found():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: str(p.relative_to(KERNELS)))
 def test_compiles(src, arch):
+    if arch not in ONLY.get(src.name, (arch,)):
+        pytest.skip(f"{src.name} is built for {ONLY[src.name]} only")
     sets = VARIANTS.get(src.name, [{}])
     # independent NVRTC programs, compiled side by side (the gdn_prefill sets take ~1 s each)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(sets))) as pool:
@@ -73,6 +78,8 @@ def test_compiles_newer_archs(src, arch):
     """The first and the last define set of each source for the newer targets (the full sets run above)."""
     if int(arch[3:]) not in cuda_build.supported_archs():
         pytest.skip(f"NVRTC {cuda_build.nvrtc_version()} does not target {arch}")
+    if src.name in ONLY:
+        pytest.skip(f"{src.name} is built for {ONLY[src.name]} only")
     sets = VARIANTS.get(src.name, [{}])
     for defines in dict.fromkeys(map(lambda d: tuple(sorted(d.items())), (sets[0], sets[-1]))):
         cubin = cuda_build.compile_cubin(src, arch, dict(defines))
@@ -107,9 +114,15 @@ def test_missing_headers_error(monkeypatch, tmp_path):
         cuda_build.cuda_include_dir()
 
 
-def test_prefill_too_many_chunks_for_one_launch_is_a_clear_error():
-    from qwen35_fast.kernels.gdn_prefill import launch
-    assert launch._prep_slots(8, 4096, 8, None) == 512
-    assert launch._prep_slots(1, 1000, 3, object()) == 16 + 3 + 1  # packed: one spare slot per sequence
-    with pytest.raises(ValueError, match="prefill in smaller pieces"):
-        launch._prep_slots(1, 64 * 65536, 1, None)
+@needs_nvrtc
+@pytest.mark.parametrize("src,defines", [
+    ("prep.cu", {"PREP_SMEM": _P.prep_smem() + 16}),
+    ("portable.cu", {"DVS": 32, "STATE_SMEM": _P.portable_state_smem(32) + 16, "OUT_SMEM": _P.PORTABLE_OUT_SMEM}),
+    ("portable.cu", {"DVS": 64, "STATE_SMEM": _P.portable_state_smem(64), "OUT_SMEM": _P.PORTABLE_OUT_SMEM - 16}),
+    ("gdn_prefill.cu", {"DVS": 64, "WALK_SMEM": _P.hopper_walk_smem(64) + 16, "WALK128_SMEM": _P.hopper_walk_smem(128)}),
+])
+def test_prefill_kernels_refuse_sizes_that_disagree_with_the_plan(src, defines):
+    """The plan's shared-memory formulas and the kernels' layouts are one source of truth: a size that is off
+    by 16 bytes does not compile."""
+    with pytest.raises(cuda_build.KernelBuildError, match="disagrees"):
+        cuda_build.compile_cubin(KERNELS / "gdn_prefill" / src, "sm_90a", defines)

@@ -3,8 +3,15 @@ import pytest
 import torch
 
 from qwen35_fast.runtime.errors import Qwen35Error
-from qwen35_fast.runtime.media import (Preprocessing, preprocess_images, preprocess_video, read_preprocessing,
-                                       sample_frames, smart_resize, to_rgb)
+from qwen35_fast.runtime.media import (
+    Preprocessing,
+    preprocess_images,
+    preprocess_video,
+    read_preprocessing,
+    sample_frames,
+    smart_resize,
+    to_rgb,
+)
 
 
 def _processor(pp: Preprocessing):

@@ -32,6 +32,13 @@ __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32
 #endif
 }
 
+// The same product on fp16 operands whatever the input type (the state updates: the scaled u and K^T in fp16).
+__device__ __forceinline__ void mma16816_f16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ u32 tf32(float x) {
     u32 r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
@@ -59,6 +66,22 @@ __device__ __forceinline__ float2 unpack2(u32 u) {
 #endif
 }
 // x ~= hi + lo in two 16-bit values each: keeps ~16 mantissa bits through a 16-bit mma operand.
+// Two fp32 -> fp16 pair (x in the low half), rounded to nearest, clamped to the finite range.
+__device__ __forceinline__ u32 pack_f16_sat(float x, float y) {
+    u32 r;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(y), "f"(x));
+    return r;
+}
+// A 16-bit input pair (bf16 or fp16) as an fp16 pair.
+__device__ __forceinline__ u32 to_f16_pair(u32 x) {
+#if IN_T == QF_BF16
+    const float2 f = unpack2(x);
+    return pack_f16_sat(f.x, f.y);
+#else
+    return x;
+#endif
+}
+
 __device__ __forceinline__ void store_split(elem* hi, elem* lo, float x, float y) {
     const u32 h = pack2(x, y);
     const float2 hf = unpack2(h);

@@ -1,20 +1,20 @@
-// Gated DeltaNet chunked prefill, variant "split_o" (NVRTC, sm_80+): the state-independent work and
-// the output leave the sequential path. Three launches:
-//   1. gdn_chunk_prep (gdn_prefill.cu, unchanged): per (chunk, head) T = (I+L)^-1, P, G, beta, rk, rq.
-//   2. gdn_chunk_state (here): one 256-thread block per (sequence, value head, DVS state columns) walks
-//      the chunks with the fp32 state in registers and does only what the next state needs:
+// Gated DeltaNet chunked prefill, the portable path (NVRTC, sm_80 and later: every block fits the
+// 99 KB of shared memory the RTX 30/40/50 cards give one block). Three launches:
+//   1. gdn_chunk_prep (prep.cu): per (chunk, head) T = (I+L)^-1, P, G, beta, rk, rq.
+//   2. gdn_chunk_state (here): one 256-thread block per (DVS state columns, segment, value head, sequence)
+//      walks its chunks with the fp32 state in registers and does only what the next state needs:
 //        rhs = beta (v - e^G rk (K S));  u = T rhs;  S <- e^{G_end} S + K^T (rk e^{G_end - G} u)
-//      It writes the 16-bit state entering every chunk (Hs) and u (Ug) to device memory.
-//      All 8 warps share K S (4 row tiles x 2 column halves), nothing else runs beside the chain, and
-//      without Q and P in shared memory a block needs ~75 KB (DVS 16) / ~89 KB (DVS 32): two blocks
-//      per SM, so DVS 16 gives B=1 two resident, independent slices per SM to hide each other's latency.
+//      and writes the 16-bit state entering each chunk (Hs) and u (Ug) to device memory. Column slices
+//      are an exact split; a long sequence is also cut into segments that start a few chunks early from
+//      a zero state where the gates have decayed the earlier state away (segments.cuh).
 //   3. gdn_chunk_out (here): all (chunk, head, 64 columns) at once: o = rq e^G (Q Hs) + P Ug.
-// The roundings are those of the two-kernel path: Q S with the 16-bit state, P u with 16-bit u,
-// rhs and the scaled u as hi + lo 16-bit pairs in the state chain.
+// Without Q and P on the sequential path a state block needs 69 KB (DVS 16) to 99 KB (DVS 64).
+// The roundings are those of the Hopper path's wgmma walk: Q S with the 16-bit state, P u with 16-bit u,
+// rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T).
 #include "common.cuh"
 
 #ifndef DVS
-#define DVS 32  // state columns per block of gdn_chunk_state: 16, 32, 64 or 128
+#define DVS 32  // state columns per block of gdn_chunk_state: 16, 32 or 64
 #endif
 #ifndef IN_T
 #define IN_T QF_BF16  // q, k, v, o element type: QF_BF16 or QF_HALF
@@ -34,21 +34,20 @@ typedef unsigned int u32;
 #define NH (NJ / 2)     // n-tiles per warp in the K S and T rhs phases (column halves)
 #define OVS 64          // output kernel: columns per block
 #define OST (OVS + 8)
-#define SMIN (DVS <= 32 ? 2 : 1)  // blocks per SM the state kernel is built for
 
-static_assert(DVS == 16 || DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 16, 32, 64 or 128");
+static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 
 // ---------------------------------------------------------------- shared memory layouts (bytes)
-// state kernel: 2 stages of K, V, T, vectors; then the 16-bit state, rhs (lo), scaled u (hi, lo)
+// state kernel: 2 stages of K, V, T, vectors; then the 16-bit state, whose space holds the scaled u
+// (fp16) once K S has read it; then rhs (lo)
 #define SO_V (CH * KST * 2)
 #define SO_T (SO_V + CH * VST * 2)
 #define SO_F (SO_T + CH * BST * 2)
 #define STAGE_BYTES (SO_F + 4 * CH * 4)
 #define SM_S (2 * STAGE_BYTES)
+#define SM_UH SM_S
 #define SM_RHS (SM_S + DK * VST * 2)
-#define SM_UH (SM_RHS + CH * VST * 2)
-#define SM_UL (SM_UH + CH * VST * 2)
-#define SM_TOTAL (SM_UL + CH * VST * 2)
+#define SM_TOTAL (SM_RHS + CH * VST * 2)  // 69 KB (DVS 16), 79 KB (32), 99 KB (64)
 // output kernel
 #define OSM_Q 0
 #define OSM_S (OSM_Q + CH * KST * 2)
@@ -57,9 +56,17 @@ static_assert(DVS == 16 || DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 16
 #define OSM_F (OSM_U + CH * OST * 2)
 #define OSM_TOTAL (OSM_F + 4 * CH * 4)
 
-#include "seq.cuh"
+#ifdef STATE_SMEM  // the launcher's sizes (plan.py), checked against the layouts here
+static_assert(STATE_SMEM == SM_TOTAL, "plan.py's portable_state_smem() disagrees with SM_TOTAL in portable.cu");
+static_assert(OUT_SMEM == OSM_TOTAL, "plan.py's PORTABLE_OUT_SMEM disagrees with OSM_TOTAL in portable.cu");
+#endif
+static_assert(SM_TOTAL <= 101376 && OSM_TOTAL <= 101376, "a block must fit the 99 KB of the RTX cards");
 
+#include "seq.cuh"
+#include "segments.cuh"
 #include "mma_tiles.cuh"
+
+static_assert(SEG_MAX * 4 <= CH * VST * 2, "the segment plan's scratch sits in the rhs space");
 
 __device__ __forceinline__ void ldsm2t(u32 r[2], const void* p) {  // lanes 0-15 give the addresses
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
@@ -86,26 +93,27 @@ __device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const e
 }
 
 // ---------------------------------------------------------------- sequential kernel: the state only
-// Grid: (128 / DVS, Hv, N). Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv,
-// 64, 128] 16-bit u of each chunk (all 64 rows; rows past a sequence's end are not used). Strides in elements.
-extern "C" __global__ void __launch_bounds__(NTHR, SMIN)
+// Grid: (128 / DVS * nseg, Hv, N): block x takes columns (x % (128 / DVS)) * DVS.. of segment x / (128 / DVS).
+// Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv, 64, 128] 16-bit u of each
+// chunk (all 64 rows; rows past a sequence's end are not used). Strides in elements.
+extern "C" __global__ void __launch_bounds__(NTHR, 2)
 gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const elem* __restrict__ Tg, const float* __restrict__ Fg,
                 const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
                 elem* __restrict__ Hs, elem* __restrict__ Ug, float* __restrict__ ht,
-                int T, int Hk, int Hv,
+                int T, int Hk, int Hv, int nseg,
                 long long k_sb, long long k_st, long long k_sh,
                 long long v_sb, long long v_st, long long v_sh)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
     elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
-    elem* Uh = reinterpret_cast<elem*>(smem + SM_UH);  // rk e^{G_end-G} u (hi)
-    elem* Ul = reinterpret_cast<elem*>(smem + SM_UL);  // (lo)
+    u32* Uh = reinterpret_cast<u32*>(smem + SM_UH);  // rk e^{G_end-G} u in fp16 pairs, where S was
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int v0 = blockIdx.x * DVS, h = blockIdx.y, n = blockIdx.z;
+    constexpr int NSL = DK / DVS;
+    const int v0 = (blockIdx.x % NSL) * DVS, sg = blockIdx.x / NSL, h = blockIdx.y, n = blockIdx.z;
     const int hk = h / (Hv / Hk);
 
     const SeqSpan sp = seq_span(cu_seqlens, n, T);
@@ -115,6 +123,14 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
     const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
     const int nchunks = (len + CH - 1) / CH;
+
+    // chunks [cw, cend) walked, Hs and Ug written for [cbeg, cend); unsplit: segment 0 takes them all
+    SegWalk sw{0, 0, nchunks};
+    if (nseg > 1 && nchunks >= SEG_MIN_CHUNKS) {
+        if (!seg_plan(Fg, slot0, Hv, h, nchunks, nseg, sg, reinterpret_cast<int*>(Rs), sw)) sw = SegWalk{0, 0, nchunks};
+    }
+    if (sg > 0 && (sw.cbeg == 0 || sw.cbeg == sw.cend)) return;  // not split (no segment here), or an empty tail
+    const bool from_h0 = sw.cw == 0, write_ht = sw.cend == nchunks;
 
     auto load_chunk = [&](int c, int buf) {  // K rows, this block's V columns (zero past the end), T, vectors
         unsigned char* st = smem + buf * STAGE_BYTES;
@@ -151,7 +167,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
-    if (h0) {
+    if (from_h0 && h0) {
         const float* hp = h0 + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
@@ -164,22 +180,23 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     }
 
-    if (nchunks > 0) load_chunk(0, 0);
+    if (sw.cw < sw.cend) load_chunk(sw.cw, 0);
     cp_async_commit();
 
     const int mt = warp & 3, jh = (warp >> 2) * NH;  // phases 2, 3: row tile, first n-tile of the column half
     const int ra0 = 16 * mt + g, ra1 = ra0 + 8;
-    for (int c = 0; c < nchunks; ++c) {
-        unsigned char* st = smem + (c & 1) * STAGE_BYTES;
+    for (int c = sw.cw, i = 0; c < sw.cend; ++c, ++i) {
+        unsigned char* st = smem + (i & 1) * STAGE_BYTES;
         const elem* Kc = reinterpret_cast<const elem*>(st);
         elem* Vc = reinterpret_cast<elem*>(st + SO_V);  // v, then the high half of rhs
         const elem* Tb = reinterpret_cast<const elem*>(st + SO_T);
         const float* Gc = reinterpret_cast<const float*>(st + SO_F);
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
+        const bool out = c >= sw.cbeg;  // else a warm-up chunk: state only
         cp_async_wait<0>();
-        __syncthreads();
-        if (c + 1 < nchunks) load_chunk(c + 1, (c + 1) & 1);
+        __syncthreads();  // also: last chunk's phase 4 has read the scaled u that phase 1 overwrites
+        if (c + 1 < sw.cend) load_chunk(c + 1, (i + 1) & 1);
         cp_async_commit();
 
         // ---- phase 1: state -> 16-bit smem
@@ -192,7 +209,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         __syncthreads();
 
         // ---- the 16-bit state entering chunk c -> Hs (16-byte stores; read by gdn_chunk_out)
-        {
+        if (out) {
             elem* hs = Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0;
 #pragma unroll
             for (int i = 0; i < DVS / 16; ++i) {  // 128 rows x DVS / 8 pieces
@@ -225,9 +242,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                             b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
             }
         }
-        __syncthreads();
+        __syncthreads();  // rhs complete; S (and the Hs copy) read: its space takes the scaled u
 
-        // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> Ug (16-bit) and the scaled u (hi, lo)
+        // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> Ug (16-bit) and the scaled u (fp16)
         {
             float acc[NH][4];
 #pragma unroll
@@ -244,15 +261,18 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
                 const int cc = 8 * (jh + j) + 2 * t;
-                *reinterpret_cast<u32*>(ug + ra0 * DK + cc) = pack2(acc[j][0], acc[j][1]);
-                *reinterpret_cast<u32*>(ug + ra1 * DK + cc) = pack2(acc[j][2], acc[j][3]);
-                store_split(Uh + ra0 * VST + cc, Ul + ra0 * VST + cc, f0 * acc[j][0], f0 * acc[j][1]);
-                store_split(Uh + ra1 * VST + cc, Ul + ra1 * VST + cc, f1 * acc[j][2], f1 * acc[j][3]);
+                if (out) {
+                    *reinterpret_cast<u32*>(ug + ra0 * DK + cc) = pack2(acc[j][0], acc[j][1]);
+                    *reinterpret_cast<u32*>(ug + ra1 * DK + cc) = pack2(acc[j][2], acc[j][3]);
+                }
+                Uh[(ra0 * VST + cc) / 2] = pack_f16_sat(f0 * acc[j][0], f0 * acc[j][1]);
+                Uh[(ra1 * VST + cc) / 2] = pack_f16_sat(f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
         __syncthreads();
 
-        // ---- phase 4: S <- e^{G_end} S + K^T (scaled u), rows 16 warp of the state, all DVS columns
+        // ---- phase 4: S <- e^{G_end} S + K^T (scaled u), rows 16 warp of the state, all DVS columns, in fp16
+        //      (11 bits, as the Hopper walk's update: half the tensor work of a bf16 hi + lo pair)
         {
             const float decay = __expf(Gc[CH - 1]);
 #pragma unroll
@@ -263,13 +283,21 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
             for (int kk = 0; kk < CH / 16; ++kk) {
                 u32 af[4];
                 ldsm4t(af, at_addr(Kc, KST, 16 * warp, 16 * kk, lane));
-                mma_row<NJ>(s, af, Uh, VST, 16 * kk, 0, lane);
-                mma_row<NJ>(s, af, Ul, VST, 16 * kk, 0, lane);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) af[e] = to_f16_pair(af[e]);
+#pragma unroll
+                for (int jp = 0; jp < NJ / 2; ++jp) {
+                    u32 bf[4];
+                    ldsm4t(bf, bk_addr(reinterpret_cast<const elem*>(Uh), VST, 16 * kk, 16 * jp, lane));
+                    mma16816_f16(s[2 * jp], af, bf[0], bf[1]);
+                    mma16816_f16(s[2 * jp + 1], af, bf[2], bf[3]);
+                }
             }
         }
     }
     cp_async_wait<0>();
 
+    if (!write_ht) return;
     float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {

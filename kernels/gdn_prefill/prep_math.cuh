@@ -1,6 +1,5 @@
-// Device helpers shared by gdn_prefill.cu and gdn_prefill_fused.cu: the 64x64 triangular inverse and
-// the chunk-local products. Included after the including file has defined elem, u32 and the tile
-// macros (CH, DK, KST, VST, FST, BST, ...) it relies on.
+// The prep kernel's math (prep.cu): the 64x64 triangular inverse and the scaled, masked chunk-local
+// products. Included after prep.cu has defined elem, u32 and the tile macros (CH, DK, KST, FST, BST).
 #pragma once
 #include "mma_tiles.cuh"
 
@@ -103,29 +102,6 @@ __device__ __forceinline__ void tri_blocks(int w, int bi[3], int bj[3]) {
 }
 __device__ __forceinline__ int tri_nblocks(int w) { return w < 2 ? 3 : 2; }
 
-// Warp w's blocks (tri_blocks) of X K^T (X = raw K rows, or Q rows), unscaled, into acc.
-__device__ __forceinline__ void tri_acc(const elem* X, const elem* Kc, int w, float acc[3][2][4], int lane) {
-    int bi[3], bj[3];
-    tri_blocks(w, bi, bj);
-    const int nq = tri_nblocks(w);
-#pragma unroll
-    for (int q = 0; q < 3; ++q)
-#pragma unroll
-        for (int nj = 0; nj < 2; ++nj) acc[q][nj][0] = acc[q][nj][1] = acc[q][nj][2] = acc[q][nj][3] = 0.f;
-#pragma unroll 1
-    for (int kk = 0; kk < DK / 16; ++kk) {
-#pragma unroll
-        for (int q = 0; q < 3; ++q) {
-            if (q >= nq) break;  // warp-uniform
-            u32 af[4], bf[4];
-            ldsm4(af, a_addr(X, KST, 16 * bi[q], 16 * kk, lane));
-            ldsm4(bf, bn_addr(Kc, KST, 16 * bj[q], 16 * kk, lane));
-            mma16816(acc[q][0], af, bf[0], bf[1]);
-            mma16816(acc[q][1], af, bf[2], bf[3]);
-        }
-    }
-}
-
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -177,87 +153,3 @@ __device__ __forceinline__ void tri_store(bool is_q, const float acc[3][2][4], i
         }
     }
 }
-
-// Both in one code path for both groups (is_q selects Q K^T -> P, else K K^T -> L).
-__device__ __forceinline__ void tri_products(bool is_q, const elem* X, const elem* Kc, int w, const float* Gc,
-                                             const float* Bt, const float* Rk, const float* Rq, float* Lf,
-                                             elem* Pb, int lane) {
-    float acc[3][2][4];
-    tri_acc(X, Kc, w, acc, lane);
-    tri_store(is_q, acc, w, Gc, Bt, Rk, Rq, Lf, Pb, BST, lane);
-}
-
-// acc[j] (16 rows r0.. x W columns) = X[r0:r0+16, :] S, X raw K or Q rows, S the 16-bit state in smem
-// (row stride LD). With TWO, also acc2 = X2[r0:r0+16, :] S (the S fragments are shared).
-template <bool TWO, int W, int LD = W + 8>
-__device__ __forceinline__ void rows_times_state(const elem* X, const elem* X2, int r0, const elem* Sb,
-                                                 float acc[W / 8][4], float acc2[W / 8][4], int lane) {
-    constexpr int NJ_ = W / 8, VST_ = LD;
-#pragma unroll
-    for (int j = 0; j < NJ_; ++j) {
-        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        if (TWO) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
-    }
-#pragma unroll 1
-    for (int kk = 0; kk < DK / 16; ++kk) {
-        u32 af[4], af2[4];
-        ldsm4(af, a_addr(X, KST, r0, 16 * kk, lane));
-        if (TWO) ldsm4(af2, a_addr(X2, KST, r0, 16 * kk, lane));
-#pragma unroll
-        for (int jp = 0; jp < NJ_ / 2; ++jp) {
-            u32 bf[4];
-            ldsm4t(bf, bk_addr(Sb, VST_, 16 * kk, 16 * jp, lane));
-            mma16816(acc[2 * jp], af, bf[0], bf[1]);
-            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
-            if (TWO) {
-                mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
-                mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
-            }
-        }
-    }
-}
-
-// acc[j] (state rows r0..r0+16 x W columns) += K^T (rows r0.., all CH tokens of the chunk in Kc) times the
-// scaled u given as hi + lo 16-bit halves (Uh, Ul: [CH][W], row stride LD).
-template <int W, int LD>
-__device__ __forceinline__ void state_update_hilo(float acc[W / 8][4], const elem* Kc, const elem* Uh, const elem* Ul,
-                                                  int r0, int lane) {
-#pragma unroll 1
-    for (int kk = 0; kk < CH / 16; ++kk) {
-        u32 af[4];
-        ldsm4t(af, at_addr(Kc, KST, r0, 16 * kk, lane));
-#pragma unroll
-        for (int jp = 0; jp < W / 16; ++jp) {
-            u32 bh[4], bl[4];
-            ldsm4t(bh, bk_addr(Uh, LD, 16 * kk, 16 * jp, lane));
-            ldsm4t(bl, bk_addr(Ul, LD, 16 * kk, 16 * jp, lane));
-            mma16816(acc[2 * jp], af, bh[0], bh[1]);
-            mma16816(acc[2 * jp + 1], af, bh[2], bh[3]);
-            mma16816(acc[2 * jp], af, bl[0], bl[1]);
-            mma16816(acc[2 * jp + 1], af, bl[2], bl[3]);
-        }
-    }
-}
-
-// rhs = beta (v - e^G rk (K S)) for rows r0..r0+16 as hi (over v in place) + lo (Rs) 16-bit halves;
-// W columns, row stride LD.
-template <int W, int LD = W + 8>
-__device__ __forceinline__ void store_rhs(const float acc[W / 8][4], int r0, elem* Vc, elem* Rs, const float* Gc,
-                                          const float* Bt, const float* Rk, int lane) {
-    constexpr int NJ_ = W / 8, VST_ = LD;
-    const int g = lane >> 2, t = lane & 3;
-    const int ra0 = r0 + g, ra1 = ra0 + 8;
-    const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
-    const float b0 = Bt[ra0], b1 = Bt[ra1];
-#pragma unroll
-    for (int j = 0; j < NJ_; ++j) {
-        const int cc = 8 * j + 2 * t;
-        const float2 x0 = unpack2(*reinterpret_cast<const u32*>(Vc + ra0 * VST_ + cc));
-        const float2 x1 = unpack2(*reinterpret_cast<const u32*>(Vc + ra1 * VST_ + cc));
-        store_split(Vc + ra0 * VST_ + cc, Rs + ra0 * VST_ + cc,
-                    b0 * (x0.x - f0 * acc[j][0]), b0 * (x0.y - f0 * acc[j][1]));
-        store_split(Vc + ra1 * VST_ + cc, Rs + ra1 * VST_ + cc,
-                    b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
-    }
-}
-

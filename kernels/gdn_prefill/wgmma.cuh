@@ -72,22 +72,6 @@ __device__ __forceinline__ void wg_m64n128(float d[64], const u32 a[4], unsigned
 __device__ __forceinline__ void wg_m64n128_f16(float d[64], const u32 a[4], unsigned long long desc_b, int accumulate) {
     WG_M64N128("f16");
 }
-// Two fp32 -> fp16 pair (x in the low half), rounded to nearest, clamped to the finite range.
-__device__ __forceinline__ u32 pack_f16_sat(float x, float y) {
-    u32 r;
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(y), "f"(x));
-    return r;
-}
-// A 16-bit input pair (bf16 or fp16) as an fp16 pair.
-__device__ __forceinline__ u32 to_f16_pair(u32 x) {
-#if IN_T == QF_BF16
-    const float2 f = unpack2(x);
-    return pack_f16_sat(f.x, f.y);
-#else
-    return x;
-#endif
-}
-
 __device__ __forceinline__ void wg_m64n64(float d[32], const u32 a[4], unsigned long long desc_b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"

@@ -1,0 +1,205 @@
+"""Which prefill path, split and block shape one call takes: one pure function of the shapes and the card.
+
+Two paths (kernels/gdn_prefill/NOTES.md says why):
+- "hopper" (sm_90a, 227 KB of shared memory per block): prep.cu, then gdn_prefill.cu's walk, which computes
+  the state and o in one pass on wgmma with TMA copies; long sequences split into segments.
+- "portable" (every card from sm_80 to sm_120; no block above 99 KB): prep.cu, then portable.cu's state
+  walk (mma.sync; column slices and segments) and its output kernel over all chunks at once.
+
+The shared-memory sizes below are the kernels' layouts; the launcher passes them as -D defines and the
+kernels static_assert against them (tests/test_kernels_compile.py compiles every size it can ask for).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+D = 128  # key / value head dim
+CH = 64  # chunk length
+KST, BST = D + 8, 72  # row strides (elements) of the K / Q tiles and of T / P
+RTX_SMEM = 101376  # 99 KB: the most one block gets on sm_86 / sm_89 / sm_120; the portable path's bound
+MAX_SLOTS = 65535  # the prep kernel's grid y: (chunk, sequence) slots of one call
+
+
+# ----------------------------------------------------------------------------- layouts (bytes)
+
+def prep_smem() -> int:
+    """gdn_chunk_prep (prep.cu PSM_TOTAL): K, Q; the 16-bit T; the inverse's scratch; rk, rq, G, beta x 4 heads."""
+    return 2 * CH * KST * 2 + CH * BST * 2 + 4 * 16 * 20 * 4 + (2 + 2 * PREP_MAX_HEADS) * CH * 4
+
+
+def hopper_walk_smem(dvs: int) -> int:
+    """gdn_chunk_prefill_fwd: the mma.sync walk of dvs columns (Geo<W>::TOTAL in walk_mma.cuh: NST stages of
+    K, Q, V, T, P, vectors, then S, rhs lo, scaled u hi / lo), or at 128 the wgmma walk (GeoWG::TOTAL in
+    walk_wgmma.cuh: 2 swizzled stages, S, rhs lo, scaled u, 1 KB of alignment)."""
+    if dvs == D:
+        stage = 3 * CH * D * 2 + 2 * CH * CH * 2 + 4 * CH * 4
+        return 2 * stage + D * D * 2 + 2 * CH * D * 2 + 1024
+    vst, nst = dvs + 8, 3 if dvs <= 32 else 2
+    stage = 2 * CH * KST * 2 + CH * vst * 2 + 2 * CH * BST * 2 + 4 * CH * 4
+    return nst * stage + D * vst * 2 + 3 * CH * vst * 2
+
+
+def portable_state_smem(dvs: int) -> int:
+    """gdn_chunk_state (portable.cu SM_TOTAL): 2 stages of K, V, T, vectors; S (later the scaled u hi / lo);
+    rhs lo. 69 KB at 16 columns, 79 KB at 32, 99 KB at 64."""
+    vst = dvs + 8
+    stage = CH * KST * 2 + CH * vst * 2 + CH * BST * 2 + 4 * CH * 4
+    return 2 * stage + D * vst * 2 + CH * vst * 2
+
+
+PORTABLE_OUT_COLS = 64
+PORTABLE_OUT_THREADS = 128
+# gdn_chunk_out (portable.cu OSM_TOTAL): Q, the 16-bit state's 64 columns, P, u's 64 columns, vectors
+PORTABLE_OUT_SMEM = CH * KST * 2 + D * 72 * 2 + CH * BST * 2 + CH * 72 * 2 + 4 * CH * 4
+
+# ----------------------------------------------------------------------------- the card
+
+@dataclass(frozen=True)
+class Card:
+    """What the plan needs of a GPU (cuda_build.arch_for_capability's NVRTC target, the SM count, the
+    shared memory one block may opt in to and one SM holds)."""
+    arch: str
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+
+
+def card_of(device) -> Card:
+    """The Card of a torch CUDA device (asked once per device)."""
+    import torch
+
+    from ..cuda_build import arch_for_capability, max_shared_memory
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _cards:
+        p = torch.cuda.get_device_properties(idx)
+        per_sm = getattr(p, "shared_memory_per_multiprocessor", 0) or max_shared_memory(idx) + 1024
+        _cards[idx] = Card(arch_for_capability(p.major, p.minor), p.multi_processor_count,
+                           max_shared_memory(idx), per_sm)
+    return _cards[idx]
+
+
+_cards: dict = {}
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Plan:
+    path: str            # "hopper" or "portable"
+    arch: str            # NVRTC target of the modules
+    dv_split: int        # state columns per walk block
+    segments: int        # blocks a sequence's chunks may be cut into (1: no sequence split)
+    prep_heads: int      # value heads per prep block
+    slots: int           # (chunk, sequence) slots of the prep buffers
+    prep_smem: int
+    walk_smem: int       # hopper: gdn_chunk_prefill_fwd; portable: gdn_chunk_state
+    out_smem: int        # portable: gdn_chunk_out (0 on the Hopper path)
+
+    def grid(self, Hv: int, N: int) -> tuple:
+        """Grid of the walk (hopper) or state (portable) kernel."""
+        nseg = self.segments if self.path == "portable" else 1
+        return (D // self.dv_split * nseg, Hv, N)
+
+
+PREP_MAX_HEADS = 4  # value heads one prep block can take (PREP_MAX_HEADS in prep.cu)
+PREP_BLOCKS_PER_SM = 4
+# Cycles of one prep block (H200, 4 blocks of 8 warps per SM): ~19k to load K, Q and form K K^T, Q K^T,
+# ~9k more per value head (L, the inverse, T; P alongside).
+PREP_SHARED_CYCLES, PREP_HEAD_CYCLES = 19_000, 9_000
+
+
+def prep_heads(Hk: int, Hv: int, slots: int, sms: int) -> int:
+    """Value heads per prep block (a divisor of Hv / Hk, at most PREP_MAX_HEADS) with the fewest estimated
+    cycles: waves of blocks times one block's life. One head per block when that fits in one wave."""
+    r = Hv // Hk
+    per_wave = PREP_BLOCKS_PER_SM * sms
+
+    def cost(hpb):
+        return -(-(Hv // hpb) * slots // per_wave) * (PREP_SHARED_CYCLES + hpb * PREP_HEAD_CYCLES)
+    return min((d for d in range(1, min(r, PREP_MAX_HEADS) + 1) if r % d == 0), key=lambda d: (cost(d), d))
+
+
+def hopper_dv_split(n_heads_total: int, sms: int) -> int:
+    """State columns per block: split the 128 value columns until the grid covers the SMs."""
+    for dvs in (128, 64):
+        if n_heads_total * (D // dvs) >= 0.9 * sms:
+            return dvs
+    return 32
+
+
+# Portable state walk, measured on the H200 (compute_80 build, bench/gdn_prefill_portable.py): microseconds
+# per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM.
+PORTABLE_STEP_US = {16: 2.7, 32: 3.6, 64: 5.0}
+PORTABLE_SPLITS = (16, 32, 64)
+PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
+SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
+
+
+def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE_SPLITS) -> tuple[int, int]:
+    """(columns per state block, segments per sequence) with the fewest estimated microseconds: waves of
+    resident blocks times chunk steps per block (a segment's share plus one warm-up chunk) times the step
+    time at that width; ties go to fewer segments, then wider blocks."""
+    cap = min(card.smem_per_block, RTX_SMEM)
+    best = None
+    for dvs in splits:
+        smem = portable_state_smem(dvs)
+        if smem > cap and len(splits) > 1:
+            continue
+        resident = max(1, min(2, card.smem_per_sm // (smem + 1024))) * card.sms  # 2: the registers' bound
+        for nseg in PORTABLE_SEGMENTS:
+            if nseg > 1 and (chunks < SEG_MIN_CHUNKS or chunks < 2 * nseg):
+                continue
+            blocks = n_heads_total * (D // dvs) * nseg
+            steps = -(-chunks // nseg) + (1 if nseg > 1 else 0)
+            cost = -(-blocks // resident) * steps * PORTABLE_STEP_US[dvs]
+            key = (round(cost, 6), nseg, -dvs)
+            if best is None or key < best[0]:
+                best = (key, dvs, nseg)
+    return best[1], best[2]
+
+
+def prep_slots(B: int, T: int, N: int, packed: bool) -> int:
+    """(chunk, head) slots of the prep buffers: B * ceil(T / 64), or ceil(T / 64) + N + 1 when packed."""
+    slots = (T + CH - 1) // CH + N + 1 if packed else B * ((T + CH - 1) // CH)
+    if slots > MAX_SLOTS:
+        raise ValueError(f"gdn prefill: {B} x {T} tokens make {slots} chunks of 64 in one call; the kernel takes "
+                         f"at most {MAX_SLOTS} (about 4.19 million tokens): prefill in smaller pieces")
+    return slots
+
+
+def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, path: Optional[str] = None,
+         dv_split: Optional[int] = None, segments: Optional[int] = None, arch: Optional[str] = None) -> Plan:
+    """The plan of one prefill call: B rows of T tokens (packed: N sequences in one row of T), Hk q/k heads,
+    Hv value heads, on `card`. path / dv_split / segments / arch override the choice (tests and benchmarks:
+    e.g. path="portable", arch="compute_80" runs what an RTX card runs); an override that cannot run
+    raises ValueError. Hopper: segments is 128 / dv_split when the walk may split sequences, else 1."""
+    hopper_ok = card.arch == "sm_90a" and card.smem_per_block >= hopper_walk_smem(32)
+    if path is None:
+        path = "hopper" if hopper_ok and arch in (None, "sm_90a") else "portable"
+    if path not in ("hopper", "portable"):
+        raise ValueError(f"gdn prefill path must be 'hopper' or 'portable', got {path!r}")
+    if path == "hopper" and not hopper_ok:
+        raise ValueError(f"gdn prefill: the Hopper path needs an sm_90a card with {hopper_walk_smem(32)} bytes of "
+                         f"shared memory per block; this one is {card.arch} with {card.smem_per_block}")
+    slots = prep_slots(B, T, N, packed)
+    hpb = prep_heads(Hk, Hv, slots, card.sms)
+    chunks = -(-T // CH) if not packed else -(-T // (CH * max(N, 1)))  # a packed call: the mean length
+    if path == "hopper":
+        dvs = dv_split or hopper_dv_split(N * Hv, card.sms)
+        if dvs not in (32, 64, 128):
+            raise ValueError(f"dv_split must be 32, 64 or 128 on the Hopper path, got {dvs}")
+        nseg = 1 if segments == 1 or dvs == D else D // dvs
+        smem = max(hopper_walk_smem(dvs), hopper_walk_smem(D)) if nseg > 1 else hopper_walk_smem(dvs)
+        return Plan("hopper", arch or card.arch, dvs, nseg, hpb, slots, prep_smem(), smem, 0)
+    if dv_split is not None and dv_split not in PORTABLE_SPLITS:
+        raise ValueError(f"dv_split must be one of {PORTABLE_SPLITS} on the portable path, got {dv_split}")
+    dvs, auto_nseg = portable_choice(N * Hv, chunks, card, (dv_split,) if dv_split else PORTABLE_SPLITS)
+    nseg = segments or auto_nseg
+    if not 1 <= nseg <= 16:
+        raise ValueError(f"segments must be 1 to 16, got {nseg}")
+    smem = portable_state_smem(dvs)
+    if smem > card.smem_per_block:
+        raise ValueError(f"gdn prefill: dv_split {dvs} needs {smem} bytes of shared memory per block, this GPU "
+                         f"allows {card.smem_per_block}; leave dv_split unset and the plan picks one that fits")
+    return Plan("portable", arch or card.arch, dvs, nseg, hpb, slots, prep_smem(), smem, PORTABLE_OUT_SMEM)

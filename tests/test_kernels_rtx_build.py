@@ -1,0 +1,107 @@
+"""Decode, conv1d and the norms built as an RTX card gets them: PTX for compute_80 (which the driver finishes
+for the GPU in hand) and no block above the 99 KB of shared memory that sm_86 / sm_89 / sm_120 give one
+block; each against its reference. (The prefill's portable path has its own tests in test_gdn_prefill_cuda.py;
+tests/test_kernels_compile.py compiles every source for sm_80 / 86 / 89 / 120 / 90a without a GPU.)"""
+import pytest
+import torch
+
+from qwen35_fast.kernels.conv1d import launch as conv_launch
+from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from qwen35_fast.kernels.gdn_decode import launch as decode_launch
+from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
+from qwen35_fast.kernels.rms_norm import launch as norm_launch
+from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+
+from _models import rel
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+RTX_SMEM = 101376
+ARCH = "compute_80"
+
+
+@pytest.fixture
+def rtx(monkeypatch):
+    """Every module these launchers load is built for compute_80, and every launch is checked against the
+    99 KB cap; returns the (module, arch, shared memory) of each launch."""
+    seen = []
+    for mod in (decode_launch, conv_launch, norm_launch):
+        get, run = mod.get_function, mod.launch
+
+        def get_function(src, name, dev, defines=None, get=get):
+            fn = get(src, name, dev, defines, arch=ARCH)
+            seen.append(("get", name))
+            return fn
+
+        def launch(fn, grid, block, args, shared_mem=0, run=run):
+            assert shared_mem <= RTX_SMEM, f"a launch asks for {shared_mem} bytes of shared memory"
+            seen.append(("launch", shared_mem))
+            return run(fn, grid, block, args, shared_mem=shared_mem)
+
+        monkeypatch.setattr(mod, "get_function", get_function)
+        monkeypatch.setattr(mod, "launch", launch)
+    monkeypatch.setattr(decode_launch, "_fns", {})  # its own cache of loaded kernels
+    return seen
+
+
+def _poison(shape, dtype):
+    junk = [torch.full(shape, float("nan"), dtype=dtype, device=DEV) for _ in range(2)]
+    del junk
+
+
+@pytest.mark.parametrize("N", [1, 8, 64])
+def test_decode(rtx, N):
+    g = torch.Generator(device=DEV).manual_seed(N)
+    r = lambda *s: torch.randn(*s, generator=g, device=DEV)  # noqa: E731
+    Hk, Hv, D = 16, 32, 128
+    q, k, v = (r(N, Hk, D) * 3).bfloat16(), r(N, Hk, D).bfloat16(), r(N, Hv, D).bfloat16()
+    a, b = (r(N, Hv) * 2).bfloat16(), (r(N, Hv) * 2).bfloat16()
+    A_log = torch.empty(Hv, device=DEV).uniform_(1, 16, generator=g).log()
+    dt_bias = r(Hv) * 0.5 + 1
+    state = r(N, Hv, D, D) * 0.3
+    state_ref = state.clone()
+    o_ref = gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
+    _poison((N, Hv, D), torch.bfloat16)
+    o = decode_launch.gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state)
+    torch.cuda.synchronize()
+    assert ("get", "gdn_decode_step") in rtx and any(e[0] == "launch" for e in rtx)
+    assert not o.isnan().any() and rel(state, state_ref) < 1e-5 and rel(o, o_ref) < 1e-2
+
+
+@pytest.mark.parametrize("B,T,C", [(2, 1000, 8192), (1, 5, 200)])
+def test_conv1d(rtx, B, T, C):
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(B, T, C, generator=g, device=DEV).bfloat16()
+    w = torch.randn(C, 4, generator=g, device=DEV).bfloat16()
+    bias = torch.randn(C, generator=g, device=DEV).bfloat16()
+    init = torch.randn(B, C, 3, generator=g, device=DEV).bfloat16()
+    y_ref, st_ref = causal_conv1d_prefill_ref(x, w, bias, init)
+    _poison((B, T, C), torch.bfloat16)
+    y, st = conv_launch.causal_conv1d_prefill_cuda(x, w, bias, init)
+    torch.cuda.synchronize()
+    assert torch.equal(st, st_ref) and not y.isnan().any()
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=1.6e-2, atol=1.6e-2)
+    xs = torch.randn(B, C, generator=g, device=DEV).bfloat16()
+    state = torch.randn(B, C, 3, generator=g, device=DEV).bfloat16()
+    state_ref = state.clone()
+    y_ref = causal_conv1d_update_ref(xs, state_ref, w, bias)
+    y = conv_launch.causal_conv1d_update_cuda(xs, state, w, bias)
+    torch.cuda.synchronize()
+    assert torch.equal(state, state_ref)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=1.6e-2, atol=1.6e-2)
+    assert {e[1] for e in rtx if e[0] == "get"} == {"causal_conv1d_prefill", "causal_conv1d_update"}
+
+
+@pytest.mark.parametrize("D", [128, 4096])
+def test_norms(rtx, D):
+    g = torch.Generator(device=DEV).manual_seed(D)
+    x = (torch.randn(37, D, generator=g, device=DEV) * 3).bfloat16()
+    w = (torch.randn(D, generator=g, device=DEV) * 0.3).bfloat16()
+    _poison((37, D), torch.bfloat16)
+    y = norm_launch.rms_norm_cuda(x, w, 1e-6)
+    assert not y.isnan().any() and rel(y, rms_norm_ref(x, w, 1e-6)) < 4e-3
+    if D == 128:
+        gate = torch.randn(37, D, generator=g, device=DEV).bfloat16()
+        y = norm_launch.gated_rms_norm_cuda(x, gate, w, 1e-6)
+        assert not y.isnan().any() and rel(y, gated_rms_norm_ref(x, gate, w, 1e-6)) < 4e-3
+    assert ("get", "rms_norm_fwd") in rtx

@@ -1,0 +1,83 @@
+"""The vision tower from both checkpoint forms, checkpoints without it, and prompts past the positions."""
+import pytest
+import torch
+
+from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+from qwen35_fast.runtime.errors import Qwen35Error
+from qwen35_fast.runtime.generate import generate, prefill
+from qwen35_fast.runtime.loader import load_model
+from qwen35_fast.runtime.media import Preprocessing, preprocess_images
+from qwen35_fast.runtime.multimodal import IMAGE_PAD, VISION_END, VISION_START, prefill_multimodal
+from qwen35_fast.runtime.sampling import SamplingParams
+
+ONE_HEAD = dict(num_heads=1)
+IMAGE = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # one head of 64: what a single file of a width that is not a released one is read as
+    return make_checkpoint(tmp_path_factory.mktemp("hf"), seed=3, vision_overrides=ONE_HEAD)
+
+
+def test_folder_and_single_file_give_the_same_tower(folder, tmp_path):
+    single = make_checkpoint(tmp_path, seed=3, single_file=True, include_vision=True, vision_overrides=ONE_HEAD)
+    a = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    b = load_model(single, dtype="fp32", device="cpu", backend="torch")
+    assert a.vision is not None and b.vision is not None
+    assert a.vision.config == b.vision.config  # sizes inferred from shapes = config.json's
+    for (name, pa), (_, pb) in zip(a.vision.named_parameters(), b.vision.named_parameters()):
+        assert torch.equal(pa, pb), name
+    assert a.vision.patch_w.dtype == torch.float32 and a.vision.patch_w.device.type == "cpu"
+    pa = prefill_multimodal(a, "What is it?", images=IMAGE)
+    pb = prefill_multimodal(b, "What is it?", images=IMAGE)
+    assert pa.token_ids == pb.token_ids and torch.equal(pa.logits, pb.logits)
+
+
+def test_checkpoint_without_vision_weights(tmp_path):
+    single = make_checkpoint(tmp_path, seed=3, single_file=True, include_vision=False)
+    model = load_model(single, dtype="fp32", device="cpu", backend="torch")
+    assert model.vision is None
+    with pytest.raises(Qwen35Error, match="no usable vision tower.*text prompts still work"):
+        prefill_multimodal(model, "What is it?", images=IMAGE)
+    assert prefill(model, "Hello").n_tokens > 0  # text still works
+    assert prefill_multimodal(model, "Hello").n_tokens > 0  # and so does the multimodal path without images
+
+
+def test_too_many_vision_tokens_names_both_numbers(tmp_path):
+    folder = make_checkpoint(tmp_path, seed=3, text_overrides=dict(max_position_embeddings=300))
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    big = torch.rand(1, 512, 512, 3)  # 1,024 patches -> 256 tokens, plus the chat frame
+    with pytest.raises(Qwen35Error, match=r"the prompt has 5\d\d tokens, 512 of them image.*at most 300 positions"):
+        prefill_multimodal(model, "Describe.", images=torch.cat([big, big]))
+    assert prefill_multimodal(model, "Describe.", images=big).vision.vision_tokens == 256
+
+
+def test_token_layout_and_placeholders(folder):
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    imgs = torch.rand(2, 64, 64, 3)
+    pp = Preprocessing(min_pixels=64 * 64, max_pixels=64 * 64)
+    inputs = preprocess_images(imgs, pp)
+    pf = prefill_multimodal(model, "Left <image 2> right", images=inputs)
+    ids = list(pf.token_ids)
+    # the unnamed image 1 goes before the text, image 2 where the prompt names it
+    text = model.tokenizer.decode(ids)
+    assert text.count("<|vision_start|>") == 2 and ids.count(IMAGE_PAD) == 8
+    first, second = [i for i, t in enumerate(ids) if t == VISION_START]
+    assert model.tokenizer.decode(ids[:first]).endswith("user\n")
+    assert model.tokenizer.decode(ids[ids.index(VISION_END) + 1:second]) == "Left "
+    with pytest.raises(Qwen35Error, match="<image 3> but 2 image"):
+        prefill_multimodal(model, "see <image 3>", images=inputs)
+    with pytest.raises(Qwen35Error, match="places image 1 twice"):
+        prefill_multimodal(model, "<image 1> and <image 1>", images=inputs)
+    with pytest.raises(Qwen35Error, match="no video"):
+        prefill_multimodal(model, "<video>", images=inputs)
+
+
+def test_generation_after_an_image_is_deterministic(folder):
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    pf = prefill_multimodal(model, "Caption this.", images=IMAGE)
+    a = generate(model, pf, max_new_tokens=6, sampling=SamplingParams(do_sample=False))
+    b = generate(model, pf, max_new_tokens=6, sampling=SamplingParams(do_sample=False))
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+    assert pf.cache.rope_delta < 0  # the image's tokens share positions
