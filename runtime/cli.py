@@ -22,6 +22,8 @@ def _args(argv):
         p.add_argument("--prompt", default=DEFAULT_PROMPT)
         p.add_argument("--system-prompt", default="")
         p.add_argument("--thinking", action="store_true", help="let the model think before answering")
+        p.add_argument("--allow-special-tokens", action="store_true",
+                       help="parse special tokens (<|im_start|>...) written in the prompt instead of keeping them text")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
         p.add_argument("--temperature", type=float, default=0.7)
@@ -41,7 +43,8 @@ def main(argv=None) -> int:
     try:
         path = a.model or demo_checkpoint()
         model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
-        pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking)
+        pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
+                     allow_special_tokens=a.allow_special_tokens)
         sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
 
         def show(delta, n, total):

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from .chat import format_chat, split_thinking
+from .chat import (GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE,
+                   THINK_OPEN)
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .model import Cache, Qwen35Model
@@ -59,14 +60,24 @@ def _sync(device: torch.device) -> None:
 
 
 def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
-                  use_chat_template: bool = True) -> list[int]:
+                  use_chat_template: bool = True, allow_special_tokens: bool = False) -> list[int]:
+    """Prompt ids: the chat template's markers as special tokens, the user's text (prompt and system
+    prompt) as plain text, so `<|im_start|>` or `</think>` typed in it cannot open a turn. With
+    allow_special_tokens the user's text is parsed for special tokens too (for hand-written templates)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise Qwen35Error("the prompt is empty; write a prompt")
-    if use_chat_template:
-        text = format_chat(prompt, system_prompt=system_prompt, thinking=thinking)
-    else:
-        text = (system_prompt + "\n\n" if system_prompt else "") + prompt
-    return model.tokenizer.encode(text)
+    if not isinstance(system_prompt, str):
+        raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
+    tok = model.tokenizer
+    user = tok.encode if allow_special_tokens else tok.encode_text
+    if not use_chat_template:
+        return user((system_prompt + "\n\n" if system_prompt else "") + prompt)
+    # the same text as format_chat(prompt, system_prompt, thinking), encoded piece by piece
+    ids = []
+    if system_prompt.strip():
+        ids += tok.encode(f"{IM_START}system\n") + user(system_prompt.strip()) + tok.encode(f"{IM_END}\n")
+    ids += tok.encode(f"{IM_START}user\n") + user(prompt.strip()) + tok.encode(f"{IM_END}\n")
+    return ids + tok.encode(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
 
 
 @torch.compiler.disable
@@ -95,12 +106,38 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> P
 
 
 def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
-            use_chat_template: bool = True) -> Prefill:
-    """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it."""
-    return prefill_ids(model, encode_prompt(model, prompt, system_prompt, thinking, use_chat_template), thinking)
+            use_chat_template: bool = True, allow_special_tokens: bool = False) -> Prefill:
+    """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it.
+    Special-token text in the prompt stays text unless allow_special_tokens (see encode_prompt)."""
+    ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
+    return prefill_ids(model, ids, thinking)
 
 
 OnToken = Callable[[str, int, int], None]
+
+
+def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[str, str]:
+    """(thinking, answer) text. Only with thinking on does the first `</think>` token end the thinking;
+    with it off the prompt already closed the block, so all of the output is the answer, a literal
+    `</think>` in it included."""
+    tok = model.tokenizer
+    if thinking:
+        if out and out[0] == tok.token_id(THINK_OPEN):  # the prompt opened the block; a model may open it again
+            out = out[1:]
+        close = tok.token_id(THINK_CLOSE)
+        if close in out:
+            cut = out.index(close)
+            return tok.decode(out[:cut]).strip(), _text(tok, out[cut + 1:])
+        return tok.decode(out).strip(), ""
+    return "", _text(tok, out)
+
+
+def _text(tok, ids: list[int]) -> str:
+    """Answer text: end-of-turn markers left at its end dropped, surrounding whitespace stripped."""
+    ids = list(ids)
+    while ids and ids[-1] in tok.eos_token_ids:
+        ids.pop()
+    return tok.decode(ids).strip()
 
 
 @torch.compiler.disable
@@ -154,7 +191,6 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
             logits = (step(tok) if step is not None
                       else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0
-    text = model.tokenizer.decode(out, skip_special_tokens=False)
-    thinking, answer = split_thinking(text, started_in_thinking=pf.thinking)
+    thinking, answer = _split_answer(model, out, pf.thinking)
     return Generation(answer, thinking, tuple(out), first_ms,
                       (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0, finish)

