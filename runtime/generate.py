@@ -16,7 +16,7 @@ from .chat import (GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .model import Cache, Qwen35Model
-from .sampling import SamplingParams, apply_penalties, choose
+from .sampling import SamplingParams, apply_penalties, choose, generator_seed
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,9 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     """
     sampling = sampling or SamplingParams()
     sampling.check()
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise Qwen35Error(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise Qwen35Error(f"max_new_tokens is {max_new_tokens!r}; it must be a whole number, at least 1")
+    generator_seed(seed)  # checked before any work
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
     model.select_backend()
@@ -160,7 +161,7 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     dev = model.device
     cache = pf.cache.clone(pf.n_tokens + budget, device=dev)
     step = graphed_decode(model, cache) if budget > 2 else None
-    generator = torch.Generator(device=dev).manual_seed(int(seed)) if sampling.do_sample else None
+    generator = torch.Generator(device=dev).manual_seed(generator_seed(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
     # prompt and answer ids on the device, written one token at a time (penalties read slices of it)

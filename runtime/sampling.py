@@ -1,6 +1,8 @@
 """Next-token choice: greedy, or temperature / top-k / top-p / min-p with repetition and presence penalties."""
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,13 @@ class SamplingParams:
     presence_penalty: float = 0.0    # 0.0: off; subtracted from the logit of every token already generated
 
     def check(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise Qwen35Error(f"{name} is {value!r}; it must be a finite number")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise Qwen35Error(f"top_k is {self.top_k!r} ({type(self.top_k).__name__}); it must be a whole number "
+                              "(0 turns it off)")
         if self.do_sample and not self.temperature > 0:
             raise Qwen35Error(f"temperature {self.temperature} must be > 0 when sampling; turn sampling off "
                               "for greedy decoding")
@@ -31,6 +40,16 @@ class SamplingParams:
             raise Qwen35Error(f"min_p {self.min_p} must be in [0, 1) (0 turns it off)")
         if not self.repetition_penalty > 0:
             raise Qwen35Error(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off)")
+
+
+def generator_seed(seed: int) -> int:
+    """The 64-bit generator seed for a user's seed of any size or sign, hashed from its full value: torch's
+    CPU generator keeps only the low 32 bits of what it is given, so seeds s and s + 2**32 (or s + 2**64,
+    out of its range altogether) would otherwise give the same text."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise Qwen35Error(f"seed is {seed!r} ({type(seed).__name__}); it must be a whole number")
+    data = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,

@@ -323,3 +323,48 @@ def test_cli_with_a_non_utf8_argument(folder):
     err = out.stderr.decode("utf-8", "replace")
     assert out.returncode == 2, err
     assert "error: " in err and "lone surrogate" in err and "Traceback" not in err
+
+
+# --- 8: sampling settings and seeds -------------------------------------------------------------
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=float("inf")), r"temperature is inf; it must be a finite number"),
+    (dict(presence_penalty=float("nan")), r"presence_penalty is nan; it must be a finite number"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty is inf"),
+    (dict(top_p=float("nan")), r"top_p is nan"),
+    (dict(top_k=20.0), r"top_k is 20.0 \(float\); it must be a whole number"),
+    (dict(top_k=True), r"top_k is True \(bool\)"),
+    (dict(temperature="0.7"), r"temperature is '0.7'; it must be a finite number"),
+    (dict(top_p=0.0), r"top_p 0.0 must be in \(0, 1\]"),
+    (dict(min_p=1.0), r"min_p 1.0 must be in \[0, 1\)"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty 0.0 must be > 0"),
+])
+def test_sampling_settings_are_checked(chat_model, still_works, settings, message):
+    pf = prefill(chat_model, PROMPT)
+    with pytest.raises(Qwen35Error, match=message):
+        generate(chat_model, pf, max_new_tokens=3, sampling=SamplingParams(do_sample=True, **settings))
+
+
+@pytest.mark.parametrize("value", [2.0, True, "3", None])
+def test_max_new_tokens_and_seed_must_be_whole_numbers(chat_model, still_works, value):
+    pf = prefill(chat_model, PROMPT)
+    with pytest.raises(Qwen35Error, match="max_new_tokens is .* it must be a whole number"):
+        generate(chat_model, pf, max_new_tokens=value)
+    with pytest.raises(Qwen35Error, match="seed is .* it must be a whole number"):
+        generate(chat_model, pf, max_new_tokens=3, seed=value)
+
+
+def test_the_whole_seed_decides_the_text(chat_model, still_works):
+    from qwen35_fast.runtime.sampling import generator_seed
+    pf = prefill(chat_model, PROMPT)
+    hot = SamplingParams(do_sample=True, temperature=2.0)
+
+    def text(seed):
+        return generate(chat_model, pf, max_new_tokens=8, sampling=hot, seed=seed).token_ids
+
+    seeds = [5, 5 + 2**32, 5 + 2**64, 2**64 - 1, 2**200, -1]
+    # torch's CPU generator keeps 32 bits: the derived seeds must differ there too
+    assert len({generator_seed(s) % 2**32 for s in seeds}) == len(seeds)
+    outs = [text(s) for s in seeds]
+    assert len(set(outs)) == len(seeds)
+    assert text(5 + 2**64) == outs[2]  # and each is repeatable

@@ -121,5 +121,5 @@ def test_empty_prompt(model):
 
 def test_max_new_tokens_below_one(model):
     pf = prefill(model, "hello")
-    with pytest.raises(Qwen35Error, match="max_new_tokens is 0; it must be at least 1"):
+    with pytest.raises(Qwen35Error, match="max_new_tokens is 0; it must be a whole number, at least 1"):
         generate(model, pf, max_new_tokens=0)
