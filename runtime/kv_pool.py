@@ -1,0 +1,343 @@
+"""The paged K/V cache's bookkeeping: block pool with reference counts, block tables, the chained prefix
+hash, GDN snapshot records, and least-recently-used eviction under a budget. Pure Python (torch only to
+build the block-table tensor); the tensors themselves belong to the runtime.
+
+THE BLOCK TABLE FORMAT (documented here once; kernels/paged_attention reads exactly this)
+    k_pool, v_pool  [num_blocks, block_size, Hkv, head_dim], bf16, one pair per full-attention layer (one
+                    [layers, num_blocks, block_size, Hkv, head_dim] tensor whose [i] is layer i also fits:
+                    each [i] is contiguous). Block b holds block_size consecutive token positions.
+    block_table     int32 [N, max_blocks], contiguous: row n lists sequence n's blocks in position order;
+                    key position p of sequence n is row p % block_size of block block_table[n, p // block_size].
+                    Entries past a sequence's last block are PAD (-1) and are never read.
+    cache_lens      int32 [N]: positions of sequence n already in the pool (the cached prefix).
+    cu_q            int32 [N + 1]: sequence n's new tokens are rows cu_q[n] .. cu_q[n + 1] of the packed
+                    q / k / v; new token i goes to position cache_lens[n] + i, so the table must already
+                    list a block for every position below cache_lens[n] + (cu_q[n + 1] - cu_q[n]).
+    Block sizes: any power of two; 16 and 64 are tested. The kernels never copy a sequence's blocks into a
+    contiguous buffer: a block table is all they need, so blocks are shared between sequences freely.
+
+Prefix reuse. A full block is keyed by a hash chained over everything before it: key_i = H(key_{i-1},
+token ids of block i, (content hash, offset) of every image / video span overlapping block i), so the same
+pixels at the same place give the same key and any earlier difference changes every later key. Cached K
+carries its rotary position, which the chain makes safe. The Gated DeltaNet layers keep no per-token
+state, so a prefix is reusable only where their recurrent and conv states were saved: a `Snapshot` at
+`num_tokens` (any count, not only block-aligned; its key adds the partial block's tokens to the chain).
+A snapshot holds references to every block of its prefix, so a hit always finds its K/V; a hit is the
+longest prefix of a new prompt that ends at a snapshot. Snapshot size on the 9B model (24 GDN layers):
+recurrent state 24 x [32, 128, 128] fp32 = 48 MiB, conv state 24 x [8192, 3] bf16 = 1.1 MiB
+(`gdn_snapshot_nbytes`).
+
+Eviction. A block is held by the live sequences (prefills, generations) and snapshots that list it.
+Blocks that no live sequence holds are kept only through snapshots, so eviction is by snapshot, least
+recently used first (saved or hit): when an allocation finds too few free blocks, or the snapshots'
+state bytes exceed their budget. A block nothing holds goes back to the free list at once: without a
+GDN state at its end it cannot be reused. A prompt that cannot fit even in an empty pool raises
+`PromptTooLong`, one that cannot fit beside the live sequences `PoolExhausted`; both name the numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+PAD = -1  # block-table entries past a sequence's last block
+ROOT = b"qwen35-kv-root"  # parent key of a sequence's first block
+
+
+class PromptTooLong(ValueError):
+    """One prompt needs more blocks than the whole pool has."""
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has room for the prompt in principle, but live sequences hold too much of it now."""
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """An image or video inside a prompt: its placeholder tokens are positions start .. end - 1, and
+    content_hash identifies its pixels (e.g. sha256 of the preprocessed patches)."""
+    start: int
+    end: int
+    content_hash: str
+
+
+# ----------------------------------------------------------------------------- prefix hash chain
+
+def _chunk_key(parent: bytes, tokens: Sequence[int], start: int, media: Sequence[MediaSpan]) -> bytes:
+    """Key of the tokens at positions start .. start + len(tokens) - 1, chained on `parent`."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens))
+    end = start + len(tokens)
+    for m in media:
+        if m.start < end and m.end > start:  # the span overlaps this chunk: its pixels and where it sits
+            h.update(b"\0mm\0" + m.content_hash.encode() + struct.pack("<q", start - m.start))
+    return h.digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, media: Sequence[MediaSpan] = ()) -> list[bytes]:
+    """The chained keys of the full blocks of `token_ids` (len(token_ids) // block_size of them)."""
+    keys, parent = [], ROOT
+    for b in range(len(token_ids) // block_size):
+        parent = _chunk_key(parent, token_ids[b * block_size:(b + 1) * block_size], b * block_size, media)
+        keys.append(parent)
+    return keys
+
+
+def prefix_key(token_ids: Sequence[int], num_tokens: int, block_size: int, media: Sequence[MediaSpan] = (),
+               full_keys: Optional[list[bytes]] = None) -> bytes:
+    """Key of the first num_tokens tokens: the chain over their full blocks, plus the partial block's
+    tokens when num_tokens is not a multiple of block_size. `full_keys` (block_keys of the same tokens)
+    saves recomputing the chain."""
+    nfull, rest = divmod(num_tokens, block_size)
+    if full_keys is None:
+        full_keys = block_keys(token_ids[:nfull * block_size], block_size, media)
+    parent = full_keys[nfull - 1] if nfull else ROOT
+    if rest == 0:
+        return parent
+    return _chunk_key(parent + b"partial", token_ids[nfull * block_size:num_tokens], nfull * block_size, media)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def kv_block_nbytes(num_attention_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype_bytes: int = 2) -> int:
+    """Bytes of one block across all full-attention layers, K and V (9B, block 16: 512 KiB)."""
+    return 2 * num_attention_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def gdn_snapshot_nbytes(num_gdn_layers: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+                        conv_channels: int, conv_kernel: int, state_bytes: int = 4, conv_bytes: int = 2) -> int:
+    """Bytes of one GDN snapshot: every GDN layer's recurrent state [Hv, Dk, Dv] and conv state
+    [channels, kernel - 1]. 9B: gdn_snapshot_nbytes(24, 32, 128, 128, 8192, 4) = 51,511,296 (49.1 MiB)."""
+    per_layer = num_v_heads * k_head_dim * v_head_dim * state_bytes + conv_channels * (conv_kernel - 1) * conv_bytes
+    return num_gdn_layers * per_layer
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's blocks, in position order, and how many positions hold K/V (`num_tokens`)."""
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def capacity(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+@dataclass
+class Snapshot:
+    """GDN states after the first `num_tokens` tokens of a prompt (`states`: whatever the runtime saved,
+    `nbytes` its size), with references to the blocks holding those tokens' K/V."""
+    key: bytes
+    num_tokens: int
+    blocks: list[int]
+    states: Any
+    nbytes: int
+
+
+@dataclass
+class Admission:
+    """What `KVPool.admit` gives a new prompt: its blocks (cached prefix shared, the rest fresh), how
+    many tokens are already cached (prefill only the rest), the snapshot whose GDN states to start from
+    (None: start from zeros), and (src, dst) block copies to make before prefilling (the partly filled
+    last block of the cached prefix, copy-on-write)."""
+    seq: SequenceBlocks
+    cached_tokens: int
+    snapshot: Optional[Snapshot]
+    copies: list[tuple[int, int]]
+
+
+# ----------------------------------------------------------------------------- the pool
+
+class KVPool:
+    """Block bookkeeping for one model's K/V pool of `num_blocks` blocks of `block_size` positions.
+    `snapshot_budget_bytes` caps the GDN state bytes the snapshots keep (None: no cap but the blocks)."""
+
+    def __init__(self, num_blocks: int, block_size: int, snapshot_budget_bytes: Optional[int] = None):
+        if num_blocks <= 0 or block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"KVPool needs num_blocks > 0 and a power-of-two block_size, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.snapshot_budget_bytes = snapshot_budget_bytes
+        self.refcount = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
+        self._snapshots: OrderedDict[bytes, Snapshot] = OrderedDict()  # least recently used first
+        self._snapshot_lengths: dict[int, int] = {}  # num_tokens -> how many snapshots have it
+        self.snapshot_bytes = 0
+
+    # ------------------------------------------------------------------ blocks
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def retain(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.refcount[b] <= 0:
+                raise RuntimeError(f"KVPool: block {b} is not allocated; it cannot be shared")
+            self.refcount[b] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.refcount[b] <= 0:
+                raise RuntimeError(f"KVPool: block {b} released more often than it was taken")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+
+    def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "") -> list[int]:
+        """n fresh blocks (reference count 1), evicting least recently used snapshots (never `keep`) as
+        needed. Raises PromptTooLong / PoolExhausted naming the numbers when they cannot be had."""
+        if n > self.num_blocks:
+            raise PromptTooLong(
+                f"{what or 'this request'} needs {n} K/V blocks ({n * self.block_size} token positions at block "
+                f"size {self.block_size}) but the whole pool holds {self.num_blocks} blocks "
+                f"({self.num_blocks * self.block_size} positions); raise the loader's cache budget or shorten the prompt")
+        while len(self._free) < n and self._evict_one(keep):
+            pass
+        if len(self._free) < n:
+            raise PoolExhausted(
+                f"{what or 'this request'} needs {n} K/V blocks but only {len(self._free)} of the pool's "
+                f"{self.num_blocks} are free; the other {self.num_blocks - len(self._free)} are held by live "
+                f"prefills / generations. Free some (delete their nodes' outputs) or raise the cache budget")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self.refcount[b] = 1
+        return out
+
+    # ------------------------------------------------------------------ sequences
+    def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
+        """Make room in `seq` for positions up to num_tokens (blocks appended; num_tokens itself is the
+        caller's to advance once the K/V are written)."""
+        need = self.blocks_for(num_tokens) - len(seq.blocks)
+        if need > 0:
+            seq.blocks += self.allocate(need, what=what)
+
+    def free(self, seq: SequenceBlocks) -> None:
+        """Drop a sequence: its blocks lose one reference each (snapshots keep theirs)."""
+        self.release(seq.blocks)
+        seq.blocks, seq.num_tokens = [], 0
+
+    def fork(self, seq: SequenceBlocks) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
+        """A copy-on-write child of `seq` (a Generate forked from a Prefill): full blocks shared; a partly
+        filled last block is replaced by a fresh one, returned as a (src, dst) copy for the caller to make
+        in every layer before the child writes into it. The parent is not changed."""
+        nfull = seq.num_tokens // self.block_size
+        shared = seq.blocks[:nfull]
+        copies = []
+        if seq.num_tokens % self.block_size:
+            dst = self.allocate(1, what="forking a sequence")[0]
+            copies.append((seq.blocks[nfull], dst))
+            shared = shared + [dst]
+            self.retain(seq.blocks[:nfull])
+        else:
+            self.retain(shared)
+        return SequenceBlocks(list(shared), seq.num_tokens), copies
+
+    # ------------------------------------------------------------------ prefix cache
+    def match(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (),
+              max_tokens: Optional[int] = None) -> Optional[Snapshot]:
+        """The snapshot of the longest prefix of token_ids (at most max_tokens; default all but the last
+        token, which must be run to get logits) that is cached, or None. Marks it recently used."""
+        limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
+        lengths = sorted((n for n in self._snapshot_lengths if 0 < n <= limit), reverse=True)
+        if not lengths:
+            return None
+        full = block_keys(token_ids[:lengths[0] // self.block_size * self.block_size], self.block_size, media)
+        for n in lengths:
+            snap = self._snapshots.get(prefix_key(token_ids, n, self.block_size, media, full))
+            if snap is not None:
+                self._snapshots.move_to_end(snap.key)
+                return snap
+        return None
+
+    def admit(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (), extra_tokens: int = 0,
+              use_cache: bool = True) -> Admission:
+        """Blocks for a new prompt (and `extra_tokens` positions after it, e.g. the tokens a Generate will
+        add): the longest cached prefix shared, fresh blocks for the rest. Raises PromptTooLong when the
+        prompt cannot fit even in an empty pool, PoolExhausted when live sequences hold too much."""
+        total = len(token_ids) + extra_tokens
+        if self.blocks_for(total) > self.num_blocks:
+            raise PromptTooLong(
+                f"the prompt needs {total} token positions ({self.blocks_for(total)} K/V blocks of "
+                f"{self.block_size}) but the pool holds {self.num_blocks * self.block_size} positions "
+                f"({self.num_blocks} blocks); raise the loader's cache budget or shorten the prompt")
+        snap = self.match(token_ids, media) if use_cache else None
+        cached = snap.num_tokens if snap else 0
+        nfull = cached // self.block_size
+        shared = list(snap.blocks[:nfull]) if snap else []
+        self.retain(shared)  # before allocating: eviction must not take them
+        copies = []
+        try:
+            fresh = self.allocate(self.blocks_for(total) - nfull, keep=snap, what=f"a {total}-token prompt")
+        except Exception:
+            self.release(shared)
+            raise
+        if cached % self.block_size:  # the partly filled block: copied, since this prompt writes into it
+            copies.append((snap.blocks[nfull], fresh[0]))
+        return Admission(SequenceBlocks(shared + fresh, cached), cached, snap, copies)
+
+    def save_snapshot(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int, states: Any,
+                      nbytes: int, media: Sequence[MediaSpan] = ()) -> Snapshot:
+        """Record the GDN states after the first num_tokens tokens of `seq` (whose K/V must be written).
+        The snapshot takes a reference to each block holding those tokens. Replaces an equal-keyed one."""
+        if not 0 < num_tokens <= min(seq.num_tokens, len(token_ids)):
+            raise ValueError(f"save_snapshot: num_tokens {num_tokens} must be in 1 .. {min(seq.num_tokens, len(token_ids))} "
+                             f"(tokens with K/V in the sequence)")
+        key = prefix_key(token_ids, num_tokens, self.block_size, media)
+        if key in self._snapshots:
+            self._drop(self._snapshots[key])
+        blocks = list(seq.blocks[:self.blocks_for(num_tokens)])
+        self.retain(blocks)
+        snap = Snapshot(key, num_tokens, blocks, states, nbytes)
+        self._snapshots[key] = snap
+        self._snapshot_lengths[num_tokens] = self._snapshot_lengths.get(num_tokens, 0) + 1
+        self.snapshot_bytes += nbytes
+        while (self.snapshot_budget_bytes is not None and self.snapshot_bytes > self.snapshot_budget_bytes
+               and self._evict_one(keep=snap)):
+            pass
+        return snap
+
+    @property
+    def snapshots(self) -> list[Snapshot]:
+        """Least recently used first."""
+        return list(self._snapshots.values())
+
+    def _drop(self, snap: Snapshot) -> None:
+        del self._snapshots[snap.key]
+        left = self._snapshot_lengths[snap.num_tokens] - 1
+        if left:
+            self._snapshot_lengths[snap.num_tokens] = left
+        else:
+            del self._snapshot_lengths[snap.num_tokens]
+        self.snapshot_bytes -= snap.nbytes
+        self.release(snap.blocks)
+
+    def _evict_one(self, keep: Optional[Snapshot]) -> bool:
+        for snap in self._snapshots.values():
+            if snap is not keep:
+                self._drop(snap)
+                return True
+        return False
+
+    def clear(self) -> None:
+        """Drop every snapshot (model unload); live sequences keep their blocks."""
+        for snap in list(self._snapshots.values()):
+            self._drop(snap)
+
+
+def block_table_tensor(seqs: Sequence[SequenceBlocks], max_blocks: Optional[int] = None, device=None):
+    """The int32 [N, max_blocks] block table of `seqs` (PAD after each sequence's last block)."""
+    import torch
+    width = max((len(s.blocks) for s in seqs), default=0) if max_blocks is None else max_blocks
+    rows = []
+    for s in seqs:
+        if len(s.blocks) > width:
+            raise ValueError(f"block_table_tensor: a sequence has {len(s.blocks)} blocks, more than max_blocks={width}")
+        rows.append(s.blocks + [PAD] * (width - len(s.blocks)))
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)

@@ -1,0 +1,266 @@
+"""runtime/kv_pool.py on the CPU: reference counts, the prefix hash chain (tokens and image content),
+snapshot matching, copy-on-write forks and admissions, LRU eviction under both budgets, the errors'
+numbers, and the block table tensor in the format kernels/paged_attention reads (checked against the
+paged-attention reference, so the documented format and the kernels' format cannot drift apart)."""
+import random
+
+import pytest
+import torch
+
+from qwen35_fast.kernels.paged_attention.reference import gather_kv, paged_attention_ref
+from qwen35_fast.runtime.kv_pool import (
+    PAD,
+    KVPool,
+    MediaSpan,
+    PoolExhausted,
+    PromptTooLong,
+    SequenceBlocks,
+    block_keys,
+    block_table_tensor,
+    gdn_snapshot_nbytes,
+    kv_block_nbytes,
+    prefix_key,
+)
+
+
+def _toks(n, seed=0):
+    r = random.Random(seed)
+    return [r.randrange(248_000) for _ in range(n)]
+
+
+def _check_refcounts(pool, live):
+    """Every block's count equals the live sequences plus snapshots listing it; the rest are free."""
+    want = [0] * pool.num_blocks
+    for holder in list(live) + pool.snapshots:
+        for b in holder.blocks:
+            want[b] += 1
+    assert pool.refcount == want
+    assert pool.num_free == want.count(0)
+
+
+# ----------------------------------------------------------------------------- hash chain
+
+def test_block_keys_chain_over_everything_before():
+    t = _toks(100)
+    k = block_keys(t, 16)
+    assert len(k) == 6 and len(set(k)) == 6
+    assert block_keys(t[:64], 16) == k[:4]  # a prefix has the same keys
+    t2 = list(t)
+    t2[3] += 1  # a change in block 0 changes every later key
+    k2 = block_keys(t2, 16)
+    assert all(a != b for a, b in zip(k, k2))
+    t3 = list(t)
+    t3[40] += 1  # a change in block 2 leaves blocks 0 and 1
+    k3 = block_keys(t3, 16)
+    assert k3[:2] == k[:2] and all(a != b for a, b in zip(k[2:], k3[2:]))
+
+
+def test_image_content_is_part_of_the_key():
+    t = [7] * 10 + [248056] * 40 + [9] * 14  # an image's pads at positions 10..49
+    a = block_keys(t, 16, [MediaSpan(10, 50, "sha-of-image-A")])
+    a2 = block_keys(t, 16, [MediaSpan(10, 50, "sha-of-image-A")])
+    b = block_keys(t, 16, [MediaSpan(10, 50, "sha-of-image-B")])
+    assert a == a2  # same pixels, same keys
+    assert all(x != y for x, y in zip(a, b))  # another image never does (block 0 holds its first pads)
+    moved = block_keys(t, 16, [MediaSpan(12, 52, "sha-of-image-A")])
+    assert moved != a
+
+
+def test_prefix_key_partial_blocks():
+    t = _toks(50)
+    full = block_keys(t, 16)
+    assert prefix_key(t, 32, 16) == full[1]
+    assert prefix_key(t, 40, 16) != prefix_key(t, 41, 16)
+    assert prefix_key(t, 40, 16) == prefix_key(t[:40] + [1, 2, 3], 40, 16)
+    assert prefix_key(t, 40, 16, full_keys=full) == prefix_key(t, 40, 16)
+    assert prefix_key(t, 16, 16) != prefix_key(t, 16, 8)
+
+
+# ----------------------------------------------------------------------------- pool, sequences, snapshots
+
+def test_allocate_release_and_refcounts():
+    pool = KVPool(8, 16)
+    a = pool.allocate(3)
+    b = pool.allocate(2)
+    assert len(set(a + b)) == 5 and pool.num_free == 3
+    pool.retain(a[:1])
+    pool.release(a)
+    assert pool.refcount[a[0]] == 1 and pool.num_free == 5
+    pool.release(a[:1])
+    pool.release(b)
+    assert pool.num_free == 8
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(b[:1])
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pool.retain(b[:1])
+
+
+def test_errors_name_both_numbers():
+    pool = KVPool(10, 16)
+    with pytest.raises(PromptTooLong, match=r"needs 161 token positions \(11 K/V blocks.*holds 160 positions \(10 blocks\)"):
+        pool.admit(_toks(161))
+    live = pool.admit(_toks(100, 1)).seq  # 7 blocks held by a live sequence
+    with pytest.raises(PoolExhausted, match=r"needs 4 K/V blocks but only 3 of the pool's 10 are free"):
+        pool.admit(_toks(60, 2))
+    pool.free(live)
+    pool.admit(_toks(60, 2))
+
+
+def test_snapshot_reuse_shares_blocks_and_copies_the_partial_one():
+    pool = KVPool(64, 16)
+    system = _toks(200, 1)  # 12 full blocks + 8 tokens
+    image = [248056] * 100
+    media = [MediaSpan(200, 300, "img-1")]
+    q1, q2 = _toks(50, 2), _toks(50, 3)
+    p1 = system + image + q1
+    adm = pool.admit(p1, media)
+    assert adm.cached_tokens == 0 and adm.snapshot is None and adm.copies == []
+    seq = adm.seq
+    seq.num_tokens = len(p1)  # the prefill wrote every position
+    s_sys = pool.save_snapshot(seq, p1, 200, states="gdn@200", nbytes=10, media=media)
+    s_img = pool.save_snapshot(seq, p1, 300, states="gdn@300", nbytes=10, media=media)
+    _check_refcounts(pool, [seq])
+
+    p2 = system + image + q2  # another question about the same image
+    adm2 = pool.admit(p2, media)
+    assert adm2.snapshot is s_img and adm2.cached_tokens == 300
+    assert adm2.seq.blocks[:18] == seq.blocks[:18]  # 18 full blocks shared
+    assert adm2.copies == [(seq.blocks[18], adm2.seq.blocks[18])]  # block 18 holds 300 % 16 = 12 cached tokens
+    assert adm2.seq.blocks[18] != seq.blocks[18]
+    _check_refcounts(pool, [seq, adm2.seq])
+
+    other = system + [248056] * 100 + q2  # same system prompt, another image: only the system prompt is reused
+    adm3 = pool.admit(other, [MediaSpan(200, 300, "img-2")])
+    assert adm3.snapshot is s_sys and adm3.cached_tokens == 200
+    assert pool.admit(_toks(30, 9)).cached_tokens == 0  # nothing in common
+    assert pool.match(system[:150]) is None
+
+
+def test_match_never_takes_the_whole_prompt_and_respects_max_tokens():
+    pool = KVPool(16, 16)
+    t = _toks(64)
+    seq = pool.admit(t).seq
+    seq.num_tokens = 64
+    pool.save_snapshot(seq, t, 64, None, 1)
+    pool.save_snapshot(seq, t, 32, None, 1)
+    assert pool.match(t).num_tokens == 32  # the last token must run to give logits
+    assert pool.match(t + [5]).num_tokens == 64
+    assert pool.match(t + [5], max_tokens=40).num_tokens == 32
+
+
+def test_fork_is_copy_on_write():
+    pool = KVPool(16, 16)
+    seq = pool.admit(_toks(40)).seq  # 3 blocks, the last partly filled
+    seq.num_tokens = 40
+    child, copies = pool.fork(seq)
+    assert child.blocks[:2] == seq.blocks[:2] and child.blocks[2] != seq.blocks[2]
+    assert copies == [(seq.blocks[2], child.blocks[2])] and child.num_tokens == 40
+    _check_refcounts(pool, [seq, child])
+    seq2 = pool.admit(_toks(32, 1)).seq
+    seq2.num_tokens = 32
+    child2, copies2 = pool.fork(seq2)  # block-aligned: nothing copied
+    assert child2.blocks == seq2.blocks and copies2 == []
+    for s in (seq, child, seq2, child2):
+        pool.free(s)
+    assert pool.num_free == 16
+
+
+def test_lru_eviction_frees_blocks_for_new_prompts():
+    pool = KVPool(12, 16)
+    snaps = []
+    for i in range(3):  # three 64-token prompts, each snapshotted, then dropped by their sequences
+        t = _toks(64, 10 + i)
+        seq = pool.admit(t).seq
+        seq.num_tokens = 64
+        snaps.append((t, pool.save_snapshot(seq, t, 64, f"s{i}", 5)))
+        pool.free(seq)
+    assert pool.num_free == 0
+    pool.match(snaps[0][0] + [1])  # touch the first: now the second is least recently used
+    new = pool.admit(_toks(60, 99)).seq  # needs 4 blocks: evicts exactly one snapshot
+    left = [s.states for s in pool.snapshots]
+    assert left == ["s2", "s0"]
+    _check_refcounts(pool, [new])
+
+
+def test_snapshot_byte_budget():
+    pool = KVPool(64, 16, snapshot_budget_bytes=25)
+    t = _toks(160)
+    seq = pool.admit(t).seq
+    seq.num_tokens = 160
+    for n in (16, 32, 48, 64):
+        pool.save_snapshot(seq, t, n, n, 10)
+    assert [s.num_tokens for s in pool.snapshots] == [48, 64] and pool.snapshot_bytes == 20
+    pool.save_snapshot(seq, t, 64, "again", 10)  # same key: replaced, not added
+    assert [s.states for s in pool.snapshots] == [48, "again"]
+    _check_refcounts(pool, [seq])
+    pool.clear()
+    pool.free(seq)
+    assert pool.num_free == 64 and pool.snapshot_bytes == 0
+
+
+def test_random_workload_keeps_refcounts_consistent():
+    r = random.Random(5)
+    pool = KVPool(40, 16, snapshot_budget_bytes=60)
+    live, base = [], _toks(120, 77)
+    for step in range(300):
+        op = r.random()
+        try:
+            if op < 0.4:
+                n = r.randrange(1, 200)
+                t = base[:r.randrange(0, 120)] + _toks(n, step)
+                adm = pool.admit(t)
+                adm.seq.num_tokens = len(t)
+                live.append((adm.seq, t))
+                if r.random() < 0.7:
+                    pool.save_snapshot(adm.seq, t, r.randrange(1, len(t) + 1), step, r.randrange(1, 30))
+            elif op < 0.6 and live:
+                s, t = live[r.randrange(len(live))]
+                child, _ = pool.fork(s)
+                live.append((child, t))
+            elif live:
+                s, _ = live.pop(r.randrange(len(live)))
+                pool.free(s)
+        except (PoolExhausted, PromptTooLong):
+            pass
+        _check_refcounts(pool, [s for s, _ in live])
+        assert pool.snapshot_bytes <= 60
+
+
+def test_sizes():
+    assert kv_block_nbytes(8, 16, 4, 256) == 512 * 1024  # 9B: 8 full-attention layers
+    assert gdn_snapshot_nbytes(24, 32, 128, 128, 8192, 4) == 51_511_296
+
+
+# ----------------------------------------------------------------------------- the block table the kernels read
+
+def test_block_table_tensor_is_what_paged_attention_reads():
+    pool = KVPool(32, 16)
+    t1, t2 = _toks(37, 1), _toks(70, 2)
+    s1, s2 = pool.admit(t1).seq, pool.admit(t2).seq
+    table = block_table_tensor([s1, s2])
+    assert table.dtype == torch.int32 and table.shape == (2, 5) and table.is_contiguous()
+    assert table[0, 3:].tolist() == [PAD, PAD]
+    assert block_table_tensor([s1], max_blocks=8).shape == (1, 8)
+    with pytest.raises(ValueError, match="more than max_blocks"):
+        block_table_tensor([s2], max_blocks=2)
+    # write two prompts' K/V through the reference (as a prefill would), read them back by the table
+    g = torch.Generator().manual_seed(0)
+    Hkv, D = 2, 32
+    k_pool = torch.full((32, 16, Hkv, D), float("nan"), dtype=torch.bfloat16)
+    v_pool = k_pool.clone()
+    k_new = torch.randn(107, Hkv, D, generator=g).to(torch.bfloat16)
+    v_new = torch.randn(107, Hkv, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(107, 4, D, generator=g).to(torch.bfloat16)
+    zero = torch.zeros(2, dtype=torch.int32)
+    cu = torch.tensor([0, 37, 107], dtype=torch.int32)
+    out = paged_attention_ref(q, k_new, v_new, k_pool, v_pool, table, zero, cu)
+    assert torch.isfinite(out).all()
+    assert torch.equal(gather_kv(k_pool, table[1], 70), k_new[37:])
+    assert torch.equal(gather_kv(v_pool, table[0], 37), v_new[:37])
+    # a forked child sees the same K/V through its own table once the copy-on-write copy is made
+    s1.num_tokens = 37
+    child, copies = pool.fork(s1)
+    for src, dst in copies:
+        k_pool[dst] = k_pool[src]
+    assert torch.equal(gather_kv(k_pool, block_table_tensor([child])[0], 37), k_new[:37])
+    assert isinstance(child, SequenceBlocks)
