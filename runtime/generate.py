@@ -114,6 +114,15 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
 
 
 OnToken = Callable[[str, int, int], None]
+KV_BLOCK = 256  # the attention cache grows in whole blocks of positions
+
+
+def kv_capacity(needed: int, current: int, most: int) -> int:
+    """Positions to reserve for `needed` tokens when `current` are full: whole blocks, a quarter more than
+    `current` at least (so a long answer re-allocates a few times, not per block), never above `most`.
+    generate reserves for the tokens it has, not for max_new_tokens: a short answer costs a short cache."""
+    want = max(needed, current + current // 4)
+    return min(-(-want // KV_BLOCK) * KV_BLOCK, most)
 
 
 def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[str, str]:
@@ -159,7 +168,8 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     limit = model.config.max_position_embeddings
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
-    cache = pf.cache.clone(pf.n_tokens + budget, device=dev)
+    most = pf.n_tokens + budget  # the cache never needs more positions than this
+    cache = pf.cache.clone(kv_capacity(pf.n_tokens + 1, 0, most), device=dev)
     step = graphed_decode(model, cache) if budget > 2 else None
     generator = torch.Generator(device=dev).manual_seed(generator_seed(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
@@ -189,6 +199,10 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
         if on_token is not None:
             on_token(stream.feed(tok), n + 1, max_new_tokens)
         if n + 1 < budget:
+            if cache.length == cache.capacity:  # full: a larger copy, and a decode graph captured over it
+                graphed, step = step is not None, None
+                cache = cache.clone(kv_capacity(cache.length + 1, cache.capacity, most))
+                step = graphed_decode(model, cache) if graphed else None
             logits = (step(tok) if step is not None
                       else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0

@@ -368,3 +368,53 @@ def test_the_whole_seed_decides_the_text(chat_model, still_works):
     outs = [text(s) for s in seeds]
     assert len(set(outs)) == len(seeds)
     assert text(5 + 2**64) == outs[2]  # and each is repeatable
+
+
+# --- 7: the attention cache grows with the answer ------------------------------------------------
+
+def test_kv_cache_follows_the_tokens_and_the_text_stays(folder, monkeypatch, still_works):
+    import importlib
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    model = load_model(folder, dtype="fp32", device="cpu")
+    pf = prefill(model, PROMPT)
+    seen = []  # (tokens in the cache, positions reserved) at every decode step
+    real = model.forward_decode
+
+    def spy(ids, cache):
+        seen.append((cache.length, cache.capacity))
+        return real(ids, cache)
+
+    monkeypatch.setattr(model, "forward_decode", spy)
+    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
+    greedy_no_stop = SamplingParams(repetition_penalty=1.3)  # penalised greedy: a long answer, same each time
+
+    def stop_at_120(delta, n, total):
+        if n == 120:
+            raise KeyboardInterrupt  # what a cancel does
+
+    def run(max_new):
+        return generate(model, pf, max_new_tokens=max_new, sampling=greedy_no_stop, on_token=stop_at_120)
+
+    with pytest.raises(KeyboardInterrupt):  # a 32768-token budget, stopped after 120 tokens
+        run(32768)
+    grown = seen[:]
+    assert all(length < cap <= max(length + 16, length * 5 // 4 + 16) for length, cap in grown)
+    assert len({cap for _, cap in grown}) >= 4  # it grew several times, never to the whole budget
+    assert max(cap for _, cap in grown) < pf.n_tokens + 200
+    seen.clear()
+    growing = run(100)
+    monkeypatch.setattr(gen_mod, "KV_BLOCK", 1 << 20)  # one cache for the whole budget, as before
+    seen.clear()
+    upfront = run(100)
+    assert {cap for _, cap in seen} == {pf.n_tokens + 100}
+    assert growing.token_ids == upfront.token_ids and len(growing.token_ids) == 100
+    assert not eos & set(growing.token_ids)
+
+
+def test_kv_capacity_steps():
+    from qwen35_fast.runtime.generate import kv_capacity
+    assert kv_capacity(21, 0, 10**6) == 256
+    assert kv_capacity(257, 256, 10**6) == 512
+    assert kv_capacity(30001, 30000, 10**6) == 37632  # a quarter more, in whole blocks
+    assert kv_capacity(30001, 30000, 30010) == 30010  # never above what the budget can use
