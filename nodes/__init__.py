@@ -3,9 +3,10 @@ from comfy_api.latest import ComfyExtension, io
 
 from .loader import Qwen35ModelLoader
 from .models_folder import ensure_llm_folder
+from .multimodal import Qwen35MultimodalPrefill
 from .text import Qwen35Generate, Qwen35TextPrefill
 
-NODES = [Qwen35ModelLoader, Qwen35TextPrefill, Qwen35Generate]
+NODES = [Qwen35ModelLoader, Qwen35TextPrefill, Qwen35MultimodalPrefill, Qwen35Generate]
 
 
 class Qwen35Extension(ComfyExtension):
@@ -16,4 +17,5 @@ class Qwen35Extension(ComfyExtension):
         return NODES
 
 
-__all__ = ["NODES", "Qwen35Extension", "Qwen35Generate", "Qwen35ModelLoader", "Qwen35TextPrefill"]
+__all__ = ["NODES", "Qwen35Extension", "Qwen35Generate", "Qwen35ModelLoader", "Qwen35MultimodalPrefill",
+           "Qwen35TextPrefill"]

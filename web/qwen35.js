@@ -161,6 +161,11 @@ function setupStats(node, name) {
 }
 
 function prefillLine(s) {
+  if (s.vision_tokens !== undefined) {  // Multimodal Prefill: one line per prefill of the list
+    return `${s.vision_tokens} image/video + ${s.text_tokens} text tokens · vision ${fmt(s.vision_ms, 1)} ms · ` +
+      `prefill ${fmt(s.prefill_ms, 1)} ms · ${s.backend}` + (s.thinking ? " · thinking" : "") +
+      (s.note ? ` · ${s.note}` : "");
+  }
   return `${s.n_tokens} prompt tokens · ${fmt(s.ms, 2)} ms · ${fmt(s.tokens_per_s, 0)} tok/s · ${s.backend}` +
     (s.thinking ? " · thinking" : "");
 }
@@ -172,6 +177,7 @@ function loaderLine(s) {
 const SETUP = {
   Qwen35Generate: (node) => setupGenerate(node),
   Qwen35TextPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
+  Qwen35MultimodalPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
   Qwen35ModelLoader: (node) => setupStats(node, "qwen35_model_info"),
 };
 
@@ -179,7 +185,7 @@ function onExecuted(node, output) {
   const view = node.qwen35;
   if (!view) return;
   if (node.comfyClass === "Qwen35Generate") onGenerateExecuted(view, output);
-  else if (output?.qwen35_prefill?.[0]) view.stats.textContent = prefillLine(output.qwen35_prefill[0]);
+  else if (output?.qwen35_prefill?.[0]) view.stats.textContent = output.qwen35_prefill.map(prefillLine).join("\n");
   else if (output?.qwen35_model?.[0]) {
     view.stats.textContent = loaderLine(output.qwen35_model[0]);
     view.stats.title = view.stats.textContent;

@@ -1,0 +1,99 @@
+"""Qwen35MultimodalPrefill: images and / or video with a prompt -> QWEN35_PREFILL (a thin adapter over
+runtime.prefill_multimodal; media preprocessing and the vision tower live in the runtime)."""
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io
+
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
+
+log = logging.getLogger(__name__)
+
+ALL_IN_ONE = "all images in one prompt"
+PER_IMAGE = "one prompt per image"
+
+
+def _video_frames(video):
+    """(frames [F, H, W, C], fps) from a ComfyUI VIDEO."""
+    parts = video.get_components()
+    return parts.images, float(parts.frame_rate)
+
+
+def _stats(pf, scaled_note: str) -> dict:
+    v = pf.vision
+    return {"n_tokens": pf.n_tokens, "ms": round(pf.ms, 2), "tokens_per_s": round(pf.tokens_per_s, 1),
+            "backend": pf.backend, "thinking": pf.thinking,
+            "vision_tokens": v.vision_tokens if v else 0, "text_tokens": v.text_tokens if v else pf.n_tokens,
+            "vision_ms": round(v.vision_ms, 2) if v else 0.0, "prefill_ms": round(v.prefill_ms, 2) if v else pf.ms,
+            "note": scaled_note}
+
+
+class Qwen35MultimodalPrefill(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Qwen35MultimodalPrefill",
+            display_name="Qwen3.5 Multimodal Prefill",
+            category="Qwen3.5",
+            description="Reads images and / or a video with the prompt into the model once (the vision tower of the "
+                        "checkpoint, then the text model). Name where each goes in the prompt with <image>, "
+                        "<image 2> or <video>; unnamed ones go before the text. Generate continues from the "
+                        "prefill as from a text prefill. 'one prompt per image' makes one prefill per image of "
+                        "the batch, so one Generate node captions each image on its own.",
+            search_aliases=["qwen", "vl", "vision", "caption", "image to text", "describe image", "video"],
+            inputs=[
+                Qwen35Model.Input("model"),
+                io.String.Input("prompt", multiline=True, default="Describe this image.",
+                                tooltip="The user message; <image>, <image 2>, <video> place the inputs."),
+                io.Image.Input("images", optional=True,
+                               tooltip="One or more images (a batch is several images in one prompt)."),
+                io.Video.Input("video", optional=True, tooltip="A video; frames are sampled at 2 per second."),
+                io.Image.Input("frames", optional=True,
+                               tooltip="A video given as an IMAGE batch of frames (with frame_rate)."),
+                io.Float.Input("frame_rate", default=24.0, min=0.01, max=1000.0, step=0.01,
+                               tooltip="Frames per second of the 'frames' input."),
+                io.Combo.Input("mode", options=[ALL_IN_ONE, PER_IMAGE], default=ALL_IN_ONE,
+                               tooltip="One prompt per image: a list of prefills, one per image of the batch."),
+                io.String.Input("system_prompt", multiline=True, default="",
+                                tooltip="Optional system message."),
+                io.Boolean.Input("thinking", default=False,
+                                 tooltip="Let the model think before it answers."),
+                io.Int.Input("max_pixels", default=0, min=0, max=16_777_216, step=1024, advanced=True,
+                             tooltip="Largest image (width x height) the tower sees; bigger ones are scaled "
+                                     "down. 0: the checkpoint's setting (16.7 MP). Fewer pixels, fewer tokens."),
+            ],
+            outputs=[Qwen35Prefill.Output(display_name="prefill", is_output_list=True)],
+        )
+
+    @classmethod
+    def execute(cls, model, prompt="", images=None, video=None, frames=None, frame_rate=24.0, mode=ALL_IN_ONE,
+                system_prompt="", thinking=False, max_pixels=0) -> io.NodeOutput:
+        from ..runtime import Qwen35Error, prefill_multimodal
+
+        if video is not None and frames is not None:
+            raise Qwen35Error("both a video and frames are connected; connect one of them")
+        clip = _video_frames(video) if video is not None else (frames, frame_rate) if frames is not None else None
+        if mode == PER_IMAGE and images is None:
+            raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
+        batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]
+        if mode == PER_IMAGE and not batches:
+            raise Qwen35Error("the image batch is empty (0 images); connect an image")
+        model.load()
+        out, stats = [], []
+        for batch in batches:
+            pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
+                                    thinking=thinking, max_pixels=max_pixels or None)
+            note = ""
+            if pf.vision is not None and pf.vision.scaled_down:
+                limit = max_pixels or "the checkpoint's max_pixels"
+                note = (f"{pf.vision.scaled_down} input(s) larger than {limit} pixels were scaled down to fit "
+                        f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
+                log.info("Qwen3.5 multimodal prefill: %s", note)
+            log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",
+                     pf.vision.vision_tokens if pf.vision else 0, pf.vision.text_tokens if pf.vision else pf.n_tokens,
+                     pf.vision.vision_ms if pf.vision else 0.0, pf.vision.prefill_ms if pf.vision else pf.ms)
+            model.track(pf)
+            out.append(ModelPrefill(model, pf))
+            stats.append(_stats(pf, note))
+        return io.NodeOutput(out, ui={"qwen35_prefill": stats})

@@ -1,0 +1,99 @@
+"""Qwen3.5 Multimodal Prefill through its V3 `execute` (ComfyUI importable from COMFYUI_DIR; skipped otherwise).
+
+Runs on the CPU with the demo's tiny checkpoint, whose folder carries a small vision tower.
+"""
+# ruff: noqa: F811  (the fixtures imported from test_nodes are parameters of the tests)
+from fractions import Fraction
+
+import pytest
+import torch
+from test_nodes import _generate, comfy, loaded, models_dir, pack  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.comfyui
+
+
+def _run(pack, model, **kw):
+    args = dict(model=model, prompt="Describe this image.", images=None, video=None, frames=None, frame_rate=24.0,
+                mode="all images in one prompt", system_prompt="", thinking=False, max_pixels=0)
+    args.update(kw)
+    return pack.Qwen35MultimodalPrefill.execute(**args)
+
+
+def test_schema_and_registration(pack):
+    schema = pack.Qwen35MultimodalPrefill.GET_SCHEMA()
+    assert pack.Qwen35MultimodalPrefill in pack.NODES
+    assert schema.display_name == "Qwen3.5 Multimodal Prefill"
+    inputs = pack.Qwen35MultimodalPrefill.INPUT_TYPES()
+    assert {"model", "prompt"} <= set(inputs["required"])
+    assert {"images", "video", "frames"} <= set(inputs["optional"])
+
+
+def test_caption_one_image_then_generate(pack, loaded):
+    out = _run(pack, loaded, images=torch.rand(1, 96, 128, 3))
+    prefills = out[0]
+    assert isinstance(prefills, list) and len(prefills) == 1
+    s = out.ui["qwen35_prefill"][0]
+    assert s["vision_tokens"] > 0 and s["text_tokens"] > 0 and s["vision_ms"] > 0 and s["prefill_ms"] > 0
+    assert s["vision_tokens"] == sum(1 for t in prefills[0].prefill.token_ids if t == 248056)
+    a = _generate(pack, prefills[0], seed=1, sampling=False)
+    b = _generate(pack, prefills[0], seed=1, sampling=False)
+    assert a[0] == b[0] and a.ui["qwen35_generate"][0]["n_tokens"] >= 1
+
+
+def test_one_prompt_per_image_gives_a_list(pack, loaded):
+    images = torch.rand(3, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+    out = _run(pack, loaded, images=images, mode="one prompt per image")
+    prefills = out[0]
+    assert len(prefills) == 3 and len(out.ui["qwen35_prefill"]) == 3
+    one = _run(pack, loaded, images=images[1:2])[0][0]
+    assert torch.equal(prefills[1].prefill.logits, one.prefill.logits)  # image 2 alone, as a prompt of its own
+    assert not torch.equal(prefills[0].prefill.logits, prefills[1].prefill.logits)
+    both = _run(pack, loaded, images=images)[0]
+    assert len(both) == 1 and both[0].prefill.vision.vision_tokens == 3 * one.prefill.vision.vision_tokens
+
+
+def test_video_input_and_frames_input(pack, loaded):
+    from comfy_api.latest import InputImpl, Types
+    frames = torch.rand(12, 64, 80, 3, generator=torch.Generator().manual_seed(1))
+    video = InputImpl.VideoFromComponents(Types.VideoComponents(images=frames, frame_rate=Fraction(6)))
+    a = _run(pack, loaded, prompt="<video> What moves?", video=video)
+    b = _run(pack, loaded, prompt="<video> What moves?", frames=frames, frame_rate=6.0)
+    assert a[0][0].prefill.token_ids == b[0][0].prefill.token_ids
+    text = loaded.model.tokenizer.decode(a[0][0].prefill.token_ids)
+    # 2 s at 2 fps: frames 0, 4, 7, 11 of 12 (0, 0.67, 1.17, 1.83 s) in two pairs at 0.33 s and 1.5 s
+    assert "user\n<0.3 seconds><|vision_start|>" in text and "<|vision_end|><1.5 seconds><|vision_start|>" in text
+    assert text.count("<|vision_start|>") == 2
+
+
+def test_bad_input_messages(pack, loaded, models_dir, comfy):
+    from qwen35_fast.runtime import Qwen35Error
+    from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+    with pytest.raises(Qwen35Error, match="0x64 pixels.*at least 1"):
+        _run(pack, loaded, images=torch.rand(1, 64, 0, 3))
+    with pytest.raises(Qwen35Error, match="empty"):
+        _run(pack, loaded, images=torch.rand(0, 64, 64, 3))
+    with pytest.raises(Qwen35Error, match="empty"):
+        _run(pack, loaded, images=torch.rand(0, 64, 64, 3), mode="one prompt per image")
+    with pytest.raises(Qwen35Error, match="0 frames"):
+        _run(pack, loaded, frames=torch.rand(0, 64, 64, 3), frame_rate=24.0)
+    limit = loaded.model.config.max_position_embeddings
+    with pytest.raises(Qwen35Error, match=rf"prompt has \d+ tokens, (\d+) of them image / video tokens.*at most "
+                                          rf"{limit} positions"):
+        _run(pack, loaded, images=torch.rand(1, 2048, 2048, 3))
+    # huge image: scaled to max_pixels, and the node says so
+    out = _run(pack, loaded, images=torch.rand(1, 600, 900, 3), max_pixels=256 * 384)
+    assert out[0][0].prefill.vision.grids == ((1, 16, 24),)
+    assert "scaled down" in out.ui["qwen35_prefill"][0]["note"]
+    # a checkpoint without vision weights, given an image
+    text_only = make_checkpoint(models_dir / "text_encoders", seed=2, single_file=True, include_vision=False)
+    name = "qwen35_text_only.safetensors"
+    text_only.rename(models_dir / "text_encoders" / name)
+    comfy.folder_paths.filename_list_cache.clear()
+    model = pack.Qwen35ModelLoader.execute(model=name, dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    try:
+        with pytest.raises(Qwen35Error, match="no usable vision tower.*text prompts still work"):
+            _run(pack, model, images=torch.rand(1, 64, 64, 3))
+        assert _run(pack, model, prompt="Hello")[0][0].prefill.n_tokens > 0
+    finally:
+        model.release()
