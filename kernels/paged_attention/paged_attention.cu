@@ -57,6 +57,7 @@ typedef __nv_bfloat16 elem;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
+static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void ldsm4(u32 r[4], const elem* p) {
@@ -164,13 +165,21 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
     auto load_kv = [&](int j, int stage) {
         elem* ks = Ks + stage * BN * LDS;
         elem* vs = Vs + stage * BN * LDS;
-        for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+        // The tile's pool blocks (BN / BLOCK_SIZE of them, or one), a lane each, read before any copy is
+        // issued: a table read per row, between the copies, would wait out one L2 latency per row.
+        int lane_blk = 0;
+        {
+            const int p0 = j * BN + (BN > BLOCK_SIZE ? lane * BLOCK_SIZE : 0);
+            if (lane < (BN > BLOCK_SIZE ? BN / BLOCK_SIZE : 1) && p0 < L) lane_blk = __ldg(bt + p0 / BLOCK_SIZE);
+        }
+        for (int c = tid; c < BN * CHUNKS; c += THREADS) {  // the same trip count in every lane (shuffle below)
             const int r = c / CHUNKS, ch = c % CHUNKS, p = j * BN + r;
+            const int blk = __shfl_sync(0xffffffffu, lane_blk, BN > BLOCK_SIZE ? r / BLOCK_SIZE : 0);
             const elem* ksrc = kn;
             const elem* vsrc = vn;
             bool ok = true;
             if (p < L) {
-                const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
+                const long long off = (((long long)blk * BLOCK_SIZE + p % BLOCK_SIZE) * Hkv + kvh) * HEAD_DIM;
                 ksrc = k_pool + off;
                 vsrc = v_pool + off;
             } else if (p < L + nq) {
