@@ -255,15 +255,12 @@ class VisionTower(nn.Module):
         vc = self.config
         n, d = x.shape
         qkv = F.linear(x, blk.qkv_w, blk.qkv_b).view(n, 3, vc.num_heads, vc.head_dim)
-        q, k, v = qkv.unbind(1)
-        cos, sin = p.cos[:, None, :], p.sin[:, None, :]
-
-        def rotate(t):  # 2-D rotary over the whole head (h features, then w features), in fp32
-            t = t.float()
-            half = t.shape[-1] // 2
-            return (t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin).to(x.dtype)
-
-        q, k = rotate(q), rotate(k)
+        # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
+        qk = qkv[:, :2].float()
+        half = vc.head_dim // 2
+        qk = qk * p.cos[:, None, None, :] + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * p.sin[:, None, None, :]
+        q, k = qk.to(x.dtype).unbind(1)
+        v = qkv[:, 2]
         out = torch.empty_like(v) if len(p.groups) > 1 else None
         for index, s, length in p.groups:  # one batched call per distinct slice length
             qs, ks, vs = (t if index is None else t.index_select(0, index) for t in (q, k, v))

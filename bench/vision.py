@@ -1,0 +1,239 @@
+"""The vision tower on the GPU: ours against transformers' Qwen3_5VisionModel (same random weights, bf16,
+transformers' default attention), and the time to first token for a 9B-shaped model answering a
+question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --out):
+
+  {"impl": "ours" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
+  {"impl": "ours-e2e" | "transformers-e2e", "ttft_ms": ...}
+
+floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run.
+
+    python3 bench/vision.py [--reps 10] [--layers 32] [--no-transformers-e2e] [--out PATH]
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast.runtime.media import Preprocessing, preprocess_images, preprocess_video
+from qwen35_fast.runtime.vision import VisionConfig, VisionTower, _targets
+
+TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)  # 9B and 27B
+OUT_HIDDEN = 4096  # 9B's text width
+
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def merged(out):
+    """The merger's output, whatever form this transformers version returns it in."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "pooler_output", None) is not None:
+        return out.pooler_output
+    return out[0]
+
+
+def timed(fn, reps):
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def bf16_rate() -> float:
+    """FLOP/s of an 8192^3 bf16 matmul on this card now."""
+    n = 8192 if DEV.type == "cuda" else 512
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b, 20)
+    return 2 * n ** 3 / (ms / 1000)
+
+
+def inputs(scale: int = 1):
+    """(name, [VisionInput]) for the three rows, preprocessed as the node does (sides / scale for --smoke)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    side, vh, vw = 1024 // scale, 720 // scale, 1280 // scale
+    img = torch.rand(4, side, side, 3, device=DEV, generator=g)
+    frames = torch.rand(32, vh, vw, 3, device=DEV, generator=g)
+    pp = Preprocessing(min_pixels=32 * 32) if scale > 1 else Preprocessing()
+    one = preprocess_images(img[:1], pp)
+    four = preprocess_images(img, pp)
+    video = [preprocess_video(frames, fps=2.0, pp=pp)]  # 16 s at 2 fps: all 32 frames
+    return [("1x1024x1024", one), ("4x1024x1024", four), ("video 32x720x1280", video)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=32, help="text layers of the e2e model")
+    ap.add_argument("--no-transformers-e2e", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script runs")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-h200.json"))
+    args = ap.parse_args()
+    import transformers
+    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    global TOWER, OUT_HIDDEN
+    if args.smoke:
+        TOWER, OUT_HIDDEN = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2), 256
+        args.layers, args.reps = 4, 1
+    dev = DEV
+    rate = bf16_rate()
+    print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s")
+    cfg = Qwen3_5VisionConfig(**TOWER, out_hidden_size=OUT_HIDDEN)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        ref = Qwen3_5VisionModel(cfg).to(torch.bfloat16).eval()
+    vc = VisionConfig(**TOWER, out_hidden_size=OUT_HIDDEN)
+    ours = VisionTower(vc, torch.bfloat16, dev)
+    sd = ref.state_dict()
+    with torch.no_grad():
+        for k, p in _targets(ours).items():
+            p.copy_(sd[k].reshape(p.shape))
+    rows = []
+    for name, items in inputs(16 if args.smoke else 1):
+        grids = [i.grid for i in items]
+        pixels = torch.cat([i.pixels for i in items]).to(torch.bfloat16)
+        grid_t = torch.tensor(grids, device=dev)
+        plan = ours.plan(grids)
+        floor = ours.flops(grids) / rate * 1000
+        with torch.inference_mode():
+            a = ours(pixels, plan)
+            b = merged(ref(pixels, grid_thw=grid_t))
+            err = float((a.float() - b.float()).norm() / b.float().norm())
+            ms_ours = timed(lambda: ours(pixels, ours.plan(grids)), args.reps)  # planning included
+            ms_ref = timed(lambda: ref(pixels, grid_thw=grid_t), args.reps)
+        common = {"tower": vc.shape_name, "images": name, "grids": grids, "floor_ms": round(floor, 2),
+                  "tflop": round(ours.flops(grids) / 1e12, 2)}
+        rows.append({"impl": "ours", **common, "ms": round(ms_ours, 2), "rel_err_vs_transformers_bf16": err})
+        rows.append({"impl": "transformers", **common, "ms": round(ms_ref, 2)})
+        print(f"{name}: ours {ms_ours:.2f} ms, transformers {ms_ref:.2f} ms, floor {floor:.2f} ms, rel err {err:.1e}")
+    del ref
+    rows += e2e(args, ours, rate)
+    if args.smoke:
+        print(json.dumps(rows, indent=1))
+        return
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "bf16_tflops": round(rate / 1e12, 1), "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(rows, indent=1))
+
+
+def e2e(args, tower: VisionTower, rate: float):
+    """Time to first token, 9B-shaped random model, one 1024x1024 image and a 50-token question."""
+    from e2e import nine_b, random_weights_
+
+    from qwen35_fast.runtime.model import Qwen35Model
+    from qwen35_fast.runtime.multimodal import IMAGE_PAD, prefill_multimodal
+    from qwen35_fast.runtime.tokenizer import load_tokenizer
+
+    dev = DEV
+    cfg = nine_b(args.layers)
+    if args.smoke:
+        from dataclasses import replace
+        cfg = replace(cfg, hidden_size=OUT_HIDDEN, intermediate_size=256, num_attention_heads=2,
+                      num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=2)
+    model = Qwen35Model(cfg, torch.bfloat16, dev)
+    random_weights_(model)
+    model.tokenizer = load_tokenizer(None)
+    model.vision = tower
+    model.path = None
+    model.set_backend("auto")
+    words = ("What colour is the large object near the left edge of the picture, and what is it made of? "
+             "Describe its shape, its size compared with the things around it, the light on it, and whether "
+             "anything in the scene suggests where or when the picture was taken.").split()
+    encode = getattr(model.tokenizer, "encode_text", model.tokenizer.encode)
+    n = next(k for k in range(1, len(words) + 1) if len(encode(" ".join(words[:k]))) >= 50)
+    question = " ".join(words[:n])
+    n_q = len(encode(question))
+    side = 64 if args.smoke else 1024
+    image = torch.rand(1, side, side, 3, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+
+    def ttft():
+        pf = prefill_multimodal(model, question, images=image)
+        return int(pf.logits.argmax())
+
+    ms = timed(ttft, args.reps)
+    pf = prefill_multimodal(model, question, images=image)
+    rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "prompt_tokens": pf.n_tokens,
+             "image_tokens": sum(1 for t in pf.token_ids if t == IMAGE_PAD), "question_tokens": n_q,
+             "vision_ms": round(pf.vision.vision_ms, 2), "prefill_ms": round(pf.vision.prefill_ms, 2),
+             "backend": model.backend.name}]
+    print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms)")
+    if args.no_transformers_e2e:
+        return rows
+    ids = torch.tensor([pf.token_ids], device=dev)
+    del model, pf
+    torch.cuda.empty_cache()
+    try:
+        rows.append(transformers_e2e(args, ids, image, cfg))
+    except Exception as e:  # noqa: BLE001 - the row says why it is missing
+        rows.append({"impl": "transformers-e2e", "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
+def transformers_e2e(args, ids, image, c):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from qwen35_fast.runtime.multimodal import IMAGE_PAD
+
+    try:
+        import fla  # noqa: F401
+        has_fla = True
+    except ImportError:
+        has_fla = False
+    dev = ids.device
+    text = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, layer_types=list(c.layer_types),
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
+                linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
+                linear_value_head_dim=c.linear_value_head_dim,
+                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    cfg = Qwen3_5Config(text_config=text, vision_config={**TOWER, "out_hidden_size": OUT_HIDDEN})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    inp = preprocess_images(image, Preprocessing())[0]  # what prefill_multimodal used
+    kw = dict(input_ids=ids, mm_token_type_ids=(ids == IMAGE_PAD).int(),
+              pixel_values=inp.pixels.to(torch.bfloat16), image_grid_thw=torch.tensor([inp.grid], device=dev))
+    with torch.inference_mode():
+        try:
+            hf(**kw, use_cache=True, logits_to_keep=1)
+        except (TypeError, ValueError) as e:  # a transformers version without mm_token_type_ids
+            if "mm_token_type_ids" not in str(e):
+                raise
+            kw.pop("mm_token_type_ids")
+
+    def ttft():
+        with torch.inference_mode():
+            out = hf(**kw, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    ms = timed(ttft, args.reps)
+    print(f"transformers e2e: ttft {ms:.1f} ms (fla {has_fla})")
+    return {"impl": "transformers-e2e", "ttft_ms": round(ms, 2), "fla": has_fla,
+            "note": "model forward on the processor's pixel values (preprocessing not timed)"}
+
+
+if __name__ == "__main__":
+    main()
