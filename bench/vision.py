@@ -123,7 +123,7 @@ def main():
         rows.append({"impl": "ours", **common, "ms": round(ms_ours, 2), "rel_err_vs_transformers_bf16": err})
         rows.append({"impl": "transformers", **common, "ms": round(ms_ref, 2)})
         print(f"{name}: ours {ms_ours:.2f} ms, transformers {ms_ref:.2f} ms, floor {floor:.2f} ms, rel err {err:.1e}")
-    del ref
+    ref = None  # frees the weights (the closures above are done with it)
     rows += e2e(args, ours, rate)
     if args.smoke:
         print(json.dumps(rows, indent=1))
@@ -136,11 +136,11 @@ def main():
 
 def e2e(args, tower: VisionTower, rate: float):
     """Time to first token, 9B-shaped random model, one 1024x1024 image and a 50-token question."""
-    from e2e import nine_b, random_weights_
-
     from qwen35_fast.runtime.model import Qwen35Model
     from qwen35_fast.runtime.multimodal import IMAGE_PAD, prefill_multimodal
     from qwen35_fast.runtime.tokenizer import load_tokenizer
+
+    from e2e import nine_b, random_weights_
 
     dev = DEV
     cfg = nine_b(args.layers)
@@ -178,7 +178,7 @@ def e2e(args, tower: VisionTower, rate: float):
     if args.no_transformers_e2e:
         return rows
     ids = torch.tensor([pf.token_ids], device=dev)
-    del model, pf
+    model = pf = None
     torch.cuda.empty_cache()
     try:
         rows.append(transformers_e2e(args, ids, image, cfg))
