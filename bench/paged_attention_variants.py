@@ -30,6 +30,23 @@ def main():
     a = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
+    occupancy = {}
+    try:  # blocks per SM the driver's occupancy calculator allows, per carveout (the kernels are built above)
+        from cupy_backends.cuda.api import driver
+
+        from qwen35_fast.kernels.cuda_build import get_function
+        for wm in (1, 4):
+            for carve in (-1, 100):
+                fn = get_function(pa.SRC, "paged_attention_fwd", DEV, {"HEAD_DIM": D, "GROUP": H // HKV, "WARPS_M": wm,
+                                                                        "BLOCK_SIZE": 16, "SPLIT": 1, "GATE": 1})
+                smem = pa.smem_bytes(wm, D)
+                fn.max_dynamic_shared_size_bytes = smem
+                fn.preferred_shared_memory_carveout = carve
+                occupancy[f"warps_m={wm}, carveout={carve}"] = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    fn.kernel.ptr, 32 * wm, smem)
+    except Exception as e:  # noqa: BLE001 - informative only
+        occupancy["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(occupancy), flush=True)
     for Nq, Nkv in ((1, 65536), (16, 65536), (1, 16384), (256, 65536), (4096, 16384)):
         row = {"Nq": Nq, "Nkv": Nkv, "block": 16}
         for carve in (-1, 100, -1, 100):  # twice each: the spread between repeats is the noise
@@ -39,7 +56,7 @@ def main():
         print(json.dumps(row), flush=True)
     pa.CARVEOUT = 100
     with open(a.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({"gpu": torch.cuda.get_device_name(), "occupancy_blocks_per_sm": occupancy, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
