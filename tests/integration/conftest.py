@@ -8,6 +8,7 @@ symlinked into custom_nodes/, the test checkpoint into models/LLM/qwen35-demo/.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ def comfy_server(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy-base")
     for d in ("custom_nodes", "models/LLM", "user", "input", "output", "temp"):
         (base / d).mkdir(parents=True, exist_ok=True)
+    if (comfy_dir / "input" / "example.png").exists():  # the image the captioning workflows load
+        shutil.copy(comfy_dir / "input" / "example.png", base / "input" / "example.png")
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
     (base / "models" / "LLM" / DEMO_MODEL).symlink_to(checkpoint_for_tests(), target_is_directory=True)
     port = free_port()

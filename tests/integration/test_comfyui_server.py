@@ -24,13 +24,17 @@ pytestmark = pytest.mark.comfyui
 
 EXPECTED_INPUTS = {
     "Qwen35ModelLoader": {"model", "dtype", "device", "backend", "keep_loaded"},
-    "Qwen35TextPrefill": {"model", "prompt", "system_prompt", "thinking", "use_chat_template"},
+    "Qwen35TextPrefill": {"model", "prompt", "system_prompt", "thinking", "use_chat_template",
+                          "allow_special_tokens"},
+    "Qwen35MultimodalPrefill": {"model", "prompt", "images", "video", "frames", "frame_rate", "mode", "system_prompt",
+                                "thinking", "max_pixels"},
     "Qwen35Generate": {"prefill", "max_new_tokens", "sampling", "temperature", "top_k", "top_p", "min_p",
                        "repetition_penalty", "presence_penalty", "seed"},
 }
 EXPECTED_OUTPUTS = {
     "Qwen35ModelLoader": ["QWEN35_MODEL"],
     "Qwen35TextPrefill": ["QWEN35_PREFILL"],
+    "Qwen35MultimodalPrefill": ["QWEN35_PREFILL"],
     "Qwen35Generate": ["STRING", "STRING"],
 }
 
@@ -86,6 +90,9 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
     if len(generators) == 2:  # one prefill, two seeds
         texts = [outputs[n]["text"][0] for n in generators]
         assert texts[0] != texts[1], "different seeds gave the same text"
+    for nid in pack_nodes(prompt, "Qwen35MultimodalPrefill"):  # the image came from ComfyUI's LoadImage
+        stats = outputs[nid]["qwen35_prefill"]
+        assert stats and all(s["vision_tokens"] > 0 and s["vision_ms"] > 0 for s in stats), stats
     for nid in pack_nodes(prompt, "PreviewAny"):  # the thinking workflow shows answer and thinking apart
         assert "text" in outputs[nid]
     if any(prompt[n]["inputs"].get("thinking") for n in pack_nodes(prompt, "Qwen35TextPrefill")):
