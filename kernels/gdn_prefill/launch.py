@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import TensorMap, get_function, launch
-from .plan import PORTABLE_OUT_COLS, PORTABLE_OUT_THREADS, D, Plan, card_of, plan
+from .plan import PORTABLE_OUT_THREADS, D, Plan, card_of, plan
 
 HERE = Path(__file__).resolve().parent
 SRC_PREP = HERE / "prep.cu"
@@ -135,7 +135,7 @@ def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, T, Hk, Hv, N,
            shared_mem=p.walk_smem)
     if p.slots:
         out = _function(SRC_PORTABLE, "gdn_chunk_out", dev, p, defines)
-        launch(out, (p.slots, Hv, D // PORTABLE_OUT_COLS), (PORTABLE_OUT_THREADS, 1, 1),
+        launch(out, (p.slots, Hv, 1), (PORTABLE_OUT_THREADS, 1, 1),
                (q, Pg, Fg, Hs, Ug, cu_seqlens, o, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(N), *qs),
                shared_mem=p.out_smem)
 

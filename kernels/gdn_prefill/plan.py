@@ -48,10 +48,9 @@ def portable_state_smem(dvs: int) -> int:
     return 2 * stage + D * vst * 2 + CH * vst * 2
 
 
-PORTABLE_OUT_COLS = 64
-PORTABLE_OUT_THREADS = 128
-# gdn_chunk_out (portable.cu OSM_TOTAL): Q, the 16-bit state's 64 columns, P, u's 64 columns, vectors
-PORTABLE_OUT_SMEM = CH * KST * 2 + D * 72 * 2 + CH * BST * 2 + CH * 72 * 2 + 4 * CH * 4
+PORTABLE_OUT_THREADS = 256
+# gdn_chunk_out (portable.cu OSM_TOTAL): Q, the 16-bit state, P, u, vectors of one (chunk, head)
+PORTABLE_OUT_SMEM = CH * KST * 2 + D * KST * 2 + CH * BST * 2 + CH * KST * 2 + 4 * CH * 4
 
 # ----------------------------------------------------------------------------- the card
 
@@ -129,7 +128,8 @@ def hopper_dv_split(n_heads_total: int, sms: int) -> int:
 
 
 # Portable state walk, measured on the H200 (compute_80 build, bench/gdn_prefill_portable.py): microseconds
-# per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM.
+# per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM. With them the plan picks what
+# the sweep found fastest at every size of bench/gdn.py (64 columns; 4 segments for one long prompt).
 PORTABLE_STEP_US = {16: 2.7, 32: 3.6, 64: 5.0}
 PORTABLE_SPLITS = (16, 32, 64)
 PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)

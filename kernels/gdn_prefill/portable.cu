@@ -7,7 +7,7 @@
 //      and writes the 16-bit state entering each chunk (Hs) and u (Ug) to device memory. Column slices
 //      are an exact split; a long sequence is also cut into segments that start a few chunks early from
 //      a zero state where the gates have decayed the earlier state away (segments.cuh).
-//   3. gdn_chunk_out (here): all (chunk, head, 64 columns) at once: o = rq e^G (Q Hs) + P Ug.
+//   3. gdn_chunk_out (here): all (chunk, head) at once: o = rq e^G (Q Hs) + P Ug.
 // Without Q and P on the sequential path a state block needs 69 KB (DVS 16) to 99 KB (DVS 64).
 // The roundings are those of the Hopper path's wgmma walk: Q S with the 16-bit state, P u with 16-bit u,
 // rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T).
@@ -26,14 +26,13 @@ typedef unsigned int u32;
 #define CH 64       // chunk length
 #define DK 128      // key / value head dim
 #define NTHR 256    // state kernel: 8 warps
-#define OTHR 128    // output kernel: 4 warps
+#define OTHR 256    // output kernel: 8 warps
 #define KST (DK + 8)    // smem row stride (elements) of K, Q tiles
 #define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
 #define BST 72          // 16-bit row stride of T and P tiles
 #define NJ (DVS / 8)    // n-tiles of 8 columns per state slice
 #define NH (NJ / 2)     // n-tiles per warp in the K S and T rhs phases (column halves)
-#define OVS 64          // output kernel: columns per block
-#define OST (OVS + 8)
+#define OST (DK + 8)    // output kernel: row stride of the state and u tiles
 
 static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 
@@ -307,8 +306,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 }
 
 // ---------------------------------------------------------------- output kernel: all chunks at once
-// Grid: (slots, Hv, 128 / OVS), slots as the prep kernel's. o = rq e^G (Q S_c) + P u for the chunk's
-// rows < its sequence's length; o is contiguous [B, T, Hv, 128]. Strides in elements.
+// Grid: (slots, Hv), slots as the prep kernel's; 8 warps, warp w: rows 16 (w & 3), columns 64 (w >> 2).
+// o = rq e^G (Q S_c) + P u for the chunk's rows < its sequence's length; o is contiguous [B, T, Hv, 128].
+// (Two blocks of 64 columns per (chunk, head) read Q, P and the vectors twice: 0.44 -> ~0.35 ms at 32k.)
 extern "C" __global__ void __launch_bounds__(OTHR)
 gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const float* __restrict__ Fg,
               const elem* __restrict__ Hs, const elem* __restrict__ Ug, const int* __restrict__ cu_seqlens,
@@ -325,7 +325,8 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int slot = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * OVS;
+    const int mt = warp & 3, cw = 64 * (warp >> 2);
+    const int slot = blockIdx.x, h = blockIdx.y;
     const int hk = h / (Hv / Hk);
     int n, c;
     const SeqSpan sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
@@ -335,54 +336,57 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
     const int tok0 = c * CH;
     const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
     const long long sh = (long long)slot * Hv + h;
+    constexpr int SP = DK / 8;  // 16-byte pieces per row of S and u
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {  // Q: 64 rows x 16 pieces (zero past the end); S: 128 rows x 8 pieces
-        const int idx = tid + i * OTHR;
-        {
-            const int row = idx >> 4, col = (idx & 15) * 8;
-            const bool ok = tok0 + row < len;
-            const long long tt = ok ? row : 0;
-            cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
-        }
-        {
-            const int row = idx >> 3, col = (idx & 7) * 8;
-            cp_async16(Ss + row * OST + col, Hs + sh * DK * DK + row * DK + v0 + col, true);
-        }
+    for (int i = 0; i < CH * DK / 8 / OTHR; ++i) {  // Q: 64 rows (zero past the end)
+        const int idx = tid + i * OTHR, row = idx >> 4, col = (idx & 15) * 8;
+        const bool ok = tok0 + row < len;
+        const long long tt = ok ? row : 0;
+        cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // P: 64 x 64; u: 64 rows x this block's 64 columns
+    for (int i = 0; i < DK * SP / OTHR; ++i) {  // the 16-bit state
+        const int idx = tid + i * OTHR, row = idx / SP, col = (idx % SP) * 8;
+        cp_async16(Ss + row * OST + col, Hs + sh * DK * DK + row * DK + col, true);
+    }
+#pragma unroll
+    for (int i = 0; i < CH * CH / 8 / OTHR; ++i) {  // P: lower blocks only
         const int idx = tid + i * OTHR, row = idx >> 3, col = (idx & 7) * 8;
         cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
-        cp_async16(Us + row * OST + col, Ug + sh * CH * DK + row * DK + v0 + col, true);
+    }
+#pragma unroll
+    for (int i = 0; i < CH * SP / OTHR; ++i) {  // u
+        const int idx = tid + i * OTHR, row = idx / SP, col = (idx % SP) * 8;
+        cp_async16(Us + row * OST + col, Ug + sh * CH * DK + row * DK + col, true);
     }
     if (tid < CH) cp_async16(Gc + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
 
-    float acc[OVS / 8][4];
+    float acc[8][4];
 #pragma unroll
-    for (int j = 0; j < OVS / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll 2
     for (int kk = 0; kk < DK / 16; ++kk) {
         u32 af[4];
-        ldsm4(af, a_addr(Qs, KST, 16 * warp, 16 * kk, lane));
-        mma_row<OVS / 8>(acc, af, Ss, OST, 16 * kk, 0, lane);
+        ldsm4(af, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
+        mma_row<8>(acc, af, Ss, OST, 16 * kk, cw, lane);
     }
-    const int r0 = 16 * warp + g, r1 = r0 + 8;
+    const int r0 = 16 * mt + g, r1 = r0 + 8;
     const float f0 = Rq[r0] * __expf(Gc[r0]), f1 = Rq[r1] * __expf(Gc[r1]);
 #pragma unroll
-    for (int j = 0; j < OVS / 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
         acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
     }
-    for (int kk = 0; kk <= warp; ++kk) {
+    for (int kk = 0; kk <= mt; ++kk) {
         u32 af[4];
-        ldsm4(af, a_addr(Ps, BST, 16 * warp, 16 * kk, lane));
-        mma_row<OVS / 8>(acc, af, Us, OST, 16 * kk, 0, lane);
+        ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
+        mma_row<8>(acc, af, Us, OST, 16 * kk, cw, lane);
     }
-    elem* ob = o + (batch_tok * Hv + h) * DK + v0;
+    elem* ob = o + (batch_tok * Hv + h) * DK + cw;
 #pragma unroll
-    for (int j = 0; j < OVS / 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
         const int cc = 8 * j + 2 * t;
         if (tok0 + r0 < len)
             *reinterpret_cast<u32*>(ob + (long long)(tok0 + r0) * Hv * DK + cc) = pack2(acc[j][0], acc[j][1]);
