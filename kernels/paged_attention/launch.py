@@ -20,7 +20,7 @@ from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).with_name("paged_attention.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 4  # a split reads at least 128 keys: below that the combine costs more than it saves
 # Percent of the unified L1 / shared memory asked for as shared memory (cudaFuncAttributePreferredShared-
 # MemoryCarveout), so that two 101 KB or three 76 KB blocks can share an H100/H200 SM; -1 leaves the choice
@@ -120,6 +120,9 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         return out
     group = H // Hkv
     p = plan(max_q, N, Hkv, group, max_blocks * bs, _sm_count(q.device), splits)
+    if not 1 <= p.splits <= MAX_SPLITS:
+        raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
+                         f"COMBINE_MAX_SPLITS), got {p.splits}")
     defines = {"HEAD_DIM": D, "GROUP": group, "WARPS_M": p.warps_m, "BLOCK_SIZE": bs,
                "SPLIT": int(p.splits > 1), "GATE": int(gate is not None)}
     fn = get_function(SRC, "paged_attention_fwd", q.device, defines)

@@ -330,28 +330,48 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
 }
 
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
-// sigmoid(gate). One block of HEAD_DIM / 4 threads per (token, q head) row; empty shares (lse = -inf)
-// are skipped, so their o_part is never read.
+// sigmoid(gate). One block of HEAD_DIM / 4 threads per (token, q head) row. The weights go through shared
+// memory first and the shares' rows are read eight at a time, so that the loads overlap (read one by one,
+// a decode step's 99 shares cost ~99 dependent L2 round trips). Empty shares (lse = -inf) get weight 0 and
+// their o_part is never read.
+#define COMBINE_MAX_SPLITS 128
 extern "C" __global__ void __launch_bounds__(HEAD_DIM / 4)
 paged_attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                         const elem* __restrict__ gate, long long g_st, long long g_sh,
                         elem* __restrict__ out, int total_q, int H, int splits) {
+    __shared__ float w_s[COMBINE_MAX_SPLITS];
     const long long row = blockIdx.x;
     const long long stride = (long long)total_q * H;
     const int c = threadIdx.x * 4;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) w_s[s] = lse_part[s * stride + row];
+    __syncthreads();
     float mx = NEG_INF;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[s * stride + row]);
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, w_s[s]);
+    __syncthreads();  // every thread has its maximum before the weights replace the lse values
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float ls = w_s[s];
+        w_s[s] = ls == NEG_INF ? 0.f : exp2f(ls - mx);
+    }
+    __syncthreads();
+    const float* op = o_part + row * HEAD_DIM + c;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float ls = lse_part[s * stride + row];
-        if (ls == NEG_INF) continue;
-        const float w = exp2f(ls - mx);
-        const float4 v = *reinterpret_cast<const float4*>(o_part + (s * stride + row) * HEAD_DIM + c);
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
-        acc[2] += w * v.z;
-        acc[3] += w * v.w;
-        wsum += w;
+    for (int s0 = 0; s0 < splits; s0 += 8) {
+        float w[8];
+        float4 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            w[i] = s0 + i < splits ? w_s[s0 + i] : 0.f;
+            v[i] = w[i] > 0.f ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[0] += w[i] * v[i].x;
+            acc[1] += w[i] * v[i].y;
+            acc[2] += w[i] * v[i].z;
+            acc[3] += w[i] * v[i].w;
+            wsum += w[i];
+        }
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
 #if GATE
