@@ -173,20 +173,23 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
         cols.append(c.repeat(t))
         heights.append(torch.full((t * h * w,), h))
         widths.append(torch.full((t * h * w,), w))
-    row, col = torch.cat(rows), torch.cat(cols)
+    # index math on the host, the float math where the tower runs (one small copy instead of cos / sin)
+    row, col = torch.cat(rows).to(device), torch.cat(cols).to(device)
+    height, width = torch.cat(heights).to(device), torch.cat(widths).to(device)
 
     def taps(index, size):  # bilinear, corners aligned: patch 0 -> grid 0, last patch -> grid side-1
         src = index.float() * (side - 1) / (size - 1).clamp_min(1).float()
         lo = src.floor()
         return lo.long(), (lo.long() + 1).clamp_max(side - 1), src - lo
 
-    r0, r1, fr = taps(row, torch.cat(heights))
-    c0, c1, fc = taps(col, torch.cat(widths))
+    r0, r1, fr = taps(row, height)
+    c0, c1, fc = taps(col, width)
     pos_index = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], dim=1)
     pos_weight = torch.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], dim=1)
 
     hd = vc.head_dim
-    inv_freq = 1.0 / vc.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2))
+    inv_freq = 1.0 / vc.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32, device=device)
+                                       / (hd // 2))
     f = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=1)
     emb = torch.cat([f, f], dim=1)
 
@@ -205,8 +208,7 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
         else:
             idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
             groups.append((idx.to(device), len(firsts), n))
-    return VisionPlan(grids, pos_index.to(device), pos_weight.to(device), emb.cos().to(device),
-                      emb.sin().to(device), tuple(groups))
+    return VisionPlan(grids, pos_index, pos_weight, emb.cos(), emb.sin(), tuple(groups))
 
 
 # --- weights and forward ------------------------------------------------------------------------
