@@ -22,12 +22,7 @@ SRC = Path(__file__).with_name("paged_attention.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 4  # a split reads at least 128 keys: below that the combine costs more than it saves
-# Percent of the unified L1 / shared memory asked for as shared memory (cudaFuncAttributePreferredShared-
-# MemoryCarveout), so that two 101 KB or three 76 KB blocks can share an H100/H200 SM; -1 leaves the choice
-# to the driver. bench/paged_attention_variants.py times both.
-CARVEOUT = 100
 _sms: dict = {}
-_carved: dict = {}  # (id(kernel), device index) -> carveout set on it
 
 
 def _sm_count(device) -> int:
@@ -126,11 +121,6 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     defines = {"HEAD_DIM": D, "GROUP": group, "WARPS_M": p.warps_m, "BLOCK_SIZE": bs,
                "SPLIT": int(p.splits > 1), "GATE": int(gate is not None)}
     fn = get_function(SRC, "paged_attention_fwd", q.device, defines)
-    ckey = (id(fn), q.device.index)
-    if _carved.get(ckey) != CARVEOUT:
-        with torch.cuda.device(q.device):
-            fn.preferred_shared_memory_carveout = CARVEOUT
-        _carved[ckey] = CARVEOUT
     g = gate if gate is not None else q
     scale = D ** -0.5 if scale is None else scale
     i64 = np.int64
