@@ -1,5 +1,5 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
-prefill and update) and the two RMSNorms (plain, and the GDN output's gated one).
+prefill and update), the two RMSNorms (plain, and the GDN output's gated one), and paged attention.
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -114,5 +114,17 @@ def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     return ops.gated_rms_norm_op(x, gate, weight, float(eps), bool(backend and backend.use_cuda))
 
 
+def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate=None, *, max_q: int,
+                    scale: float | None = None, write_kv: bool = True, backend: Backend | None = None):
+    """Attention of new tokens over the paged K/V pool (format: runtime/kv_pool.py), their K/V stored in
+    the pool in the same call, out *= sigmoid(gate) when a gate is given. q, gate: [T, H, D];
+    k_new, v_new: [T, Hkv, D]; k_pool, v_pool: [num_blocks, block_size, Hkv, D] (updated in place);
+    block_table int32 [N, max_blocks]; cache_lens int32 [N]; cu_q int32 [N + 1]; max_q: a host int at
+    least the most new tokens of any sequence. Returns [T, H, D]. The CUDA kernel takes bf16 only."""
+    use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16
+    return ops.paged_attention_op(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),
+                                  float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
+
+
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm"]
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm", "paged_attention"]

@@ -112,6 +112,16 @@ def test_op_reference_path_and_fake():
     torch.library.opcheck(ops.paged_attention_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_public_wrapper_runs_the_reference_off_cuda():
+    from qwen35_fast import kernels
+    a = make_case(5, 16, [(20, 6), (3, 2)], H=8, Hkv=2, D=64)
+    ref = _ref(make_case(5, 16, [(20, 6), (3, 2)], H=8, Hkv=2, D=64))
+    be = kernels.select_backend("auto", "cpu")
+    out = kernels.paged_attention(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
+                                  a["cache_lens"], a["cu_q"], a["gate"], max_q=a["max_q"], backend=be)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_plan_is_fixed_by_shapes():
     """Decode (1 token, 9B heads): one warp per block, keys split until ~3 blocks per SM; shorter capacity
     fewer splits; a long prefill needs no split."""
