@@ -275,7 +275,7 @@ class VisionTower(nn.Module):
                 out.index_copy_(0, index, o)
         return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile traces this (inference tensors break its functionalisation)
     def forward(self, pixels: torch.Tensor, p: VisionPlan) -> torch.Tensor:
         """pixels [N, C*T*P*P] (normalised, merge-block order) -> vision tokens [N / 4, out_hidden]."""
         vc = self.config

@@ -81,3 +81,21 @@ def test_generation_after_an_image_is_deterministic(folder):
     b = generate(model, pf, max_new_tokens=6, sampling=SamplingParams(do_sample=False))
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
     assert pf.cache.rope_delta < 0  # the image's tokens share positions
+
+
+def test_tower_traces_as_one_graph_for_torch_compile():
+    """No graph break in the tower (two image sizes, so two attention groups); aot_eager gives eager's output."""
+    import torch._dynamo as dynamo
+
+    from qwen35_fast.runtime.vision import VisionConfig, VisionTower
+    vc = VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = VisionTower(vc, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.1)
+    plan = tower.plan([(1, 8, 12), (1, 4, 4)])
+    x = torch.randn(plan.n_patches, vc.patch_dim)
+    explained = dynamo.explain(tower.forward)(x, plan)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    dynamo.reset()
+    assert torch.equal(torch.compile(tower.forward, backend="aot_eager")(x, plan), tower(x, plan))
