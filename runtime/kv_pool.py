@@ -116,6 +116,18 @@ def gdn_snapshot_nbytes(num_gdn_layers: int, num_v_heads: int, k_head_dim: int, 
     return num_gdn_layers * per_layer
 
 
+def model_sizes(config, block_size: int = 16, dtype_bytes: int = 2) -> dict:
+    """Bytes the cache costs for a runtime.config.TextConfig: one K/V block (all full-attention layers),
+    per token, and one GDN snapshot (fp32 recurrent state, conv state in the model dtype)."""
+    from .config import FULL
+    attn = sum(1 for t in config.layer_types if t == FULL)
+    block = kv_block_nbytes(attn, block_size, config.num_key_value_heads, config.head_dim, dtype_bytes)
+    snap = gdn_snapshot_nbytes(config.num_hidden_layers - attn, config.linear_num_value_heads,
+                               config.linear_key_head_dim, config.linear_value_head_dim, config.conv_dim,
+                               config.linear_conv_kernel_dim, conv_bytes=dtype_bytes)
+    return {"kv_block_bytes": block, "kv_bytes_per_token": block // block_size, "snapshot_bytes": snap}
+
+
 # ----------------------------------------------------------------------------- records
 
 @dataclass

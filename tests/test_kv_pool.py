@@ -19,6 +19,7 @@ from qwen35_fast.runtime.kv_pool import (
     block_table_tensor,
     gdn_snapshot_nbytes,
     kv_block_nbytes,
+    model_sizes,
     prefix_key,
 )
 
@@ -229,6 +230,13 @@ def test_random_workload_keeps_refcounts_consistent():
 def test_sizes():
     assert kv_block_nbytes(8, 16, 4, 256) == 512 * 1024  # 9B: 8 full-attention layers
     assert gdn_snapshot_nbytes(24, 32, 128, 128, 8192, 4) == 51_511_296
+    from qwen35_fast.runtime.config import FULL, LINEAR, TextConfig
+    nine_b = TextConfig(vocab_size=248_320, hidden_size=4096, intermediate_size=12_288,
+                        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(32)),
+                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128)
+    assert model_sizes(nine_b, 16) == {"kv_block_bytes": 524_288, "kv_bytes_per_token": 32_768,
+                                       "snapshot_bytes": 51_511_296}
 
 
 # ----------------------------------------------------------------------------- the block table the kernels read
