@@ -105,3 +105,16 @@ def test_layout_sizes():
     assert [P.portable_state_smem(d) for d in (16, 32, 64)] == [70656, 80896, 101376]
     assert P.PORTABLE_OUT_SMEM == 79872
     assert P.hopper_walk_smem(128) == 199680 and P.hopper_walk_smem(32) == 203776
+
+
+def test_profile_patch_still_applies():
+    """bench/patches/gdn_prefill_profile.patch (clock64 marks for the walks) applies to today's sources."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("needs the git checkout")
+    r = subprocess.run(["git", "apply", "--check", "bench/patches/gdn_prefill_profile.patch"], cwd=root,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
