@@ -8,7 +8,7 @@ import torch
 from comfy_api.latest import io
 
 from .memory import ManagedModel
-from .models_folder import available_models, weights_bytes
+from .models_folder import available_models, find_model, weights_bytes
 from .types import Qwen35Model
 
 log = logging.getLogger(__name__)
@@ -19,10 +19,20 @@ BACKENDS = ["auto", "cuda", "torch"]
 
 
 def _pick_device(device: str) -> torch.device:
+    from ..runtime import Qwen35Error
+
+    if device not in DEVICES:
+        raise Qwen35Error(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    comfy_device = mm.get_torch_device()
     if device == "auto":
-        return mm.get_torch_device()
-    if device == "cuda" and mm.get_torch_device().type == "cuda":
-        return mm.get_torch_device()  # the GPU ComfyUI was started on
+        return comfy_device
+    if device == "cuda":
+        if comfy_device.type != "cuda":  # ComfyUI's memory manager only knows the device it runs on
+            why = ("PyTorch sees no CUDA GPU (torch " + torch.__version__ + ")" if not torch.cuda.is_available()
+                   else "it was started with --cpu")
+            raise Qwen35Error(f"device 'cuda' chosen, but ComfyUI runs on {comfy_device.type}: {why}; choose "
+                              "device 'auto' or 'cpu' (or start ComfyUI on a GPU)")
+        return comfy_device  # the GPU ComfyUI was started on
     return torch.device(device)
 
 
@@ -58,12 +68,11 @@ class Qwen35ModelLoader(io.ComfyNode):
     def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True) -> io.NodeOutput:
         from ..runtime import Qwen35Error, load_model
 
-        paths = available_models()
-        if model not in paths:
+        path = find_model(model)
+        if path is None:
             raise Qwen35Error(f"model {model!r} is not in models/LLM or models/text_encoders; put a checkpoint "
                               "folder in models/LLM/<name>/ (or a .safetensors file in models/text_encoders) "
                               "and refresh the node list")
-        path = paths[model]
         target = _pick_device(device)
         if target.type != "cpu":
             # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.

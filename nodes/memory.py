@@ -99,9 +99,10 @@ class ManagedModel:
         """Park this prefill's state with the weights whenever the model is unloaded."""
         self._prefill_caches.add(prefill.cache)
 
-    def load(self):
-        """Brings the weights to the load device, freeing other models' VRAM first if needed."""
-        mm.load_models_gpu([self])
+    def load(self, memory_required: int = 0):
+        """Brings the weights to the load device, freeing other models' VRAM first so that the weights and
+        `memory_required` more bytes (a run's estimate: runtime.memory) fit, as ComfyUI's own nodes ask."""
+        mm.load_models_gpu([self], memory_required=int(memory_required))
 
     def release(self):
         """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""

@@ -8,10 +8,14 @@
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
 import folder_paths
+
+log = logging.getLogger(__name__)
 
 LLM = "LLM"
 TEXT_ENCODERS = "text_encoders"
@@ -25,7 +29,36 @@ def ensure_llm_folder() -> None:
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() or any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir())
+    try:
+        return (path / "config.json").is_file() or any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir())
+    except OSError:  # unreadable (lost+found, a permission, a symlink loop): not one we can load
+        return False
+
+
+def _other_model_type(folder: Path) -> bool:
+    """Whether the folder's config.json says it is some other model (a broken one stays listed: loading it
+    says what is wrong)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_bytes())
+        return isinstance(cfg, dict) and cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text")
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
+_header_verdicts: dict[tuple[str, int, int], bool] = {}
+
+
+def _is_qwen35_file(path: Path) -> bool:
+    """From the safetensors header alone, remembered per file version (the list is rebuilt on every refresh)."""
+    from ..runtime.checkpoint import is_qwen35_file
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _header_verdicts:
+        _header_verdicts[key] = is_qwen35_file(path)
+    return _header_verdicts[key]
 
 
 def _scan_llm(base: Path, rel: Path = Path(), depth: int = 0):
@@ -37,32 +70,75 @@ def _scan_llm(base: Path, rel: Path = Path(), depth: int = 0):
         if entry.name.startswith("."):
             continue
         path = Path(entry.path)
-        if entry.is_dir():
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            continue
+        if is_dir:
             if _is_checkpoint_dir(path):
-                yield (rel / entry.name).as_posix(), path
+                if not _other_model_type(path):
+                    yield (rel / entry.name).as_posix(), path
             elif depth + 1 < MAX_DEPTH:
                 yield from _scan_llm(base, rel / entry.name, depth + 1)
-        elif depth == 0 and path.suffix in WEIGHT_SUFFIXES:
+        elif depth == 0 and path.suffix in WEIGHT_SUFFIXES and _is_qwen35_file(path):
             yield (rel / entry.name).as_posix(), path
 
 
 def available_models() -> dict[str, Path]:
-    """Name shown in the loader -> checkpoint path. LLM folders come first and win a name clash."""
-    ensure_llm_folder()
+    """Name shown in the loader -> checkpoint path. LLM folders come first and win a name clash.
+
+    Only what holds Qwen3.5 is listed: single files by their safetensors header, folders unless their
+    config.json names another model. Never raises: ComfyUI builds its node list from this.
+    """
     found: dict[str, Path] = {}
-    for base in folder_paths.get_folder_paths(LLM):
+    try:
+        ensure_llm_folder()
+        bases = list(folder_paths.get_folder_paths(LLM))
+    except Exception:  # noqa: BLE001 - a broken extra_model_paths.yaml must not remove the node
+        log.exception("Qwen3.5: cannot read the models/LLM folder list")
+        bases = []
+    for base in bases:
         for name, path in _scan_llm(Path(base)):
             found.setdefault(name, path)
-    for name in folder_paths.get_filename_list(TEXT_ENCODERS):
+    try:
+        names = folder_paths.get_filename_list(TEXT_ENCODERS)
+    except Exception:  # noqa: BLE001 - as above
+        log.exception("Qwen3.5: cannot list models/text_encoders")
+        names = []
+    for name in names:
         if name.endswith(WEIGHT_SUFFIXES) and name not in found:
             full = folder_paths.get_full_path(TEXT_ENCODERS, name)
-            if full:
+            if full and _is_qwen35_file(Path(full)):
                 found[name] = Path(full)
     return found
 
 
+def find_model(name: str) -> Path | None:
+    """The path of a model name: a listed one, or one in models/LLM or models/text_encoders that the list
+    left out (not Qwen3.5 by its header), so that loading it can say what it is. Never outside those folders."""
+    listed = available_models()
+    if name in listed:
+        return listed[name]
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None
+    for base in folder_paths.get_folder_paths(LLM):
+        root = Path(base).resolve()
+        path = (root / name)
+        try:
+            if path.resolve().is_relative_to(root) and path.exists():
+                return path
+        except (OSError, ValueError):
+            continue
+    full = folder_paths.get_full_path(TEXT_ENCODERS, name)
+    return Path(full) if full else None
+
+
 def weights_bytes(path: Path) -> int:
-    """Bytes of weight files at `path`: a rough size of the model before it is loaded."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    """Bytes of weight files at `path`: a rough size of the model before it is loaded (0 for what cannot be
+    read: loading it says why)."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
+    except OSError:
+        return 0

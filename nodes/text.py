@@ -48,17 +48,23 @@ class Qwen35TextPrefill(io.ComfyNode):
                                          "of Generate separately."),
                 io.Boolean.Input("use_chat_template", default=True, advanced=True,
                                  tooltip="Off: the prompt goes in as raw text, for completion."),
+                io.Boolean.Input("allow_special_tokens", default=False, advanced=True,
+                                 tooltip="On: special tokens written in the prompt (<|im_start|>, <think>...) "
+                                         "act as such. Off: they stay plain text and cannot open a chat turn."),
             ],
             outputs=[Qwen35Prefill.Output(display_name="prefill")],
         )
 
     @classmethod
-    def execute(cls, model, prompt, system_prompt="", thinking=False, use_chat_template=True) -> io.NodeOutput:
-        from ..runtime import prefill
+    def execute(cls, model, prompt, system_prompt="", thinking=False, use_chat_template=True,
+                allow_special_tokens=False) -> io.NodeOutput:
+        from ..runtime import encode_prompt, prefill_ids
+        from ..runtime.memory import prefill_bytes
 
-        model.load()
-        result = prefill(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
-                         use_chat_template=use_chat_template)
+        ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
+                            use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
+        model.load(memory_required=prefill_bytes(model.model, len(ids)))
+        result = prefill_ids(model.model, ids, thinking=thinking)
         stats = {"n_tokens": result.n_tokens, "ms": round(result.ms, 2),
                  "tokens_per_s": round(result.tokens_per_s, 1), "backend": result.backend,
                  "thinking": result.thinking}
@@ -86,9 +92,12 @@ class Qwen35Generate(io.ComfyNode):
                                  tooltip="Off: always the most likely token (the settings below are ignored)."),
                 io.Float.Input("temperature", default=0.7, min=0.01, max=2.0, step=0.01),
                 io.Int.Input("top_k", default=20, min=0, max=1000, tooltip="0: no limit."),
-                io.Float.Input("top_p", default=0.8, min=0.0, max=1.0, step=0.01),
-                io.Float.Input("min_p", default=0.0, min=0.0, max=1.0, step=0.01),
-                io.Float.Input("repetition_penalty", default=1.0, min=0.0, max=5.0, step=0.01, advanced=True),
+                io.Float.Input("top_p", default=0.8, min=0.01, max=1.0, step=0.01,
+                               tooltip="Keep the most likely tokens up to this much probability; 1: off."),
+                io.Float.Input("min_p", default=0.0, min=0.0, max=0.99, step=0.01,
+                               tooltip="Drop tokens less likely than this times the top one; 0: off."),
+                io.Float.Input("repetition_penalty", default=1.0, min=0.01, max=5.0, step=0.01, advanced=True,
+                               tooltip="Above 1 discourages tokens already in the prompt or answer; 1: off."),
                 io.Float.Input("presence_penalty", default=0.0, min=0.0, max=5.0, step=0.01, advanced=True),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
             ],
@@ -104,6 +113,7 @@ class Qwen35Generate(io.ComfyNode):
     def execute(cls, prefill, max_new_tokens=256, sampling=True, temperature=0.7, top_k=20, top_p=0.8,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0) -> io.NodeOutput:
         from ..runtime import SamplingParams, generate
+        from ..runtime.memory import generate_bytes
 
         hidden = cls.hidden  # None when execute is called outside a ComfyUI run (tests, scripts)
         node_id = hidden.unique_id if hidden else None
@@ -124,7 +134,7 @@ class Qwen35Generate(io.ComfyNode):
         model = prefill.model
         _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens,
                               "thinking": prefill.prefill.thinking})
-        model.load()
+        model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
         try:
             result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
                               seed=seed, on_token=on_token)

@@ -15,6 +15,7 @@ from .chat import (GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM
                    THINK_OPEN)
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
+from .memory import generate_bytes, out_of_memory, prefill_bytes
 from .model import Cache, Qwen35Model
 from .sampling import SamplingParams, apply_penalties, choose, generator_seed
 
@@ -95,14 +96,20 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> P
         raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "
                           "not belong to this model")
     model.select_backend()
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    cache = model.new_cache(1, len(ids))
-    _sync(model.device)
-    t0 = time.perf_counter()
-    logits = model.forward_prefill(x, cache)[0]
-    _sync(model.device)
-    ms = (time.perf_counter() - t0) * 1000
-    return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model))
+    try:
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
+        cache = model.new_cache(1, len(ids))
+        _sync(model.device)
+        t0 = time.perf_counter()
+        logits = model.forward_prefill(x, cache)[0]
+        _sync(model.device)
+    except torch.OutOfMemoryError:
+        pass  # reported below, once this frame's tensors and the exception's traceback are gone
+    else:
+        ms = (time.perf_counter() - t0) * 1000
+        return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model))
+    x = cache = None
+    raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
 
 
 def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
@@ -155,8 +162,19 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     """Generate up to `max_new_tokens` after a prefill; stops at an end-of-turn token.
 
     on_token(delta_text, n_done, max_new_tokens) runs after every token; raising from it cancels.
-    The same prefill, settings and seed give the same text.
+    The same prefill, settings and seed give the same text. Out of device memory, it raises a
+    Qwen35Error that says what was needed and free; the model and the prefill stay as they were.
     """
+    try:
+        return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
+    except torch.OutOfMemoryError:
+        pass  # reported below, once the run's tensors and the exception's traceback are gone
+    raise out_of_memory(model, f"generating after a prompt of {pf.n_tokens:,} tokens (max_new_tokens "
+                               f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))
+
+
+def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: SamplingParams | None,
+              seed: int, on_token: OnToken | None) -> Generation:
     sampling = sampling or SamplingParams()
     sampling.check()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -418,3 +418,57 @@ def test_kv_capacity_steps():
     assert kv_capacity(257, 256, 10**6) == 512
     assert kv_capacity(30001, 30000, 10**6) == 37632  # a quarter more, in whole blocks
     assert kv_capacity(30001, 30000, 30010) == 30010  # never above what the budget can use
+
+
+# --- 10: out of memory ------------------------------------------------------------------------------
+
+def _oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_in_prefill_says_what_to_change(folder, monkeypatch, still_works):
+    model = load_model(folder, dtype="fp32", device="cpu")
+    before = prefill(model, PROMPT).logits
+    n = len(prefill(model, PROMPT).token_ids)
+    with monkeypatch.context() as m:
+        m.setattr(model, "forward_prefill", _oom)
+        with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {n} tokens: that needs "
+                                              r"about \d+\.\d\d GiB beyond the model's 0\.\d\d GiB of weights, and "
+                                              r"\d+\.\d\d GiB of \d+\.\d\d GiB is free\. Shorten the prompt"):
+            prefill(model, PROMPT)
+    assert torch.equal(prefill(model, PROMPT).logits, before)  # the same model goes on as before
+
+
+def test_out_of_memory_while_generating(folder, monkeypatch, still_works):
+    model = load_model(folder, dtype="fp32", device="cpu")
+    pf = prefill(model, PROMPT)
+    before = generate(model, pf, max_new_tokens=6).token_ids
+    calls = {"n": 0}
+    real = model.forward_decode
+
+    def third_step_fails(ids, cache):
+        calls["n"] += 1
+        return _oom() if calls["n"] == 3 else real(ids, cache)
+
+    with monkeypatch.context() as m:
+        m.setattr(model, "forward_decode", third_step_fails)
+        with pytest.raises(Qwen35Error, match=rf"out of memory on cpu generating after a prompt of {pf.n_tokens} "
+                                              r"tokens \(max_new_tokens 6\).*or max_new_tokens"):
+            generate(model, pf, max_new_tokens=6)
+    assert generate(model, pf, max_new_tokens=6).token_ids == before
+
+
+def test_memory_estimates(folder):
+    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, prefill_bytes
+    model = load_model(folder, dtype="bf16", device="cpu")
+    c = model.config
+    kv_per_token = 2 * c.num_key_value_heads * c.head_dim * 2 * 1  # one attention layer, bf16
+    assert cache_bytes(model, 1000) - cache_bytes(model, 0) == 1000 * kv_per_token
+    pf = prefill(model, PROMPT)
+    held = sum(t.numel() * t.element_size() for ts in (pf.cache.conv, pf.cache.ssm, pf.cache.k, pf.cache.v)
+               for t in ts if t is not None)
+    assert cache_bytes(model, pf.n_tokens) == held  # the estimate of the cache is what a prefill keeps
+    assert prefill_bytes(model, 32768) > prefill_bytes(model, 4096) > cache_bytes(model, 4096)
+    # a generation asks for the cache it starts with, not for the whole max_new_tokens
+    assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 1000)
+    assert generate_bytes(model, 100, 10) < generate_bytes(model, 100, 1000)

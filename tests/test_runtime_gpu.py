@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill_ids
+from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill_ids
 
 from _models import make_hf_model, rel
 
@@ -66,3 +66,59 @@ def test_repeated_generations_do_not_grow_vram_and_workspaces_free():
     free_gpu_workspaces()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() < after_one - weights + 2**20
+
+
+def test_estimate_covers_a_long_prefill(folder):
+    """runtime.memory's estimate (what the nodes ask ComfyUI to make room for) is not below what a prefill takes."""
+    from qwen35_fast.runtime.memory import prefill_bytes
+    model = load_model(folder, dtype="bf16", device="cuda")
+    ids = list(torch.randint(0, 248000, (32768,), generator=torch.Generator().manual_seed(1)).tolist())
+    prefill_ids(model, ids[:64])  # kernels built and workspaces made before measuring
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    pf = prefill_ids(model, ids)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"prefill of 32768 tokens: peak {peak / 2**20:.0f} MiB, estimate {prefill_bytes(model, 32768) / 2**20:.0f} MiB")
+    assert peak <= prefill_bytes(model, 32768)
+    del pf
+
+
+def test_out_of_memory_says_what_to_change_and_the_model_still_works(folder):
+    """Issue 12 item 10: a 128k-token prefill with ~0.5 GiB free (another model holding the rest)."""
+    model = load_model(folder, dtype="bf16", device="cuda")
+    short = list(range(5000, 5040))
+    before = generate(model, prefill_ids(model, short), max_new_tokens=8).token_ids
+    ids = list(torch.randint(0, 248000, (131072,), generator=torch.Generator().manual_seed(2)).tolist())
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (512 << 20), dtype=torch.uint8, device="cuda")  # the diffusion model
+    try:
+        with pytest.raises(Qwen35Error, match=r"out of memory on cuda(:0)? reading a prompt of 131,072 tokens: that "
+                                              r"needs about \d+\.\d\d GiB beyond .* and 0\.[2-6]\d GiB of "
+                                              r"\d+\.\d\d GiB is free\. Shorten the prompt"):
+            prefill_ids(model, ids)
+    finally:
+        del hog
+    torch.cuda.empty_cache()
+    assert generate(model, prefill_ids(model, short), max_new_tokens=8).token_ids == before
+    assert prefill_ids(model, ids).n_tokens == 131072  # the same prompt goes through once memory is back
+
+
+def test_decode_graph_captured_again_as_the_cache_grows(folder, monkeypatch):
+    """Issue 12 item 7: the cache grows in blocks; each larger cache gets its own decode graph, same tokens."""
+    import importlib
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
+    pf = prefill_ids(model, list(range(7000, 7100)))
+    captures = []
+    real = gen_mod.graphed_decode
+    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c: captures.append(c.capacity) or real(m, c))
+    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    penalised = SamplingParams(repetition_penalty=1.3)  # greedy without an early stop
+    grown = generate(model, pf, max_new_tokens=120, sampling=penalised)
+    assert len(captures) >= 4 and captures == sorted(captures)
+    monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
+    eager = generate(model, pf, max_new_tokens=120, sampling=penalised)
+    assert grown.token_ids == eager.token_ids and grown.n_tokens == 120

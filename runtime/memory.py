@@ -1,0 +1,91 @@
+"""How much device memory a prefill or a generation needs beyond the weights, and the error when it is not there.
+
+The numbers are estimates from the model's shapes, on the high side: what the caller (ComfyUI's model
+management, in nodes/memory.py) should make room for before the run starts. A run that still runs
+out of memory ends in a Qwen35Error that says how long the prompt was, what was needed and free, and
+what to change.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import LINEAR
+from .errors import Qwen35Error
+from .model import Qwen35Model
+
+OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and allocator rounding
+
+
+def cache_bytes(model: Qwen35Model, positions: int) -> int:
+    """A Cache with room for `positions` tokens: attention K/V per position, GDN states once."""
+    c = model.config
+    b = model.dtype.itemsize
+    n_lin = sum(t == LINEAR for t in c.layer_types)
+    n_att = c.num_hidden_layers - n_lin
+    kv = 2 * c.num_key_value_heads * c.head_dim * b * positions * n_att
+    gdn = n_lin * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+                   + c.conv_dim * (c.linear_conv_kernel_dim - 1) * b)
+    return kv + gdn
+
+
+def _activation_bytes_per_token(model: Qwen35Model) -> int:
+    """The largest one layer holds at once, per prompt token: the residual stream and its norm, plus the
+    widest of the MLP (gate/up and their product), the GDN mixer (projections, conv output, fp32 math)
+    and the attention mixer (q/gate/k/v, rotated copies, output)."""
+    c = model.config
+    b = model.dtype.itemsize
+    qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    mlp = b * 4 * c.intermediate_size
+    gdn = (b * 2 * (c.conv_dim + c.value_dim + 2 * c.linear_num_value_heads)
+           + 4 * 3 * (2 * c.key_dim + c.value_dim) + 4 * 3 * c.linear_num_value_heads * 64)
+    att = b * 4 * (2 * qd + 2 * kd)
+    return b * 4 * c.hidden_size + max(mlp, gdn, att)
+
+
+def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
+    """Device memory a prefill of `n_tokens` needs beyond the weights (its cache stays afterwards)."""
+    return cache_bytes(model, n_tokens) + n_tokens * _activation_bytes_per_token(model) + OVERHEAD
+
+
+def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
+    """Device memory a generation needs at its start beyond the weights: its copy of the cache (and room to
+    grow it once), one token's activations, the logits."""
+    from .generate import kv_capacity
+    budget = max_new_tokens if type(max_new_tokens) is int and max_new_tokens > 0 else 1  # generate checks it
+    most = min(n_prompt + budget, model.config.max_position_embeddings)
+    first = kv_capacity(n_prompt + 1, 0, most)
+    grown = kv_capacity(first + 1, first, most)
+    return (cache_bytes(model, first) + cache_bytes(model, grown) + 8 * model.config.vocab_size * 4
+            + _activation_bytes_per_token(model) + OVERHEAD)
+
+
+def free_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes on `device`: the GPU's as the driver sees them, or the system's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (OSError, ValueError, AttributeError):
+        return 0, 0
+
+
+def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
+    """The error for a run that ran out of device memory (`what`: "reading a prompt of N tokens"); call it
+    once the failed run's tensors are gone."""
+    dev = model.device
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # what the failed run held goes back, so `free` is what a retry would find
+    free, total = free_bytes(dev)
+    gib = 2 ** 30
+    return Qwen35Error(
+        f"out of memory on {dev} {what}: that needs about "
+        f"{needed / gib:.2f} GiB beyond the model's {model.size_bytes() / gib:.2f} GiB of weights, and "
+        f"{free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Shorten the prompt (or max_new_tokens), free "
+        "memory (ComfyUI's 'Unload models', or close other programs on the GPU), or load the model in a "
+        "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
+
+
+__all__ = ["cache_bytes", "prefill_bytes", "generate_bytes", "free_bytes", "out_of_memory"]
