@@ -65,5 +65,28 @@ xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)
 rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
 gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
+
+from qwen35_fast.kernels.paged_attention.launch import paged_attention_cuda  # noqa: E402
+
+# paged attention: 3 sequences (cached, new) = (40, 9), (0, 70), (500, 1) in shuffled 16-token blocks, GQA 4;
+# the whole kernel (two warp counts) and the split + combine path
+Hq, Hkv_, Dh, bs = 8, 2, 256, 16
+lens, nqs = [40, 0, 500], [9, 70, 1]
+need = [-(-(L + n) // bs) for L, n in zip(lens, nqs)]
+perm = torch.randperm(sum(need) + 2, device=dev).to(torch.int32)
+table = torch.zeros(3, max(need), dtype=torch.int32, device=dev)
+for i, (off, k) in enumerate(zip([0, need[0], need[0] + need[1]], need)):
+    table[i, :k] = perm[off:off + k]
+pool_k = torch.randn(sum(need) + 2, bs, Hkv_, Dh, device=dev, dtype=torch.bfloat16)
+pool_v = torch.randn_like(pool_k)
+Tn = sum(nqs)
+qg = torch.randn(Tn, Hq, 2 * Dh, device=dev, dtype=torch.bfloat16)
+kn, vn = (torch.randn(Tn, Hkv_, Dh, device=dev, dtype=torch.bfloat16) for _ in range(2))
+cl = torch.tensor(lens, dtype=torch.int32, device=dev)
+cuq = torch.tensor([0, 9, 79, 80], dtype=torch.int32, device=dev)
+for sp in (1, 3):
+    paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp)
+paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
+                     torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # one-warp decode, no gate
 torch.cuda.synchronize()
 print("sanitize cases ran")
