@@ -128,6 +128,24 @@ def model_sizes(config, block_size: int = 16, dtype_bytes: int = 2) -> dict:
     return {"kv_block_bytes": block, "kv_bytes_per_token": block // block_size, "snapshot_bytes": snap}
 
 
+def blocks_for_budget(budget_bytes: int, config, block_size: int = 16, dtype_bytes: int = 2) -> int:
+    """How many blocks of K/V (all full-attention layers) fit in budget_bytes."""
+    return int(budget_bytes) // model_sizes(config, block_size, dtype_bytes)["kv_block_bytes"]
+
+
+def pool_tensors(config, num_blocks: int, block_size: int, device=None, dtype=None):
+    """The K and V pools: two [attention layers, num_blocks, block_size, Hkv, head_dim] tensors (layer i of
+    each is the contiguous [num_blocks, block_size, Hkv, head_dim] pool the kernels take). Uninitialised:
+    a position is read only after it was written."""
+    import torch
+
+    from .config import FULL
+    attn = sum(1 for t in config.layer_types if t == FULL)
+    shape = (attn, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+
+
 # ----------------------------------------------------------------------------- records
 
 @dataclass

@@ -17,9 +17,11 @@ from qwen35_fast.runtime.kv_pool import (
     SequenceBlocks,
     block_keys,
     block_table_tensor,
+    blocks_for_budget,
     gdn_snapshot_nbytes,
     kv_block_nbytes,
     model_sizes,
+    pool_tensors,
     prefix_key,
 )
 
@@ -237,6 +239,9 @@ def test_sizes():
                         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128)
     assert model_sizes(nine_b, 16) == {"kv_block_bytes": 524_288, "kv_bytes_per_token": 32_768,
                                        "snapshot_bytes": 51_511_296}
+    assert blocks_for_budget(2 << 30, nine_b, 16) == 4096  # 2 GiB: 65,536 tokens
+    k, v = pool_tensors(nine_b, 3, 16, dtype=torch.float16)
+    assert k.shape == v.shape == (8, 3, 16, 4, 256) and k.dtype == torch.float16 and k[5].is_contiguous()
 
 
 # ----------------------------------------------------------------------------- the block table the kernels read
