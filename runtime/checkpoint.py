@@ -207,11 +207,14 @@ def _all_names(tensors: dict[str, tuple[Path, str]], other: list[str]) -> list[s
 
 
 def _infer(shapes: dict[str, tuple[int, ...]], source: Path) -> TextConfig:
+    if not any(k.endswith("self_attn.q_proj.weight") for k in shapes):
+        raise Qwen35Error(f"{source}: every layer is Gated DeltaNet, none has attention (self_attn) weights; a "
+                          "Qwen3.5 model has both. The file is incomplete or another model")
     try:
         return infer_from_shapes(shapes, str(source))
     except Qwen35Error:
         raise
-    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, StopIteration) as e:
         raise Qwen35Error(f"{source}: the tensor shapes are not those of a Qwen3.5 text model (e.g. embed_tokens "
                           f"is {list(shapes.get('embed_tokens.weight', ()))}, it needs [vocab, hidden]; {e}); the "
                           "file is damaged or another model") from None
@@ -229,6 +232,9 @@ def _check_sizes(config: TextConfig, source: Path) -> None:
     bad = [t for t in config.layer_types if t not in (LINEAR, FULL)]
     if bad:
         raise Qwen35Error(f"{source}: layer_types holds {bad[0]!r}; Qwen3.5 layers are {LINEAR!r} or {FULL!r}")
+    if not {LINEAR, FULL} <= set(config.layer_types):
+        raise Qwen35Error(f"{source}: every layer is {config.layer_types[0]!r}; a Qwen3.5 model mixes "
+                          f"{LINEAR!r} and {FULL!r} layers. Re-download config.json")
 
 
 def _read_config(cfg_file: Path) -> dict:
@@ -293,6 +299,7 @@ def locate(path: str | Path) -> Checkpoint:
         if not _is_qwen35(_all_names(tensors, other)):
             raise _not_qwen35(path, _all_names(tensors, other))
         config = _infer(shapes, path)
+        _check_sizes(config, path)
         check_shapes(config, shapes, path)
         tok_dir = path.parent if (path.parent / "tokenizer.json").exists() else None
         return Checkpoint(path, config, tensors, tok_dir)

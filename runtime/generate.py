@@ -55,6 +55,11 @@ class Generation:
         return len(self.token_ids)
 
 
+def _is_out_of_memory(e: RuntimeError) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -91,6 +96,8 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> P
         raise Qwen35Error(f"the prompt has {len(ids)} tokens but the model takes at most {limit} positions "
                           f"(prompt and answer together); shorten the prompt")
     vocab = model.config.vocab_size
+    if not all(type(i) is int for i in ids):
+        raise Qwen35Error(f"token ids must be whole numbers; found {next(i for i in ids if type(i) is not int)!r}")
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "
@@ -103,8 +110,9 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> P
         t0 = time.perf_counter()
         logits = model.forward_prefill(x, cache)[0]
         _sync(model.device)
-    except torch.OutOfMemoryError:
-        pass  # reported below, once this frame's tensors and the exception's traceback are gone
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
         return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model))
@@ -167,8 +175,9 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     """
     try:
         return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
-    except torch.OutOfMemoryError:
-        pass  # reported below, once the run's tensors and the exception's traceback are gone
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise  # out of memory is reported below, once the run's tensors and the traceback are gone
     raise out_of_memory(model, f"generating after a prompt of {pf.n_tokens:,} tokens (max_new_tokens "
                                f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))
 

@@ -24,10 +24,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    asked = device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise Qwen35Error(f"device {str(asked)!r} is not one of auto, cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise Qwen35Error(f"device {str(device)!r} asked for, but PyTorch sees no CUDA GPU "
                           f"(torch {torch.__version__}); choose device 'cpu' or 'auto'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise Qwen35Error(f"device {str(device)!r} asked for, but PyTorch sees {torch.cuda.device_count()} CUDA "
+                          f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}; choose one of those")
     return device
 
 

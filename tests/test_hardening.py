@@ -472,3 +472,62 @@ def test_memory_estimates(folder):
     # a generation asks for the cache it starts with, not for the whole max_new_tokens
     assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 1000)
     assert generate_bytes(model, 100, 10) < generate_bytes(model, 100, 1000)
+
+
+# --- found as a hostile user ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, message", [
+    ("foo", r"device 'foo' is not one of auto, cpu, cuda, cuda:N"),
+    ("cuda:x", r"device 'cuda:x' is not one of"),
+    ("meta", r"device 'meta' is not one of"),
+    ("cuda:99", r"device 'cuda:99' asked for, but PyTorch sees"),
+])
+def test_device_strings(folder, still_works, device, message):
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(folder, device=device)
+
+
+def test_a_model_of_gdn_layers_only(folder, tmp_path, still_works):
+    ck = _copy(folder, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["layer_types"] = ["linear_attention"] * 4
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=r"every layer is 'linear_attention'; a Qwen3.5 model mixes"):
+        load_model(ck, device="cpu")
+    f = _single_with(folder, tmp_path, lambda t: [t.pop(k) for k in list(t) if ".layers.3." in k])
+    with pytest.raises(Qwen35Error, match=r"every layer is Gated DeltaNet, none has attention"):
+        load_model(f, device="cpu")
+
+
+@pytest.mark.parametrize("ids, message", [(["a"], r"found 'a'"), ([1.5], r"found 1.5"), ([True], r"found True")])
+def test_token_ids_of_the_wrong_type(folder, still_works, ids, message):
+    from qwen35_fast.runtime import prefill_ids
+    model = load_model(folder, device="cpu")
+    with pytest.raises(Qwen35Error, match=rf"token ids must be whole numbers; {message}"):
+        prefill_ids(model, ids)
+
+
+def test_cpu_allocator_failure_is_out_of_memory_and_other_errors_pass(folder, monkeypatch, still_works):
+    model = load_model(folder, dtype="fp32", device="cpu")
+
+    def no_ram(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 400000000000000 bytes")
+
+    def bug(*a, **k):
+        raise RuntimeError("shape mismatch")
+
+    with monkeypatch.context() as m:
+        m.setattr(model, "forward_prefill", no_ram)
+        with pytest.raises(Qwen35Error, match=r"out of memory on cpu reading a prompt of"):
+            prefill(model, PROMPT)
+        m.setattr(model, "forward_prefill", bug)
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            prefill(model, PROMPT)
+
+
+def test_unreadable_tokenizer_json(folder, tmp_path, still_works):
+    ck = _copy(folder, tmp_path)
+    (ck / "tokenizer.json").write_text('{"model": {"type": "BPE"')
+    with pytest.raises(Qwen35Error, match=r"cannot read tokenizer file .*tokenizer.json.*Delete it"):
+        load_model(ck, device="cpu")
