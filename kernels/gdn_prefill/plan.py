@@ -72,10 +72,12 @@ def card_of(device) -> Card:
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx not in _cards:
+        import cupy
+        rt = cupy.cuda.runtime
         p = torch.cuda.get_device_properties(idx)
-        per_sm = getattr(p, "shared_memory_per_multiprocessor", 0) or max_shared_memory(idx) + 1024
+        per_sm = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerMultiprocessor", 81), idx)
         _cards[idx] = Card(arch_for_capability(p.major, p.minor), p.multi_processor_count,
-                           max_shared_memory(idx), per_sm)
+                           max_shared_memory(idx), int(per_sm))
     return _cards[idx]
 
 
