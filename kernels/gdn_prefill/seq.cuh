@@ -1,5 +1,5 @@
-// Where a sequence and its chunks sit, shared by the prefill kernels (gdn_prefill.cu, gdn_prefill_fused.cu,
-// gdn_prefill_split.cu). Sequences are either B rows of T tokens (cu_seqlens null) or N packed into one row
+// Where a sequence and its chunks sit, shared by the prefill kernels (prep.cu, gdn_prefill.cu, portable.cu).
+// Sequences are either B rows of T tokens (cu_seqlens null) or N packed into one row
 // (cu_seqlens [N + 1]). Included after the including file has defined CH.
 #pragma once
 
