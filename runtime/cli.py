@@ -24,6 +24,8 @@ def _args(argv):
         p.add_argument("--thinking", action="store_true", help="let the model think before answering")
         p.add_argument("--allow-special-tokens", action="store_true",
                        help="parse special tokens (<|im_start|>...) written in the prompt instead of keeping them text")
+        p.add_argument("--image", action="append", default=[], metavar="FILE",
+                       help="an image for the prompt (repeat for several; <image>, <image 2> place them); needs Pillow")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
         p.add_argument("--temperature", type=float, default=0.7)
@@ -36,6 +38,22 @@ def _args(argv):
     return ap.parse_args(argv)
 
 
+def _read_image(path: str):
+    """An image file as a ComfyUI IMAGE tensor [1, H, W, C] in 0..1."""
+    try:
+        import numpy as np
+        import torch
+        from PIL import Image
+    except ImportError:
+        raise Qwen35Error("--image needs Pillow (pip install pillow); ComfyUI environments have it") from None
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
+            return torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0)[None]
+    except OSError as e:
+        raise Qwen35Error(f"--image {path}: cannot read it as an image ({e})") from None
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a = _args(argv)
@@ -43,8 +61,14 @@ def main(argv=None) -> int:
     try:
         path = a.model or demo_checkpoint()
         model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
-        pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
-                     allow_special_tokens=a.allow_special_tokens)
+        if a.image:
+            from .multimodal import prefill_multimodal
+            pf = prefill_multimodal(model, a.prompt, images=[_read_image(f) for f in a.image],
+                                    system_prompt=a.system_prompt, thinking=a.thinking,
+                                    allow_special_tokens=a.allow_special_tokens)
+        else:
+            pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
+                         allow_special_tokens=a.allow_special_tokens)
         sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
 
         def show(delta, n, total):
@@ -61,6 +85,8 @@ def main(argv=None) -> int:
         print(f"thinking: {len(out.thinking)} characters (shown above, before the answer)")
     print(f"kernel backend : {model.backend.name} ({model.backend.reason})")
     print(f"prefill        : {pf.n_tokens} tokens in {pf.ms:.1f} ms = {pf.tokens_per_s:,.0f} tokens/s")
+    if pf.vision is not None:
+        print(f"vision         : {pf.vision.vision_tokens} image tokens, tower {pf.vision.vision_ms:.1f} ms")
     print(f"first token    : {out.first_token_ms:.1f} ms")
     print(f"decode         : {out.n_tokens} tokens at {out.decode_tokens_per_s:,.1f} tokens/s "
           f"(stopped: {out.finish_reason})")

@@ -99,3 +99,17 @@ def test_tower_traces_as_one_graph_for_torch_compile():
     assert explained.graph_count == 1 and explained.graph_break_count == 0
     dynamo.reset()
     assert torch.equal(torch.compile(tower.forward, backend="aot_eager")(x, plan), tower(x, plan))
+
+
+def test_command_line_reads_an_image(tmp_path, capsys):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from qwen35_fast.runtime.cli import main
+    Image.new("RGB", (96, 64), (200, 30, 30)).save(tmp_path / "red.png")
+    assert main(["demo", "--image", str(tmp_path / "red.png"), "--prompt", "Colour of <image>?",
+                 "--max-new-tokens", "2", "--dtype", "fp32", "--device", "cpu"]) == 0
+    from qwen35_fast.runtime.media import smart_resize
+    h, w = smart_resize(64, 96)  # scaled up to min_pixels: 224 x 320
+    assert f"vision         : {h * w // 32 ** 2} image tokens" in capsys.readouterr().out
+    assert main(["demo", "--image", str(tmp_path / "missing.png")]) == 2
