@@ -58,6 +58,7 @@ typedef __nv_bfloat16 elem;
 
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
+static_assert(BN == 32, "one lane per key row of a tile");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void ldsm4(u32 r[4], const elem* p) {
@@ -162,34 +163,34 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
         cp_async16(Qs + r * LDS + ch * 8, q + (long long)(q0 + t) * q_st + (long long)h * q_sh + ch * 8, ok);
     }
 
+    // Tile j's rows: lane r computes row r's K and V source address (the pool slot through the block
+    // table, the new token's row, or none: zero fill), tagged valid in bit 0 (rows are 16-byte aligned);
+    // the copy loop only shuffles the addresses to the copying lanes. (Computing the address per 16-byte
+    // piece took ~50 instructions for every 2 copies: decode blocks of one warp were bound by issue.)
     auto load_kv = [&](int j, int stage) {
         elem* ks = Ks + stage * BN * LDS;
         elem* vs = Vs + stage * BN * LDS;
-        // The tile's pool blocks (BN / BLOCK_SIZE of them, or one), a lane each, read before any copy is
-        // issued: a table read per row, between the copies, would wait out one L2 latency per row.
-        int lane_blk = 0;
+        unsigned long long ka = reinterpret_cast<unsigned long long>(kn);
+        unsigned long long va = reinterpret_cast<unsigned long long>(vn);
         {
-            const int p0 = j * BN + (BN > BLOCK_SIZE ? lane * BLOCK_SIZE : 0);
-            if (lane < (BN > BLOCK_SIZE ? BN / BLOCK_SIZE : 1) && p0 < L) lane_blk = __ldg(bt + p0 / BLOCK_SIZE);
-        }
-        for (int c = tid; c < BN * CHUNKS; c += THREADS) {  // the same trip count in every lane (shuffle below)
-            const int r = c / CHUNKS, ch = c % CHUNKS, p = j * BN + r;
-            const int blk = __shfl_sync(0xffffffffu, lane_blk, BN > BLOCK_SIZE ? r / BLOCK_SIZE : 0);
-            const elem* ksrc = kn;
-            const elem* vsrc = vn;
-            bool ok = true;
+            const int p = j * BN + lane;
             if (p < L) {
-                const long long off = (((long long)blk * BLOCK_SIZE + p % BLOCK_SIZE) * Hkv + kvh) * HEAD_DIM;
-                ksrc = k_pool + off;
-                vsrc = v_pool + off;
+                const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
+                ka = reinterpret_cast<unsigned long long>(k_pool + off) | 1ull;
+                va = reinterpret_cast<unsigned long long>(v_pool + off) | 1ull;
             } else if (p < L + nq) {
-                ksrc = kn + (long long)(p - L) * kn_st;
-                vsrc = vn + (long long)(p - L) * vn_st;
-            } else {
-                ok = false;  // past the sequence: zeros, so that P = 0 times V stays 0
-            }
-            cp_async16(ks + r * LDS + ch * 8, ksrc + ch * 8, ok);
-            cp_async16(vs + r * LDS + ch * 8, vsrc + ch * 8, ok);
+                ka = reinterpret_cast<unsigned long long>(kn + (long long)(p - L) * kn_st) | 1ull;
+                va = reinterpret_cast<unsigned long long>(vn + (long long)(p - L) * vn_st) | 1ull;
+            }  // else: past the sequence, zeros (P = 0 times V stays 0); kn / vn only as harmless addresses
+        }
+#pragma unroll
+        for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
+            const int c = tid + i * THREADS, r = c / CHUNKS, ch = c % CHUNKS;
+            const unsigned long long kr = __shfl_sync(0xffffffffu, ka, r);
+            const unsigned long long vr = __shfl_sync(0xffffffffu, va, r);
+            const bool ok = kr & 1ull;
+            cp_async16(ks + r * LDS + ch * 8, reinterpret_cast<const elem*>(kr & ~1ull) + ch * 8, ok);
+            cp_async16(vs + r * LDS + ch * 8, reinterpret_cast<const elem*>(vr & ~1ull) + ch * 8, ok);
         }
         cp_async_commit();
     };
