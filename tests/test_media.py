@@ -108,3 +108,30 @@ def test_read_preprocessing_from_the_checkpoint(tmp_path):
     assert (pp.min_pixels, pp.max_pixels, pp.video_min_pixels, pp.video_max_pixels) == (1024, 500_000, 9, 5000)
     assert (pp.fps, pp.max_frames) == (1, 10)
     assert read_preprocessing(None) == Preprocessing()
+
+
+@pytest.mark.parametrize("frames,h,w", [(1, 64, 80), (3, 20, 700), (8, 720, 1280), (32, 720, 1280), (64, 1080, 1920),
+                                        (9, 31, 31), (768, 360, 640)])
+def test_video_resize_and_sampling_equal_transformers(frames, h, w):
+    """The video processor's size rule (one budget over all frames) and its frame sampling."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as theirs
+    from transformers.video_utils import VideoMetadata
+    pp = Preprocessing()
+    if frames >= 2:  # theirs refuses a single frame; ours takes it as a pair
+        assert smart_resize(h, w, 32, pp.video_min_pixels, pp.video_max_pixels, frames=frames, temporal_factor=2) == \
+            theirs(frames, h, w, 2, 32, pp.video_min_pixels, pp.video_max_pixels)
+    proc = Qwen3VLVideoProcessor()
+    for fps in (24.0, 30.0, 2.0):
+        want = proc.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps), fps=2).tolist()
+        assert sample_frames(frames, fps, pp) == want
+
+
+@pytest.mark.parametrize("frames,fps", [(8, 2.0), (9, 2.0), (30, 30.0), (121, 24.0), (5, 1.0)])
+def test_video_timestamps_equal_transformers(frames, fps):
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    pp = Preprocessing()
+    v = preprocess_video(torch.rand(frames, 32, 32, 3), fps=fps, pp=pp)
+    want = Qwen3VLProcessor._calculate_timestamps(None, sample_frames(frames, fps, pp), fps, 2)
+    assert [f"<{t:.1f} seconds>" for t in v.timestamps] == [f"<{t:.1f} seconds>" for t in want]
+    assert v.timestamps == pytest.approx(want)
