@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +40,10 @@ FP8_MARKERS = ("weight_scale_inv", "weight_scale", "scale_weight", "scaled_fp8",
 def read_header(file: Path) -> dict:
     """The safetensors header of `file`, checked against the file's size and for well-formed entries."""
     try:
-        size = file.stat().st_size
+        st = file.stat()
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+            raise Qwen35Error(f"{file}: not a regular file; a checkpoint's weights are files")
         with open(file, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -229,6 +232,13 @@ def _check_sizes(config: TextConfig, source: Path) -> None:
         if type(value) is not int or value < 1:
             raise Qwen35Error(f"{source}: {name} is {value!r}; it must be a whole number >= 1. Re-download "
                               "config.json")
+    for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise Qwen35Error(f"{source}: {name} is {value!r}; it must be a number above 0. Re-download config.json")
+    if not all(type(s) is int and s >= 0 for s in config.mrope_section):
+        raise Qwen35Error(f"{source}: mrope_section is {list(config.mrope_section)}; it must be whole numbers. "
+                          "Re-download config.json")
     bad = [t for t in config.layer_types if t not in (LINEAR, FULL)]
     if bad:
         raise Qwen35Error(f"{source}: layer_types holds {bad[0]!r}; Qwen3.5 layers are {LINEAR!r} or {FULL!r}")
@@ -291,6 +301,9 @@ def locate(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise Qwen35Error(f"model path {str(path)!r} does not exist; put a checkpoint folder under "
                           "models/LLM/ or a .safetensors file under models/text_encoders/, or fix the path")
+    if not path.is_file() and not path.is_dir():
+        raise Qwen35Error(f"{path}: not a regular file or a folder; point the loader at a checkpoint folder or a "
+                          ".safetensors file")
     if path.is_file():
         if path.suffix != ".safetensors":
             raise Qwen35Error(f"{path}: only .safetensors weights are loaded (never pickle .bin/.pt/.ckpt); "

@@ -11,8 +11,7 @@ from typing import Callable
 
 import torch
 
-from .chat import (GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE,
-                   THINK_OPEN)
+from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .memory import generate_bytes, out_of_memory, prefill_bytes

@@ -531,3 +531,27 @@ def test_unreadable_tokenizer_json(folder, tmp_path, still_works):
     (ck / "tokenizer.json").write_text('{"model": {"type": "BPE"')
     with pytest.raises(Qwen35Error, match=r"cannot read tokenizer file .*tokenizer.json.*Delete it"):
         load_model(ck, device="cpu")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(rms_norm_eps="1e-6"), r"rms_norm_eps is '1e-6'; it must be a number above 0"),
+    (lambda c: c.update(rms_norm_eps=-1), r"rms_norm_eps is -1"),
+    (lambda c: c["rope_parameters"].update(rope_theta=float("inf")), r"rope_theta is inf"),
+    (lambda c: c["rope_parameters"].update(mrope_section=["11", 11, 10]), r"mrope_section is \['11', 11, 10\]"),
+    (lambda c: c.update(eos_token_id="<|im_end|>"), r"a setting has the wrong type"),
+])
+def test_config_numbers_that_reach_the_forward_pass(folder, tmp_path, still_works, edit, message):
+    ck = _copy(folder, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg["text_config"])
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(ck, device="cpu")
+
+
+def test_a_fifo_named_like_weights_does_not_hang_the_listing(tmp_path, still_works):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    assert not is_qwen35_file(fifo)
+    with pytest.raises(Qwen35Error, match="not a regular file"):
+        load_model(fifo, device="cpu")

@@ -8,10 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import test_nodes
 import torch
 from safetensors.torch import save_file
+from test_nodes import _generate, _prefill
 
-from test_nodes import _generate, _prefill, comfy, models_dir, pack  # noqa: F401 - fixtures
+# test_nodes' fixtures, shared with this module (ComfyUI imported once, the same models folder layout)
+comfy, pack, models_dir = test_nodes.comfy, test_nodes.pack, test_nodes.models_dir
 
 pytestmark = pytest.mark.comfyui
 
