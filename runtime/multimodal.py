@@ -61,10 +61,11 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list
         used.append(i)
         return f"\ue000{i}\ue001"
 
-    body = PLACEHOLDER.sub(take, prompt.strip())
+    body = PLACEHOLDER.sub(take, prompt)
     front = [i for i in range(n_images + has_video) if i not in used]
     order = front + used
-    return "".join(f"\ue000{i}\ue001" for i in front) + body, order
+    # trimmed as a whole, as the chat template trims the message it joined from its images and text
+    return ("".join(f"\ue000{i}\ue001" for i in front) + body).strip(), order
 
 
 def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], list]:

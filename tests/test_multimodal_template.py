@@ -1,0 +1,56 @@
+"""Where images and video go in the prompt, against Qwen3.5's real chat template
+(../shared/qwen35-tokenizer/chat_template.jinja) rendering the same message as a content list."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_chat import template  # noqa: F401  (fixture)
+
+from qwen35_fast.runtime.media import VisionInput
+from qwen35_fast.runtime.multimodal import build_prompt
+from qwen35_fast.runtime.tokenizer import load_tokenizer
+
+IMAGE = {"type": "image"}
+VIDEO = {"type": "video"}
+
+
+def _text(t):
+    return {"type": "text", "text": t}
+
+
+def _input(kind):  # one token per image / per 2-frame slice
+    return VisionInput(kind, torch.zeros(4, 1536), (1, 2, 2), (32, 32), (0.5,) if kind == "video" else ())
+
+
+# (our prompt, number of images, video?, the same message as a content list)
+CASES = [
+    ("Describe this.", 1, False, [IMAGE, _text("Describe this.")]),
+    ("Compare them.", 2, False, [IMAGE, IMAGE, _text("Compare them.")]),
+    ("Left: <image> right: <image>, which is darker?", 2, False,
+     [_text("Left: "), IMAGE, _text(" right: "), IMAGE, _text(", which is darker?")]),
+    ("Is <image 2> newer than <image 1>?", 2, False, [_text("Is "), IMAGE, _text(" newer than "), IMAGE, _text("?")]),
+    ("What happens?", 0, True, [VIDEO, _text("What happens?")]),
+    ("Does <image> appear in the clip?", 1, True, [VIDEO, _text("Does "), IMAGE, _text(" appear in the clip?")]),
+    ("  What is this?\n", 1, False, [IMAGE, _text("  What is this?\n")]),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return SimpleNamespace(tokenizer=load_tokenizer(None), vision=None)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_layout_equals_the_chat_template(template, model, case, thinking):  # noqa: F811
+    prompt, n_images, video, content = CASES[case]
+    inputs = [_input("image") for _ in range(n_images)] + ([_input("video")] if video else [])
+    ids, parts, _ = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.", thinking=thinking)
+    ours = model.tokenizer.decode(ids)
+    want = template.render(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}],
+                           add_generation_prompt=True, enable_thinking=thinking)
+    # a video's span becomes its timestamped slices (Qwen's processor replaces the template's span)
+    want = want.replace("<|vision_start|><|video_pad|><|vision_end|>",
+                        "<0.5 seconds><|vision_start|><|video_pad|><|vision_end|>")
+    assert ours == want
+    assert sum(p.n for p in parts) == len(ids)
