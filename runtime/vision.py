@@ -134,13 +134,16 @@ def expected_vision_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
 class VisionPlan:
     """Index math for one tower call, made once from the grids (none of it reads pixels).
 
-    grids: (t, h, w) per image / video in patches; pos_index, pos_weight: [N, 4] taps into the
-    learned position grid; cos, sin: [N, head_dim] fp32 rotary; groups: (token index [S*L] or None
-    when the group is every token in order, S slices, L tokens each).
+    grids: (t, h, w) per image / video in patches; pos_index, pos_weight: [M, 4] taps into the
+    learned position grid for the first slice of each grid (the t slices of a video share them);
+    pos_rows: [N] which of the M rows each patch takes (None when M = N); cos, sin: [N, head_dim]
+    fp32 rotary; groups: (token index [S*L] or None when the group is every token in order, S slices,
+    L tokens each).
     """
     grids: tuple[tuple[int, int, int], ...]
     pos_index: torch.Tensor
     pos_weight: torch.Tensor
+    pos_rows: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
     groups: tuple[tuple[torch.Tensor | None, int, int], ...]
@@ -164,26 +167,31 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
     """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
     m, side = vc.spatial_merge_size, vc.grid_side
-    rows, cols, heights, widths = [], [], [], []
+    rows, cols, heights, widths, pos_rows = [], [], [], [], []
+    first = 0
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
             raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
         r, c = _block_order_rows_cols(h, w, m)
-        rows.append(r.repeat(t))
-        cols.append(c.repeat(t))
-        heights.append(torch.full((t * h * w,), h))
-        widths.append(torch.full((t * h * w,), w))
+        rows.append(r)
+        cols.append(c)
+        heights.append(torch.full((h * w,), h))
+        widths.append(torch.full((h * w,), w))
+        pos_rows.append((first + torch.arange(h * w)).repeat(t))
+        first += h * w
     # index math on the host, the float math where the tower runs (one small copy instead of cos / sin)
-    row, col = torch.cat(rows).to(device), torch.cat(cols).to(device)
+    frame_row, frame_col = torch.cat(rows).to(device), torch.cat(cols).to(device)
     height, width = torch.cat(heights).to(device), torch.cat(widths).to(device)
+    expand = torch.cat(pos_rows).to(device) if any(t > 1 for t, _, _ in grids) else None
+    row, col = (frame_row, frame_col) if expand is None else (frame_row[expand], frame_col[expand])
 
     def taps(index, size):  # bilinear, corners aligned: patch 0 -> grid 0, last patch -> grid side-1
         src = index.float() * (side - 1) / (size - 1).clamp_min(1).float()
         lo = src.floor()
         return lo.long(), (lo.long() + 1).clamp_max(side - 1), src - lo
 
-    r0, r1, fr = taps(row, height)
-    c0, c1, fc = taps(col, width)
+    r0, r1, fr = taps(frame_row, height)
+    c0, c1, fc = taps(frame_col, width)
     pos_index = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], dim=1)
     pos_weight = torch.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], dim=1)
 
@@ -208,7 +216,7 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
         else:
             idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
             groups.append((idx.to(device), len(firsts), n))
-    return VisionPlan(grids, pos_index, pos_weight, emb.cos(), emb.sin(), tuple(groups))
+    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), tuple(groups))
 
 
 # --- weights and forward ------------------------------------------------------------------------
@@ -284,8 +292,8 @@ class VisionTower(nn.Module):
                               f"[{p.n_patches}, {vc.patch_dim}]")
         d = vc.hidden_size
         x = F.linear(pixels.to(self.device, self.dtype), self.patch_w, self.patch_b)
-        pos = (self.pos_embed[p.pos_index].float() * p.pos_weight[..., None]).sum(1)
-        x = x + pos.to(x.dtype)
+        pos = (self.pos_embed[p.pos_index].float() * p.pos_weight[..., None]).sum(1).to(x.dtype)
+        x = x + (pos if p.pos_rows is None else pos.index_select(0, p.pos_rows))
         for blk in self.blocks:
             x = x + self._attention(blk, F.layer_norm(x, (d,), blk.norm1_w, blk.norm1_b, LAYER_NORM_EPS), p)
             y = F.layer_norm(x, (d,), blk.norm2_w, blk.norm2_b, LAYER_NORM_EPS)
