@@ -184,9 +184,12 @@ class VisionInput:
         return t * h * w // merge_size ** 2
 
 
-def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None) -> list[VisionInput]:
-    """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image)."""
+def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, device=None) -> list[VisionInput]:
+    """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image).
+    device: where to resize (the model's GPU: much faster than the CPU for large images)."""
     pp = pp or Preprocessing()
+    if isinstance(images, torch.Tensor) and device is not None:
+        images = images.to(device)
     rgb = to_rgb(images)
     _, _, h, w = rgb.shape
     size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
@@ -211,15 +214,16 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
     return torch.linspace(0, total - 1, n).round().long().tolist()
 
 
-def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None) -> VisionInput:
-    """A video as ComfyUI frames [F, H, W, C] in 0..1 at `fps` frames per second -> one VisionInput."""
+def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None, device=None) -> VisionInput:
+    """A video as ComfyUI frames [F, H, W, C] in 0..1 at `fps` frames per second -> one VisionInput.
+    device: where to resize; only the sampled frames are moved there."""
     pp = pp or Preprocessing()
     if isinstance(frames, torch.Tensor) and frames.dim() == 4 and frames.shape[0] == 0:
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
     if not isinstance(frames, torch.Tensor) or frames.dim() != 4:
         raise Qwen35Error("a video must be frames [count, height, width, channels]")
     index = sample_frames(frames.shape[0], fps, pp)
-    rgb = to_rgb(frames[index])
+    rgb = to_rgb(frames[index].to(device) if device is not None else frames[index])
     tp, sampled = pp.temporal_patch_size, len(index)
     if len(index) % tp:  # pairs of frames: the last one fills the gap
         rgb = torch.cat([rgb, rgb[-1:].expand(tp - len(index) % tp, -1, -1, -1)])

@@ -139,17 +139,17 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
     out: list[VisionInput] = []
     if images is not None:
         if isinstance(images, torch.Tensor):
-            out += preprocess_images(images, pp)
+            out += preprocess_images(images, pp, model.device)
         else:
             for item in images:
-                out += preprocess_images(item, pp) if isinstance(item, torch.Tensor) else [item]
+                out += preprocess_images(item, pp, model.device) if isinstance(item, torch.Tensor) else [item]
     n_images = len(out)
     if video is not None:
         if isinstance(video, VisionInput):
             out.append(video)
         else:
             frames, fps = video
-            out.append(preprocess_video(frames, fps, pp))
+            out.append(preprocess_video(frames, fps, pp, model.device))
     return out, n_images
 
 
