@@ -69,7 +69,9 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     """Prompt ids: the chat template's markers as special tokens, the user's text (prompt and system
     prompt) as plain text, so `<|im_start|>` or `</think>` typed in it cannot open a turn. With
     allow_special_tokens the user's text is parsed for special tokens too (for hand-written templates)."""
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
+        raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
+    if not prompt.strip():
         raise Qwen35Error("the prompt is empty; write a prompt")
     if not isinstance(system_prompt, str):
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
@@ -124,7 +126,7 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
     """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it.
     Special-token text in the prompt stays text unless allow_special_tokens (see encode_prompt)."""
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
-    return prefill_ids(model, ids, thinking)
+    return prefill_ids(model, ids, thinking and use_chat_template)  # raw text opens no thinking block
 
 
 OnToken = Callable[[str, int, int], None]

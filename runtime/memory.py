@@ -33,14 +33,15 @@ def cache_bytes(model: Qwen35Model, positions: int) -> int:
 def _activation_bytes_per_token(model: Qwen35Model) -> int:
     """The largest one layer holds at once, per prompt token: the residual stream and its norm, plus the
     widest of the MLP (gate/up and their product), the GDN mixer (projections, conv output, fp32 math)
-    and the attention mixer (q/gate/k/v, rotated copies, output)."""
+    and the attention mixer (q/gate/k/v, rotated copies, output). Attention is taken as SDPA's fused
+    kernels run it (no T x T scores), as they do on CUDA for bf16 / fp16."""
     c = model.config
     b = model.dtype.itemsize
     qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     mlp = b * 4 * c.intermediate_size
     gdn = (b * 2 * (c.conv_dim + c.value_dim + 2 * c.linear_num_value_heads)
            + 4 * 3 * (2 * c.key_dim + c.value_dim) + 4 * 3 * c.linear_num_value_heads * 64)
-    att = b * 4 * (2 * qd + 2 * kd)
+    att = b * 6 * (2 * qd + 2 * kd)  # the projection, normed and rotated q/k, SDPA's contiguous inputs and output
     return b * 4 * c.hidden_size + max(mlp, gdn, att)
 
 

@@ -555,3 +555,16 @@ def test_a_fifo_named_like_weights_does_not_hang_the_listing(tmp_path, still_wor
     assert not is_qwen35_file(fifo)
     with pytest.raises(Qwen35Error, match="not a regular file"):
         load_model(fifo, device="cpu")
+
+
+def test_thinking_without_the_chat_template_keeps_the_answer(chat_model, still_works):
+    pf = prefill(chat_model, "Once upon a time", thinking=True, use_chat_template=False)
+    assert not pf.thinking  # raw text opens no thinking block: the whole output is the answer
+    out = generate(chat_model, pf, max_new_tokens=5)
+    assert out.thinking == "" and out.text == chat_model.tokenizer.decode(out.token_ids).strip()
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], 5, None])
+def test_a_prompt_that_is_not_text(chat_model, still_works, prompt):
+    with pytest.raises(Qwen35Error, match=r"the prompt must be text, got"):
+        prefill(chat_model, prompt)
