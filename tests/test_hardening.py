@@ -568,3 +568,47 @@ def test_thinking_without_the_chat_template_keeps_the_answer(chat_model, still_w
 def test_a_prompt_that_is_not_text(chat_model, still_works, prompt):
     with pytest.raises(Qwen35Error, match=r"the prompt must be text, got"):
         prefill(chat_model, prompt)
+
+
+class SlotDecode:
+    """GraphedDecode's step without the capture (which needs CUDA): the token at a device-side position,
+    attention over the whole cache under the slot's mask."""
+
+    def __init__(self, model, cache):
+        from qwen35_fast.runtime.model import DecodeSlot
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(1, dtype=torch.long)
+        self.slot = DecodeSlot(cache.capacity, torch.device("cpu"))
+        self.slot.set(cache.length)
+
+    def __call__(self, token):
+        self.ids.fill_(token)
+        logits = self.model.forward_decode_at(self.ids, self.slot, self.cache)
+        self.slot.advance()
+        self.cache.length += 1
+        return logits
+
+
+def test_the_graph_step_is_made_again_for_each_larger_cache(folder, monkeypatch, still_works):
+    """What generate does with a decode graph as the cache grows, run on the CPU: a new step per capacity,
+    over the new cache, and the same tokens as the eager step."""
+    import importlib
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    model = load_model(folder, dtype="fp32", device="cpu")
+    pf = prefill(model, PROMPT)
+    steps = []
+
+    def graphed(m, cache):
+        steps.append(SlotDecode(m, cache))
+        return steps[-1]
+
+    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    penalised = SamplingParams(repetition_penalty=1.3)
+    eager = generate(model, pf, max_new_tokens=90, sampling=penalised)
+    monkeypatch.setattr(gen_mod, "graphed_decode", graphed)
+    stepped = generate(model, pf, max_new_tokens=90, sampling=penalised)
+    capacities = [s.cache.capacity for s in steps]
+    assert len(steps) >= 4 and capacities == sorted(set(capacities))
+    assert all(a.cache is not b.cache for a, b in zip(steps, steps[1:]))
+    assert all(s.cache.length == s.cache.capacity for s in steps[:-1])  # each replaced only once full
+    assert stepped.token_ids == eager.token_ids and stepped.n_tokens == 90
