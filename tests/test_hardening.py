@@ -227,13 +227,30 @@ def test_symlink_loop_in_the_folder(folder, tmp_path, still_works):
         load_model(ck, device="cpu")
 
 
-def test_cli_prints_error_and_exits_2(tmp_path):
-    f = _raw_safetensors(tmp_path / "bad.safetensors", b"[1]")
+def _bad_config_folder(folder, tmp_path):
+    ck = _copy(folder, tmp_path)
+    (ck / "config.json").write_text("[1, 2]")
+    return ck
+
+
+def _loop_folder(folder, tmp_path):
+    ck = _copy(folder, tmp_path)
+    os.symlink("loop.safetensors", ck / "loop.safetensors")
+    return ck
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda folder, tmp: _raw_safetensors(tmp / "bad.safetensors", b"[1]"), "not an object"),
+    (_bad_config_folder, "holds a JSON list"),
+    (_loop_folder, "Too many levels of symbolic links"),
+])
+def test_cli_prints_error_and_exits_2(folder, tmp_path, make, message):
+    path = make(folder, tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-m", "qwen35_fast", "run", "--model", str(f), "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "qwen35_fast", "run", "--model", str(path), "--device", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert "error: " in out.stderr and "not an object" in out.stderr and "Traceback" not in out.stderr
+    assert "error: " in out.stderr and message in out.stderr and "Traceback" not in out.stderr
 
 
 # --- 3: special tokens typed in a prompt ---------------------------------------------------------
