@@ -5,6 +5,7 @@ a copy, so one prefill can feed many generations (ComfyUI caches node outputs an
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,6 +55,16 @@ class Generation:
         return len(self.token_ids)
 
 
+def _token_id(i) -> int:
+    """A Python, numpy or 0-d torch integer as an int; a Qwen35Error for floats, booleans and the rest."""
+    try:
+        if isinstance(i, bool):
+            raise TypeError
+        return operator.index(i)
+    except TypeError:
+        raise Qwen35Error(f"token ids must be whole numbers; found {i!r}") from None
+
+
 def _is_out_of_memory(e: RuntimeError) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so."""
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
@@ -91,14 +102,14 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
 def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> Prefill:
     """Run token ids through the model. Returns the Prefill (logits of the last position only)."""
     limit = model.config.max_position_embeddings
+    ids = list(ids)  # a list, tuple, 1-D tensor or array
     if not ids:
         raise Qwen35Error("the prompt is empty; write a prompt")
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens but the model takes at most {limit} positions "
                           f"(prompt and answer together); shorten the prompt")
     vocab = model.config.vocab_size
-    if not all(type(i) is int for i in ids):
-        raise Qwen35Error(f"token ids must be whole numbers; found {next(i for i in ids if type(i) is not int)!r}")
+    ids = [_token_id(i) for i in ids]
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "

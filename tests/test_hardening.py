@@ -629,3 +629,13 @@ def test_the_graph_step_is_made_again_for_each_larger_cache(folder, monkeypatch,
     assert all(a.cache is not b.cache for a, b in zip(steps, steps[1:]))
     assert all(s.cache.length == s.cache.capacity for s in steps[:-1])  # each replaced only once full
     assert stepped.token_ids == eager.token_ids and stepped.n_tokens == 90
+
+
+def test_token_ids_as_tensors_and_arrays(folder, still_works):
+    import numpy as np
+
+    from qwen35_fast.runtime import prefill_ids
+    model = load_model(folder, device="cpu")
+    want = prefill_ids(model, [1000, 1001, 1002]).logits
+    for ids in (torch.tensor([1000, 1001, 1002]), np.array([1000, 1001, 1002]), (1000, 1001, 1002)):
+        assert torch.equal(prefill_ids(model, ids).logits, want)
