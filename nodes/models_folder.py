@@ -50,14 +50,18 @@ _header_verdicts: dict[tuple[str, int, int], bool] = {}
 
 def _is_qwen35_file(path: Path) -> bool:
     """From the safetensors header alone, remembered per file version (the list is rebuilt on every refresh)."""
-    from ..runtime.checkpoint import is_qwen35_file
     try:
         st = path.stat()
     except OSError:
         return False
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _header_verdicts:
-        _header_verdicts[key] = is_qwen35_file(path)
+        try:
+            from ..runtime.checkpoint import is_qwen35_file
+            _header_verdicts[key] = is_qwen35_file(path)
+        except Exception:  # noqa: BLE001 - a listing never raises; loading the file will say what is wrong
+            log.exception("Qwen3.5: cannot check %s", path)
+            return True
     return _header_verdicts[key]
 
 

@@ -255,3 +255,17 @@ def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, comfy, 
         assert asked == [prefill_bytes(model.model, n), generate_bytes(model.model, n, 300)]
     finally:
         model.release()
+
+
+def test_a_failing_header_check_does_not_break_the_listing(pack, models_dir, monkeypatch, still_works):
+    import qwen35_fast.runtime.checkpoint as checkpoint
+
+    def broken(path):
+        raise RuntimeError("something unexpected")
+
+    monkeypatch.setattr(checkpoint, "is_qwen35_file", broken)
+    monkeypatch.setattr(pack.models_folder, "_header_verdicts", {})
+    listed = _listed(pack)
+    assert "qwen35-demo" in listed
+    if (models_dir / "text_encoders" / "qwen35_demo_single.safetensors").exists():
+        assert "qwen35_demo_single.safetensors" in listed  # listed: loading it will say what is wrong
