@@ -6,7 +6,9 @@ No ComfyUI imports here; the nodes are a thin layer over these functions.
     pf = prefill(model, "Describe a lighthouse at dusk.")
     pf = prefill_multimodal(model, "What is in <image>?", images=image)  # ComfyUI IMAGE [B, H, W, C]
     out = generate(model, pf, max_new_tokens=200, sampling=SamplingParams(do_sample=True, temperature=0.7))
+    pf2 = continue_prefill(model, pf, "And the sky?", previous_answer=out.text)  # runs only the new turn
 """
+from .conversation import continue_prefill
 from .decode_graph import free_gpu_workspaces
 from .demo_checkpoint import demo_checkpoint
 from .errors import Qwen35Error
@@ -17,5 +19,5 @@ from .multimodal import prefill_multimodal
 from .sampling import SamplingParams
 
 __all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
-           "prefill_multimodal", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
+           "prefill_multimodal", "continue_prefill", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
            "free_gpu_workspaces"]

@@ -16,7 +16,7 @@ from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .memory import generate_bytes, out_of_memory, prefill_bytes
-from .model import Cache, Qwen35Model
+from .model import Cache, GDNState, Qwen35Model
 from .sampling import SamplingParams, apply_penalties, choose, generator_seed
 
 
@@ -30,15 +30,24 @@ class Prefill:
     backend: str
     thinking: bool = False
     model_id: int = 0  # id() of the model that made it: a prefill only fits that model
-    vision: object = None  # multimodal.VisionStats when the prompt had images or video
+    vision: object = None  # multimodal.VisionStats when the prompt (its new part) had images or video
+    # the state at the end of the last user turn, before the generation prompt (None without the chat
+    # template): a follow-up turn restarts from it (conversation.continue_prefill); its K/V are cache's
+    turn: GDNState | None = field(default=None, repr=False)
+    cached_tokens: int = 0  # tokens taken from a parent prefill's state; `ms` is the time of the rest
 
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def new_tokens(self) -> int:
+        """Tokens this prefill ran through the model (all of them unless it continued another)."""
+        return self.n_tokens - self.cached_tokens
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.n_tokens / (self.ms / 1000) if self.ms > 0 else 0.0
+        return self.new_tokens / (self.ms / 1000) if self.ms > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -98,9 +107,44 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     return ids + tok.encode(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
 
 
+def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:
+    """The ids of the chat template's generation prompt (`<|im_start|>assistant\n<think>...`)."""
+    return model.tokenizer.encode(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
+
+
+def run_prompt(model: Qwen35Model, x: torch.Tensor, cache: Cache, turn_end: int | None = None, vision=None,
+               positions=None, rope_delta: int | None = None) -> tuple[torch.Tensor, GDNState | None]:
+    """model.forward_prefill of ids x [1, T] after what `cache` holds; returns (logits [vocab], the state
+    after the first `turn_end` of the T tokens, or None). With turn_end the prompt runs in two parts and
+    the state between them is kept: the end of the user turn, where a follow-up turn restarts (the
+    generation prompt after it is not part of a later conversation). vision, positions, rope_delta: as
+    forward_prefill takes them for all T tokens."""
+    T = x.shape[1]
+    if turn_end is None or not 0 < turn_end < T:
+        return model.forward_prefill(x, cache, vision, positions, rope_delta)[0], None
+    v1 = v2 = None
+    if vision is not None:
+        index, features = vision
+        first = index < turn_end
+        v1 = (index[first], features[first]) if bool(first.any()) else None
+        v2 = (index[~first] - turn_end, features[~first]) if not bool(first.all()) else None
+    p1 = p2 = None
+    delta1 = None
+    if positions is not None:
+        p1, p2 = positions[:, :turn_end], positions[:, turn_end:]
+        delta1 = int(p1.max()) + 1 - (cache.length + turn_end)
+    model.forward_prefill(x[:, :turn_end], cache, v1, p1, delta1)
+    turn = cache.snapshot()
+    return model.forward_prefill(x[:, turn_end:], cache, v2, p2, rope_delta)[0], turn
+
+
 @torch.compiler.disable
-def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> Prefill:
-    """Run token ids through the model. Returns the Prefill (logits of the last position only)."""
+def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat_template: bool = False) -> Prefill:
+    """Run token ids through the model. Returns the Prefill (logits of the last position only).
+
+    chat_template: the ids end with the chat template's generation prompt (for `thinking`); the state
+    before it is kept in Prefill.turn, so a follow-up turn can continue (conversation.continue_prefill).
+    """
     limit = model.config.max_position_embeddings
     ids = list(ids)  # a list, tuple, 1-D tensor or array
     if not ids:
@@ -114,20 +158,27 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False) -> P
     if bad:
         raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "
                           "not belong to this model")
+    turn_end = None
+    if chat_template:
+        tail = generation_prompt_ids(model, thinking)
+        if list(ids[len(ids) - len(tail):]) != tail or len(ids) <= len(tail):
+            raise ValueError("prefill_ids(chat_template=True): the ids do not end with the generation prompt "
+                             f"for thinking={thinking}")
+        turn_end = len(ids) - len(tail)
     model.select_backend()
     try:
         x = torch.tensor([ids], dtype=torch.long, device=model.device)
         cache = model.new_cache(1, len(ids))
         _sync(model.device)
         t0 = time.perf_counter()
-        logits = model.forward_prefill(x, cache)[0]
+        logits, turn = run_prompt(model, x, cache, turn_end)
         _sync(model.device)
     except RuntimeError as e:
         if not _is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
-        return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model))
+        return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model), turn=turn)
     x = cache = None
     raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
 
@@ -137,7 +188,8 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
     """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it.
     Special-token text in the prompt stays text unless allow_special_tokens (see encode_prompt)."""
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
-    return prefill_ids(model, ids, thinking and use_chat_template)  # raw text opens no thinking block
+    # raw text opens no thinking block
+    return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template)
 
 
 OnToken = Callable[[str, int, int], None]

@@ -100,6 +100,52 @@ class Cache:
         for xs in (self.conv, self.ssm, self.k, self.v):
             xs[:] = [None if t is None else t.to(device) for t in xs]
 
+    def snapshot(self) -> "GDNState":
+        """A copy of the GDN layers' states as they are now (after `length` tokens)."""
+        copy = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731
+        return GDNState(copy(self.conv), copy(self.ssm), self.length, self.rope_delta)
+
+    def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
+        """A new cache at the point `state` was taken: this cache's first `state.length` K/V entries (the
+        tokens this cache held then; they never change) and `state`'s GDN states, with room for `capacity`
+        tokens, on `device` (default: where this cache is). Neither input changes."""
+        n, dev = state.length, device
+        if n > self.length:
+            raise ValueError(f"Cache.restart: a state after {n} tokens does not fit a cache of {self.length}")
+        cap = max(capacity, n)
+
+        def kv(t):
+            if t is None:
+                return None
+            out = torch.zeros(t.shape[0], t.shape[1], cap, t.shape[3], dtype=t.dtype, device=dev or t.device)
+            out[:, :, :n] = t[:, :, :n]
+            return out
+
+        copy = lambda xs: [None if t is None else t.to(dev or t.device, copy=True) for t in xs]  # noqa: E731
+        return Cache(copy(state.conv), copy(state.ssm), [kv(t) for t in self.k], [kv(t) for t in self.v], n,
+                     state.rope_delta)
+
+
+@dataclass(eq=False)
+class GDNState:
+    """The GDN layers' conv and recurrent states after the first `length` tokens of a prompt, and the
+    rope_delta there. With the K/V of those tokens it is the whole model state at that point, so a prompt
+    that shares those tokens can restart from it (Cache.restart). Same shapes as Cache.conv / Cache.ssm;
+    9B: 24 x [32, 128, 128] fp32 + 24 x [8192, 3], 49 MiB."""
+    conv: list
+    ssm: list
+    length: int
+    rope_delta: int = 0
+
+    def to(self, device: torch.device | str) -> None:
+        """Moves the states to `device`, in place (like Cache.to)."""
+        for xs in (self.conv, self.ssm):
+            xs[:] = [None if t is None else t.to(device) for t in xs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
+
 
 class DecodeSlot:
     """Where the next decoded token goes, kept on the device: pos [1] and the attention mask over the
@@ -200,10 +246,13 @@ class Qwen35Model(nn.Module):
         return F.linear(o.flatten(-2), m.out_proj)
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
+        # a cache that already holds tokens continues from its states (None in a fresh cache)
         mixed, z, b, a = self._split_gdn(m, x)
-        mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, backend=be)
+        mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=cache.conv[i],
+                                                             backend=be)
         q, k, v = self._qkv_heads(mixed)
-        o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, backend=be)
+        o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=cache.ssm[i],
+                                                    backend=be)
         return self._gdn_out(m, o, z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
@@ -279,20 +328,28 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
-                        rope_delta: int = 0) -> torch.Tensor:
-        """Run prompt ids [B, T] into an empty `cache`; returns fp32 logits of the last position [B, vocab].
+                        rope_delta: int | None = None) -> torch.Tensor:
+        """Run prompt ids [B, T] into `cache` after the `cache.length` tokens it holds (0 for a new cache):
+        the new tokens attend to the cached K/V and, causally, to each other; the GDN layers start from
+        the cached states. Returns fp32 logits of the last position [B, vocab].
 
-        vision: (index [n] long, features [n, hidden]): token slots of sequence 0 whose embedding is
-        replaced by vision-tower output; positions: [3, T] rotary ids (default: 0 .. T-1 for all three);
-        rope_delta: stored in the cache for the tokens decoded after this prompt (rope.py).
+        vision: (index [n] long, features [n, hidden]): slots among these T tokens of sequence 0 whose
+        embedding is replaced by vision-tower output; positions: [3, T] rotary ids (default: text, the
+        slot plus the cache's rope_delta); rope_delta: stored in the cache for the tokens after this
+        chunk (rope.py; None keeps the cache's).
         """
+        start = cache.length
+        if start + ids.shape[1] > cache.capacity:
+            raise ValueError(f"forward_prefill: {ids.shape[1]} tokens after {start} do not fit a cache of "
+                             f"{cache.capacity} positions")
         h = F.embedding(ids, self.embed)
         if vision is not None:
             index, features = vision
             h[0].index_copy_(0, index, features.to(h.dtype))
-        h = self._layers(h, cache, 0, decode=False, positions=positions)
-        cache.length = ids.shape[1]
-        cache.rope_delta = rope_delta
+        h = self._layers(h, cache, start, decode=False, positions=positions)
+        cache.length = start + ids.shape[1]
+        if rope_delta is not None:
+            cache.rope_delta = rope_delta
         return self.logits(h[:, -1])
 
     @torch.inference_mode()

@@ -20,7 +20,7 @@ import torch
 
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
-from .generate import Prefill, _sync
+from .generate import Prefill, _sync, run_prompt
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
 from .model import Qwen35Model
 from .rope import TextRun, VisionSpan, layout_positions
@@ -193,13 +193,14 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     _sync(model.device)
     t1 = time.perf_counter()
     cache = model.new_cache(1, len(ids))
-    logits = model.forward_prefill(x, cache, vision=vision, positions=positions, rope_delta=delta)[0]
+    turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
+    logits, turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions, rope_delta=delta)
     _sync(model.device)
     t2 = time.perf_counter()
     stats = VisionStats(n_vision, len(ids) - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
     return Prefill(tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000, model.backend.name, thinking, id(model),
-                   vision=stats)
+                   vision=stats, turn=turn)
 
 
 @dataclass(frozen=True)

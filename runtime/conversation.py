@@ -1,0 +1,145 @@
+"""Follow-up turns: a prompt that continues an earlier prefill and runs only its own tokens.
+
+A chat-template prefill keeps the model state at the end of its last user turn (Prefill.turn: the GDN
+states there; the K/V of those tokens are in its cache). `continue_prefill` restarts from that point
+and reads what comes next, as Qwen3.5's chat template renders a conversation:
+
+    ... <|im_start|>user\\n{parent's prompt}<|im_end|>\\n          (the parent, up to its turn end)
+    <|im_start|>assistant\\n{previous answer}<|im_end|>\\n          (only with previous_answer)
+    <|im_start|>user\\n{images, prompt}<|im_end|>\\n                (the follow-up turn)
+    <|im_start|>assistant\\n<think>\\n...                           (the generation prompt)
+
+The parent's own generation prompt is not part of the conversation: the template writes an earlier
+assistant turn without the `<think>` block that generation prompt opened, so the restart is before it.
+A Prefill never changes; any number of follow-ups can continue one parent, and a follow-up can be
+continued in turn.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .chat import IM_END, IM_START, THINK_CLOSE
+from .errors import Qwen35Error
+from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids, run_prompt
+from .memory import cache_bytes, out_of_memory, prefill_bytes
+from .model import Qwen35Model
+from .multimodal import IMAGE_PAD, VIDEO_PAD, VisionStats, _as_inputs, build_prompt
+from .rope import TextRun, layout_positions
+
+
+def earlier_answer(answer: str) -> str:
+    """An answer as the chat template writes it in an earlier assistant turn: trimmed, and anything up
+    to its last `</think>` left out (the template never shows earlier thinking)."""
+    answer = answer.strip()
+    return answer.split(THINK_CLOSE)[-1].lstrip("\n") if THINK_CLOSE in answer else answer
+
+
+def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, previous_answer: str | None,
+                  thinking: bool, allow_special_tokens: bool = False):
+    """(token ids, rope parts, vision inputs in prompt order, where the generation prompt starts) of a
+    follow-up turn: the previous answer as an assistant turn (when given), the user turn with its images
+    (placed as the Multimodal Prefill places them), the generation prompt."""
+    if prompt is not None and not isinstance(prompt, str):
+        raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
+    if previous_answer is not None and not isinstance(previous_answer, str):
+        raise Qwen35Error(f"previous_answer must be text (a Generate node's text output), got "
+                          f"{type(previous_answer).__name__}")
+    tok = model.tokenizer
+    user = tok.encode if allow_special_tokens else tok.encode_text
+    head: list[int] = []
+    if previous_answer is not None:
+        head += tok.encode(f"{IM_START}assistant\n") + user(earlier_answer(previous_answer)) + tok.encode(f"{IM_END}\n")
+    head += tok.encode(f"{IM_START}user\n")
+    if inputs:  # the user message's content as the Multimodal Prefill lays it out
+        body, body_parts, ordered = build_prompt(model, prompt, inputs, n_images, use_chat_template=False,
+                                                 allow_special_tokens=allow_special_tokens)
+    else:  # plain text, as the Text Prefill reads it (no placeholders)
+        if not (prompt or "").strip():
+            raise Qwen35Error("the follow-up prompt is empty; write the next question (or connect an image)")
+        body = user(prompt.strip())
+        body_parts, ordered = [TextRun(len(body))], []
+    tail = tok.encode(f"{IM_END}\n")
+    gen = generation_prompt_ids(model, thinking)
+    ids = head + body + tail + gen
+    parts = [TextRun(len(head)), *body_parts, TextRun(len(tail)), TextRun(len(gen))]
+    return ids, parts, ordered, len(ids) - len(gen)
+
+
+@torch.compiler.disable
+def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", images=None, video=None,
+                     previous_answer: str | None = None, thinking: bool = False, max_pixels: int | None = None,
+                     allow_special_tokens: bool = False) -> Prefill:
+    """A follow-up user turn after `parent` (a chat-template prefill of this model), optionally after
+    `previous_answer` as the assistant's turn. Runs only the new tokens, from the parent's state at the
+    end of its user turn; the result equals a prefill of the whole conversation in one go.
+
+    images / video: as prefill_multimodal takes them, for this turn (placed with <image>, <video>).
+    Returns a Prefill with cached_tokens (taken from the parent), new_tokens and `ms` of the new part
+    (the copy of the parent's state, the vision tower and the new tokens). `parent` is unchanged.
+    """
+    if not isinstance(parent, Prefill):
+        raise Qwen35Error(f"continue_prefill needs a Prefill to continue, got {type(parent).__name__}")
+    if parent.model_id != id(model):
+        raise Qwen35Error("this prefill was made by another model (or the same checkpoint loaded again); "
+                          "continue a prefill made by this model, or run the first prefill again with it")
+    if parent.turn is None:
+        raise Qwen35Error("this prefill was made without the chat template (use_chat_template off), so it has "
+                          "no chat turn to continue; turn use_chat_template on in the first prefill, or write "
+                          "the whole text into one raw prompt")
+    if (images is not None or video is not None) and model.vision is None:
+        note = getattr(model, "vision_note", "") or "no model.visual.* weights"
+        raise Qwen35Error(f"this checkpoint has no usable vision tower ({note}), so it cannot read images or "
+                          "video; leave the images input of the follow-up empty")
+    inputs, n_images = _as_inputs(model, images, video, max_pixels) if images is not None or video is not None \
+        else ([], 0)
+    ids, parts, ordered, turn_end = follow_up_ids(model, prompt, inputs, n_images, previous_answer, thinking,
+                                                  allow_special_tokens)
+    turn = parent.turn
+    cached, new = turn.length, len(ids)
+    total, limit = cached + new, model.config.max_position_embeddings
+    if total >= limit:
+        raise Qwen35Error(f"the conversation would have {total:,} tokens ({cached:,} from the earlier turns and "
+                          f"{new:,} new) but the model takes at most {limit:,} positions (prompt and answer "
+                          "together); start a new conversation from a fresh prefill, or shorten the follow-up")
+    model.select_backend()
+    dev = model.device
+    try:
+        x = torch.tensor([ids], dtype=torch.long, device=dev)
+        n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
+        positions = delta = vision = None
+        if ordered:  # rotary ids of the new tokens continue from the parent's next position
+            positions, new_delta = layout_positions(parts, dev)
+            positions = positions + (cached + turn.rope_delta)
+            delta = turn.rope_delta + new_delta
+        _sync(dev)
+        t0 = time.perf_counter()
+        cache = parent.cache.restart(turn, total, device=dev)
+        if ordered:
+            tower = model.vision
+            pixels = torch.cat([inp.pixels.to(dev) for inp in ordered])
+            features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
+            vision = (((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0], features)
+        _sync(dev)
+        t1 = time.perf_counter()
+        logits, child_turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions,
+                                        rope_delta=delta)
+        _sync(dev)
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
+    else:
+        t2 = time.perf_counter()
+        stats = None
+        if inputs:
+            stats = VisionStats(n_vision, new - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                                sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
+        return Prefill(parent.token_ids[:cached] + tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000,
+                       model.backend.name, thinking, id(model), vision=stats, turn=child_turn, cached_tokens=cached)
+    x = cache = vision = None
+    needed = prefill_bytes(model, new) - cache_bytes(model, new) + cache_bytes(model, total)
+    raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
+
+
+__all__ = ["continue_prefill", "follow_up_ids", "earlier_answer"]

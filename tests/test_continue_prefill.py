@@ -1,0 +1,208 @@
+"""Follow-up turns (runtime.continue_prefill) against the whole conversation prefilled in one go: the
+token ids against Qwen3.5's real chat template, the logits against transformers'
+Qwen3_5ForConditionalGeneration (fp32, random weights) and against our own one-shot prefill, with
+images in the first turn and / or the follow-up (M-RoPE positions continue), thinking on and off."""
+import dataclasses
+import re
+
+import pytest
+import torch
+from test_chat import template  # noqa: F401  (fixture)
+from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _image, _make
+
+from qwen35_fast.runtime import Qwen35Error, continue_prefill, generate, prefill, prefill_ids, prefill_multimodal
+from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.sampling import SamplingParams
+
+from _models import rel
+
+TOL = 1e-4
+SYSTEM = "Be brief."
+IMAGE = {"type": "image"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("conv"), TOWERS["d2w32h2"], seed=21)
+
+
+def _hf_logits(hf, pf, images=()):
+    with torch.no_grad():
+        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
+
+
+def _render(template, messages, thinking):  # noqa: F811
+    return template.render(messages=[{"role": "system", "content": SYSTEM}, *messages], add_generation_prompt=True,
+                           enable_thinking=thinking)
+
+
+def _collapse(text):
+    """One <|image_pad|> per image, as the template writes it (the processor expands them)."""
+    return re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", text)
+
+
+def _parent_unchanged(pf, before):
+    ids, logits, k = before
+    assert pf.token_ids == ids and torch.equal(pf.logits, logits)
+    assert all(torch.equal(a, b) for a, b in zip(pf.cache.k, k) if a is not None)
+
+
+def _state(pf):
+    return pf.token_ids, pf.logits.clone(), [None if t is None else t.clone() for t in pf.cache.k]
+
+
+@pytest.mark.parametrize("answer", [None, "Red, green and blue."], ids=["no-answer", "answer"])
+@pytest.mark.parametrize("parent_thinking,thinking", [(False, False), (True, True), (True, False), (False, True)])
+def test_text_follow_up_equals_the_whole_conversation(template, pair, answer, parent_thinking,  # noqa: F811
+                                                      thinking):
+    hf, ours = pair
+    parent = prefill(ours, "Name three colours.", system_prompt=SYSTEM, thinking=parent_thinking)
+    before = _state(parent)
+    child = continue_prefill(ours, parent, "And three animals?", previous_answer=answer, thinking=thinking)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "user", "content": "And three animals?"})
+    want = _render(template, messages, thinking)
+    tok = ours.tokenizer
+    assert tok.decode(child.token_ids) == want
+    assert list(child.token_ids) == tok.encode(want)  # tokenised as the whole rendered text is
+    # the parent's generation prompt is not part of the conversation: the restart is before it
+    gen = len(tok.encode("<|im_start|>assistant\n<think>\n" + ("" if parent_thinking else "\n</think>\n\n")))
+    assert child.cached_tokens == parent.n_tokens - gen
+    assert child.new_tokens == child.n_tokens - child.cached_tokens > 0 and child.ms > 0
+    assert child.token_ids[:child.cached_tokens] == parent.token_ids[:child.cached_tokens]
+    err_hf = rel(child.logits, _hf_logits(hf, child))
+    err_own = rel(child.logits, prefill_ids(ours, list(child.token_ids)).logits)
+    assert err_hf <= TOL and err_own <= TOL, (err_hf, err_own)
+    _parent_unchanged(parent, before)
+
+
+def test_fresh_prefills_report_no_reuse(pair):
+    _, ours = pair
+    pf = prefill(ours, "Hello.")
+    assert pf.cached_tokens == 0 and pf.new_tokens == pf.n_tokens and pf.turn is not None
+    assert pf.turn.length == pf.n_tokens - len(ours.tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n"))
+    raw = prefill(ours, "Hello.", use_chat_template=False)
+    assert raw.turn is None and raw.cached_tokens == 0
+
+
+def test_earlier_thinking_is_left_out_as_the_template_does(template, pair):  # noqa: F811
+    _, ours = pair
+    parent = prefill(ours, "Why is the sky blue?", system_prompt=SYSTEM, thinking=True)
+    raw_answer = "<think>\nLight scatters.\n</think>\n\n  Rayleigh scattering.  "
+    child = continue_prefill(ours, parent, "Say more.", previous_answer=raw_answer)
+    want = _render(template, [{"role": "user", "content": "Why is the sky blue?"},
+                              {"role": "assistant", "content": raw_answer},
+                              {"role": "user", "content": "Say more."}], False)
+    assert ours.tokenizer.decode(child.token_ids) == want and "Light scatters" not in want
+
+
+def test_three_turns_and_siblings(template, pair):  # noqa: F811
+    """A follow-up continued again equals the three-turn conversation; siblings of one parent do not
+    disturb each other or the parent."""
+    hf, ours = pair
+    parent = prefill(ours, "Pick a number.", system_prompt=SYSTEM)
+    before = _state(parent)
+    a = continue_prefill(ours, parent, "Double it.", previous_answer="Seven.")
+    b = continue_prefill(ours, parent, "Halve it.", previous_answer="Seven.")
+    a_again = continue_prefill(ours, parent, "Double it.", previous_answer="Seven.")
+    assert torch.equal(a.logits, a_again.logits) and not torch.equal(a.logits, b.logits)
+    c = continue_prefill(ours, a, "Now add one.", previous_answer="Fourteen.", thinking=True)
+    want = _render(template, [{"role": "user", "content": "Pick a number."},
+                              {"role": "assistant", "content": "Seven."},
+                              {"role": "user", "content": "Double it."},
+                              {"role": "assistant", "content": "Fourteen."},
+                              {"role": "user", "content": "Now add one."}], True)
+    assert ours.tokenizer.decode(c.token_ids) == want
+    assert c.cached_tokens == a.n_tokens - len(ours.tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n"))
+    assert rel(c.logits, _hf_logits(hf, c)) <= TOL
+    assert rel(b.logits, _hf_logits(hf, b)) <= TOL
+    _parent_unchanged(parent, before)
+
+
+@pytest.mark.parametrize("where", ["parent", "follow-up", "both"])
+def test_images_and_positions_continue(template, pair, where):  # noqa: F811
+    hf, ours = pair
+    img1 = preprocess_images(_image(64, 96, 31), SMALL)
+    img2 = preprocess_images(_image(96, 64, 32), SMALL)
+    first = img1 if where in ("parent", "both") else None
+    second = img2 if where in ("follow-up", "both") else None
+    parent = prefill_multimodal(ours, "What is this?", images=first, system_prompt=SYSTEM)
+    before = _state(parent)
+    child = continue_prefill(ours, parent, "Compare with <image>, please.", images=second,
+                             previous_answer="A picture.")
+    q2 = [{"type": "text", "text": "Compare with "}, IMAGE, {"type": "text", "text": ", please."}] if second \
+        else "Compare with <image>, please."  # a text-only follow-up reads <image> as text, like the Text Prefill
+    q1 = [IMAGE, {"type": "text", "text": "What is this?"}] if first else "What is this?"
+    want = _render(template, [{"role": "user", "content": q1}, {"role": "assistant", "content": "A picture."},
+                              {"role": "user", "content": q2}], False)
+    assert _collapse(ours.tokenizer.decode(child.token_ids)) == want
+    images = (first or []) + (second or [])
+    assert rel(child.logits, _hf_logits(hf, child, images)) <= TOL
+    if second:
+        assert child.vision.vision_tokens == second[0].n_tokens()
+        assert child.vision.text_tokens == child.new_tokens - child.vision.vision_tokens
+    else:
+        assert child.vision is None
+    if first:
+        assert parent.cache.rope_delta < 0 and child.cache.rope_delta <= parent.cache.rope_delta
+    _parent_unchanged(parent, before)
+
+
+def test_greedy_generation_after_a_follow_up_with_an_image_equals_transformers(pair):
+    """Decoding after a follow-up continues the rotary positions the images left (rope_delta)."""
+    hf, ours = pair
+    img1 = preprocess_images(_image(80, 64, 33), SMALL)
+    img2 = preprocess_images(_image(64, 80, 34), SMALL)
+    parent = prefill_multimodal(ours, "Caption this.", images=img1)
+    child = continue_prefill(ours, parent, "And this one?", images=img2, previous_answer="A cat.")
+    mine = generate(ours, child, max_new_tokens=10, sampling=SamplingParams(do_sample=False))
+    with torch.no_grad():
+        out = hf.generate(**_hf_inputs(child, img1 + img2), max_new_tokens=len(mine.token_ids), do_sample=False,
+                          eos_token_id=None, pad_token_id=0, min_new_tokens=len(mine.token_ids))
+    assert list(mine.token_ids) == out[0, child.n_tokens:].tolist()
+
+
+def test_errors_name_the_cause_and_the_fix(pair, tmp_path):
+    _, ours = pair
+    parent = prefill(ours, "Hello.")
+    with pytest.raises(Qwen35Error, match="use_chat_template"):
+        continue_prefill(ours, prefill(ours, "Hello.", use_chat_template=False), "More.")
+    with pytest.raises(Qwen35Error, match="empty"):
+        continue_prefill(ours, parent, "   ")
+    with pytest.raises(Qwen35Error, match="previous_answer must be text"):
+        continue_prefill(ours, parent, "More.", previous_answer=3)
+    with pytest.raises(Qwen35Error, match="needs a Prefill"):
+        continue_prefill(ours, "Hello.", "More.")
+    other = _make(tmp_path, TOWERS["d2w32h2"], seed=22)[1]
+    with pytest.raises(Qwen35Error, match="another model"):
+        continue_prefill(other, parent, "More.")
+    real = ours.config
+    ours.config = dataclasses.replace(real, max_position_embeddings=parent.n_tokens + 3)
+    try:
+        new = len(ours.tokenizer.encode("<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+                                        "</think>\n\n"))
+        total = parent.turn.length + new
+        with pytest.raises(Qwen35Error, match=rf"{total} tokens \({parent.turn.length} from the earlier turns and "
+                                              rf"{new} new\) but the model takes at most {parent.n_tokens + 3}"):
+            continue_prefill(ours, parent, "More.")
+    finally:
+        ours.config = real
+
+
+@pytest.mark.parametrize("splits", [(1,), (37,), (64,), (65, 66), (20, 90, 91), (127,)])
+def test_prefill_in_chunks_equals_one_go(pair, splits):
+    """forward_prefill after cached tokens: attention over the cached K/V with the causal offset, the GDN
+    layers from the cached conv and recurrent states; any split gives transformers' logits."""
+    hf, ours = pair
+    ids = torch.randint(0, 248_000, (1, 128), generator=torch.Generator().manual_seed(len(splits)))
+    cache = ours.new_cache(1, 128)
+    for a, b in zip((0, *splits), (*splits, 128)):
+        logits = ours.forward_prefill(ids[:, a:b], cache)[0]
+        assert cache.length == b
+    with torch.no_grad():
+        want = hf(input_ids=ids, logits_to_keep=1).logits[0, -1]
+    assert rel(logits, want) <= TOL
+    with pytest.raises(ValueError, match="do not fit"):
+        ours.forward_prefill(ids[:, :1], cache)
