@@ -10,6 +10,9 @@ import torch
 from .errors import Qwen35Error
 
 
+MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """do_sample False is greedy (the other fields then only apply their penalties)."""
@@ -29,9 +32,9 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise Qwen35Error(f"top_k is {self.top_k!r} ({type(self.top_k).__name__}); it must be a whole number "
                               "(0 turns it off)")
-        if self.do_sample and not self.temperature > 0:
-            raise Qwen35Error(f"temperature {self.temperature} must be > 0 when sampling; turn sampling off "
-                              "for greedy decoding")
+        if self.do_sample and not self.temperature >= MIN_TEMPERATURE:
+            raise Qwen35Error(f"temperature {self.temperature} must be at least {MIN_TEMPERATURE} when sampling "
+                              "(smaller ones overflow the logits); turn sampling off for greedy decoding")
         if self.top_k < 0:
             raise Qwen35Error(f"top_k {self.top_k} must be >= 0 (0 turns it off)")
         if not 0.0 < self.top_p <= 1.0:

@@ -639,3 +639,17 @@ def test_token_ids_as_tensors_and_arrays(folder, still_works):
     want = prefill_ids(model, [1000, 1001, 1002]).logits
     for ids in (torch.tensor([1000, 1001, 1002]), np.array([1000, 1001, 1002]), (1000, 1001, 1002)):
         assert torch.equal(prefill_ids(model, ids).logits, want)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, 1e-30, 1e-39, 5e-324])
+def test_a_temperature_that_would_overflow_the_logits(chat_model, temperature):
+    pf = prefill(chat_model, PROMPT)
+    with pytest.raises(Qwen35Error, match=rf"temperature {temperature} must be at least 0.0001 when sampling"):
+        generate(chat_model, pf, max_new_tokens=3, sampling=SamplingParams(do_sample=True, temperature=temperature))
+
+
+def test_the_smallest_temperature_samples_the_top_token():
+    from qwen35_fast.runtime.sampling import MIN_TEMPERATURE, choose
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
+    pick = choose(logits, SamplingParams(do_sample=True, temperature=MIN_TEMPERATURE), torch.Generator().manual_seed(1))
+    assert pick == int(logits.argmax())
