@@ -9,7 +9,6 @@ import torch
 
 from .errors import Qwen35Error
 
-
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
 
 
