@@ -98,6 +98,8 @@ class ManagedModel:
     def track(self, prefill) -> None:
         """Park this prefill's state with the weights whenever the model is unloaded."""
         self._prefill_caches.add(prefill.cache)
+        if getattr(prefill, "turn", None) is not None:  # the state a follow-up turn restarts from
+            self._prefill_caches.add(prefill.turn)
 
     def load(self, memory_required: int = 0):
         """Brings the weights to the load device, freeing other models' VRAM first so that the weights and

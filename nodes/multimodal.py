@@ -22,7 +22,8 @@ def _video_frames(video):
 
 def _stats(pf, scaled_note: str) -> dict:
     v = pf.vision
-    return {"n_tokens": pf.n_tokens, "ms": round(pf.ms, 2), "tokens_per_s": round(pf.tokens_per_s, 1),
+    return {"n_tokens": pf.n_tokens, "cached_tokens": pf.cached_tokens, "new_tokens": pf.new_tokens,
+            "ms": round(pf.ms, 2), "tokens_per_s": round(pf.tokens_per_s, 1),
             "backend": pf.backend, "thinking": pf.thinking,
             "vision_tokens": v.vision_tokens if v else 0, "text_tokens": v.text_tokens if v else pf.n_tokens,
             "vision_ms": round(v.vision_ms, 2) if v else 0.0, "prefill_ms": round(v.prefill_ms, 2) if v else pf.ms,

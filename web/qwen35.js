@@ -160,14 +160,19 @@ function setupStats(node, name) {
   node.qwen35.stats.textContent = "";
 }
 
+// "12 reused + 30 new · ": tokens taken from the prefill a Continue node continues (0 for a fresh prefill)
+function reuseText(s) {
+  return s.cached_tokens !== undefined ? `${s.cached_tokens} reused + ${s.new_tokens} new · ` : "";
+}
+
 function prefillLine(s) {
   if (s.vision_tokens !== undefined) {  // Multimodal Prefill: one line per prefill of the list
-    return `${s.vision_tokens} image/video + ${s.text_tokens} text tokens · vision ${fmt(s.vision_ms, 1)} ms · ` +
-      `prefill ${fmt(s.prefill_ms, 1)} ms · ${s.backend}` + (s.thinking ? " · thinking" : "") +
-      (s.note ? ` · ${s.note}` : "");
+    return reuseText(s) + `${s.vision_tokens} image/video + ${s.text_tokens} text tokens · ` +
+      `vision ${fmt(s.vision_ms, 1)} ms · prefill ${fmt(s.prefill_ms, 1)} ms · ${s.backend}` +
+      (s.thinking ? " · thinking" : "") + (s.note ? ` · ${s.note}` : "");
   }
-  return `${s.n_tokens} prompt tokens · ${fmt(s.ms, 2)} ms · ${fmt(s.tokens_per_s, 0)} tok/s · ${s.backend}` +
-    (s.thinking ? " · thinking" : "");
+  return `${s.n_tokens} prompt tokens · ` + reuseText(s) +
+    `${fmt(s.ms, 2)} ms · ${fmt(s.tokens_per_s, 0)} tok/s · ${s.backend}` + (s.thinking ? " · thinking" : "");
 }
 
 function loaderLine(s) {
@@ -178,6 +183,7 @@ const SETUP = {
   Qwen35Generate: (node) => setupGenerate(node),
   Qwen35TextPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
   Qwen35MultimodalPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
+  Qwen35ContinuePrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
   Qwen35ModelLoader: (node) => setupStats(node, "qwen35_model_info"),
 };
 
