@@ -10,6 +10,7 @@ import pytest
 from comfyui_harness import (
     PACK_FOLDER,
     WORKFLOWS,
+    checkpoint_for_tests,
     collect_ws,
     for_tests,
     load_workflow,
@@ -28,6 +29,7 @@ EXPECTED_INPUTS = {
                           "allow_special_tokens"},
     "Qwen35MultimodalPrefill": {"model", "prompt", "images", "video", "frames", "frame_rate", "mode", "system_prompt",
                                 "thinking", "max_pixels"},
+    "Qwen35ContinuePrefill": {"prefill", "prompt", "images", "previous_answer", "thinking", "max_pixels"},
     "Qwen35Generate": {"prefill", "max_new_tokens", "sampling", "temperature", "top_k", "top_p", "min_p",
                        "repetition_penalty", "presence_penalty", "seed"},
 }
@@ -35,6 +37,7 @@ EXPECTED_OUTPUTS = {
     "Qwen35ModelLoader": ["QWEN35_MODEL"],
     "Qwen35TextPrefill": ["QWEN35_PREFILL"],
     "Qwen35MultimodalPrefill": ["QWEN35_PREFILL"],
+    "Qwen35ContinuePrefill": ["QWEN35_PREFILL"],
     "Qwen35Generate": ["STRING", "STRING"],
 }
 
@@ -76,6 +79,7 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
     for nid in pack_nodes(prompt, "Qwen35TextPrefill"):  # other tests may have run this workflow on this
         prompt[nid]["inputs"]["prompt"] += f" ({name})"   # server: a new prompt keeps ComfyUI's cache out
     prefills_before = comfy_server.log_text().count("Qwen3.5 prefill:")
+    continues_before = comfy_server.log_text().count("Qwen3.5 continue:")
     entry = comfy_server.wait(comfy_server.queue(prompt))
     assert entry["status"]["status_str"] == "success", entry["status"]["messages"][-1:]
     outputs = entry["outputs"]
@@ -87,9 +91,14 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
     # every prefill ran exactly once, however many Generate nodes read it
     n_prefills = len(pack_nodes(prompt, "Qwen35TextPrefill"))
     assert comfy_server.log_text().count("Qwen3.5 prefill:") - prefills_before == n_prefills
-    if len(generators) == 2:  # one prefill, two seeds
+    sources = {prompt[n]["inputs"]["prefill"][0] for n in generators}
+    if len(generators) == 2 and len(sources) == 1:  # one prefill, two seeds
         texts = [outputs[n]["text"][0] for n in generators]
         assert texts[0] != texts[1], "different seeds gave the same text"
+    _check_follow_ups(prompt, outputs)
+    # each follow-up ran once, whatever its branches
+    assert comfy_server.log_text().count("Qwen3.5 continue:") - continues_before == \
+        len(pack_nodes(prompt, "Qwen35ContinuePrefill"))
     for nid in pack_nodes(prompt, "Qwen35MultimodalPrefill"):  # the image came from ComfyUI's LoadImage
         stats = outputs[nid]["qwen35_prefill"]
         assert stats and all(s["vision_tokens"] > 0 and s["vision_ms"] > 0 for s in stats), stats
@@ -97,6 +106,29 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
         assert "text" in outputs[nid]
     if any(prompt[n]["inputs"].get("thinking") for n in pack_nodes(prompt, "Qwen35TextPrefill")):
         assert all("thinking" in outputs[n] for n in generators)
+
+
+def _check_follow_ups(prompt: dict, outputs: dict) -> None:
+    """Each Continue node reused its parent up to the parent's generation prompt and read only its own turn;
+    the parent's image was read once, by the parent."""
+    from qwen35_fast.runtime.chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING
+    from qwen35_fast.runtime.tokenizer import load_tokenizer
+    follow_ups = pack_nodes(prompt, "Qwen35ContinuePrefill")
+    if not follow_ups:
+        return
+    tok = load_tokenizer(checkpoint_for_tests())
+    for nid in follow_ups:
+        s = outputs[nid]["qwen35_prefill"][0]
+        parent = outputs[prompt[nid]["inputs"]["prefill"][0]]["qwen35_prefill"][0]
+        tail = len(tok.encode(GENERATION_PROMPT_THINKING if parent["thinking"] else GENERATION_PROMPT_NO_THINKING))
+        assert s["cached_tokens"] == parent["n_tokens"] - tail, (s, parent)
+        assert s["new_tokens"] == s["n_tokens"] - s["cached_tokens"] > 0 and s["ms"] > 0, s
+        assert parent["cached_tokens"] == 0 and parent["new_tokens"] == parent["n_tokens"], parent
+        if parent.get("vision_tokens"):  # the image is among the reused tokens; this turn read none
+            assert s["cached_tokens"] > parent["vision_tokens"] and "vision_tokens" not in s, (s, parent)
+        answer = prompt[nid]["inputs"].get("previous_answer")
+        if answer is not None:  # the previous answer went in as the assistant's turn: more new tokens
+            assert s["new_tokens"] > len(tok.encode_text(outputs[answer[0]]["text"][0].strip())), s
 
 
 def test_same_seed_same_text_across_runs(comfy_server):

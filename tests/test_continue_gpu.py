@@ -1,0 +1,61 @@
+"""Follow-up turns on the GPU: continue_prefill on the CUDA kernels (GDN from the cached states, attention
+over the cached K/V) against the whole conversation prefilled in one go."""
+import pytest
+
+from qwen35_fast.runtime import SamplingParams, continue_prefill, generate, load_model, prefill, prefill_ids
+
+from _models import make_hf_model, rel
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    f = tmp_path_factory.mktemp("continue_gpu")
+    make_hf_model(f, seed=6, vocab=248320, head_dim_lin=128)
+    m = load_model(f, dtype="bf16", device="cuda", backend="cuda")
+    assert m.backend.name == "cuda"
+    return m
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_continued_prefill_equals_one_go_on_the_kernels(model, thinking):
+    parent = prefill(model, "Write a short poem about the sea. " * 20, system_prompt="Be brief.", thinking=thinking)
+    answer = generate(model, parent, max_new_tokens=40, sampling=GREEDY)
+    child = continue_prefill(model, parent, "Now one about mountains.", previous_answer=answer.text,
+                             thinking=thinking)
+    assert child.cached_tokens == parent.turn.length and child.new_tokens < child.n_tokens
+    one_go = prefill_ids(model, list(child.token_ids), thinking=thinking)
+    err = rel(child.logits, one_go.logits)
+    assert err < 2e-2, err
+    a = generate(model, child, max_new_tokens=16, sampling=GREEDY)
+    b = generate(model, one_go, max_new_tokens=16, sampling=GREEDY)
+    assert a.token_ids == b.token_ids, f"logits rel err {err:.2e}"
+    grandchild = continue_prefill(model, child, "And one about rivers.", previous_answer=a.text)
+    again = prefill_ids(model, list(grandchild.token_ids))
+    assert rel(grandchild.logits, again.logits) < 2e-2
+    assert generate(model, grandchild, max_new_tokens=16, sampling=GREEDY).token_ids == \
+        generate(model, again, max_new_tokens=16, sampling=GREEDY).token_ids
+
+
+def test_kernels_and_pytorch_path_agree_on_a_follow_up(model):
+    parent = prefill(model, "List five fruits.")
+    child = continue_prefill(model, parent, "Which is the sweetest?", previous_answer="Apple, pear, fig, kiwi, plum.")
+    model.set_backend("torch")
+    try:
+        ref = continue_prefill(model, parent, "Which is the sweetest?", previous_answer="Apple, pear, fig, kiwi, plum.")
+    finally:
+        model.set_backend("cuda")
+    assert child.token_ids == ref.token_ids and rel(child.logits, ref.logits) < 2e-2
+
+
+def test_a_parent_parked_in_ram_continues_the_same(model):
+    """ComfyUI parks cached prefills (and their turn state) in RAM when it unloads the model."""
+    parent = prefill(model, "Name a colour.")
+    on_gpu = continue_prefill(model, parent, "Another one?", previous_answer="Blue.")
+    parent.cache.to("cpu")
+    parent.turn.to("cpu")
+    parked = continue_prefill(model, parent, "Another one?", previous_answer="Blue.")
+    assert all(t.device.type == "cuda" for t in parked.cache.k + parked.cache.ssm if t is not None)
+    assert rel(parked.logits, on_gpu.logits) < 1e-3
