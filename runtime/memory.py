@@ -46,8 +46,10 @@ def _activation_bytes_per_token(model: Qwen35Model) -> int:
 
 
 def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
-    """Device memory a prefill of `n_tokens` needs beyond the weights (its cache stays afterwards)."""
-    return cache_bytes(model, n_tokens) + n_tokens * _activation_bytes_per_token(model) + OVERHEAD
+    """Device memory a prefill of `n_tokens` needs beyond the weights (its cache stays afterwards, and the
+    GDN states at the end of its user turn: cache_bytes of 0 positions)."""
+    return cache_bytes(model, n_tokens) + cache_bytes(model, 0) + n_tokens * _activation_bytes_per_token(model) \
+        + OVERHEAD
 
 
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
