@@ -329,8 +329,11 @@ def locate(path: str | Path) -> Checkpoint:
                           "model*.safetensors")
     try:
         config = from_hf_dict(_read_config(cfg_file), str(cfg_file))
-    except (TypeError, AttributeError) as e:  # a setting of the wrong JSON type (a list where a number goes...)
-        raise Qwen35Error(f"{cfg_file}: a setting has the wrong type ({e}); re-download config.json") from None
+    except Qwen35Error:
+        raise
+    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as e:  # a list where a number goes, a 0...
+        raise Qwen35Error(f"{cfg_file}: a setting has the wrong type or value ({type(e).__name__}: {e}); "
+                          "re-download config.json") from None
     _check_sizes(config, cfg_file)
     index = path / "model.safetensors.index.json"
     if index.exists():

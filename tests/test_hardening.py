@@ -194,7 +194,8 @@ def test_malformed_config_json(folder, tmp_path, still_works, config, message):
     (lambda c: c.update(num_hidden_layers=8, layer_types=None), r"the config has 8 layers but the weights hold 4"),
     (lambda c: c.update(hidden_size="64"), r"hidden_size is '64'; it must be a whole number"),
     (lambda c: c.update(num_hidden_layers=4.0), r"num_hidden_layers is 4.0"),
-    (lambda c: c.update(rope_parameters=[1, 2]), r"a setting has the wrong type"),
+    (lambda c: c.update(rope_parameters=[1, 2]), r"a setting has the wrong type or value \(AttributeError"),
+    (lambda c: c.update(layer_types=None, full_attention_interval=0), r"wrong type or value \(ZeroDivisionError"),
     (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding"]), r"layer_types holds 'sliding'"),
 ])
 def test_config_sizes_are_checked_before_anything_is_allocated(folder, tmp_path, still_works, edit, message):
