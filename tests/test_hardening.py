@@ -654,3 +654,19 @@ def test_the_smallest_temperature_samples_the_top_token():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
     pick = choose(logits, SamplingParams(do_sample=True, temperature=MIN_TEMPERATURE), torch.Generator().manual_seed(1))
     assert pick == int(logits.argmax())
+
+
+def test_shards_linked_from_elsewhere_load_as_in_a_hugging_face_cache(folder, tmp_path, reference):
+    """snapshots/<rev>/model-*.safetensors are links into ../../blobs: the index names them, they load."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snap / f.name).symlink_to(os.path.relpath(blobs / f.name, snap))
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), "pt") as h:
+        names = list(h.keys())
+    (blobs / "index").write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+    (snap / "model.safetensors.index.json").symlink_to(os.path.relpath(blobs / "index", snap))
+    assert _answer(snap) == reference
