@@ -26,6 +26,9 @@ def _args(argv):
                        help="parse special tokens (<|im_start|>...) written in the prompt instead of keeping them text")
         p.add_argument("--image", action="append", default=[], metavar="FILE",
                        help="an image for the prompt (repeat for several; <image>, <image 2> place them); needs Pillow")
+        p.add_argument("--follow-up", action="append", default=[], metavar="TEXT",
+                       help="a further user turn after the answer (repeat for more): the answer goes in as the "
+                            "assistant's turn and only the new turn is read")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
         p.add_argument("--temperature", type=float, default=0.7)
@@ -57,7 +60,7 @@ def _read_image(path: str):
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a = _args(argv)
-    from . import SamplingParams, demo_checkpoint, generate, load_model, prefill
+    from . import SamplingParams, continue_prefill, demo_checkpoint, generate, load_model, prefill
     try:
         path = a.model or demo_checkpoint()
         model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
@@ -77,6 +80,11 @@ def main(argv=None) -> int:
 
         print(f"--- answer ({model.path.name}) ---")
         out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
+        for text in a.follow_up:
+            pf = continue_prefill(model, pf, text, previous_answer=out.text, thinking=a.thinking)
+            print(f"\n--- follow-up ({pf.cached_tokens} tokens reused, {pf.new_tokens} new): {text} ---")
+            out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed,
+                           on_token=show)
     except Qwen35Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,7 +92,8 @@ def main(argv=None) -> int:
     if out.thinking:
         print(f"thinking: {len(out.thinking)} characters (shown above, before the answer)")
     print(f"kernel backend : {model.backend.name} ({model.backend.reason})")
-    print(f"prefill        : {pf.n_tokens} tokens in {pf.ms:.1f} ms = {pf.tokens_per_s:,.0f} tokens/s")
+    reused = f" (and {pf.cached_tokens} reused from the earlier turns)" if pf.cached_tokens else ""
+    print(f"prefill        : {pf.new_tokens} tokens in {pf.ms:.1f} ms = {pf.tokens_per_s:,.0f} tokens/s{reused}")
     if pf.vision is not None:
         print(f"vision         : {pf.vision.vision_tokens} image tokens, tower {pf.vision.vision_ms:.1f} ms")
     print(f"first token    : {out.first_token_ms:.1f} ms")

@@ -206,3 +206,13 @@ def test_prefill_in_chunks_equals_one_go(pair, splits):
     assert rel(logits, want) <= TOL
     with pytest.raises(ValueError, match="do not fit"):
         ours.forward_prefill(ids[:, :1], cache)
+
+
+def test_command_line_follow_ups(capsys):
+    from qwen35_fast.runtime.cli import main
+    assert main(["demo", "--prompt", "Hi", "--follow-up", "And then?", "--follow-up", "Again?", "--max-new-tokens", "3",
+                 "--dtype", "fp32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    reused = [int(n) for n in re.findall(r"--- follow-up \((\d+) tokens reused, \d+ new\)", out)]
+    assert len(reused) == 2 and 0 < reused[0] < reused[1]
+    assert f"(and {reused[1]} reused from the earlier turns)" in out
