@@ -112,3 +112,29 @@ def test_bad_input_names_the_cause_and_the_fix(pack, loaded, models_dir):
             _continue(pack, pf)
     finally:
         loaded.model.config = real
+
+
+def test_turn_states_are_parked_with_the_weights(pack, loaded):
+    """The state a follow-up restarts from is tracked like the prefill's cache (moved to RAM on unload)."""
+    pf = _prefill(pack, loaded)
+    child = _continue(pack, pf, previous_answer="Red.")[0]
+    tracked = list(loaded._prefill_caches)
+    for p in (pf.prefill, child.prefill):
+        assert any(t is p.turn for t in tracked) and any(t is p.cache for t in tracked)
+
+
+@pytest.mark.gpu
+def test_continue_after_unload_models_on_the_gpu(pack, models_dir, comfy):
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="bf16", device="cuda", backend="auto",
+                                           keep_loaded=True)[0]
+    try:
+        pf = _prefill(pack, model)
+        before = _continue(pack, pf, previous_answer="Red.")[0].prefill.logits
+        comfy.mm.unload_all_models()  # "Unload models": the weights and the parked states go to RAM
+        turn = pf.prefill.turn
+        assert all(t is None or t.device.type == "cpu" for t in turn.conv + turn.ssm)
+        after = _continue(pack, pf, previous_answer="Red.")[0]  # loads the weights back by itself
+        assert model.current_loaded_device().type == "cuda"
+        assert rel(after.prefill.logits, before) < 1e-3
+    finally:
+        model.release()
