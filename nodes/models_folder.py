@@ -125,11 +125,12 @@ def find_model(name: str) -> Path | None:
         return listed[name]
     if not isinstance(name, str) or not name or "\0" in name:
         return None
+    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
+        return None  # by name, not by where links lead: a model folder may link to another disk
     for base in folder_paths.get_folder_paths(LLM):
-        root = Path(base).resolve()
-        path = (root / name)
+        path = Path(base) / name
         try:
-            if path.resolve().is_relative_to(root) and path.exists():
+            if path.exists():
                 return path
         except (OSError, ValueError):
             continue

@@ -79,10 +79,12 @@ def test_a_file_of_another_model_picked_anyway(pack, text_encoders, still_works,
         pack.Qwen35ModelLoader.execute(model=name, dtype="auto", device="cpu", backend="auto", keep_loaded=True)
 
 
-def test_a_folder_of_another_model_is_not_listed(pack, models_dir, comfy, still_works):
+def test_a_folder_of_another_model_is_not_listed(pack, models_dir, comfy, tmp_path, still_works):
+    elsewhere = tmp_path / "other-disk" / "Llama-3-8B"  # linked in from another disk, as people do
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text(json.dumps({"model_type": "llama"}))
     other = models_dir / "LLM" / "Llama-3-8B"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    other.symlink_to(elsewhere, target_is_directory=True)
     try:
         assert "Llama-3-8B" not in _listed(pack)
         from qwen35_fast.runtime import Qwen35Error
@@ -90,7 +92,7 @@ def test_a_folder_of_another_model_is_not_listed(pack, models_dir, comfy, still_
             pack.Qwen35ModelLoader.execute(model="Llama-3-8B", dtype="auto", device="cpu", backend="auto",
                                            keep_loaded=True)
     finally:
-        shutil.rmtree(other)
+        other.unlink()
 
 
 def test_names_outside_the_model_folders_are_refused(pack, models_dir, still_works):
