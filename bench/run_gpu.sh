@@ -76,6 +76,8 @@ fi
 if [ "$e2e" = 1 ]; then
   python3 bench/e2e.py --out "$OUT/e2e-h200.json" 2>&1 | tee "$OUT/e2e.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 bench/continue_prefill.py --out "$OUT/continue-h200.json" 2>&1 | tee "$OUT/continue.log" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$bench" = 1 ]; then
