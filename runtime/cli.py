@@ -62,6 +62,11 @@ def main(argv=None) -> int:
     a = _args(argv)
     from . import SamplingParams, continue_prefill, demo_checkpoint, generate, load_model, prefill
     try:
+        # the settings first: a typo in them should not cost a model load
+        sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+        sampling.check()
+        if a.max_new_tokens < 1:
+            raise Qwen35Error(f"--max-new-tokens is {a.max_new_tokens}; it must be at least 1")
         path = a.model or demo_checkpoint()
         model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
         if a.image:
@@ -72,7 +77,6 @@ def main(argv=None) -> int:
         else:
             pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
                          allow_special_tokens=a.allow_special_tokens)
-        sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
 
         def show(delta, n, total):
             sys.stdout.write(delta)

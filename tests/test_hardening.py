@@ -670,3 +670,15 @@ def test_shards_linked_from_elsewhere_load_as_in_a_hugging_face_cache(folder, tm
     (blobs / "index").write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
     (snap / "model.safetensors.index.json").symlink_to(os.path.relpath(blobs / "index", snap))
     assert _answer(snap) == reference
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sample", "--temperature", "nan"], "temperature is nan"),
+    (["--max-new-tokens", "0"], "--max-new-tokens is 0; it must be at least 1"),
+])
+def test_cli_checks_settings_before_loading(tmp_path, args, message):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-m", "qwen35_fast", "run", "--model", str(tmp_path / "absent"), *args],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and f"error: {message}" in out.stderr  # not "does not exist": nothing was loaded
+    assert "--- answer" not in out.stdout
