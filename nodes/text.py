@@ -125,6 +125,7 @@ class Qwen35Generate(io.ComfyNode):
         params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, repetition_penalty=repetition_penalty,
                                 presence_penalty=presence_penalty)
+        params.check()  # before the weights are moved back to the GPU for nothing
         bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
         event = {"node": node_id, "display_node": display_node}
 

@@ -271,3 +271,18 @@ def test_a_failing_header_check_does_not_break_the_listing(pack, models_dir, mon
     assert "qwen35-demo" in listed
     if (models_dir / "text_encoders" / "qwen35_demo_single.safetensors").exists():
         assert "qwen35_demo_single.safetensors" in listed  # listed: loading it will say what is wrong
+
+
+def test_bad_settings_do_not_bring_the_weights_back(pack, models_dir, comfy, still_works):
+    from qwen35_fast.runtime import Qwen35Error
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=True)[0]
+    try:
+        pf = _prefill(pack, model)
+        model.release()  # unloaded, as after "Unload models"
+        with pytest.raises(Qwen35Error, match="top_p 0.0"):
+            pack.Qwen35Generate.execute(prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50,
+                                        top_p=0.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)
+        assert not any(m.model is model for m in comfy.mm.current_loaded_models)
+    finally:
+        model.release()
