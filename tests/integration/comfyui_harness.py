@@ -157,7 +157,7 @@ def simple_prompt(text="Name three colours.", max_new_tokens=8, seed=0, keep_loa
             "model": DEMO_MODEL, "dtype": "auto", "device": "auto", "backend": "auto", "keep_loaded": keep_loaded}},
         "2": {"class_type": "Qwen35TextPrefill", "inputs": {
             "model": ["1", 0], "prompt": text, "system_prompt": "", "thinking": thinking,
-            "use_chat_template": True}},
+            "use_chat_template": True, "allow_special_tokens": False}},
         "3": {"class_type": "Qwen35Generate", "inputs": {
             "prefill": ["2", 0], "max_new_tokens": max_new_tokens, "sampling": sampling, "temperature": 0.9,
             "top_k": 50, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
