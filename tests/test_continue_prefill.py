@@ -106,6 +106,8 @@ def test_three_turns_and_siblings(template, pair):  # noqa: F811
     before = _state(parent)
     a = continue_prefill(ours, parent, "Double it.", previous_answer="Seven.")
     b = continue_prefill(ours, parent, "Halve it.", previous_answer="Seven.")
+    generate(ours, a, max_new_tokens=4)  # decoding works on a copy: neither a nor its parent's turn state moves
+    generate(ours, parent, max_new_tokens=4)
     a_again = continue_prefill(ours, parent, "Double it.", previous_answer="Seven.")
     assert torch.equal(a.logits, a_again.logits) and not torch.equal(a.logits, b.logits)
     c = continue_prefill(ours, a, "Now add one.", previous_answer="Fourteen.", thinking=True)
