@@ -71,3 +71,28 @@ def test_a_parent_parked_in_ram_continues_the_same(model):
     parked = continue_prefill(model, parent, "Another one?", previous_answer="Blue.")
     assert all(t.device.type == "cuda" for t in parked.cache.k + parked.cache.ssm if t is not None)
     assert rel(parked.logits, on_gpu.logits) < 1e-3
+
+
+def test_a_follow_up_with_an_image_on_the_kernels(model):
+    """The tower's tokens in a follow-up, at rotary positions continuing the parent's: kernels vs PyTorch path,
+    and the continued prefill vs the first turn read with the image in one go."""
+    import torch
+
+    from qwen35_fast.runtime import prefill_multimodal
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_images
+    pp = Preprocessing(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 12)
+    image = preprocess_images(torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(3)), pp, "cuda")
+    parent = prefill(model, "I will show you a picture.")
+    child = continue_prefill(model, parent, "Here: <image> What is it?", images=image, previous_answer="Go ahead.")
+    assert child.vision.vision_tokens == image[0].n_tokens() and child.cache.rope_delta < 0
+    model.set_backend("torch")
+    try:
+        ref = continue_prefill(model, parent, "Here: <image> What is it?", images=image, previous_answer="Go ahead.")
+    finally:
+        model.set_backend("cuda")
+    assert rel(child.logits, ref.logits) < 2e-2
+    # an image in the first turn, then a text follow-up that reuses it (read once, by the first turn)
+    first = prefill_multimodal(model, "What is it?", images=image)
+    follow = continue_prefill(model, first, "And its colour?", previous_answer="A picture.")
+    assert follow.cached_tokens == first.turn.length and follow.vision is None
+    assert generate(model, follow, max_new_tokens=8, sampling=GREEDY).n_tokens >= 1
