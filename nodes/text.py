@@ -48,7 +48,7 @@ class Qwen35TextPrefill(io.ComfyNode):
                                          "of Generate separately."),
                 io.Boolean.Input("use_chat_template", default=True, advanced=True,
                                  tooltip="Off: the prompt goes in as raw text, for completion."),
-                io.Boolean.Input("allow_special_tokens", default=False, advanced=True,
+                io.Boolean.Input("allow_special_tokens", default=False, advanced=True, optional=True,
                                  tooltip="On: special tokens written in the prompt (<|im_start|>, <think>...) "
                                          "act as such. Off: they stay plain text and cannot open a chat turn."),
             ],
