@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
-#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/gdn.py, bench/paged_attention.py.
+#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/vision.py, bench/gdn.py, bench/paged_attention.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
 # The nodes' tests (tests/test_nodes.py, the VRAM test among them) run against a real ComfyUI when
 # .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
 # the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them).
-#   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-sanitizer] [--no-e2e] [--no-bench] [--no-peers]
+#   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-sanitizer] [--no-e2e] [--no-vision] [--no-bench] [--no-peers]
+# GPU_TESTS (space-separated test files) replaces the default list, e.g. to rerun only the runtime's tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-tests=1 comfyui=1 sanitizer=1 bench=1 peers=1 e2e=1
+tests=1 comfyui=1 sanitizer=1 bench=1 peers=1 e2e=1 vision=1
 for a in "$@"; do
   case $a in
-    --no-tests) tests=0 ;; --no-comfyui) comfyui=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;;
+    --no-tests) tests=0 ;; --no-comfyui) comfyui=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;; --no-vision) vision=0 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -48,7 +49,10 @@ export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_runtime_gpu.py tests/test_paged_attention.py \
+  default_tests="tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_paged_attention.py
+    tests/test_runtime_gpu.py tests/test_vision_gpu.py tests/test_continue_gpu.py"
+  # shellcheck disable=SC2086  # a list of paths
+  python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider ${GPU_TESTS:-$default_tests} \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -77,6 +81,12 @@ if [ "$e2e" = 1 ]; then
   python3 bench/e2e.py --out "$OUT/e2e-h200.json" 2>&1 | tee "$OUT/e2e.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 bench/continue_prefill.py --out "$OUT/continue-h200.json" 2>&1 | tee "$OUT/continue.log" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if [ "$vision" = 1 ]; then
+  python3 bench/vision.py --out "$OUT/vision-h200.json" --compile-budget-s "${VISION_COMPILE_S:-150}" 2>&1 \
+    | tee "$OUT/vision.log" | grep -v '^ ' | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
