@@ -115,27 +115,14 @@ def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:
 def run_prompt(model: Qwen35Model, x: torch.Tensor, cache: Cache, turn_end: int | None = None, vision=None,
                positions=None, rope_delta: int | None = None) -> tuple[torch.Tensor, GDNState | None]:
     """model.forward_prefill of ids x [1, T] after what `cache` holds; returns (logits [vocab], the state
-    after the first `turn_end` of the T tokens, or None). With turn_end the prompt runs in two parts and
-    the state between them is kept: the end of the user turn, where a follow-up turn restarts (the
-    generation prompt after it is not part of a later conversation). vision, positions, rope_delta: as
+    after the first `turn_end` of the T tokens, or None). That state is the end of the user turn, where a
+    follow-up turn restarts (the generation prompt after it is not part of a later conversation); it comes
+    from the same pass over the weights (forward_prefill_kept). vision, positions, rope_delta: as
     forward_prefill takes them for all T tokens."""
-    T = x.shape[1]
-    if turn_end is None or not 0 < turn_end < T:
+    if turn_end is None or not 0 < turn_end < x.shape[1]:
         return model.forward_prefill(x, cache, vision, positions, rope_delta)[0], None
-    v1 = v2 = None
-    if vision is not None:
-        index, features = vision
-        first = index < turn_end
-        v1 = (index[first], features[first]) if bool(first.any()) else None
-        v2 = (index[~first] - turn_end, features[~first]) if not bool(first.all()) else None
-    p1 = p2 = None
-    delta1 = None
-    if positions is not None:
-        p1, p2 = positions[:, :turn_end], positions[:, turn_end:]
-        delta1 = int(p1.max()) + 1 - (cache.length + turn_end)
-    model.forward_prefill(x[:, :turn_end], cache, v1, p1, delta1)
-    turn = cache.snapshot()
-    return model.forward_prefill(x[:, turn_end:], cache, v2, p2, rope_delta)[0], turn
+    logits, turn = model.forward_prefill_kept(x, cache, turn_end, vision, positions, rope_delta)
+    return logits[0], turn
 
 
 @torch.compiler.disable

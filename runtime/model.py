@@ -100,11 +100,6 @@ class Cache:
         for xs in (self.conv, self.ssm, self.k, self.v):
             xs[:] = [None if t is None else t.to(device) for t in xs]
 
-    def snapshot(self) -> "GDNState":
-        """A copy of the GDN layers' states as they are now (after `length` tokens)."""
-        copy = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731
-        return GDNState(copy(self.conv), copy(self.ssm), self.length, self.rope_delta)
-
     def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
         """A new cache at the point `state` was taken: this cache's first `state.length` K/V entries (the
         tokens this cache held then; they never change) and `state`'s GDN states, with room for `capacity`
@@ -245,15 +240,24 @@ class Qwen35Model(nn.Module):
         o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=be)
         return F.linear(o.flatten(-2), m.out_proj)
 
-    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
-        # a cache that already holds tokens continues from its states (None in a fresh cache)
+    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=None):
+        # a cache that already holds tokens continues from its states (None in a fresh cache). With
+        # cut = (c, snap) the recurrence runs in two parts, tokens [0, c) and [c, T), and the states
+        # between them go to snap: the projections and norms still run once over all T tokens.
         mixed, z, b, a = self._split_gdn(m, x)
-        mixed, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=cache.conv[i],
+        T = x.shape[1]
+        bounds = (0, T) if cut is None else (0, cut[0], T)
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if lo:
+                cut[1].conv[i], cut[1].ssm[i] = cache.conv[i], cache.ssm[i]
+            y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed[:, lo:hi], m.conv_w, initial_state=cache.conv[i],
                                                              backend=be)
-        q, k, v = self._qkv_heads(mixed)
-        o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=cache.ssm[i],
-                                                    backend=be)
-        return self._gdn_out(m, o, z, be)
+            q, k, v = self._qkv_heads(y)
+            o, cache.ssm[i] = kernels.gdn_chunk_prefill(q, k, v, a[:, lo:hi], b[:, lo:hi], m.A_log, m.dt_bias,
+                                                        initial_state=cache.ssm[i], backend=be)
+            outs.append(o)
+        return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         mixed, z, b, a = self._split_gdn(m, x[:, 0])
@@ -292,7 +296,7 @@ class Qwen35Model(nn.Module):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None, positions=None):
+    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None, positions=None, cut=None):
         c = self.config
         T = h.shape[1]
         if positions is None:  # text: the cache slot plus the offset images before it left
@@ -303,7 +307,8 @@ class Qwen35Model(nn.Module):
         for i, blk in enumerate(self.blocks):
             x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
             if blk.kind == LINEAR:
-                x = (self._gdn_decode if decode else self._gdn_prefill)(blk.mixer, x, cache, i, be)
+                x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
+                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut))
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, start, be, slot)
             h = h + x
@@ -326,7 +331,6 @@ class Qwen35Model(nn.Module):
                 cache.v[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return cache
 
-    @torch.inference_mode()
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
                         rope_delta: int | None = None) -> torch.Tensor:
         """Run prompt ids [B, T] into `cache` after the `cache.length` tokens it holds (0 for a new cache):
@@ -338,19 +342,39 @@ class Qwen35Model(nn.Module):
         slot plus the cache's rope_delta); rope_delta: stored in the cache for the tokens after this
         chunk (rope.py; None keeps the cache's).
         """
+        return self._prefill(ids, cache, vision, positions, rope_delta, None)[0]
+
+    def forward_prefill_kept(self, ids: torch.Tensor, cache: Cache, keep_at: int, vision=None, positions=None,
+                             rope_delta: int | None = None) -> tuple[torch.Tensor, "GDNState"]:
+        """forward_prefill that also returns the GDN states after the first `keep_at` (0 < keep_at < T) of
+        the T tokens, from the same pass (only the recurrence is cut there): with the cache's first
+        cache.length + keep_at K/V entries it is the model state at that point (Cache.restart)."""
+        if not 0 < keep_at < ids.shape[1]:
+            raise ValueError(f"forward_prefill_kept: keep_at {keep_at} must lie inside the {ids.shape[1]} tokens")
+        return self._prefill(ids, cache, vision, positions, rope_delta, keep_at)
+
+    @torch.inference_mode()
+    def _prefill(self, ids, cache: Cache, vision, positions, rope_delta, keep_at):
         start = cache.length
         if start + ids.shape[1] > cache.capacity:
             raise ValueError(f"forward_prefill: {ids.shape[1]} tokens after {start} do not fit a cache of "
                              f"{cache.capacity} positions")
+        kept = None
+        if keep_at is not None:
+            n = len(cache.conv)
+            delta = (cache.rope_delta if positions is None
+                     else int(positions[:, :keep_at].max()) + 1 - (start + keep_at))
+            kept = GDNState([None] * n, [None] * n, start + keep_at, delta)
         h = F.embedding(ids, self.embed)
         if vision is not None:
             index, features = vision
             h[0].index_copy_(0, index, features.to(h.dtype))
-        h = self._layers(h, cache, start, decode=False, positions=positions)
+        h = self._layers(h, cache, start, decode=False, positions=positions,
+                         cut=None if kept is None else (keep_at, kept))
         cache.length = start + ids.shape[1]
         if rope_delta is not None:
             cache.rope_delta = rope_delta
-        return self.logits(h[:, -1])
+        return self.logits(h[:, -1]), kept
 
     @torch.inference_mode()
     def forward_decode(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
