@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_harness import DEMO_MODEL, PACK_FOLDER, ROOT, ComfyServer, checkpoint_for_tests, free_port
+from comfyui_harness import (
+    DEMO_MODEL,
+    OTHER_TEXT_ENCODER,
+    PACK_FOLDER,
+    ROOT,
+    ComfyServer,
+    checkpoint_for_tests,
+    free_port,
+)
 
 START_TIMEOUT_S = 300
 
@@ -32,6 +40,7 @@ def comfy_server(tmp_path_factory):
     if (comfy_dir / "input" / "example.png").exists():  # the image the captioning workflows load
         shutil.copy(comfy_dir / "input" / "example.png", base / "input" / "example.png")
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+    _other_models(base / "models")
     (base / "models" / "LLM" / DEMO_MODEL).symlink_to(checkpoint_for_tests(), target_is_directory=True)
     port = free_port()
     log = base / "comfyui.log"
@@ -69,3 +78,19 @@ def object_info(comfy_server):
     return comfy_server.get("/object_info")
 
 
+
+
+def _other_models(models: Path) -> None:
+    """What a real models folder also holds: another text encoder (Qwen3-style key names, tiny shapes)
+    and an entry the listing cannot read (a symbolic link to itself, as a broken mount might leave).
+    Neither may reach the loader's list, and neither may take the loader node off /object_info."""
+    import torch
+    from safetensors.torch import save_file
+
+    enc = models / "text_encoders"
+    enc.mkdir(parents=True, exist_ok=True)
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8),
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+               "model.layers.0.self_attn.q_norm.weight": torch.zeros(8),
+               "model.norm.weight": torch.zeros(8)}, str(enc / OTHER_TEXT_ENCODER))
+    (models / "LLM" / "loop").symlink_to(models / "LLM" / "loop")

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from comfyui_harness import (
+    OTHER_TEXT_ENCODER,
     PACK_FOLDER,
     WORKFLOWS,
     checkpoint_for_tests,
@@ -240,3 +241,24 @@ def test_runtime_errors_reach_comfyui_with_their_message(comfy_server):
     error = next(m[1] for m in entry["status"]["messages"] if m[0] == "execution_error")
     assert error["node_type"] == "Qwen35TextPrefill"
     assert "prompt is empty" in error["exception_message"]
+
+
+def test_model_list_leaves_out_other_models_and_what_it_cannot_read(object_info):
+    # issue 12, items 1 and 2: a Qwen3-style text encoder and a self-referencing link sit in the folders
+    # (this server runs as whoever runs the tests, often root, whom no folder refuses: the PermissionError
+    # case itself is tests/test_nodes_hardening.py's, against ComfyUI's modules in-process)
+    options = object_info["Qwen35ModelLoader"]["input"]["required"]["model"][1]["options"]
+    assert "qwen35-demo" in options
+    assert not any(OTHER_TEXT_ENCODER in o or o.endswith("loop") for o in options), options
+
+
+def test_device_cuda_on_a_cpu_comfyui_is_named(comfy_server):
+    # issue 12, item 9: this server runs with --cpu
+    prompt = simple_prompt(seed=41)
+    prompt["1"]["inputs"]["device"] = "cuda"
+    entry = comfy_server.wait(comfy_server.queue(prompt))
+    assert entry["status"]["status_str"] == "error"
+    error = next(m[1] for m in entry["status"]["messages"] if m[0] == "execution_error")
+    assert error["node_type"] == "Qwen35ModelLoader"
+    assert "ComfyUI runs on cpu" in error["exception_message"], error["exception_message"]
+    assert comfy_server.wait(comfy_server.queue(simple_prompt(seed=41)))["status"]["status_str"] == "success"
