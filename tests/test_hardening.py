@@ -449,7 +449,7 @@ def test_out_of_memory_in_prefill_says_what_to_change(folder, monkeypatch, still
     before = prefill(model, PROMPT).logits
     n = len(prefill(model, PROMPT).token_ids)
     with monkeypatch.context() as m:
-        m.setattr(model, "forward_prefill", _oom)
+        m.setattr(model, "_prefill", _oom)  # under forward_prefill and forward_prefill_kept
         with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {n} tokens: that needs "
                                               r"about \d+\.\d\d GiB beyond the model's 0\.\d\d GiB of weights, and "
                                               r"\d+\.\d\d GiB of \d+\.\d\d GiB is free\. Shorten the prompt"):
@@ -536,10 +536,10 @@ def test_cpu_allocator_failure_is_out_of_memory_and_other_errors_pass(folder, mo
         raise RuntimeError("shape mismatch")
 
     with monkeypatch.context() as m:
-        m.setattr(model, "forward_prefill", no_ram)
+        m.setattr(model, "_prefill", no_ram)
         with pytest.raises(Qwen35Error, match=r"out of memory on cpu reading a prompt of"):
             prefill(model, PROMPT)
-        m.setattr(model, "forward_prefill", bug)
+        m.setattr(model, "_prefill", bug)
         with pytest.raises(RuntimeError, match="shape mismatch"):
             prefill(model, PROMPT)
 
