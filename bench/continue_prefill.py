@@ -1,7 +1,7 @@
 """A follow-up turn read with continue_prefill against the whole conversation read in one go, on a
 Qwen3.5-9B-shaped model (random weights, bf16, our kernels): time to the follow-up's first logits, the
-logits' agreement, and what keeping the turn-end snapshot costs a fresh prefill (it runs the
-generation prompt as a second chunk). Writes bench/results/continue-h200.json (or --out).
+logits' agreement, and what keeping the turn-end snapshot costs a fresh prefill (the GDN recurrence is
+cut at the turn end, inside the same pass). Writes bench/results/continue-h200.json (or --out).
 
     python3 bench/continue_prefill.py [--tokens 4096] [--layers 32] [--out PATH]
     python3 bench/continue_prefill.py --tiny --device cpu --tokens 256   # a smoke run without a GPU
