@@ -1,9 +1,9 @@
-"""format_chat against the real chat template (../shared/qwen35-tokenizer/chat_template.jinja), and split_thinking."""
+"""format_chat against the real chat template (../shared/qwen35-tokenizer/chat_template.jinja)."""
 from pathlib import Path
 
 import pytest
 
-from qwen35_fast.runtime.chat import format_chat, split_thinking
+from qwen35_fast.runtime.chat import format_chat
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "qwen35-tokenizer" / "chat_template.jinja"
 
@@ -56,39 +56,3 @@ def test_format_chat_literal():
     assert format_chat(" Hi\n", system_prompt="Be brief.", thinking=True) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n")
-
-
-@pytest.mark.parametrize("text, expected", [
-    # the prompt opened <think>; the generation holds only the closing tag
-    ("Let me think.\nOK.\n</think>\n\nThe answer is 4.", ("Let me think.\nOK.", "The answer is 4.")),
-    # the model opened and closed its own block
-    ("<think>\nreasoning here\n</think>\n\nFinal.", ("reasoning here", "Final.")),
-    # thinking off: the prompt closed an empty block; nothing but the answer
-    ("Just the answer.\n", ("", "Just the answer.")),
-    # unterminated thinking (ran out of tokens)
-    ("<think>\nstill thinking about", ("still thinking about", "")),
-    # empty thinking block
-    ("<think>\n\n</think>\n\nHi there", ("", "Hi there")),
-    # end-of-turn markers left in the text
-    ("hm</think>\n\nDone.<|im_end|>\n", ("hm", "Done.")),
-    ("Answer only<|im_end|><|endoftext|>", ("", "Answer only")),
-    # a later </think> belongs to the answer
-    ("a</think>b</think>c", ("a", "b</think>c")),
-    ("", ("", "")),
-    ("</think>", ("", "")),
-])
-def test_split_thinking(text, expected):
-    assert split_thinking(text) == expected
-
-
-def test_split_thinking_started_in_thinking():
-    assert split_thinking("reasoning cut off", started_in_thinking=True) == ("reasoning cut off", "")
-    assert split_thinking("r</think>a", started_in_thinking=True) == ("r", "a")
-    assert split_thinking("reasoning cut off") == ("", "reasoning cut off")
-
-
-def test_format_then_split_round_trip():
-    prompt = format_chat("What is 2+2?", thinking=True)
-    generated = "2 plus 2 is 4.\n</think>\n\n4<|im_end|>"
-    assert prompt.endswith("<think>\n")
-    assert split_thinking(generated) == ("2 plus 2 is 4.", "4")
