@@ -84,7 +84,8 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
         out, stats = [], []
         for batch in batches:
             pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
-                                    thinking=thinking, max_pixels=max_pixels or None)
+                                    thinking=thinking, max_pixels=max_pixels or None,
+                                    reserve=lambda needed: model.load(memory_required=needed))
             note = ""
             if pf.vision is not None and pf.vision.scaled_down:
                 limit = max_pixels or "the checkpoint's max_pixels"

@@ -52,6 +52,19 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
         + OVERHEAD
 
 
+def vision_bytes(model: Qwen35Model, n_patches: int) -> int:
+    """Device memory the vision tower needs for `n_patches` patches beyond its weights: the fp32 pixels, the
+    widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU) and the
+    merged tokens; attention as SDPA's fused kernels run it. 0 for a model without a tower."""
+    if model.vision is None or n_patches <= 0:
+        return 0
+    vc = model.vision.config
+    b = model.dtype.itemsize
+    d, i = vc.hidden_size, vc.intermediate_size
+    per_patch = 4 * vc.patch_dim + b * (5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d + b * vc.out_hidden_size
+    return n_patches * per_patch + OVERHEAD
+
+
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
     """Device memory a generation needs at its start beyond the weights: its copy of the cache (and room to
     grow it once), one token's activations, the logits."""
@@ -91,4 +104,4 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
         "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
 
 
-__all__ = ["cache_bytes", "prefill_bytes", "generate_bytes", "free_bytes", "out_of_memory"]
+__all__ = ["cache_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory"]

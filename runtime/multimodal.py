@@ -15,13 +15,15 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
-from .generate import Prefill, _sync, run_prompt
+from .generate import Prefill, _is_out_of_memory, _sync, run_prompt
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
+from .memory import out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .rope import TextRun, VisionSpan, layout_positions
 
@@ -156,13 +158,18 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
 @torch.compiler.disable
 def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
                        thinking: bool = False, use_chat_template: bool = True,
-                       max_pixels: int | None = None, allow_special_tokens: bool = False) -> Prefill:
+                       max_pixels: int | None = None, allow_special_tokens: bool = False,
+                       reserve: Callable[[int], None] | None = None) -> Prefill:
     """Prefill a prompt with images and / or a video.
 
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
       a list of such tensors, or VisionInputs from media.preprocess_images; video: (frames [F, H, W, C],
       fps) or a VisionInput from media.preprocess_video. max_pixels overrides the checkpoint's limit
-      per image. Returns a Prefill; generate() continues from it as from a text prefill.
+      per image. reserve(bytes), when given, is called once the prompt is laid out and before any device
+      work, with what the tower and the prefill will need beyond the weights (runtime.memory), so that a
+      caller can make room (the nodes ask ComfyUI's model management). Returns a Prefill; generate()
+      continues from it as from a text prefill. Running out of memory ends in a Qwen35Error that says what
+      was needed and free; the model is unchanged.
     """
     has_vision = images is not None or video is not None
     if has_vision and model.vision is None:
@@ -178,25 +185,39 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
                           f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
-    positions, delta = layout_positions(parts, model.device)
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    vision = None
+    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.pixels.shape[0] for inp in ordered))
+    if reserve is not None:
+        reserve(needed)
     model.select_backend()
-    _sync(model.device)
-    t0 = time.perf_counter()
-    if ordered:
-        tower = model.vision
-        pixels = torch.cat([inp.pixels.to(model.device) for inp in ordered])
-        features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
-        slots = ((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0]
-        vision = (slots, features)
-    _sync(model.device)
-    t1 = time.perf_counter()
-    cache = model.new_cache(1, len(ids))
-    turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
-    logits, turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions, rope_delta=delta)
-    _sync(model.device)
-    t2 = time.perf_counter()
+    try:
+        positions, delta = layout_positions(parts, model.device)
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
+        vision = None
+        _sync(model.device)
+        t0 = time.perf_counter()
+        if ordered:
+            tower = model.vision
+            pixels = torch.cat([inp.pixels.to(model.device) for inp in ordered])
+            features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
+            slots = ((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0]
+            vision = (slots, features)
+        _sync(model.device)
+        t1 = time.perf_counter()
+        cache = model.new_cache(1, len(ids))
+        turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
+        logits, turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions, rope_delta=delta)
+        _sync(model.device)
+        t2 = time.perf_counter()
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise
+        oom = True  # reported below, once this frame's tensors and the traceback are gone
+    else:
+        oom = False
+    if oom:
+        x = vision = pixels = features = cache = None
+        raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
+                                   "tokens; lower max_pixels or use fewer frames or images to need less)", needed)
     stats = VisionStats(n_vision, len(ids) - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
     return Prefill(tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000, model.backend.name, thinking, id(model),

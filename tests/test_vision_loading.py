@@ -113,3 +113,29 @@ def test_command_line_reads_an_image(tmp_path, capsys):
     h, w = smart_resize(64, 96)  # scaled up to min_pixels: 224 x 320
     assert f"vision         : {h * w // 32 ** 2} image tokens" in capsys.readouterr().out
     assert main(["demo", "--image", str(tmp_path / "missing.png")]) == 2
+
+
+def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folder, monkeypatch):
+    from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
+
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    asked = []
+    before = prefill_multimodal(model, "Caption this.", images=IMAGE, reserve=asked.append)
+    n_patches = sum(t * h * w for t, h, w in before.vision.grids)  # after the resize to the pixel limits
+    assert asked == [prefill_bytes(model, before.n_tokens) + vision_bytes(model, n_patches)]
+    assert vision_bytes(model, n_patches) > vision_bytes(model, 0) == 0
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with monkeypatch.context() as m:
+        m.setattr(model.vision, "forward", oom)
+        with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {before.n_tokens} tokens "
+                                              r"\(\d+ of them image / video tokens; lower max_pixels.*\): that needs "
+                                              r"about \d+\.\d\d GiB"):
+            prefill_multimodal(model, "Caption this.", images=IMAGE)
+        m.setattr(model, "_prefill", oom)
+        with pytest.raises(Qwen35Error, match="out of memory on cpu"):
+            prefill_multimodal(model, "Caption this.", images=IMAGE)
+    after = prefill_multimodal(model, "Caption this.", images=IMAGE)
+    assert torch.equal(after.logits, before.logits)  # the model is unchanged
