@@ -70,6 +70,20 @@ def loaded(pack, models_dir, comfy):
     out[0].release()
 
 
+@pytest.fixture
+def memory_asked(comfy, monkeypatch):
+    """The memory_required of every load_models_gpu call during the test (ComfyUI's own function still runs)."""
+    asked = []
+    real = comfy.mm.load_models_gpu
+
+    def load_models_gpu(models, memory_required=0, **kw):
+        asked.append(memory_required)
+        return real(models, memory_required=memory_required, **kw)
+
+    monkeypatch.setattr(comfy.mm, "load_models_gpu", load_models_gpu)
+    return asked
+
+
 def _prefill(pack, model, prompt="Name three colours.", thinking=False):
     return pack.Qwen35TextPrefill.execute(model=model, prompt=prompt, system_prompt="", thinking=thinking,
                                           use_chat_template=True)[0]

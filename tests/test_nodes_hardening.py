@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from test_nodes import _generate, _prefill
 
 # test_nodes' fixtures, shared with this module (ComfyUI imported once, the same models folder layout)
-comfy, pack, models_dir = test_nodes.comfy, test_nodes.pack, test_nodes.models_dir
+comfy, pack, models_dir, memory_asked = (test_nodes.comfy, test_nodes.pack, test_nodes.models_dir,
+                                      test_nodes.memory_asked)
 
 pytestmark = pytest.mark.comfyui
 
@@ -238,16 +239,9 @@ def test_device_cuda_on_a_cpu_comfyui(pack, models_dir, comfy, still_works):
 
 # --- 10 ---------------------------------------------------------------------------------------------
 
-def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, comfy, monkeypatch, still_works):
+def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, memory_asked, still_works):
     from qwen35_fast.runtime.memory import generate_bytes, prefill_bytes
-    asked = []
-    real = comfy.mm.load_models_gpu
-
-    def load_models_gpu(models, memory_required=0, **kw):
-        asked.append(memory_required)
-        return real(models, memory_required=memory_required, **kw)
-
-    monkeypatch.setattr(comfy.mm, "load_models_gpu", load_models_gpu)
+    asked = memory_asked
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=True)[0]
     try:

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_nodes import _generate, comfy, loaded, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, comfy, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
 
@@ -99,17 +99,9 @@ def test_bad_input_messages(pack, loaded, models_dir, comfy):
         model.release()
 
 
-def test_the_node_asks_model_management_for_the_run_memory(pack, loaded, comfy, monkeypatch):
+def test_the_node_asks_model_management_for_the_run_memory(pack, loaded, memory_asked):
     from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
-    asked = []
-    real = comfy.mm.load_models_gpu
-
-    def load_models_gpu(models, memory_required=0, **kw):
-        asked.append(memory_required)
-        return real(models, memory_required=memory_required, **kw)
-
-    monkeypatch.setattr(comfy.mm, "load_models_gpu", load_models_gpu)
     out = _run(pack, loaded, images=torch.rand(1, 64, 96, 3))
     pf = out[0][0].prefill
     n_patches = sum(t * h * w for t, h, w in pf.vision.grids)
-    assert asked[-1] == prefill_bytes(loaded.model, pf.n_tokens) + vision_bytes(loaded.model, n_patches) > 0
+    assert memory_asked[-1] == prefill_bytes(loaded.model, pf.n_tokens) + vision_bytes(loaded.model, n_patches) > 0
