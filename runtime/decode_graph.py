@@ -36,17 +36,19 @@ def free_gpu_workspaces() -> None:
 
 
 class GraphedDecode:
-    """One captured decode step over `cache` (whose capacity is fixed for the whole generation).
+    """One captured decode step over `cache`, for a generation of at most `most` positions.
 
-    The token id and its position live in device tensors the graph reads; the logits land in a
-    static tensor that the next call overwrites.
+    The token id, its position and the block table live in device tensors the graph reads (the table
+    has room for `most` positions; the caller writes blocks added later with slot.set_blocks); the
+    logits land in a static tensor that the next call overwrites.
     """
 
-    def __init__(self, model: Qwen35Model, cache: Cache):
+    def __init__(self, model: Qwen35Model, cache: Cache, most: int):
         dev = model.device
         self.cache = cache
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)
-        self.slot = DecodeSlot(cache.capacity, dev)
+        self.slot = DecodeSlot(cache.store.pool.blocks_for(max(most, cache.capacity)), dev)
+        self.slot.set_blocks(cache.seq.blocks)
         states = [t for t in cache.conv + cache.ssm if t is not None]
         saved = [t.clone() for t in states]
         self.slot.set(cache.length)
@@ -70,13 +72,13 @@ class GraphedDecode:
         return self.logits
 
 
-def graphed_decode(model: Qwen35Model, cache: Cache) -> GraphedDecode | None:
+def graphed_decode(model: Qwen35Model, cache: Cache, most: int) -> GraphedDecode | None:
     """A GraphedDecode on CUDA, or None (CPU, QWEN35_CUDA_GRAPHS=0, or capture failed: decode runs eagerly)."""
     global _warned
     if model.device.type != "cuda" or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0":
         return None
     try:
-        return GraphedDecode(model, cache)
+        return GraphedDecode(model, cache, most)
     except Exception as e:  # noqa: BLE001 - any capture failure leaves eager decoding, which always works
         if not _warned:
             _warned = True

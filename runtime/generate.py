@@ -121,7 +121,7 @@ def run_prompt(model: Qwen35Model, x: torch.Tensor, cache: Cache, turn_end: int 
     forward_prefill takes them for all T tokens."""
     if turn_end is None or not 0 < turn_end < x.shape[1]:
         return model.forward_prefill(x, cache, vision, positions, rope_delta)[0], None
-    logits, turn = model.forward_prefill_kept(x, cache, turn_end, vision, positions, rope_delta)
+    logits, (turn,) = model.forward_prefill_kept(x, cache, [turn_end], vision, positions, rope_delta)
     return logits[0], turn
 
 
@@ -247,8 +247,8 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
     most = pf.n_tokens + budget  # the cache never needs more positions than this
-    cache = pf.cache.clone(kv_capacity(pf.n_tokens + 1, 0, most), device=dev)
-    step = graphed_decode(model, cache) if budget > 2 else None
+    cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
+    step = graphed_decode(model, cache, most) if budget > 2 else None
     generator = torch.Generator(device=dev).manual_seed(generator_seed(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
@@ -277,10 +277,10 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         if on_token is not None:
             on_token(stream.feed(tok), n + 1, max_new_tokens)
         if n + 1 < budget:
-            if cache.length == cache.capacity:  # full: a larger copy, and a decode graph captured over it
-                graphed, step = step is not None, None
-                cache = cache.clone(kv_capacity(cache.length + 1, cache.capacity, most))
-                step = graphed_decode(model, cache) if graphed else None
+            if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
+                cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
+                if step is not None:
+                    step.slot.set_blocks(cache.seq.blocks)
             logits = (step(tok) if step is not None
                       else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
     decode_s = time.perf_counter() - t_decode if out else 0.0

@@ -19,7 +19,8 @@ OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and alloca
 
 
 def cache_bytes(model: Qwen35Model, positions: int) -> int:
-    """A Cache with room for `positions` tokens: attention K/V per position, GDN states once."""
+    """What a sequence of `positions` tokens holds: attention K/V per position (in the model's K/V store,
+    allocated with it) and its GDN states once (state_bytes, allocated per sequence)."""
     c = model.config
     b = model.dtype.itemsize
     n_lin = sum(t == LINEAR for t in c.layer_types)
@@ -28,6 +29,12 @@ def cache_bytes(model: Qwen35Model, positions: int) -> int:
     gdn = n_lin * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
                    + c.conv_dim * (c.linear_conv_kernel_dim - 1) * b)
     return kv + gdn
+
+
+def state_bytes(model: Qwen35Model) -> int:
+    """One sequence's GDN states (conv and recurrent): what a prefill or a generation allocates beyond the
+    K/V store's blocks."""
+    return cache_bytes(model, 0)
 
 
 def _activation_bytes_per_token(model: Qwen35Model) -> int:
@@ -45,10 +52,13 @@ def _activation_bytes_per_token(model: Qwen35Model) -> int:
     return b * 4 * c.hidden_size + max(mlp, gdn, att)
 
 
+SNAPSHOTS_PER_PREFILL = 3  # GDN states a prefill keeps besides its own: system prompt, media, turn end
+
+
 def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
-    """Device memory a prefill of `n_tokens` needs beyond the weights (its cache stays afterwards, and the
-    GDN states at the end of its user turn: cache_bytes of 0 positions)."""
-    return cache_bytes(model, n_tokens) + cache_bytes(model, 0) + n_tokens * _activation_bytes_per_token(model) \
+    """Device memory a prefill of `n_tokens` needs beyond the weights and the K/V store (its K/V go into
+    the store's blocks): its GDN states and the snapshots it keeps, and one layer's activations."""
+    return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + n_tokens * _activation_bytes_per_token(model) \
         + OVERHEAD
 
 
@@ -66,14 +76,10 @@ def vision_bytes(model: Qwen35Model, n_patches: int) -> int:
 
 
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
-    """Device memory a generation needs at its start beyond the weights: its copy of the cache (and room to
-    grow it once), one token's activations, the logits."""
-    from .generate import kv_capacity
-    budget = max_new_tokens if type(max_new_tokens) is int and max_new_tokens > 0 else 1  # generate checks it
-    most = min(n_prompt + budget, model.config.max_position_embeddings)
-    first = kv_capacity(n_prompt + 1, 0, most)
-    grown = kv_capacity(first + 1, first, most)
-    return (cache_bytes(model, first) + cache_bytes(model, grown) + 8 * model.config.vocab_size * 4
+    """Device memory a generation needs at its start beyond the weights and the K/V store: its copy of the
+    GDN states (the K/V blocks are shared with the prefill), the prompt and answer ids, one token's
+    activations, the logits. The same for any max_new_tokens: the answer's K/V go into the store."""
+    return (state_bytes(model) + 8 * (n_prompt + 1) + 8 * model.config.vocab_size * 4
             + _activation_bytes_per_token(model) + OVERHEAD)
 
 
@@ -104,4 +110,4 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
         "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
 
 
-__all__ = ["cache_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory"]
+__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory"]

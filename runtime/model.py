@@ -17,6 +17,8 @@ from .. import kernels
 from . import rope
 from .config import LINEAR, TextConfig
 from .errors import Qwen35Error
+from .kv_pool import PAD, SequenceBlocks
+from .kv_store import KVStore, default_budget_bytes
 
 
 class GDNLayer(nn.Module):
@@ -59,66 +61,72 @@ class Block(nn.Module):
                                  requires_grad=False)
 
 
-@dataclass(eq=False)
 class Cache:
-    """Per-sequence state after some tokens: GDN conv and recurrent states, attention K/V.
+    """One sequence's state after `length` tokens: the GDN layers' conv and recurrent states, and the
+    attention layers' K/V in blocks of the model's paged store (kv_store.py).
 
-    conv[i]: [B, conv_dim, W-1]; ssm[i]: [B, Hv, Dk, Dv] fp32 (GDN layers, None elsewhere);
-    k[i], v[i]: [B, Hkv, capacity, head_dim] (attention layers, None elsewhere); `length` tokens are in it.
-    rope_delta: what a token appended at slot `length` adds to its slot to get its rotary position
-    (0 for text; negative after images, whose tokens share positions; see rope.py).
+    conv[i]: [1, conv_dim, W-1]; ssm[i]: [1, Hv, Dk, Dv] fp32 (GDN layers, None elsewhere); seq: this
+    sequence's blocks in `store` (positions 0 .. length-1 hold K/V; room for `capacity`), given back when
+    the Cache is collected. rope_delta: what a token appended at slot `length` adds to its slot to get
+    its rotary position (0 for text; negative after images, whose tokens share positions; see rope.py).
     """
-    conv: list
-    ssm: list
-    k: list
-    v: list
-    length: int
-    rope_delta: int = 0
+
+    def __init__(self, conv: list, ssm: list, store: KVStore, seq: SequenceBlocks | None = None,
+                 rope_delta: int = 0):
+        self.conv, self.ssm, self.store, self.rope_delta = conv, ssm, store, rope_delta
+        self.seq = seq if seq is not None else store.sequence(self, 0)
+
+    @property
+    def length(self) -> int:
+        return self.seq.num_tokens
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.seq.num_tokens = n
 
     @property
     def capacity(self) -> int:
-        return next(t.shape[2] for t in self.k if t is not None)
+        return self.seq.capacity(self.store.block_size)
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` positions (blocks appended; an error naming the numbers when the pool is full)."""
+        self.store.reserve(self.seq, capacity, f"a sequence of {capacity:,} tokens")
 
     def clone(self, capacity: int | None = None, device: torch.device | None = None) -> "Cache":
-        """A deep copy on `device` (default: where it is) with room for `capacity` tokens (at least `length`)."""
-        cap = max(capacity or self.capacity, self.length)
+        """A fork: the same K/V blocks, shared (a partly filled last block copied, since the fork writes
+        after it), and copies of the GDN states on `device` (default: where they are); room for `capacity`."""
+        return self.restart(GDNState(self.conv, self.ssm, self.length, self.rope_delta),
+                            max(capacity or self.capacity, self.length), device)
 
-        def grow(t):
-            if t is None:
-                return None
-            out = torch.zeros(t.shape[0], t.shape[1], cap, t.shape[3], dtype=t.dtype, device=device or t.device)
-            out[:, :, :self.length] = t[:, :, :self.length]
-            return out
-
-        copy = lambda xs: [None if t is None else t.to(device or t.device, copy=True) for t in xs]  # noqa: E731
-        return Cache(copy(self.conv), copy(self.ssm), [grow(t) for t in self.k], [grow(t) for t in self.v],
-                     self.length, self.rope_delta)
+    def gather_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the K and V of positions 0 .. length-1, [length, Hkv, head_dim] per attention layer
+        (tests and inspection; the forward pass reads the blocks where they are)."""
+        slots = self.store.slots(self.seq, 0, self.length)
+        flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731
+        return [(flat(self.store.k[j])[slots], flat(self.store.v[j])[slots]) for j in range(self.store.k.shape[0])]
 
     def to(self, device: torch.device | str) -> None:
-        """Moves every tensor to `device`, in place; the contents stay the same (a cached prefill can wait
-        in system RAM while its model is unloaded; generate copies it back to the model's device)."""
-        for xs in (self.conv, self.ssm, self.k, self.v):
+        """Moves the GDN states to `device`, in place (the K/V stay in the store, which moves with the
+        model: a cached prefill can wait in system RAM while its model is unloaded)."""
+        for xs in (self.conv, self.ssm):
             xs[:] = [None if t is None else t.to(device) for t in xs]
 
     def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
-        """A new cache at the point `state` was taken: this cache's first `state.length` K/V entries (the
-        tokens this cache held then; they never change) and `state`'s GDN states, with room for `capacity`
-        tokens, on `device` (default: where this cache is). Neither input changes."""
-        n, dev = state.length, device
-        if n > self.length:
-            raise ValueError(f"Cache.restart: a state after {n} tokens does not fit a cache of {self.length}")
-        cap = max(capacity, n)
+        """A new cache at the point `state` was taken: this cache's first `state.length` K/V positions (the
+        tokens this cache held then; they never change), shared, and copies of `state`'s GDN states on
+        `device` (default: where they are), with room for `capacity` tokens. Neither input changes."""
+        if state.length > self.length:
+            raise ValueError(f"Cache.restart: a state after {state.length} tokens does not fit a cache of {self.length}")
+        return Cache.resume(self.store, self.seq.blocks, state, capacity, device)
 
-        def kv(t):
-            if t is None:
-                return None
-            out = torch.zeros(t.shape[0], t.shape[1], cap, t.shape[3], dtype=t.dtype, device=dev or t.device)
-            out[:, :, :n] = t[:, :, :n]
-            return out
-
-        copy = lambda xs: [None if t is None else t.to(dev or t.device, copy=True) for t in xs]  # noqa: E731
-        return Cache(copy(state.conv), copy(state.ssm), [kv(t) for t in self.k], [kv(t) for t in self.v], n,
-                     state.rope_delta)
+    @staticmethod
+    def resume(store: KVStore, blocks, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
+        """A cache whose first state.length positions are those of `blocks` (shared, a partly filled last one
+        copied) with copies of `state`'s GDN states; room for `capacity` tokens."""
+        copy = lambda xs: [None if t is None else t.to(device or t.device, copy=True) for t in xs]  # noqa: E731
+        cache = Cache(copy(state.conv), copy(state.ssm), store, SequenceBlocks(), state.rope_delta)
+        cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens")
+        return cache
 
 
 @dataclass(eq=False)
@@ -143,21 +151,40 @@ class GDNState:
 
 
 class DecodeSlot:
-    """Where the next decoded token goes, kept on the device: pos [1] and the attention mask over the
-    cache's capacity (True up to and including pos)."""
+    """Where the next decoded token goes, kept on the device so a CUDA graph can replay the step: pos [1]
+    (its slot), the paged attention's inputs for one new token (lens = pos as int32, cu_q = [0, 1]) and a
+    block table of fixed width whose entries the caller fills as the sequence grows (set_blocks)."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, width: int, device: torch.device):
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self._slots = torch.arange(capacity, device=device)
-        self.mask = torch.zeros(1, 1, 1, capacity, dtype=torch.bool, device=device)
+        self.lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        self.table = torch.full((1, width), PAD, dtype=torch.int32, device=device)
 
     def set(self, position: int) -> None:
         self.pos.fill_(position)
-        self.advance(0)
+        self.lens.fill_(position)
+
+    def set_blocks(self, blocks) -> None:
+        if len(blocks) > self.table.shape[1]:
+            raise ValueError(f"DecodeSlot: {len(blocks)} blocks do not fit a table of {self.table.shape[1]}")
+        self.table[0, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
     def advance(self, by: int = 1) -> None:
         self.pos.add_(by)
-        torch.le(self._slots, self.pos, out=self.mask.view(-1))
+        self.lens.add_(by)
+
+
+@dataclass(frozen=True)
+class KVStep:
+    """How one forward pass reaches the paged K/V: `slots` (pool rows of the new tokens) when nothing is
+    cached before them (plain causal attention over the new tokens, K/V then stored), else the paged
+    attention's block table, cache_lens [1], cu_q [2] and max_q."""
+    slots: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None
+    max_q: int = 1
 
 
 class Qwen35Model(nn.Module):
@@ -183,6 +210,29 @@ class Qwen35Model(nn.Module):
         self.requested_backend = "auto"
         self.backend = kernels.select_backend("torch", device)
         self._backend_device = None
+        self._kv: KVStore | None = None
+
+    # --- the paged K/V store ----------------------------------------------------------------
+    @property
+    def kv(self) -> KVStore:
+        """The model's K/V store (made with the default budget on first use unless setup_kv made it)."""
+        if self._kv is None:
+            self.setup_kv()
+        return self._kv
+
+    def setup_kv(self, budget_bytes: int | None = None) -> KVStore:
+        """(Re)makes the K/V store on the model's device: `budget_bytes` for its blocks and snapshots
+        (default: kv_store.default_budget_bytes). Caches made before keep the old store alive."""
+        self._kv = None
+        budget = default_budget_bytes(self.config, self.device, self.dtype) if budget_bytes is None else int(budget_bytes)
+        self._kv = KVStore(self.config, budget, self.dtype, self.device)
+        return self._kv
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if getattr(self, "_kv", None) is not None:  # the store moves with the weights
+            self._kv.apply(fn)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -240,17 +290,17 @@ class Qwen35Model(nn.Module):
         o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=be)
         return F.linear(o.flatten(-2), m.out_proj)
 
-    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=None):
+    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=()):
         # a cache that already holds tokens continues from its states (None in a fresh cache). With
-        # cut = (c, snap) the recurrence runs in two parts, tokens [0, c) and [c, T), and the states
-        # between them go to snap: the projections and norms still run once over all T tokens.
+        # cut = [(c, state), ...] the recurrence runs in parts split at each c and the states at each cut go
+        # to its state: the projections and norms still run once over all T tokens.
         mixed, z, b, a = self._split_gdn(m, x)
         T = x.shape[1]
-        bounds = (0, T) if cut is None else (0, cut[0], T)
+        bounds = (0, *(c for c, _ in cut), T)
         outs = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            if lo:
-                cut[1].conv[i], cut[1].ssm[i] = cache.conv[i], cache.ssm[i]
+        for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if n:
+                cut[n - 1][1].conv[i], cut[n - 1][1].ssm[i] = cache.conv[i], cache.ssm[i]
             y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed[:, lo:hi], m.conv_w, initial_state=cache.conv[i],
                                                              backend=be)
             q, k, v = self._qkv_heads(y)
@@ -266,8 +316,7 @@ class Qwen35Model(nn.Module):
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
         return self._gdn_out(m, o[:, None], z[:, None], be)
 
-    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, start: int, be: kernels.Backend,
-                   slot=None):
+    def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, be: kernels.Backend, kv: KVStep):
         c = self.config
         B, T, _ = x.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -276,27 +325,24 @@ class Qwen35Model(nn.Module):
         q = self._apply_rope(kernels.rms_norm(q, m.q_norm, c.rms_norm_eps, backend=be), cos, sin)
         k = self._apply_rope(kernels.rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, backend=be), cos, sin)
         v = v.view(B, T, Hkv, hd)
-        if slot is not None:  # one token at a device-side position: attends over the whole buffer, masked
-            cache.k[i].index_copy_(2, slot.pos, k.transpose(1, 2))
-            cache.v[i].index_copy_(2, slot.pos, v.transpose(1, 2))
-            keys, values, mask, causal = cache.k[i], cache.v[i], slot.mask, False
-        else:
-            end = start + T
-            cache.k[i][:, :, start:end] = k.transpose(1, 2)
-            cache.v[i][:, :, start:end] = v.transpose(1, 2)
-            keys, values, mask, causal = cache.k[i][:, :, :end], cache.v[i][:, :, :end], None, T > 1 and start == 0
-            if T > 1 and start > 0:  # new tokens see the whole prefix and, causally, each other
-                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
-                                             scale=hd ** -0.5, enable_gqa=H != Hkv)
-        out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
+        store = cache.store
+        if kv.slots is not None:  # nothing cached before these tokens: causal attention among them
+            store.write(i, kv.slots, k[0], v[0])
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=T > 1, scale=hd ** -0.5, enable_gqa=H != Hkv)
+            out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
+        else:  # over the cached blocks and, causally, each other; K/V stored in the same launch
+            j = store.index[i]
+            out = kernels.paged_attention(q[0], k[0], v[0], store.k[j], store.v[j], kv.table, kv.lens, kv.cu_q,
+                                          gate[0], max_q=kv.max_q, scale=hd ** -0.5, backend=be)
+            out = out.reshape(B, T, H * hd)
         return F.linear(out, m.o_proj)
 
     def _mlp(self, blk: Block, x):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool, slot=None, positions=None, cut=None):
+    def _layers(self, h, cache: Cache, start: int, decode: bool, kv: KVStep, slot=None, positions=None, cut=()):
         c = self.config
         T = h.shape[1]
         if positions is None:  # text: the cache slot plus the offset images before it left
@@ -310,7 +356,7 @@ class Qwen35Model(nn.Module):
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill(blk.mixer, x, cache, i, be, cut))
             else:
-                x = self._attention(blk.mixer, x, cache, i, cos, sin, start, be, slot)
+                x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
             h = h + x
             h = h + self._mlp(blk, kernels.rms_norm(h, blk.post_norm, c.rms_norm_eps, backend=be))
         return h
@@ -321,74 +367,88 @@ class Qwen35Model(nn.Module):
         return F.linear(h, self.embed if self.lm_head is None else self.lm_head).float()
 
     def new_cache(self, batch: int, capacity: int) -> Cache:
-        c = self.config
-        n = c.num_hidden_layers
-        cache = Cache([None] * n, [None] * n, [None] * n, [None] * n, 0)
-        for i, t in enumerate(c.layer_types):
-            if t != LINEAR:
-                shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
-                cache.k[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                cache.v[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """An empty cache with room for `capacity` tokens (blocks of the model's K/V store); one sequence."""
+        if batch != 1:
+            raise ValueError(f"new_cache: the runtime runs one sequence per cache, got batch {batch}")
+        n = self.config.num_hidden_layers
+        cache = Cache([None] * n, [None] * n, self.kv)
+        cache.reserve(capacity)
         return cache
+
+    def _kv_step(self, cache: Cache, start: int, T: int) -> KVStep:
+        """The K/V addressing of T new tokens after `start` cached ones (blocks reserved for them)."""
+        cache.reserve(start + T)
+        store, dev = cache.store, self.device
+        if start == 0:
+            return KVStep(slots=store.slots(cache.seq, 0, T))
+        return KVStep(table=store.table(cache.seq), lens=torch.tensor([start], dtype=torch.int32, device=dev),
+                      cu_q=torch.tensor([0, T], dtype=torch.int32, device=dev), max_q=T)
 
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
                         rope_delta: int | None = None) -> torch.Tensor:
-        """Run prompt ids [B, T] into `cache` after the `cache.length` tokens it holds (0 for a new cache):
+        """Run prompt ids [1, T] into `cache` after the `cache.length` tokens it holds (0 for a new cache):
         the new tokens attend to the cached K/V and, causally, to each other; the GDN layers start from
-        the cached states. Returns fp32 logits of the last position [B, vocab].
+        the cached states. Returns fp32 logits of the last position [1, vocab].
 
-        vision: (index [n] long, features [n, hidden]): slots among these T tokens of sequence 0 whose
-        embedding is replaced by vision-tower output; positions: [3, T] rotary ids (default: text, the
-        slot plus the cache's rope_delta); rope_delta: stored in the cache for the tokens after this
-        chunk (rope.py; None keeps the cache's).
+        vision: (index [n] long, features [n, hidden]): slots among these T tokens whose embedding is
+        replaced by vision-tower output; positions: [3, T] rotary ids (default: text, the slot plus the
+        cache's rope_delta); rope_delta: stored in the cache for the tokens after this chunk (rope.py;
+        None keeps the cache's).
         """
-        return self._prefill(ids, cache, vision, positions, rope_delta, None)[0]
+        return self._prefill(ids, cache, vision, positions, rope_delta, ())[0]
 
-    def forward_prefill_kept(self, ids: torch.Tensor, cache: Cache, keep_at: int, vision=None, positions=None,
-                             rope_delta: int | None = None) -> tuple[torch.Tensor, "GDNState"]:
-        """forward_prefill that also returns the GDN states after the first `keep_at` (0 < keep_at < T) of
-        the T tokens, from the same pass (only the recurrence is cut there): with the cache's first
-        cache.length + keep_at K/V entries it is the model state at that point (Cache.restart)."""
-        if not 0 < keep_at < ids.shape[1]:
-            raise ValueError(f"forward_prefill_kept: keep_at {keep_at} must lie inside the {ids.shape[1]} tokens")
+    def forward_prefill_kept(self, ids: torch.Tensor, cache: Cache, keep_at, vision=None, positions=None,
+                             rope_delta: int | None = None) -> tuple[torch.Tensor, list["GDNState"]]:
+        """forward_prefill that also returns the GDN states after the first k of the T tokens for each k of
+        `keep_at` (increasing, 0 < k < T), from the same pass (only the recurrence is cut there): with the
+        cache's first cache.length + k K/V entries each is the model state at that point (Cache.restart)."""
+        keep_at = [int(k) for k in keep_at]
+        T = ids.shape[1]
+        if not keep_at or any(not 0 < k < T for k in keep_at) or keep_at != sorted(set(keep_at)):
+            raise ValueError(f"forward_prefill_kept: keep_at {keep_at} must increase and lie inside the {T} tokens")
         return self._prefill(ids, cache, vision, positions, rope_delta, keep_at)
 
     @torch.inference_mode()
     def _prefill(self, ids, cache: Cache, vision, positions, rope_delta, keep_at):
-        start = cache.length
-        if start + ids.shape[1] > cache.capacity:
-            raise ValueError(f"forward_prefill: {ids.shape[1]} tokens after {start} do not fit a cache of "
-                             f"{cache.capacity} positions")
-        kept = None
-        if keep_at is not None:
+        start, T = cache.length, ids.shape[1]
+        if ids.shape[0] != 1:
+            raise ValueError(f"forward_prefill: one sequence per call, got {ids.shape[0]}")
+        kept = []
+        for k in keep_at:
             n = len(cache.conv)
-            delta = (cache.rope_delta if positions is None
-                     else int(positions[:, :keep_at].max()) + 1 - (start + keep_at))
-            kept = GDNState([None] * n, [None] * n, start + keep_at, delta)
+            delta = (cache.rope_delta if positions is None else int(positions[:, :k].max()) + 1 - (start + k))
+            kept.append((k, GDNState([None] * n, [None] * n, start + k, delta)))
+        kv = self._kv_step(cache, start, T)
         h = F.embedding(ids, self.embed)
         if vision is not None:
             index, features = vision
             h[0].index_copy_(0, index, features.to(h.dtype))
-        h = self._layers(h, cache, start, decode=False, positions=positions,
-                         cut=None if kept is None else (keep_at, kept))
-        cache.length = start + ids.shape[1]
+        h = self._layers(h, cache, start, False, kv, positions=positions, cut=kept)
+        cache.length = start + T
         if rope_delta is not None:
             cache.rope_delta = rope_delta
-        return self.logits(h[:, -1]), kept
+        return self.logits(h[:, -1]), [state for _, state in kept]
 
     @torch.inference_mode()
     def forward_decode(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """One new token per sequence, ids [B]; appends to `cache`; returns fp32 logits [B, vocab]."""
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, cache.length, decode=True)
+        """One new token, ids [1]; appends to `cache`; returns fp32 logits [1, vocab]."""
+        kv = self._kv_step(cache, cache.length, 1)
+        if kv.slots is not None:  # an empty cache: nothing to attend to but the token itself
+            kv = KVStep(table=cache.store.table(cache.seq), lens=torch.zeros(1, dtype=torch.int32, device=self.device),
+                        cu_q=torch.tensor([0, 1], dtype=torch.int32, device=self.device))
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, cache.length, True, kv)
         cache.length += 1
         return self.logits(h[:, 0])
 
     @torch.inference_mode()
     def forward_decode_at(self, ids: torch.Tensor, slot: "DecodeSlot", cache: Cache) -> torch.Tensor:
-        """forward_decode with the position on the device (slot.pos) and no host-side shapes, so a
-        CUDA graph can capture it; the caller advances slot.pos and cache.length."""
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, 0, decode=True, slot=slot)
+        """forward_decode with the position and block table on the device (slot) and no host-side shapes,
+        so a CUDA graph can capture it; the caller fills slot's table and advances slot and cache.length."""
+        kv = KVStep(table=slot.table, lens=slot.lens, cu_q=slot.cu_q)
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, 0, True, kv, slot=slot)
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())  # the vision tower included
+        """Weights (the vision tower's included) and the K/V store's pool."""
+        weights = sum(p.numel() * p.element_size() for p in self.parameters())
+        return weights + (self._kv.nbytes if self._kv is not None else 0)

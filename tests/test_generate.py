@@ -33,7 +33,9 @@ def test_greedy_equals_transformers_greedy(pair):
 def test_same_seed_same_text_and_the_prefill_is_unchanged(pair):
     _, model = pair
     pf = prefill(model, "Describe a red fox in the snow.")
-    snapshot = [None if t is None else t.clone() for t in pf.cache.ssm + pf.cache.conv + pf.cache.k]
+    kv = lambda: [t for pair in pf.cache.gather_kv() for t in pair]  # noqa: E731
+    snapshot = [None if t is None else t.clone() for t in pf.cache.ssm + pf.cache.conv + kv()]
+    copied = model.kv.bytes_copied
     logits = pf.logits.clone()
     a = generate(model, pf, max_new_tokens=12, sampling=SAMPLED, seed=7)
     b = generate(model, pf, max_new_tokens=12, sampling=SAMPLED, seed=7)
@@ -41,8 +43,11 @@ def test_same_seed_same_text_and_the_prefill_is_unchanged(pair):
     assert a.token_ids == b.token_ids and a.text == b.text
     assert a.token_ids != c.token_ids
     assert torch.equal(pf.logits, logits) and pf.cache.length == pf.n_tokens
-    for before, now in zip(snapshot, pf.cache.ssm + pf.cache.conv + pf.cache.k):
+    for before, now in zip(snapshot, pf.cache.ssm + pf.cache.conv + kv()):
         assert (before is None and now is None) or torch.equal(before, now)
+    # each generation shares the prefill's blocks: at most its partly filled last block was copied
+    block = model.kv.k[:, 0].numel() * 2 * model.kv.k.element_size()
+    assert model.kv.bytes_copied - copied <= 3 * block
 
 
 def test_on_token_streams_the_text_and_can_cancel(pair):

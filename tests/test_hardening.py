@@ -417,15 +417,16 @@ def test_kv_cache_follows_the_tokens_and_the_text_stays(folder, monkeypatch, sti
     with pytest.raises(KeyboardInterrupt):  # a 32768-token budget, stopped after 120 tokens
         run(32768)
     grown = seen[:]
-    assert all(length < cap <= max(length + 16, length * 5 // 4 + 16) for length, cap in grown)
-    assert len({cap for _, cap in grown}) >= 4  # it grew several times, never to the whole budget
-    assert max(cap for _, cap in grown) < pf.n_tokens + 200
+    bs = model.kv.block_size  # the cache takes whole blocks of the K/V store
+    assert all(length <= cap <= -(-max(length + 16, length * 5 // 4 + 16) // bs) * bs for length, cap in grown)
+    assert len({cap for _, cap in grown}) >= 2  # it grew as the answer did, never to the whole budget
+    assert max(cap for _, cap in grown) < pf.n_tokens + 200 + bs
     seen.clear()
     growing = run(100)
-    monkeypatch.setattr(gen_mod, "KV_BLOCK", 1 << 20)  # one cache for the whole budget, as before
+    monkeypatch.setattr(gen_mod, "KV_BLOCK", 1 << 20)  # blocks for the whole budget at the first growth
     seen.clear()
     upfront = run(100)
-    assert {cap for _, cap in seen} == {pf.n_tokens + 100}
+    assert max(cap for _, cap in seen) == -(-(pf.n_tokens + 100) // bs) * bs
     assert growing.token_ids == upfront.token_ids and len(growing.token_ids) == 100
     assert not eos & set(growing.token_ids)
 
@@ -477,19 +478,20 @@ def test_out_of_memory_while_generating(folder, monkeypatch, still_works):
 
 
 def test_memory_estimates(folder):
-    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, prefill_bytes
+    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, prefill_bytes, state_bytes
     model = load_model(folder, dtype="bf16", device="cpu")
     c = model.config
     kv_per_token = 2 * c.num_key_value_heads * c.head_dim * 2 * 1  # one attention layer, bf16
     assert cache_bytes(model, 1000) - cache_bytes(model, 0) == 1000 * kv_per_token
     pf = prefill(model, PROMPT)
-    held = sum(t.numel() * t.element_size() for ts in (pf.cache.conv, pf.cache.ssm, pf.cache.k, pf.cache.v)
-               for t in ts if t is not None)
-    assert cache_bytes(model, pf.n_tokens) == held  # the estimate of the cache is what a prefill keeps
-    assert prefill_bytes(model, 32768) > prefill_bytes(model, 4096) > cache_bytes(model, 4096)
-    # a generation asks for the cache it starts with, not for the whole max_new_tokens
-    assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 1000)
-    assert generate_bytes(model, 100, 10) < generate_bytes(model, 100, 1000)
+    held = sum(t.numel() * t.element_size() for ts in (pf.cache.conv, pf.cache.ssm) for t in ts if t is not None)
+    assert state_bytes(model) == held  # the estimate of the states is what a prefill allocates
+    blocks = len(pf.cache.seq.blocks)
+    assert blocks == -(-pf.n_tokens // model.kv.block_size)  # its K/V: just the blocks it needs, in the store
+    assert model.size_bytes() >= model.kv.nbytes + sum(p.numel() * 2 for p in model.parameters())
+    assert prefill_bytes(model, 32768) > prefill_bytes(model, 4096) > state_bytes(model)
+    # a generation's K/V go into the store: it asks for its states, whatever max_new_tokens is
+    assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 10)
 
 
 # --- found as a hostile user ------------------------------------------------------------------------
@@ -590,34 +592,37 @@ def test_a_prompt_that_is_not_text(chat_model, still_works, prompt):
 
 class SlotDecode:
     """GraphedDecode's step without the capture (which needs CUDA): the token at a device-side position,
-    attention over the whole cache under the slot's mask."""
+    paged attention through the slot's fixed-width block table."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, most):
         from qwen35_fast.runtime.model import DecodeSlot
         self.model, self.cache = model, cache
         self.ids = torch.zeros(1, dtype=torch.long)
-        self.slot = DecodeSlot(cache.capacity, torch.device("cpu"))
+        self.slot = DecodeSlot(cache.store.pool.blocks_for(most), torch.device("cpu"))
+        self.slot.set_blocks(cache.seq.blocks)
         self.slot.set(cache.length)
+        self.capacities = []
 
     def __call__(self, token):
         self.ids.fill_(token)
+        self.capacities.append(self.cache.capacity)
         logits = self.model.forward_decode_at(self.ids, self.slot, self.cache)
         self.slot.advance()
         self.cache.length += 1
         return logits
 
 
-def test_the_graph_step_is_made_again_for_each_larger_cache(folder, monkeypatch, still_works):
-    """What generate does with a decode graph as the cache grows, run on the CPU: a new step per capacity,
-    over the new cache, and the same tokens as the eager step."""
+def test_the_graph_step_follows_the_growing_cache(folder, monkeypatch, still_works):
+    """What generate does with a decode graph as the cache grows, run on the CPU: one step for the whole
+    generation, blocks added to its table as the cache fills, the same tokens as the eager step."""
     import importlib
     gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     model = load_model(folder, dtype="fp32", device="cpu")
     pf = prefill(model, PROMPT)
     steps = []
 
-    def graphed(m, cache):
-        steps.append(SlotDecode(m, cache))
+    def graphed(m, cache, most):
+        steps.append(SlotDecode(m, cache, most))
         return steps[-1]
 
     monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
@@ -625,10 +630,9 @@ def test_the_graph_step_is_made_again_for_each_larger_cache(folder, monkeypatch,
     eager = generate(model, pf, max_new_tokens=90, sampling=penalised)
     monkeypatch.setattr(gen_mod, "graphed_decode", graphed)
     stepped = generate(model, pf, max_new_tokens=90, sampling=penalised)
-    capacities = [s.cache.capacity for s in steps]
-    assert len(steps) >= 4 and capacities == sorted(set(capacities))
-    assert all(a.cache is not b.cache for a, b in zip(steps, steps[1:]))
-    assert all(s.cache.length == s.cache.capacity for s in steps[:-1])  # each replaced only once full
+    assert len(steps) == 1
+    capacities = sorted(set(steps[0].capacities))
+    assert len(capacities) >= 2 and capacities[-1] >= pf.n_tokens + 89  # grew while the one step ran
     assert stepped.token_ids == eager.token_ids and stepped.n_tokens == 90
 
 

@@ -60,14 +60,15 @@ def test_prefill_logits_match_a_full_recompute(pair):
 
 
 def test_decode_at_a_device_position_matches_decode(pair):
-    """The graph-capturable step (position and mask on the device) computes what forward_decode does."""
+    """The graph-capturable step (position and block table on the device) computes what forward_decode does."""
     from qwen35_fast.runtime.model import DecodeSlot
     _, ours = pair
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
     a, b = ours.new_cache(1, 48), ours.new_cache(1, 48)
     ours.forward_prefill(ids, a)
     ours.forward_prefill(ids, b)
-    slot = DecodeSlot(48, torch.device("cpu"))
+    slot = DecodeSlot(b.store.pool.blocks_for(48), torch.device("cpu"))
+    slot.set_blocks(b.seq.blocks)
     slot.set(b.length)
     for t in range(5):
         tok = torch.tensor([100 + t])

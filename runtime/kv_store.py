@@ -1,0 +1,135 @@
+"""One model's paged K/V: the pool tensors of its full-attention layers and their bookkeeping.
+
+The tensors follow the layout of kv_pool.py (k, v: [attention layers, num_blocks, block_size, Hkv,
+head_dim]); `KVPool` says which blocks belong to which sequence and holds the prefix cache's snapshots.
+Every Cache of the model lists its blocks here: a prefill's blocks stay as long as its Cache lives, a
+generation forks them (copy-on-write of a partly filled last block, nothing else), a follow-up prompt
+shares its parent's. The store moves with the model (Qwen35Model._apply), so a prefill parked in
+system RAM while its model is unloaded is still whole when the model comes back.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Sequence
+
+import torch
+
+from .config import FULL
+from .errors import Qwen35Error
+from .kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, model_sizes, pool_tensors
+
+BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json, 64 is 1-4% faster than 16
+KV_FRACTION = 0.5  # default budget: this share of the device memory free when the store is made
+SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; the rest is K/V blocks
+CPU_DEFAULT_BYTES = 1 << 30  # default budget on the CPU (no free-memory query there)
+
+
+def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+    """KV_FRACTION of the free device memory (CUDA) or CPU_DEFAULT_BYTES, never more than two
+    sequences of the model's longest context need (with their snapshots' share)."""
+    blocks = 2 * -(-config.max_position_embeddings // BLOCK_SIZE)
+    most = int(blocks * model_sizes(config, BLOCK_SIZE, dtype.itemsize)["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * KV_FRACTION)
+    else:
+        budget = int(os.environ.get("QWEN35_CPU_KV_BYTES", CPU_DEFAULT_BYTES))
+    return max(min(budget, most), 0)
+
+
+class KVStore:
+    """The K/V pool tensors (k, v) and the block bookkeeping (pool) of one model."""
+
+    def __init__(self, config, budget_bytes: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int = BLOCK_SIZE):
+        sizes = model_sizes(config, block_size, dtype.itemsize)
+        snapshot_budget = int(budget_bytes * SNAPSHOT_SHARE)
+        num_blocks = (int(budget_bytes) - snapshot_budget) // sizes["kv_block_bytes"]
+        if num_blocks < 1:
+            raise Qwen35Error(f"a K/V cache budget of {budget_bytes / 2**20:.1f} MiB holds no block of "
+                              f"{block_size} tokens ({sizes['kv_block_bytes'] / 2**20:.1f} MiB of K/V with the "
+                              f"snapshots' {SNAPSHOT_SHARE:.0%}); raise the loader's cache budget")
+        self.block_size = block_size
+        self.budget_bytes = int(budget_bytes)
+        self.k, self.v = pool_tensors(config, num_blocks, block_size, device, dtype)
+        self.pool = KVPool(num_blocks, block_size, snapshot_budget)
+        self.index = {layer: j for j, layer in enumerate(i for i, t in enumerate(config.layer_types) if t == FULL)}
+        self.bytes_copied = 0  # K/V bytes copied between blocks (forks of a partly filled block), for benchmarks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """The pool tensors' bytes (the snapshots' states come on top, at most their budget)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def apply(self, fn) -> None:
+        """Applies a tensor function (Module._apply's: a move) to the pools and the snapshots' states."""
+        self.k, self.v = fn(self.k), fn(self.v)
+        for snap in self.pool.snapshots:
+            snap.states.conv[:] = [None if t is None else fn(t) for t in snap.states.conv]
+            snap.states.ssm[:] = [None if t is None else fn(t) for t in snap.states.ssm]
+
+    # --- sequences ---------------------------------------------------------------------------
+    def sequence(self, owner, num_tokens: int, what: str = "") -> SequenceBlocks:
+        """A new sequence with blocks for `num_tokens` positions, released when `owner` is collected."""
+        seq = SequenceBlocks()
+        self.reserve(seq, num_tokens, what)
+        weakref.finalize(owner, self.pool.free, seq)
+        return seq
+
+    def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
+        """Blocks in `seq` for positions up to num_tokens; an error naming the numbers when there is no room."""
+        try:
+            self.pool.reserve(seq, num_tokens, what)
+        except (PromptTooLong, PoolExhausted) as e:
+            raise Qwen35Error(f"K/V cache: {e}") from None
+
+    def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "") -> SequenceBlocks:
+        """A new sequence whose first `num_tokens` positions are those of `blocks` (shared; a partly filled
+        last block is copied, since the new sequence writes after it), with room for `capacity`."""
+        nfull, part = divmod(num_tokens, self.block_size)
+        shared = list(blocks[:nfull])
+        self.pool.retain(shared)
+        seq = SequenceBlocks(shared, num_tokens)
+        weakref.finalize(owner, self.pool.free, seq)
+        if part:
+            self.reserve(seq, num_tokens, what)  # one fresh block for the partial one
+            self.copy_block(blocks[nfull], seq.blocks[nfull])
+        self.reserve(seq, max(capacity, num_tokens), what)
+        return seq
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block src's K/V into block dst, in every layer."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.bytes_copied += 2 * self.k[:, src].numel() * self.k.element_size()
+
+    def table(self, seq: SequenceBlocks, width: int | None = None, device=None) -> torch.Tensor:
+        """seq's int32 [1, width] block table (width default: its blocks; PAD past them)."""
+        from .kv_pool import block_table_tensor
+        return block_table_tensor([seq], width, device or self.device)
+
+    def slots(self, seq: SequenceBlocks, start: int, end: int) -> torch.Tensor:
+        """Rows of the pool seen as [num_blocks * block_size, Hkv, D] for positions start .. end - 1."""
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(seq.blocks, dtype=torch.long)
+        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v [T, Hkv, D] of attention layer `layer` (model index) at pool rows `slots`."""
+        j = self.index[layer]
+        nb, bs = self.k.shape[1:3]
+        self.k[j].view(nb * bs, *self.k.shape[3:]).index_copy_(0, slots, k)
+        self.v[j].view(nb * bs, *self.v.shape[3:]).index_copy_(0, slots, v)
+
+
+__all__ = ["KVStore", "BLOCK_SIZE", "default_budget_bytes"]
