@@ -70,10 +70,12 @@ def main():
     g = torch.Generator().manual_seed(0)
     body = torch.randint(1000, 150000, (a.tokens,), generator=g).tolist()
     first = tok.encode(f"{IM_START}user\n") + body + tok.encode(f"{IM_END}\n") + tok.encode(GENERATION_PROMPT_NO_THINKING)
-    plain_ms, _ = timed(lambda: prefill_ids(model, first), a.reps, dev)
-    snap_ms, parent = timed(lambda: prefill_ids(model, first, chat_template=True), a.reps, dev)
-    cont_ms, child = timed(lambda: continue_prefill(model, parent, QUESTION, previous_answer=ANSWER), a.reps, dev)
-    whole_ms, whole = timed(lambda: prefill_ids(model, list(child.token_ids)), a.reps, dev)
+    # use_cache off throughout: every repetition reads what it measures (no snapshot of an earlier one)
+    plain_ms, _ = timed(lambda: prefill_ids(model, first, use_cache=False), a.reps, dev)
+    snap_ms, parent = timed(lambda: prefill_ids(model, first, chat_template=True, use_cache=False), a.reps, dev)
+    cont_ms, child = timed(lambda: continue_prefill(model, parent, QUESTION, previous_answer=ANSWER, use_cache=False),
+                           a.reps, dev)
+    whole_ms, whole = timed(lambda: prefill_ids(model, list(child.token_ids), use_cache=False), a.reps, dev)
     err = float((child.logits - whole.logits).norm() / whole.logits.norm())
     result = {"model": f"Qwen3.5-9B-shaped{' (tiny widths)' if a.tiny else ''}, {a.layers} layers, random weights, "
                        f"{str(dtype).replace('torch.', '')}",

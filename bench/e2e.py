@@ -1,6 +1,8 @@
 """End to end on the GPU: a Qwen3.5-9B-shaped model (random weights, bf16) with the PyTorch GDN path
 and with our kernels. Checks that the logits agree within bf16 tolerance and times a 4,096-token
-prefill and greedy decode for both. Writes bench/results/e2e-h200.json (or --out).
+prefill and greedy decode for both; then, on the kernels, CUDA-graph decode over the paged K/V cache at
+4K, 32K and 128K tokens of context, and what a Generate copies when it starts after a 32K-token
+prefill (it forks the prefill's blocks). Writes bench/results/e2e-h200.json (or --out).
 
     python3 bench/e2e.py [--layers 32] [--tokens 4096] [--out PATH]
 """
@@ -59,6 +61,8 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 131072])
+    ap.add_argument("--fork-tokens", type=int, default=32768)
     ap.add_argument("--out", default="bench/results/e2e-h200.json")
     a = ap.parse_args()
     model = Qwen35Model(nine_b(a.layers), torch.bfloat16, torch.device("cuda"))
@@ -75,7 +79,7 @@ def main():
         ms = timed(lambda: run(), reps=3)
         lg, cache = run()
         logits[backend] = lg.float()
-        step = GraphedDecode(model, cache.clone()) if backend == "cuda" else None
+        step = GraphedDecode(model, cache.clone(), a.tokens + a.decode + 3) if backend == "cuda" else None
         tok = lg.argmax(-1)
         for _ in range(2):  # warm-up: first calls pay for allocations and lazy initialisation
             tok = model.forward_decode(tok, cache).argmax(-1)
@@ -95,6 +99,8 @@ def main():
             row["decode_graph_tok_per_s"] = round(a.decode / (time.perf_counter() - t0), 1)
             del step
         rows.append(row)
+    contexts = decode_at_contexts(model, a.contexts, a.decode)
+    fork = generate_start_copy(model, a.fork_tokens)
     # bf16 tolerance: the same weights in fp32 on the PyTorch path are the reference; the kernels must
     # land as close to it as the bf16 PyTorch path does (random deep nets amplify any rounding)
     ref_model = Qwen35Model(model.config, torch.float32, torch.device("cuda"))
@@ -109,7 +115,8 @@ def main():
     top = bool(logits["cuda"].argmax() == logits["torch"].argmax())
     result = {"model": "Qwen3.5-9B-shaped, random weights, bf16", "rows": rows,
               "logits_rel_err_cuda_vs_torch": err, "same_argmax": top,
-              "logits_rel_err_vs_fp32": rel, "gpu": torch.cuda.get_device_name()}
+              "logits_rel_err_vs_fp32": rel, "decode_at_context": contexts, "generate_start": fork,
+              "gpu": torch.cuda.get_device_name()}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("| GDN path | prefill %d tok (ms) | decode eager (tok/s) | decode CUDA graph (tok/s) |" % a.tokens)
@@ -120,6 +127,61 @@ def main():
     print(f"logits relative error, kernels vs PyTorch path: {err:.2e} (same argmax: {top})")
     print(f"against the fp32 model: PyTorch path (bf16) {rel['torch']:.2e}, kernels (bf16) {rel['cuda']:.2e}")
     assert rel["cuda"] <= 1.5 * rel["torch"] + 1e-3, "the kernels are further from fp32 than bf16 rounding explains"
+
+
+def decode_at_contexts(model: Qwen35Model, contexts, steps: int) -> list[dict]:
+    """Greedy CUDA-graph decode (as generate runs it) after `n` tokens of context, for each n. The context is
+    a 64-token prefill whose cache is then extended to n positions of random K/V: decode time does not
+    depend on the values, and a real 128K prefill would only cost time here."""
+    model.set_backend("cuda")
+    store, out = model.kv, []
+    for n in contexts:
+        ids = torch.randint(0, 248000, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+        cache = model.new_cache(1, 64)
+        tok = int(model.forward_prefill(ids, cache).argmax())
+        cache.reserve(n + steps + 1)
+        blocks = torch.tensor(cache.seq.blocks[1:], device="cuda")  # block 0 holds the prefill's 64 tokens
+        for pool in (store.k, store.v):
+            pool[:, blocks] = torch.randn_like(pool[:, blocks]) * 0.5
+        cache.length = n
+        step = GraphedDecode(model, cache, n + steps + 1)
+        for _ in range(2):
+            tok = int(step(tok).argmax())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = int(step(tok).argmax())
+        tps = steps / (time.perf_counter() - t0)
+        kv_bytes = n * 2 * store.k[:, 0, 0].numel() * store.k.element_size()  # K and V of every attention layer
+        out.append({"context": n, "decode_graph_tok_per_s": round(tps, 1), "kv_bytes_read_per_token": kv_bytes,
+                    "kv_read_TBps": round(kv_bytes * tps / 1e12, 2)})
+        print(f"graph decode at {n} tokens of context: {tps:.1f} tok/s")
+        del step, cache
+    return out
+
+
+def generate_start_copy(model: Qwen35Model, n: int) -> dict:
+    """Bytes a Generate copies when it starts after an n-token prefill: the GDN states and the partly filled
+    last K/V block (the prefill's other blocks are shared), against the prefill's whole K/V."""
+    from qwen35_fast.runtime import generate, prefill_ids
+    from qwen35_fast.runtime.memory import state_bytes
+    from qwen35_fast.runtime.tokenizer import load_tokenizer
+    model.tokenizer = load_tokenizer(None)
+    model.set_backend("cuda")
+    ids = torch.randint(0, 248000, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    pf = prefill_ids(model, ids, use_cache=False)
+    before = model.kv.bytes_copied
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    generate(model, pf, max_new_tokens=2)
+    ms = (time.perf_counter() - t0) * 1000
+    kv = model.kv.bytes_copied - before
+    whole = len(pf.cache.seq.blocks) * model.kv.k[:, 0].numel() * model.kv.k.element_size() * 2
+    out = {"prefill_tokens": n, "kv_bytes_copied": kv, "gdn_state_bytes_copied": state_bytes(model),
+           "prefill_kv_bytes": whole, "generate_2_tokens_ms": round(ms, 2)}
+    print(f"Generate after {n} tokens copies {kv / 2**20:.1f} MiB of K/V (of {whole / 2**20:.0f} MiB) and "
+          f"{state_bytes(model) / 2**20:.1f} MiB of GDN states")
+    return out
 
 
 if __name__ == "__main__":

@@ -60,12 +60,20 @@ class Qwen35ModelLoader(io.ComfyNode):
                 io.Boolean.Input("keep_loaded", default=True,
                                  tooltip="On: the model stays in VRAM until ComfyUI needs the memory. "
                                          "Off: its VRAM is given back after every Generate."),
+                io.Int.Input("cache_budget_mb", default=0, min=0, max=1 << 20, step=256, advanced=True,
+                             optional=True, display_name="K/V cache budget (MiB)",
+                             tooltip="Memory for the paged K/V cache that every prefill and generation of this "
+                                     "model shares, with the saved states that let a later prompt reuse an "
+                                     "earlier one's system prompt and images. Counted with the model in ComfyUI's "
+                                     "memory management. 0: auto (half the memory free after loading, at most "
+                                     "what two full-length contexts need)."),
             ],
             outputs=[Qwen35Model.Output(display_name="model")],
         )
 
     @classmethod
-    def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True) -> io.NodeOutput:
+    def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True,
+                cache_budget_mb=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error, load_model
 
         path = find_model(model)
@@ -77,7 +85,15 @@ class Qwen35ModelLoader(io.ComfyNode):
         if target.type != "cpu":
             # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
             mm.free_memory(weights_bytes(path) * 1.1 + mm.minimum_inference_memory(), target)
+        if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
+            raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
         runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
+        try:
+            store = runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
+        except BaseException:
+            del runtime_model
+            mm.soft_empty_cache()
+            raise
         managed = ManagedModel(runtime_model, runtime_model.device, mm.text_encoder_offload_device(), keep_loaded)
         managed.load()
         info = {
@@ -87,6 +103,8 @@ class Qwen35ModelLoader(io.ComfyNode):
             "device": str(runtime_model.device),
             "dtype": str(runtime_model.dtype).removeprefix("torch."),
             "size_mb": round(runtime_model.size_bytes() / 2**20, 1),
+            "cache_mb": round(store.budget_bytes / 2**20, 1),
+            "cache_tokens": store.num_blocks * store.block_size,
         }
         log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
                  info["backend"], info["backend_reason"])

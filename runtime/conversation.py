@@ -22,10 +22,20 @@ import torch
 
 from .chat import IM_END, IM_START, THINK_CLOSE
 from .errors import Qwen35Error
-from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids, run_prompt
-from .memory import cache_bytes, out_of_memory, prefill_bytes
+from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids
+from .memory import out_of_memory, prefill_bytes
 from .model import Qwen35Model
-from .multimodal import IMAGE_PAD, VIDEO_PAD, VisionStats, _as_inputs, build_prompt
+from .multimodal import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VisionStats,
+    _as_inputs,
+    _merge,
+    build_prompt,
+    media_spans,
+    vision_features,
+)
+from .prefix import prefill_reusing
 from .rope import TextRun, layout_positions
 
 
@@ -70,12 +80,14 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
 @torch.compiler.disable
 def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", images=None, video=None,
                      previous_answer: str | None = None, thinking: bool = False, max_pixels: int | None = None,
-                     allow_special_tokens: bool = False) -> Prefill:
+                     allow_special_tokens: bool = False, use_cache: bool = True) -> Prefill:
     """A follow-up user turn after `parent` (a chat-template prefill of this model), optionally after
     `previous_answer` as the assistant's turn. Runs only the new tokens, from the parent's state at the
     end of its user turn; the result equals a prefill of the whole conversation in one go.
 
     images / video: as prefill_multimodal takes them, for this turn (placed with <image>, <video>).
+    A snapshot an identical earlier follow-up left reaches further than the parent's turn end and is used
+    instead, unless use_cache is off (prefix.py); this turn's reuse points are kept for later ones.
     Returns a Prefill with cached_tokens (taken from the parent), new_tokens and `ms` of the new part
     (the copy of the parent's state, the vision tower and the new tokens). `parent` is unchanged.
     """
@@ -105,26 +117,25 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
                           "together); start a new conversation from a fresh prefill, or shorten the follow-up")
     model.select_backend()
     dev = model.device
+    whole = parent.token_ids[:cached] + tuple(ids)  # the conversation: keys of the prefix cache run over all of it
     try:
-        x = torch.tensor([ids], dtype=torch.long, device=dev)
         n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
-        positions = delta = vision = None
+        spans = media_spans(ids, ordered, _merge(model), offset=cached)
+        media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
+        positions = delta = None
         if ordered:  # rotary ids of the new tokens continue from the parent's next position
-            positions, new_delta = layout_positions(parts, dev)
-            positions = positions + (cached + turn.rope_delta)
+            new_positions, new_delta = layout_positions(parts, dev)
+            # only positions past the reused prefix are read, and it reaches at least the parent's turn end
+            positions = torch.cat([torch.zeros(3, cached, dtype=new_positions.dtype, device=dev),
+                                   new_positions + (cached + turn.rope_delta)], dim=1)
             delta = turn.rope_delta + new_delta
+        vision_ms = [0.0]
         _sync(dev)
         t0 = time.perf_counter()
-        cache = parent.cache.restart(turn, total, device=dev)
-        if ordered:
-            tower = model.vision
-            pixels = torch.cat([inp.pixels.to(dev) for inp in ordered])
-            features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
-            vision = (((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0], features)
-        _sync(dev)
-        t1 = time.perf_counter()
-        logits, child_turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions,
-                                        rope_delta=delta)
+        points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
+        run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, vision_ms),
+                              positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
+                              use_cache=use_cache)
         _sync(dev)
     except RuntimeError as e:
         if not _is_out_of_memory(e):
@@ -133,12 +144,13 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         t2 = time.perf_counter()
         stats = None
         if inputs:
-            stats = VisionStats(n_vision, new - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
+            stats = VisionStats(n_vision, new - n_vision, vision_ms[0], (t2 - t0) * 1000 - vision_ms[0],
                                 sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-        return Prefill(parent.token_ids[:cached] + tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000,
-                       model.backend.name, thinking, id(model), vision=stats, turn=child_turn, cached_tokens=cached)
-    x = cache = vision = None
-    needed = prefill_bytes(model, new) - cache_bytes(model, new) + cache_bytes(model, total)
+        return Prefill(whole, run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
+                       id(model), vision=stats, turn=run.states.get(cached + turn_end),
+                       cached_tokens=run.cached_tokens, media=media)
+    run = None
+    needed = prefill_bytes(model, new)
     raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
 
 

@@ -34,7 +34,8 @@ class Prefill:
     # the state at the end of the last user turn, before the generation prompt (None without the chat
     # template): a follow-up turn restarts from it (conversation.continue_prefill); its K/V are cache's
     turn: GDNState | None = field(default=None, repr=False)
-    cached_tokens: int = 0  # tokens taken from a parent prefill's state; `ms` is the time of the rest
+    cached_tokens: int = 0  # tokens taken from a parent's or a cached prefix's state; `ms` is the time of the rest
+    media: tuple = ()  # kv_pool.MediaSpan of every image / video among token_ids (the prefix cache's keys)
 
     @property
     def n_tokens(self) -> int:
@@ -112,25 +113,16 @@ def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:
     return model.tokenizer.encode(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
 
 
-def run_prompt(model: Qwen35Model, x: torch.Tensor, cache: Cache, turn_end: int | None = None, vision=None,
-               positions=None, rope_delta: int | None = None) -> tuple[torch.Tensor, GDNState | None]:
-    """model.forward_prefill of ids x [1, T] after what `cache` holds; returns (logits [vocab], the state
-    after the first `turn_end` of the T tokens, or None). That state is the end of the user turn, where a
-    follow-up turn restarts (the generation prompt after it is not part of a later conversation); it comes
-    from the same pass over the weights (forward_prefill_kept). vision, positions, rope_delta: as
-    forward_prefill takes them for all T tokens."""
-    if turn_end is None or not 0 < turn_end < x.shape[1]:
-        return model.forward_prefill(x, cache, vision, positions, rope_delta)[0], None
-    logits, (turn,) = model.forward_prefill_kept(x, cache, [turn_end], vision, positions, rope_delta)
-    return logits[0], turn
-
-
 @torch.compiler.disable
-def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat_template: bool = False) -> Prefill:
+def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat_template: bool = False,
+                use_cache: bool = True) -> Prefill:
     """Run token ids through the model. Returns the Prefill (logits of the last position only).
 
     chat_template: the ids end with the chat template's generation prompt (for `thinking`); the state
     before it is kept in Prefill.turn, so a follow-up turn can continue (conversation.continue_prefill).
+    The longest prefix an earlier prompt left in the model's K/V store (the system prompt, the whole user
+    turn) is reused and only the rest runs (Prefill.cached_tokens; prefix.py), unless use_cache is off;
+    this prompt's reuse points are kept for later ones.
     """
     limit = model.config.max_position_embeddings
     ids = list(ids)  # a list, tuple, 1-D tensor or array
@@ -153,30 +145,33 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
                              f"for thinking={thinking}")
         turn_end = len(ids) - len(tail)
     model.select_backend()
+    from .prefix import prefill_reusing, system_end
+    points = [p for p in (system_end(model, ids) if chat_template else None, turn_end) if p]
     try:
-        x = torch.tensor([ids], dtype=torch.long, device=model.device)
-        cache = model.new_cache(1, len(ids))
         _sync(model.device)
         t0 = time.perf_counter()
-        logits, turn = run_prompt(model, x, cache, turn_end)
+        run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache)
         _sync(model.device)
     except RuntimeError as e:
         if not _is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
-        return Prefill(tuple(ids), logits.cpu(), cache, ms, model.backend.name, thinking, id(model), turn=turn)
-    x = cache = None
+        return Prefill(tuple(ids), run.logits.cpu(), run.cache, ms, model.backend.name, thinking, id(model),
+                       turn=run.states.get(turn_end), cached_tokens=run.cached_tokens)
+    run = None
     raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
 
 
 def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
-            use_chat_template: bool = True, allow_special_tokens: bool = False) -> Prefill:
-    """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it.
-    Special-token text in the prompt stays text unless allow_special_tokens (see encode_prompt)."""
+            use_chat_template: bool = True, allow_special_tokens: bool = False, use_cache: bool = True) -> Prefill:
+    """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it,
+    reusing a cached prefix unless use_cache is off (prefill_ids). Special-token text in the prompt stays
+    text unless allow_special_tokens (see encode_prompt)."""
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
     # raw text opens no thinking block
-    return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template)
+    return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template,
+                       use_cache=use_cache)
 
 
 OnToken = Callable[[str, int, int], None]

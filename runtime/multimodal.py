@@ -21,10 +21,12 @@ import torch
 
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
-from .generate import Prefill, _is_out_of_memory, _sync, run_prompt
+from .generate import Prefill, _is_out_of_memory, _sync
+from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
 from .memory import out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
+from .prefix import content_hash, prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
@@ -159,7 +161,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
 def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
                        thinking: bool = False, use_chat_template: bool = True,
                        max_pixels: int | None = None, allow_special_tokens: bool = False,
-                       reserve: Callable[[int], None] | None = None) -> Prefill:
+                       reserve: Callable[[int], None] | None = None, use_cache: bool = True) -> Prefill:
     """Prefill a prompt with images and / or a video.
 
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
@@ -167,7 +169,9 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
       fps) or a VisionInput from media.preprocess_video. max_pixels overrides the checkpoint's limit
       per image. reserve(bytes), when given, is called once the prompt is laid out and before any device
       work, with what the tower and the prefill will need beyond the weights (runtime.memory), so that a
-      caller can make room (the nodes ask ComfyUI's model management). Returns a Prefill; generate()
+      caller can make room (the nodes ask ComfyUI's model management). A prefix an earlier prompt left in the
+      K/V store (the same system prompt and images) is reused, the tower skipping its images, unless
+      use_cache is off (prefix.py). Returns a Prefill; generate()
       continues from it as from a text prefill. Running out of memory ends in a Qwen35Error that says what
       was needed and free; the model is unchanged.
     """
@@ -191,21 +195,15 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     model.select_backend()
     try:
         positions, delta = layout_positions(parts, model.device)
-        x = torch.tensor([ids], dtype=torch.long, device=model.device)
-        vision = None
+        spans = media_spans(ids, ordered, _merge(model))
+        vision_ms = [0.0]
         _sync(model.device)
         t0 = time.perf_counter()
-        if ordered:
-            tower = model.vision
-            pixels = torch.cat([inp.pixels.to(model.device) for inp in ordered])
-            features = tower(pixels, tower.plan([inp.grid for inp in ordered]))
-            slots = ((x[0] == IMAGE_PAD) | (x[0] == VIDEO_PAD)).nonzero()[:, 0]
-            vision = (slots, features)
-        _sync(model.device)
-        t1 = time.perf_counter()
-        cache = model.new_cache(1, len(ids))
+        system = system_end(model, ids) if use_chat_template else None
         turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
-        logits, turn = run_prompt(model, x, cache, turn_end, vision=vision, positions=positions, rope_delta=delta)
+        points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
+        run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, vision_ms),
+                              positions, delta, limit=turn_end, use_cache=use_cache)
         _sync(model.device)
         t2 = time.perf_counter()
     except RuntimeError as e:
@@ -215,13 +213,52 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     else:
         oom = False
     if oom:
-        x = vision = pixels = features = cache = None
+        run = None
         raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
                                    "tokens; lower max_pixels or use fewer frames or images to need less)", needed)
-    stats = VisionStats(n_vision, len(ids) - n_vision, (t1 - t0) * 1000, (t2 - t1) * 1000,
+    stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms[0], (t2 - t0) * 1000 - vision_ms[0],
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-    return Prefill(tuple(ids), logits.cpu(), cache, (t2 - t0) * 1000, model.backend.name, thinking, id(model),
-                   vision=stats, turn=turn)
+    return Prefill(tuple(ids), run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
+                   id(model), vision=stats, turn=run.states.get(turn_end), cached_tokens=run.cached_tokens,
+                   media=tuple(spans))
+
+
+def _merge(model: Qwen35Model) -> int:
+    return model.vision.config.spatial_merge_size if model.vision is not None else 2
+
+
+def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0) -> list[MediaSpan]:
+    """Where each input's tokens are (its first pad token to its <|vision_end|>, shifted by `offset`) and
+    the content hash of its pixels and grid: the prefix cache's keys for the blocks it covers."""
+    pads = [i for i, t in enumerate(ids) if t in (IMAGE_PAD, VIDEO_PAD)]
+    out, k = [], 0
+    for inp in ordered:
+        n = inp.n_tokens(merge)
+        out.append(MediaSpan(offset + pads[k], offset + pads[k + n - 1] + 2,
+                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{content_hash(inp.pixels)}"))
+        k += n
+    return out
+
+
+def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: list[MediaSpan], ms: list[float]):
+    """The `vision(n)` of prefix.prefill_reusing: the tower over the inputs at or after token n (the others
+    are inside the reused prefix), as (pad slots counted from n, features); adds its time to ms[0]."""
+    def run(n: int):
+        todo = [inp for inp, sp in zip(ordered, spans) if sp.start >= n]
+        if not todo:
+            return None
+        dev = model.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        tower = model.vision
+        pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
+        features = tower(pixels, tower.plan([inp.grid for inp in todo]), backend=model.backend)
+        ids_t = torch.tensor(list(ids[n:]), device=dev)
+        slots = ((ids_t == IMAGE_PAD) | (ids_t == VIDEO_PAD)).nonzero()[:, 0]
+        _sync(dev)
+        ms[0] += (time.perf_counter() - t0) * 1000
+        return slots, features
+    return run
 
 
 @dataclass(frozen=True)
@@ -235,5 +272,5 @@ class VisionStats:
     grids: tuple[tuple[int, int, int], ...]
 
 
-__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "VisionStats", "VISION_START", "VISION_END",
+__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "VisionStats", "VISION_START", "VISION_END",
            "IMAGE_PAD", "VIDEO_PAD"]

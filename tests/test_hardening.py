@@ -452,10 +452,11 @@ def test_out_of_memory_in_prefill_says_what_to_change(folder, monkeypatch, still
     with monkeypatch.context() as m:
         m.setattr(model, "_prefill", _oom)  # under forward_prefill and forward_prefill_kept
         with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {n} tokens: that needs "
-                                              r"about \d+\.\d\d GiB beyond the model's 0\.\d\d GiB of weights, and "
+                                              r"about \d+\.\d\d GiB beyond the model's \d+\.\d\d GiB of weights and K/V "
+                                              r"cache, and "
                                               r"\d+\.\d\d GiB of \d+\.\d\d GiB is free\. Shorten the prompt"):
             prefill(model, PROMPT)
-    assert torch.equal(prefill(model, PROMPT).logits, before)  # the same model goes on as before
+    assert torch.equal(prefill(model, PROMPT, use_cache=False).logits, before)  # the same model goes on as before
 
 
 def test_out_of_memory_while_generating(folder, monkeypatch, still_works):

@@ -133,9 +133,9 @@ def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folde
         with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {before.n_tokens} tokens "
                                               r"\(\d+ of them image / video tokens; lower max_pixels.*\): that needs "
                                               r"about \d+\.\d\d GiB"):
-            prefill_multimodal(model, "Caption this.", images=IMAGE)
+            prefill_multimodal(model, "Caption this.", images=IMAGE, use_cache=False)  # else the image is cached
         m.setattr(model, "_prefill", oom)
         with pytest.raises(Qwen35Error, match="out of memory on cpu"):
-            prefill_multimodal(model, "Caption this.", images=IMAGE)
-    after = prefill_multimodal(model, "Caption this.", images=IMAGE)
+            prefill_multimodal(model, "Caption this.", images=IMAGE, use_cache=False)
+    after = prefill_multimodal(model, "Caption this.", images=IMAGE, use_cache=False)
     assert torch.equal(after.logits, before.logits)  # the model is unchanged

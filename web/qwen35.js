@@ -160,7 +160,8 @@ function setupStats(node, name) {
   node.qwen35.stats.textContent = "";
 }
 
-// "12 reused + 30 new · ": tokens taken from the prefill a Continue node continues (0 for a fresh prefill)
+// "12 reused + 30 new · ": tokens taken from the K/V cache (an earlier prompt's system prompt and images, or
+// the prefill a Continue node continues) and tokens read now
 function reuseText(s) {
   return s.cached_tokens !== undefined ? `${s.cached_tokens} reused + ${s.new_tokens} new · ` : "";
 }
@@ -176,7 +177,8 @@ function prefillLine(s) {
 }
 
 function loaderLine(s) {
-  return `${s.backend} on ${s.device} · ${s.dtype} · ${fmt(s.size_mb, 0)} MiB — ${s.backend_reason}`;
+  const cache = s.cache_mb !== undefined ? ` (K/V cache ${fmt(s.cache_mb, 0)} MiB, ${s.cache_tokens} tokens)` : "";
+  return `${s.backend} on ${s.device} · ${s.dtype} · ${fmt(s.size_mb, 0)} MiB${cache} — ${s.backend_reason}`;
 }
 
 const SETUP = {

@@ -1,0 +1,116 @@
+"""Prefix reuse: a prompt that starts like an earlier one (the same system prompt, the same image) starts
+from the earlier one's saved state and runs only the rest.
+
+Every prefill keeps the GDN states at its reuse points, taken from the same pass (the recurrence is cut
+there): the end of the system prompt, the end of its last image or video, the end of its user turn
+(before the generation prompt). Each goes into the model's K/V store as a kv_pool.Snapshot, keyed by the
+token ids before it and the content hashes of the images / video among them, holding the blocks of
+that prefix. A later prompt takes the longest prefix that ends at a snapshot: it shares those blocks
+(copy-on-write of a partly filled last block), copies the states, and skips the vision tower for the
+images inside the prefix. Snapshots are evicted least recently used first (docs/kv-cache.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .chat import IM_END, IM_START
+from .kv_pool import MediaSpan
+from .model import Cache, GDNState, Qwen35Model
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A fixed invertible scramble of int64 words (wrapping multiplies, xor-shifts), exact on any device."""
+    for mult in (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35):
+        x = (x ^ (x >> 29)) * mult
+    return x ^ (x >> 32)
+
+
+def content_hash(t: torch.Tensor) -> str:
+    """A 128-bit fingerprint of a tensor's values (its dtype and shape included), computed where the
+    tensor lies with a handful of elementwise ops and two sums: each word is scrambled with its index
+    and summed (wrapping), in two independent lanes. The same pixels give the same hash; a collision of
+    two different images is as likely as one of two random 128-bit numbers."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 8
+    if pad or raw.storage_offset() % 8:  # whole, aligned int64 words
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int64)
+    index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+    lanes = []
+    for seed in (0x51ED27, 0x2545F491):
+        lanes.append(int(_mix(words ^ _mix(index + seed)).sum()) & _MASK)
+    return f"{lanes[0]:016x}{lanes[1]:016x}-{str(t.dtype)[6:]}-{'x'.join(map(str, t.shape))}"
+
+
+def system_end(model: Qwen35Model, ids: Sequence[int]) -> int | None:
+    """Tokens up to and including the system turn's `<|im_end|>\\n`, when the chat-template ids open with
+    one; else None."""
+    tok = model.tokenizer
+    head = tok.encode(f"{IM_START}system\n")
+    if list(ids[:len(head)]) != head:
+        return None
+    end, nl = tok.token_id(IM_END), tok.encode("\n")
+    for i in range(len(head), len(ids)):
+        if ids[i] == end:
+            return i + 1 + len(nl) if list(ids[i + 1:i + 1 + len(nl)]) == nl else None
+    return None
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What prefill_reusing did: the cache after all the ids, the last position's logits [vocab] (fp32, on
+    the device), the states at `points` (by token count: kept in this pass, or the one it started from),
+    and how many tokens came from a snapshot or the given start."""
+    cache: Cache
+    logits: torch.Tensor
+    states: dict[int, GDNState]
+    cached_tokens: int
+
+
+def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int], media: Sequence[MediaSpan] = (),
+                    vision: Callable[[int], tuple | None] | None = None, positions: torch.Tensor | None = None,
+                    rope_delta: int | None = None, start: GDNState | None = None, start_cache: Cache | None = None,
+                    limit: int | None = None, use_cache: bool = True) -> Reuse:
+    """Prefill `ids` from the longest cached prefix (a snapshot in the model's store), keeping the states
+    at `points` (token counts; those inside the cached prefix are skipped) as snapshots for later prompts.
+
+    vision(n): the (slot index, features) of the vision tokens at or after token n, indices counted from
+    n, or None (the tower runs only for images past the reused prefix). positions [3, len(ids)]: rotary
+    ids of all the tokens (default: text). start / start_cache: a known state after the first
+    start.length ids (a follow-up turn's parent), whose K/V are start_cache's; used when no snapshot
+    reaches further. limit: reuse at most this many tokens (default: all but the last).
+    """
+    store = model.kv
+    snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
+    n = snap.num_tokens if snap is not None else 0
+    states = {}
+    if start is not None and start.length >= n:
+        n = start.length
+        states[n] = start
+        cache = start_cache.restart(start, len(ids), device=model.device)
+    elif snap is not None:
+        states[n] = snap.states
+        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device)
+    else:
+        cache = model.new_cache(1, len(ids))
+    x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)
+    pos = positions[:, n:] if positions is not None else None
+    feats = vision(n) if vision is not None else None
+    keep = sorted({p for p in points if n < p < len(ids)})
+    if keep:
+        logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
+    else:
+        logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
+    states.update(zip(keep, kept))
+    if use_cache:
+        for p, state in zip(keep, kept):
+            store.pool.save_snapshot(cache.seq, ids, p, state, state.nbytes, media)
+    return Reuse(cache, logits[0], states, n)
+
+
+__all__ = ["content_hash", "system_end", "prefill_reusing", "Reuse"]

@@ -1,0 +1,137 @@
+"""Prefix reuse through the paged K/V store (runtime/prefix.py): a prompt that shares its system prompt,
+or its system prompt and image, with an earlier one runs only the rest, and gives the logits of a cold
+prefill of the same prompt (fp32 on the CPU: 1e-4) and of transformers; images are keyed by content;
+snapshots are evicted under the budget; unused pool blocks never reach a result."""
+import pytest
+import torch
+from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _image, _make
+
+from qwen35_fast.runtime import Qwen35Error, generate, prefill, prefill_multimodal
+from qwen35_fast.runtime.generate import generation_prompt_ids
+from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.multimodal import VISION_END
+from qwen35_fast.runtime.prefix import content_hash, system_end
+
+from _models import rel
+
+TOL = 1e-4
+SYSTEM = "You describe pictures for a painter. Answer in one short sentence, naming colours and shapes."
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("prefix"), TOWERS["d2w32h2"], seed=5)
+
+
+@pytest.fixture
+def model(pair):
+    ours = pair[1]
+    ours.setup_kv()  # a fresh store: no snapshots of other tests
+    return ours
+
+
+def _hf_logits(hf, pf, images=()):
+    with torch.no_grad():
+        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
+
+
+def test_content_hash_is_of_the_values():
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(37, 11, generator=g)
+    assert content_hash(a) == content_hash(a.clone())
+    b = a.clone()
+    b[20, 3] = torch.nextafter(b[20, 3], torch.tensor(2.0))  # one ulp of one element
+    assert content_hash(b) != content_hash(a)
+    assert content_hash(a.view(11, 37)) != content_hash(a)  # the shape is part of it
+    assert content_hash(a.double()) != content_hash(a)
+    assert content_hash(a[:, 1:]) == content_hash(a[:, 1:].contiguous())  # any strides, odd byte counts
+    assert content_hash(torch.zeros(3, dtype=torch.uint8)) != content_hash(torch.zeros(5, dtype=torch.uint8))
+
+
+def test_a_second_question_reuses_the_system_prompt(pair, model):
+    hf, _ = pair
+    first = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    second = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == system_end(model, second.token_ids) > 10
+    cold = prefill(model, "Describe a blue square.", system_prompt=SYSTEM, use_cache=False)
+    assert cold.cached_tokens == 0 and cold.token_ids == second.token_ids
+    assert rel(second.logits, cold.logits) <= TOL
+    assert rel(second.logits, _hf_logits(hf, second)) <= TOL
+    assert generate(model, second, max_new_tokens=8).token_ids == generate(model, cold, max_new_tokens=8).token_ids
+    # the same prompt again: everything up to its generation prompt comes from the store
+    again = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
+    assert again.cached_tokens == second.n_tokens - len(generation_prompt_ids(model, False))
+    assert rel(again.logits, cold.logits) <= TOL
+
+
+def test_another_system_prompt_reuses_nothing(model):
+    prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    other = prefill(model, "Describe a red circle.", system_prompt=SYSTEM + " Be formal.")
+    assert other.cached_tokens == 0
+
+
+def test_questions_about_one_image_read_it_once(pair, model, monkeypatch):
+    hf, _ = pair
+    image = preprocess_images(_image(64, 96, 7), SMALL)
+    runs = []
+    real = type(model.vision).forward
+    monkeypatch.setattr(type(model.vision), "forward", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    first = prefill_multimodal(model, "What colour is it?", images=image, system_prompt=SYSTEM)
+    second = prefill_multimodal(model, "How many shapes are there?", images=image, system_prompt=SYSTEM)
+    assert len(runs) == 1  # the tower ran for the first prompt only
+    image_end = list(second.token_ids).index(VISION_END) + 1
+    assert second.cached_tokens == image_end and second.vision.vision_ms == 0.0
+    cold = prefill_multimodal(model, "How many shapes are there?", images=image, system_prompt=SYSTEM,
+                              use_cache=False)
+    assert rel(second.logits, cold.logits) <= TOL
+    assert rel(second.logits, _hf_logits(hf, second, image)) <= TOL
+    assert first.media and first.media[0].content_hash == second.media[0].content_hash
+
+
+def test_another_image_is_not_reused(model):
+    a = preprocess_images(_image(64, 96, 7), SMALL)
+    b = preprocess_images(_image(64, 96, 8), SMALL)  # same size, other pixels
+    prefill_multimodal(model, "What colour is it?", images=a, system_prompt=SYSTEM)
+    other = prefill_multimodal(model, "What colour is it?", images=b, system_prompt=SYSTEM)
+    assert other.cached_tokens == system_end(model, other.token_ids)  # the system prompt only
+    cold = prefill_multimodal(model, "What colour is it?", images=b, system_prompt=SYSTEM, use_cache=False)
+    assert rel(other.logits, cold.logits) <= TOL
+
+
+def test_unused_blocks_never_reach_a_result(model):
+    """Every pool block no sequence holds is NaN: a reused prefix, a generation after it and a follow-up
+    read only their own blocks."""
+    first = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    held = {b for b in range(model.kv.num_blocks) if model.kv.pool.refcount[b] > 0}
+    free = torch.tensor([b for b in range(model.kv.num_blocks) if b not in held], dtype=torch.long)
+    model.kv.k[:, free] = float("nan")
+    model.kv.v[:, free] = float("nan")
+    second = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
+    assert second.cached_tokens > 0 and torch.isfinite(second.logits).all()
+    out = generate(model, second, max_new_tokens=70)  # past a block boundary (64)
+    assert out.n_tokens == 70 or out.finish_reason == "stop"
+    assert torch.isfinite(first.logits).all()
+
+
+def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model):
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    from qwen35_fast.runtime.memory import state_bytes
+    kv_block = model_sizes(model.config, model.kv.block_size, model.dtype.itemsize)["kv_block_bytes"]
+    model.setup_kv(int(16 * kv_block / 0.75) + 1)  # 16 blocks of K/V
+    store = model.kv
+    store.pool.snapshot_budget_bytes = int(2.5 * state_bytes(model))  # and two snapshots
+    assert store.num_blocks == 16
+    firsts = []
+    for i in range(6):
+        pf = prefill(model, f"Question number {i}: describe shape {i}.", system_prompt=SYSTEM + f" ({i})")
+        assert pf.cached_tokens == 0
+        assert store.pool.snapshot_bytes <= store.pool.snapshot_budget_bytes and len(store.pool.snapshots) <= 2
+        firsts.append(pf.token_ids)
+    # the latest prompt's snapshots stayed, the first one's went
+    keys = {s.num_tokens for s in store.pool.snapshots}
+    assert store.pool.match(firsts[-1]) is not None and store.pool.match(firsts[0]) is None and keys
+    del pf
+    with pytest.raises(Qwen35Error, match=r"K/V cache: .* needs \d+ K/V blocks .* the whole pool holds 16 blocks"):
+        prefill(model, "word " * (16 * store.block_size + 10))
+    assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
