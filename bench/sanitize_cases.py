@@ -88,5 +88,16 @@ for sp in (1, 3):
     paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # one-warp decode, no gate
+from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402
+
+# the vision tower's kernels: rotary with head dim 72 (half not a multiple of 8) and a token count off the
+# block; LayerNorm rows over one warp (1,152: some lanes' last slot empty) and over 4 warps (5,120), fused and plain
+qkv = torch.randn(37, 3, 5, 72, device=dev, dtype=torch.bfloat16)
+vision_rotary_cuda(qkv, torch.randn(37, 72, device=dev), torch.randn(37, 72, device=dev))
+for D in (1152, 5120):
+    xv, yv = (torch.randn(37, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    wv, bv = torch.randn(D, device=dev, dtype=torch.bfloat16), torch.randn(D, device=dev, dtype=torch.bfloat16)
+    add_layer_norm_cuda(xv, yv, wv, bv, 1e-6)
+    layer_norm_cuda(xv, wv, bv, 1e-6)
 torch.cuda.synchronize()
 print("sanitize cases ran")

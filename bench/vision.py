@@ -2,9 +2,11 @@
 transformers' default attention), and the time to first token for a 9B-shaped model answering a
 question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --out):
 
-  {"impl": "ours" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
+  {"impl": "ours" | "ours-torch" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
   {"impl": "ours-e2e" | "transformers-e2e", "ttft_ms": ...}
 
+"ours" runs the tower on the kernel backend the text model would pick ("auto": the CUDA kernels for the
+rotary and the LayerNorms where they run), "ours-torch" on the PyTorch references.
 floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run.
 
     python3 bench/vision.py [--reps 10] [--layers 32] [--no-transformers-e2e] [--out PATH]
@@ -18,6 +20,7 @@ import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
+from qwen35_fast import kernels
 from qwen35_fast.runtime.media import Preprocessing, preprocess_images, preprocess_video
 from qwen35_fast.runtime.vision import VisionConfig, VisionTower, _targets
 
@@ -114,6 +117,8 @@ def main():
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "norm" in k and k.endswith("weight") else 0.0)
     if not same_weights:
         print("transformers' tower names its weights differently here: no output comparison")
+    be = kernels.select_backend("auto", dev, torch.bfloat16)
+    print(f"tower backend: {be.reason}")
     rows = []
     for name, items in inputs(16 if args.smoke else 1):
         grids = [i.grid for i in items]
@@ -122,16 +127,20 @@ def main():
         plan = ours.plan(grids)
         floor = ours.flops(grids) / rate * 1000
         with torch.inference_mode():
-            a = ours(pixels, plan)
+            a = ours(pixels, plan, backend=be)
             b = merged(ref(pixels, grid_thw=grid_t))
             err = float((a.float() - b.float()).norm() / b.float().norm()) if same_weights else None
-            ms_ours = timed(lambda: ours(pixels, ours.plan(grids)), args.reps)  # planning included
+            ms_ours = timed(lambda: ours(pixels, ours.plan(grids), backend=be), args.reps)  # planning included
+            ms_torch = timed(lambda: ours(pixels, ours.plan(grids)), args.reps)
             ms_ref = timed(lambda: ref(pixels, grid_thw=grid_t), args.reps)
         common = {"tower": vc.shape_name, "images": name, "grids": grids, "floor_ms": round(floor, 2),
                   "tflop": round(ours.flops(grids) / 1e12, 2)}
-        rows.append({"impl": "ours", **common, "ms": round(ms_ours, 2), "rel_err_vs_transformers_bf16": err})
+        rows.append({"impl": "ours", **common, "ms": round(ms_ours, 2), "rel_err_vs_transformers_bf16": err,
+                     "backend": be.name})
+        rows.append({"impl": "ours-torch", **common, "ms": round(ms_torch, 2), "backend": "torch"})
         rows.append({"impl": "transformers", **common, "ms": round(ms_ref, 2)})
-        print(f"{name}: ours {ms_ours:.2f} ms, transformers {ms_ref:.2f} ms, floor {floor:.2f} ms, rel err {err}")
+        print(f"{name}: ours {ms_ours:.2f} ms ({be.name}), ours on the references {ms_torch:.2f} ms, "
+              f"transformers {ms_ref:.2f} ms, floor {floor:.2f} ms, rel err {err}")
     ref = None  # frees the weights (the closures above are done with it)
 
     def save():
@@ -152,11 +161,12 @@ def main():
         t0 = time.perf_counter()
         compiled = torch.compile(ours.forward)
         with torch.inference_mode():
-            compiled(pixels, plan)
+            compiled(pixels, plan, backend=be)
         compile_s = time.perf_counter() - t0
-        ms = timed(lambda: compiled(pixels, plan), args.reps)
+        ms = timed(lambda: compiled(pixels, plan, backend=be), args.reps)
         rows.append({"impl": "ours-compiled", "tower": vc.shape_name, "images": name, "grids": grids, "ms": round(ms, 2),
                      "floor_ms": round(ours.flops(grids) / rate * 1000, 2), "compile_s": round(compile_s, 1),
+                     "backend": be.name,
                      "note": "torch.compile (inductor) of the tower's forward; plan made once, outside the timing"})
         print(f"{name}: ours compiled {ms:.2f} ms (compile {compile_s:.0f} s)")
         save()

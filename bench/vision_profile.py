@@ -2,7 +2,10 @@
 timed eager and replayed as a CUDA graph (the gap is launch overhead), the attention's SDPA backends on
 its shape, and the CUDA kernels by total time under torch.profiler. Development only.
 
-    python3 bench/vision_profile.py [--rows 20] [--side 1024]
+    python3 bench/vision_profile.py [--rows 20] [--side 1024] [--backend auto|cuda|torch]
+
+--backend picks the kernel backend as the text model does (default auto: the CUDA kernels for the rotary
+and the LayerNorms; torch: the PyTorch references, the tower as it was before them).
 """
 import argparse
 
@@ -13,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
+from qwen35_fast import kernels
 from qwen35_fast.runtime.media import Preprocessing, preprocess_images
 from qwen35_fast.runtime.vision import VisionConfig, VisionTower
 
@@ -23,8 +27,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--backend", default="auto", choices=kernels.BACKENDS)
     a = ap.parse_args()
     dev = torch.device("cuda")
+    be = kernels.select_backend(a.backend, dev, torch.bfloat16)
+    print(f"backend: {be.reason}")
     vc = VisionConfig(**TOWER, out_hidden_size=4096)
     tower = VisionTower(vc, torch.bfloat16, dev)
     with torch.no_grad():
@@ -36,15 +43,15 @@ def main():
     print(f"grid {item.grid}: {plan.n_patches} patches, floor at 750 TFLOP/s "
           f"{tower.flops([item.grid]) / 750e12 * 1e3:.2f} ms")
     with torch.inference_mode():
-        print(f"eager: {timed(lambda: tower(pixels, plan), 10):.2f} ms")
+        print(f"eager: {timed(lambda: tower(pixels, plan, backend=be), 10):.2f} ms")
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            tower(pixels, plan)
+            tower(pixels, plan, backend=be)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            tower(pixels, plan)
+            tower(pixels, plan, backend=be)
         print(f"graph replay: {timed(g.replay, 10):.2f} ms")
         del g
         n, h, d = plan.n_patches, vc.num_heads, vc.head_dim
@@ -69,7 +76,7 @@ def main():
             print(f"linear {name} [{n}x{k_in}]x[{k_in}x{w}]: {ms:.3f} ms, "
                   f"{2 * n * k_in * w / ms / 1e9:.0f} TFLOP/s")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            tower(pixels, plan)
+            tower(pixels, plan, backend=be)
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)

@@ -1,5 +1,6 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
-prefill and update), the two RMSNorms (plain, and the GDN output's gated one), and paged attention.
+prefill and update), the two RMSNorms (plain, and the GDN output's gated one), paged attention, and the
+vision tower's rotary and LayerNorms (plain, and fused with the residual add before it).
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -126,5 +127,24 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 
 
+def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
+    """The vision tower's 2-D rotary (rotate-half over the whole head) on q and k, in fp32, rounded once.
+    qkv: [N, 3, H, hd] (the qkv projection's output); cos, sin: fp32 [N, hd]. Returns [2, N, H, hd]
+    (q, k) in qkv.dtype."""
+    return ops.vision_rotary_op(qkv, cos, sin, bool(backend and backend.use_cuda))
+
+
+def layer_norm(x, weight, bias, eps: float, backend: Backend | None = None):
+    """LayerNorm over the last dimension, fp32 statistics, returned in x.dtype. x: [..., D]; weight, bias: [D]."""
+    return ops.layer_norm_op(x, weight, bias, float(eps), bool(backend and backend.use_cuda))
+
+
+def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = None):
+    """The residual add and the LayerNorm after it in one pass: returns (s, LayerNorm(s)), s = x + y in
+    x.dtype (the new residual). x, y: [..., D]; weight, bias: [D]."""
+    return ops.add_layer_norm_op(x, y, weight, bias, float(eps), bool(backend and backend.use_cuda))
+
+
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm", "paged_attention"]
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm", "paged_attention",
+           "vision_rotary", "layer_norm", "add_layer_norm"]

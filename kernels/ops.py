@@ -1,5 +1,5 @@
 """The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
-two RMSNorms, and paged attention over the K/V block pool.
+two RMSNorms, paged attention over the K/V block pool, and the vision tower's rotary and LayerNorms.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
 as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
@@ -17,6 +17,7 @@ from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
 from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+from .vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
 
 NS = "qwen35_fast"
 
@@ -141,6 +142,40 @@ def _paged_attention_fake(q, k_new, v_new, k_pool, v_pool, block_table, cache_le
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _vision_rotary_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().vision_rotary_cuda(qkv, cos, sin)
+    return vision_rotary_ref(qkv, cos, sin)
+
+
+def _vision_rotary_fake(qkv, cos, sin, use_cuda):
+    n, _, h, hd = qkv.shape
+    return qkv.new_empty(2, n, h, hd)
+
+
+def _layer_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().layer_norm_cuda(x, weight, bias, eps)
+    return layer_norm_ref(x, weight, bias, eps)
+
+
+def _layer_norm_fake(x, weight, bias, eps, use_cuda):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_layer_norm_impl(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                         use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().add_layer_norm_cuda(x, y, weight, bias, eps)
+    return add_layer_norm_ref(x, y, weight, bias, eps)
+
+
+def _add_layer_norm_fake(x, y, weight, bias, eps, use_cuda):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
 gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
 causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
@@ -150,3 +185,6 @@ rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))
+vision_rotary_op = _register("vision_rotary", _vision_rotary_impl, _vision_rotary_fake)
+layer_norm_op = _register("layer_norm", _layer_norm_impl, _layer_norm_fake)
+add_layer_norm_op = _register("add_layer_norm", _add_layer_norm_impl, _add_layer_norm_fake)

@@ -11,6 +11,9 @@ consecutive rows. Attention is full (non-causal) inside one image or one 2-frame
 and never crosses them: `plan()` groups the slices by length and each group runs as one batched
 SDPA call, so a prompt costs one attention launch per distinct slice size, not one per image.
 
+The rotary and the LayerNorms (each after the first fused with the residual add before it) are
+`kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
+
 Sizes come from the checkpoint (config.json's `vision_config`, or the tensor shapes of a single
 file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152 (9B, 27B).
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from .. import kernels
 from .checkpoint import read_header
 from .errors import Qwen35Error
 
@@ -261,15 +265,12 @@ class VisionTower(nn.Module):
     def plan(self, grids) -> VisionPlan:
         return plan(self.config, grids, self.device)
 
-    def _attention(self, blk: VisionBlock, x: torch.Tensor, p: VisionPlan) -> torch.Tensor:
+    def _attention(self, blk: VisionBlock, x: torch.Tensor, p: VisionPlan, be: kernels.Backend | None) -> torch.Tensor:
         vc = self.config
         n, d = x.shape
         qkv = F.linear(x, blk.qkv_w, blk.qkv_b).view(n, 3, vc.num_heads, vc.head_dim)
         # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
-        qk = qkv[:, :2].float()
-        half = vc.head_dim // 2
-        qk = qk * p.cos[:, None, None, :] + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * p.sin[:, None, None, :]
-        q, k = qk.to(x.dtype).unbind(1)
+        q, k = kernels.vision_rotary(qkv, p.cos, p.sin, backend=be).unbind(0)
         v = qkv[:, 2]
         out = torch.empty_like(v) if len(p.groups) > 1 else None
         for index, s, length in p.groups:  # one batched call per distinct slice length
@@ -283,24 +284,33 @@ class VisionTower(nn.Module):
                 out.index_copy_(0, index, o)
         return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
 
+    @staticmethod
+    def _mlp(blk: VisionBlock, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, blk.fc1_w, blk.fc1_b), approximate="tanh"), blk.fc2_w, blk.fc2_b)
+
     @torch.no_grad()  # not inference_mode: torch.compile traces this (inference tensors break its functionalisation)
-    def forward(self, pixels: torch.Tensor, p: VisionPlan) -> torch.Tensor:
-        """pixels [N, C*T*P*P] (normalised, merge-block order) -> vision tokens [N / 4, out_hidden]."""
+    def forward(self, pixels: torch.Tensor, p: VisionPlan, backend: kernels.Backend | None = None) -> torch.Tensor:
+        """pixels [N, C*T*P*P] (normalised, merge-block order) -> vision tokens [N / 4, out_hidden].
+
+        backend: the text model's kernel backend (model.select_backend()); None runs the PyTorch references.
+        """
         vc = self.config
         if pixels.shape != (p.n_patches, vc.patch_dim):
             raise Qwen35Error(f"vision input has shape {list(pixels.shape)}, the grids need "
                               f"[{p.n_patches}, {vc.patch_dim}]")
-        d = vc.hidden_size
         x = F.linear(pixels.to(self.device, self.dtype), self.patch_w, self.patch_b)
         pos = (self.pos_embed[p.pos_index].float() * p.pos_weight[..., None]).sum(1).to(x.dtype)
         x = x + (pos if p.pos_rows is None else pos.index_select(0, p.pos_rows))
-        for blk in self.blocks:
-            x = x + self._attention(blk, F.layer_norm(x, (d,), blk.norm1_w, blk.norm1_b, LAYER_NORM_EPS), p)
-            y = F.layer_norm(x, (d,), blk.norm2_w, blk.norm2_b, LAYER_NORM_EPS)
-            x = x + F.linear(F.gelu(F.linear(y, blk.fc1_w, blk.fc1_b), approximate="tanh"), blk.fc2_w, blk.fc2_b)
-        x = F.layer_norm(x, (d,), self.merge_norm_w, self.merge_norm_b, LAYER_NORM_EPS)
-        x = x.reshape(-1, d * vc.merge_unit)
-        return F.linear(F.gelu(F.linear(x, self.merge_fc1_w, self.merge_fc1_b)), self.merge_fc2_w, self.merge_fc2_b)
+        # every LayerNorm after the first runs fused with the residual add before it: a block's norm2 after
+        # its attention, the next block's norm1 (the merger's norm after the last block) after its MLP
+        norms = [(blk.norm1_w, blk.norm1_b) for blk in self.blocks] + [(self.merge_norm_w, self.merge_norm_b)]
+        h = kernels.layer_norm(x, *norms[0], LAYER_NORM_EPS, backend=backend)
+        for blk, next_norm in zip(self.blocks, norms[1:]):
+            x, h = kernels.add_layer_norm(x, self._attention(blk, h, p, backend), blk.norm2_w, blk.norm2_b,
+                                          LAYER_NORM_EPS, backend=backend)
+            x, h = kernels.add_layer_norm(x, self._mlp(blk, h), *next_norm, LAYER_NORM_EPS, backend=backend)
+        h = h.reshape(-1, vc.hidden_size * vc.merge_unit)
+        return F.linear(F.gelu(F.linear(h, self.merge_fc1_w, self.merge_fc1_b)), self.merge_fc2_w, self.merge_fc2_b)
 
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parameters())

@@ -49,12 +49,18 @@ VARIANTS = {
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],
+    # vision/launch.py: the released towers' heads (12 x 64, 16 x 64, 16 x 72) and other multiples of 8; row
+    # lengths over every threads-per-row choice of layer_norm.cu (1 / 2 / 4 / 8 warps), plain and fused
+    "rotary.cu": [{"HEAD_DIM": d, "HEADS": h, "IN_T": i} for d, h in ((64, 12), (64, 16), (72, 16), (80, 3), (8, 1))
+                  for i in (2, 1)],
+    "layer_norm.cu": [{"DIM": d, "IN_T": i, "HAS_Y": y} for d in (768, 1024, 1152, 2056, 5120, 8, 10240)
+                      for i in (2, 1) for y in (1, 0)],
 }
 
 
 def test_sources_found():
     names = {p.name for p in SOURCES}
-    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu"} <= names
+    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "layer_norm.cu"} <= names
 
 
 @needs_nvrtc

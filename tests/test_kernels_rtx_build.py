@@ -1,4 +1,4 @@
-"""Decode, conv1d and the norms built as an RTX card gets them: PTX for compute_80 (which the driver finishes
+"""Decode, conv1d, the norms and the vision tower's kernels built as an RTX card gets them: PTX for compute_80 (which the driver finishes
 for the GPU in hand) and no block above the 99 KB of shared memory that sm_86 / sm_89 / sm_120 give one
 block; each against its reference. (The prefill's portable path has its own tests in test_gdn_prefill_cuda.py;
 tests/test_kernels_compile.py compiles every source for sm_80 / 86 / 89 / 120 / 90a without a GPU.)"""
@@ -11,6 +11,8 @@ from qwen35_fast.kernels.gdn_decode import launch as decode_launch
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.rms_norm import launch as norm_launch
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+from qwen35_fast.kernels.vision import launch as vision_launch
+from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, vision_rotary_ref
 
 from _models import rel
 
@@ -25,7 +27,7 @@ def rtx(monkeypatch):
     """Every module these launchers load is built for compute_80, and every launch is checked against the
     99 KB cap; returns the (module, arch, shared memory) of each launch."""
     seen = []
-    for mod in (decode_launch, conv_launch, norm_launch):
+    for mod in (decode_launch, conv_launch, norm_launch, vision_launch):
         get, run = mod.get_function, mod.launch
 
         def get_function(src, name, dev, defines=None, get=get):
@@ -105,3 +107,19 @@ def test_norms(rtx, D):
         y = norm_launch.gated_rms_norm_cuda(x, gate, w, 1e-6)
         assert not y.isnan().any() and rel(y, gated_rms_norm_ref(x, gate, w, 1e-6)) < 4e-3
     assert ("get", "rms_norm_fwd") in rtx
+
+
+@pytest.mark.parametrize("D", [1152, 5120])
+def test_vision_kernels(rtx, D):
+    g = torch.Generator(device=DEV).manual_seed(D)
+    qkv = (torch.randn(37, 3, 16, 72, generator=g, device=DEV) * 3).bfloat16()
+    cos, sin = torch.randn(37, 72, generator=g, device=DEV), torch.randn(37, 72, generator=g, device=DEV)
+    _poison((2, 37, 16, 72), torch.bfloat16)
+    assert torch.equal(vision_launch.vision_rotary_cuda(qkv, cos, sin), vision_rotary_ref(qkv, cos, sin))
+    x, y = (torch.randn(37, D, generator=g, device=DEV).bfloat16() for _ in range(2))
+    w, b = (1 + 0.3 * torch.randn(D, generator=g, device=DEV)).bfloat16(), torch.randn(D, generator=g, device=DEV).bfloat16()
+    _poison((37, D), torch.bfloat16)
+    s, out = vision_launch.add_layer_norm_cuda(x, y, w, b, 1e-6)
+    s_ref, out_ref = add_layer_norm_ref(x, y, w, b, 1e-6)
+    assert torch.equal(s, s_ref) and not out.isnan().any() and rel(out, out_ref) < 4e-3
+    assert {e[1] for e in rtx if e[0] == "get"} == {"vision_rotary", "layer_norm_fwd"}

@@ -1,0 +1,92 @@
+"""Launchers of rotary.cu and layer_norm.cu (the vision tower's rotary, LayerNorm and residual add + LayerNorm).
+
+The kernels take bf16 / fp16 activations: rotary with head dims that are multiples of 8 and fp32 cos / sin;
+LayerNorm with rows that are multiples of 8 up to MAX_D and weight and bias in the activation's dtype.
+Anything else runs the reference."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch
+from .reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
+
+ROTARY_SRC = Path(__file__).with_name("rotary.cu")
+NORM_SRC = Path(__file__).with_name("layer_norm.cu")
+_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROTARY_THREADS = 256  # THREADS of rotary.cu
+NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
+MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous with a 16-byte aligned start (a copy only when it is not already)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    n, _, _, hd = qkv.shape
+    return hd % 8 == 0 and all(t.dtype == torch.float32 and t.shape == (n, hd) for t in (cos, sin))
+
+
+def vision_rotary_cuda(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.vision_rotary_ref: qkv [N, 3, H, hd] -> q, k as one [2, N, H, hd]."""
+    if not rotary_takes(qkv, cos, sin):
+        return vision_rotary_ref(qkv, cos, sin)
+    n, _, h, hd = qkv.shape
+    out = torch.empty(2, n, h, hd, dtype=qkv.dtype, device=qkv.device)
+    total = n * 2 * h * (hd // 8)  # threads: one per 8 output features
+    if total == 0:
+        return out
+    fn = get_function(ROTARY_SRC, "vision_rotary", qkv.device, {"HEAD_DIM": hd, "HEADS": h, "IN_T": _CODE[qkv.dtype]})
+    launch(fn, ((total + ROTARY_THREADS - 1) // ROTARY_THREADS, 1, 1), (ROTARY_THREADS, 1, 1),
+           (_aligned(qkv), _aligned(cos), _aligned(sin), out, np.int64(n)))
+    return out
+
+
+def norm_takes(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    D = x.shape[-1] if x.dim() else 0
+    ok = (x.dtype in (torch.bfloat16, torch.float16) and D % 8 == 0 and 0 < D <= MAX_D
+          and weight.dtype == x.dtype and bias.dtype == x.dtype
+          and weight.shape == (D,) and bias.shape == (D,))
+    return ok and (y is None or (y.shape == x.shape and y.dtype == x.dtype))
+
+
+def _layer_norm(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    D = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(out) if y is not None else None
+    rows = out.numel() // D
+    if rows == 0:
+        return s, out
+    nv = D // 8
+    tpr = 32 if nv <= 160 else 64 if nv <= 320 else 128 if nv <= 640 else 256  # TPR of layer_norm.cu
+    per_block = NORM_THREADS // tpr
+    defines = {"DIM": D, "IN_T": _CODE[x.dtype], "HAS_Y": int(y is not None)}
+    launch(get_function(NORM_SRC, "layer_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
+           (NORM_THREADS, 1, 1),
+           (_aligned(x), None if y is None else _aligned(y), _aligned(weight), _aligned(bias), s, out, np.int64(rows),
+            np.float32(eps)))
+    return s, out
+
+
+def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as reference.layer_norm_ref."""
+    if not norm_takes(x, None, weight, bias):
+        return layer_norm_ref(x, weight, bias, eps)
+    return _layer_norm(x, None, weight, bias, eps)[1]
+
+
+def add_layer_norm_cuda(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.add_layer_norm_ref: (x + y, LayerNorm(x + y))."""
+    if not norm_takes(x, y, weight, bias):
+        return add_layer_norm_ref(x, y, weight, bias, eps)
+    return _layer_norm(x, y, weight, bias, eps)

@@ -1,0 +1,216 @@
+"""The vision tower's kernels (kernels/vision/: rotary, LayerNorm, residual add + LayerNorm) against their
+PyTorch references, and the tower on the CUDA backend against the tower on the reference backend.
+
+GPU tests: fresh seeded random inputs per case; torch's caching allocator is filled with NaN before each
+launch so that an output element a kernel forgets to write shows up. The rotary and the residual sum are
+bit for bit the reference; the LayerNorm's output is within one rounding of it (torch's kernel forms the
+statistics with Welford's update, ours in two passes over the row: the fp32 values differ in the last
+bits, which moves a rounding of the output now and then). The CPU tests check the references and the ops'
+fake implementations.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen35_fast import kernels
+from qwen35_fast.kernels import ops
+from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
+
+from _models import rel
+
+DEV = "cuda"
+gpu = pytest.mark.gpu
+# LayerNorm output against torch's: |ours - ref| <= atol + rtol |ref| (rtol: one unit in the last place)
+LN_TOL = {torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3), torch.float16: dict(rtol=2 ** -10, atol=1e-4)}
+
+
+@pytest.fixture(scope="module")
+def impl():
+    from qwen35_fast.kernels import cuda_impl
+    ok, reason = cuda_impl.cuda_status(torch.device(DEV))
+    assert ok, reason
+    return cuda_impl
+
+
+def poison_allocator(*shapes_dtypes):
+    """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' outputs
+    (torch.empty inside the launchers) then start as NaN, not as stale good values."""
+    blocks = [torch.full(shape, float("nan"), dtype=dt, device=DEV) for shape, dt in shapes_dtypes for _ in range(2)]
+    del blocks
+
+
+def rotary_inputs(N, H, hd, dtype, device, seed):
+    """qkv [N, 3, H, hd] and cos / sin of random 2-D positions, as VisionPlan makes them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = (torch.randn(N, 3, H, hd, generator=g, device=device) * 3).to(dtype)
+    inv_freq = 1.0 / 10_000 ** (torch.arange(0, hd // 2, 2, dtype=torch.float32, device=device) / (hd // 2))
+    pos = torch.randint(0, 64, (N, 2), generator=g, device=device).float()
+    f = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], dim=1)
+    emb = torch.cat([f, f], dim=1)
+    return qkv, emb.cos(), emb.sin()
+
+
+def norm_inputs(rows, D, dtype, device, seed):
+    """x (a residual stream with an offset per row), y, weight near 1, bias near 0."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(rows, D, generator=g, device=device) * 2 + torch.randn(rows, 1, generator=g, device=device))
+    y = torch.randn(rows, D, generator=g, device=device)
+    w = 1 + 0.3 * torch.randn(D, generator=g, device=device)
+    b = 0.3 * torch.randn(D, generator=g, device=device)
+    return x.to(dtype), y.to(dtype), w.to(dtype), b.to(dtype)
+
+
+# ----------------------------------------------------------------------------- references (CPU)
+
+def test_rotary_ref_is_the_towers_expression():
+    """The reference is the rotary the tower computed inline before the kernels ([N, 2, H, hd] in fp32),
+    laid out as [2, N, H, hd]."""
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, cos, sin = rotary_inputs(37, 3, 72, dtype, "cpu", 0)
+        qk, half = qkv[:, :2].float(), 36
+        want = (qk * cos[:, None, None, :] + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+                * sin[:, None, None, :]).to(dtype)
+        got = vision_rotary_ref(qkv, cos, sin)
+        assert got.shape == (2, 37, 3, 72) and got.is_contiguous() and torch.equal(got, want.transpose(0, 1))
+
+
+def test_layer_norm_refs_are_the_towers_expressions():
+    x, y, w, b = norm_inputs(9, 48, torch.bfloat16, "cpu", 1)
+    s, out = add_layer_norm_ref(x, y, w, b, 1e-6)
+    assert torch.equal(s, x + y) and torch.equal(out, F.layer_norm(x + y, (48,), w, b, 1e-6))
+    assert torch.equal(layer_norm_ref(x, w, b, 1e-6), F.layer_norm(x, (48,), w, b, 1e-6))
+
+
+def test_vision_ops_pass_opcheck():
+    """Custom ops with fake implementations (what torch.compile traces through)."""
+    qkv, cos, sin = rotary_inputs(5, 2, 16, torch.float32, "cpu", 2)
+    x, y, w, b = norm_inputs(5, 32, torch.float32, "cpu", 3)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.vision_rotary_op, (qkv, cos, sin, False), test_utils=checks)
+    torch.library.opcheck(ops.layer_norm_op, (x, w, b, 1e-6, False), test_utils=checks)
+    torch.library.opcheck(ops.add_layer_norm_op, (x, y, w, b, 1e-6, False), test_utils=checks)
+
+
+# ----------------------------------------------------------------------------- rotary (GPU)
+
+ROTARY_CASES = [  # N, H, hd: the released towers (12 x 64, 16 x 64, 16 x 72), odd head counts, N off the block
+    (4096, 16, 72), (1024, 16, 64), (300, 12, 64), (1, 16, 72), (7, 3, 72), (257, 5, 80), (33, 1, 8),
+    (129, 7, 16), (2, 2, 128), (1000, 9, 24), (61, 11, 40), (4099, 16, 72)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_rotary_matches_reference(impl, case, dtype):
+    N, H, hd = case
+    qkv, cos, sin = rotary_inputs(N, H, hd, dtype, DEV, N * H + hd)
+    poison_allocator(((2, N, H, hd), dtype))
+    got = impl.vision_rotary_cuda(qkv, cos, sin)
+    want = vision_rotary_ref(qkv, cos, sin)
+    assert got.shape == (2, N, H, hd) and got.dtype == dtype and not got.isnan().any()
+    assert torch.equal(got, want)  # the same fp32 products and sum, rounded once
+
+
+@gpu
+def test_rotary_through_the_backend_and_fallback(impl):
+    qkv, cos, sin = rotary_inputs(100, 4, 72, torch.bfloat16, DEV, 7)
+    be = kernels.select_backend("cuda", DEV, torch.bfloat16)
+    assert torch.equal(kernels.vision_rotary(qkv, cos, sin, backend=be), vision_rotary_ref(qkv, cos, sin))
+    for q, c, s in [(qkv.float(), cos, sin), (qkv[..., :68].contiguous(), cos[:, :68], sin[:, :68]),
+                    (qkv, cos.bfloat16(), sin.bfloat16())]:  # fp32, head dim 68, bf16 tables: the reference
+        assert torch.equal(impl.vision_rotary_cuda(q, c, s), vision_rotary_ref(q, c, s))
+    assert impl.vision_rotary_cuda(qkv[:0], cos[:0], sin[:0]).shape == (2, 0, 4, 72)
+
+
+# ----------------------------------------------------------------------------- LayerNorm (GPU)
+
+NORM_D = [8, 64, 768, 1024, 1152, 1280, 1288, 2048, 2568, 4096, 5120, 5128, 8192, 10240]
+
+
+def _check_norm(got, want, dtype):
+    assert got.dtype == dtype and got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **LN_TOL[dtype])
+    assert int((got != want).sum()) <= max(1, want.numel() // 100)  # almost every element bit for bit
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 7, 37, 1000])
+@pytest.mark.parametrize("D", NORM_D)
+def test_add_layer_norm_matches_reference(impl, D, rows, dtype):
+    x, y, w, b = norm_inputs(rows, D, dtype, DEV, D * 1000 + rows)
+    poison_allocator(((rows, D), dtype))
+    s, out = impl.add_layer_norm_cuda(x, y, w, b, 1e-6)
+    s_ref, out_ref = add_layer_norm_ref(x, y, w, b, 1e-6)
+    assert torch.equal(s, s_ref)  # the new residual: exactly the bf16 / fp16 add
+    _check_norm(out, out_ref, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [3, 333])
+@pytest.mark.parametrize("D", NORM_D)
+def test_layer_norm_matches_reference(impl, D, rows, dtype):
+    x, _, w, b = norm_inputs(rows, D, dtype, DEV, D * 7 + rows)
+    poison_allocator(((rows, D), dtype))
+    _check_norm(impl.layer_norm_cuda(x, w, b, 1e-6), layer_norm_ref(x, w, b, 1e-6), dtype)
+
+
+@gpu
+def test_layer_norm_takes_batched_and_strided_inputs(impl):
+    x, y, w, b = norm_inputs(2 * 50, 1152, torch.bfloat16, DEV, 11)
+    x3, y3 = x.view(2, 50, 1152), y.view(2, 50, 1152)
+    s, out = impl.add_layer_norm_cuda(x3, y3, w, b, 1e-6)
+    assert s.shape == out.shape == (2, 50, 1152) and torch.equal(s, x3 + y3)
+    _check_norm(out, layer_norm_ref(x3 + y3, w, b, 1e-6), torch.bfloat16)
+    wide = torch.randn(100, 2 * 1152, device=DEV, dtype=torch.bfloat16)
+    view = wide[:, 1152:]  # rows 2 * 1152 apart: copied to contiguous rows first
+    assert torch.equal(impl.layer_norm_cuda(view, w, b, 1e-6), impl.layer_norm_cuda(view.contiguous(), w, b, 1e-6))
+
+
+@gpu
+def test_layer_norm_falls_back_where_the_kernel_does_not_apply(impl):
+    """fp32 activations, fp32 weights, rows not a multiple of 8 or above MAX_D: the reference exactly."""
+    for D, dtype, wdtype in [(1152, torch.float32, torch.float32), (1152, torch.bfloat16, torch.float32),
+                             (100, torch.bfloat16, torch.bfloat16), (12288, torch.bfloat16, torch.bfloat16)]:
+        x, y, w, b = norm_inputs(3, D, dtype, DEV, D)
+        w, b = w.to(wdtype), b.to(wdtype)
+        if dtype == wdtype:  # torch's CUDA LayerNorm takes no mixed dtypes
+            assert torch.equal(impl.layer_norm_cuda(x, w, b, 1e-6), layer_norm_ref(x, w, b, 1e-6))
+            s, out = impl.add_layer_norm_cuda(x, y, w, b, 1e-6)
+            s_ref, out_ref = add_layer_norm_ref(x, y, w, b, 1e-6)
+            assert torch.equal(s, s_ref) and torch.equal(out, out_ref)
+        else:
+            from qwen35_fast.kernels.vision.launch import norm_takes
+            assert not norm_takes(x, y, w, b)
+    s, out = impl.add_layer_norm_cuda(*norm_inputs(0, 1152, torch.bfloat16, DEV, 0), 1e-6)
+    assert s.shape == out.shape == (0, 1152)
+
+
+# ----------------------------------------------------------------------------- the tower (GPU)
+
+@gpu
+@pytest.mark.parametrize("width,heads", [(1152, 16), (768, 12)], ids=["16x72", "12x64"])
+def test_tower_on_kernels_matches_tower_on_references(width, heads):
+    """Two images of different sizes (two attention groups) and a 2-frame-slice video through a 4-block
+    tower: the kernels' backend against the references' backend, same bf16 weights."""
+    from qwen35_fast.runtime.vision import VisionConfig, VisionTower
+    vc = VisionConfig(depth=4, hidden_size=width, intermediate_size=4 * width, num_heads=heads, out_hidden_size=2048)
+    tower = VisionTower(vc, torch.bfloat16, torch.device(DEV))
+    g = torch.Generator(device=DEV).manual_seed(width)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if p.dim() == 1:  # norms near (1, 0), biases small
+                one = float("norm" in name and name.endswith("_w"))
+                p.copy_(one + 0.2 * torch.randn(p.shape, generator=g, device=DEV))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=DEV) * p.shape[-1] ** -0.5)
+    grids = [(1, 32, 24), (1, 16, 40), (4, 12, 16)]
+    plan = tower.plan(grids)
+    pixels = torch.randn(plan.n_patches, vc.patch_dim, generator=g, device=DEV).to(torch.bfloat16)
+    be = kernels.select_backend("cuda", DEV, torch.bfloat16)
+    assert be.use_cuda
+    want = tower(pixels, plan)  # no backend: the references
+    got = tower(pixels, plan, backend=be)
+    assert got.shape == want.shape and not got.isnan().any()
+    assert rel(got.float(), want.float()) < 1e-2  # bf16 rounding differences carried through 4 blocks
