@@ -144,6 +144,7 @@ def decode_at_contexts(model: Qwen35Model, contexts, steps: int) -> list[dict]:
         for pool in (store.k, store.v):
             pool[:, blocks] = torch.randn_like(pool[:, blocks]) * 0.5
         cache.length = n
+        cache = cache.clone(n + steps + 1)  # as generate forks a prefill (states outside inference mode)
         step = GraphedDecode(model, cache, n + steps + 1)
         for _ in range(2):
             tok = int(step(tok).argmax())

@@ -37,18 +37,12 @@ def words_for(tokenizer, n: int, seed: int) -> str:
     return " ".join(out)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged-h200.json"))
-    a = ap.parse_args()
+def build(layers: int, smoke: bool):
+    """(model, system prompt, two questions, image): the benchmark's 9B-shaped model with its tower."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, tower_shape, out_hidden, side = nine_b(a.layers), TOWER, OUT_HIDDEN, 1024
-    if a.smoke:
-        tower_shape, out_hidden, side, a.reps = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2), \
-            256, 64, 1
+    cfg, tower_shape, out_hidden, side = nine_b(layers), TOWER, OUT_HIDDEN, 1024
+    if smoke:
+        tower_shape, out_hidden, side = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2), 256, 64
         cfg = replace(nine_b(4), hidden_size=out_hidden, intermediate_size=256, num_attention_heads=2,
                       num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=2)
     from qwen35_fast.runtime.model import Qwen35Model
@@ -66,6 +60,20 @@ def main():
     system = words_for(tok, 200, 1)
     questions = [words_for(tok, 50, 2) + "?", words_for(tok, 50, 3) + "?"]
     image = torch.rand(1, side, side, 3, device=dev, generator=torch.Generator(device=dev).manual_seed(4))
+    return model, system, questions, image
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged-h200.json"))
+    a = ap.parse_args()
+    model, system, questions, image = build(a.layers, a.smoke)
+    dev, dtype, cfg, tower = model.device, model.dtype, model.config, model.vision
+    if a.smoke:
+        a.reps = 1
 
     def first():
         model.kv.pool.clear()  # an empty prefix cache: everything is read

@@ -56,13 +56,13 @@ def main():
         del g
         n, h, d = plan.n_patches, vc.num_heads, vc.head_dim
         q, k, v = (torch.randn(1, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-        for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for sdpa in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
-                with sdpa_kernel(be):
+                with sdpa_kernel(sdpa):
                     ms = timed(lambda: F.scaled_dot_product_attention(q, k, v), 10)
-                print(f"sdpa {be.name} [1,{h},{n},{d}]: {ms:.3f} ms x {vc.depth} layers = {ms * vc.depth:.2f} ms")
+                print(f"sdpa {sdpa.name} [1,{h},{n},{d}]: {ms:.3f} ms x {vc.depth} layers = {ms * vc.depth:.2f} ms")
             except RuntimeError as e:
-                print(f"sdpa {be.name}: {str(e).splitlines()[0][:120]}")
+                print(f"sdpa {sdpa.name}: {str(e).splitlines()[0][:120]}")
         x = torch.randn(n, vc.hidden_size, device=dev, dtype=torch.bfloat16)
         blk = tower.blocks[0]
         for name, fn in (("qkv", lambda: F.linear(x, blk.qkv_w, blk.qkv_b)),

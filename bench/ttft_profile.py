@@ -1,0 +1,83 @@
+"""Where the time to first token goes with and without prefix reuse (bench/prefix_reuse.py's model and
+prompts): wall time, host-device synchronisations, the host functions that cost most (cProfile), and the
+GPU time in kernels for the first question (read cold) and the second (system prompt and image reused).
+Development only.
+
+    python3 bench/ttft_profile.py [--layers 32] [--rows 18]
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast.runtime.multimodal import prefill_multimodal
+
+from prefix_reuse import build
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=18)
+    a = ap.parse_args()
+    model, system, questions, image = build(a.layers, smoke=not torch.cuda.is_available())
+
+    def first():
+        model.kv.pool.clear()
+        return prefill_multimodal(model, questions[0], images=image, system_prompt=system)
+
+    def second():
+        return prefill_multimodal(model, questions[1], images=image, system_prompt=system)
+
+    for name, fn, before in (("cold", first, None), ("reuse", second, first),
+                             ("cold, use_cache off", lambda: prefill_multimodal(
+                                 model, questions[0], images=image, system_prompt=system, use_cache=False), None)):
+        for _ in range(2):  # warm
+            if before:
+                before()
+            fn()
+        if before:
+            before()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            pf = fn()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message).splitlines()[0][:100] for w in caught]
+        print(f"== {name}: {ms:.1f} ms wall, {pf.cached_tokens} reused + {pf.new_tokens} new tokens, "
+              f"vision {pf.vision.vision_ms:.1f} ms, {len(syncs)} synchronisations")
+        if before:
+            before()
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.rows)
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
+        if before:
+            before()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in p.key_averages() if e.device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events)
+        print(f"GPU time in kernels: {total / 1e3:.1f} ms; top:")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
+            print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
