@@ -80,39 +80,39 @@ def gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state: Optional[tor
     with B == 1 for packed sequences, else None (N = B).
     Returns o: [B, T, Hv, Dv] (v.dtype) and the final state [N, Hv, D, Dv] (fp32).
     """
-    return ops.gdn_chunk_prefill_op(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens,
+    return ops.run(ops.gdn_chunk_prefill_op, q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens,
                                     bool(backend and backend.use_cuda))
 
 
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, backend: Backend | None = None):
     """One token for N sequences. q, k: [N, Hk, D]; v: [N, Hv, Dv]; a, b: [N, Hv];
     state: [N, Hv, D, Dv] fp32, updated in place. Returns o: [N, Hv, Dv]."""
-    return ops.gdn_decode_step_op(q, k, v, a, b, A_log, dt_bias, state, bool(backend and backend.use_cuda))
+    return ops.run(ops.gdn_decode_step_op, q, k, v, a, b, A_log, dt_bias, state, bool(backend and backend.use_cuda))
 
 
 def causal_conv1d_prefill(x, weight, bias=None, initial_state=None, cu_seqlens=None,
                           backend: Backend | None = None):
     """silu(causal depthwise conv1d). x: [B, T, C]; weight: [C, W]; initial_state: [N, C, W-1] or None.
     Returns y: [B, T, C] and the conv state [N, C, W-1] (the last W-1 inputs)."""
-    return ops.causal_conv1d_prefill_op(x, weight, bias, initial_state, cu_seqlens,
+    return ops.run(ops.causal_conv1d_prefill_op, x, weight, bias, initial_state, cu_seqlens,
                                         bool(backend and backend.use_cuda))
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, backend: Backend | None = None):
     """One token. x: [N, C]; conv_state: [N, C, W-1] updated in place. Returns y: [N, C]."""
-    return ops.causal_conv1d_update_op(x, conv_state, weight, bias, bool(backend and backend.use_cuda))
+    return ops.run(ops.causal_conv1d_update_op, x, conv_state, weight, bias, bool(backend and backend.use_cuda))
 
 
 def rms_norm(x, weight, eps: float, backend: Backend | None = None):
     """Qwen3.5's zero-centred RMSNorm over the last dimension: x / rms(x) * (1 + weight), in fp32,
     returned in x.dtype. x: [..., D]; weight: [D]."""
-    return ops.rms_norm_op(x, weight, float(eps), bool(backend and backend.use_cuda))
+    return ops.run(ops.rms_norm_op, x, weight, float(eps), bool(backend and backend.use_cuda))
 
 
 def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     """The GDN output norm: weight * (x / rms(x)) * silu(gate) over the last dimension. x, gate: [..., D];
     weight: [D]."""
-    return ops.gated_rms_norm_op(x, gate, weight, float(eps), bool(backend and backend.use_cuda))
+    return ops.run(ops.gated_rms_norm_op, x, gate, weight, float(eps), bool(backend and backend.use_cuda))
 
 
 def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate=None, *, max_q: int,
@@ -124,7 +124,7 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
         least the most new tokens of any sequence. Returns [T, H, D]. The CUDA kernel takes bf16 and head dims
     that are multiples of 16 (every Qwen3.5 size: 256); the reference runs anything else."""
     use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
-    return ops.paged_attention_op(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),
+    return ops.run(ops.paged_attention_op, q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 
 
@@ -132,18 +132,18 @@ def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
     """The vision tower's 2-D rotary (rotate-half over the whole head) on q and k, in fp32, rounded once.
     qkv: [N, 3, H, hd] (the qkv projection's output); cos, sin: fp32 [N, hd]. Returns [2, N, H, hd]
     (q, k) in qkv.dtype."""
-    return ops.vision_rotary_op(qkv, cos, sin, bool(backend and backend.use_cuda))
+    return ops.run(ops.vision_rotary_op, qkv, cos, sin, bool(backend and backend.use_cuda))
 
 
 def layer_norm(x, weight, bias, eps: float, backend: Backend | None = None):
     """LayerNorm over the last dimension, fp32 statistics, returned in x.dtype. x: [..., D]; weight, bias: [D]."""
-    return ops.layer_norm_op(x, weight, bias, float(eps), bool(backend and backend.use_cuda))
+    return ops.run(ops.layer_norm_op, x, weight, bias, float(eps), bool(backend and backend.use_cuda))
 
 
 def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = None):
     """The residual add and the LayerNorm after it in one pass: returns (s, LayerNorm(s)), s = x + y in
     x.dtype (the new residual). x, y: [..., D]; weight, bias: [D]."""
-    return ops.add_layer_norm_op(x, y, weight, bias, float(eps), bool(backend and backend.use_cuda))
+    return ops.run(ops.add_layer_norm_op, x, y, weight, bias, float(eps), bool(backend and backend.use_cuda))
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
