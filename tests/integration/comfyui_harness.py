@@ -16,6 +16,7 @@ DEMO_MODEL = "qwen35-demo"
 # ComfyUI-Manager names the folder as it likes; relative imports must not care. (No space: ComfyUI
 # 0.29 lists web files under a folder with a space but answers 404 for them, for every pack.)
 PACK_FOLDER = "Qwen3.5-Fast.odd_name"
+ON_GPU = os.environ.get("COMFYUI_GPU") == "1"  # the server on its GPU (the H200 run), else with --cpu
 OTHER_TEXT_ENCODER = "qwen3_4b_like.safetensors"  # a non-Qwen3.5 file the tests put in models/text_encoders
 
 

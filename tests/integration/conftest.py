@@ -1,4 +1,5 @@
-"""A real ComfyUI, started headless on the CPU with this pack installed under an odd folder name.
+"""A real ComfyUI, started headless on the CPU (on its GPU with COMFYUI_GPU=1) with this pack installed under
+an odd folder name.
 
 Needs COMFYUI_DIR (a ComfyUI checkout, outside this repository); every test here is marked
 `comfyui` and skipped without it. ComfyUI runs on COMFYUI_PYTHON (default: this Python), which must
@@ -19,6 +20,7 @@ import pytest
 
 from comfyui_harness import (
     DEMO_MODEL,
+    ON_GPU,
     OTHER_TEXT_ENCODER,
     PACK_FOLDER,
     ROOT,
@@ -28,6 +30,7 @@ from comfyui_harness import (
 )
 
 START_TIMEOUT_S = 300
+DEVICE_ARGS = [] if ON_GPU else ["--cpu"]
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +50,7 @@ def comfy_server(tmp_path_factory):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
+            [python, "main.py", *DEVICE_ARGS, "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
              str(base), "--disable-auto-launch", "--verbose", "INFO"],
             cwd=comfy_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = ComfyServer(f"http://127.0.0.1:{port}", log, base)
