@@ -65,8 +65,9 @@ class Qwen35ModelLoader(io.ComfyNode):
                              tooltip="Memory for the paged K/V cache that every prefill and generation of this "
                                      "model shares, with the saved states that let a later prompt reuse an "
                                      "earlier one's system prompt and images. Counted with the model in ComfyUI's "
-                                     "memory management. 0: auto (half the memory free after loading, at most "
-                                     "what two full-length contexts need)."),
+                                     "memory management. 0: auto (room for 64K tokens, at most a quarter of the "
+                                     "memory free after loading; it grows when a prompt needs more). A fixed "
+                                     "budget never grows: a prompt that does not fit is an error."),
             ],
             outputs=[Qwen35Model.Output(display_name="model")],
         )

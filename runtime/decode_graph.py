@@ -46,6 +46,7 @@ class GraphedDecode:
     def __init__(self, model: Qwen35Model, cache: Cache, most: int):
         dev = model.device
         self.cache = cache
+        self.version = cache.store.version  # the store's tensors this graph reads
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)
         self.slot = DecodeSlot(cache.store.pool.blocks_for(max(most, cache.capacity)), dev)
         self.slot.set_blocks(cache.seq.blocks)

@@ -274,7 +274,9 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         if n + 1 < budget:
             if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
                 cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
-                if step is not None:
+                if step is not None and step.version != cache.store.version:  # the store grew: new tensors
+                    step = graphed_decode(model, cache, most)
+                elif step is not None:
                     step.slot.set_blocks(cache.seq.blocks)
             logits = (step(tok) if step is not None
                       else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]

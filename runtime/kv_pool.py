@@ -206,6 +206,15 @@ class KVPool:
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
+    def grow(self, num_blocks: int) -> None:
+        """More blocks (ids num_blocks_before .. num_blocks - 1, free); the caller grows the tensors."""
+        if num_blocks <= self.num_blocks:
+            return
+        new = range(self.num_blocks, num_blocks)
+        self.refcount += [0] * len(new)
+        self._free = list(reversed(new)) + self._free  # the old free blocks stay on top of the stack
+        self.num_blocks = num_blocks
+
     def retain(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             if self.refcount[b] <= 0:

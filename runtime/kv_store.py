@@ -20,29 +20,35 @@ from .errors import Qwen35Error
 from .kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, model_sizes, pool_tensors
 
 BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json, 64 is 1-4% faster than 16
-KV_FRACTION = 0.5  # default budget: this share of the device memory free when the store is made
+KV_FRACTION = 0.25  # auto budget: at most this share of the device memory free when the store is made
+AUTO_TOKENS = 65_536  # and at most what this many tokens need; an auto store grows when a prompt needs more
 SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; the rest is K/V blocks
-CPU_DEFAULT_BYTES = 1 << 30  # default budget on the CPU (no free-memory query there)
+CPU_DEFAULT_BYTES = 1 << 30  # the auto budget's cap on the CPU (no free-memory query there)
+GROWTH = 1.5  # an auto store grows to at least this many times its blocks
 
 
 def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
-    """KV_FRACTION of the free device memory (CUDA) or CPU_DEFAULT_BYTES, never more than two
-    sequences of the model's longest context need (with their snapshots' share)."""
-    blocks = 2 * -(-config.max_position_embeddings // BLOCK_SIZE)
-    most = int(blocks * model_sizes(config, BLOCK_SIZE, dtype.itemsize)["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
+    """The auto budget: what AUTO_TOKENS tokens need (with the snapshots' share), at most KV_FRACTION of
+    the free device memory (CUDA) or CPU_DEFAULT_BYTES, and at least one block."""
+    sizes = model_sizes(config, BLOCK_SIZE, dtype.itemsize)
+    tokens = min(AUTO_TOKENS, config.max_position_embeddings)
+    want = int(-(-tokens // BLOCK_SIZE) * sizes["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * KV_FRACTION)
+        cap = int(free * KV_FRACTION)
     else:
-        budget = int(os.environ.get("QWEN35_CPU_KV_BYTES", CPU_DEFAULT_BYTES))
-    return max(min(budget, most), 0)
+        cap = int(os.environ.get("QWEN35_CPU_KV_BYTES", CPU_DEFAULT_BYTES))
+    least = int(sizes["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
+    return max(min(want, cap), least)
 
 
 class KVStore:
-    """The K/V pool tensors (k, v) and the block bookkeeping (pool) of one model."""
+    """The K/V pool tensors (k, v) and the block bookkeeping (pool) of one model. A growable store (the auto
+    budget) takes more blocks when a prompt or an answer needs them (`version` counts the regrowths: the
+    tensors move, so a captured decode graph must be captured again); a fixed one says it is full."""
 
     def __init__(self, config, budget_bytes: int, dtype: torch.dtype, device: torch.device,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, growable: bool = False):
         sizes = model_sizes(config, block_size, dtype.itemsize)
         snapshot_budget = int(budget_bytes * SNAPSHOT_SHARE)
         num_blocks = (int(budget_bytes) - snapshot_budget) // sizes["kv_block_bytes"]
@@ -56,6 +62,8 @@ class KVStore:
         self.pool = KVPool(num_blocks, block_size, snapshot_budget)
         self.index = {layer: j for j, layer in enumerate(i for i, t in enumerate(config.layer_types) if t == FULL)}
         self.bytes_copied = 0  # K/V bytes copied between blocks (forks of a partly filled block), for benchmarks
+        self.growable = growable
+        self.version = 0
 
     @property
     def num_blocks(self) -> int:
@@ -86,11 +94,29 @@ class KVStore:
         return seq
 
     def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
-        """Blocks in `seq` for positions up to num_tokens; an error naming the numbers when there is no room."""
+        """Blocks in `seq` for positions up to num_tokens; a growable store grows when they are not free,
+        a fixed one raises an error naming the numbers."""
         try:
             self.pool.reserve(seq, num_tokens, what)
         except (PromptTooLong, PoolExhausted) as e:
-            raise Qwen35Error(f"K/V cache: {e}") from None
+            if not self.growable:
+                raise Qwen35Error(f"K/V cache: {e}") from None
+            need = self.pool.blocks_for(num_tokens) - len(seq.blocks) - self.pool.num_free
+            self.grow(max(int(self.num_blocks * GROWTH), self.num_blocks + need))
+            self.pool.reserve(seq, num_tokens, what)
+
+    def grow(self, num_blocks: int) -> None:
+        """num_blocks blocks in all (the pools copied into larger tensors; block ids stay)."""
+        old = self.num_blocks
+        if num_blocks <= old:
+            return
+        k = torch.empty((self.k.shape[0], num_blocks, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k[:, :old], v[:, :old] = self.k, self.v
+        self.k, self.v = k, v
+        self.pool.grow(num_blocks)
+        self.budget_bytes += int((num_blocks - old) * self.nbytes / num_blocks)
+        self.version += 1
 
     def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "") -> SequenceBlocks:
         """A new sequence whose first `num_tokens` positions are those of `blocks` (shared; a partly filled

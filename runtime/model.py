@@ -221,11 +221,13 @@ class Qwen35Model(nn.Module):
         return self._kv
 
     def setup_kv(self, budget_bytes: int | None = None) -> KVStore:
-        """(Re)makes the K/V store on the model's device: `budget_bytes` for its blocks and snapshots
-        (default: kv_store.default_budget_bytes). Caches made before keep the old store alive."""
+        """(Re)makes the K/V store on the model's device: `budget_bytes` for its blocks and snapshots, fixed;
+        None: the auto budget (kv_store.default_budget_bytes), grown when a prompt needs more. Caches made
+        before keep the old store alive."""
         self._kv = None
-        budget = default_budget_bytes(self.config, self.device, self.dtype) if budget_bytes is None else int(budget_bytes)
-        self._kv = KVStore(self.config, budget, self.dtype, self.device)
+        auto = budget_bytes is None
+        budget = default_budget_bytes(self.config, self.device, self.dtype) if auto else int(budget_bytes)
+        self._kv = KVStore(self.config, budget, self.dtype, self.device, growable=auto)
         return self._kv
 
     def _apply(self, fn, recurse=True):

@@ -602,6 +602,7 @@ class SlotDecode:
         self.slot = DecodeSlot(cache.store.pool.blocks_for(most), torch.device("cpu"))
         self.slot.set_blocks(cache.seq.blocks)
         self.slot.set(cache.length)
+        self.version = cache.store.version
         self.capacities = []
 
     def __call__(self, token):

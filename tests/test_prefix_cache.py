@@ -135,3 +135,25 @@ def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model
     with pytest.raises(Qwen35Error, match=r"K/V cache: .* needs \d+ K/V blocks .* the whole pool holds 16 blocks"):
         prefill(model, "word " * (16 * store.block_size + 10))
     assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
+
+
+def test_the_auto_store_grows_for_a_long_prompt_and_answer(model, monkeypatch):
+    """The auto budget starts small here (a few blocks) and grows when a prompt or an answer needs more:
+    block ids stay, so prefills made before keep their K/V; a fixed budget names the shortage instead."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    block = model_sizes(model.config, 64, model.dtype.itemsize)["kv_block_bytes"]
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", str(int(3 * block / 0.75) + 1))
+    store = model.setup_kv()
+    assert store.growable and store.num_blocks == 3
+    short = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    kv_before = [t.clone() for pair in short.cache.gather_kv() for t in pair]
+    long_prompt = "Describe, in order, " + ", ".join(f"shape {i}" for i in range(120)) + "."
+    grown = prefill(model, long_prompt, use_cache=False)
+    assert store.version >= 1 and store.num_blocks * 64 >= grown.n_tokens + short.n_tokens
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, [t for p in short.cache.gather_kv() for t in p]))
+    out = generate(model, grown, max_new_tokens=150)
+    fixed = model.setup_kv(1 << 26)  # room for all of it, fixed
+    assert not fixed.growable
+    cold = prefill(model, long_prompt, use_cache=False)
+    assert rel(grown.logits, cold.logits) <= TOL
+    assert generate(model, cold, max_new_tokens=150).token_ids == out.token_ids
