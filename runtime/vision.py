@@ -8,8 +8,9 @@
 Patches arrive in merge-block order (block row, block column, row in block, column in block), as
 transformers' processor and `media.py` lay them out, so the merger's 2x2 groups are four
 consecutive rows. Attention is full (non-causal) inside one image or one 2-frame slice of a video
-and never crosses them: `plan()` groups the slices by length and each group runs as one batched
-SDPA call, so a prompt costs one attention launch per distinct slice size, not one per image.
+and never crosses them: slices of one length run as one batched SDPA call (cuDNN on Hopper); slices of
+several lengths run as one variable-length flash attention launch over their offsets on CUDA
+(`cu_seqlens`), or on the CPU as one batched SDPA call per distinct length (`groups`).
 
 The rotary and the LayerNorms (each after the first fused with the residual add before it) are
 `kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
@@ -142,7 +143,7 @@ class VisionPlan:
     learned position grid for the first slice of each grid (the t slices of a video share them);
     pos_rows: [N] which of the M rows each patch takes (None when M = N); cos, sin: [N, head_dim]
     fp32 rotary; groups: (token index [S*L] or None when the group is every token in order, S slices,
-    L tokens each).
+    L tokens each); cu_seqlens: int32 [slices + 1] where each slice starts, and max_len, its longest.
     """
     grids: tuple[tuple[int, int, int], ...]
     pos_index: torch.Tensor
@@ -151,6 +152,8 @@ class VisionPlan:
     cos: torch.Tensor
     sin: torch.Tensor
     groups: tuple[tuple[torch.Tensor | None, int, int], ...]
+    cu_seqlens: torch.Tensor
+    max_len: int
 
     @property
     def n_patches(self) -> int:
@@ -220,10 +223,26 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
         else:
             idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
             groups.append((idx.to(device), len(firsts), n))
-    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), tuple(groups))
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), tuple(groups), cu, max(lengths))
 
 
 # --- weights and forward ------------------------------------------------------------------------
+
+_VARLEN: list = []
+
+
+def _varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn (flash attention over packed sequences of several lengths),
+    or None where this torch has none."""
+    if not _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _VARLEN.append(varlen_attn)
+    return _VARLEN[0]
+
 
 def _param(*shape, dtype, device):
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -272,6 +291,9 @@ class VisionTower(nn.Module):
         # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
         q, k = kernels.vision_rotary(qkv, p.cos, p.sin, backend=be).unbind(0)
         v = qkv[:, 2]
+        if len(p.groups) > 1 and be is not None and be.use_cuda and _varlen_attn() is not None:
+            out = _varlen_attn()(q, k, v.contiguous(), p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len)
+            return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         out = torch.empty_like(v) if len(p.groups) > 1 else None
         for index, s, length in p.groups:  # one batched call per distinct slice length
             qs, ks, vs = (t if index is None else t.index_select(0, index) for t in (q, k, v))

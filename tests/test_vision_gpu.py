@@ -38,6 +38,34 @@ def test_bf16_tower_matches_transformers_on_two_images():
     assert rel(got.float(), want.float()) < 2e-2
 
 
+def test_images_of_two_sizes_take_one_varlen_attention_launch(monkeypatch):
+    """On the kernels backend, slices of different lengths run as one variable-length attention call per
+    layer (the reference backend: one batched SDPA per length); the same features to bf16 rounding."""
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime import vision
+    if vision._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    vc = vision.VisionConfig(depth=3, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
+    tower = VisionTower(vc, torch.bfloat16, torch.device("cuda"))
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(p.numel()))
+    imgs = preprocess_images(torch.rand(1, 512, 384, 3, device="cuda")) + \
+        preprocess_images(torch.rand(1, 256, 640, 3, device="cuda"))
+    pixels = torch.cat([i.pixels for i in imgs]).to(torch.bfloat16)
+    plan = tower.plan([i.grid for i in imgs])
+    assert len(plan.groups) == 2
+    calls = []
+    real = vision._varlen_attn()
+    monkeypatch.setattr(vision, "_varlen_attn", lambda: lambda *a: calls.append(1) or real(*a))
+    be = kernels.select_backend("cuda", torch.device("cuda"), torch.bfloat16)
+    with torch.inference_mode():
+        got = tower(pixels, plan, backend=be)
+        want = tower(pixels, plan)  # references: grouped SDPA
+    assert len(calls) == vc.depth
+    assert rel(got.float(), want.float()) < 1e-2
+
+
 def test_multimodal_prefill_and_decode_on_cuda(tmp_path, monkeypatch):
     make_hf_model(tmp_path, seed=5, vocab=248320, head_dim_lin=128)
     image = torch.rand(1, 96, 160, 3, generator=torch.Generator().manual_seed(0))
