@@ -36,9 +36,11 @@ GDN state at its end it cannot be reused. A prompt that cannot fit even in an em
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -183,6 +185,16 @@ class Admission:
 
 # ----------------------------------------------------------------------------- the pool
 
+def _locked(method):
+    """Runs the method under the pool's lock: a sequence's blocks go back from a finalizer, which the
+    garbage collector may run on another thread (ComfyUI's server thread) while a prompt allocates."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class KVPool:
     """Block bookkeeping for one model's K/V pool of `num_blocks` blocks of `block_size` positions.
     `snapshot_budget_bytes` caps the GDN state bytes the snapshots keep (None: no cap but the blocks)."""
@@ -197,6 +209,7 @@ class KVPool:
         self._snapshots: OrderedDict[bytes, Snapshot] = OrderedDict()  # least recently used first
         self._snapshot_lengths: dict[int, int] = {}  # num_tokens -> how many snapshots have it
         self.snapshot_bytes = 0
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ blocks
     @property
@@ -206,6 +219,7 @@ class KVPool:
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
+    @_locked
     def grow(self, num_blocks: int) -> None:
         """More blocks (ids num_blocks_before .. num_blocks - 1, free); the caller grows the tensors."""
         if num_blocks <= self.num_blocks:
@@ -215,12 +229,14 @@ class KVPool:
         self._free = list(reversed(new)) + self._free  # the old free blocks stay on top of the stack
         self.num_blocks = num_blocks
 
+    @_locked
     def retain(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             if self.refcount[b] <= 0:
                 raise RuntimeError(f"KVPool: block {b} is not allocated; it cannot be shared")
             self.refcount[b] += 1
 
+    @_locked
     def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             if self.refcount[b] <= 0:
@@ -229,6 +245,7 @@ class KVPool:
             if self.refcount[b] == 0:
                 self._free.append(b)
 
+    @_locked
     def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "") -> list[int]:
         """n fresh blocks (reference count 1), evicting least recently used snapshots (never `keep`) as
         needed. Raises PromptTooLong / PoolExhausted naming the numbers when they cannot be had."""
@@ -250,6 +267,7 @@ class KVPool:
         return out
 
     # ------------------------------------------------------------------ sequences
+    @_locked
     def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
         """Make room in `seq` for positions up to num_tokens (blocks appended; num_tokens itself is the
         caller's to advance once the K/V are written)."""
@@ -257,11 +275,13 @@ class KVPool:
         if need > 0:
             seq.blocks += self.allocate(need, what=what)
 
+    @_locked
     def free(self, seq: SequenceBlocks) -> None:
         """Drop a sequence: its blocks lose one reference each (snapshots keep theirs)."""
         self.release(seq.blocks)
         seq.blocks, seq.num_tokens = [], 0
 
+    @_locked
     def fork(self, seq: SequenceBlocks) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
         """A copy-on-write child of `seq` (a Generate forked from a Prefill): full blocks shared; a partly
         filled last block is replaced by a fresh one, returned as a (src, dst) copy for the caller to make
@@ -279,6 +299,7 @@ class KVPool:
         return SequenceBlocks(list(shared), seq.num_tokens), copies
 
     # ------------------------------------------------------------------ prefix cache
+    @_locked
     def match(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (),
               max_tokens: Optional[int] = None) -> Optional[Snapshot]:
         """The snapshot of the longest prefix of token_ids (at most max_tokens; default all but the last
@@ -295,6 +316,7 @@ class KVPool:
                 return snap
         return None
 
+    @_locked
     def admit(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (), extra_tokens: int = 0,
               use_cache: bool = True) -> Admission:
         """Blocks for a new prompt (and `extra_tokens` positions after it, e.g. the tokens a Generate will
@@ -321,6 +343,7 @@ class KVPool:
             copies.append((snap.blocks[nfull], fresh[0]))
         return Admission(SequenceBlocks(shared + fresh, cached), cached, snap, copies)
 
+    @_locked
     def save_snapshot(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int, states: Any,
                       nbytes: int, media: Sequence[MediaSpan] = ()) -> Snapshot:
         """Record the GDN states after the first num_tokens tokens of `seq` (whose K/V must be written).
@@ -364,6 +387,7 @@ class KVPool:
                 return True
         return False
 
+    @_locked
     def clear(self) -> None:
         """Drop every snapshot (model unload); live sequences keep their blocks."""
         for snap in list(self._snapshots.values()):

@@ -277,3 +277,29 @@ def test_block_table_tensor_is_what_paged_attention_reads():
         k_pool[dst] = k_pool[src]
     assert torch.equal(gather_kv(k_pool, block_table_tensor([child])[0], 37), k_new[:37])
     assert isinstance(child, SequenceBlocks)
+
+
+def test_blocks_given_back_from_another_thread():
+    """A Cache's blocks go back from a finalizer, which the garbage collector may run on another thread
+    (ComfyUI's server) while the prompt thread allocates: the pool's lock keeps its books whole."""
+    import queue
+    import threading
+    pool = KVPool(256, 16)
+    handed: queue.Queue = queue.Queue(maxsize=8)  # the prompt thread waits when the other falls behind
+
+    def give_back():
+        while (seq := handed.get()) is not None:
+            pool.free(seq)
+
+    other = threading.Thread(target=give_back)
+    other.start()
+    for i in range(3000):
+        seq = SequenceBlocks()
+        pool.reserve(seq, 16 * (1 + i % 7))
+        shared, _ = pool.fork(seq)
+        handed.put(seq)
+        handed.put(shared)
+    handed.put(None)
+    other.join()
+    assert pool.num_free == pool.num_blocks and sorted(pool._free) == list(range(pool.num_blocks))
+    assert all(r == 0 for r in pool.refcount)
