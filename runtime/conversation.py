@@ -135,7 +135,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
         run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, vision_ms),
                               positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
-                              use_cache=use_cache)
+                              use_cache=use_cache, needed=[cached + turn_end])
         _sync(dev)
     except RuntimeError as e:
         if not _is_out_of_memory(e):

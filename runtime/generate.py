@@ -150,7 +150,8 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     try:
         _sync(model.device)
         t0 = time.perf_counter()
-        run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache)
+        run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
+                              needed=[turn_end] if turn_end else [])
         _sync(model.device)
     except RuntimeError as e:
         if not _is_out_of_memory(e):

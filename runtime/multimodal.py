@@ -203,7 +203,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
         points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
         run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, vision_ms),
-                              positions, delta, limit=turn_end, use_cache=use_cache)
+                              positions, delta, limit=turn_end, use_cache=use_cache,
+                              needed=[turn_end] if turn_end else [])
         _sync(model.device)
         t2 = time.perf_counter()
     except RuntimeError as e:

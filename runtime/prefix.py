@@ -75,9 +75,10 @@ class Reuse:
 def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int], media: Sequence[MediaSpan] = (),
                     vision: Callable[[int], tuple | None] | None = None, positions: torch.Tensor | None = None,
                     rope_delta: int | None = None, start: GDNState | None = None, start_cache: Cache | None = None,
-                    limit: int | None = None, use_cache: bool = True) -> Reuse:
+                    limit: int | None = None, use_cache: bool = True, needed: Sequence[int] = ()) -> Reuse:
     """Prefill `ids` from the longest cached prefix (a snapshot in the model's store), keeping the states
     at `points` (token counts; those inside the cached prefix are skipped) as snapshots for later prompts.
+    With use_cache off nothing is reused or kept but the states at `needed` (e.g. the turn end).
 
     vision(n): the (slot index, features) of the vision tokens at or after token n, indices counted from
     n, or None (the tower runs only for images past the reused prefix). positions [3, len(ids)]: rotary
@@ -101,7 +102,8 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)
     pos = positions[:, n:] if positions is not None else None
     feats = vision(n) if vision is not None else None
-    keep = sorted({p for p in points if n < p < len(ids)})
+    keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
+                  else {p for p in needed if n < p < len(ids)})
     if keep:
         logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
     else:
@@ -109,7 +111,8 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     states.update(zip(keep, kept))
     if use_cache:
         for p, state in zip(keep, kept):
-            store.pool.save_snapshot(cache.seq, ids, p, state, state.nbytes, media)
+            if p in points:
+                store.pool.save_snapshot(cache.seq, ids, p, state, state.nbytes, media)
     return Reuse(cache, logits[0], states, n)
 
 
