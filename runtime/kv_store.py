@@ -25,6 +25,7 @@ AUTO_TOKENS = 65_536  # and at most what this many tokens need; an auto store gr
 SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; the rest is K/V blocks
 CPU_DEFAULT_BYTES = 1 << 30  # the auto budget's cap on the CPU (no free-memory query there)
 GROWTH = 1.5  # an auto store grows to at least this many times its blocks
+MIN_SNAPSHOTS = 8  # the snapshots' budget holds at least this many, whatever the budget's share gives
 
 
 def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -50,8 +51,8 @@ class KVStore:
     def __init__(self, config, budget_bytes: int, dtype: torch.dtype, device: torch.device,
                  block_size: int = BLOCK_SIZE, growable: bool = False):
         sizes = model_sizes(config, block_size, dtype.itemsize)
-        snapshot_budget = int(budget_bytes * SNAPSHOT_SHARE)
-        num_blocks = (int(budget_bytes) - snapshot_budget) // sizes["kv_block_bytes"]
+        num_blocks = int(budget_bytes * (1 - SNAPSHOT_SHARE)) // sizes["kv_block_bytes"]
+        snapshot_budget = max(int(budget_bytes * SNAPSHOT_SHARE), MIN_SNAPSHOTS * sizes["snapshot_bytes"])
         if num_blocks < 1:
             raise Qwen35Error(f"a K/V cache budget of {budget_bytes / 2**20:.1f} MiB holds no block of "
                               f"{block_size} tokens ({sizes['kv_block_bytes'] / 2**20:.1f} MiB of K/V with the "
