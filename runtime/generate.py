@@ -17,6 +17,7 @@ from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .memory import generate_bytes, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
+from .prefix import prefill_reusing, system_end
 from .sampling import SamplingParams, apply_penalties, choose, generator_seed
 
 
@@ -145,7 +146,6 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
                              f"for thinking={thinking}")
         turn_end = len(ids) - len(tail)
     model.select_backend()
-    from .prefix import prefill_reusing, system_end
     points = [p for p in (system_end(model, ids) if chat_template else None, turn_end) if p]
     try:
         _sync(model.device)
