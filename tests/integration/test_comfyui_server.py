@@ -103,7 +103,10 @@ def test_example_workflow_runs_and_history_holds_the_text(comfy_server, object_i
         len(pack_nodes(prompt, "Qwen35ContinuePrefill"))
     for nid in pack_nodes(prompt, "Qwen35MultimodalPrefill"):  # the image came from ComfyUI's LoadImage
         stats = outputs[nid]["qwen35_prefill"]
-        assert stats and all(s["vision_tokens"] > 0 and s["vision_ms"] > 0 for s in stats), stats
+        # the tower ran, unless an earlier workflow on this server read the same image after the same
+        # system prompt: then its tokens came from the prefix cache
+        assert stats and all(s["vision_tokens"] > 0 and (s["vision_ms"] > 0 or s["cached_tokens"] > s["vision_tokens"])
+                             for s in stats), stats
     for nid in pack_nodes(prompt, "PreviewAny"):  # the thinking workflow shows answer and thinking apart
         assert "text" in outputs[nid]
     if any(prompt[n]["inputs"].get("thinking") for n in pack_nodes(prompt, "Qwen35TextPrefill")):
