@@ -89,7 +89,8 @@ class Cache:
         return self.seq.capacity(self.store.block_size)
 
     def reserve(self, capacity: int) -> None:
-        """Room for `capacity` positions (blocks appended; an error naming the numbers when the pool is full)."""
+        """Room for `capacity` positions: blocks appended (KVStore.reserve: an auto store grows, a fixed one
+        names the shortage)."""
         self.store.reserve(self.seq, capacity, f"a sequence of {capacity:,} tokens")
 
     def clone(self, capacity: int | None = None, device: torch.device | None = None) -> "Cache":
