@@ -283,20 +283,23 @@ class KVPool:
 
     @_locked
     def fork(self, seq: SequenceBlocks) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
-        """A copy-on-write child of `seq` (a Generate forked from a Prefill): full blocks shared; a partly
-        filled last block is replaced by a fresh one, returned as a (src, dst) copy for the caller to make
-        in every layer before the child writes into it. The parent is not changed."""
-        nfull = seq.num_tokens // self.block_size
-        shared = seq.blocks[:nfull]
-        copies = []
-        if seq.num_tokens % self.block_size:
+        """A copy-on-write child of `seq` (a Generate forked from a Prefill, a prompt resumed from a snapshot):
+        full blocks shared; a partly filled last block is replaced by a fresh one, returned as a (src, dst)
+        copy for the caller to make in every layer before anything else allocates. The parent's blocks are
+        held while the fresh one is allocated, so eviction (of a snapshot that alone held them) cannot take
+        them. The parent is not changed."""
+        nfull, part = divmod(seq.num_tokens, self.block_size)
+        held = seq.blocks[:nfull + (1 if part else 0)]
+        self.retain(held)
+        if not part:
+            return SequenceBlocks(list(held), seq.num_tokens), []
+        try:
             dst = self.allocate(1, what="forking a sequence")[0]
-            copies.append((seq.blocks[nfull], dst))
-            shared = shared + [dst]
-            self.retain(seq.blocks[:nfull])
-        else:
-            self.retain(shared)
-        return SequenceBlocks(list(shared), seq.num_tokens), copies
+        except Exception:
+            self.release(held)
+            raise
+        self.release(held[nfull:])  # the partly filled block: only its copy is the child's
+        return SequenceBlocks(held[:nfull] + [dst], seq.num_tokens), [(held[nfull], dst)]
 
     # ------------------------------------------------------------------ prefix cache
     @_locked

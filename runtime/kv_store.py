@@ -95,16 +95,20 @@ class KVStore:
         return seq
 
     def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
-        """Blocks in `seq` for positions up to num_tokens; a growable store grows when they are not free,
-        a fixed one raises an error naming the numbers."""
+        """Blocks in `seq` for positions up to num_tokens (see _with_room when they are not free)."""
+        self._with_room(lambda: self.pool.reserve(seq, num_tokens, what),
+                        self.pool.blocks_for(num_tokens) - len(seq.blocks))
+
+    def _with_room(self, call, blocks: int):
+        """call() (a pool operation that allocates `blocks` blocks); when they are not free, a growable store
+        grows and calls again, a fixed one raises an error naming the numbers."""
         try:
-            self.pool.reserve(seq, num_tokens, what)
+            return call()
         except (PromptTooLong, PoolExhausted) as e:
             if not self.growable:
                 raise Qwen35Error(f"K/V cache: {e}") from None
-            need = self.pool.blocks_for(num_tokens) - len(seq.blocks) - self.pool.num_free
-            self.grow(max(int(self.num_blocks * GROWTH), self.num_blocks + need))
-            self.pool.reserve(seq, num_tokens, what)
+            self.grow(max(int(self.num_blocks * GROWTH), self.num_blocks + blocks - self.pool.num_free))
+            return call()
 
     def grow(self, num_blocks: int) -> None:
         """num_blocks blocks in all (the pools copied into larger tensors; block ids stay)."""
@@ -120,16 +124,14 @@ class KVStore:
         self.version += 1
 
     def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "") -> SequenceBlocks:
-        """A new sequence whose first `num_tokens` positions are those of `blocks` (shared; a partly filled
-        last block is copied, since the new sequence writes after it), with room for `capacity`."""
-        nfull, part = divmod(num_tokens, self.block_size)
-        shared = list(blocks[:nfull])
-        self.pool.retain(shared)
-        seq = SequenceBlocks(shared, num_tokens)
+        """A new sequence whose first `num_tokens` positions are those of `blocks` (a copy-on-write fork,
+        KVPool.fork: shared, a partly filled last block copied, since the new sequence writes after it),
+        with room for `capacity`, released when `owner` is collected."""
+        parent = SequenceBlocks(list(blocks[:self.pool.blocks_for(num_tokens)]), num_tokens)
+        seq, copies = self._with_room(lambda: self.pool.fork(parent), 1)
         weakref.finalize(owner, self.pool.free, seq)
-        if part:
-            self.reserve(seq, num_tokens, what)  # one fresh block for the partial one
-            self.copy_block(blocks[nfull], seq.blocks[nfull])
+        for src, dst in copies:
+            self.copy_block(src, dst)
         self.reserve(seq, max(capacity, num_tokens), what)
         return seq
 
