@@ -57,3 +57,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of `a` against the reference `b`, in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def poison_allocator(*shapes_dtypes, device="cuda"):
+    """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' own outputs
+    (torch.empty inside the launchers) then start as NaN, not as stale good values."""
+    blocks = [torch.full(shape, float("nan"), dtype=dt, device=device) for shape, dt in shapes_dtypes
+              for _ in range(2)]
+    del blocks

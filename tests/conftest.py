@@ -48,3 +48,15 @@ def _seed_from_test_id(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+
+@pytest.fixture(scope="module")
+def impl():
+    """kernels.cuda_impl, once the CUDA kernels are checked to run on this machine's GPU (GPU tests only)."""
+    import torch
+
+    from qwen35_fast.kernels import cuda_impl
+    ok, reason = cuda_impl.cuda_status(torch.device("cuda"))
+    assert ok, reason
+    return cuda_impl

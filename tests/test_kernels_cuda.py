@@ -14,25 +14,10 @@ from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, caus
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 
-from _models import rel
+from _models import poison_allocator, rel
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-@pytest.fixture(scope="module")
-def impl():
-    from qwen35_fast.kernels import cuda_impl
-    ok, reason = cuda_impl.cuda_status(torch.device(DEV))
-    assert ok, reason
-    return cuda_impl
-
-
-def poison_allocator(*shapes_dtypes):
-    """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernel's own
-    outputs (torch.empty inside the launchers) then start as NaN, not as stale good values."""
-    blocks = [torch.full(shape, float("nan"), dtype=dt, device=DEV) for shape, dt in shapes_dtypes for _ in range(2)]
-    del blocks
 
 
 TOL_OUT = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -16,27 +16,12 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels import ops
 from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
 
-from _models import rel
+from _models import poison_allocator, rel
 
 DEV = "cuda"
 gpu = pytest.mark.gpu
 # LayerNorm output against torch's: |ours - ref| <= atol + rtol |ref| (rtol: one unit in the last place)
 LN_TOL = {torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3), torch.float16: dict(rtol=2 ** -10, atol=1e-4)}
-
-
-@pytest.fixture(scope="module")
-def impl():
-    from qwen35_fast.kernels import cuda_impl
-    ok, reason = cuda_impl.cuda_status(torch.device(DEV))
-    assert ok, reason
-    return cuda_impl
-
-
-def poison_allocator(*shapes_dtypes):
-    """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' outputs
-    (torch.empty inside the launchers) then start as NaN, not as stale good values."""
-    blocks = [torch.full(shape, float("nan"), dtype=dt, device=DEV) for shape, dt in shapes_dtypes for _ in range(2)]
-    del blocks
 
 
 def rotary_inputs(N, H, hd, dtype, device, seed):
