@@ -31,14 +31,19 @@ def main():
         return model.forward_prefill(ids, model.new_cache(1, a.tokens + 8))
 
     print(f"prefill {a.tokens} tokens: {timed(run, reps=3):.1f} ms (wall, median of 3)")
+    kernel_table(run, a.rows)
+
+
+def kernel_table(fn, rows: int) -> None:
+    """Runs fn once under torch.profiler and prints the GPU time in kernels and the `rows` costliest."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
+        fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    print(f"GPU time in kernels: {total / 1e3:.1f} ms")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.rows]:
-        print(f"{e.self_device_time_total / 1e3:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+    print(f"GPU time in kernels: {total / 1e3:.2f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"{e.self_device_time_total / 1e3:8.3f} ms {100 * e.self_device_time_total / total:5.1f}% "
               f"x{e.count:<5d} {e.key[:110]}")
 
 

@@ -13,12 +13,12 @@ import time
 import warnings
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 
+from e2e_profile import kernel_table
 from prefix_reuse import build
 
 
@@ -69,14 +69,7 @@ def main():
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
         if before:
             before()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            fn()
-            torch.cuda.synchronize()
-        events = [e for e in p.key_averages() if e.device_time_total > 0]
-        total = sum(e.self_device_time_total for e in events)
-        print(f"GPU time in kernels: {total / 1e3:.1f} ms; top:")
-        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
-            print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
+        kernel_table(fn, 8)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
@@ -20,6 +19,7 @@ from qwen35_fast import kernels
 from qwen35_fast.runtime.media import Preprocessing, preprocess_images
 from qwen35_fast.runtime.vision import VisionConfig, VisionTower
 
+from e2e_profile import kernel_table
 from vision import TOWER, timed
 
 
@@ -75,14 +75,7 @@ def main():
             w = fn().shape[1]
             print(f"linear {name} [{n}x{k_in}]x[{k_in}x{w}]: {ms:.3f} ms, "
                   f"{2 * n * k_in * w / ms / 1e9:.0f} TFLOP/s")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            tower(pixels, plan, backend=be)
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events)
-    print(f"GPU time in kernels: {total / 1e3:.2f} ms")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.rows]:
-        print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
+        kernel_table(lambda: tower(pixels, plan, backend=be), a.rows)
 
 
 if __name__ == "__main__":
