@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
-#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/vision.py, bench/gdn.py, bench/paged_attention.py.
+#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/vision.py, bench/gdn.py, bench/paged_attention.py,
+#   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
 # The nodes' tests (tests/test_nodes*.py, the VRAM test among them) run against a real ComfyUI when
@@ -50,7 +51,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 
 if [ "$tests" = 1 ]; then
   default_tests="tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_paged_attention.py
-    tests/test_runtime_gpu.py tests/test_vision_gpu.py tests/test_vision_kernels.py tests/test_continue_gpu.py"
+    tests/test_runtime_gpu.py tests/test_vision_gpu.py tests/test_vision_kernels.py tests/test_continue_gpu.py tests/test_prefill_graph_gpu.py"
   # shellcheck disable=SC2086  # a list of paths
   python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider ${GPU_TESTS:-$default_tests} \
     2>&1 | tee "$OUT/pytest.log" | tail -25
@@ -95,6 +96,11 @@ if [ "$bench" = 1 ]; then
   python3 bench/gdn.py --out "$OUT/gdn-h200.json" --budget-s "${BENCH_BUDGET_S:-420}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 bench/paged_attention.py --out "$OUT/paged-h200.json" 2>&1 | tee "$OUT/paged-bench.log" | grep -v '^{'
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$bench" = 1 ] || [ "$e2e" = 1 ]; then  # time to first token with prefix reuse, into paged-h200.json's "ttft"
+  [ -f "$OUT/paged-h200.json" ] || cp bench/results/paged-h200.json "$OUT/paged-h200.json"
+  python3 bench/prefix_reuse.py --out "$OUT/paged-h200.json" 2>&1 | tee "$OUT/prefix-reuse.log" | tail -22
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status
