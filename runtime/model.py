@@ -112,19 +112,23 @@ class Cache:
         for xs in (self.conv, self.ssm):
             xs[:] = [None if t is None else t.to(device) for t in xs]
 
-    def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
+    def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None,
+                copy: bool = True) -> "Cache":
         """A new cache at the point `state` was taken: this cache's first `state.length` K/V positions (the
         tokens this cache held then; they never change), shared, and copies of `state`'s GDN states on
-        `device` (default: where they are), with room for `capacity` tokens. Neither input changes."""
+        `device` (default: where they are), with room for `capacity` tokens. Neither input changes (with
+        copy off the states are state's own where they lie on `device`: for a caller that replaces
+        them without writing into them)."""
         if state.length > self.length:
             raise ValueError(f"Cache.restart: a state after {state.length} tokens does not fit a cache of {self.length}")
-        return Cache.resume(self.store, self.seq.blocks, state, capacity, device)
+        return Cache.resume(self.store, self.seq.blocks, state, capacity, device, copy)
 
     @staticmethod
-    def resume(store: KVStore, blocks, state: "GDNState", capacity: int, device: torch.device | None = None) -> "Cache":
+    def resume(store: KVStore, blocks, state: "GDNState", capacity: int, device: torch.device | None = None,
+               copy: bool = True) -> "Cache":
         """A cache whose first state.length positions are those of `blocks` (shared, a partly filled last one
-        copied) with copies of `state`'s GDN states; room for `capacity` tokens."""
-        copy = lambda xs: [None if t is None else t.to(device or t.device, copy=True) for t in xs]  # noqa: E731
+        copied) with copies of `state`'s GDN states (copy: see restart); room for `capacity` tokens."""
+        copy = lambda xs, c=copy: [None if t is None else t.to(device or t.device, copy=c) for t in xs]  # noqa: E731
         cache = Cache(copy(state.conv), copy(state.ssm), store, SequenceBlocks(), state.rope_delta)
         cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens")
         return cache

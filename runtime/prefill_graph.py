@@ -35,7 +35,7 @@ class PaddedPrefill:
     CUDA graph on the first call when `capture` (else each call runs the pass: the same buffers, for the
     CPU and tests)."""
 
-    def __init__(self, model: Qwen35Model, bucket: int, like: Cache, capture: bool):
+    def __init__(self, model: Qwen35Model, bucket: int, capture: bool):
         dev, store = model.device, model.kv
         self.model, self.bucket, self.store, self.version, self.capture = model, bucket, store, store.version, capture
         self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
@@ -46,15 +46,16 @@ class PaddedPrefill:
         self.kv = KVStep(table=torch.full((1, store.num_blocks), PAD, dtype=torch.int32, device=dev),
                          lens=torch.zeros(1, dtype=torch.int32, device=dev),
                          cu_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev), max_q=bucket)
-        self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in like.conv]
-        self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in like.ssm]
+        self.conv = self.ssm = None  # the GDN states going in: shaped like the first caller's
         self.graph = None
 
     def _pass(self):
+        """The padded forward over the buffers; returns the logits and the four state lists (the cache's
+        conv and ssm, the cut's), each packed into one flat tensor."""
         cache = Cache(list(self.conv), list(self.ssm), self.store, SequenceBlocks())
         logits, kept = self.model.forward_prefill_padded(self.ids, cache, self.kv, self.positions,
                                                          Padding(self.n, self.cut))
-        return logits, cache, kept
+        return logits, *(_pack(xs) for xs in (cache.conv, cache.ssm, kept.conv, kept.ssm))
 
     def _capture(self) -> None:
         dev = self.model.device
@@ -89,6 +90,9 @@ class PaddedPrefill:
         self.kv.lens.fill_(start)
         blocks = cache.seq.blocks
         self.kv.table[0, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(dev)
+        if self.conv is None:
+            self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.conv]
+            self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.ssm]
         torch._foreach_copy_([t for t in self.conv + self.ssm if t is not None],
                              [t for t in cache.conv + cache.ssm if t is not None])
         if self.capture and self.graph is None:
@@ -99,17 +103,28 @@ class PaddedPrefill:
                 _warn(e)
         if self.graph is not None:
             self.graph.replay()
-            logits, out, cut_states = self.out
+            logits, conv, ssm, cut_conv, cut_ssm = self.out
         else:
-            logits, out, cut_states = self._pass()
-        own = lambda xs: [None if t is None else t.clone() for t in xs]  # noqa: E731 (the next call overwrites)
-        cache.conv[:], cache.ssm[:] = own(out.conv), own(out.ssm)
+            logits, conv, ssm, cut_conv, cut_ssm = self._pass()
+        cache.conv[:], cache.ssm[:] = _unpack(conv, self.conv), _unpack(ssm, self.ssm)
         cache.length = start + n
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         if keep_at:
-            kept.conv, kept.ssm = own(cut_states.conv), own(cut_states.ssm)
+            kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, self.ssm)
         return logits.clone(), [kept] if keep_at else []
+
+
+def _pack(xs: list) -> torch.Tensor:
+    """The tensors of xs (None skipped) end to end in one flat tensor."""
+    return torch.cat([t.reshape(-1) for t in xs if t is not None])
+
+
+def _unpack(flat: torch.Tensor, like: list) -> list:
+    """A copy of _pack(xs) as tensors shaped like `like` (None where it has None): views of one new
+    tensor, so a call costs one copy, not one per layer (the next replay overwrites `flat`)."""
+    parts = iter(flat.clone().split([t.numel() for t in like if t is not None]))
+    return [None if t is None else next(parts).view(t.shape) for t in like]
 
 
 def _warn(e: Exception) -> None:
@@ -119,18 +134,18 @@ def _warn(e: Exception) -> None:
         log.warning("Qwen3.5 short prefills run without CUDA graphs (capture failed: %s)", e)
 
 
-def padded_prefill(model: Qwen35Model, cache: Cache, n: int) -> PaddedPrefill | None:
-    """The graphed pass for n new tokens after `cache`'s (captured on its first call), or None: not on
-    CUDA, QWEN35_CUDA_GRAPHS=0, more than the largest bucket, nothing cached before, or a capture of
+def padded_prefill(model: Qwen35Model, cached: int, n: int) -> PaddedPrefill | None:
+    """The graphed pass for n new tokens after `cached` ones (captured on its first call), or None: not
+    on CUDA, QWEN35_CUDA_GRAPHS=0, more than the largest bucket, nothing cached before, or a capture of
     this bucket failed before."""
     b = bucket_for(n)
-    if (b is None or cache.length == 0 or model.device.type != "cuda"
+    if (b is None or cached == 0 or model.device.type != "cuda"
             or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0"):
         return None
     key = ("prefill", b)
     g = model.graphs.get(key)
     if g is None or g.version != model.kv.version or g.store is not model.kv:
-        g = model.graphs[key] = PaddedPrefill(model, b, cache, capture=True)
+        g = model.graphs[key] = PaddedPrefill(model, b, capture=True)
     return g if g.capture else None
 
 

@@ -90,22 +90,25 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     store = model.kv
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
     n = snap.num_tokens if snap is not None else 0
-    states = {}
     if start is not None and start.length >= n:
-        n = start.length
-        states[n] = start
-        cache = start_cache.restart(start, len(ids), device=model.device)
-    elif snap is not None:
-        states[n] = snap.states
-        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device)
+        n, origin = start.length, start
     else:
-        cache = model.new_cache(1, len(ids))
+        origin = snap.states if snap is not None else None
     pos = positions[:, n:] if positions is not None else None
     feats = vision(n) if vision is not None else None
     keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
                   else {p for p in needed if n < p < len(ids)})
-    graphed = padded_prefill(model, cache, len(ids) - n) if feats is None and len(keep) <= 1 else None
-    if graphed is not None:  # a short prompt after a cached prefix: one graph launch (prefill_graph.py)
+    # a short prompt after a cached prefix: one graph launch (prefill_graph.py), which copies the states itself
+    graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 else None
+    copy = graphed is None
+    if origin is None:
+        cache = model.new_cache(1, len(ids))
+    elif origin is start:
+        cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
+    else:
+        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy)
+    states = {n: origin} if origin is not None else {}
+    if graphed is not None:
         logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
     else:
         x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)

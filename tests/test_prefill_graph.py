@@ -37,12 +37,12 @@ def uncaptured(monkeypatch):
     """prefix.prefill_reusing takes the padded pass on the CPU (uncaptured, one per bucket, as on CUDA)."""
     made = {}
 
-    def padded(model, cache, n):
+    def padded(model, cached, n):
         b = bucket_for(n)
-        if b is None or cache.length == 0:
+        if b is None or cached == 0:
             return None
         if b not in made:
-            made[b] = PaddedPrefill(model, b, cache, capture=False)
+            made[b] = PaddedPrefill(model, b, capture=False)
         return made[b]
 
     monkeypatch.setattr(prefix_mod, "padded_prefill", padded)
@@ -85,7 +85,7 @@ def test_padded_equals_unpadded(model, n, cut, start):
     free = [b for b in range(model.kv.num_blocks) if b not in used]
     model.kv.k[:, free] = float("nan")
     model.kv.v[:, free] = float("nan")
-    run = PaddedPrefill(model, bucket_for(n), padded, capture=False)
+    run = PaddedPrefill(model, bucket_for(n), capture=False)
     got, got_kept = run(padded, ids, None, None, keep)
     assert padded.length == eager.length == start + n
     assert rel(got, want) <= 1e-5
@@ -107,7 +107,7 @@ def test_padded_equals_unpadded(model, n, cut, start):
 
 def test_one_pass_serves_many_lengths(model):
     base = _prefix(model, 40, seed=3)
-    run = PaddedPrefill(model, BUCKETS[0], base, capture=False)
+    run = PaddedPrefill(model, BUCKETS[0], capture=False)
     for n in (BUCKETS[0], 3, 17):  # the buffers of a longer call never leak into a shorter one
         ids = list(range(10, 10 + n))
         a, b = _fork(base), _fork(base)
@@ -118,7 +118,7 @@ def test_one_pass_serves_many_lengths(model):
 
 def test_prefill_refuses_what_does_not_fit(model):
     base = _prefix(model, 8, seed=4)
-    run = PaddedPrefill(model, BUCKETS[0], base, capture=False)
+    run = PaddedPrefill(model, BUCKETS[0], capture=False)
     with pytest.raises(ValueError, match="do not fit a bucket"):
         run(_fork(base), list(range(BUCKETS[0] + 1)), None, None, [])
     with pytest.raises(ValueError, match="do not fit a bucket"):

@@ -39,8 +39,8 @@ def _prefix(model, n, seed):
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_replay_equals_the_eager_pass_and_the_unpadded_prefill(model, bucket):
     base = _prefix(model, 300, seed=bucket)
-    graphed = PaddedPrefill(model, bucket, base, capture=True)
-    eager = PaddedPrefill(model, bucket, base, capture=False)
+    graphed = PaddedPrefill(model, bucket, capture=True)
+    eager = PaddedPrefill(model, bucket, capture=False)
     g = torch.Generator().manual_seed(bucket + 1)
     for n in (bucket, 1, 37, bucket - 1):  # captured on the first, replayed for the others
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
@@ -85,11 +85,11 @@ def test_reuse_takes_the_graph(model):
 def test_a_grown_store_or_a_moved_model_captures_again(model):
     model.setup_kv()
     base = _prefix(model, 100, seed=2)
-    first = padded_prefill(model, base, 10)
+    first = padded_prefill(model, base.length, 10)
     first(base.clone(), list(range(10)), None, None, [])
-    assert padded_prefill(model, base, 10) is first
+    assert padded_prefill(model, base.length, 10) is first
     model.kv.grow(model.kv.num_blocks * 2)
-    again = padded_prefill(model, base, 10)
+    again = padded_prefill(model, base.length, 10)
     assert again is not first
     a, b = base.clone(), base.clone()
     got, _ = again(a, list(range(10)), None, None, [])
