@@ -171,18 +171,6 @@ class Snapshot:
     nbytes: int
 
 
-@dataclass
-class Admission:
-    """What `KVPool.admit` gives a new prompt: its blocks (cached prefix shared, the rest fresh), how
-    many tokens are already cached (prefill only the rest), the snapshot whose GDN states to start from
-    (None: start from zeros), and (src, dst) block copies to make before prefilling (the partly filled
-    last block of the cached prefix, copy-on-write)."""
-    seq: SequenceBlocks
-    cached_tokens: int
-    snapshot: Optional[Snapshot]
-    copies: list[tuple[int, int]]
-
-
 # ----------------------------------------------------------------------------- the pool
 
 def _locked(method):
@@ -318,33 +306,6 @@ class KVPool:
                 self._snapshots.move_to_end(snap.key)
                 return snap
         return None
-
-    @_locked
-    def admit(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (), extra_tokens: int = 0,
-              use_cache: bool = True) -> Admission:
-        """Blocks for a new prompt (and `extra_tokens` positions after it, e.g. the tokens a Generate will
-        add): the longest cached prefix shared, fresh blocks for the rest. Raises PromptTooLong when the
-        prompt cannot fit even in an empty pool, PoolExhausted when live sequences hold too much."""
-        total = len(token_ids) + extra_tokens
-        if self.blocks_for(total) > self.num_blocks:
-            raise PromptTooLong(
-                f"the prompt needs {total} token positions ({self.blocks_for(total)} K/V blocks of "
-                f"{self.block_size}) but the pool holds {self.num_blocks * self.block_size} positions "
-                f"({self.num_blocks} blocks); raise the loader's cache budget or shorten the prompt")
-        snap = self.match(token_ids, media) if use_cache else None
-        cached = snap.num_tokens if snap else 0
-        nfull = cached // self.block_size
-        shared = list(snap.blocks[:nfull]) if snap else []
-        self.retain(shared)  # before allocating: eviction must not take them
-        copies = []
-        try:
-            fresh = self.allocate(self.blocks_for(total) - nfull, keep=snap, what=f"a {total}-token prompt")
-        except Exception:
-            self.release(shared)
-            raise
-        if cached % self.block_size:  # the partly filled block: copied, since this prompt writes into it
-            copies.append((snap.blocks[nfull], fresh[0]))
-        return Admission(SequenceBlocks(shared + fresh, cached), cached, snap, copies)
 
     @_locked
     def save_snapshot(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int, states: Any,

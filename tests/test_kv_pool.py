@@ -26,6 +26,23 @@ from qwen35_fast.runtime.kv_pool import (
 )
 
 
+def _admit(pool, ids, media=()):
+    """What the K/V store does for a new prompt (KVStore.share / reserve): the longest snapshot's blocks
+    forked copy-on-write, fresh blocks for the rest. Returns (seq, snapshot or None, block copies)."""
+    snap = pool.match(ids, media)
+    if snap is None:
+        seq = SequenceBlocks()
+        pool.reserve(seq, len(ids), f"a {len(ids)}-token prompt")
+        return seq, None, []
+    seq, copies = pool.fork(SequenceBlocks(list(snap.blocks[:pool.blocks_for(snap.num_tokens)]), snap.num_tokens))
+    try:
+        pool.reserve(seq, len(ids), f"a {len(ids)}-token prompt")
+    except (PoolExhausted, PromptTooLong):
+        pool.free(seq)  # as the store's finalizer would
+        raise
+    return seq, snap, copies
+
+
 def _toks(n, seed=0):
     r = random.Random(seed)
     return [r.randrange(248_000) for _ in range(n)]
@@ -100,13 +117,14 @@ def test_allocate_release_and_refcounts():
 
 def test_errors_name_both_numbers():
     pool = KVPool(10, 16)
-    with pytest.raises(PromptTooLong, match=r"needs 161 token positions \(11 K/V blocks.*holds 160 positions \(10 blocks\)"):
-        pool.admit(_toks(161))
-    live = pool.admit(_toks(100, 1)).seq  # 7 blocks held by a live sequence
+    with pytest.raises(PromptTooLong, match=r"a 161-token prompt needs 11 K/V blocks \(176 token positions.*"
+                                            r"holds 10 blocks \(160 positions\)"):
+        _admit(pool, _toks(161))
+    live = _admit(pool, _toks(100, 1))[0]  # 7 blocks held by a live sequence
     with pytest.raises(PoolExhausted, match=r"needs 4 K/V blocks but only 3 of the pool's 10 are free"):
-        pool.admit(_toks(60, 2))
+        _admit(pool, _toks(60, 2))
     pool.free(live)
-    pool.admit(_toks(60, 2))
+    _admit(pool, _toks(60, 2))
 
 
 def test_snapshot_reuse_shares_blocks_and_copies_the_partial_one():
@@ -116,33 +134,31 @@ def test_snapshot_reuse_shares_blocks_and_copies_the_partial_one():
     media = [MediaSpan(200, 300, "img-1")]
     q1, q2 = _toks(50, 2), _toks(50, 3)
     p1 = system + image + q1
-    adm = pool.admit(p1, media)
-    assert adm.cached_tokens == 0 and adm.snapshot is None and adm.copies == []
-    seq = adm.seq
+    seq, snap, copies = _admit(pool, p1, media)
+    assert snap is None and copies == []
     seq.num_tokens = len(p1)  # the prefill wrote every position
     s_sys = pool.save_snapshot(seq, p1, 200, states="gdn@200", nbytes=10, media=media)
     s_img = pool.save_snapshot(seq, p1, 300, states="gdn@300", nbytes=10, media=media)
     _check_refcounts(pool, [seq])
 
     p2 = system + image + q2  # another question about the same image
-    adm2 = pool.admit(p2, media)
-    assert adm2.snapshot is s_img and adm2.cached_tokens == 300
-    assert adm2.seq.blocks[:18] == seq.blocks[:18]  # 18 full blocks shared
-    assert adm2.copies == [(seq.blocks[18], adm2.seq.blocks[18])]  # block 18 holds 300 % 16 = 12 cached tokens
-    assert adm2.seq.blocks[18] != seq.blocks[18]
-    _check_refcounts(pool, [seq, adm2.seq])
+    seq2, snap2, copies2 = _admit(pool, p2, media)
+    assert snap2 is s_img and seq2.num_tokens == 300
+    assert seq2.blocks[:18] == seq.blocks[:18]  # 18 full blocks shared
+    assert copies2 == [(seq.blocks[18], seq2.blocks[18])]  # block 18 holds 300 % 16 = 12 cached tokens
+    assert seq2.blocks[18] != seq.blocks[18]
+    _check_refcounts(pool, [seq, seq2])
 
     other = system + [248056] * 100 + q2  # same system prompt, another image: only the system prompt is reused
-    adm3 = pool.admit(other, [MediaSpan(200, 300, "img-2")])
-    assert adm3.snapshot is s_sys and adm3.cached_tokens == 200
-    assert pool.admit(_toks(30, 9)).cached_tokens == 0  # nothing in common
+    assert _admit(pool, other, [MediaSpan(200, 300, "img-2")])[1] is s_sys
+    assert _admit(pool, _toks(30, 9))[1] is None  # nothing in common
     assert pool.match(system[:150]) is None
 
 
 def test_match_never_takes_the_whole_prompt_and_respects_max_tokens():
     pool = KVPool(16, 16)
     t = _toks(64)
-    seq = pool.admit(t).seq
+    seq = _admit(pool, t)[0]
     seq.num_tokens = 64
     pool.save_snapshot(seq, t, 64, None, 1)
     pool.save_snapshot(seq, t, 32, None, 1)
@@ -153,13 +169,13 @@ def test_match_never_takes_the_whole_prompt_and_respects_max_tokens():
 
 def test_fork_is_copy_on_write():
     pool = KVPool(16, 16)
-    seq = pool.admit(_toks(40)).seq  # 3 blocks, the last partly filled
+    seq = _admit(pool, _toks(40))[0]  # 3 blocks, the last partly filled
     seq.num_tokens = 40
     child, copies = pool.fork(seq)
     assert child.blocks[:2] == seq.blocks[:2] and child.blocks[2] != seq.blocks[2]
     assert copies == [(seq.blocks[2], child.blocks[2])] and child.num_tokens == 40
     _check_refcounts(pool, [seq, child])
-    seq2 = pool.admit(_toks(32, 1)).seq
+    seq2 = _admit(pool, _toks(32, 1))[0]
     seq2.num_tokens = 32
     child2, copies2 = pool.fork(seq2)  # block-aligned: nothing copied
     assert child2.blocks == seq2.blocks and copies2 == []
@@ -173,13 +189,13 @@ def test_lru_eviction_frees_blocks_for_new_prompts():
     snaps = []
     for i in range(3):  # three 64-token prompts, each snapshotted, then dropped by their sequences
         t = _toks(64, 10 + i)
-        seq = pool.admit(t).seq
+        seq = _admit(pool, t)[0]
         seq.num_tokens = 64
         snaps.append((t, pool.save_snapshot(seq, t, 64, f"s{i}", 5)))
         pool.free(seq)
     assert pool.num_free == 0
     pool.match(snaps[0][0] + [1])  # touch the first: now the second is least recently used
-    new = pool.admit(_toks(60, 99)).seq  # needs 4 blocks: evicts exactly one snapshot
+    new = _admit(pool, _toks(60, 99))[0]  # needs 4 blocks: evicts exactly one snapshot
     left = [s.states for s in pool.snapshots]
     assert left == ["s2", "s0"]
     _check_refcounts(pool, [new])
@@ -188,7 +204,7 @@ def test_lru_eviction_frees_blocks_for_new_prompts():
 def test_snapshot_byte_budget():
     pool = KVPool(64, 16, snapshot_budget_bytes=25)
     t = _toks(160)
-    seq = pool.admit(t).seq
+    seq = _admit(pool, t)[0]
     seq.num_tokens = 160
     for n in (16, 32, 48, 64):
         pool.save_snapshot(seq, t, n, n, 10)
@@ -211,11 +227,11 @@ def test_random_workload_keeps_refcounts_consistent():
             if op < 0.4:
                 n = r.randrange(1, 200)
                 t = base[:r.randrange(0, 120)] + _toks(n, step)
-                adm = pool.admit(t)
-                adm.seq.num_tokens = len(t)
-                live.append((adm.seq, t))
+                seq = _admit(pool, t)[0]
+                seq.num_tokens = len(t)
+                live.append((seq, t))
                 if r.random() < 0.7:
-                    pool.save_snapshot(adm.seq, t, r.randrange(1, len(t) + 1), step, r.randrange(1, 30))
+                    pool.save_snapshot(seq, t, r.randrange(1, len(t) + 1), step, r.randrange(1, 30))
             elif op < 0.6 and live:
                 s, t = live[r.randrange(len(live))]
                 child, _ = pool.fork(s)
@@ -249,7 +265,7 @@ def test_sizes():
 def test_block_table_tensor_is_what_paged_attention_reads():
     pool = KVPool(32, 16)
     t1, t2 = _toks(37, 1), _toks(70, 2)
-    s1, s2 = pool.admit(t1).seq, pool.admit(t2).seq
+    s1, s2 = _admit(pool, t1)[0], _admit(pool, t2)[0]
     table = block_table_tensor([s1, s2])
     assert table.dtype == torch.int32 and table.shape == (2, 5) and table.is_contiguous()
     assert table[0, 3:].tolist() == [PAD, PAD]
