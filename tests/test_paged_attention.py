@@ -124,12 +124,15 @@ def test_public_wrapper_runs_the_reference_off_cuda():
 
 def test_plan_is_fixed_by_shapes():
     """Decode (1 token, 9B heads): one warp per block, keys split until ~3 blocks per SM; shorter capacity
-    fewer splits; a long prefill needs no split."""
+    fewer splits; no split that leaves a partly filled second wave; a long prefill needs no split."""
     p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
     assert p.warps_m == 1 and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
     assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // 32 // pa_launch.MIN_TILES_PER_SPLIT
     assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
     assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
+    # 256 tokens: 64 row tiles x kv heads; 4 splits fill one wave of 2 x 132 blocks, 5 would need a second
+    assert pa_launch.plan(256, 1, 4, 4, 65536, 132).splits == 4
+    assert pa_launch.plan(1024, 1, 4, 4, 65536, 132).splits == 1  # 256 blocks: one wave without a split
     assert pa_launch.plan(4, 8, 4, 4, 4096, 132).warps_m == 1
 
 

@@ -48,15 +48,20 @@ class Plan:
 def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
          splits: Optional[int] = None) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
-    Splits the keys so that about two blocks per SM are busy (three for one-warp blocks, whose 76 KB of
-    shared memory lets three share an H100/H200 SM): decode, and short prefills on long contexts."""
+    Splits the keys (decode, and short prefills on long contexts) until the blocks fill one wave of two
+    per SM (three for one-warp blocks, whose 76 KB of shared memory lets three share an H100/H200 SM),
+    but never into a second, partly filled wave: a block of s splits reads 1/s of the keys, so the
+    split with the fewest waves per split wins, the smaller on a tie (each split costs a partial write
+    and its share of the combine). 256 new tokens over 65,536 keys: 4 splits, not 5 (1.2 waves)."""
     rows = max(1, max_q) * group
     warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
     row_tiles = math.ceil(rows / (16 * warps_m))
     if splits is None:
         base = row_tiles * num_seqs * num_kv_heads
         max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / BN) // MIN_TILES_PER_SPLIT))
-        splits = max(1, min(max_splits, math.ceil((3 if warps_m == 1 else 2) * sm_count / base)))
+        slots = (3 if warps_m == 1 else 2) * sm_count
+        most = max(1, min(max_splits, math.ceil(slots / base)))
+        splits = min(range(1, most + 1), key=lambda s: (math.ceil(base * s / slots) / s, s))
     return Plan(warps_m, row_tiles, splits)
 
 
