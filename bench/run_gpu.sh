@@ -7,18 +7,19 @@
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
 # The nodes' tests (tests/test_nodes*.py, the VRAM test among them) run against a real ComfyUI when
 # .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
-# the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them).
-#   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-sanitizer] [--no-e2e] [--no-vision] [--no-bench] [--no-peers]
+# the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them); with them, the
+# real-ComfyUI integration tests (tests/integration) run a ComfyUI server on the GPU.
+#   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-integration] [--no-sanitizer] [--no-e2e] [--no-vision] [--no-bench] [--no-peers]
 # GPU_TESTS (space-separated test files) replaces the default list, e.g. to rerun only the runtime's tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-tests=1 comfyui=1 sanitizer=1 bench=1 peers=1 e2e=1 vision=1
+tests=1 comfyui=1 integration=1 sanitizer=1 bench=1 peers=1 e2e=1 vision=1
 for a in "$@"; do
   case $a in
-    --no-tests) tests=0 ;; --no-comfyui) comfyui=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;; --no-vision) vision=0 ;;
+    --no-tests) tests=0 ;; --no-comfyui) comfyui=0 ;; --no-integration) integration=0 ;; --no-sanitizer) sanitizer=0 ;; --no-bench) bench=0 ;; --no-peers) peers=0 ;; --no-e2e) e2e=0 ;; --no-vision) vision=0 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -60,6 +61,20 @@ fi
 if [ "$comfyui" = 1 ] && [ -n "$comfy_dir" ]; then
   COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py -rs \
     2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$integration" = 1 ] && [ -n "$comfy_dir" ]; then
+  # a ComfyUI server on the GPU, driven through /prompt (tests/integration). The GPU image lacks two large
+  # packages the server's start does not use here: the frontend (the tests speak HTTP; an empty page
+  # stands in through --front-end-root) and comfy-kitchen (40 MB of kernels that only ComfyUI's JoyImage
+  # model calls; an empty module stands in, so that comfy.model_base imports).
+  mkdir -p /tmp/comfy-frontend /tmp/comfy-stubs/comfy_kitchen
+  echo '<!doctype html><title>ComfyUI</title>' > /tmp/comfy-frontend/index.html
+  python3 -c "import comfy_kitchen" 2>/dev/null || : > /tmp/comfy-stubs/comfy_kitchen/__init__.py
+  PYTHONPATH=$PYTHONPATH:/tmp/comfy-stubs COMFYUI_DIR=$comfy_dir COMFYUI_GPU=1 \
+    COMFYUI_ARGS="--front-end-root /tmp/comfy-frontend" \
+    python3 -m pytest -q --tb=short -p no:cacheprovider tests/integration -rs \
+    2>&1 | tee "$OUT/pytest-integration-gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 

@@ -4,11 +4,14 @@ an odd folder name.
 Needs COMFYUI_DIR (a ComfyUI checkout, outside this repository); every test here is marked
 `comfyui` and skipped without it. ComfyUI runs on COMFYUI_PYTHON (default: this Python), which must
 have ComfyUI's requirements and this pack's. Its base directory is a temporary folder: the pack is
-symlinked into custom_nodes/, the test checkpoint into models/LLM/qwen35-demo/.
+symlinked into custom_nodes/, the test checkpoint into models/LLM/qwen35-demo/. COMFYUI_ARGS adds
+arguments to ComfyUI's command line (e.g. `--front-end-root DIR` where the frontend package is not
+installed: the tests use the HTTP API, the browser test needs the real frontend).
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,7 +33,7 @@ from comfyui_harness import (
 )
 
 START_TIMEOUT_S = 300
-DEVICE_ARGS = [] if ON_GPU else ["--cpu"]
+DEVICE_ARGS = ([] if ON_GPU else ["--cpu"]) + shlex.split(os.environ.get("COMFYUI_ARGS", ""))
 
 
 @pytest.fixture(scope="session")
