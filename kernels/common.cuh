@@ -1,5 +1,6 @@
-// Element types chosen at compile time by -D defines (0 = float, 1 = half, 2 = bfloat16), and the
-// conversions every kernel needs. Included by the kernels under kernels/*/ (NVRTC gets -I kernels/).
+// Element types chosen at compile time by -D defines (0 = float, 1 = half, 2 = bfloat16), the conversions
+// every kernel needs, and the norm kernels' row reduction (block_row_sum). Included by the kernels under
+// kernels/*/ (NVRTC gets -I kernels/); the tensor-core PTX primitives are in mma_ptx.cuh beside it.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -25,3 +26,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 // torch.nn.functional.softplus (beta 1, threshold 20) and silu, in fp32.
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+
+// Sum of v over the `tpr` consecutive threads of the block that hold one row (tpr a power of two up to 32,
+// or a multiple of 32): a butterfly over the row's lanes, then, for tpr > 32, the warps' partial sums
+// through part (one float per warp of the block), added in warp order. Every lane ends with the same
+// total. With tpr > 32 every thread of the block must call it (a __syncthreads), and a second reduction
+// right after needs its own part. Used by rms_norm.cu and vision/layer_norm.cu.
+template <int tpr>
+__device__ __forceinline__ float block_row_sum(float v, float* part) {
+#pragma unroll
+    for (int off = (tpr < 32 ? tpr : 32) / 2; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if constexpr (tpr > 32) {
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+        __syncthreads();
+        const int w0 = (threadIdx.x / tpr) * (tpr / 32);  // the row's first warp
+        v = 0.f;
+#pragma unroll
+        for (int i = 0; i < tpr / 32; ++i) v += part[w0 + i];
+    }
+    return v;
+}

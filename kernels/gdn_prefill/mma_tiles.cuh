@@ -1,43 +1,22 @@
 // Tensor-core building blocks for the GDN prefill kernels: ldmatrix / mma.sync fragments, 16-bit
-// packing, fragment addresses in padded shared-memory tiles, cp.async. Included after the including
-// file has defined elem (the 16-bit element type), IN_T and u32.
+// packing, fragment addresses in padded shared-memory tiles, cp.async. The PTX primitives themselves
+// (smem_u32, ldsm4 / ldsm4t, mma16816_bf16 / mma16816_f16, pack_bf16 / pack_f16, cp_async*) live in
+// kernels/mma_ptx.cuh, shared with paged_attention.cu; here they are typed by IN_T. Included after the
+// including file has defined elem (the 16-bit element type) and IN_T.
 #pragma once
+#include "mma_ptx.cuh"
 
 // ---------------------------------------------------------------- tensor core helpers
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-#ifndef NO_LDSM_CLOBBER
-#define LDSM_CLOBBER : "memory"
-#else
-#define LDSM_CLOBBER
-#endif
-__device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
-}
-__device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
-}
-
+// c += a b on the input type's operands (bf16 or fp16).
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if IN_T == QF_BF16
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma16816_bf16(c, a, b0, b1);
 #else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma16816_f16(c, a, b0, b1);
 #endif
 }
-
-// The same product on fp16 operands whatever the input type (the state updates: the scaled u and K^T in fp16).
-__device__ __forceinline__ void mma16816_f16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// mma16816_f16 (mma_ptx.cuh): the same product on fp16 operands whatever the input type (the state
+// updates: the scaled u and K^T in fp16).
 
 __device__ __forceinline__ u32 tf32(float x) {
     u32 r;
@@ -52,11 +31,10 @@ __device__ __forceinline__ void mma1688tf32(float c[4], const u32 a[4], u32 b0, 
 
 __device__ __forceinline__ u32 pack2(float x, float y) {
 #if IN_T == QF_BF16
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return pack_bf16(x, y);
 #else
-    __half2 h = __floats2half2_rn(x, y);
+    return pack_f16(x, y);
 #endif
-    return *reinterpret_cast<u32*>(&h);
 }
 __device__ __forceinline__ float2 unpack2(u32 u) {
 #if IN_T == QF_BF16
@@ -107,13 +85,5 @@ __device__ __forceinline__ const elem* bk_addr(const elem* base, int ld, int k0,
     return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int n> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(n) : "memory");
-}
 // Barrier among the 128 threads of one warp group (id 1: group A, id 2: group B).
 __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }

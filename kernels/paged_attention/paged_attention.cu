@@ -26,8 +26,8 @@
 // Shared memory: (BM + 4 * BN) * (HEAD_DIM + 8) * 2 bytes: 101,376 B at WARPS_M = 4 (the RTX 30/40/50
 // opt-in maximum, exactly), 76,032 B at WARPS_M = 1.
 #include "common.cuh"
+#include "mma_ptx.cuh"  // smem_u32, ldsm4 / ldsm4t, mma16816_bf16, pack_bf16, cp_async*
 
-typedef unsigned int u32;
 typedef __nv_bfloat16 elem;
 
 #ifndef HEAD_DIM
@@ -60,32 +60,6 @@ static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void ldsm4(u32 r[4], const elem* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
-}
-__device__ __forceinline__ void ldsm4t(u32 r[4], const elem* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
-}
-__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int n> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(n) : "memory");
-}
-__device__ __forceinline__ u32 pack_bf16(float x, float y) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<u32*>(&h);
-}
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
 
 // Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
@@ -226,8 +200,8 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
             for (int nn = 0; nn < BN / 16; ++nn) {
                 u32 b[4];
                 ldsm4(b, ks + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16(s[2 * nn], a, b[0], b[1]);
-                mma_bf16(s[2 * nn + 1], a, b[2], b[3]);
+                mma16816_bf16(s[2 * nn], a, b[0], b[1]);
+                mma16816_bf16(s[2 * nn + 1], a, b[2], b[3]);
             }
         }
 
@@ -282,8 +256,8 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
             for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
                 u32 b[4];
                 ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dn * 16 + (lane >> 4) * 8);
-                mma_bf16(o[2 * dn], a, b[0], b[1]);
-                mma_bf16(o[2 * dn + 1], a, b[2], b[3]);
+                mma16816_bf16(o[2 * dn], a, b[0], b[1]);
+                mma16816_bf16(o[2 * dn + 1], a, b[2], b[3]);
             }
         }
         __syncthreads();  // this stage is refilled by the next iteration's copies

@@ -62,19 +62,8 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
             ss = fmaf(f, f, ss);
         }
     }
-#pragma unroll
-    for (int off = (TPR < 32 ? TPR : 32) / 2; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-#if TPR > 32
-    __shared__ float part[WARPS];
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    {
-        const int w0 = (threadIdx.x / TPR) * (TPR / 32);  // the row's first warp
-        ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < TPR / 32; ++i) ss += part[w0 + i];
-    }
-#endif
+    __shared__ float part[WARPS];  // used where TPR > 32 (4 warps a row), else compiled away
+    ss = block_row_sum<TPR>(ss, part);
     if (!ok) return;
     const float rr = rsqrtf(ss * (1.f / DIM) + eps);  // the mean as torch forms it: sum times 1 / n
 #if GATED

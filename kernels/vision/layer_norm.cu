@@ -41,21 +41,6 @@ __device__ __forceinline__ void load8(const elem* p, float* o) {
     for (int e = 0; e < 8; ++e) o[e] = to_f(v.e[e]);
 }
 
-// Sum of v over the TPR threads of this thread's row (every thread of the block must call it).
-__device__ __forceinline__ float row_sum(float v, float* part) {
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-#if TPR > 32
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    const int w0 = (threadIdx.x / TPR) * (TPR / 32);  // the row's first warp
-    v = 0.f;
-#pragma unroll
-    for (int i = 0; i < TPR / 32; ++i) v += part[w0 + i];
-#endif
-    return v;
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const elem* __restrict__ w,
                const elem* __restrict__ b, elem* __restrict__ sum, elem* __restrict__ out, long long rows,
@@ -84,7 +69,7 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc += to_f(v[k].e[e]);
     }
-    const float mean = row_sum(acc, part[0]) / DIM;
+    const float mean = block_row_sum<TPR>(acc, part[0]) / DIM;
     acc = 0.f;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
@@ -96,7 +81,7 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
             }
         }
     }
-    const float rstd = rsqrtf(row_sum(acc, part[1]) / DIM + eps);
+    const float rstd = rsqrtf(block_row_sum<TPR>(acc, part[1]) / DIM + eps);
     if (!ok) return;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
