@@ -11,20 +11,14 @@ typedef unsigned int u32;
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // ldmatrix .x4: four 8x8 16-bit matrices, one row address per lane (lanes 0-7, 8-15, 16-23, 24-31).
-// The "memory" clobber keeps the compiler from moving shared-memory stores past the load; defining
-// NO_LDSM_CLOBBER drops it (an experiment switch: no launcher sets it).
-#ifndef NO_LDSM_CLOBBER
-#define LDSM_CLOBBER : "memory"
-#else
-#define LDSM_CLOBBER
-#endif
+// The "memory" clobber keeps the compiler from moving shared-memory stores past the load.
 __device__ __forceinline__ void ldsm4(u32 r[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
 __device__ __forceinline__ void ldsm4t(u32 r[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) LDSM_CLOBBER);
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
 
 // c += a b, m16n8k16, row.col, fp32 accumulators: on bf16 operands and on fp16 operands.
