@@ -64,7 +64,7 @@ def test_pack_loaded_under_odd_folder_name_and_serves_its_web_extension(comfy_se
     with urllib.request.urlopen(comfy_server.url + ours[0]) as r:  # noqa: S310
         assert b"registerExtension" in r.read()
     log = comfy_server.log_text()
-    assert "Cannot import" not in log
+    assert not [line for line in log.splitlines() if "Cannot import" in line and PACK_FOLDER in line]
     # ComfyUI times each pack's import at start-up: ours must not slow it down
     seconds = re.search(r"([0-9.]+) seconds: \S*" + re.escape(PACK_FOLDER), log)
     assert seconds, "no import time logged for the pack"
