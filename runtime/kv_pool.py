@@ -270,19 +270,20 @@ class KVPool:
         seq.blocks, seq.num_tokens = [], 0
 
     @_locked
-    def fork(self, seq: SequenceBlocks) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
+    def fork(self, seq: SequenceBlocks, keep: Optional[Snapshot] = None) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
         """A copy-on-write child of `seq` (a Generate forked from a Prefill, a prompt resumed from a snapshot):
         full blocks shared; a partly filled last block is replaced by a fresh one, returned as a (src, dst)
         copy for the caller to make in every layer before anything else allocates. The parent's blocks are
         held while the fresh one is allocated, so eviction (of a snapshot that alone held them) cannot take
-        them. The parent is not changed."""
+        them; `keep` (the snapshot `seq` comes from) is not evicted for it, so a failed fork leaves its
+        blocks where they were. The parent is not changed."""
         nfull, part = divmod(seq.num_tokens, self.block_size)
         held = seq.blocks[:nfull + (1 if part else 0)]
         self.retain(held)
         if not part:
             return SequenceBlocks(list(held), seq.num_tokens), []
         try:
-            dst = self.allocate(1, what="forking a sequence")[0]
+            dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
         except Exception:
             self.release(held)
             raise

@@ -123,12 +123,14 @@ class KVStore:
         self.budget_bytes += int((num_blocks - old) * self.nbytes / num_blocks)
         self.version += 1
 
-    def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "") -> SequenceBlocks:
+    def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "",
+              keep=None) -> SequenceBlocks:
         """A new sequence whose first `num_tokens` positions are those of `blocks` (a copy-on-write fork,
         KVPool.fork: shared, a partly filled last block copied, since the new sequence writes after it),
-        with room for `capacity`, released when `owner` is collected."""
+        with room for `capacity`, released when `owner` is collected. keep: the snapshot the blocks come
+        from (not evicted to make room for the fork)."""
         parent = SequenceBlocks(list(blocks[:self.pool.blocks_for(num_tokens)]), num_tokens)
-        seq, copies = self._with_room(lambda: self.pool.fork(parent), 1)
+        seq, copies = self._with_room(lambda: self.pool.fork(parent, keep), 1)
         weakref.finalize(owner, self.pool.free, seq)
         for src, dst in copies:
             self.copy_block(src, dst)

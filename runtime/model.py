@@ -125,12 +125,13 @@ class Cache:
 
     @staticmethod
     def resume(store: KVStore, blocks, state: "GDNState", capacity: int, device: torch.device | None = None,
-               copy: bool = True) -> "Cache":
+               copy: bool = True, snapshot=None) -> "Cache":
         """A cache whose first state.length positions are those of `blocks` (shared, a partly filled last one
-        copied) with copies of `state`'s GDN states (copy: see restart); room for `capacity` tokens."""
+        copied) with copies of `state`'s GDN states (copy: see restart); room for `capacity` tokens.
+        snapshot: the kv_pool.Snapshot blocks and state come from (kept while the cache takes its blocks)."""
         copy = lambda xs, c=copy: [None if t is None else t.to(device or t.device, copy=c) for t in xs]  # noqa: E731
         cache = Cache(copy(state.conv), copy(state.ssm), store, SequenceBlocks(), state.rope_delta)
-        cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens")
+        cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens", snapshot)
         return cache
 
 
@@ -275,6 +276,7 @@ class Qwen35Model(nn.Module):
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
         if self._backend_device != self.device:
+            self.graphs.clear()  # captured with the kernels of the backend they ran on
             try:
                 self.backend = kernels.select_backend(self.requested_backend, self.device, self.dtype)
             except (RuntimeError, ValueError) as e:

@@ -78,10 +78,14 @@ class PaddedPrefill:
         n, start, dev = len(ids), cache.length, self.ids.device
         if not 0 < n <= self.bucket or len(keep_at) > 1:
             raise ValueError(f"PaddedPrefill: {n} tokens and cuts {keep_at} do not fit a bucket of {self.bucket}")
+        cache.reserve(start + self.bucket)  # the filler's K/V go after the prompt's
+        if self.store.version != self.version or cache.store is not self.store:
+            raise RuntimeError("PaddedPrefill: the K/V store grew or changed since this pass was made; reserve "
+                               "room for the bucket first and take the pass for the store as it is "
+                               "(prefill_graph.padded_prefill)")
         pos = text_positions(cache, n, dev) if positions is None else positions
         cut = keep_at[0] if keep_at else n
         kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
-        cache.reserve(start + self.bucket)  # the filler's K/V go after the prompt's
         self.ids.copy_(torch.tensor([list(ids) + [0] * (self.bucket - n)], dtype=torch.long))
         self.positions[:, :n] = pos
         self.positions[:, n:] = pos[:, -1:] + torch.arange(1, self.bucket - n + 1, device=dev)

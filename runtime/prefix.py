@@ -98,15 +98,20 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     feats = vision(n) if vision is not None else None
     keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
                   else {p for p in needed if n < p < len(ids)})
-    # a short prompt after a cached prefix: one graph launch (prefill_graph.py), which copies the states itself
+    # a short prompt after a cached prefix: one graph launch (prefill_graph.py), which copies the states in
+    # itself and needs room for its whole bucket
     graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 else None
-    copy = graphed is None
+    capacity, copy = (len(ids), True) if graphed is None else (max(len(ids), n + graphed.bucket), False)
     if origin is None:
-        cache = model.new_cache(1, len(ids))
+        cache = model.new_cache(1, capacity)
     elif origin is start:
-        cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
+        cache = start_cache.restart(start, capacity, device=model.device, copy=copy)
     else:
-        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy)
+        cache = Cache.resume(store, snap.blocks, snap.states, capacity, model.device, copy=copy, snapshot=snap)
+    if graphed is not None and graphed.version != store.version:
+        # making room grew the store (its tensors moved): the graph for the grown store. Without one the
+        # eager pass runs on the uncopied states, which a prefill only reads.
+        graphed = padded_prefill(model, n, len(ids) - n)
     states = {n: origin} if origin is not None else {}
     if graphed is not None:
         logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])

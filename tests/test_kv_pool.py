@@ -184,6 +184,26 @@ def test_fork_is_copy_on_write():
     assert pool.num_free == 16
 
 
+def test_a_failed_fork_from_a_snapshot_leaves_its_blocks():
+    """Resuming from a snapshot in a full pool: the fork may not evict that snapshot to find its one
+    block (its blocks would be freed when the fork gives up, and a grown store's retry would find them
+    gone); other snapshots may go."""
+    pool = KVPool(8, 16)
+    t = _toks(40)
+    seq = _admit(pool, t)[0]
+    seq.num_tokens = 40
+    snap = pool.save_snapshot(seq, t, 40, "s", 1)
+    pool.free(seq)  # only the snapshot holds its 3 blocks now
+    held = pool.allocate(pool.num_free)
+    parent = SequenceBlocks(list(snap.blocks), 40)
+    with pytest.raises(PoolExhausted):
+        pool.fork(parent, keep=snap)
+    assert pool.snapshots == [snap] and all(pool.refcount[b] == 1 for b in snap.blocks)
+    pool.release(held[:1])
+    child, copies = pool.fork(parent, keep=snap)  # the retry (a grown store's) finds the blocks
+    assert child.blocks[:2] == snap.blocks[:2] and copies == [(snap.blocks[2], child.blocks[2])]
+
+
 def test_lru_eviction_frees_blocks_for_new_prompts():
     pool = KVPool(12, 16)
     snaps = []

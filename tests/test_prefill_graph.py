@@ -41,7 +41,7 @@ def uncaptured(monkeypatch):
         b = bucket_for(n)
         if b is None or cached == 0:
             return None
-        if b not in made:
+        if b not in made or made[b].version != model.kv.version or made[b].store is not model.kv:
             made[b] = PaddedPrefill(model, b, capture=False)
         return made[b]
 
@@ -114,6 +114,27 @@ def test_one_pass_serves_many_lengths(model):
         got, _ = run(a, ids, None, None, [])
         want = model.forward_prefill(torch.tensor([ids]), b)
         assert rel(got, want) <= 1e-5
+
+
+def test_a_pass_for_an_older_store_refuses(model):
+    """A pass reads the store's tensors as they were when it was made: after the store grows it must not run."""
+    base = _prefix(model, 8, seed=5)
+    run = PaddedPrefill(model, BUCKETS[0], capture=False)
+    model.kv.grow(model.kv.num_blocks + 4)
+    with pytest.raises(RuntimeError, match="grew or changed"):
+        run(_fork(base), [1, 2, 3], None, None, [])
+
+
+def test_reuse_after_the_store_grows(pair, model, uncaptured):
+    """Making room for the bucket may grow the store: the prompt then runs on a pass for the grown store."""
+    prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    held = model.kv.pool.allocate(model.kv.pool.num_free)  # a full pool: the next prompt's blocks grow it
+    version = model.kv.version
+    second = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
+    assert model.kv.version > version and uncaptured[BUCKETS[0]].version == model.kv.version
+    model.kv.pool.release(held)
+    cold = prefill(model, "Describe a blue square.", system_prompt=SYSTEM, use_cache=False)
+    assert second.cached_tokens > 0 and rel(second.logits, cold.logits) <= 1e-4
 
 
 def test_prefill_refuses_what_does_not_fit(model):
