@@ -14,8 +14,8 @@ _warned = False
 _side_streams: dict = {}
 
 
-def _side_stream(dev: torch.device) -> torch.cuda.Stream:
-    """One stream per device for every warm-up and capture. Each stream that runs a matmul gets its
+def side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One stream per device for every warm-up and capture (decode steps and short prefills). Each stream that runs a matmul gets its
     own cuBLAS workspace (32 MiB on Hopper) that PyTorch keeps; a fresh pool stream per generation
     would pile up to 32 of them."""
     key = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -53,7 +53,7 @@ class GraphedDecode:
         states = [t for t in cache.conv + cache.ssm if t is not None]
         saved = [t.clone() for t in states]
         self.slot.set(cache.length)
-        side = _side_stream(dev)
+        side = side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: loads kernel modules and library workspaces before capture
             model.forward_decode_at(self.ids, self.slot, cache)

@@ -4,8 +4,8 @@ A question after a reused system prompt and image is a few dozen tokens: its ~40
 on the GPU but ~30 ms to launch from Python (bench/results/ttft-profile-h200.log). Here such a prefill
 runs as one graph launch. Its token count is padded up to a bucket (BUCKETS), one graph per bucket,
 captured the first time the bucket is used and replayed for any prompt that fits it: the real count,
-the cached length, the block table, the rotary positions and the GDN states in live in device buffers
-the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). A graph
+the cached length, the block table, the rotary positions and the incoming GDN states live in device
+buffers the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). A graph
 reads the weights' and the K/V store's addresses: a move of the model or a new or grown store drops
 it (Qwen35Model.graphs, KVStore.version).
 """
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .decode_graph import _side_stream
+from .decode_graph import side_stream
 from .kv_pool import PAD, SequenceBlocks
 from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
 
@@ -59,7 +59,7 @@ class PaddedPrefill:
 
     def _capture(self) -> None:
         dev = self.model.device
-        side = _side_stream(dev)
+        side = side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up on this call's inputs: kernel modules, library workspaces
             self._pass()
@@ -102,7 +102,9 @@ class PaddedPrefill:
         if self.capture and self.graph is None:
             try:
                 self._capture()
-            except RuntimeError as e:  # any capture failure leaves the pass itself, which always works
+            except torch.cuda.OutOfMemoryError:
+                raise  # the caller names what was needed; the next call captures again
+            except RuntimeError as e:  # any other capture failure leaves the pass itself, which always works
                 self.capture = False
                 _warn(e)
         if self.graph is not None:
