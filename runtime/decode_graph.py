@@ -15,9 +15,9 @@ _side_streams: dict = {}
 
 
 def side_stream(dev: torch.device) -> torch.cuda.Stream:
-    """One stream per device for every warm-up and capture (decode steps and short prefills). Each stream that runs a matmul gets its
-    own cuBLAS workspace (32 MiB on Hopper) that PyTorch keeps; a fresh pool stream per generation
-    would pile up to 32 of them."""
+    """One stream per device for every warm-up and capture (decode steps and short prefills). Each stream
+    that runs a matmul gets its own cuBLAS workspace (32 MiB on Hopper) that PyTorch keeps; a fresh pool
+    stream per generation would pile up to 32 of them."""
     key = dev.index if dev.index is not None else torch.cuda.current_device()
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(torch.device("cuda", key))
