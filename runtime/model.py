@@ -521,6 +521,7 @@ class Qwen35Model(nn.Module):
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:
-        """Weights (the vision tower's included) and the K/V store's pool."""
+        """Weights (the vision tower's included), the K/V store's pool and the captured passes' buffers."""
         weights = sum(p.numel() * p.element_size() for p in self.parameters())
-        return weights + (self._kv.nbytes if self._kv is not None else 0)
+        graphs = sum(getattr(g, "nbytes", 0) for g in self.graphs.values())
+        return weights + (self._kv.nbytes if self._kv is not None else 0) + graphs

@@ -48,6 +48,15 @@ class PaddedPrefill:
                          cu_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev), max_q=bucket)
         self.conv = self.ssm = None  # the GDN states going in: shaped like the first caller's
         self.graph = None
+        self.pool_bytes = 0  # device memory the captured graph keeps (its outputs and activations)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory this pass holds: its input buffers and what its graph keeps (counted in the model's
+        size, so that ComfyUI's memory management sees it)."""
+        bufs = [self.ids, self.positions, self.n, self.cut, self.kv.table, self.kv.lens, self.kv.cu_q,
+                *(t for t in (self.conv or []) + (self.ssm or []) if t is not None)]
+        return sum(t.numel() * t.element_size() for t in bufs) + self.pool_bytes
 
     def _pass(self):
         """The padded forward over the buffers; returns the logits and the four state lists (the cache's
@@ -65,9 +74,11 @@ class PaddedPrefill:
             self._pass()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved(dev)
         with torch.cuda.graph(graph, stream=side):
             self.out = self._pass()
         self.graph = graph
+        self.pool_bytes = torch.cuda.memory_reserved(dev) - before
 
     def __call__(self, cache: Cache, ids, positions: torch.Tensor | None, rope_delta: int | None,
                  keep_at: list[int]) -> tuple[torch.Tensor, list[GDNState]]:

@@ -137,6 +137,18 @@ def test_reuse_after_the_store_grows(pair, model, uncaptured):
     assert second.cached_tokens > 0 and rel(second.logits, cold.logits) <= 1e-4
 
 
+def test_a_kept_pass_counts_in_the_model_size(model):
+    """Its buffers (on CUDA also its graph's memory) are part of what ComfyUI's memory management sees."""
+    base = _prefix(model, 8, seed=6)
+    before = model.size_bytes()
+    run = model.graphs["test"] = PaddedPrefill(model, BUCKETS[0], capture=False)
+    run(_fork(base), [1, 2, 3], None, None, [])
+    states = sum(t.numel() * t.element_size() for t in base.conv + base.ssm if t is not None)
+    assert model.size_bytes() - before == run.nbytes >= states
+    model.to("cpu")  # a move drops the passes (they read the weights' addresses)
+    assert not model.graphs and model.size_bytes() == before
+
+
 def test_prefill_refuses_what_does_not_fit(model):
     base = _prefix(model, 8, seed=4)
     run = PaddedPrefill(model, BUCKETS[0], capture=False)
