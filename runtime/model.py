@@ -129,8 +129,8 @@ class Cache:
         """A cache whose first state.length positions are those of `blocks` (shared, a partly filled last one
         copied) with copies of `state`'s GDN states (copy: see restart); room for `capacity` tokens.
         snapshot: the kv_pool.Snapshot blocks and state come from (kept while the cache takes its blocks)."""
-        copy = lambda xs, c=copy: [None if t is None else t.to(device or t.device, copy=c) for t in xs]  # noqa: E731
-        cache = Cache(copy(state.conv), copy(state.ssm), store, SequenceBlocks(), state.rope_delta)
+        take = lambda xs: [None if t is None else t.to(device or t.device, copy=copy) for t in xs]  # noqa: E731
+        cache = Cache(take(state.conv), take(state.ssm), store, SequenceBlocks(), state.rope_delta)
         cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens", snapshot)
         return cache
 
@@ -357,7 +357,7 @@ class Qwen35Model(nn.Module):
         history = torch.cat([cache.conv[i].to(mixed.dtype), mixed.transpose(1, 2)], dim=2)  # [1, C, W-1+T]
         index = torch.arange(T, device=x.device)[None, :, None]
         tail = torch.arange(w, device=x.device)
-        for end, into in ((pad.cut, kept), (pad.n, cache)):
+        for end, into in ((pad.cut, kept), (pad.n, cache)):  # the cut's first: both start from cache.ssm[i]
             off = index >= end
             o, ssm = kernels.gdn_chunk_prefill(q, k, v, a.masked_fill(off, -1e4), b.masked_fill(off, -1e4), m.A_log,
                                                m.dt_bias, initial_state=cache.ssm[i], backend=be)
