@@ -85,7 +85,9 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     n, or None (the tower runs only for images past the reused prefix). positions [3, len(ids)]: rotary
     ids of all the tokens (default: text). start / start_cache: a known state after the first
     start.length ids (a follow-up turn's parent), whose K/V are start_cache's; used when no snapshot
-    reaches further. limit: reuse at most this many tokens (default: all but the last).
+    reaches further. limit: reuse at most this many tokens (default: all but the last). A short rest after
+    a cached prefix (at most 256 tokens, no image among them) runs as one CUDA-graph launch on CUDA
+    (prefill_graph.py), the same computation as the eager pass.
     """
     store = model.kv
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
