@@ -398,13 +398,13 @@ class Qwen35Model(nn.Module):
         g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, blk.down)
 
-    def _layers(self, h, cache: Cache, start: int, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
+    def _layers(self, h, cache: Cache, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
                 pad: tuple[Padding, "GDNState"] | None = None):
         c = self.config
         T = h.shape[1]
-        if positions is None:  # text: the cache slot plus the offset images before it left
-            pos = slot.pos if slot is not None else torch.arange(start, start + T, device=h.device)
-            positions = (pos + cache.rope_delta if cache.rope_delta else pos).expand(3, T)
+        if positions is None:  # text: the slot (the cache's, or the graphed step's) plus the offset images left
+            positions = (text_positions(cache, T, h.device) if slot is None
+                         else (slot.pos + cache.rope_delta if cache.rope_delta else slot.pos).expand(3, T))
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         for i, blk in enumerate(self.blocks):
@@ -480,7 +480,7 @@ class Qwen35Model(nn.Module):
         if vision is not None:
             index, features = vision
             h[0].index_copy_(0, index, features.to(h.dtype))
-        h = self._layers(h, cache, start, False, kv, positions=positions, cut=kept)
+        h = self._layers(h, cache, False, kv, positions=positions, cut=kept)
         cache.length = start + T
         if rope_delta is not None:
             cache.rope_delta = rope_delta
@@ -498,7 +498,7 @@ class Qwen35Model(nn.Module):
         the first pad.cut tokens (a GDNState whose length and rope_delta the caller sets)."""
         n = len(cache.conv)
         kept = GDNState([None] * n, [None] * n, 0)
-        h = self._layers(F.embedding(ids, self.embed), cache, 0, False, kv, positions=positions, pad=(pad, kept))
+        h = self._layers(F.embedding(ids, self.embed), cache, False, kv, positions=positions, pad=(pad, kept))
         return self.logits(h[0].index_select(0, pad.n - 1)), kept
 
     @torch.inference_mode()
@@ -508,7 +508,7 @@ class Qwen35Model(nn.Module):
         if kv.slots is not None:  # an empty cache: nothing to attend to but the token itself
             kv = KVStep(table=cache.store.table(cache.seq), lens=torch.zeros(1, dtype=torch.int32, device=self.device),
                         cu_q=torch.tensor([0, 1], dtype=torch.int32, device=self.device))
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, cache.length, True, kv)
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, True, kv)
         cache.length += 1
         return self.logits(h[:, 0])
 
@@ -517,7 +517,7 @@ class Qwen35Model(nn.Module):
         """forward_decode with the position and block table on the device (slot) and no host-side shapes,
         so a CUDA graph can capture it; the caller fills slot's table and advances slot and cache.length."""
         kv = KVStep(table=slot.table, lens=slot.lens, cu_q=slot.cu_q)
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, 0, True, kv, slot=slot)
+        h = self._layers(F.embedding(ids[:, None], self.embed), cache, True, kv, slot=slot)
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:
