@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-from qwen35_fast.kernels.paged_attention.launch import _sm_count, paged_attention_cuda, plan
+from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda, plan
 
 from gdn import bench_ms, ceilings
 
@@ -98,11 +98,11 @@ def main():
                              for t in tables]
                     ms[name] = graph_ms(calls)
                     calls = k_pool = v_pool = tables = None  # frees the pool before the next one
-                p = plan(Nq, 1, HKV, H // HKV, math.ceil((Nkv + Nq) / bs) * bs, _sm_count(DEV))
+                p = plan(Nq, 1, HKV, H // HKV, math.ceil((Nkv + Nq) / bs) * bs, card_of(DEV)[0], wgmma=card_of(DEV)[1])
                 row = {"Nq": Nq, "Nkv": Nkv, "block": bs, "ms_paged": round(ms["paged"], 5),
                        "ms_contiguous": round(ms["contiguous"], 5),
                        "ms_sdpa": None if sdpa_ms is None else round(sdpa_ms, 5),
-                       "splits": p.splits, "warps_m": p.warps_m}
+                       "splits": p.splits, "warps_m": p.warps_m, "kernel": p.kernel}
                 if Nq <= 16:
                     row["kv_copy_bw_fraction"] = round(kv_bytes / (ms["paged"] * 1e-3) / bw, 3)
                 rows.append(row)

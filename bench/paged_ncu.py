@@ -16,7 +16,7 @@ import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-from qwen35_fast.kernels.paged_attention.launch import _sm_count, paged_attention_cuda, plan
+from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda, plan
 
 from paged_attention import DEV, HKV, D, H, paged_setup
 
@@ -37,7 +37,7 @@ def main():
     lens = torch.tensor([a.nkv], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, a.nq], dtype=torch.int32, device=DEV)
     table = tables[0]
-    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, _sm_count(DEV)))
+    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, card_of(DEV)[0], wgmma=card_of(DEV)[1]))
     times = []
     for _ in range(a.launches):
         torch.cuda.synchronize()

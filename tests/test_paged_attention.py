@@ -127,13 +127,28 @@ def test_plan_is_fixed_by_shapes():
     fewer splits; no split that leaves a partly filled second wave; a long prefill needs no split."""
     p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
     assert p.warps_m == 1 and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
-    assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // 32 // pa_launch.MIN_TILES_PER_SPLIT
+    assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
     assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
     assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
     # 256 tokens: 64 row tiles x kv heads; 4 splits fill one wave of 2 x 132 blocks, 5 would need a second
     assert pa_launch.plan(256, 1, 4, 4, 65536, 132).splits == 4
     assert pa_launch.plan(1024, 1, 4, 4, 65536, 132).splits == 1  # 256 blocks: one wave without a split
     assert pa_launch.plan(4, 8, 4, 4, 4096, 132).warps_m == 1
+
+
+def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():
+    """sm_90a: more than 64 rows (16 tokens x 4 q heads) go to paged_attention_wg, 128 rows a block, one block
+    per SM; decode and 16-token steps stay on mma.sync; elsewhere everything does."""
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132, wgmma=True).kernel == "mma"
+    assert pa_launch.plan(1, 1, 4, 4, 65536, 132, wgmma=True) == pa_launch.plan(1, 1, 4, 4, 65536, 132)
+    p = pa_launch.plan(1024, 1, 4, 4, 65536, 132, wgmma=True)
+    assert (p.kernel, p.row_tiles, p.splits) == ("wg", 32, 1)  # 128 blocks: one wave of 132
+    p = pa_launch.plan(256, 1, 4, 4, 65536, 132, wgmma=True)
+    assert (p.kernel, p.row_tiles, p.splits) == ("wg", 8, 4)  # 32 blocks x 4 splits = 128, a fifth spills
+    assert pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="mma").kernel == "mma"
+    assert pa_launch.plan(4096, 1, 4, 4, 1024, 132).kernel == "mma"
+    with pytest.raises(ValueError, match="'mma' or 'wg'"):
+        pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="wgmma")
 
 
 def test_shared_memory_fits_consumer_cards():
@@ -163,6 +178,10 @@ def test_compiles_for_every_card(arch):
     sets = VARIANTS if arch in ("sm_80", "sm_90a") else VARIANTS[:: 5] + VARIANTS[-1:]
     for d in sets:
         assert cuda_build.compile_cubin(SRC, arch, d)[:4] == b"\x7fELF", f"{arch} {d}"
+    if arch == "sm_90a":  # the warpgroup-mma kernel: Hopper only
+        for d in VARIANTS[:: 3] + VARIANTS[-1:]:
+            d = {k: v for k, v in d.items() if k != "WARPS_M"}
+            assert cuda_build.compile_cubin(pa_launch.SRC_WG, arch, d)[:4] == b"\x7fELF", f"wg {d}"
 
 
 # ----------------------------------------------------------------------------- kernels vs reference (GPU)
@@ -182,21 +201,30 @@ CASES = [
 ]
 
 
-def _run_cuda(a, splits=None):
+def _run_cuda(a, splits=None, kernel=None):
     out = torch.full_like(a["q"], float("nan"), memory_format=torch.contiguous_format)
     pa_launch.paged_attention_cuda(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
-                                   a["cache_lens"], a["cu_q"], a["gate"], a["max_q"], out=out, splits=splits)
+                                   a["cache_lens"], a["cu_q"], a["gate"], a["max_q"], out=out, splits=splits,
+                                   kernel=kernel)
     return out
 
 
+def _hopper():
+    return torch.cuda.is_available() and pa_launch.card_of("cuda")[1]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wg"])
 @pytest.mark.parametrize("forced_splits", [None, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_paged_attention_vs_reference(case, forced_splits):
+def test_paged_attention_vs_reference(case, forced_splits, kernel):
+    """Each kernel forced on every case (the warpgroup one on sm_90a: its decode rows too, 1 token in 128 rows)."""
+    if kernel == "wg" and not _hopper():
+        pytest.skip("the warpgroup-mma kernel runs on sm_90a only")
     bs, lens, H, Hkv = CASES[case]
     a = make_case(1000 * case + (forced_splits or 0), bs, lens, H=H, Hkv=Hkv, device="cuda")
     before_k, before_v = a["k_pool"].clone(), a["v_pool"].clone()
-    out = _run_cuda(a, forced_splits)
+    out = _run_cuda(a, forced_splits, kernel)
     r = {k: (v.clone() if k in ("k_pool", "v_pool") else v) for k, v in a.items()}
     r["k_pool"], r["v_pool"] = before_k.clone(), before_v.clone()
     ref = _ref(r, write_kv=True)

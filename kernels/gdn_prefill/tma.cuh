@@ -3,6 +3,7 @@
 // plain bulk copies, and the shared-memory barriers (mbarrier) they complete on. Included after
 // mma_tiles.cuh.
 #pragma once
+#include "wgmma_ptx.cuh"  // sw64, the 128-byte swizzle
 
 // A CUtensorMap (128 opaque bytes) as a kernel parameter (__grid_constant__: its address is a parameter
 // address, which is what the copy instructions take).
@@ -49,16 +50,5 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes,
                  :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
-// The 128-byte swizzle TMA writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (layout type 1): in a
-// [rows][64] 16-bit tile (128-byte rows, 1024-byte aligned) the 16-byte piece p of row r sits at p ^ (r & 7).
-// Offsets in elements; c a multiple of 8 addresses a whole 16-byte piece.
-__device__ __forceinline__ int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
 // A [64][128] tile as two such [64][64] halves (two TMA boxes), half h at h * 4096 elements.
 __device__ __forceinline__ int sw128(int r, int c) { return (c >> 6) * 4096 + sw64(r, c & 63); }
-// Descriptor of a B operand [K][64] (N contiguous) in that swizzled layout starting at row group p
-// (1024-byte aligned): 8-row groups 1 KB apart; the N extent is one 64-wide block, so LBO and SBO are both
-// 1 KB (whichever of the two the hardware takes for the 8-row step).
-__device__ __forceinline__ unsigned long long wg_desc_sw128(const void* p) {
-    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)(1024 >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}

@@ -10,6 +10,7 @@
 // Accumulators of an m64nN instruction: warp w of the warpgroup holds rows 16 w + g and 16 w + g + 8;
 // d[4 j + 0, 1] are (row g, columns 8 j + 2 t, +1), d[4 j + 2, 3] the same columns 8 rows below.
 #pragma once
+#include "wgmma_ptx.cuh"  // fences, waits, the swizzled layout and its descriptors
 
 #if IN_T == QF_BF16
 #define WG_AB "bf16"
@@ -32,20 +33,6 @@ __device__ __forceinline__ unsigned long long wg_desc(const void* p, int lbo = W
     return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
            ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
 }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int n> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(n) : "memory");
-}
-// Keeps the compiler from touching accumulators across a wgmma's asynchronous window.
-template <int n> __device__ __forceinline__ void wg_pin(float (&d)[n]) {
-#pragma unroll
-    for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
-}
-// Makes this thread's generic shared-memory writes visible to later wgmma operand reads (async proxy);
-// followed by a barrier before the wgmma.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // d (64 x N) (+)= A (64 x 16, this warp's 16 rows in a) x B (16 x N at desc_b); accumulate = 0 overwrites d.
 // TY: the 16-bit type of A and B ("bf16" or "f16").
 #define WG_M64N128(TY)                                                                                                  \
@@ -73,16 +60,7 @@ __device__ __forceinline__ void wg_m64n128_f16(float d[64], const u32 a[4], unsi
     WG_M64N128("f16");
 }
 __device__ __forceinline__ void wg_m64n64(float d[32], const u32 a[4], unsigned long long desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB "." WG_AB "\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+    WG_RS_M64N64_T(WG_AB);
 }
 
 // ldmatrix / stmatrix on a canonical tile: the 16 x 16 block at (r0, c0) (multiples of 8 and 16) as four

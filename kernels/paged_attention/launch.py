@@ -19,23 +19,35 @@ import torch
 from ..cuda_build import get_function, launch
 
 SRC = Path(__file__).with_name("paged_attention.cu")
+SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
+BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
-MIN_TILES_PER_SPLIT = 4  # a split reads at least 128 keys: below that the combine costs more than it saves
-_sms: dict = {}
+MIN_KEYS_PER_SPLIT = 128  # below that the combine costs more than the split saves
+_cards: dict = {}
 
 
-def _sm_count(device) -> int:
+def card_of(device) -> tuple[int, bool]:
+    """(SM count, whether the card runs the warpgroup-mma kernel: sm_90a) of a CUDA device, asked once."""
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _sms:
-        _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sms[idx]
+    if idx not in _cards:
+        from ..cuda_build import arch_for_capability
+        p = torch.cuda.get_device_properties(idx)
+        _cards[idx] = (p.multi_processor_count, arch_for_capability(p.major, p.minor) == "sm_90a")
+    return _cards[idx]
 
 
 def smem_bytes(warps_m: int, head_dim: int) -> int:
-    """Dynamic shared memory of one block: Q tile plus two stages of K and V tiles, padded rows."""
+    """Dynamic shared memory of one paged_attention_fwd block: Q tile plus two stages of K and V tiles, padded
+    rows."""
     return (16 * warps_m + 4 * BN) * (head_dim + 8) * 2
+
+
+def smem_bytes_wg(head_dim: int) -> int:
+    """Dynamic shared memory of one paged_attention_wg block: Q, two stages of K and V (swizzled, unpadded),
+    1 KB to align them."""
+    return (BM_WG + 4 * BN_WG) * head_dim * 2 + 1024
 
 
 @dataclass(frozen=True)
@@ -43,26 +55,37 @@ class Plan:
     warps_m: int  # warps per block, each owning 16 (token, q head) rows
     row_tiles: int  # blocks along the rows of the longest sequence
     splits: int  # blocks sharing one row tile's keys (1: no combine pass)
+    kernel: str = "mma"  # "mma": paged_attention_fwd (every card); "wg": paged_attention_wg (sm_90a)
 
 
 def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
-         splits: Optional[int] = None) -> Plan:
+         splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
-    Splits the keys (decode, and short prefills on long contexts) until the blocks fill one wave of two
-    per SM (three for one-warp blocks, whose 76 KB of shared memory lets three share an H100/H200 SM),
-    but never into a second, partly filled wave: a block of s splits reads 1/s of the keys, so the
-    split with the fewest waves per split wins, the smaller on a tie (each split costs a partial write
-    and its share of the combine). 256 new tokens over 65,536 keys: 4 splits, not 5 (1.2 waves)."""
+    Prefills of more than 64 rows (16 tokens at 4 q heads per kv head) take the warpgroup-mma kernel where
+    the card has it (`wgmma`: sm_90a); decode and short prefills the mma.sync one (`kernel` forces one).
+    Splits the keys (decode, and short prefills on long contexts) until the blocks fill one wave (two
+    mma.sync blocks per SM, three one-warp blocks, whose 76 KB of shared memory lets three share an
+    H100/H200 SM, one warpgroup-mma block), but never into a second, partly filled wave: a block of s
+    splits reads 1/s of the keys, so the split with the fewest waves per split wins, the smaller on a tie
+    (each split costs a partial write and its share of the combine). 256 new tokens over 65,536 keys on
+    the mma.sync kernel: 4 splits, not 5 (1.2 waves)."""
     rows = max(1, max_q) * group
-    warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
-    row_tiles = math.ceil(rows / (16 * warps_m))
+    if kernel is None:
+        kernel = "wg" if wgmma and rows > 64 else "mma"
+    if kernel not in ("mma", "wg"):
+        raise ValueError(f"paged_attention: kernel must be 'mma' or 'wg', got {kernel!r}")
+    if kernel == "wg":
+        warps_m, row_tiles, bn, per_sm = BM_WG // 16, math.ceil(rows / BM_WG), BN_WG, 1
+    else:
+        warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
+        row_tiles, bn, per_sm = math.ceil(rows / (16 * warps_m)), BN, 3 if warps_m == 1 else 2
     if splits is None:
         base = row_tiles * num_seqs * num_kv_heads
-        max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / BN) // MIN_TILES_PER_SPLIT))
-        slots = (3 if warps_m == 1 else 2) * sm_count
+        max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / bn) // (MIN_KEYS_PER_SPLIT // bn)))
+        slots = per_sm * sm_count
         most = max(1, min(max_splits, math.ceil(slots / base)))
         splits = min(range(1, most + 1), key=lambda s: (math.ceil(base * s / slots) / s, s))
-    return Plan(warps_m, row_tiles, splits)
+    return Plan(warps_m, row_tiles, splits, kernel)
 
 
 def _check_rows(t: torch.Tensor, name: str, shape: tuple) -> None:
@@ -79,13 +102,14 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
                          cu_q: torch.Tensor, gate: Optional[torch.Tensor], max_q: int, scale: Optional[float] = None,
                          write_kv: bool = True, out: Optional[torch.Tensor] = None,
-                         splits: Optional[int] = None) -> torch.Tensor:
+                         splits: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """Attention of the new tokens over the paged pool, the new K/V stored in the pool in the same launch.
 
     q, gate: [T, H, D] bf16 (gate optional: out *= sigmoid(gate)); k_new, v_new: [T, Hkv, D] bf16;
     k_pool, v_pool: [num_blocks, block_size, Hkv, D] bf16 contiguous (updated in place when write_kv);
     block_table: int32 [N, max_blocks]; cache_lens: int32 [N]; cu_q: int32 [N + 1], cu_q[N] = T;
     max_q: at least the largest cu_q[n + 1] - cu_q[n] (a host int: the launch never reads the device).
+    splits and kernel ("mma" / "wg") override the plan (tests, benchmarks).
     Returns out [T, H, D] bf16 (written into `out` when given). cache_lens[n] + new tokens of sequence n
     must fit in its max_blocks * block_size slots; nothing checks that on the host (it would need a sync).
     """
@@ -119,13 +143,21 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if T == 0 or N == 0:
         return out
     group = H // Hkv
-    p = plan(max_q, N, Hkv, group, max_blocks * bs, _sm_count(q.device), splits)
+    sms, wgmma = card_of(q.device)
+    if kernel == "wg" and not (wgmma and D % 64 == 0):
+        raise ValueError(f"paged_attention: the warpgroup-mma kernel needs an sm_90a card and head_dim % 64 == 0 "
+                         f"(head_dim {D}); leave kernel unset")
+    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel)
     if not 1 <= p.splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
                          f"COMBINE_MAX_SPLITS), got {p.splits}")
-    defines = {"HEAD_DIM": D, "GROUP": group, "WARPS_M": p.warps_m, "BLOCK_SIZE": bs,
-               "SPLIT": int(p.splits > 1), "GATE": int(gate is not None)}
-    fn = get_function(SRC, "paged_attention_fwd", q.device, defines)
+    defines = {"HEAD_DIM": D, "GROUP": group, "BLOCK_SIZE": bs, "SPLIT": int(p.splits > 1),
+               "GATE": int(gate is not None)}
+    if p.kernel == "wg":
+        fn, threads, smem = get_function(SRC_WG, "paged_attention_wg", q.device, defines), THREADS_WG, smem_bytes_wg(D)
+    else:
+        fn = get_function(SRC, "paged_attention_fwd", q.device, {**defines, "WARPS_M": p.warps_m})
+        threads, smem = 32 * p.warps_m, smem_bytes(p.warps_m, D)
     g = gate if gate is not None else q
     scale = D ** -0.5 if scale is None else scale
     i64 = np.int64
@@ -133,12 +165,12 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if p.splits > 1:
         o_part = torch.empty(p.splits, T, H, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(p.splits, T, H, dtype=torch.float32, device=q.device)
-    launch(fn, (p.row_tiles, N * Hkv, p.splits), (32 * p.warps_m, 1, 1),
+    launch(fn, (p.row_tiles, N * Hkv, p.splits), (threads, 1, 1),
            (q, i64(q.stride(0)), i64(q.stride(1)), g, i64(g.stride(0)), i64(g.stride(1)),
             k_new, i64(k_new.stride(0)), i64(k_new.stride(1)), v_new, i64(v_new.stride(0)), i64(v_new.stride(1)),
             k_pool, v_pool, block_table, np.int32(max_blocks), cache_lens, cu_q, out, o_part, lse_part,
             np.int32(Hkv), np.int32(T), np.float32(scale * math.log2(math.e)), np.int32(bool(write_kv))),
-           shared_mem=smem_bytes(p.warps_m, D))
+           shared_mem=smem)
     if p.splits > 1:
         comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
         launch(comb, (T * H, 1, 1), (D // 4, 1, 1),

@@ -1,0 +1,285 @@
+// Paged attention for prefills on Hopper (sm_90a): the same contract as paged_attention_fwd
+// (paged_attention.cu documents the layout, the causal rule, the K/V append and the SPLIT shares), with
+// the two products on warpgroup mma instead of mma.sync.
+//
+// A block of two warpgroups takes BM = 128 rows of one (sequence, kv head), a row being one (new token,
+// q head of the group); warpgroup w owns rows 64 w .. 64 w + 63 and keeps their output (64 x HEAD_DIM,
+// fp32: 128 registers a thread at HEAD_DIM 256) in its accumulators. Q and two stages of 64-key K and V
+// tiles sit in shared memory in the 128-byte swizzled layout wgmma reads, as [HEAD_DIM / 64] column
+// blocks of [rows][64]; the tiles are gathered through the block table with cp.async (each thread copies
+// 8 pieces of one key row: its pool slot looked up once). Per tile: S = Q K^T (both operands from shared
+// memory, 16 instructions of m64n64k16), mask and online softmax in the exp2 domain on the accumulators,
+// which are then, pairwise, the register A operand of O += P V (V's rows read with the transpose bit).
+// Shared memory: (BM + 4 * 64) * HEAD_DIM * 2 bytes + 1 KB of alignment: 193 KB at HEAD_DIM 256 (one block
+// per SM).
+#include "common.cuh"
+#include "mma_ptx.cuh"    // smem_u32, pack_bf16, cp_async*
+#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
+
+typedef __nv_bfloat16 elem;
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 256
+#endif
+#ifndef GROUP
+#define GROUP 4  // q heads per kv head
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef SPLIT
+#define SPLIT 0
+#endif
+#ifndef GATE
+#define GATE 1
+#endif
+
+#define BM 128
+#define BN 64
+#define THREADS 256
+#define CB (HEAD_DIM / 64)     // 64-column blocks of a row
+#define PIECES (HEAD_DIM / 8)  // 16-byte pieces of a row
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
+static_assert(PIECES % 4 == 0, "four threads copy one key row");
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+__device__ __forceinline__ long long slot_of(const int* bt, int p) {
+    return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
+}
+
+// Offset (elements) of 16-byte piece pc of row r in a [rows][HEAD_DIM] tile stored as column blocks.
+__device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >> 3) * rows * 64 + sw64(r, (pc & 7) * 8); }
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
+                   const elem* __restrict__ gate, long long g_st, long long g_sh,
+                   const elem* __restrict__ k_new, long long kn_st, long long kn_sh,
+                   const elem* __restrict__ v_new, long long vn_st, long long vn_sh,
+                   elem* __restrict__ k_pool, elem* __restrict__ v_pool,
+                   const int* __restrict__ block_table, int bt_stride,
+                   const int* __restrict__ cache_lens, const int* __restrict__ cu_q,
+                   elem* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                   int Hkv, int total_q, float scale_log2, int write_kv) {
+    extern __shared__ unsigned char smem_raw[];
+    elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+    elem* Ks = Qs + BM * HEAD_DIM;  // [2][BN x HEAD_DIM]
+    elem* Vs = Ks + 2 * BN * HEAD_DIM;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+    const int g = lane >> 2, t = lane & 3;
+    const int n = blockIdx.y / Hkv, kvh = blockIdx.y % Hkv;
+    const int q0 = cu_q[n], nq = cu_q[n + 1] - q0;
+    const int rows = nq * GROUP;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest (last) row tiles start first
+    if (r0 >= rows) return;
+    const int L = cache_lens[n];
+    const int H = Hkv * GROUP;
+    const int* bt = block_table + (long long)n * bt_stride;
+    const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
+    const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
+
+    if (write_kv && blockIdx.z == 0) {  // the tokens whose first row lies in this tile
+        const int t_lo = (r0 + GROUP - 1) / GROUP, t_hi = min(nq, (r0 + BM + GROUP - 1) / GROUP);
+        for (int c = tid; c < (t_hi - t_lo) * PIECES; c += THREADS) {
+            const int tk = t_lo + c / PIECES, ch = c % PIECES;
+            const long long dst = (slot_of(bt, L + tk) * Hkv + kvh) * HEAD_DIM + ch * 8;
+            *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + tk * kn_st + ch * 8);
+            *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + tk * vn_st + ch * 8);
+        }
+    }
+
+    const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
+    const int ntiles = (kv_end + BN - 1) / BN;
+    int j0 = 0, j1 = ntiles;
+    const int rA = r0 + 64 * wg + 16 * wq + g, rB = rA + 8;  // the two rows this thread holds
+#if SPLIT
+    {
+        const int per = (ntiles + gridDim.z - 1) / gridDim.z;
+        j0 = blockIdx.z * per;
+        j1 = min(ntiles, j0 + per);
+        if (j0 >= j1) {
+            if (t == 0) {
+                for (int half = 0; half < 2; ++half) {
+                    const int r = half ? rB : rA;
+                    if (r < rows) {
+                        const long long row = (long long)q0 + r / GROUP;
+                        lse_part[((long long)blockIdx.z * total_q + row) * H + kvh * GROUP + r % GROUP] = NEG_INF;
+                    }
+                }
+            }
+            return;
+        }
+    }
+#endif
+
+    {  // Q: thread tid copies half of row tid / 2 (rows past the sequence: zeros)
+        const int r = tid >> 1, gr = r0 + r;
+        const bool ok = gr < rows;
+        const elem* src = q + (long long)(q0 + (ok ? gr / GROUP : 0)) * q_st + (long long)(kvh * GROUP + (ok ? gr % GROUP : 0)) * q_sh;
+#pragma unroll
+        for (int i = 0; i < PIECES / 2; ++i) {
+            const int pc = (tid & 1) + 2 * i;
+            cp_async16(Qs + tile_off(BM, r, pc), src + pc * 8, ok);
+        }
+    }
+    // Tile j: thread tid copies pieces (tid & 3) + 4 i of key row tid / 4 from the pool slot through the block
+    // table, the new token's row, or nothing past the sequence (zeros: P = 0 there, and no NaN is read).
+    auto load_kv = [&](int j, int stage) {
+        const int r = tid >> 2, p = j * BN + r;
+        const elem* ks = kn;
+        const elem* vs = vn;
+        bool ok = true;
+        if (p < L) {
+            const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
+            ks = k_pool + off;
+            vs = v_pool + off;
+        } else if (p < L + nq) {
+            ks = kn + (long long)(p - L) * kn_st;
+            vs = vn + (long long)(p - L) * vn_st;
+        } else {
+            ok = false;
+        }
+        elem* kd = Ks + stage * BN * HEAD_DIM;
+        elem* vd = Vs + stage * BN * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < PIECES / 4; ++i) {
+            const int pc = (tid & 3) + 4 * i;
+            cp_async16(kd + tile_off(BN, r, pc), ks + pc * 8, ok);
+            cp_async16(vd + tile_off(BN, r, pc), vs + pc * 8, ok);
+        }
+        cp_async_commit();
+    };
+
+    float o[CB * 32];
+#pragma unroll
+    for (int i = 0; i < CB * 32; ++i) o[i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const int limA = L + min(rA, rows - 1) / GROUP, limB = L + min(rB, rows - 1) / GROUP;
+    const elem* Qw = Qs + 64 * wg * 64;  // this warpgroup's 64 rows (8 KB into each column block)
+
+    load_kv(j0, 0);  // Q's copies join this first group
+    for (int j = j0; j < j1; ++j) {
+        const int st = (j - j0) & 1;
+        if (j + 1 < j1) {
+            load_kv(j + 1, st ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_proxy_async();  // the copies, seen by the tensor cores' operand reads
+        __syncthreads();
+        const elem* ks = Ks + st * BN * HEAD_DIM;
+        const elem* vs = Vs + st * BN * HEAD_DIM;
+
+        float s[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const int cb = kk >> 2, sub = kk & 3;  // column block, 16-column step inside it (32 bytes)
+            wg_ss_m64n64_bf16(s, wg_desc_kmajor_sw128(Qw + cb * BM * 64) + 2 * sub,
+                              wg_desc_kmajor_sw128(ks + cb * BN * 64) + 2 * sub, kk > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(s);
+
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = j * BN + 8 * i + 2 * t + e;
+                s[4 * i + e] = p <= limA ? s[4 * i + e] * scale_log2 : NEG_INF;
+                s[4 * i + 2 + e] = p <= limB ? s[4 * i + 2 + e] * scale_log2 : NEG_INF;
+                mx[0] = fmaxf(mx[0], s[4 * i + e]);
+                mx[1] = fmaxf(mx[1], s[4 * i + 2 + e]);
+            }
+        }
+        float mu[2], alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
+            alpha[h] = exp2f(m[h] - mu[h]);
+            m[h] = mx[h];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s[4 * i + 0] = exp2f(s[4 * i + 0] - mu[0]);
+            s[4 * i + 1] = exp2f(s[4 * i + 1] - mu[0]);
+            s[4 * i + 2] = exp2f(s[4 * i + 2] - mu[1]);
+            s[4 * i + 3] = exp2f(s[4 * i + 3] - mu[1]);
+            rs[0] += s[4 * i + 0] + s[4 * i + 1];
+            rs[1] += s[4 * i + 2] + s[4 * i + 3];
+        }
+        l[0] = l[0] * alpha[0] + rs[0];
+        l[1] = l[1] * alpha[1] + rs[1];
+#pragma unroll
+        for (int i = 0; i < CB * 8; ++i) {
+            o[4 * i + 0] *= alpha[0];
+            o[4 * i + 1] *= alpha[0];
+            o[4 * i + 2] *= alpha[1];
+            o[4 * i + 3] *= alpha[1];
+        }
+
+        // O += P V: keys 16 kk .. 16 kk + 15 of P are accumulators 8 kk .. 8 kk + 7 (the m16n8k16 A fragment)
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u32 a[4] = {pack_bf16(s[8 * kk + 0], s[8 * kk + 1]), pack_bf16(s[8 * kk + 2], s[8 * kk + 3]),
+                              pack_bf16(s[8 * kk + 4], s[8 * kk + 5]), pack_bf16(s[8 * kk + 6], s[8 * kk + 7])};
+#pragma unroll
+            for (int cb = 0; cb < CB; ++cb)
+                wg_rs_m64n64_bf16(o + 32 * cb, a, wg_desc_sw128(vs + cb * BN * 64 + kk * 16 * 64), 1);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(o);
+        __syncthreads();  // this stage is refilled by the next iteration's copies
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? rB : rA;
+        if (r >= rows) continue;
+        const int tk = r / GROUP, h = kvh * GROUP + r % GROUP;
+        const long long row = (long long)(q0 + tk) * H + h;
+        const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
+#if SPLIT
+        float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < CB * 8; ++i) {
+            const int col = 8 * i + 2 * t;
+            *reinterpret_cast<float2*>(op + col) = make_float2(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+        }
+        if (t == 0)
+            lse_part[(long long)blockIdx.z * total_q * H + row] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
+#else
+        elem* orow = out + row * HEAD_DIM;
+#if GATE
+        const elem* grow = gate + (long long)(q0 + tk) * g_st + (long long)h * g_sh;
+#endif
+#pragma unroll
+        for (int i = 0; i < CB * 8; ++i) {
+            const int col = 8 * i + 2 * t;
+            float x0 = o[4 * i + 2 * half] * inv, x1 = o[4 * i + 2 * half + 1] * inv;
+#if GATE
+            const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + col));
+            x0 *= sigmoid_f(gv.x);
+            x1 *= sigmoid_f(gv.y);
+#endif
+            *reinterpret_cast<u32*>(orow + col) = pack_bf16(x0, x1);
+        }
+#endif
+    }
+}
