@@ -66,10 +66,10 @@ rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
 gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
 
-from qwen35_fast.kernels.paged_attention.launch import paged_attention_cuda  # noqa: E402
+from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda  # noqa: E402
 
 # paged attention: 3 sequences (cached, new) = (40, 9), (0, 70), (500, 1) in shuffled 16-token blocks, GQA 4;
-# the whole kernel (two warp counts) and the split + combine path
+# the whole kernel (two warp counts) and the split + combine path; on sm_90a the warpgroup kernel too
 Hq, Hkv_, Dh, bs = 8, 2, 256, 16
 lens, nqs = [40, 0, 500], [9, 70, 1]
 need = [-(-(L + n) // bs) for L, n in zip(lens, nqs)]
@@ -85,7 +85,9 @@ kn, vn = (torch.randn(Tn, Hkv_, Dh, device=dev, dtype=torch.bfloat16) for _ in r
 cl = torch.tensor(lens, dtype=torch.int32, device=dev)
 cuq = torch.tensor([0, 9, 79, 80], dtype=torch.int32, device=dev)
 for sp in (1, 3):
-    paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp)
+    for kern in ("mma", "wg") if card_of(dev)[1] else ("mma",):
+        paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp,
+                             kernel=kern)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # one-warp decode, no gate
 from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402
