@@ -6,8 +6,8 @@ Nq new tokens after Nkv cached ones, causal over the new tokens, every cached on
     ms_sdpa        PyTorch SDPA on contiguous [Nkv + Nq] keys with the lower-right causal mask, the fastest
                    backend that takes it (cuDNN, flash, memory-efficient; GQA native or K/V expanded beforehand)
 Ours also stores the Nq new K/V in the pool and applies the sigmoid output gate; SDPA does neither.
-"cold_prefill": a prompt with nothing cached (Nkv = 0), ours against SDPA with is_causal (what the runtime
-ran before the warpgroup kernel), the runtime's choice on sm_90a.
+"cold_prefill": a prompt with nothing cached (Nkv = 0), ours against SDPA with is_causal (cuDNN; what the
+runtime runs there).
 All timings are CUDA-graph replays (median ms per call); for small Nkv each graph cycles through several
 copies of the K/V so that they do not sit in L2. For Nq <= 16 the row also gives the K/V bytes over the
 measured copy bandwidth (read + written bytes of a 1 GiB device copy). Writes JSON.

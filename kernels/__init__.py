@@ -128,16 +128,6 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 
 
-def paged_attention_takes_prefills(backend: Backend | None, device) -> bool:
-    """Whether a prompt with nothing cached runs through paged_attention (its K/V stored in the same pass)
-    rather than SDPA: on the CUDA backend where the warpgroup-mma kernel runs (sm_90a), which beats SDPA's
-    causal flash there (bench/results/paged-h200.json "cold_prefill")."""
-    if not (backend and backend.use_cuda) or torch.device(device).type != "cuda":
-        return False
-    from .paged_attention.launch import card_of
-    return card_of(device)[1]
-
-
 def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
     """The vision tower's 2-D rotary (rotate-half over the whole head) on q and k, in fp32, rounded once.
     qkv: [N, 3, H, hd] (the qkv projection's output); cos, sin: fp32 [N, hd]. Returns [2, N, H, hd]
@@ -158,5 +148,4 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
            "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm", "paged_attention",
-           "paged_attention_takes_prefills",
            "vision_rotary", "layer_norm", "add_layer_norm"]

@@ -435,10 +435,11 @@ class Qwen35Model(nn.Module):
 
     def _kv_step(self, cache: Cache, start: int, T: int) -> KVStep:
         """The K/V addressing of T new tokens after `start` cached ones (blocks reserved for them). With nothing
-        cached, SDPA among the new tokens unless the paged kernel beats it on this card."""
+        cached: SDPA among the new tokens (its causal cuDNN kernel beats the paged one there,
+        bench/results/paged-h200.json "cold_prefill"), the K/V stored after."""
         cache.reserve(start + T)
         store, dev = cache.store, self.device
-        if start == 0 and not kernels.paged_attention_takes_prefills(self.select_backend(), dev):
+        if start == 0:
             return KVStep(slots=store.slots(cache.seq, 0, T))
         return KVStep(table=store.table(cache.seq), lens=torch.tensor([start], dtype=torch.int32, device=dev),
                       cu_q=torch.tensor([0, T], dtype=torch.int32, device=dev), max_q=T)
