@@ -45,9 +45,9 @@ def smem_bytes(warps_m: int, head_dim: int) -> int:
 
 
 def smem_bytes_wg(head_dim: int) -> int:
-    """Dynamic shared memory of one paged_attention_wg block: Q, two stages of K and V (swizzled, unpadded),
-    1 KB to align them."""
-    return (BM_WG + 4 * BN_WG) * head_dim * 2 + 1024
+    """Dynamic shared memory of one paged_attention_wg block: Q, three stages of K and two of V (swizzled,
+    unpadded), 1 KB to align them."""
+    return (BM_WG + 5 * BN_WG) * head_dim * 2 + 1024
 
 
 @dataclass(frozen=True)

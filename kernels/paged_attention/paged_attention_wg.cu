@@ -4,14 +4,16 @@
 //
 // A block of two warpgroups takes BM = 128 rows of one (sequence, kv head), a row being one (new token,
 // q head of the group); warpgroup w owns rows 64 w .. 64 w + 63 and keeps their output (64 x HEAD_DIM,
-// fp32: 128 registers a thread at HEAD_DIM 256) in its accumulators. Q and two stages of 64-key K and V
-// tiles sit in shared memory in the 128-byte swizzled layout wgmma reads, as [HEAD_DIM / 64] column
+// fp32: 128 registers a thread at HEAD_DIM 256) in its accumulators. Q, three stages of 64-key K tiles and
+// two of V sit in shared memory in the 128-byte swizzled layout wgmma reads, as [HEAD_DIM / 64] column
 // blocks of [rows][64]; the tiles are gathered through the block table with cp.async (each thread copies
-// 8 pieces of one key row: its pool slot looked up once). Per tile: S = Q K^T (both operands from shared
-// memory, 16 instructions of m64n64k16), mask and online softmax in the exp2 domain on the accumulators,
-// which are then, pairwise, the register A operand of O += P V (V's rows read with the transpose bit).
-// Shared memory: (BM + 4 * 64) * HEAD_DIM * 2 bytes + 1 KB of alignment: 193 KB at HEAD_DIM 256 (one block
-// per SM).
+// 8 pieces of one key row: its pool slot looked up once). Per tile j: S(j + 1) = Q K^T (both operands from
+// shared memory, 16 instructions of m64n64k16) is issued first and runs while tile j's mask and online
+// softmax (exp2 domain, on S(j)'s accumulators) run beside it; the probabilities are then, pairwise, the
+// register A operand of O += P V (V's rows read with the transpose bit). K(j + 2) and V(j + 1) are copied
+// during tile j: one block barrier per tile.
+// Shared memory: (BM + 5 * 64) * HEAD_DIM * 2 bytes + 1 KB of alignment: 225 KB at HEAD_DIM 256 (one block
+// per SM; Hopper allows 227 KB).
 #include "common.cuh"
 #include "mma_ptx.cuh"    // smem_u32, pack_bf16, cp_async*
 #include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
@@ -65,8 +67,8 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
                    int Hkv, int total_q, float scale_log2, int write_kv) {
     extern __shared__ unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
-    elem* Ks = Qs + BM * HEAD_DIM;  // [2][BN x HEAD_DIM]
-    elem* Vs = Ks + 2 * BN * HEAD_DIM;
+    elem* Ks = Qs + BM * HEAD_DIM;  // [3][BN x HEAD_DIM]
+    elem* Vs = Ks + 3 * BN * HEAD_DIM;  // [2][BN x HEAD_DIM]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
@@ -126,32 +128,40 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
             cp_async16(Qs + tile_off(BM, r, pc), src + pc * 8, ok);
         }
     }
-    // Tile j: thread tid copies pieces (tid & 3) + 4 i of key row tid / 4 from the pool slot through the block
+    // Key row r of tile j (thread tid: row tid / 4, pieces (tid & 3) + 4 i): the pool slot through the block
     // table, the new token's row, or nothing past the sequence (zeros: P = 0 there, and no NaN is read).
-    auto load_kv = [&](int j, int stage) {
-        const int r = tid >> 2, p = j * BN + r;
-        const elem* ks = kn;
-        const elem* vs = vn;
-        bool ok = true;
+    const int kr = tid >> 2;
+    auto row_src = [&](int j, const elem*& ks, const elem*& vs) -> bool {
+        const int p = j * BN + kr;
         if (p < L) {
             const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
             ks = k_pool + off;
             vs = v_pool + off;
-        } else if (p < L + nq) {
-            ks = kn + (long long)(p - L) * kn_st;
-            vs = vn + (long long)(p - L) * vn_st;
-        } else {
-            ok = false;
+            return true;
         }
-        elem* kd = Ks + stage * BN * HEAD_DIM;
-        elem* vd = Vs + stage * BN * HEAD_DIM;
+        ks = kn + (long long)(p - L) * kn_st;
+        vs = vn + (long long)(p - L) * vn_st;
+        return p < L + nq;
+    };
+    auto load_k = [&](int j) {  // K of tile j into stage (j - j0) % 3
+        const elem *ks, *vs;
+        const bool ok = row_src(j, ks, vs);
+        elem* d = Ks + ((j - j0) % 3) * BN * HEAD_DIM;
 #pragma unroll
         for (int i = 0; i < PIECES / 4; ++i) {
             const int pc = (tid & 3) + 4 * i;
-            cp_async16(kd + tile_off(BN, r, pc), ks + pc * 8, ok);
-            cp_async16(vd + tile_off(BN, r, pc), vs + pc * 8, ok);
+            cp_async16(d + tile_off(BN, kr, pc), ok ? ks + pc * 8 : kn, ok);
         }
-        cp_async_commit();
+    };
+    auto load_v = [&](int j) {  // V of tile j into stage (j - j0) & 1
+        const elem *ks, *vs;
+        const bool ok = row_src(j, ks, vs);
+        elem* d = Vs + ((j - j0) & 1) * BN * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < PIECES / 4; ++i) {
+            const int pc = (tid & 3) + 4 * i;
+            cp_async16(d + tile_off(BN, kr, pc), ok ? vs + pc * 8 : vn, ok);
+        }
     };
 
     float o[CB * 32];
@@ -161,21 +171,8 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
     const int limA = L + min(rA, rows - 1) / GROUP, limB = L + min(rB, rows - 1) / GROUP;
     const elem* Qw = Qs + 64 * wg * 64;  // this warpgroup's 64 rows (8 KB into each column block)
 
-    load_kv(j0, 0);  // Q's copies join this first group
-    for (int j = j0; j < j1; ++j) {
-        const int st = (j - j0) & 1;
-        if (j + 1 < j1) {
-            load_kv(j + 1, st ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_proxy_async();  // the copies, seen by the tensor cores' operand reads
-        __syncthreads();
-        const elem* ks = Ks + st * BN * HEAD_DIM;
-        const elem* vs = Vs + st * BN * HEAD_DIM;
-
-        float s[32];
+    auto issue_s = [&](float (&s)[32], int j) {  // S = Q K^T of tile j, asynchronous until wg_wait
+        const elem* ks = Ks + ((j - j0) % 3) * BN * HEAD_DIM;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
@@ -184,9 +181,21 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
                               wg_desc_kmajor_sw128(ks + cb * BN * 64) + 2 * sub, kk > 0);
         }
         wg_commit();
-        wg_wait<0>();
         wg_pin(s);
+    };
 
+    // One tile: S(j) is in s (complete). S(j + 1) runs on the tensor cores while the softmax of tile j runs on
+    // the other units; then O += P V(j). Pipeline: K in three stages, V in two; the copies of K(j + 2) and
+    // V(j + 1) are issued at the start of tile j, once every warp has finished tile j - 1 (the barrier).
+    auto tile = [&](int j, float (&s)[32], float (&s_next)[32]) {
+        cp_async_wait<0>();   // K(j + 1), V(j): issued at the start of tile j - 1 (or before the loop)
+        fence_proxy_async();  // the copies, seen by the tensor cores' operand reads
+        __syncthreads();
+        if (j + 2 < j1) load_k(j + 2);
+        if (j + 1 < j1) load_v(j + 1);
+        cp_async_commit();
+        // the row maxima of tile j first, and O rescaled to them, before S(j + 1) is in flight (no accumulator
+        // a running wgmma may write is touched by other instructions); the exponentials run beside it
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -199,15 +208,22 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
                 mx[1] = fmaxf(mx[1], s[4 * i + 2 + e]);
             }
         }
-        float mu[2], alpha[2], rs[2] = {0.f, 0.f};
+        float mu[2], rs[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
             mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
-            alpha[h] = exp2f(m[h] - mu[h]);
+            const float alpha = exp2f(m[h] - mu[h]);
+            l[h] *= alpha;
+#pragma unroll
+            for (int i = 0; i < CB * 8; ++i) {
+                o[4 * i + 2 * h] *= alpha;
+                o[4 * i + 2 * h + 1] *= alpha;
+            }
             m[h] = mx[h];
         }
+        issue_s(s_next, j + 1);  // past the last tile: a stale stage, never read (branch-free wgmma)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             s[4 * i + 0] = exp2f(s[4 * i + 0] - mu[0]);
@@ -217,17 +233,11 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
             rs[0] += s[4 * i + 0] + s[4 * i + 1];
             rs[1] += s[4 * i + 2] + s[4 * i + 3];
         }
-        l[0] = l[0] * alpha[0] + rs[0];
-        l[1] = l[1] * alpha[1] + rs[1];
-#pragma unroll
-        for (int i = 0; i < CB * 8; ++i) {
-            o[4 * i + 0] *= alpha[0];
-            o[4 * i + 1] *= alpha[0];
-            o[4 * i + 2] *= alpha[1];
-            o[4 * i + 3] *= alpha[1];
-        }
+        l[0] += rs[0];
+        l[1] += rs[1];
 
         // O += P V: keys 16 kk .. 16 kk + 15 of P are accumulators 8 kk .. 8 kk + 7 (the m16n8k16 A fragment)
+        const elem* vs = Vs + ((j - j0) & 1) * BN * HEAD_DIM;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -238,9 +248,30 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
                 wg_rs_m64n64_bf16(o + 32 * cb, a, wg_desc_sw128(vs + cb * BN * 64 + kk * 16 * 64), 1);
         }
         wg_commit();
-        wg_wait<0>();
+        wg_wait<0>();  // S(j + 1) and O
         wg_pin(o);
-        __syncthreads();  // this stage is refilled by the next iteration's copies
+        wg_pin(s_next);
+    };
+
+    // the tile range through a shuffle: ptxas serializes wgmma around branches it cannot prove warp-uniform
+    j0 = __shfl_sync(0xffffffffu, j0, 0);
+    j1 = __shfl_sync(0xffffffffu, j1, 0);
+    float sa[32], sb[32];
+    // before the loop: Q and K(j0) (one group), then K(j0 + 1) and V(j0); S(j0)
+    load_k(j0);
+    cp_async_commit();
+    if (j0 + 1 < j1) load_k(j0 + 1);
+    load_v(j0);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    issue_s(sa, j0);
+    wg_wait<0>();
+    wg_pin(sa);
+    for (int j = j0; j < j1; j += 2) {  // two tiles a turn: the S registers trade places
+        tile(j, sa, sb);
+        if (j + 1 < j1) tile(j + 1, sb, sa);
     }
 
 #pragma unroll
