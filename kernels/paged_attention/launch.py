@@ -173,7 +173,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
            shared_mem=smem)
     if p.splits > 1:
         comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
-        launch(comb, (T * H, 1, 1), (D // 4, 1, 1),
+        launch(comb, (T * H, 1, 1), (D, 1, 1),
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
                 np.int32(p.splits)))
     return out

@@ -305,19 +305,24 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
 }
 
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
-// sigmoid(gate). One block of HEAD_DIM / 4 threads per (token, q head) row. The weights go through shared
-// memory first and the shares' rows are read eight at a time, so that the loads overlap (read one by one,
-// a decode step's 99 shares cost ~99 dependent L2 round trips). Empty shares (lse = -inf) get weight 0 and
-// their o_part is never read.
+// sigmoid(gate). One block of HEAD_DIM threads per (token, q head) row: four groups of HEAD_DIM / 4 threads
+// (4 columns a thread) take every fourth run of 8 shares and add their sums through shared memory at the
+// end. The weights go through shared memory first and each thread reads its 8 shares' rows at once, so
+// that ~32 loads per column overlap (read one by one, a decode step's 99 shares cost ~99 dependent L2
+// round trips; 8 at a time in one group of threads left the 16 blocks of a decode step ~12 round trips).
+// Empty shares (lse = -inf) get weight 0 and their o_part is never read.
 #define COMBINE_MAX_SPLITS 128
-extern "C" __global__ void __launch_bounds__(HEAD_DIM / 4)
+#define COMBINE_GROUPS 4
+extern "C" __global__ void __launch_bounds__(HEAD_DIM)
 paged_attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                         const elem* __restrict__ gate, long long g_st, long long g_sh,
                         elem* __restrict__ out, int total_q, int H, int splits) {
     __shared__ float w_s[COMBINE_MAX_SPLITS];
+    __shared__ float4 part[COMBINE_GROUPS - 1][HEAD_DIM / 4];
+    __shared__ float wpart[COMBINE_GROUPS - 1];
     const long long row = blockIdx.x;
     const long long stride = (long long)total_q * H;
-    const int c = threadIdx.x * 4;
+    const int grp = threadIdx.x / (HEAD_DIM / 4), c = (threadIdx.x % (HEAD_DIM / 4)) * 4;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) w_s[s] = lse_part[s * stride + row];
     __syncthreads();
     float mx = NEG_INF;
@@ -329,8 +334,9 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     }
     __syncthreads();
     const float* op = o_part + row * HEAD_DIM + c;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-    for (int s0 = 0; s0 < splits; s0 += 8) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float wsum = 0.f;
+    for (int s0 = 8 * grp; s0 < splits; s0 += 8 * COMBINE_GROUPS) {
         float w[8];
         float4 v[8];
 #pragma unroll
@@ -341,12 +347,27 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            acc[0] += w[i] * v[i].x;
-            acc[1] += w[i] * v[i].y;
-            acc[2] += w[i] * v[i].z;
-            acc[3] += w[i] * v[i].w;
+            acc.x += w[i] * v[i].x;
+            acc.y += w[i] * v[i].y;
+            acc.z += w[i] * v[i].z;
+            acc.w += w[i] * v[i].w;
             wsum += w[i];
         }
+    }
+    if (grp > 0) {
+        part[grp - 1][c / 4] = acc;
+        if (c == 0) wpart[grp - 1] = wsum;
+    }
+    __syncthreads();
+    if (grp > 0) return;
+#pragma unroll
+    for (int k = 0; k < COMBINE_GROUPS - 1; ++k) {  // in group order: the sum does not depend on timing
+        const float4 p = part[k][c / 4];
+        acc.x += p.x;
+        acc.y += p.y;
+        acc.z += p.z;
+        acc.w += p.w;
+        wsum += wpart[k];
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
 #if GATE
@@ -359,7 +380,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     const float gs[4] = {1.f, 1.f, 1.f, 1.f};
 #endif
     uint2 pk;
-    pk.x = pack_bf16(acc[0] * inv * gs[0], acc[1] * inv * gs[1]);
-    pk.y = pack_bf16(acc[2] * inv * gs[2], acc[3] * inv * gs[3]);
+    pk.x = pack_bf16(acc.x * inv * gs[0], acc.y * inv * gs[1]);
+    pk.y = pack_bf16(acc.z * inv * gs[2], acc.w * inv * gs[3]);
     *reinterpret_cast<uint2*>(out + row * HEAD_DIM + c) = pk;
 }
