@@ -15,7 +15,7 @@ from qwen35_fast.kernels.gdn_prefill import plan as _P
 KERNELS = Path(cuda_build.__file__).resolve().parent
 SOURCES = sorted(KERNELS.rglob("*.cu"))
 ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"]  # sm_90a: what cuda_build picks on H100/H200
-ONLY = {"gdn_prefill.cu": ("sm_90a",)}  # the Hopper path's walk
+ONLY = {"gdn_prefill.cu": ("sm_90a",), "paged_attention_wg.cu": ("sm_90a",)}  # the warpgroup-mma kernels
 
 
 def _nvrtc_missing():
@@ -49,6 +49,7 @@ VARIANTS = {
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],
+    "paged_attention_wg.cu": [{"BLOCK_SIZE": b, "SPLIT": s} for b in (16, 64) for s in (0, 1)],
     # vision/launch.py: the released towers' heads (12 x 64, 16 x 64, 16 x 72) and other multiples of 8; row
     # lengths over every threads-per-row choice of layer_norm.cu (1 / 2 / 4 / 8 warps), plain and fused
     "rotary.cu": [{"HEAD_DIM": d, "HEADS": h, "IN_T": i} for d, h in ((64, 12), (64, 16), (72, 16), (80, 3), (8, 1))

@@ -54,18 +54,12 @@ typedef __nv_bfloat16 elem;
 #define THREADS (32 * WARPS_M)
 #define LDS (HEAD_DIM + 8)  // padded row: the 8 rows one ldmatrix reads fall in distinct banks
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per row
-#define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
-
-// Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
-__device__ __forceinline__ long long slot_of(const int* bt, int p) {
-    return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
-}
+#include "paged_common.cuh"  // slot_of, append_kv, empty_share, finish_row
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
@@ -94,16 +88,7 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
     const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
     const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
 
-    // Append: the tokens whose first row lies in this tile (so each one is stored by exactly one block).
-    if (write_kv && blockIdx.z == 0) {
-        const int t_lo = (r0 + GROUP - 1) / GROUP, t_hi = min(nq, (r0 + BM + GROUP - 1) / GROUP);
-        for (int c = tid; c < (t_hi - t_lo) * CHUNKS; c += THREADS) {
-            const int t = t_lo + c / CHUNKS, ch = c % CHUNKS;
-            const long long dst = (slot_of(bt, L + t) * Hkv + kvh) * HEAD_DIM + ch * 8;
-            *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + t * kn_st + ch * 8);
-            *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + t * vn_st + ch * 8);
-        }
-    }
+    if (write_kv && blockIdx.z == 0) append_kv<BM, THREADS>(k_pool, v_pool, kn, kn_st, vn, vn_st, bt, L, nq, r0, Hkv, kvh);
 
     // Key tiles this block covers: up to the last visible key of its last row.
     const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
@@ -116,15 +101,7 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
         j0 = blockIdx.z * per;
         j1 = min(ntiles, j0 + per);
         if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
-            if ((lane & 3) == 0) {
-                for (int half = 0; half < 2; ++half) {
-                    const int r = half ? rB : rA;
-                    if (r < rows) {
-                        const long long row = (long long)q0 + r / GROUP;
-                        lse_part[((long long)blockIdx.z * total_q + row) * H + kvh * GROUP + r % GROUP] = NEG_INF;
-                    }
-                }
-            }
+            empty_share({rA, rB}, rows, lane & 3, q0, kvh, H, total_q, lse_part);
             return;
         }
     }
@@ -271,36 +248,9 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? rB : rA;
-        if (r >= rows) continue;
-        const int t = r / GROUP, h = kvh * GROUP + r % GROUP;
-        const long long row = (long long)(q0 + t) * H + h;
-        const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-#if SPLIT
-        float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 8; ++d) {
-            const int col = d * 8 + 2 * (lane & 3);
-            *reinterpret_cast<float2*>(op + col) = make_float2(o[d][2 * half] * inv, o[d][2 * half + 1] * inv);
-        }
-        if ((lane & 3) == 0)
-            lse_part[(long long)blockIdx.z * total_q * H + row] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
-#else
-        elem* orow = out + row * HEAD_DIM;
-#if GATE
-        const elem* grow = gate + (long long)(q0 + t) * g_st + (long long)h * g_sh;
-#endif
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 8; ++d) {
-            const int col = d * 8 + 2 * (lane & 3);
-            float x0 = o[d][2 * half] * inv, x1 = o[d][2 * half + 1] * inv;
-#if GATE
-            const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + col));
-            x0 *= sigmoid_f(g.x);
-            x1 *= sigmoid_f(g.y);
-#endif
-            *reinterpret_cast<u32*>(orow + col) = pack_bf16(x0, x1);
-        }
-#endif
+        if (r < rows)
+            finish_row(r, m[half], l[half], lane & 3, q0, kvh, H, total_q, gate, g_st, g_sh, out, o_part, lse_part,
+                       [&](int i, int e) { return o[i][2 * half + e]; });
     }
 }
 

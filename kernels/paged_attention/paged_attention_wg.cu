@@ -41,16 +41,11 @@ typedef __nv_bfloat16 elem;
 #define THREADS 256
 #define CB (HEAD_DIM / 64)     // 64-column blocks of a row
 #define PIECES (HEAD_DIM / 8)  // 16-byte pieces of a row
-#define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
 static_assert(PIECES % 4 == 0, "four threads copy one key row");
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
-
-__device__ __forceinline__ long long slot_of(const int* bt, int p) {
-    return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
-}
+#include "paged_common.cuh"  // slot_of, append_kv, empty_share, finish_row
 
 // Offset (elements) of 16-byte piece pc of row r in a [rows][HEAD_DIM] tile stored as column blocks.
 __device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >> 3) * rows * 64 + sw64(r, (pc & 7) * 8); }
@@ -84,15 +79,7 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
     const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
     const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
 
-    if (write_kv && blockIdx.z == 0) {  // the tokens whose first row lies in this tile
-        const int t_lo = (r0 + GROUP - 1) / GROUP, t_hi = min(nq, (r0 + BM + GROUP - 1) / GROUP);
-        for (int c = tid; c < (t_hi - t_lo) * PIECES; c += THREADS) {
-            const int tk = t_lo + c / PIECES, ch = c % PIECES;
-            const long long dst = (slot_of(bt, L + tk) * Hkv + kvh) * HEAD_DIM + ch * 8;
-            *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + tk * kn_st + ch * 8);
-            *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + tk * vn_st + ch * 8);
-        }
-    }
+    if (write_kv && blockIdx.z == 0) append_kv<BM, THREADS>(k_pool, v_pool, kn, kn_st, vn, vn_st, bt, L, nq, r0, Hkv, kvh);
 
     const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
     const int ntiles = (kv_end + BN - 1) / BN;
@@ -103,16 +90,8 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
         const int per = (ntiles + gridDim.z - 1) / gridDim.z;
         j0 = blockIdx.z * per;
         j1 = min(ntiles, j0 + per);
-        if (j0 >= j1) {
-            if (t == 0) {
-                for (int half = 0; half < 2; ++half) {
-                    const int r = half ? rB : rA;
-                    if (r < rows) {
-                        const long long row = (long long)q0 + r / GROUP;
-                        lse_part[((long long)blockIdx.z * total_q + row) * H + kvh * GROUP + r % GROUP] = NEG_INF;
-                    }
-                }
-            }
+        if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
+            empty_share({rA, rB}, rows, t, q0, kvh, H, total_q, lse_part);
             return;
         }
     }
@@ -282,35 +261,8 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? rB : rA;
-        if (r >= rows) continue;
-        const int tk = r / GROUP, h = kvh * GROUP + r % GROUP;
-        const long long row = (long long)(q0 + tk) * H + h;
-        const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-#if SPLIT
-        float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
-#pragma unroll
-        for (int i = 0; i < CB * 8; ++i) {
-            const int col = 8 * i + 2 * t;
-            *reinterpret_cast<float2*>(op + col) = make_float2(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
-        }
-        if (t == 0)
-            lse_part[(long long)blockIdx.z * total_q * H + row] = l[half] > 0.f ? m[half] + log2f(l[half]) : NEG_INF;
-#else
-        elem* orow = out + row * HEAD_DIM;
-#if GATE
-        const elem* grow = gate + (long long)(q0 + tk) * g_st + (long long)h * g_sh;
-#endif
-#pragma unroll
-        for (int i = 0; i < CB * 8; ++i) {
-            const int col = 8 * i + 2 * t;
-            float x0 = o[4 * i + 2 * half] * inv, x1 = o[4 * i + 2 * half + 1] * inv;
-#if GATE
-            const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + col));
-            x0 *= sigmoid_f(gv.x);
-            x1 *= sigmoid_f(gv.y);
-#endif
-            *reinterpret_cast<u32*>(orow + col) = pack_bf16(x0, x1);
-        }
-#endif
+        if (r < rows)
+            finish_row(r, m[half], l[half], t, q0, kvh, H, total_q, gate, g_st, g_sh, out, o_part, lse_part,
+                       [&](int i, int e) { return o[4 * i + 2 * half + e]; });
     }
 }

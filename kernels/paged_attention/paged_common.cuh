@@ -1,0 +1,78 @@
+// What the two paged-attention kernels share (paged_attention.cu on mma.sync, paged_attention_wg.cu on
+// wgmma): the block-table lookup, the append of the new tokens' K/V, the rows of an empty key share, and
+// the end of a row (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the
+// including kernel's HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE and `elem` (bf16).
+#pragma once
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
+__device__ __forceinline__ long long slot_of(const int* bt, int p) {
+    return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
+}
+
+// Stores the K/V of the tokens whose first row lies in rows [r0, r0 + bm) in their pool slots (so each
+// token is stored by exactly one block), 16 bytes a thread at a time; kn, vn: this sequence's first new
+// token at this kv head.
+template <int bm, int threads>
+__device__ __forceinline__ void append_kv(elem* k_pool, elem* v_pool, const elem* kn, long long kn_st,
+                                          const elem* vn, long long vn_st, const int* bt, int L, int nq, int r0,
+                                          int Hkv, int kvh) {
+    constexpr int pieces = HEAD_DIM / 8;
+    const int t_lo = (r0 + GROUP - 1) / GROUP, t_hi = min(nq, (r0 + bm + GROUP - 1) / GROUP);
+    for (int c = threadIdx.x; c < (t_hi - t_lo) * pieces; c += threads) {
+        const int tk = t_lo + c / pieces, ch = c % pieces;
+        const long long dst = (slot_of(bt, L + tk) * Hkv + kvh) * HEAD_DIM + ch * 8;
+        *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + tk * kn_st + ch * 8);
+        *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + tk * vn_st + ch * 8);
+    }
+}
+
+// (token, q head) row r of sequence n's rows: its [total_q * H] index.
+__device__ __forceinline__ long long row_index(int r, int q0, int kvh, int H) {
+    return (long long)(q0 + r / GROUP) * H + kvh * GROUP + r % GROUP;
+}
+
+// A share with no key tile to read: lse = -inf for the thread's rows (the combine gives it weight 0).
+// t: the thread's column quad index (lane & 3); only t == 0 writes.
+__device__ __forceinline__ void empty_share(const int (&r)[2], int rows, int t, int q0, int kvh, int H, int total_q,
+                                            float* lse_part) {
+    if (t != 0) return;
+    for (int half = 0; half < 2; ++half)
+        if (r[half] < rows) lse_part[(long long)blockIdx.z * total_q * H + row_index(r[half], q0, kvh, H)] = NEG_INF;
+}
+
+// The end of row r (< rows) with running max m and sum l: out = o / l * sigmoid(gate), or with SPLIT the
+// share's o / l and its log2-sum-exp. val(i, e) is the thread's accumulator of column 8 i + 2 t + e.
+template <typename F>
+__device__ __forceinline__ void finish_row(int r, float m, float l, int t, int q0, int kvh, int H, int total_q,
+                                           const elem* gate, long long g_st, long long g_sh, elem* out,
+                                           float* o_part, float* lse_part, F val) {
+    const long long row = row_index(r, q0, kvh, H);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#if SPLIT
+    float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+        *reinterpret_cast<float2*>(op + 8 * i + 2 * t) = make_float2(val(i, 0) * inv, val(i, 1) * inv);
+    if (t == 0) lse_part[(long long)blockIdx.z * total_q * H + row] = l > 0.f ? m + log2f(l) : NEG_INF;
+#else
+    elem* orow = out + row * HEAD_DIM;
+#if GATE
+    const elem* grow = gate + (long long)(q0 + r / GROUP) * g_st + (long long)(kvh * GROUP + r % GROUP) * g_sh;
+#endif
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) {
+        const int col = 8 * i + 2 * t;
+        float x0 = val(i, 0) * inv, x1 = val(i, 1) * inv;
+#if GATE
+        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + col));
+        x0 *= sigmoid_f(g.x);
+        x1 *= sigmoid_f(g.y);
+#endif
+        *reinterpret_cast<u32*>(orow + col) = pack_bf16(x0, x1);
+    }
+#endif
+}
