@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from test_chat import template  # noqa: F401  (fixture)
-from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _image, _make
+from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import Qwen35Error, continue_prefill, generate, prefill, prefill_ids, prefill_multimodal
 from qwen35_fast.runtime.media import preprocess_images
@@ -24,11 +24,6 @@ IMAGE = {"type": "image"}
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return _make(tmp_path_factory.mktemp("conv"), TOWERS["d2w32h2"], seed=21)
-
-
-def _hf_logits(hf, pf, images=()):
-    with torch.no_grad():
-        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
 
 
 def _render(template, messages, thinking):  # noqa: F811

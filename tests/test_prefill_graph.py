@@ -5,7 +5,7 @@ the pass uncaptured; prefix reuse through it equals a cold prefill and transform
 on CUDA: tests/test_prefill_graph_gpu.py."""
 import pytest
 import torch
-from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _image, _make
+from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import generate, prefill, prefill_multimodal
 from qwen35_fast.runtime import prefix as prefix_mod
@@ -156,11 +156,6 @@ def test_prefill_refuses_what_does_not_fit(model):
         run(_fork(base), list(range(BUCKETS[0] + 1)), None, None, [])
     with pytest.raises(ValueError, match="do not fit a bucket"):
         run(_fork(base), [1, 2, 3], None, None, [1, 2])
-
-
-def _hf_logits(hf, pf, images=()):
-    with torch.no_grad():
-        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
 
 
 def test_reused_system_prompt_through_the_padded_pass(pair, model, uncaptured):

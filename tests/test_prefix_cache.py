@@ -4,7 +4,7 @@ prefill of the same prompt (fp32 on the CPU: 1e-4) and of transformers; images a
 snapshots are evicted under the budget; unused pool blocks never reach a result."""
 import pytest
 import torch
-from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _image, _make
+from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import Qwen35Error, generate, prefill, prefill_multimodal
 from qwen35_fast.runtime.generate import generation_prompt_ids
@@ -28,11 +28,6 @@ def model(pair):
     ours = pair[1]
     ours.setup_kv()  # a fresh store: no snapshots of other tests
     return ours
-
-
-def _hf_logits(hf, pf, images=()):
-    with torch.no_grad():
-        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
 
 
 def test_content_hash_is_of_the_values():

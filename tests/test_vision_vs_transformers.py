@@ -75,6 +75,12 @@ def _hf_inputs(pf, ordered):
     return kw
 
 
+def _hf_logits(hf, pf, images=()):
+    """transformers' logits of the last position of prefill `pf` (its images in prompt order)."""
+    with torch.no_grad():
+        return hf(**_hf_inputs(pf, list(images)), logits_to_keep=1).logits[0, -1]
+
+
 def _check(hf, ours, prompt, images=(), video=None, order=None, steps=8):
     """Prefill + `steps` decode steps; returns the largest relative error of the logits."""
     pf = prefill_multimodal(ours, prompt, images=list(images) or None, video=video)
