@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 import _import  # noqa: E402,F401
 
+from qwen35_fast.kernels.cuda_build import card_of  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill import plan as P  # noqa: E402
 from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda  # noqa: E402
 
@@ -31,7 +32,7 @@ def main():
     ap.add_argument("--rep-ms", type=float, default=100)
     args = ap.parse_args()
     rows = []
-    card = P.card_of("cuda")
+    card = card_of("cuda")
     for B, L in PREFILL_SIZES:
         x = prefill_inputs(B, L)
         chunks = -(-L // 64)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -372,6 +373,35 @@ def max_shared_memory(device) -> int:
         _smem_optin[idx] = int(cupy.cuda.runtime.deviceGetAttribute(
             cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, idx))
     return _smem_optin[idx]
+
+
+@dataclass(frozen=True)
+class Card:
+    """What the launchers' plans need of a GPU: arch_for_capability's NVRTC target, the SM count, the shared
+    memory one block may opt in to and one SM holds."""
+    arch: str
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+
+
+_cards: dict = {}
+
+
+def card_of(device) -> Card:
+    """The Card of a torch CUDA device (asked once per device)."""
+    import torch
+
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _cards:
+        import cupy
+        rt = cupy.cuda.runtime
+        p = torch.cuda.get_device_properties(idx)
+        per_sm = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerMultiprocessor", 81), idx)
+        _cards[idx] = Card(arch_for_capability(p.major, p.minor), p.multi_processor_count,
+                           max_shared_memory(idx), int(per_sm))
+    return _cards[idx]
 
 
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:

@@ -210,7 +210,7 @@ def _run_cuda(a, splits=None, kernel=None):
 
 
 def _hopper():
-    return torch.cuda.is_available() and pa_launch.card_of("cuda")[1]
+    return torch.cuda.is_available() and pa_launch.card_of("cuda").arch == "sm_90a"
 
 
 @pytest.mark.gpu
@@ -234,6 +234,19 @@ def test_paged_attention_vs_reference(case, forced_splits, kernel):
     # the pool afterwards: exactly the reference's (new K/V in their slots, nothing else touched)
     for got, want in ((a["k_pool"], r["k_pool"]), (a["v_pool"], r["v_pool"])):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 8, 9, 17, 25, 33, 99])
+def test_combine_of_every_group_count(splits):
+    """The combine takes one group of threads per run of 8 shares, at most 4 (a decode step's 99 shares: 4
+    groups of 3 or 4 runs): each count against the reference, with empty shares past the keys at 99."""
+    a = make_case(31 + splits, 16, [(3000, 1), (700, 2)], device="cuda")
+    before_k, before_v = a["k_pool"].clone(), a["v_pool"].clone()
+    out = _run_cuda(a, splits)
+    r = {**a, "k_pool": before_k, "v_pool": before_v}
+    assert not torch.isnan(out).any()
+    assert _rel(out, _ref(r, write_kv=True)) < 1e-2
 
 
 @pytest.mark.gpu

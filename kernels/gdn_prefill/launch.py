@@ -11,8 +11,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import TensorMap, get_function, launch
-from .plan import PORTABLE_OUT_THREADS, D, Plan, card_of, plan
+from ..cuda_build import TensorMap, card_of, get_function, launch
+from .plan import PORTABLE_OUT_THREADS, D, Plan, plan
 
 HERE = Path(__file__).resolve().parent
 SRC_PREP = HERE / "prep.cu"

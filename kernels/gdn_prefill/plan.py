@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+from ..cuda_build import Card
+
 D = 128  # key / value head dim
 CH = 64  # chunk length
 KST, BST = D + 8, 72  # row strides (elements) of the K / Q tiles and of T / P
@@ -50,39 +52,9 @@ def portable_state_smem(dvs: int) -> int:
 
 
 PORTABLE_OUT_THREADS = 256
-# gdn_chunk_out (portable.cu OSM_TOTAL): Q, the 16-bit state, P, u, vectors of one (chunk, head)
-PORTABLE_OUT_SMEM = CH * KST * 2 + D * KST * 2 + CH * BST * 2 + CH * KST * 2 + 4 * CH * 4
-
-# ----------------------------------------------------------------------------- the card
-
-@dataclass(frozen=True)
-class Card:
-    """What the plan needs of a GPU (cuda_build.arch_for_capability's NVRTC target, the SM count, the
-    shared memory one block may opt in to and one SM holds)."""
-    arch: str
-    sms: int
-    smem_per_block: int
-    smem_per_sm: int
-
-
-def card_of(device) -> Card:
-    """The Card of a torch CUDA device (asked once per device)."""
-    import torch
-
-    from ..cuda_build import arch_for_capability, max_shared_memory
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _cards:
-        import cupy
-        rt = cupy.cuda.runtime
-        p = torch.cuda.get_device_properties(idx)
-        per_sm = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerMultiprocessor", 81), idx)
-        _cards[idx] = Card(arch_for_capability(p.major, p.minor), p.multi_processor_count,
-                           max_shared_memory(idx), int(per_sm))
-    return _cards[idx]
-
-
-_cards: dict = {}
+# gdn_chunk_out (portable.cu OSM_TOTAL): Q, P, the vectors of one (chunk, head), and a ring of two 32-row
+# slices of the 16-bit state and u: 44 KB, two blocks per SM on the RTX cards
+PORTABLE_OUT_SMEM = CH * KST * 2 + CH * BST * 2 + 4 * CH * 4 + 2 * 32 * KST * 2
 
 # ----------------------------------------------------------------------------- the plan
 

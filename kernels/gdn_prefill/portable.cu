@@ -47,14 +47,16 @@ static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 #define SM_UH SM_S
 #define SM_RHS (SM_S + DK * VST * 2)
 #define SM_TOTAL (SM_RHS + CH * VST * 2)  // 69 KB (DVS 16), 79 KB (32), 99 KB (64)
-// output kernel
+// output kernel: Q, P and the vectors for the whole block; the B operands (the 16-bit state's rows, then u's
+// rows) stream through a ring of two 32-row slices
+#define OSL 32      // rows per slice
+#define ONS 6       // slices: state rows 0-127 (Q S), then u rows 0-63 (P u)
 #define OSM_Q 0
-#define OSM_S (OSM_Q + CH * KST * 2)
-#define OSM_P (OSM_S + DK * OST * 2)
-#define OSM_U (OSM_P + CH * BST * 2)
-#define OSM_F (OSM_U + CH * OST * 2)
-#define OSM_TOTAL (OSM_F + 4 * CH * 4)
-
+#define OSM_P (OSM_Q + CH * KST * 2)
+#define OSM_F (OSM_P + CH * BST * 2)
+#define OSM_R (OSM_F + 4 * CH * 4)
+#define OSLICE (OSL * OST * 2)
+#define OSM_TOTAL (OSM_R + 2 * OSLICE)  // 44 KB: two blocks per SM on the RTX cards, four on an H200
 #ifdef STATE_SMEM  // the launcher's sizes (plan.py), checked against the layouts here
 static_assert(STATE_SMEM == SM_TOTAL, "plan.py's portable_state_smem() disagrees with SM_TOTAL in portable.cu");
 static_assert(OUT_SMEM == OSM_TOTAL, "plan.py's PORTABLE_OUT_SMEM disagrees with OSM_TOTAL in portable.cu");
@@ -308,8 +310,10 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 // ---------------------------------------------------------------- output kernel: all chunks at once
 // Grid: (slots, Hv), slots as the prep kernel's; 8 warps, warp w: rows 16 (w & 3), columns 64 (w >> 2).
 // o = rq e^G (Q S_c) + P u for the chunk's rows < its sequence's length; o is contiguous [B, T, Hv, 128].
-// (Two blocks of 64 columns per (chunk, head) read Q, P and the vectors twice: 0.44 -> ~0.35 ms at 32k.)
-extern "C" __global__ void __launch_bounds__(OTHR)
+// Q, P and the vectors stay in shared memory; the state's 128 rows and u's 64 rows, the products' B operands,
+// pass through two 32-row slices, the next one in flight while the current one is used: 44 KB a block, so
+// that two blocks share an RTX SM (the 80 KB layout holding everything at once fitted one) and four an H200 SM.
+extern "C" __global__ void __launch_bounds__(OTHR, 4)
 gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const float* __restrict__ Fg,
               const elem* __restrict__ Hs, const elem* __restrict__ Ug, const int* __restrict__ cu_seqlens,
               elem* __restrict__ o, int T, int Hk, int Hv, int N,
@@ -317,9 +321,7 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
 {
     extern __shared__ __align__(128) unsigned char smem[];
     elem* Qs = reinterpret_cast<elem*>(smem + OSM_Q);
-    elem* Ss = reinterpret_cast<elem*>(smem + OSM_S);
     elem* Ps = reinterpret_cast<elem*>(smem + OSM_P);
-    elem* Us = reinterpret_cast<elem*>(smem + OSM_U);
     float* Gc = reinterpret_cast<float*>(smem + OSM_F);
     const float* Rq = Gc + 3 * CH;
 
@@ -336,7 +338,19 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
     const int tok0 = c * CH;
     const elem* qb = q + batch * q_sb + (bos + tok0) * q_st + hk * q_sh;
     const long long sh = (long long)slot * Hv + h;
-    constexpr int SP = DK / 8;  // 16-byte pieces per row of S and u
+    const elem* hs = Hs + sh * DK * DK;
+    const elem* ug = Ug + sh * CH * DK;
+
+    auto load_slice = [&](int s) {  // slice s: state rows 32 s.. (s < 4), else u rows 32 (s - 4)..
+        const elem* src = s < 4 ? hs + (long long)s * OSL * DK : ug + (long long)(s - 4) * OSL * DK;
+        elem* dst = reinterpret_cast<elem*>(smem + OSM_R + (s & 1) * OSLICE);
+#pragma unroll
+        for (int i = 0; i < OSL * DK / 8 / OTHR; ++i) {
+            const int idx = tid + i * OTHR, row = idx >> 4, col = (idx & 15) * 8;
+            cp_async16(dst + row * OST + col, src + row * DK + col, true);
+        }
+        cp_async_commit();
+    };
 #pragma unroll
     for (int i = 0; i < CH * DK / 8 / OTHR; ++i) {  // Q: 64 rows (zero past the end)
         const int idx = tid + i * OTHR, row = idx >> 4, col = (idx & 15) * 8;
@@ -345,44 +359,52 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
         cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
     }
 #pragma unroll
-    for (int i = 0; i < DK * SP / OTHR; ++i) {  // the 16-bit state
-        const int idx = tid + i * OTHR, row = idx / SP, col = (idx % SP) * 8;
-        cp_async16(Ss + row * OST + col, Hs + sh * DK * DK + row * DK + col, true);
-    }
-#pragma unroll
     for (int i = 0; i < CH * CH / 8 / OTHR; ++i) {  // P: lower blocks only
         const int idx = tid + i * OTHR, row = idx >> 3, col = (idx & 7) * 8;
         cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
     }
-#pragma unroll
-    for (int i = 0; i < CH * SP / OTHR; ++i) {  // u
-        const int idx = tid + i * OTHR, row = idx / SP, col = (idx % SP) * 8;
-        cp_async16(Us + row * OST + col, Ug + sh * CH * DK + row * DK + col, true);
-    }
     if (tid < CH) cp_async16(Gc + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+    load_slice(0);  // one group with Q, P and the vectors
+    load_slice(1);
 
     float acc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll 2
-    for (int kk = 0; kk < DK / 16; ++kk) {
-        u32 af[4];
-        ldsm4(af, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
-        mma_row<8>(acc, af, Ss, OST, 16 * kk, cw, lane);
-    }
     const int r0 = 16 * mt + g, r1 = r0 + 8;
-    const float f0 = Rq[r0] * __expf(Gc[r0]), f1 = Rq[r1] * __expf(Gc[r1]);
+#pragma unroll 1
+    for (int s = 0; s < ONS; ++s) {
+        if (s + 1 < ONS) cp_async_wait<1>();  // slice s landed; s + 1 may still be in flight
+        else cp_async_wait<0>();
+        __syncthreads();
+        const elem* B = reinterpret_cast<const elem*>(smem + OSM_R + (s & 1) * OSLICE);
+        if (s < 4) {  // Q S over state rows 32 s..
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
-    }
-    for (int kk = 0; kk <= mt; ++kk) {
-        u32 af[4];
-        ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
-        mma_row<8>(acc, af, Us, OST, 16 * kk, cw, lane);
+            for (int kl = 0; kl < OSL / 16; ++kl) {
+                u32 af[4];
+                ldsm4(af, a_addr(Qs, KST, 16 * mt, OSL * s + 16 * kl, lane));
+                mma_row<8>(acc, af, B, OST, 16 * kl, cw, lane);
+            }
+            if (s == 3) {  // Q S done: rows scaled by rq e^G before P u joins
+                const float f0 = Rq[r0] * __expf(Gc[r0]), f1 = Rq[r1] * __expf(Gc[r1]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
+                }
+            }
+        } else {  // P u over tokens 32 (s - 4).., the 16-token blocks at or left of the diagonal
+#pragma unroll
+            for (int kl = 0; kl < OSL / 16; ++kl) {
+                const int kk = 2 * (s - 4) + kl;
+                if (kk > mt) break;  // warp-uniform
+                u32 af[4];
+                ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
+                mma_row<8>(acc, af, B, OST, 16 * kl, cw, lane);
+            }
+        }
+        if (s + 2 < ONS) {
+            __syncthreads();  // every warp is done with this slice's buffer
+            load_slice(s + 2);
+        }
     }
     elem* ob = o + (batch_tok * Hv + h) * DK + cw;
 #pragma unroll

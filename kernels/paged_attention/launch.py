@@ -16,26 +16,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import get_function, launch
+from ..cuda_build import card_of, get_function, launch
 
 SRC = Path(__file__).with_name("paged_attention.cu")
 SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
 BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
+COMBINE_GROUPS = 4  # paged_attention.cu's COMBINE_GROUPS: the combine's most groups of threads per row
 MIN_KEYS_PER_SPLIT = 128  # below that the combine costs more than the split saves
-_cards: dict = {}
-
-
-def card_of(device) -> tuple[int, bool]:
-    """(SM count, whether the card runs the warpgroup-mma kernel: sm_90a) of a CUDA device, asked once."""
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _cards:
-        from ..cuda_build import arch_for_capability
-        p = torch.cuda.get_device_properties(idx)
-        _cards[idx] = (p.multi_processor_count, arch_for_capability(p.major, p.minor) == "sm_90a")
-    return _cards[idx]
 
 
 def smem_bytes(warps_m: int, head_dim: int) -> int:
@@ -143,7 +132,8 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if T == 0 or N == 0:
         return out
     group = H // Hkv
-    sms, wgmma = card_of(q.device)
+    card = card_of(q.device)
+    sms, wgmma = card.sms, card.arch == "sm_90a"
     if kernel == "wg" and not (wgmma and D % 64 == 0):
         raise ValueError(f"paged_attention: the warpgroup-mma kernel needs an sm_90a card and head_dim % 64 == 0 "
                          f"(head_dim {D}); leave kernel unset")
@@ -173,7 +163,8 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
            shared_mem=smem)
     if p.splits > 1:
         comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
-        launch(comb, (T * H, 1, 1), (D, 1, 1),
+        groups = min(COMBINE_GROUPS, math.ceil(p.splits / 8))  # one group of D / 4 threads per run of 8 shares
+        launch(comb, (T * H, 1, 1), (groups * D // 4, 1, 1),
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
                 np.int32(p.splits)))
     return out

@@ -77,35 +77,21 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
     elem* Vs = Ks + 2 * BN * LDS;                     // [2][BN][LDS]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n = blockIdx.y / Hkv, kvh = blockIdx.y % Hkv;
-    const int q0 = cu_q[n], nq = cu_q[n + 1] - q0;
-    const int rows = nq * GROUP;
-    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest (last) row tiles start first
+    const TileWork tw = tile_work<BM, BN>(cu_q, cache_lens, Hkv);
+    const int kvh = tw.kvh, q0 = tw.q0, nq = tw.nq, rows = tw.rows, r0 = tw.r0, L = tw.L, H = tw.H;
     if (r0 >= rows) return;
-    const int L = cache_lens[n];
-    const int H = Hkv * GROUP;
-    const int* bt = block_table + (long long)n * bt_stride;
+    const int* bt = block_table + (long long)tw.n * bt_stride;
     const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
     const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
 
     if (write_kv && blockIdx.z == 0) append_kv<BM, THREADS>(k_pool, v_pool, kn, kn_st, vn, vn_st, bt, L, nq, r0, Hkv, kvh);
 
-    // Key tiles this block covers: up to the last visible key of its last row.
-    const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
-    const int ntiles = (kv_end + BN - 1) / BN;
-    int j0 = 0, j1 = ntiles;
+    int j0 = tw.j0, j1 = tw.j1;  // key tiles of this block's share
     const int rA = r0 + warp * 16 + (lane >> 2), rB = rA + 8;  // the two rows this thread holds
-#if SPLIT
-    {
-        const int per = (ntiles + gridDim.z - 1) / gridDim.z;
-        j0 = blockIdx.z * per;
-        j1 = min(ntiles, j0 + per);
-        if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
-            empty_share({rA, rB}, rows, lane & 3, q0, kvh, H, total_q, lse_part);
-            return;
-        }
+    if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
+        empty_share({rA, rB}, rows, lane & 3, q0, kvh, H, total_q, lse_part);
+        return;
     }
-#endif
 
     for (int c = tid; c < BM * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, ch = c % CHUNKS, gr = r0 + r;
@@ -255,14 +241,14 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
 }
 
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
-// sigmoid(gate). One block of HEAD_DIM threads per (token, q head) row: four groups of HEAD_DIM / 4 threads
-// (4 columns a thread) take every fourth run of 8 shares and add their sums through shared memory at the
-// end. The weights go through shared memory first and each thread reads its 8 shares' rows at once, so
+// sigmoid(gate). One block per (token, q head) row of 1 to 4 groups of HEAD_DIM / 4 threads (4 columns a
+// thread; the launcher gives one group per run of 8 shares, at most 4): group k takes runs k, k + groups, ...
+// and the groups add their sums through shared memory at the end. The weights go through shared memory first and each thread reads its 8 shares' rows at once, so
 // that ~32 loads per column overlap (read one by one, a decode step's 99 shares cost ~99 dependent L2
 // round trips; 8 at a time in one group of threads left the 16 blocks of a decode step ~12 round trips).
 // Empty shares (lse = -inf) get weight 0 and their o_part is never read.
 #define COMBINE_MAX_SPLITS 128
-#define COMBINE_GROUPS 4
+#define COMBINE_GROUPS 4  // the most groups of a block
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
 paged_attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                         const elem* __restrict__ gate, long long g_st, long long g_sh,
@@ -272,6 +258,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     __shared__ float wpart[COMBINE_GROUPS - 1];
     const long long row = blockIdx.x;
     const long long stride = (long long)total_q * H;
+    const int groups = blockDim.x / (HEAD_DIM / 4);
     const int grp = threadIdx.x / (HEAD_DIM / 4), c = (threadIdx.x % (HEAD_DIM / 4)) * 4;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) w_s[s] = lse_part[s * stride + row];
     __syncthreads();
@@ -286,7 +273,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     const float* op = o_part + row * HEAD_DIM + c;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wsum = 0.f;
-    for (int s0 = 8 * grp; s0 < splits; s0 += 8 * COMBINE_GROUPS) {
+    for (int s0 = 8 * grp; s0 < splits; s0 += 8 * groups) {
         float w[8];
         float4 v[8];
 #pragma unroll
@@ -304,14 +291,15 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
             wsum += w[i];
         }
     }
-    if (grp > 0) {
-        part[grp - 1][c / 4] = acc;
-        if (c == 0) wpart[grp - 1] = wsum;
+    if (groups > 1) {
+        if (grp > 0) {
+            part[grp - 1][c / 4] = acc;
+            if (c == 0) wpart[grp - 1] = wsum;
+        }
+        __syncthreads();
+        if (grp > 0) return;
     }
-    __syncthreads();
-    if (grp > 0) return;
-#pragma unroll
-    for (int k = 0; k < COMBINE_GROUPS - 1; ++k) {  // in group order: the sum does not depend on timing
+    for (int k = 0; k < groups - 1; ++k) {  // in group order: the sum does not depend on timing
         const float4 p = part[k][c / 4];
         acc.x += p.x;
         acc.y += p.y;

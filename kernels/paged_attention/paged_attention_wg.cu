@@ -68,34 +68,21 @@ paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, t = lane & 3;
-    const int n = blockIdx.y / Hkv, kvh = blockIdx.y % Hkv;
-    const int q0 = cu_q[n], nq = cu_q[n + 1] - q0;
-    const int rows = nq * GROUP;
-    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the longest (last) row tiles start first
+    const TileWork tw = tile_work<BM, BN>(cu_q, cache_lens, Hkv);
+    const int kvh = tw.kvh, q0 = tw.q0, nq = tw.nq, rows = tw.rows, r0 = tw.r0, L = tw.L, H = tw.H;
     if (r0 >= rows) return;
-    const int L = cache_lens[n];
-    const int H = Hkv * GROUP;
-    const int* bt = block_table + (long long)n * bt_stride;
+    const int* bt = block_table + (long long)tw.n * bt_stride;
     const elem* kn = k_new + (long long)q0 * kn_st + (long long)kvh * kn_sh;
     const elem* vn = v_new + (long long)q0 * vn_st + (long long)kvh * vn_sh;
 
     if (write_kv && blockIdx.z == 0) append_kv<BM, THREADS>(k_pool, v_pool, kn, kn_st, vn, vn_st, bt, L, nq, r0, Hkv, kvh);
 
-    const int kv_end = L + (min(r0 + BM, rows) - 1) / GROUP + 1;
-    const int ntiles = (kv_end + BN - 1) / BN;
-    int j0 = 0, j1 = ntiles;
+    int j0 = tw.j0, j1 = tw.j1;  // key tiles of this block's share
     const int rA = r0 + 64 * wg + 16 * wq + g, rB = rA + 8;  // the two rows this thread holds
-#if SPLIT
-    {
-        const int per = (ntiles + gridDim.z - 1) / gridDim.z;
-        j0 = blockIdx.z * per;
-        j1 = min(ntiles, j0 + per);
-        if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
-            empty_share({rA, rB}, rows, t, q0, kvh, H, total_q, lse_part);
-            return;
-        }
+    if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
+        empty_share({rA, rB}, rows, t, q0, kvh, H, total_q, lse_part);
+        return;
     }
-#endif
 
     {  // Q: thread tid copies half of row tid / 2 (rows past the sequence: zeros)
         const int r = tid >> 1, gr = r0 + r;

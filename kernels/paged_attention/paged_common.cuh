@@ -1,6 +1,7 @@
 // What the two paged-attention kernels share (paged_attention.cu on mma.sync, paged_attention_wg.cu on
 // wgmma): the block-table lookup, the append of the new tokens' K/V, the rows of an empty key share, and
-// the end of a row (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the
+// the end of a row (normalise, gate, store; or the share's partial output and log2-sum-exp), and which
+// rows and key tiles a block takes. Uses the
 // including kernel's HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE and `elem` (bf16).
 #pragma once
 
@@ -11,6 +12,36 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf
 // Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
 __device__ __forceinline__ long long slot_of(const int* bt, int p) {
     return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;
+}
+
+// What one block of either kernel takes: blockIdx.y = (sequence n, kv head), the row tile [r0, r0 + bm) of
+// the sequence's (new token, q head of the group) rows, the last tiles first (they have the most keys to
+// read), and with SPLIT the key tiles [j0, j1) of share blockIdx.z (j0 >= j1: an empty share). The tiles of
+// bn keys run up to the last key visible to the tile's last row. r0 >= rows: nothing to do.
+struct TileWork {
+    int n, kvh, q0, nq, rows, r0, L, H, j0, j1;
+};
+template <int bm, int bn>
+__device__ __forceinline__ TileWork tile_work(const int* cu_q, const int* cache_lens, int Hkv) {
+    TileWork w;
+    w.n = blockIdx.y / Hkv;
+    w.kvh = blockIdx.y % Hkv;
+    w.q0 = cu_q[w.n];
+    w.nq = cu_q[w.n + 1] - w.q0;
+    w.rows = w.nq * GROUP;
+    w.r0 = (gridDim.x - 1 - blockIdx.x) * bm;
+    w.L = cache_lens[w.n];
+    w.H = Hkv * GROUP;
+    const int kv_end = w.L + (min(w.r0 + bm, w.rows) - 1) / GROUP + 1;
+    const int ntiles = (kv_end + bn - 1) / bn;
+    w.j0 = 0;
+    w.j1 = ntiles;
+#if SPLIT
+    const int per = (ntiles + gridDim.z - 1) / gridDim.z;
+    w.j0 = blockIdx.z * per;
+    w.j1 = min(ntiles, w.j0 + per);
+#endif
+    return w;
 }
 
 // Stores the K/V of the tokens whose first row lies in rows [r0, r0 + bm) in their pool slots (so each
