@@ -1,8 +1,8 @@
 // What the two paged-attention kernels share (paged_attention.cu on mma.sync, paged_attention_wg.cu on
-// wgmma): the block-table lookup, the append of the new tokens' K/V, the rows of an empty key share, and
-// the end of a row (normalise, gate, store; or the share's partial output and log2-sum-exp), and which
-// rows and key tiles a block takes. Uses the
-// including kernel's HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE and `elem` (bf16).
+// wgmma): which rows and key tiles a block takes, the block-table lookup, the append of the new tokens'
+// K/V, the rows of an empty key share, and the end of a row (normalise, gate, store; or the share's partial
+// output and log2-sum-exp). Uses the including kernel's HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE and `elem`
+// (bf16).
 #pragma once
 
 #define NEG_INF (-__int_as_float(0x7f800000))
