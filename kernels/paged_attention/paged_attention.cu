@@ -243,9 +243,10 @@ paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
 // sigmoid(gate). One block per (token, q head) row of 1 to 4 groups of HEAD_DIM / 4 threads (4 columns a
 // thread; the launcher gives one group per run of 8 shares, at most 4): group k takes runs k, k + groups, ...
-// and the groups add their sums through shared memory at the end. The weights go through shared memory first and each thread reads its 8 shares' rows at once, so
-// that ~32 loads per column overlap (read one by one, a decode step's 99 shares cost ~99 dependent L2
-// round trips; 8 at a time in one group of threads left the 16 blocks of a decode step ~12 round trips).
+// and the groups add their sums through shared memory at the end. The weights go through shared memory
+// first and each thread reads its 8 shares' rows at once, so that ~32 loads per column overlap (read one by
+// one, a decode step's 99 shares cost ~99 dependent L2 round trips; 8 at a time in one group of threads left
+// the 16 blocks of a decode step ~12 round trips).
 // Empty shares (lse = -inf) get weight 0 and their o_part is never read.
 #define COMBINE_MAX_SPLITS 128
 #define COMBINE_GROUPS 4  // the most groups of a block
