@@ -101,7 +101,7 @@ def main():
                              for t in tables]
                     ms[name] = graph_ms(calls)
                     calls = k_pool = v_pool = tables = None  # frees the pool before the next one
-                p = plan(Nq, 1, HKV, H // HKV, math.ceil((Nkv + Nq) / bs) * bs, card_of(DEV).sms, wgmma=card_of(DEV).arch == "sm_90a")
+                p = plan(Nq, 1, HKV, H // HKV, math.ceil((Nkv + Nq) / bs) * bs, card_of(DEV).sms, wgmma=card_of(DEV).wgmma)
                 row = {"Nq": Nq, "Nkv": Nkv, "block": bs, "ms_paged": round(ms["paged"], 5),
                        "ms_contiguous": round(ms["contiguous"], 5),
                        "ms_sdpa": None if sdpa_ms is None else round(sdpa_ms, 5),

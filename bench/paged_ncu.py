@@ -37,7 +37,7 @@ def main():
     lens = torch.tensor([a.nkv], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, a.nq], dtype=torch.int32, device=DEV)
     table = tables[0]
-    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, card_of(DEV).sms, wgmma=card_of(DEV).arch == "sm_90a"))
+    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, card_of(DEV).sms, wgmma=card_of(DEV).wgmma))
     times = []
     for _ in range(a.launches):
         torch.cuda.synchronize()

@@ -85,7 +85,7 @@ kn, vn = (torch.randn(Tn, Hkv_, Dh, device=dev, dtype=torch.bfloat16) for _ in r
 cl = torch.tensor(lens, dtype=torch.int32, device=dev)
 cuq = torch.tensor([0, 9, 79, 80], dtype=torch.int32, device=dev)
 for sp in (1, 3):
-    for kern in ("mma", "wg") if card_of(dev).arch == "sm_90a" else ("mma",):
+    for kern in ("mma", "wg") if card_of(dev).wgmma else ("mma",):
         paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp,
                              kernel=kern)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],

@@ -384,6 +384,11 @@ class Card:
     smem_per_block: int
     smem_per_sm: int
 
+    @property
+    def wgmma(self) -> bool:
+        """Whether the card runs the warpgroup-mma (wgmma, TMA) kernels: sm_90a, the H100 / H200."""
+        return self.arch == "sm_90a"
+
 
 _cards: dict = {}
 

@@ -210,7 +210,7 @@ def _run_cuda(a, splits=None, kernel=None):
 
 
 def _hopper():
-    return torch.cuda.is_available() and pa_launch.card_of("cuda").arch == "sm_90a"
+    return torch.cuda.is_available() and pa_launch.card_of("cuda").wgmma
 
 
 @pytest.mark.gpu

@@ -133,7 +133,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         return out
     group = H // Hkv
     card = card_of(q.device)
-    sms, wgmma = card.sms, card.arch == "sm_90a"
+    sms, wgmma = card.sms, card.wgmma
     if kernel == "wg" and not (wgmma and D % 64 == 0):
         raise ValueError(f"paged_attention: the warpgroup-mma kernel needs an sm_90a card and head_dim % 64 == 0 "
                          f"(head_dim {D}); leave kernel unset")
