@@ -30,23 +30,10 @@
 
 typedef __nv_bfloat16 elem;
 
-#ifndef HEAD_DIM
-#define HEAD_DIM 256
-#endif
-#ifndef GROUP
-#define GROUP 4  // q heads per kv head
-#endif
+#include "paged_common.cuh"  // the shared defines' defaults; tile_work, slot_of, append_kv, empty_share, finish_row
+
 #ifndef WARPS_M
 #define WARPS_M 4
-#endif
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
-#endif
-#ifndef SPLIT
-#define SPLIT 0
-#endif
-#ifndef GATE
-#define GATE 1
 #endif
 
 #define BN 32
@@ -58,8 +45,6 @@ typedef __nv_bfloat16 elem;
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
-
-#include "paged_common.cuh"  // slot_of, append_kv, empty_share, finish_row
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,

@@ -20,21 +20,7 @@
 
 typedef __nv_bfloat16 elem;
 
-#ifndef HEAD_DIM
-#define HEAD_DIM 256
-#endif
-#ifndef GROUP
-#define GROUP 4  // q heads per kv head
-#endif
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
-#endif
-#ifndef SPLIT
-#define SPLIT 0
-#endif
-#ifndef GATE
-#define GATE 1
-#endif
+#include "paged_common.cuh"  // the shared defines' defaults; tile_work, slot_of, append_kv, empty_share, finish_row
 
 #define BM 128
 #define BN 64
@@ -44,8 +30,6 @@ typedef __nv_bfloat16 elem;
 
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
 static_assert(PIECES % 4 == 0, "four threads copy one key row");
-
-#include "paged_common.cuh"  // slot_of, append_kv, empty_share, finish_row
 
 // Offset (elements) of 16-byte piece pc of row r in a [rows][HEAD_DIM] tile stored as column blocks.
 __device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >> 3) * rows * 64 + sw64(r, (pc & 7) * 8); }

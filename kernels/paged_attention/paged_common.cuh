@@ -1,9 +1,25 @@
 // What the two paged-attention kernels share (paged_attention.cu on mma.sync, paged_attention_wg.cu on
 // wgmma): which rows and key tiles a block takes, the block-table lookup, the append of the new tokens'
 // K/V, the rows of an empty key share, and the end of a row (normalise, gate, store; or the share's partial
-// output and log2-sum-exp). Uses the including kernel's HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE and `elem`
-// (bf16).
+// output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
+// a launch passes every one) and the including kernel's `elem` (bf16): included right after it.
 #pragma once
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 256
+#endif
+#ifndef GROUP
+#define GROUP 4  // q heads per kv head
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef SPLIT
+#define SPLIT 0
+#endif
+#ifndef GATE
+#define GATE 1
+#endif
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
