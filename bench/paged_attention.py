@@ -166,7 +166,8 @@ def sdpa_time(Nq, Nkv, copies, q, gen):
 
 
 def decode_split_sweep(bw, gen):
-    """Nq = 1 over 65,536 keys (block 16): ms and copy-bandwidth fraction per forced split count."""
+    """Nq = 1 over 65,536 keys (block 16): ms and copy-bandwidth fraction per forced split count, on the decode
+    kernel (the plan's) and on the one-warp mma.sync blocks it replaced ("mma")."""
     Nq, Nkv, bs = 1, 65536, 16
     kv_bytes = 2 * Nkv * HKV * D * 2
     k_pool, v_pool, tables = paged_setup(Nq, Nkv, bs, 1, True, gen)
@@ -175,10 +176,11 @@ def decode_split_sweep(bw, gen):
     cache_lens = torch.tensor([Nkv], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, Nq], dtype=torch.int32, device=DEV)
     out = {}
-    for s in (16, 32, 64, 99, 128):
-        ms = graph_ms([lambda: paged_attention_cuda(qg[..., :D], k_new, k_new, k_pool, v_pool, tables[0], cache_lens,
-                                                    cu_q, qg[..., D:], Nq, splits=s)])
-        out[s] = {"ms": round(ms, 5), "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
+    for kernel in ("dec", "mma"):
+        for s in (16, 32, 64, 99, 128):
+            ms = graph_ms([lambda: paged_attention_cuda(qg[..., :D], k_new, k_new, k_pool, v_pool, tables[0],
+                                                        cache_lens, cu_q, qg[..., D:], Nq, splits=s, kernel=kernel)])
+            out[f"{kernel} {s}"] = {"ms": round(ms, 5), "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
     return out
 
 

@@ -85,11 +85,11 @@ kn, vn = (torch.randn(Tn, Hkv_, Dh, device=dev, dtype=torch.bfloat16) for _ in r
 cl = torch.tensor(lens, dtype=torch.int32, device=dev)
 cuq = torch.tensor([0, 9, 79, 80], dtype=torch.int32, device=dev)
 for sp in (1, 3):
-    for kern in ("mma", "wg") if card_of(dev).wgmma else ("mma",):
+    for kern in ("mma", "dec", "wg") if card_of(dev).wgmma else ("mma", "dec"):
         paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp,
                              kernel=kern)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
-                     torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # one-warp decode, no gate
+                     torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # the decode kernel, no gate
 from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402
 
 # the vision tower's kernels: rotary with head dim 72 (half not a multiple of 8) and a token count off the

@@ -123,10 +123,14 @@ def test_public_wrapper_runs_the_reference_off_cuda():
 
 
 def test_plan_is_fixed_by_shapes():
-    """Decode (1 token, 9B heads): one warp per block, keys split until ~3 blocks per SM; shorter capacity
-    fewer splits; no split that leaves a partly filled second wave; a long prefill needs no split."""
+    """Decode (1 token, 9B heads): the decode kernel's 16-row blocks, keys split until ~3 blocks per SM;
+    shorter capacity fewer splits; no split that leaves a partly filled second wave; a long prefill needs no
+    split."""
     p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
-    assert p.warps_m == 1 and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
+    assert p.kernel == "dec" and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
+    assert pa_launch.plan(4, 1, 4, 4, 65536, 132).kernel == "dec"  # 16 rows: still one decode block
+    assert pa_launch.plan(5, 1, 4, 4, 65536, 132).kernel == "mma"
+    assert pa_launch.plan(1, 1, 4, 4, 65536, 132, head_dim=72).kernel == "mma"  # the decode kernel: dims % 64
     assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
     assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
     assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
@@ -147,13 +151,16 @@ def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():
     assert (p.kernel, p.row_tiles, p.splits) == ("wg", 8, 4)  # 32 blocks x 4 splits = 128, a fifth spills
     assert pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="mma").kernel == "mma"
     assert pa_launch.plan(4096, 1, 4, 4, 1024, 132).kernel == "mma"
-    with pytest.raises(ValueError, match="'mma' or 'wg'"):
+    with pytest.raises(ValueError, match="'mma', 'dec' or 'wg'"):
         pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="wgmma")
 
 
 def test_shared_memory_fits_consumer_cards():
     assert pa_launch.smem_bytes(4, 256) <= 101_376  # RTX 30/40/50 opt-in maximum
     assert pa_launch.smem_bytes(1, 256) <= 101_376
+    assert pa_launch.smem_bytes_decode(256) == 76_032  # three decode blocks per H100 / H200 SM (228 KB)
+    assert 3 * (pa_launch.smem_bytes_decode(256) + 1024) <= 233_472
+    assert pa_launch.smem_bytes_decode(128) == 8192 + 4 * 32 * 136 * 2  # the partial S outgrows Q at dim 128
 
 
 # ----------------------------------------------------------------------------- compiles (CPU, NVRTC)
@@ -178,6 +185,8 @@ def test_compiles_for_every_card(arch):
     sets = VARIANTS if arch in ("sm_80", "sm_90a") else VARIANTS[:: 5] + VARIANTS[-1:]
     for d in sets:
         assert cuda_build.compile_cubin(SRC, arch, d)[:4] == b"\x7fELF", f"{arch} {d}"
+    for d in {tuple(sorted((k, v) for k, v in d.items() if k != "WARPS_M")): 0 for d in sets}:  # the decode kernel
+        assert cuda_build.compile_cubin(pa_launch.SRC_DEC, arch, dict(d))[:4] == b"\x7fELF", f"dec {d}"
     if arch == "sm_90a":  # the warpgroup-mma kernel: Hopper only
         for d in VARIANTS[:: 3] + VARIANTS[-1:]:
             d = {k: v for k, v in d.items() if k != "WARPS_M"}
@@ -214,11 +223,12 @@ def _hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "wg"])
+@pytest.mark.parametrize("kernel", ["mma", "dec", "wg"])
 @pytest.mark.parametrize("forced_splits", [None, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_paged_attention_vs_reference(case, forced_splits, kernel):
-    """Each kernel forced on every case (the warpgroup one on sm_90a: its decode rows too, 1 token in 128 rows)."""
+    """Each kernel forced on every case (the warpgroup one on sm_90a: its decode rows too, 1 token in 128 rows;
+    the decode kernel on prefills too, 16 rows a block)."""
     if kernel == "wg" and not _hopper():
         pytest.skip("the warpgroup-mma kernel runs on sm_90a only")
     bs, lens, H, Hkv = CASES[case]

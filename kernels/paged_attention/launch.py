@@ -20,8 +20,10 @@ from ..cuda_build import card_of, get_function, launch
 
 SRC = Path(__file__).with_name("paged_attention.cu")
 SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
+SRC_DEC = Path(__file__).with_name("paged_decode.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
 BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
+THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
 COMBINE_GROUPS = 4  # paged_attention.cu's COMBINE_GROUPS: the combine's most groups of threads per row
 MIN_KEYS_PER_SPLIT = 128  # below that the combine costs more than the split saves
@@ -39,32 +41,43 @@ def smem_bytes_wg(head_dim: int) -> int:
     return (BM_WG + 5 * BN_WG) * head_dim * 2 + 1024
 
 
+def smem_bytes_decode(head_dim: int) -> int:
+    """Dynamic shared memory of one paged_attention_decode block (paged_decode.cu SMEM_BYTES): Q (later the
+    four warps' partial S, 8 KB) and two stages of K and V tiles, padded rows."""
+    return max(16 * (head_dim + 8) * 2, 4 * (BN // 8) * 32 * 16) + 4 * BN * (head_dim + 8) * 2
+
+
 @dataclass(frozen=True)
 class Plan:
     warps_m: int  # warps per block, each owning 16 (token, q head) rows
     row_tiles: int  # blocks along the rows of the longest sequence
     splits: int  # blocks sharing one row tile's keys (1: no combine pass)
-    kernel: str = "mma"  # "mma": paged_attention_fwd (every card); "wg": paged_attention_wg (sm_90a)
+    kernel: str = "mma"  # "mma": paged_attention_fwd; "dec": paged_attention_decode (every card); "wg":
+    #                      paged_attention_wg (sm_90a)
 
 
 def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
-         splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None) -> Plan:
+         splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None,
+         head_dim: int = 256) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
     Prefills of more than 64 rows (16 tokens at 4 q heads per kv head) take the warpgroup-mma kernel where
-    the card has it (`wgmma`: sm_90a); decode and short prefills the mma.sync one (`kernel` forces one).
-    Splits the keys (decode, and short prefills on long contexts) until the blocks fill one wave (two
-    mma.sync blocks per SM, three one-warp blocks, whose 76 KB of shared memory lets three share an
-    H100/H200 SM, one warpgroup-mma block), but never into a second, partly filled wave: a block of s
+    the card has it (`wgmma`: sm_90a); decode steps (at most 16 rows) the four-warp decode kernel; the rest
+    the mma.sync one (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
+    until the blocks fill one wave (two mma.sync blocks per SM, three decode blocks, whose 76 KB of shared
+    memory lets three share an H100/H200 SM, one warpgroup-mma block), but never into a second, partly
+    filled wave: a block of s
     splits reads 1/s of the keys, so the split with the fewest waves per split wins, the smaller on a tie
     (each split costs a partial write and its share of the combine). 256 new tokens over 65,536 keys on
     the mma.sync kernel: 4 splits, not 5 (1.2 waves)."""
     rows = max(1, max_q) * group
     if kernel is None:
-        kernel = "wg" if wgmma and rows > 64 else "mma"
-    if kernel not in ("mma", "wg"):
-        raise ValueError(f"paged_attention: kernel must be 'mma' or 'wg', got {kernel!r}")
+        kernel = "wg" if wgmma and rows > 64 else "dec" if rows <= 16 and head_dim % 64 == 0 else "mma"
+    if kernel not in ("mma", "dec", "wg"):
+        raise ValueError(f"paged_attention: kernel must be 'mma', 'dec' or 'wg', got {kernel!r}")
     if kernel == "wg":
         warps_m, row_tiles, bn, per_sm = BM_WG // 16, math.ceil(rows / BM_WG), BN_WG, 1
+    elif kernel == "dec":  # 16 rows a block, shared by its four warps
+        warps_m, row_tiles, bn, per_sm = 1, math.ceil(rows / 16), BN, 3
     else:
         warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
         row_tiles, bn, per_sm = math.ceil(rows / (16 * warps_m)), BN, 3 if warps_m == 1 else 2
@@ -98,7 +111,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     k_pool, v_pool: [num_blocks, block_size, Hkv, D] bf16 contiguous (updated in place when write_kv);
     block_table: int32 [N, max_blocks]; cache_lens: int32 [N]; cu_q: int32 [N + 1], cu_q[N] = T;
     max_q: at least the largest cu_q[n + 1] - cu_q[n] (a host int: the launch never reads the device).
-    splits and kernel ("mma" / "wg") override the plan (tests, benchmarks).
+    splits and kernel ("mma" / "dec" / "wg") override the plan (tests, benchmarks).
     Returns out [T, H, D] bf16 (written into `out` when given). cache_lens[n] + new tokens of sequence n
     must fit in its max_blocks * block_size slots; nothing checks that on the host (it would need a sync).
     """
@@ -137,7 +150,10 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if kernel == "wg" and not (wgmma and D % 64 == 0):
         raise ValueError(f"paged_attention: the warpgroup-mma kernel needs an sm_90a card and head_dim % 64 == 0 "
                          f"(head_dim {D}); leave kernel unset")
-    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel)
+    if kernel == "dec" and D % 64:
+        raise ValueError(f"paged_attention: the decode kernel needs head_dim % 64 == 0 (head_dim {D}); leave "
+                         f"kernel unset")
+    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D)
     if not 1 <= p.splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
                          f"COMBINE_MAX_SPLITS), got {p.splits}")
@@ -145,6 +161,9 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                "GATE": int(gate is not None)}
     if p.kernel == "wg":
         fn, threads, smem = get_function(SRC_WG, "paged_attention_wg", q.device, defines), THREADS_WG, smem_bytes_wg(D)
+    elif p.kernel == "dec":
+        fn = get_function(SRC_DEC, "paged_attention_decode", q.device, defines)
+        threads, smem = THREADS_DEC, smem_bytes_decode(D)
     else:
         fn = get_function(SRC, "paged_attention_fwd", q.device, {**defines, "WARPS_M": p.warps_m})
         threads, smem = 32 * p.warps_m, smem_bytes(p.warps_m, D)

@@ -92,26 +92,28 @@ __device__ __forceinline__ void empty_share(const int (&r)[2], int rows, int t, 
 }
 
 // The end of row r (< rows) with running max m and sum l: out = o / l * sigmoid(gate), or with SPLIT the
-// share's o / l and its log2-sum-exp. val(i, e) is the thread's accumulator of column 8 i + 2 t + e.
-template <typename F>
+// share's o / l and (with_lse) its log2-sum-exp. The thread holds NI * 2 columns, val(i, e) being column
+// c0 + 8 i + 2 t + e (the whole row by default; paged_decode.cu's warps hold a quarter each).
+template <int NI = HEAD_DIM / 8, typename F>
 __device__ __forceinline__ void finish_row(int r, float m, float l, int t, int q0, int kvh, int H, int total_q,
                                            const elem* gate, long long g_st, long long g_sh, elem* out,
-                                           float* o_part, float* lse_part, F val) {
+                                           float* o_part, float* lse_part, F val, int c0 = 0,
+                                           bool with_lse = true) {
     const long long row = row_index(r, q0, kvh, H);
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #if SPLIT
-    float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM;
+    float* op = o_part + ((long long)blockIdx.z * total_q * H + row) * HEAD_DIM + c0;
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
+    for (int i = 0; i < NI; ++i)
         *reinterpret_cast<float2*>(op + 8 * i + 2 * t) = make_float2(val(i, 0) * inv, val(i, 1) * inv);
-    if (t == 0) lse_part[(long long)blockIdx.z * total_q * H + row] = l > 0.f ? m + log2f(l) : NEG_INF;
+    if (with_lse && t == 0) lse_part[(long long)blockIdx.z * total_q * H + row] = l > 0.f ? m + log2f(l) : NEG_INF;
 #else
-    elem* orow = out + row * HEAD_DIM;
+    elem* orow = out + row * HEAD_DIM + c0;
 #if GATE
-    const elem* grow = gate + (long long)(q0 + r / GROUP) * g_st + (long long)(kvh * GROUP + r % GROUP) * g_sh;
+    const elem* grow = gate + (long long)(q0 + r / GROUP) * g_st + (long long)(kvh * GROUP + r % GROUP) * g_sh + c0;
 #endif
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i) {
+    for (int i = 0; i < NI; ++i) {
         const int col = 8 * i + 2 * t;
         float x0 = val(i, 0) * inv, x1 = val(i, 1) * inv;
 #if GATE
