@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 import threading
@@ -333,7 +334,7 @@ class TensorMap:
     128-byte swizzle, zero fill out of bounds. `dims` innermost first, `strides` in bytes for dims[1:],
     `box` the tile one copy moves, `promotion` the L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B,
     2 128 B, 3 256 B). TensorMap.zero() is an all-zero map for kernels that will not use it."""
-    __slots__ = ("_buf", "arg")
+    __slots__ = ("_buf", "addr", "arg")
 
     def __init__(self, ptr: int = 0, dims=(), strides=(), box=(), promotion: int = 2):
         import ctypes
@@ -352,6 +353,7 @@ class TensorMap:
                 raise ValueError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tuple(dims)}, strides "
                                  f"{tuple(strides)} bytes, box {tuple(box)}: strides must be multiples of 16 bytes "
                                  f"and the address 16-byte aligned")
+        self.addr = addr
         self.arg = CPointer(addr)
 
     @staticmethod
@@ -409,6 +411,116 @@ def card_of(device) -> Card:
     return _cards[idx]
 
 
+# ----------------------------------------------------------------------------- launching
+# Kernels are launched with the driver's cuLaunchKernel through ctypes rather than CuPy's call, which turns
+# every argument into an object of its own: a cold image prompt on the 9B shape makes ~475 launches and is
+# bound by the host (bench/results/ttft-profile-h200.log: launch and argument conversion ~28 of ~98 ms of
+# profiled host time, 63.5 ms wall for 44.8 ms of GPU kernels). Here a launch packs the values into one
+# reused buffer with struct.pack_into (24 arguments: 3.9 us on a CI core against 7.0 us for the numpy
+# scalars CuPy is handed): one 8-byte slot per parameter (4-byte values in its low half; the driver copies
+# as many bytes as the kernel's parameter has) and an array of pointers to the slots; a TensorMap
+# parameter (128 bytes, by value) points at the map itself. Without the driver library launches go
+# through CuPy.
+
+_SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "m": "8x"}  # struct codes of the parameter kinds
+_NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f"}
+_tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
+_cu_launch = None
+
+
+def _param(a) -> tuple[str, object]:
+    """(kind, value) of one kernel argument: "p" a 64-bit pointer (a tensor's data_ptr, None as 0), "q" int64,
+    "i" int32, "f" float32, "m" a TensorMap (its address). Python ints are int32, floats float32."""
+    kind = _NP_KIND.get(type(a))
+    if kind is not None:
+        return kind, a.item()
+    if a is None:
+        return "p", 0
+    if isinstance(a, TensorMap):
+        return "m", a.addr
+    if hasattr(a, "data_ptr"):
+        return "p", a.data_ptr()
+    if isinstance(a, bool):
+        return "i", int(a)
+    if isinstance(a, int):
+        if not -2 ** 31 <= a < 2 ** 31:
+            raise OverflowError(f"kernel argument {a} does not fit in int32; pass numpy.int64 explicitly")
+        return "i", a
+    if isinstance(a, float):
+        return "f", a
+    raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float, TensorMap "
+                    f"or numpy int32 / int64 / uint64 / float32 scalar")
+
+
+class _Packed:
+    """The parameter buffer of one sequence of argument kinds: 8 bytes a parameter, and kernelParams (an
+    array of pointers to them; a TensorMap's entry is set to the map's address at each launch)."""
+    __slots__ = ("fmt", "buf", "ptrs", "maps")
+
+    def __init__(self, kinds: str):
+        import ctypes
+        self.fmt = "<" + "".join(_SLOT[k] for k in kinds)
+        self.buf = ctypes.create_string_buffer(8 * max(1, len(kinds)))
+        base = ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * max(1, len(kinds)))(*(base + 8 * i for i in range(len(kinds))))
+        self.maps = tuple(i for i, k in enumerate(kinds) if k == "m")
+
+
+def pack_params(args: tuple) -> _Packed:
+    """`args` packed for cuLaunchKernel (the buffer is reused by the next launch of the same kinds on this
+    thread: the driver has copied the values by then)."""
+    kinds, vals, maps = "", [], None
+    for a in args:  # the common kinds inline (a launch has ~25 arguments), the rest through _param
+        k = _NP_KIND.get(type(a))
+        if k is not None:
+            v = a  # struct takes numpy scalars as they are
+        elif a is None:
+            k, v = "p", 0
+        else:
+            ptr = getattr(a, "data_ptr", None)
+            if ptr is not None:
+                k, v = "p", ptr()
+            else:
+                k, v = _param(a)
+                if k == "m":
+                    maps = maps or {}
+                    maps[len(kinds)] = v
+                    kinds += k
+                    continue
+        kinds += k
+        vals.append(v)
+    cache = getattr(_tls, "packed", None)
+    if cache is None:
+        cache = _tls.packed = {}
+    p = cache.get(kinds)
+    if p is None:
+        p = cache[kinds] = _Packed(kinds)
+    try:
+        struct.pack_into(p.fmt, p.buf, 0, *vals)
+    except struct.error as e:
+        raise OverflowError(f"a kernel argument does not fit its parameter: {e}") from None
+    if maps:
+        for i, addr in maps.items():
+            p.ptrs[i] = addr
+    return p
+
+
+def _driver_launch():
+    """cuLaunchKernel from the CUDA driver library through ctypes, or None where it cannot be loaded."""
+    global _cu_launch
+    if _cu_launch is None:
+        import ctypes
+        try:
+            lib = ctypes.WinDLL("nvcuda.dll") if os.name == "nt" else ctypes.CDLL("libcuda.so.1")
+            f = lib.cuLaunchKernel
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            _cu_launch = f
+        except (OSError, AttributeError):
+            _cu_launch = False
+    return _cu_launch or None
+
+
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""
@@ -419,4 +531,16 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> N
     kern = _kernels.get((id(fn), dev))
     if kern is None:
         kern = _kernels[(id(fn), dev)] = fn.kernel
-    kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+    cu = _driver_launch()
+    if cu is None:
+        kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+        return
+    p = pack_params(args)
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    bx, by, bz = (tuple(block) + (1, 1))[:3]
+    rc = cu(kern.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream.ptr, p.ptrs, None)
+    if rc == 201:  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet; CuPy makes it so
+        kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+    elif rc != 0:
+        raise RuntimeError(f"cuLaunchKernel failed (CUresult {rc}) for grid {tuple(grid)}, block {tuple(block)}, "
+                           f"{shared_mem} bytes of shared memory")

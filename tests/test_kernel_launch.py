@@ -1,0 +1,57 @@
+"""The kernel parameters cuda_build.launch hands the driver (cuLaunchKernel's kernelParams): each argument's
+bytes in its slot, as CuPy's own conversion (cuda_build._arg) gives them; TensorMaps by address; the buffer
+reused per sequence of argument kinds; bad arguments refused with the value named. CPU only: the launch
+itself runs in the GPU tests (every kernel goes through it)."""
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from qwen35_fast.kernels import cuda_build as cb
+
+
+def _slot(p, i, n=8) -> bytes:
+    return ctypes.string_at(p.ptrs[i], n)
+
+
+ARGS = (torch.zeros(4), None, np.int32(-5), np.int64(-(2 ** 40) - 3), np.uint64(2 ** 63 + 5), np.float32(1.5), 7, 2.25,
+        True, np.int32(2 ** 31 - 1))
+
+
+def test_each_argument_packs_as_cupy_would_pass_it():
+    p = cb.pack_params(ARGS)
+    for i, a in enumerate(ARGS):
+        want = cb._arg(a).tobytes()  # the numpy scalar CuPy receives today: its bytes are the parameter's
+        assert _slot(p, i, len(want)) == want, (i, a)
+    assert _slot(p, 0) == ARGS[0].data_ptr().to_bytes(8, "little")
+    assert _slot(p, 2) == (-5).to_bytes(4, "little", signed=True) + bytes(4)  # 4-byte values: the low half
+
+
+def test_tensor_maps_pass_by_address():
+    tm = cb.TensorMap.zero()
+    p = cb.pack_params((np.int32(3), tm, torch.zeros(2)))
+    assert p.ptrs[1] == tm.addr and tm.addr % 64 == 0
+    assert _slot(p, 0, 4) == (3).to_bytes(4, "little")
+    tm2 = cb.TensorMap.zero()
+    q = cb.pack_params((np.int32(4), tm2, torch.zeros(2)))
+    assert q is p and q.ptrs[1] == tm2.addr and _slot(q, 0, 4) == (4).to_bytes(4, "little")
+
+
+def test_buffer_reused_per_kinds_and_rewritten_whole():
+    a = cb.pack_params((np.int32(1), np.int64(2), 3.0))
+    first = ctypes.string_at(a.ptrs[0], 24)
+    b = cb.pack_params((np.int32(9), np.int64(8), 7.0))
+    assert b is a and ctypes.string_at(b.ptrs[0], 24) != first
+    assert _slot(b, 1) == (8).to_bytes(8, "little") and _slot(b, 2, 4) == np.float32(7.0).tobytes()
+    c = cb.pack_params((np.int64(9), np.int32(8)))
+    assert c is not a
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(OverflowError, match="2147483648"):
+        cb.pack_params((2 ** 31,))
+    with pytest.raises(TypeError, match="str"):
+        cb.pack_params(("x",))
+    with pytest.raises(TypeError, match="int16"):
+        cb.pack_params((np.int16(1),))
