@@ -28,6 +28,7 @@ from .model import Qwen35Model
 from .multimodal import (
     IMAGE_PAD,
     VIDEO_PAD,
+    TowerClock,
     VisionStats,
     _as_inputs,
     _merge,
@@ -124,16 +125,16 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
         positions = delta = None
         if ordered:  # rotary ids of the new tokens continue from the parent's next position
-            new_positions, new_delta = layout_positions(parts, dev)
+            new_positions, new_delta = layout_positions(parts)
             # only positions past the reused prefix are read, and it reaches at least the parent's turn end
-            positions = torch.cat([torch.zeros(3, cached, dtype=new_positions.dtype, device=dev),
+            positions = torch.cat([torch.zeros(3, cached, dtype=new_positions.dtype),
                                    new_positions + (cached + turn.rope_delta)], dim=1)
             delta = turn.rope_delta + new_delta
-        vision_ms = [0.0]
+        clock = TowerClock(dev)
         _sync(dev)
         t0 = time.perf_counter()
         points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
-        run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, vision_ms),
+        run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
                               positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
                               use_cache=use_cache, needed=[cached + turn_end])
         _sync(dev)
@@ -144,7 +145,8 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         t2 = time.perf_counter()
         stats = None
         if inputs:
-            stats = VisionStats(n_vision, new - n_vision, vision_ms[0], (t2 - t0) * 1000 - vision_ms[0],
+            vision_ms = clock.ms
+            stats = VisionStats(n_vision, new - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                                 sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
         return Prefill(whole, run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
                        id(model), vision=stats, turn=run.states.get(cached + turn_end),

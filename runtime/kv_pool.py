@@ -368,4 +368,5 @@ def block_table_tensor(seqs: Sequence[SequenceBlocks], max_blocks: Optional[int]
         if len(s.blocks) > width:
             raise ValueError(f"block_table_tensor: a sequence has {len(s.blocks)} blocks, more than max_blocks={width}")
         rows.append(s.blocks + [PAD] * (width - len(s.blocks)))
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)
+    from .host import upload
+    return upload(rows, torch.int32, device).reshape(len(seqs), width)

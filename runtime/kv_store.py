@@ -17,6 +17,7 @@ import torch
 
 from .config import FULL
 from .errors import Qwen35Error
+from .host import upload
 from .kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, model_sizes, pool_tensors
 
 BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json, 64 is 1-4% faster than 16
@@ -153,7 +154,7 @@ class KVStore:
         bs = self.block_size
         pos = torch.arange(start, end)
         blocks = torch.tensor(seq.blocks, dtype=torch.long)
-        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+        return upload(blocks[pos // bs] * bs + pos % bs, device=self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v [T, Hkv, D] of attention layer `layer` (model index) at pool rows `slots`."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import Qwen35Error
+from .host import upload
 
 # Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
 IMAGE_MIN_PIXELS = 65_536
@@ -163,8 +164,8 @@ def _patchify(frames: torch.Tensor, pp: Preprocessing) -> tuple[torch.Tensor, tu
 
 
 def _normalise(x: torch.Tensor, pp: Preprocessing) -> torch.Tensor:
-    mean = torch.tensor(pp.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(pp.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    mean = upload(pp.mean, x.dtype, x.device).view(1, -1, 1, 1)
+    std = upload(pp.std, x.dtype, x.device).view(1, -1, 1, 1)
     return (x - mean) / std
 
 

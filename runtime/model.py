@@ -17,6 +17,7 @@ from .. import kernels
 from . import rope
 from .config import LINEAR, TextConfig
 from .errors import Qwen35Error
+from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
 
@@ -212,7 +213,7 @@ def rope_delta_after(cache: Cache, positions: torch.Tensor | None, k: int) -> in
     (None: text, the cache's delta)."""
     if positions is None:
         return cache.rope_delta
-    return int(positions[:, :k].max()) + 1 - (cache.length + k)
+    return int(positions[:, :k].max()) + 1 - (cache.length + k)  # host positions: no synchronisation
 
 
 class Qwen35Model(nn.Module):
@@ -441,8 +442,8 @@ class Qwen35Model(nn.Module):
         store, dev = cache.store, self.device
         if start == 0:
             return KVStep(slots=store.slots(cache.seq, 0, T))
-        return KVStep(table=store.table(cache.seq), lens=torch.tensor([start], dtype=torch.int32, device=dev),
-                      cu_q=torch.tensor([0, T], dtype=torch.int32, device=dev), max_q=T)
+        return KVStep(table=store.table(cache.seq), lens=upload([start], torch.int32, dev),
+                      cu_q=upload([0, T], torch.int32, dev), max_q=T)
 
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
                         rope_delta: int | None = None) -> torch.Tensor:
@@ -452,7 +453,7 @@ class Qwen35Model(nn.Module):
 
         vision: (index [n] long, features [n, hidden]): slots among these T tokens whose embedding is
         replaced by vision-tower output; positions: [3, T] rotary ids (default: text, the slot plus the
-        cache's rope_delta); rope_delta: stored in the cache for the tokens after this chunk (rope.py;
+        cache's rope_delta; on the host, the deltas at cuts cost no synchronisation); rope_delta: stored in the cache for the tokens after this chunk (rope.py;
         None keeps the cache's).
         """
         return self._prefill(ids, cache, vision, positions, rope_delta, ())[0]
@@ -478,6 +479,8 @@ class Qwen35Model(nn.Module):
             n = len(cache.conv)
             kept.append((k, GDNState([None] * n, [None] * n, start + k, rope_delta_after(cache, positions, k))))
         kv = self._kv_step(cache, start, T)
+        if positions is not None:
+            positions = upload(positions, device=self.device)
         h = F.embedding(ids, self.embed)
         if vision is not None:
             index, features = vision

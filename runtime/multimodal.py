@@ -22,6 +22,7 @@ import torch
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync
+from .host import upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
 from .memory import out_of_memory, prefill_bytes, vision_bytes
@@ -194,15 +195,15 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         reserve(needed)
     model.select_backend()
     try:
-        positions, delta = layout_positions(parts, model.device)
+        positions, delta = layout_positions(parts)
         spans = media_spans(ids, ordered, _merge(model))
-        vision_ms = [0.0]
+        clock = TowerClock(model.device)
         _sync(model.device)
         t0 = time.perf_counter()
         system = system_end(model, ids) if use_chat_template else None
         turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
         points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
-        run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, vision_ms),
+        run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, clock),
                               positions, delta, limit=turn_end, use_cache=use_cache,
                               needed=[turn_end] if turn_end else [])
         _sync(model.device)
@@ -217,7 +218,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         run = None
         raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
                                    "tokens; lower max_pixels or use fewer frames or images to need less)", needed)
-    stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms[0], (t2 - t0) * 1000 - vision_ms[0],
+    vision_ms = clock.ms
+    stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
     return Prefill(tuple(ids), run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
                    id(model), vision=stats, turn=run.states.get(turn_end), cached_tokens=run.cached_tokens,
@@ -241,23 +243,52 @@ def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0) ->
     return out
 
 
-def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: list[MediaSpan], ms: list[float]):
+class TowerClock:
+    """The vision tower's time in one prefill: CUDA events around its launches on a GPU, read once the
+    prefill is done (so that timing it holds nothing up: the text layers queue while the tower runs),
+    the host clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.spans: list = []
+        self._begin = None
+
+    def start(self) -> None:
+        self._begin = self._now()
+
+    def stop(self) -> None:
+        self.spans.append((self._begin, self._now()))
+
+    def _now(self):
+        if self.stream is None:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(self.stream)
+        return e
+
+    @property
+    def ms(self) -> float:
+        """Milliseconds in the tower; on a GPU, call it after the prefill has synchronised."""
+        if self.stream is None:
+            return sum(b - a for a, b in self.spans) * 1000
+        return sum(a.elapsed_time(b) for a, b in self.spans)
+
+
+def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: list[MediaSpan], clock: TowerClock):
     """The `vision(n)` of prefix.prefill_reusing: the tower over the inputs at or after token n (the others
-    are inside the reused prefix), as (pad slots counted from n, features); adds its time to ms[0]."""
+    are inside the reused prefix), as (pad slots counted from n, features), timed by `clock`. Nothing in it
+    waits for the GPU."""
     def run(n: int):
         todo = [inp for inp, sp in zip(ordered, spans) if sp.start >= n]
         if not todo:
             return None
         dev = model.device
-        _sync(dev)
-        t0 = time.perf_counter()
+        clock.start()
         tower = model.vision
         pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
         features = tower(pixels, tower.plan([inp.grid for inp in todo]), backend=model.backend)
-        ids_t = torch.tensor(list(ids[n:]), device=dev)
-        slots = ((ids_t == IMAGE_PAD) | (ids_t == VIDEO_PAD)).nonzero()[:, 0]
-        _sync(dev)
-        ms[0] += (time.perf_counter() - t0) * 1000
+        clock.stop()
+        slots = upload([i for i, t in enumerate(ids[n:]) if t in (IMAGE_PAD, VIDEO_PAD)], torch.long, dev)
         return slots, features
     return run
 
@@ -267,11 +298,11 @@ class VisionStats:
     """What a multimodal prefill did."""
     vision_tokens: int
     text_tokens: int
-    vision_ms: float
-    prefill_ms: float
+    vision_ms: float  # the tower (TowerClock: GPU time on a GPU)
+    prefill_ms: float  # the rest of the prefill's wall time
     scaled_down: int  # inputs resized down to fit max_pixels
     grids: tuple[tuple[int, int, int], ...]
 
 
-__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "VisionStats", "VISION_START", "VISION_END",
+__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "TowerClock", "VisionStats", "VISION_START", "VISION_END",
            "IMAGE_PAD", "VIDEO_PAD"]

@@ -17,6 +17,7 @@ import os
 import torch
 
 from .decode_graph import side_stream
+from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
 
@@ -97,14 +98,14 @@ class PaddedPrefill:
         pos = text_positions(cache, n, dev) if positions is None else positions
         cut = keep_at[0] if keep_at else n
         kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
-        self.ids.copy_(torch.tensor([list(ids) + [0] * (self.bucket - n)], dtype=torch.long))
-        self.positions[:, :n] = pos
-        self.positions[:, n:] = pos[:, -1:] + torch.arange(1, self.bucket - n + 1, device=dev)
+        self.ids.copy_(upload([list(ids) + [0] * (self.bucket - n)], torch.long, dev))
+        filler = pos[:, -1:] + torch.arange(1, self.bucket - n + 1, device=pos.device)
+        self.positions.copy_(upload(torch.cat([pos, filler], dim=1), device=dev))
         self.n.fill_(n)
         self.cut.fill_(cut)
         self.kv.lens.fill_(start)
         blocks = cache.seq.blocks
-        self.kv.table[0, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(dev)
+        self.kv.table[0, :len(blocks)] = upload(blocks, torch.int32, dev)
         if self.conv is None:
             self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.conv]
             self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.ssm]

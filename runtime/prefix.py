@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from .chat import IM_END, IM_START
+from .host import upload
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
 from .prefill_graph import padded_prefill
@@ -42,9 +43,8 @@ def content_hash(t: torch.Tensor) -> str:
         raw = torch.cat([raw, raw.new_zeros(pad)])
     words = raw.view(torch.int64)
     index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    lanes = []
-    for seed in (0x51ED27, 0x2545F491):
-        lanes.append(int(_mix(words ^ _mix(index + seed)).sum()) & _MASK)
+    lanes = [x & _MASK for x in torch.stack([_mix(words ^ _mix(index + seed)).sum()
+                                              for seed in (0x51ED27, 0x2545F491)]).tolist()]  # one read back
     return f"{lanes[0]:016x}{lanes[1]:016x}-{str(t.dtype)[6:]}-{'x'.join(map(str, t.shape))}"
 
 
@@ -118,7 +118,7 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     if graphed is not None:
         logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
     else:
-        x = torch.tensor([list(ids[n:])], dtype=torch.long, device=model.device)
+        x = upload([list(ids[n:])], torch.long, model.device)
         if keep:
             logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
         else:

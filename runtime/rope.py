@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host import upload
+
 
 def inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     """[rotary_dim / 2] fp32 inverse frequencies."""
@@ -57,7 +59,8 @@ class VisionSpan:
 
 
 def layout_positions(parts, device=None) -> tuple[torch.Tensor, int]:
-    """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts, and its rope_delta."""
+    """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts (on the host without a
+    device: the model uploads them, and reads rope deltas at cuts from them without a sync), and its rope_delta."""
     chunks, s = [], 0
     for part in parts:
         if isinstance(part, TextRun):
@@ -72,7 +75,7 @@ def layout_positions(parts, device=None) -> tuple[torch.Tensor, int]:
     positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long)
     n = positions.shape[1]
     delta = int(positions.max()) + 1 - n if n else 0
-    return positions.to(device), delta
+    return positions if device is None else upload(positions, device=device), delta
 
 
 def text_positions(start: int, n: int, device=None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 from .. import kernels
 from .checkpoint import read_header
 from .errors import Qwen35Error
+from .host import upload
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 LAYER_NORM_EPS = 1e-6
@@ -187,9 +188,9 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
         pos_rows.append((first + torch.arange(h * w)).repeat(t))
         first += h * w
     # index math on the host, the float math where the tower runs (one small copy instead of cos / sin)
-    frame_row, frame_col = torch.cat(rows).to(device), torch.cat(cols).to(device)
-    height, width = torch.cat(heights).to(device), torch.cat(widths).to(device)
-    expand = torch.cat(pos_rows).to(device) if any(t > 1 for t, _, _ in grids) else None
+    frame_row, frame_col = upload(torch.cat(rows), device=device), upload(torch.cat(cols), device=device)
+    height, width = upload(torch.cat(heights), device=device), upload(torch.cat(widths), device=device)
+    expand = upload(torch.cat(pos_rows), device=device) if any(t > 1 for t, _, _ in grids) else None
     row, col = (frame_row, frame_col) if expand is None else (frame_row[expand], frame_col[expand])
 
     def taps(index, size):  # bilinear, corners aligned: patch 0 -> grid 0, last patch -> grid side-1
@@ -222,8 +223,8 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
             groups.append((None, len(firsts), n))
         else:
             idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
-            groups.append((idx.to(device), len(firsts), n))
-    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+            groups.append((upload(idx, device=device), len(firsts), n))
+    cu = upload(starts, torch.int32, device)
     return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), tuple(groups), cu, max(lengths))
 
 

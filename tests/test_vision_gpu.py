@@ -80,3 +80,39 @@ def test_multimodal_prefill_and_decode_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
     eager = generate(gpu, b, max_new_tokens=8, sampling=greedy)
     assert graphed.token_ids == eager.token_ids and len(eager.token_ids) >= 1
+
+
+def test_image_prompt_waits_for_the_gpu_only_at_its_end(tmp_path, monkeypatch):
+    """From the tower's first launch to the end of the prefill nothing in the runtime waits for the GPU
+    (torch's sync debug mode names every implicit synchronisation): the text layers queue while the
+    tower runs. The one wait left is the logits' read at the end (prefill_multimodal)."""
+    import traceback
+    import warnings
+
+    from qwen35_fast.runtime import multimodal
+    make_hf_model(tmp_path, seed=5, vocab=248320, head_dim_lin=128)
+    gpu = load_model(tmp_path, dtype="bf16", device="cuda", backend="auto")
+    image = torch.rand(1, 96, 160, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for use_cache in (False, True):
+        gpu.kv.pool.clear()
+        prefill_multimodal(gpu, "What is this?", images=image, use_cache=use_cache)  # warm: modules, graphs
+        gpu.kv.pool.clear()
+        tower_started, waits = [False], []
+        start = multimodal.TowerClock.start
+        monkeypatch.setattr(multimodal.TowerClock, "start", lambda self: tower_started.__setitem__(0, True) or start(self))
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/runtime/" in f.filename.replace("\\", "/")]
+            if tower_started[0] and frames:
+                waits.append(f"{frames[-1].name} ({frames[-1].filename.split('/')[-1]}:{frames[-1].lineno})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            monkeypatch.setattr(warnings, "showwarning", record)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pf = prefill_multimodal(gpu, "What is this?", images=image, use_cache=use_cache)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
+        assert tower_started[0] and pf.vision.vision_ms > 0
+        assert [w for w in waits if not w.startswith("prefill_multimodal ")] == [], (use_cache, waits)

@@ -1,0 +1,22 @@
+"""Small host values (ids, positions, block tables, plans) onto the device without stalling it.
+
+torch's blocking host-to-device copy waits for everything already queued on the stream; a prompt makes
+a dozen such copies, several of them behind the vision tower's 15 ms of kernels, and each one left the
+GPU idle while Python queued the next work. A copy from pageable memory with non_blocking=True is staged
+by the driver before the call returns (the host tensor may be dropped or changed at once) and waits for
+nothing (bench/results/ttft-profile-h200.log counts the synchronisations a prompt makes).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """`data` (a list, a tuple or a CPU tensor) as a tensor on `device`, queued without a synchronisation."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to(device, non_blocking=True) if device is not None else t
+
+
+__all__ = ["upload"]
