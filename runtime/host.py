@@ -14,11 +14,15 @@ import torch
 
 
 def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-    """`data` (a list, a tuple or a CPU tensor) as a tensor on `device`, queued without a synchronisation."""
+    """`data` (a list, a tuple or a CPU tensor) as a tensor on `device`, queued without a synchronisation on
+    CUDA (elsewhere a plain copy: the staging guarantee above is CUDA's)."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    return t.to(device, non_blocking=True) if device is not None else t
+    if device is None:
+        return t
+    device = torch.device(device)
+    return t.to(device, non_blocking=device.type == "cuda")
 
 
 __all__ = ["upload"]
