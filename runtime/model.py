@@ -453,8 +453,8 @@ class Qwen35Model(nn.Module):
 
         vision: (index [n] long, features [n, hidden]): slots among these T tokens whose embedding is
         replaced by vision-tower output; positions: [3, T] rotary ids (default: text, the slot plus the
-        cache's rope_delta; on the host, the deltas at cuts cost no synchronisation); rope_delta: stored in the cache for the tokens after this chunk (rope.py;
-        None keeps the cache's).
+        cache's rope_delta; on the host, the deltas at cuts cost no synchronisation); rope_delta: stored in
+        the cache for the tokens after this chunk (rope.py; None keeps the cache's).
         """
         return self._prefill(ids, cache, vision, positions, rope_delta, ())[0]
 

@@ -304,5 +304,5 @@ class VisionStats:
     grids: tuple[tuple[int, int, int], ...]
 
 
-__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "TowerClock", "VisionStats", "VISION_START", "VISION_END",
-           "IMAGE_PAD", "VIDEO_PAD"]
+__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "TowerClock",
+           "VisionStats", "VISION_START", "VISION_END", "IMAGE_PAD", "VIDEO_PAD"]

@@ -59,8 +59,9 @@ class VisionSpan:
 
 
 def layout_positions(parts, device=None) -> tuple[torch.Tensor, int]:
-    """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts (on the host without a
-    device: the model uploads them, and reads rope deltas at cuts from them without a sync), and its rope_delta."""
+    """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts, and its rope_delta. Without a
+    device they stay on the host: the model uploads them, and reads the rope deltas at cuts from them without
+    a synchronisation."""
     chunks, s = [], 0
     for part in parts:
         if isinstance(part, TextRun):
