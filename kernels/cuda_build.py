@@ -455,7 +455,7 @@ def _param(a) -> tuple[str, object]:
 class _Packed:
     """The parameter buffer of one sequence of argument kinds: 8 bytes a parameter, and kernelParams (an
     array of pointers to them; a TensorMap's entry is set to the map's address at each launch)."""
-    __slots__ = ("fmt", "buf", "ptrs", "maps")
+    __slots__ = ("fmt", "buf", "ptrs")
 
     def __init__(self, kinds: str):
         import ctypes
@@ -463,7 +463,6 @@ class _Packed:
         self.buf = ctypes.create_string_buffer(8 * max(1, len(kinds)))
         base = ctypes.addressof(self.buf)
         self.ptrs = (ctypes.c_void_p * max(1, len(kinds)))(*(base + 8 * i for i in range(len(kinds))))
-        self.maps = tuple(i for i, k in enumerate(kinds) if k == "m")
 
 
 def pack_params(args: tuple) -> _Packed:
