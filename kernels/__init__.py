@@ -109,6 +109,13 @@ def rms_norm(x, weight, eps: float, backend: Backend | None = None):
     return ops.run(ops.rms_norm_op, x, weight, float(eps), bool(backend and backend.use_cuda))
 
 
+def rms_norm_rope(x, weight, eps: float, cos, sin, backend: Backend | None = None):
+    """An attention layer's q or k: rms_norm, rounded to x.dtype, then the rotary (half-split) on the first
+    cos.shape[-1] features, each product and the sum in x.dtype. x: [B, T, H, hd]; weight: [hd]; cos, sin:
+    [T, rotary_dim] in x.dtype. Returns a contiguous [B, T, H, hd]."""
+    return ops.run(ops.rms_norm_rope_op, x, weight, float(eps), cos, sin, bool(backend and backend.use_cuda))
+
+
 def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     """The GDN output norm: weight * (x / rms(x)) * silu(gate) over the last dimension. x, gate: [..., D];
     weight: [D]."""
@@ -147,5 +154,6 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "gated_rms_norm", "paged_attention",
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "gated_rms_norm",
+           "paged_attention",
            "vision_rotary", "layer_norm", "add_layer_norm"]

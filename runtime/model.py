@@ -296,16 +296,6 @@ class Qwen35Model(nn.Module):
         the three are interleaved over the frequencies as rope.py describes."""
         return rope.cos_sin(positions, self.inv_freq, self.rope_section, self.dtype)
 
-    @staticmethod
-    def _apply_rope(x, cos, sin):
-        """x: [B, T, H, hd]; rotates the first rotary_dim features (half-split convention)."""
-        rd = cos.shape[-1]
-        xr, xp = x[..., :rd], x[..., rd:]
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat([-x2, x1], dim=-1)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        return torch.cat([xr * cos + rot * sin, xp], dim=-1)
-
     # --- layers -----------------------------------------------------------------------------
     def _split_gdn(self, m: GDNLayer, x):
         c = self.config
@@ -379,8 +369,8 @@ class Qwen35Model(nn.Module):
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = F.linear(x, m.qkv).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
-        q = self._apply_rope(kernels.rms_norm(q, m.q_norm, c.rms_norm_eps, backend=be), cos, sin)
-        k = self._apply_rope(kernels.rms_norm(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, backend=be), cos, sin)
+        q = kernels.rms_norm_rope(q, m.q_norm, c.rms_norm_eps, cos, sin, backend=be)  # rotary: half-split
+        k = kernels.rms_norm_rope(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, cos, sin, backend=be)
         v = v.view(B, T, Hkv, hd)
         store = cache.store
         if kv.slots is not None:  # nothing cached before these tokens: causal attention among them

@@ -45,7 +45,10 @@ VARIANTS = {
                     for d in _P.PORTABLE_SPLITS for i in (2, 1)],
     # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
     "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
-                    for i in (2, 1) for w in (0, i) for g in (0, 1)],
+                    for i in (2, 1) for w in (0, i) for g in (0, 1)]
+    # ... and q / k with the rotary after the norm (Qwen3.5: 64 of 256; small test models: 32 of 128)
+    + [{"DIM": d, "IN_T": i, "W_T": w, "ROPE": r} for d, r in ((256, 64), (128, 32), (128, 64), (64, 16))
+       for i in (2, 1) for w in (0, i)],
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],

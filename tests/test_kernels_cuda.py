@@ -12,7 +12,7 @@ import torch
 from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
-from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref, rope_ref
 
 from _models import poison_allocator, rel
 
@@ -269,6 +269,45 @@ def test_norms_take_strided_views_as_the_model_has_them(impl):
     y = impl.gated_rms_norm_cuda(o, z, wn, 1e-6)
     assert torch.equal(y, impl.gated_rms_norm_cuda(o, z.contiguous(), wn, 1e-6))
     assert rel(y, gated_rms_norm_ref(o, z, wn, 1e-6)) < NORM_TOL[torch.bfloat16]
+
+
+def _rope_tables(T, rd, dtype, g):
+    angles = torch.rand(T, rd // 2, generator=g, device=DEV) * 100
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("D,rd", [(256, 64), (128, 32), (128, 64), (64, 16)])
+@pytest.mark.parametrize("T,H", [(1, 16), (5, 4), (300, 16)])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_rms_norm_rope_is_the_norm_kernel_then_the_rotary(impl, D, rd, T, H, dtype, wdtype):
+    """The fused q / k norm + rotary gives, bit for bit, rms_norm_cuda followed by the rotary's PyTorch
+    expression (the same roundings: the norm rounded, each product and the sum rounded); against the
+    all-PyTorch reference it differs only where the norm does (NORM_TOL)."""
+    g = torch.Generator(device=DEV).manual_seed(D * T + rd)
+    qg = (torch.randn(1, T, H, 2 * D, generator=g, device=DEV) * 3).to(dtype)
+    q = qg.chunk(2, dim=-1)[0]  # strided, as the model's q
+    w = (torch.randn(D, generator=g, device=DEV) * 0.3).to(wdtype)
+    cos, sin = _rope_tables(T, rd, dtype, g)
+    poison_allocator(((1, T, H, D), dtype))
+    y = impl.rms_norm_rope_cuda(q, w, 1e-6, cos, sin)
+    assert y.shape == q.shape and y.is_contiguous() and not y.isnan().any()
+    assert torch.equal(y, rope_ref(impl.rms_norm_cuda(q, w, 1e-6), cos, sin))
+    ref = rms_norm_rope_ref(q, w, 1e-6, cos, sin)
+    assert rel(y, ref) < NORM_TOL[dtype] and (y == ref).float().mean() > 0.95
+
+
+def test_rms_norm_rope_falls_back_where_the_kernel_does_not_apply(impl):
+    """Rotary widths the kernel does not take (not a multiple of 16, a sixteenth not a power of two, past the
+    first warp's vectors), fp32, and cos / sin of another dtype run the reference exactly."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for D, rd, dtype, cdtype in [(256, 24, torch.bfloat16, torch.bfloat16), (256, 48, torch.bfloat16, torch.bfloat16),
+                                 (2048, 512, torch.bfloat16, torch.bfloat16), (128, 32, torch.float32, torch.float32),
+                                 (128, 32, torch.bfloat16, torch.float32)]:
+        x = torch.randn(1, 9, 4, D, generator=g, device=DEV).to(dtype)
+        w = torch.randn(D, generator=g, device=DEV) * 0.1
+        cos, sin = _rope_tables(9, rd, cdtype, g)
+        assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin), rms_norm_rope_ref(x, w, 1e-6, cos, sin))
 
 
 def test_norms_fall_back_where_the_kernel_does_not_apply(impl):

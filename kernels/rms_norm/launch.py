@@ -1,4 +1,5 @@
-"""Launcher of rms_norm.cu: the model's RMSNorm (and the GDN output's gated norm) in one pass."""
+"""Launcher of rms_norm.cu: the model's RMSNorm (and the GDN output's gated norm, and the attention's q / k norm
+with the rotary after it) in one pass."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import get_function, launch
-from .reference import gated_rms_norm_ref, rms_norm_ref
+from .reference import gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 
 SRC = Path(__file__).with_name("rms_norm.cu")
 WARPS = 8  # as in rms_norm.cu
@@ -36,7 +37,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return v if aligned else v.contiguous()
 
 
-def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _tpr(D: int) -> int:
+    """Threads per row of rms_norm.cu (TPR)."""
+    nv = D // 8
+    return nv if nv <= 32 else 128 if nv % 128 == 0 else 32
+
+
+def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+          rope: Optional[tuple] = None) -> torch.Tensor:
     D = x.shape[-1]
     xv = _rows(x)
     gv = _rows(gate) if gate is not None else xv
@@ -45,14 +53,15 @@ def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, e
     rows = xv.shape[0] * xv.shape[1]
     if rows == 0:
         return y
-    defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None)}
-    nv = D // 8
-    per_block = WARPS * 32 // (nv if nv <= 32 else 128 if nv % 128 == 0 else 32)  # RPB of rms_norm.cu
+    cos, sin = rope if rope is not None else (None, None)
+    defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None),
+               "ROPE": 0 if cos is None else cos.shape[-1]}
+    per_block = WARPS * 32 // _tpr(D)  # RPB of rms_norm.cu
     i64 = np.int64
     launch(get_function(SRC, "rms_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
            (WARPS * 32, 1, 1),
            (xv, gv, w, y, i64(rows), np.int32(xv.shape[1]), i64(xv.stride(0)), i64(xv.stride(1)),
-            i64(gv.stride(0)), i64(gv.stride(1)), np.float32(eps)))
+            i64(gv.stride(0)), i64(gv.stride(1)), np.float32(eps), cos, sin, i64(0 if cos is None else cos.shape[0])))
     return y
 
 
@@ -74,3 +83,22 @@ def gated_rms_norm_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     if not _kernel_takes(x, weight, gate):
         return gated_rms_norm_ref(x, gate, weight, eps)
     return _norm(x, gate, weight, eps)
+
+
+def rope_supported(D: int, rd: int) -> bool:
+    """Rotary widths the fused kernel takes after a norm of D: a multiple of 16 whose sixteenth is a power of
+    two, inside the first warp's vectors of a row (Qwen3.5: 64 of 256; the small test models 32 of 128)."""
+    return (supported(D) and 0 < rd <= D and rd % 16 == 0 and (rd // 16) & (rd // 16 - 1) == 0
+            and rd <= 8 * min(_tpr(D), 32))
+
+
+def rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.rms_norm_rope_ref (x [B, T, H, hd], cos / sin [T, rd]); what the kernel
+    does not take runs the reference."""
+    ok = (_kernel_takes(x, weight, None) and x.dim() == 4 and cos.dim() == 2 and cos.shape == sin.shape
+          and cos.shape[0] == x.shape[1] and cos.dtype == x.dtype and sin.dtype == x.dtype
+          and rope_supported(x.shape[-1], cos.shape[1]))
+    if not ok:
+        return rms_norm_rope_ref(x, weight, eps, cos, sin)
+    return _norm(x, None, weight, eps, (cos.contiguous(), sin.contiguous()))

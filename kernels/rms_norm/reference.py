@@ -17,3 +17,21 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The attention's rotary on the first cos.shape[-1] features of x [B, T, H, hd] (half-split), each
+    product and the sum in x.dtype. cos, sin: [T, rotary_dim]."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+
+
+def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """q or k of an attention layer: the zero-centred RMSNorm, rounded to x.dtype, then the rotary.
+    x: [B, T, H, hd]; weight: [hd]; cos, sin: [T, rotary_dim] in x.dtype."""
+    return rope_ref(rms_norm_ref(x, weight, eps), cos, sin)

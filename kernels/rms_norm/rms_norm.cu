@@ -4,6 +4,11 @@
 //   gated (GATED 1):  y = w * [x * rsqrt(mean(x^2) + eps)] * silu(gate)        ([.] rounded to the
 //                     element type first, and w * [.] too when W_T is the element type: the roundings of
 //                     the PyTorch expression in reference.py)
+//   rotary (ROPE > 0): the plain norm, rounded, then the attention's rotary on its first ROPE features:
+//                     y[j] = x[j] cos[j] + r[j] sin[j], r = cat(-x[ROPE/2:ROPE], x[:ROPE/2]), each product
+//                     and the sum rounded to the element type (the bf16 PyTorch expression of
+//                     reference.rms_norm_rope_ref); cos, sin [T, ROPE] in the element type, token = row / H % T.
+//                     A lane's partner features (j +- ROPE/2) are in lane ^ ROPE/16: one shuffle per word.
 // Rows are (i, j) of an [R, H, DIM] view with element strides (s0, s1, 1); x and gate have their own.
 // TPR threads hold one row (DIM / 8 vectors of 8 elements, VPL per thread): up to 32 lanes of a warp
 // (32 / TPR rows per warp), or 128 threads (4 warps, partial sums through shared memory) where DIM / 8
@@ -22,6 +27,9 @@
 #ifndef GATED
 #define GATED 0
 #endif
+#ifndef ROPE
+#define ROPE 0  // rotary features after the plain norm (q / k of the attention layers); 0: none
+#endif
 
 typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
@@ -33,16 +41,20 @@ typedef qf_type<W_T>::t wtype;
 #define RPB (WARPS * 32 / TPR)                              // rows per block
 static_assert(DIM % 8 == 0 && (NV < 32 ? 32 % NV == 0 : NV % 32 == 0),
               "DIM / 8 must divide 32 or be a multiple of 32");
+static_assert(ROPE == 0 || (!GATED && ROPE % 16 == 0 && ROPE <= 8 * (TPR < 32 ? TPR : 32) &&
+                            ((ROPE / 16) & (ROPE / 16 - 1)) == 0),
+              "ROPE: a multiple of 16 whose sixteenth is a power of two, in the first warp's vectors of a row");
 
 union Vec8 {
     uint4 u;
+    unsigned int w[4];
     elem e[8];
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wtype* __restrict__ w,
              elem* __restrict__ y, long long rows, int H, long long xs0, long long xs1, long long gs0,
-             long long gs1, float eps)
+             long long gs1, float eps, const elem* __restrict__ cos_t, const elem* __restrict__ sin_t, long long T)
 {
     const int li = threadIdx.x % TPR;
     const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;
@@ -64,7 +76,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     }
     __shared__ float part[WARPS];  // used where TPR > 32 (4 warps a row), else compiled away
     ss = block_row_sum<TPR>(ss, part);
-    if (!ok) return;
+    if (!ok && ROPE == 0) return;  // (with ROPE every lane of a warp takes part in the shuffles)
     const float rr = rsqrtf(ss * (1.f / DIM) + eps);  // the mean as torch forms it: sum times 1 / n
 #if GATED
     const elem* gr = gate + ri * gs0 + rj * gs1;
@@ -93,6 +105,27 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
             out.e[e] = from_f<elem>(xf * rr * (1.f + wf));
 #endif
         }
+#if ROPE
+        if (k == 0) {
+            Vec8 pv;  // the normalised features j +- ROPE / 2 of this lane's j
+#pragma unroll
+            for (int q = 0; q < 4; ++q) pv.w[q] = __shfl_xor_sync(0xffffffffu, out.w[q], ROPE / 16);
+            if (col < ROPE) {
+                const long long tok = ri % T;
+                Vec8 c, s;
+                c.u = *reinterpret_cast<const uint4*>(cos_t + tok * ROPE + col);
+                s.u = *reinterpret_cast<const uint4*>(sin_t + tok * ROPE + col);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float p = to_f(pv.e[e]), rot = col < ROPE / 2 ? -p : p;
+                    const float a = to_f(from_f<elem>(__fmul_rn(to_f(out.e[e]), to_f(c.e[e]))));
+                    const float b = to_f(from_f<elem>(__fmul_rn(rot, to_f(s.e[e]))));
+                    out.e[e] = from_f<elem>(__fadd_rn(a, b));
+                }
+            }
+        }
+        if (!ok) continue;
+#endif
         *reinterpret_cast<uint4*>(yr + col) = out.u;
     }
 }
