@@ -116,6 +116,17 @@ def rms_norm_rope(x, weight, eps: float, cos, sin, backend: Backend | None = Non
     return ops.run(ops.rms_norm_rope_op, x, weight, float(eps), cos, sin, bool(backend and backend.use_cuda))
 
 
+def add_rms_norm(res, x, weight, eps: float, backend: Backend | None = None):
+    """The residual stream's add and the norm after it in one pass: returns (s, rms_norm(s)), s = res + x in
+    x.dtype (the new residual). res, x: [..., D]; weight: [D]."""
+    return ops.run(ops.add_rms_norm_op, res, x, weight, float(eps), bool(backend and backend.use_cuda))
+
+
+def silu_mul(gu, backend: Backend | None = None):
+    """The MLP's gate: silu(g) * u for gu = [..., 2 I] (g its first half, u its second), in gu.dtype."""
+    return ops.run(ops.silu_mul_op, gu, bool(backend and backend.use_cuda))
+
+
 def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     """The GDN output norm: weight * (x / rms(x)) * silu(gate) over the last dimension. x, gate: [..., D];
     weight: [D]."""
@@ -154,6 +165,7 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "gated_rms_norm",
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul",
+           "gated_rms_norm",
            "paged_attention",
            "vision_rotary", "layer_norm", "add_layer_norm"]

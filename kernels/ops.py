@@ -1,5 +1,6 @@
 """The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
-three RMSNorms (plain, gated, with the attention's rotary), paged attention over the K/V block pool, and the vision tower's rotary and LayerNorms.
+four RMSNorms (plain, gated, with the attention's rotary, after the residual add), the MLP's silu(g) * u, paged
+attention over the K/V block pool, and the vision tower's rotary and LayerNorms.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
 as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
@@ -16,7 +17,8 @@ from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_re
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
 from .paged_attention.reference import paged_attention_ref
-from .rms_norm.reference import gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
+from .rms_norm.reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
+from .silu_mul.reference import silu_mul_ref
 from .vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
 
 NS = "qwen35_fast"
@@ -138,6 +140,28 @@ def _norm_rope_fake(x, weight, eps, cos, sin, use_cuda):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _add_norm_impl(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().add_rms_norm_cuda(res, x, weight, eps)
+    return add_rms_norm_ref(res, x, weight, eps)
+
+
+def _add_norm_fake(res, x, weight, eps, use_cuda):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _silu_mul_impl(gu: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().silu_mul_cuda(gu)
+    return silu_mul_ref(gu)
+
+
+def _silu_mul_fake(gu, use_cuda):
+    return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
 def _gated_norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                      use_cuda: bool) -> torch.Tensor:
     if use_cuda:
@@ -206,6 +230,8 @@ causal_conv1d_update_op = _register("causal_conv1d_update", _conv_update_impl, _
                                     mutates_args=("conv_state",))
 rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
 rms_norm_rope_op = _register("rms_norm_rope", _norm_rope_impl, _norm_rope_fake)
+add_rms_norm_op = _register("add_rms_norm", _add_norm_impl, _add_norm_fake)
+silu_mul_op = _register("silu_mul", _silu_mul_impl, _silu_mul_fake)
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))

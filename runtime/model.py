@@ -385,9 +385,8 @@ class Qwen35Model(nn.Module):
             out = out.reshape(B, T, H * hd)
         return F.linear(out, m.o_proj)
 
-    def _mlp(self, blk: Block, x):
-        g, u = F.linear(x, blk.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, blk.down)
+    def _mlp(self, blk: Block, x, be: kernels.Backend):
+        return F.linear(kernels.silu_mul(F.linear(x, blk.gate_up), backend=be), blk.down)
 
     def _layers(self, h, cache: Cache, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
                 pad: tuple[Padding, "GDNState"] | None = None):
@@ -398,16 +397,21 @@ class Qwen35Model(nn.Module):
                          else (slot.pos + cache.rope_delta if cache.rope_delta else slot.pos).expand(3, T))
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
-        for i, blk in enumerate(self.blocks):
-            x = kernels.rms_norm(h, blk.input_norm, c.rms_norm_eps, backend=be)
+        eps, blocks = c.rms_norm_eps, self.blocks
+        x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)
+        for i, blk in enumerate(blocks):
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, *pad) if pad is not None
                      else self._gdn_prefill(blk.mixer, x, cache, i, be, cut))
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
-            h = h + x
-            h = h + self._mlp(blk, kernels.rms_norm(h, blk.post_norm, c.rms_norm_eps, backend=be))
+            h, x = kernels.add_rms_norm(h, x, blk.post_norm, eps, backend=be)  # the residual add, then the norm
+            x = self._mlp(blk, x, be)
+            if i + 1 < len(blocks):
+                h, x = kernels.add_rms_norm(h, x, blocks[i + 1].input_norm, eps, backend=be)
+            else:
+                h = h + x
         return h
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:

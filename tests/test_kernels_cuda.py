@@ -12,7 +12,14 @@ import torch
 from qwen35_fast import kernels
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
-from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref, rope_ref
+from qwen35_fast.kernels.rms_norm.reference import (
+    add_rms_norm_ref,
+    gated_rms_norm_ref,
+    rms_norm_ref,
+    rms_norm_rope_ref,
+    rope_ref,
+)
+from qwen35_fast.kernels.silu_mul.reference import silu_mul_ref
 
 from _models import poison_allocator, rel
 
@@ -308,6 +315,42 @@ def test_rms_norm_rope_falls_back_where_the_kernel_does_not_apply(impl):
         w = torch.randn(D, generator=g, device=DEV) * 0.1
         cos, sin = _rope_tables(9, rd, cdtype, g)
         assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin), rms_norm_rope_ref(x, w, 1e-6, cos, sin))
+
+
+@pytest.mark.parametrize("D", [1024, 2048, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 37, 1000])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_add_rms_norm_is_the_add_then_the_norm_kernel(impl, D, rows, dtype, wdtype):
+    """The residual add and the norm in one pass: the sum bit for bit torch's add, the norm bit for bit the
+    norm kernel's on that sum (and within NORM_TOL of the reference)."""
+    g = torch.Generator(device=DEV).manual_seed(D + rows)
+    res = (torch.randn(1, rows, D, generator=g, device=DEV) * 4).to(dtype)
+    x = torch.randn(1, rows, D, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(D, generator=g, device=DEV) * 0.3).to(wdtype)
+    poison_allocator(((1, rows, D), dtype))
+    s, y = impl.add_rms_norm_cuda(res, x, w, 1e-6)
+    assert torch.equal(s, res + x) and not y.isnan().any()
+    assert torch.equal(y, impl.rms_norm_cuda(res + x, w, 1e-6))
+    assert rel(y, add_rms_norm_ref(res, x, w, 1e-6)[1]) < NORM_TOL[dtype]
+
+
+@pytest.mark.parametrize("I", [8, 64, 12288, 17408])
+@pytest.mark.parametrize("rows", [1, 5, 700])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_is_the_pytorch_expression_bit_for_bit(impl, I, rows, dtype):
+    g = torch.Generator(device=DEV).manual_seed(I + rows)
+    gu = (torch.randn(1, rows, 2 * I, generator=g, device=DEV) * 4).to(dtype)
+    poison_allocator(((1, rows, I), dtype))
+    y = impl.silu_mul_cuda(gu)
+    assert y.shape == (1, rows, I) and torch.equal(y, silu_mul_ref(gu))
+
+
+def test_silu_mul_falls_back_where_the_kernel_does_not_apply(impl):
+    """fp32, halves that are not a multiple of 8 and rows that are not 16-byte aligned run the reference."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for gu in (torch.randn(3, 64, generator=g, device=DEV), torch.randn(3, 20, generator=g, device=DEV).bfloat16(),
+               torch.randn(3, 130, generator=g, device=DEV).bfloat16()[:, 1:129]):
+        assert torch.equal(impl.silu_mul_cuda(gu), silu_mul_ref(gu))
 
 
 def test_norms_fall_back_where_the_kernel_does_not_apply(impl):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import get_function, launch
-from .reference import gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
+from .reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 
 SRC = Path(__file__).with_name("rms_norm.cu")
 WARPS = 8  # as in rms_norm.cu
@@ -44,25 +44,29 @@ def _tpr(D: int) -> int:
 
 
 def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-          rope: Optional[tuple] = None) -> torch.Tensor:
+          rope: Optional[tuple] = None, res: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rms_norm.cu over x: gated by `gate`, with the rotary `rope` = (cos, sin) after it, or of res + x
+    (then returns the sum and the norm)."""
     D = x.shape[-1]
     xv = _rows(x)
     gv = _rows(gate) if gate is not None else xv
     w = weight.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if res is not None else None
     rows = xv.shape[0] * xv.shape[1]
     if rows == 0:
-        return y
+        return y if res is None else (s, y)
     cos, sin = rope if rope is not None else (None, None)
     defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None),
-               "ROPE": 0 if cos is None else cos.shape[-1]}
+               "ROPE": 0 if cos is None else cos.shape[-1], "RES": int(res is not None)}
     per_block = WARPS * 32 // _tpr(D)  # RPB of rms_norm.cu
     i64 = np.int64
     launch(get_function(SRC, "rms_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
            (WARPS * 32, 1, 1),
            (xv, gv, w, y, i64(rows), np.int32(xv.shape[1]), i64(xv.stride(0)), i64(xv.stride(1)),
-            i64(gv.stride(0)), i64(gv.stride(1)), np.float32(eps), cos, sin, i64(0 if cos is None else cos.shape[0])))
-    return y
+            i64(gv.stride(0)), i64(gv.stride(1)), np.float32(eps), cos, sin, i64(0 if cos is None else cos.shape[0]),
+            res, s))
+    return y if res is None else (s, y)
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> bool:
@@ -102,3 +106,16 @@ def rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: t
     if not ok:
         return rms_norm_rope_ref(x, weight, eps, cos, sin)
     return _norm(x, None, weight, eps, (cos.contiguous(), sin.contiguous()))
+
+
+def add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.add_rms_norm_ref: (s, rms_norm(s)) with s = res + x (what the kernel does not
+    take runs the reference)."""
+    ok = _kernel_takes(x, weight, None) and res.shape == x.shape and res.dtype == x.dtype
+    if not ok:
+        return add_rms_norm_ref(res, x, weight, eps)
+    res = res.contiguous()
+    if res.data_ptr() % 16:
+        res = res.clone()
+    return _norm(x, None, weight, eps, res=res)

@@ -35,3 +35,10 @@ def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     """q or k of an attention layer: the zero-centred RMSNorm, rounded to x.dtype, then the rotary.
     x: [B, T, H, hd]; weight: [hd]; cos, sin: [T, rotary_dim] in x.dtype."""
     return rope_ref(rms_norm_ref(x, weight, eps), cos, sin)
+
+
+def add_rms_norm_ref(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the norm after it: (s, rms_norm(s)), s = res + x in x.dtype."""
+    s = res + x
+    return s, rms_norm_ref(s, weight, eps)

@@ -9,6 +9,8 @@
 //                     and the sum rounded to the element type (the bf16 PyTorch expression of
 //                     reference.rms_norm_rope_ref); cos, sin [T, ROPE] in the element type, token = row / H % T.
 //                     A lane's partner features (j +- ROPE/2) are in lane ^ ROPE/16: one shuffle per word.
+//   residual (RES 1): the plain norm of s = res + x (rounded to the element type, as torch's bf16 / fp16
+//                     add), s written to `sum` [rows, DIM]: the residual stream's add and the next norm.
 // Rows are (i, j) of an [R, H, DIM] view with element strides (s0, s1, 1); x and gate have their own.
 // TPR threads hold one row (DIM / 8 vectors of 8 elements, VPL per thread): up to 32 lanes of a warp
 // (32 / TPR rows per warp), or 128 threads (4 warps, partial sums through shared memory) where DIM / 8
@@ -30,6 +32,9 @@
 #ifndef ROPE
 #define ROPE 0  // rotary features after the plain norm (q / k of the attention layers); 0: none
 #endif
+#ifndef RES
+#define RES 0  // the residual add before the plain norm
+#endif
 
 typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
@@ -41,6 +46,7 @@ typedef qf_type<W_T>::t wtype;
 #define RPB (WARPS * 32 / TPR)                              // rows per block
 static_assert(DIM % 8 == 0 && (NV < 32 ? 32 % NV == 0 : NV % 32 == 0),
               "DIM / 8 must divide 32 or be a multiple of 32");
+static_assert(!RES || (!GATED && !ROPE), "RES: the plain norm only");
 static_assert(ROPE == 0 || (!GATED && ROPE % 16 == 0 && ROPE <= 8 * (TPR < 32 ? TPR : 32) &&
                             ((ROPE / 16) & (ROPE / 16 - 1)) == 0),
               "ROPE: a multiple of 16 whose sixteenth is a power of two, in the first warp's vectors of a row");
@@ -54,7 +60,8 @@ union Vec8 {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wtype* __restrict__ w,
              elem* __restrict__ y, long long rows, int H, long long xs0, long long xs1, long long gs0,
-             long long gs1, float eps, const elem* __restrict__ cos_t, const elem* __restrict__ sin_t, long long T)
+             long long gs1, float eps, const elem* __restrict__ cos_t, const elem* __restrict__ sin_t, long long T,
+             const elem* __restrict__ res, elem* __restrict__ sum)
 {
     const int li = threadIdx.x % TPR;
     const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;
@@ -68,6 +75,15 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     for (int k = 0; k < VPL; ++k) {
         const int col = (k * TPR + li) * 8;
         v[k].u = ok ? *reinterpret_cast<const uint4*>(xr + col) : make_uint4(0, 0, 0, 0);
+#if RES
+        if (ok) {
+            Vec8 rv;
+            rv.u = *reinterpret_cast<const uint4*>(res + r * DIM + col);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[k].e[e] = from_f<elem>(to_f(rv.e[e]) + to_f(v[k].e[e]));
+            *reinterpret_cast<uint4*>(sum + r * DIM + col) = v[k].u;
+        }
+#endif
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float f = to_f(v[k].e[e]);
