@@ -59,12 +59,25 @@ else:
                                torch.tensor([0, 77, T], dtype=torch.int32, device=dev), **kw)
         if i == 0:
             plan_mod.prep_heads = keep
-from qwen35_fast.kernels.rms_norm.launch import gated_rms_norm_cuda, rms_norm_cuda  # noqa: E402
+from qwen35_fast.kernels.rms_norm.launch import (  # noqa: E402
+    add_rms_norm_cuda,
+    gated_rms_norm_cuda,
+    rms_norm_cuda,
+    rms_norm_rope_cuda,
+)
+from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda  # noqa: E402
 
 xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)
 rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
 gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
+# q / k with the rotary (strided q, 37 tokens: a partly filled last block), the residual add + norm, silu * mul
+cs = torch.rand(37, 64, device=dev, dtype=torch.bfloat16)
+rms_norm_rope_cuda(torch.randn(1, 37, 3, 512, device=dev, dtype=torch.bfloat16)[..., :256], torch.randn(256, device=dev),
+                   1e-6, cs, cs.flip(0))
+h37 = torch.randn(1, 37, 4096, device=dev, dtype=torch.bfloat16)
+add_rms_norm_cuda(h37, torch.randn_like(h37), torch.randn(4096, device=dev), 1e-6)
+silu_mul_cuda(torch.randn(1, 37, 2 * 12288, device=dev, dtype=torch.bfloat16))
 
 from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda  # noqa: E402
 
