@@ -1,6 +1,6 @@
-// What the two paged-attention kernels share (paged_attention.cu on mma.sync, paged_attention_wg.cu on
+// What the paged-attention kernels share (paged_attention.cu on mma.sync, paged_decode.cu, paged_attention_wg.cu on
 // wgmma): which rows and key tiles a block takes, the block-table lookup, the append of the new tokens'
-// K/V, the rows of an empty key share, and the end of a row (normalise, gate, store; or the share's partial
+// K/V, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of a row (normalise, gate, store; or the share's partial
 // output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
 // a launch passes every one) and the including kernel's `elem` (bf16): included right after it.
 #pragma once
@@ -89,6 +89,54 @@ __device__ __forceinline__ void empty_share(const int (&r)[2], int rows, int t, 
     if (t != 0) return;
     for (int half = 0; half < 2; ++half)
         if (r[half] < rows) lse_part[(long long)blockIdx.z * total_q * H + row_index(r[half], q0, kvh, H)] = NEG_INF;
+}
+
+// One key tile of a thread's two rows (rows A and B of its mma fragments): S masked to -inf past the last
+// visible key position of each row (limA, limB: causal, and past the sequence), scaled into the log2 domain,
+// and the online softmax step: s becomes P, the running max m and sum l advance, and the thread's NO output
+// fragments o are rescaled. j: the tile's index (keys j bn ..).
+template <int bn, int NO>
+__device__ __forceinline__ void online_softmax(float (&s)[bn / 8][4], float (&o)[NO][4], float (&m)[2], float (&l)[2],
+                                               int j, int lane, int limA, int limB, float scale_log2) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int i = 0; i < bn / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int p = j * bn + i * 8 + 2 * (lane & 3) + e;
+            s[i][e] = p <= limA ? s[i][e] * scale_log2 : NEG_INF;
+            s[i][2 + e] = p <= limB ? s[i][2 + e] * scale_log2 : NEG_INF;
+            mx[0] = fmaxf(mx[0], s[i][e]);
+            mx[1] = fmaxf(mx[1], s[i][2 + e]);
+        }
+    }
+    float mu[2], alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
+        alpha[h] = exp2f(m[h] - mu[h]);
+        m[h] = mx[h];
+    }
+#pragma unroll
+    for (int i = 0; i < bn / 8; ++i) {
+        s[i][0] = exp2f(s[i][0] - mu[0]);
+        s[i][1] = exp2f(s[i][1] - mu[0]);
+        s[i][2] = exp2f(s[i][2] - mu[1]);
+        s[i][3] = exp2f(s[i][3] - mu[1]);
+        rs[0] += s[i][0] + s[i][1];
+        rs[1] += s[i][2] + s[i][3];
+    }
+    l[0] = l[0] * alpha[0] + rs[0];
+    l[1] = l[1] * alpha[1] + rs[1];
+#pragma unroll
+    for (int d = 0; d < NO; ++d) {
+        o[d][0] *= alpha[0];
+        o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1];
+        o[d][3] *= alpha[1];
+    }
 }
 
 // The end of row r (< rows) with running max m and sum l: out = o / l * sigmoid(gate), or with SPLIT the

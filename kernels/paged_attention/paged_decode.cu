@@ -162,45 +162,7 @@ paged_attention_decode(const elem* __restrict__ q, long long q_st, long long q_s
         }
 
         // mask (causal, and past the sequence), scale into the log2 domain, online softmax
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int p = j * BN + i * 8 + 2 * (lane & 3) + e;
-                s[i][e] = p <= limA ? s[i][e] * scale_log2 : NEG_INF;
-                s[i][2 + e] = p <= limB ? s[i][2 + e] * scale_log2 : NEG_INF;
-                mx[0] = fmaxf(mx[0], s[i][e]);
-                mx[1] = fmaxf(mx[1], s[i][2 + e]);
-            }
-        }
-        float mu[2], alpha[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
-            alpha[h] = exp2f(m[h] - mu[h]);
-            m[h] = mx[h];
-        }
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-            s[i][0] = exp2f(s[i][0] - mu[0]);
-            s[i][1] = exp2f(s[i][1] - mu[0]);
-            s[i][2] = exp2f(s[i][2] - mu[1]);
-            s[i][3] = exp2f(s[i][3] - mu[1]);
-            rs[0] += s[i][0] + s[i][1];
-            rs[1] += s[i][2] + s[i][3];
-        }
-        l[0] = l[0] * alpha[0] + rs[0];
-        l[1] = l[1] * alpha[1] + rs[1];
-#pragma unroll
-        for (int d = 0; d < DW / 8; ++d) {
-            o[d][0] *= alpha[0];
-            o[d][1] *= alpha[0];
-            o[d][2] *= alpha[1];
-            o[d][3] *= alpha[1];
-        }
+        online_softmax<BN, DW / 8>(s, o, m, l, j, lane, limA, limB, scale_log2);
 
         // O[:, warp DW ..] += P V: the S accumulators are, pairwise, the A fragments of P
 #pragma unroll
