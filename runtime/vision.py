@@ -309,7 +309,11 @@ class VisionTower(nn.Module):
 
     @staticmethod
     def _mlp(blk: VisionBlock, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.gelu(F.linear(x, blk.fc1_w, blk.fc1_b), approximate="tanh"), blk.fc2_w, blk.fc2_b)
+        if x.is_cuda:  # fc1's bias and the tanh GELU in the GEMM's epilogue (cuBLASLt), before the bf16 rounding
+            h = torch._addmm_activation(blk.fc1_b, x, blk.fc1_w.t(), use_gelu=True)
+        else:  # (the CPU's _addmm_activation takes the erf GELU)
+            h = F.gelu(F.linear(x, blk.fc1_w, blk.fc1_b), approximate="tanh")
+        return F.linear(h, blk.fc2_w, blk.fc2_b)
 
     @torch.no_grad()  # not inference_mode: torch.compile traces this (inference tensors break its functionalisation)
     def forward(self, pixels: torch.Tensor, p: VisionPlan, backend: kernels.Backend | None = None) -> torch.Tensor:

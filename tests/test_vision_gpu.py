@@ -38,6 +38,28 @@ def test_bf16_tower_matches_transformers_on_two_images():
     assert rel(got.float(), want.float()) < 2e-2
 
 
+def test_tower_mlp_takes_the_gelu_in_the_gemm_epilogue_at_least_as_exactly():
+    """The tower's MLP on CUDA (fc1's bias and tanh GELU in cuBLASLt's epilogue): within bf16 rounding of the
+    fp32 MLP, and no further from it than the unfused bf16 GEMM, round, GELU."""
+    import torch.nn.functional as F
+
+    from qwen35_fast.runtime.vision import VisionBlock, VisionConfig
+    vc = VisionConfig(depth=1, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    blk = VisionBlock(vc, torch.bfloat16, torch.device("cuda"))
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=g) * (0.03 if p.dim() > 1 else 0.5))
+    x = torch.randn(777, 1152, device="cuda", generator=g).bfloat16()
+    f = {k: v.float() for k, v in blk.named_parameters()}
+    want = F.linear(F.gelu(F.linear(x.float(), f["fc1_w"], f["fc1_b"]), approximate="tanh"), f["fc2_w"], f["fc2_b"])
+    unfused = F.linear(F.gelu(F.linear(x, blk.fc1_w, blk.fc1_b), approximate="tanh"), blk.fc2_w, blk.fc2_b)
+    got = VisionTower._mlp(blk, x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert rel(got.float(), want) < 1e-2
+    assert rel(got.float(), want) <= 1.05 * rel(unfused.float(), want)
+
+
 def test_images_of_two_sizes_take_one_varlen_attention_launch(monkeypatch):
     """On the kernels backend, slices of different lengths run as one variable-length attention call per
     layer (the reference backend: one batched SDPA per length); the same features to bf16 rounding."""
