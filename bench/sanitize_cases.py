@@ -114,5 +114,9 @@ for D in (1152, 5120):
     wv, bv = torch.randn(D, device=dev, dtype=torch.bfloat16), torch.randn(D, device=dev, dtype=torch.bfloat16)
     add_layer_norm_cuda(xv, yv, wv, bv, 1e-6)
     layer_norm_cuda(xv, wv, bv, 1e-6)
+# the content hash: more words than threads of its grid, a count off the block
+from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E402
+
+hash_words_cuda(torch.randint(0, 1 << 40, (300_001,), dtype=torch.int64, device=dev), (1, 2))
 torch.cuda.synchronize()
 print("sanitize cases ran")

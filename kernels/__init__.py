@@ -153,6 +153,17 @@ def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
     return ops.run(ops.vision_rotary_op, qkv, cos, sin, bool(backend and backend.use_cuda))
 
 
+def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):
+    """The prefix cache's content hash lanes over int64 words [N]: int64 [2] on words' device, lane s the
+    wrapping sum of mix(w_i ^ mix(i + seeds[s])) (content_hash/reference.py). One kernel on the CUDA backend
+    (the same bits as the reference), else the torch expression. Not an operator: no compiled graph reads it."""
+    if backend is not None and backend.use_cuda and words.is_cuda:
+        from .content_hash.launch import hash_words_cuda
+        return hash_words_cuda(words, seeds)
+    from .content_hash.reference import hash_words_ref
+    return hash_words_ref(words, seeds)
+
+
 def layer_norm(x, weight, bias, eps: float, backend: Backend | None = None):
     """LayerNorm over the last dimension, fp32 statistics, returned in x.dtype. x: [..., D]; weight, bias: [D]."""
     return ops.run(ops.layer_norm_op, x, weight, bias, float(eps), bool(backend and backend.use_cuda))
@@ -168,4 +179,4 @@ __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_de
            "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul",
            "gated_rms_norm",
            "paged_attention",
-           "vision_rotary", "layer_norm", "add_layer_norm"]
+           "vision_rotary", "layer_norm", "add_layer_norm", "hash_words"]

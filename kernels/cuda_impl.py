@@ -10,6 +10,7 @@ from pathlib import Path
 import cupy  # noqa: F401  (an ImportError here tells select_backend that CuPy is missing)
 import torch
 
+from .content_hash.launch import hash_words_cuda
 from .conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_update_cuda
 from .gdn_decode.launch import gdn_decode_step_cuda
 from .rms_norm.launch import add_rms_norm_cuda, gated_rms_norm_cuda, rms_norm_cuda, rms_norm_rope_cuda
@@ -66,6 +67,6 @@ def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu
     return prefill(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens)
 
 
-__all__ = ["cuda_status", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",
+__all__ = ["cuda_status", "hash_words_cuda", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",
            "causal_conv1d_prefill_cuda", "causal_conv1d_update_cuda", "rms_norm_cuda", "gated_rms_norm_cuda",
            "rms_norm_rope_cuda", "add_rms_norm_cuda", "silu_mul_cuda", "vision_rotary_cuda", "layer_norm_cuda", "add_layer_norm_cuda"]

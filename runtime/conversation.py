@@ -121,7 +121,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     whole = parent.token_ids[:cached] + tuple(ids)  # the conversation: keys of the prefix cache run over all of it
     try:
         n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
-        spans = media_spans(ids, ordered, _merge(model), offset=cached)
+        spans = media_spans(ids, ordered, _merge(model), offset=cached, backend=model.backend)
         media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
         positions = delta = None
         if ordered:  # rotary ids of the new tokens continue from the parent's next position

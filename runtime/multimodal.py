@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync
@@ -196,7 +197,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     model.select_backend()
     try:
         positions, delta = layout_positions(parts)
-        spans = media_spans(ids, ordered, _merge(model))
+        spans = media_spans(ids, ordered, _merge(model), backend=model.backend)
         clock = TowerClock(model.device)
         _sync(model.device)
         t0 = time.perf_counter()
@@ -230,7 +231,8 @@ def _merge(model: Qwen35Model) -> int:
     return model.vision.config.spatial_merge_size if model.vision is not None else 2
 
 
-def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0) -> list[MediaSpan]:
+def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0,
+                backend: kernels.Backend | None = None) -> list[MediaSpan]:
     """Where each input's tokens are (its first pad token to its <|vision_end|>, shifted by `offset`) and
     the content hash of its pixels and grid: the prefix cache's keys for the blocks it covers."""
     pads = [i for i, t in enumerate(ids) if t in (IMAGE_PAD, VIDEO_PAD)]
@@ -238,7 +240,7 @@ def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0) ->
     for inp in ordered:
         n = inp.n_tokens(merge)
         out.append(MediaSpan(offset + pads[k], offset + pads[k + n - 1] + 2,
-                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{content_hash(inp.pixels)}"))
+                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{content_hash(inp.pixels, backend)}"))
         k += n
     return out
 

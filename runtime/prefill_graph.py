@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from .decode_graph import side_stream
-from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
 
@@ -39,13 +39,21 @@ class PaddedPrefill:
     def __init__(self, model: Qwen35Model, bucket: int, capture: bool):
         dev, store = model.device, model.kv
         self.model, self.bucket, self.store, self.version, self.capture = model, bucket, store, store.version, capture
-        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(3, bucket, dtype=torch.long, device=dev)
-        self.n = torch.ones(1, dtype=torch.long, device=dev)
-        self.cut = torch.ones(1, dtype=torch.long, device=dev)
-        # room for every block of the store: any sequence fits, and the launch shape never changes
-        self.kv = KVStep(table=torch.full((1, store.num_blocks), PAD, dtype=torch.int32, device=dev),
-                         lens=torch.zeros(1, dtype=torch.int32, device=dev),
+        # Every per-call input in one device buffer, filled by one copy from a host buffer of the same layout
+        # (int64: ids [bucket], positions [3, bucket], n, cut; int32: cache length, a pad, the block table).
+        # The table has room for every block of the store: any sequence fits, the launch shape never changes.
+        b, nb = bucket, store.num_blocks
+        self._i64 = 4 * b + 2
+        size = 8 * self._i64 + 4 * (2 + nb)
+        self._dev = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self._host_np = self._host.numpy()  # written through numpy: a few hundred ns a field
+        self._staged = None  # the event after the last copy from the host buffer (it may be refilled after it)
+        d64, d32 = self._dev[:8 * self._i64].view(torch.long), self._dev[8 * self._i64:].view(torch.int32)
+        self.ids, self.positions = d64[:b].view(1, b), d64[b:4 * b].view(3, b)
+        self.n, self.cut = d64[4 * b:4 * b + 1], d64[4 * b + 1:4 * b + 2]
+        d32[2:].fill_(PAD)
+        self.kv = KVStep(table=d32[2:].view(1, nb), lens=d32[:1],
                          cu_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev), max_q=bucket)
         self.conv = self.ssm = None  # the GDN states going in: shaped like the first caller's
         self.graph = None
@@ -55,8 +63,7 @@ class PaddedPrefill:
     def nbytes(self) -> int:
         """Device memory this pass holds: its input buffers and what its graph keeps (counted in the model's
         size, so that ComfyUI's memory management sees it)."""
-        bufs = [self.ids, self.positions, self.n, self.cut, self.kv.table, self.kv.lens, self.kv.cu_q,
-                *(t for t in (self.conv or []) + (self.ssm or []) if t is not None)]
+        bufs = [self._dev, self.kv.cu_q, *(t for t in (self.conv or []) + (self.ssm or []) if t is not None)]
         return sum(t.numel() * t.element_size() for t in bufs) + self.pool_bytes
 
     def _pass(self):
@@ -81,6 +88,29 @@ class PaddedPrefill:
         self.graph = graph
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before
 
+    def _stage(self, ids, pos: torch.Tensor, n: int, cut: int, start: int, blocks) -> None:
+        """This call's inputs into the host buffer, then one queued copy into the device buffer (the bytes up
+        to the last block of the table that is used)."""
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous call's copy has read the host buffer
+        b = self.bucket
+        h64 = self._host_np[:8 * self._i64].view(np.int64)
+        h64[:n] = ids
+        h64[n:b] = 0
+        hp = h64[b:4 * b].reshape(3, b)
+        hp[:, :n] = pos.numpy()
+        hp[:, n:] = hp[:, n - 1:n] + np.arange(1, b - n + 1)  # the filler continues the positions
+        h64[4 * b], h64[4 * b + 1] = n, cut
+        h32 = self._host_np[8 * self._i64:].view(np.int32)
+        h32[0] = start
+        h32[2:2 + len(blocks)] = blocks
+        used = 8 * self._i64 + 4 * (2 + len(blocks))
+        cuda = self._dev.is_cuda
+        self._dev[:used].copy_(self._host[:used], non_blocking=cuda)
+        if cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
     def __call__(self, cache: Cache, ids, positions: torch.Tensor | None, rope_delta: int | None,
                  keep_at: list[int]) -> tuple[torch.Tensor, list[GDNState]]:
         """Model.forward_prefill_kept's contract for at most `bucket` ids (a list) and at most one keep_at:
@@ -95,17 +125,10 @@ class PaddedPrefill:
             raise RuntimeError("PaddedPrefill: the K/V store grew or changed since this pass was made; reserve "
                                "room for the bucket first and take the pass for the store as it is "
                                "(prefill_graph.padded_prefill)")
-        pos = text_positions(cache, n, dev) if positions is None else positions
+        pos = text_positions(cache, n, "cpu") if positions is None else positions.cpu()  # host positions: no sync
         cut = keep_at[0] if keep_at else n
         kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
-        self.ids.copy_(upload([list(ids) + [0] * (self.bucket - n)], torch.long, dev))
-        filler = pos[:, -1:] + torch.arange(1, self.bucket - n + 1, device=pos.device)
-        self.positions.copy_(upload(torch.cat([pos, filler], dim=1), device=dev))
-        self.n.fill_(n)
-        self.cut.fill_(cut)
-        self.kv.lens.fill_(start)
-        blocks = cache.seq.blocks
-        self.kv.table[0, :len(blocks)] = upload(blocks, torch.int32, dev)
+        self._stage(ids, pos, n, cut, start, cache.seq.blocks)
         if self.conv is None:
             self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.conv]
             self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.ssm]

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import kernels
 from .chat import IM_END, IM_START
 from .host import upload
 from .kv_pool import MediaSpan
@@ -23,28 +24,20 @@ from .model import Cache, GDNState, Qwen35Model
 from .prefill_graph import padded_prefill
 
 _MASK = (1 << 64) - 1
+_SEEDS = (0x51ED27, 0x2545F491)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A fixed invertible scramble of int64 words (wrapping multiplies, xor-shifts), exact on any device."""
-    for mult in (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35):
-        x = (x ^ (x >> 29)) * mult
-    return x ^ (x >> 32)
-
-
-def content_hash(t: torch.Tensor) -> str:
+def content_hash(t: torch.Tensor, backend: kernels.Backend | None = None) -> str:
     """A 128-bit fingerprint of a tensor's values (its dtype and shape included), computed where the
-    tensor lies with a handful of elementwise ops and two sums: each word is scrambled with its index
-    and summed (wrapping), in two independent lanes. The same pixels give the same hash; a collision of
-    two different images is as likely as one of two random 128-bit numbers."""
+    tensor lies: each 64-bit word is scrambled with its index and summed (wrapping), in two independent
+    lanes (kernels.hash_words: one kernel on the CUDA backend, the same bits as the torch expression). The
+    same pixels give the same hash; a collision of two different images is as likely as one of two random
+    128-bit numbers."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
     pad = (-raw.numel()) % 8
     if pad or raw.storage_offset() % 8:  # whole, aligned int64 words
         raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int64)
-    index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    lanes = [x & _MASK for x in torch.stack([_mix(words ^ _mix(index + seed)).sum()
-                                              for seed in (0x51ED27, 0x2545F491)]).tolist()]  # one read back
+    lanes = [x & _MASK for x in kernels.hash_words(raw.view(torch.int64), _SEEDS, backend).tolist()]  # one read back
     return f"{lanes[0]:016x}{lanes[1]:016x}-{str(t.dtype)[6:]}-{'x'.join(map(str, t.shape))}"
 
 

@@ -68,7 +68,8 @@ VARIANTS = {
 
 def test_sources_found():
     names = {p.name for p in SOURCES}
-    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "layer_norm.cu", "silu_mul.cu"} <= names
+    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "layer_norm.cu", "silu_mul.cu",
+            "content_hash.cu"} <= names
 
 
 @needs_nvrtc

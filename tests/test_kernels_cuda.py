@@ -431,3 +431,29 @@ def test_cuda_graph_capture_decode_and_conv_update(impl):
         assert rel(state, state_ref) < 1e-5 and rel(o_static, o_ref) < 1e-2
         assert torch.equal(conv_state, conv_ref)
         torch.testing.assert_close(y_static.float(), y_ref.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+# ----------------------------------------------------------------------------- content hash
+
+@pytest.mark.parametrize("n", [0, 1, 7, 255, 256, 257, 65_537, 3_145_728 + 5])
+def test_hash_words_is_the_reference_bit_for_bit(impl, n):
+    """One pass of wrapping sums: the same two lanes as the torch expression, whatever the block order."""
+    from qwen35_fast.kernels.content_hash.reference import hash_words_ref
+    g = torch.Generator(device="cuda").manual_seed(n)
+    words = torch.randint(-2 ** 63, 2 ** 63 - 1, (n,), dtype=torch.int64, device="cuda", generator=g)
+    seeds = (0x51ED27, 0x2545F491)
+    got = impl.hash_words_cuda(words, seeds)
+    assert got.dtype == torch.int64 and got.shape == (2,)
+    assert torch.equal(got, hash_words_ref(words, seeds)) and torch.equal(got.cpu(), hash_words_ref(words.cpu(), seeds))
+
+
+def test_content_hash_is_the_same_on_the_kernel_and_on_the_cpu(impl):
+    """An image's key does not depend on where it was hashed: the kernel, torch on the GPU, torch on the CPU;
+    a change of one pixel changes it."""
+    from qwen35_fast.runtime.prefix import content_hash
+    be = kernels.select_backend("cuda", "cuda", torch.bfloat16)
+    for t in (torch.rand(4096, 1536, device="cuda"), torch.randint(0, 255, (3, 1001), dtype=torch.uint8, device="cuda")):
+        key = content_hash(t, be)
+        assert key == content_hash(t) == content_hash(t.cpu())
+        t.view(-1)[t.numel() // 2] += 1
+        assert content_hash(t, be) != key
