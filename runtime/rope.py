@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .host import upload
@@ -62,20 +63,20 @@ def layout_positions(parts, device=None) -> tuple[torch.Tensor, int]:
     """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts, and its rope_delta. Without a
     device they stay on the host: the model uploads them, and reads the rope deltas at cuts from them without
     a synchronisation."""
-    chunks, s = [], 0
+    chunks, s, top = [], 0, -1  # top: the largest position so far (built in numpy: ~2 us a part, not ~30)
     for part in parts:
         if isinstance(part, TextRun):
-            chunks.append(torch.arange(s, s + part.n).expand(3, -1))
+            chunks.append(np.broadcast_to(np.arange(s, s + part.n), (3, part.n)))
+            top = max(top, s + part.n - 1)
             s += part.n
-        else:
-            t = torch.arange(part.t).view(-1, 1, 1).expand(part.t, part.h, part.w)
-            r = torch.arange(part.h).view(1, -1, 1).expand(part.t, part.h, part.w)
-            c = torch.arange(part.w).view(1, 1, -1).expand(part.t, part.h, part.w)
-            chunks.append(torch.stack([t, r, c]).reshape(3, -1) + s)
+        else:  # (t, row, column) of each patch block, after the text before it
+            chunks.append(np.indices((part.t, part.h, part.w)).reshape(3, -1) + s)
+            top = max(top, s + max(part.t, part.h, part.w) - 1)
             s += max(part.h, part.w)
-    positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long)
+    positions = torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.int64)) if chunks else \
+        torch.zeros(3, 0, dtype=torch.long)
     n = positions.shape[1]
-    delta = int(positions.max()) + 1 - n if n else 0
+    delta = top + 1 - n if n else 0
     return positions if device is None else upload(positions, device=device), delta
 
 
