@@ -156,6 +156,39 @@ class GDNState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
 
+    def packed(self) -> "GDNState":
+        """The same state with the conv states and the recurrent states each in one flat tensor (the list
+        entries views of it), so that a graphed prefill copies it in with two copies, not one a layer
+        (prefill_graph.PaddedPrefill); self when already so."""
+        if all(flat_view(xs) is not None for xs in (self.conv, self.ssm) if any(t is not None for t in xs)):
+            return self
+        return GDNState(pack_views(self.conv), pack_views(self.ssm), self.length, self.rope_delta)
+
+
+def flat_view(xs: list) -> torch.Tensor | None:
+    """One 1-D view over the tensors of xs (None skipped) when they lie back to back, in order, contiguous and
+    of one dtype in one storage; else None."""
+    ts = [t for t in xs if t is not None]
+    if not ts:
+        return None
+    first = ts[0]
+    base, off = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in ts:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != base
+                or t.storage_offset() != off):
+            return None
+        off += t.numel()
+    return first.as_strided((off - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def pack_views(xs: list) -> list:
+    """Copies of the tensors of xs as views of one new flat tensor (None kept); [] for []."""
+    ts = [t for t in xs if t is not None]
+    if not ts:
+        return list(xs)
+    parts = iter(torch.cat([t.reshape(-1) for t in ts]).split([t.numel() for t in ts]))
+    return [None if t is None else next(parts).view(t.shape) for t in xs]
+
 
 class DecodeSlot:
     """Where the next decoded token goes, kept on the device so a CUDA graph can replay the step: pos [1]

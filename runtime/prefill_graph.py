@@ -19,7 +19,17 @@ import torch
 
 from .decode_graph import side_stream
 from .kv_pool import PAD, SequenceBlocks
-from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
+from .model import (
+    Cache,
+    GDNState,
+    KVStep,
+    Padding,
+    Qwen35Model,
+    flat_view,
+    pack_views,
+    rope_delta_after,
+    text_positions,
+)
 
 log = logging.getLogger(__name__)
 BUCKETS = (64, 256)  # new tokens: a question with its generation prompt, a longer follow-up turn
@@ -129,11 +139,15 @@ class PaddedPrefill:
         cut = keep_at[0] if keep_at else n
         kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
         self._stage(ids, pos, n, cut, start, cache.seq.blocks)
-        if self.conv is None:
-            self.conv = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.conv]
-            self.ssm = [None if t is None else torch.zeros_like(t, device=dev) for t in cache.ssm]
-        torch._foreach_copy_([t for t in self.conv + self.ssm if t is not None],
-                             [t for t in cache.conv + cache.ssm if t is not None])
+        if self.conv is None:  # each kind of state as views of one flat buffer
+            self.conv, self.ssm = (pack_views([None if t is None else torch.zeros_like(t, device=dev) for t in xs])
+                                   for xs in (cache.conv, cache.ssm))
+        for dst, src in ((self.conv, cache.conv), (self.ssm, cache.ssm)):
+            flat_dst, flat_src = flat_view(dst), flat_view(src)
+            if flat_dst is not None and flat_src is not None and flat_src.shape == flat_dst.shape:
+                flat_dst.copy_(flat_src)  # a packed state (GDNState.packed, a snapshot): one copy
+            elif flat_dst is not None:
+                torch._foreach_copy_([t for t in dst if t is not None], [t for t in src if t is not None])
         if self.capture and self.graph is None:
             try:
                 self._capture()

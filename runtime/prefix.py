@@ -116,6 +116,7 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
             logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
         else:
             logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
+    kept = [k.packed() for k in kept]  # a later graphed prefill from a snapshot copies it in at once
     states.update(zip(keep, kept))
     if use_cache:
         for p, state in zip(keep, kept):

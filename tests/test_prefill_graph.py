@@ -49,6 +49,27 @@ def uncaptured(monkeypatch):
     return made
 
 
+def test_packed_states_lie_in_one_tensor():
+    """GDNState.packed: each kind of state as views of one flat tensor (what the padded pass copies in at
+    once), the same values; flat_view finds such a run and nothing else."""
+    from qwen35_fast.runtime.model import GDNState, flat_view, pack_views
+    g = torch.Generator().manual_seed(3)
+    conv = [torch.randn(2, 5, 3, generator=g), None, torch.randn(2, 5, 3, generator=g)]
+    ssm = [torch.randn(2, 4, 4, generator=g), None, torch.randn(2, 4, 4, generator=g)]
+    st = GDNState(conv, ssm, 17, 2)
+    assert flat_view(conv) is None  # separate tensors
+    p = st.packed()
+    assert (p.length, p.rope_delta) == (17, 2) and p.conv[1] is None and p.ssm[1] is None
+    for a, b in zip(conv + ssm, p.conv + p.ssm):
+        assert (a is None and b is None) or torch.equal(a, b)
+    flat = flat_view(p.ssm)
+    assert flat is not None and torch.equal(flat, torch.cat([ssm[0].reshape(-1), ssm[2].reshape(-1)]))
+    assert p.packed() is p
+    assert flat_view(list(reversed(p.ssm))) is None  # out of order
+    views = pack_views([torch.ones(2, 2), torch.zeros(3)])
+    assert flat_view(views[:1]) is not None and flat_view([views[0], views[0]]) is None
+
+
 def test_buckets():
     assert [bucket_for(n) for n in (1, BUCKETS[0], BUCKETS[0] + 1, BUCKETS[-1])] == [
         BUCKETS[0], BUCKETS[0], BUCKETS[1], BUCKETS[-1]]
