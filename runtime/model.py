@@ -130,8 +130,8 @@ class Cache:
         """A cache whose first state.length positions are those of `blocks` (shared, a partly filled last one
         copied) with copies of `state`'s GDN states (copy: see restart); room for `capacity` tokens.
         snapshot: the kv_pool.Snapshot blocks and state come from (kept while the cache takes its blocks)."""
-        take = lambda xs: [None if t is None else t.to(device or t.device, copy=copy) for t in xs]  # noqa: E731
-        cache = Cache(take(state.conv), take(state.ssm), store, SequenceBlocks(), state.rope_delta)
+        cache = Cache(_take(state.conv, device, copy), _take(state.ssm, device, copy), store, SequenceBlocks(),
+                      state.rope_delta)
         cache.seq = store.share(cache, blocks, state.length, capacity, f"a sequence of {capacity:,} tokens", snapshot)
         return cache
 
@@ -163,6 +163,19 @@ class GDNState:
         if all(flat_view(xs) is not None for xs in (self.conv, self.ssm) if any(t is not None for t in xs)):
             return self
         return GDNState(pack_views(self.conv), pack_views(self.ssm), self.length, self.rope_delta)
+
+
+def _take(xs: list, device, copy: bool) -> list:
+    """The tensors of xs on `device` (default: where each is), copies when `copy`: one copy for a packed
+    list (GDNState.packed), nothing at all for a list already there without copy."""
+    dev = torch.device(device) if device is not None else None
+    if not copy and all(t is None or dev is None or t.device == dev for t in xs):
+        return list(xs)
+    flat = flat_view(xs)
+    if flat is None:
+        return [None if t is None else t.to(dev or t.device, copy=copy) for t in xs]
+    parts = iter(flat.to(dev or flat.device, copy=copy).split([t.numel() for t in xs if t is not None]))
+    return [None if t is None else next(parts).view(t.shape) for t in xs]
 
 
 def flat_view(xs: list) -> torch.Tensor | None:
