@@ -17,6 +17,7 @@ Resizing runs in fp32 on whatever device the input is on.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -163,10 +164,14 @@ def _patchify(frames: torch.Tensor, pp: Preprocessing) -> tuple[torch.Tensor, tu
     return x.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
 
+@functools.lru_cache(maxsize=16)
+def _channel_values(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, C, 1, 1] on `device`, made once per (values, dtype, device): not an upload every image."""
+    return upload(values, dtype, device).view(1, -1, 1, 1)
+
+
 def _normalise(x: torch.Tensor, pp: Preprocessing) -> torch.Tensor:
-    mean = upload(pp.mean, x.dtype, x.device).view(1, -1, 1, 1)
-    std = upload(pp.std, x.dtype, x.device).view(1, -1, 1, 1)
-    return (x - mean) / std
+    return (x - _channel_values(tuple(pp.mean), x.dtype, x.device)) / _channel_values(tuple(pp.std), x.dtype, x.device)
 
 
 @dataclass(frozen=True)
