@@ -21,3 +21,16 @@ def qwen35_fast():
 
 
 qwen35_fast()
+
+
+def host_cpu() -> str:
+    """The host's CPU model (/proc/cpuinfo, else platform): the eager and first-token times follow the host,
+    whose Python launches set the pace of a cold prompt, so the benchmarks' JSON names it."""
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

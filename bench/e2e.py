@@ -13,6 +13,7 @@ import time
 import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
+from _import import host_cpu
 
 from qwen35_fast.runtime.config import FULL, LINEAR, TextConfig
 from qwen35_fast.runtime.decode_graph import GraphedDecode
@@ -116,7 +117,7 @@ def main():
     result = {"model": "Qwen3.5-9B-shaped, random weights, bf16", "rows": rows,
               "logits_rel_err_cuda_vs_torch": err, "same_argmax": top,
               "logits_rel_err_vs_fp32": rel, "decode_at_context": contexts, "generate_start": fork,
-              "gpu": torch.cuda.get_device_name()}
+              "gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu()}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("| GDN path | prefill %d tok (ms) | decode eager (tok/s) | decode CUDA graph (tok/s) |" % a.tokens)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
+from _import import host_cpu
 
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 from qwen35_fast.runtime.tokenizer import load_tokenizer
@@ -102,7 +103,7 @@ def main():
               "image_tokens": pf_first.vision.vision_tokens, "vision_ms_first": round(pf_first.vision.vision_ms, 2),
               "logits_rel_err_reuse_vs_cold": err, "same_argmax": bool(pf.logits.argmax() == cold.logits.argmax()),
               "model": f"Qwen3.5-9B-shaped, {cfg.num_hidden_layers} layers, random weights, {str(dtype)[6:]}, "
-                       f"tower {tower.config.shape_name}", "backend": model.backend.name}
+                       f"tower {tower.config.shape_name}", "backend": model.backend.name, "host_cpu": host_cpu()}
     print(json.dumps(result, indent=1))
     if a.smoke:
         return

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
+from _import import host_cpu
 
 from qwen35_fast import kernels
 from qwen35_fast.runtime.media import Preprocessing, preprocess_images, preprocess_video
@@ -147,7 +148,8 @@ def main():
         if args.smoke:
             return
         out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "bf16_tflops": round(rate / 1e12, 1), "rows": rows}
+               "transformers": transformers.__version__, "bf16_tflops": round(rate / 1e12, 1), "host_cpu": host_cpu(),
+               "rows": rows}
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
     save()
