@@ -225,3 +225,20 @@ def test_regex_mismatch_is_reported(real_hf, caplog):
     with caplog.at_level("INFO", logger="qwen35_fast.runtime.tokenizer"):
         _note_regex_mismatch(REAL_TOKENIZER / "tokenizer.json", real_hf)
     assert ("pretokenize_regex" in caplog.text) == (used[0] != declared)
+
+
+def test_encodings_of_short_texts_are_kept_and_handed_out_fresh(package_tok):
+    """The memo (repeated system prompts and chat markers): the same ids as encoding anew, a fresh list each
+    call (a caller may change it), long texts encoded without keeping them."""
+    from qwen35_fast.runtime.tokenizer import _Memo
+    calls = []
+    memo = _Memo(lambda text: calls.append(text) or package_tok.encode(text))
+    text = "a system prompt that a workflow sends with every request"
+    a, b = memo(text), memo(text)
+    assert a == b == package_tok.encode(text) and a is not b and calls == [text]
+    a.append(-1)
+    assert memo(text) == b
+    long = "x" * (_Memo.MAX_CHARS + 1)
+    memo(long), memo(long)
+    assert calls == [text, long, long]
+    assert package_tok.encode_text("<|im_start|>") != package_tok.encode("<|im_start|>")  # two memos, not one
