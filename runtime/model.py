@@ -174,8 +174,7 @@ def _take(xs: list, device, copy: bool) -> list:
     flat = flat_view(xs)
     if flat is None:
         return [None if t is None else t.to(dev or t.device, copy=copy) for t in xs]
-    parts = iter(flat.to(dev or flat.device, copy=copy).split([t.numel() for t in xs if t is not None]))
-    return [None if t is None else next(parts).view(t.shape) for t in xs]
+    return views_like(flat.to(dev or flat.device, copy=copy), xs)
 
 
 def flat_view(xs: list) -> torch.Tensor | None:
@@ -194,13 +193,21 @@ def flat_view(xs: list) -> torch.Tensor | None:
     return first.as_strided((off - first.storage_offset(),), (1,), first.storage_offset())
 
 
+def views_like(flat: torch.Tensor, like: list) -> list:
+    """flat [sum of like's sizes] as consecutive views shaped like the tensors of `like` (None where it has
+    None)."""
+    parts = iter(flat.split([t.numel() for t in like if t is not None]))
+    return [None if t is None else next(parts).view(t.shape) for t in like]
+
+
+def pack(xs: list) -> torch.Tensor:
+    """The tensors of xs (None skipped) end to end in one new flat tensor."""
+    return torch.cat([t.reshape(-1) for t in xs if t is not None])
+
+
 def pack_views(xs: list) -> list:
     """Copies of the tensors of xs as views of one new flat tensor (None kept); [] for []."""
-    ts = [t for t in xs if t is not None]
-    if not ts:
-        return list(xs)
-    parts = iter(torch.cat([t.reshape(-1) for t in ts]).split([t.numel() for t in ts]))
-    return [None if t is None else next(parts).view(t.shape) for t in xs]
+    return views_like(pack(xs), xs) if any(t is not None for t in xs) else list(xs)
 
 
 class DecodeSlot:

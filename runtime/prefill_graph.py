@@ -26,9 +26,11 @@ from .model import (
     Padding,
     Qwen35Model,
     flat_view,
+    pack,
     pack_views,
     rope_delta_after,
     text_positions,
+    views_like,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class PaddedPrefill:
         cache = Cache(list(self.conv), list(self.ssm), self.store, SequenceBlocks())
         logits, kept = self.model.forward_prefill_padded(self.ids, cache, self.kv, self.positions,
                                                          Padding(self.n, self.cut))
-        return logits, *(_pack(xs) for xs in (cache.conv, cache.ssm, kept.conv, kept.ssm))
+        return logits, *(pack(xs) for xs in (cache.conv, cache.ssm, kept.conv, kept.ssm))
 
     def _capture(self) -> None:
         dev = self.model.device
@@ -170,16 +172,10 @@ class PaddedPrefill:
         return logits.clone(), [kept] if keep_at else []
 
 
-def _pack(xs: list) -> torch.Tensor:
-    """The tensors of xs (None skipped) end to end in one flat tensor."""
-    return torch.cat([t.reshape(-1) for t in xs if t is not None])
-
-
 def _unpack(flat: torch.Tensor, like: list) -> list:
-    """A copy of _pack(xs) as tensors shaped like `like` (None where it has None): views of one new
+    """A copy of pack(xs) as tensors shaped like `like` (None where it has None): views of one new
     tensor, so a call costs one copy, not one per layer (the next replay overwrites `flat`)."""
-    parts = iter(flat.clone().split([t.numel() for t in like if t is not None]))
-    return [None if t is None else next(parts).view(t.shape) for t in like]
+    return views_like(flat.clone(), like)
 
 
 def _warn(e: Exception) -> None:
