@@ -520,6 +520,13 @@ def _driver_launch():
     return _cu_launch or None
 
 
+def aligned16(t):
+    """t contiguous with a 16-byte aligned start, for kernels that read it in 16-byte vectors (a copy only when
+    it is not already)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""

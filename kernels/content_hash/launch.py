@@ -7,15 +7,11 @@ import numpy as np
 import torch
 
 from ..cuda_build import card_of, get_function, launch
-from .reference import hash_words_ref
+from .reference import as_signed, hash_words_ref
 
 SRC = Path(__file__).with_name("content_hash.cu")
 THREADS = 256  # as in content_hash.cu
 BLOCKS_PER_SM = 8  # enough blocks in flight to stream the words at memory speed
-
-
-def _signed(x: int) -> np.int64:
-    return np.int64(x - (1 << 64) if x >= 1 << 63 else x)
 
 
 def hash_words_cuda(words: torch.Tensor, seeds: tuple[int, int]) -> torch.Tensor:
@@ -29,5 +25,5 @@ def hash_words_cuda(words: torch.Tensor, seeds: tuple[int, int]) -> torch.Tensor
         return out
     blocks = min((n + THREADS - 1) // THREADS, BLOCKS_PER_SM * card_of(words.device).sms)
     launch(get_function(SRC, "content_hash", words.device), (blocks, 1, 1), (THREADS, 1, 1),
-           (words, np.int64(n), _signed(seeds[0] & (2 ** 64 - 1)), _signed(seeds[1] & (2 ** 64 - 1)), out))
+           (words, np.int64(n), np.int64(as_signed(seeds[0])), np.int64(as_signed(seeds[1])), out))
     return out

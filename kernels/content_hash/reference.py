@@ -7,7 +7,9 @@ import torch
 MULTS = (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35)  # the scramble's odd multipliers (as signed int64 below)
 
 
-def _signed(x: int) -> int:
+def as_signed(x: int) -> int:
+    """A 64-bit pattern (an int in 0 .. 2^64 - 1, or any int taken mod 2^64) as the int64 with those bits."""
+    x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
@@ -15,7 +17,7 @@ def mix(x: torch.Tensor) -> torch.Tensor:
     """A fixed invertible scramble of int64 words: twice an xor with the word shifted right by 29 (arithmetic,
     as torch shifts int64) then a wrapping multiply, then an xor with the word shifted right by 32."""
     for mult in MULTS:
-        x = (x ^ (x >> 29)) * _signed(mult)
+        x = (x ^ (x >> 29)) * as_signed(mult)
     return x ^ (x >> 32)
 
 

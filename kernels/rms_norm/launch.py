@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import get_function, launch
+from ..cuda_build import aligned16, get_function, launch
 from .reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 
 SRC = Path(__file__).with_name("rms_norm.cu")
@@ -115,7 +115,4 @@ def add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     ok = _kernel_takes(x, weight, None) and res.shape == x.shape and res.dtype == x.dtype
     if not ok:
         return add_rms_norm_ref(res, x, weight, eps)
-    res = res.contiguous()
-    if res.data_ptr() % 16:
-        res = res.clone()
-    return _norm(x, None, weight, eps, res=res)
+    return _norm(x, None, weight, eps, res=aligned16(res))

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import get_function, launch
+from ..cuda_build import aligned16, get_function, launch
 from .reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
 
 ROTARY_SRC = Path(__file__).with_name("rotary.cu")
@@ -20,12 +20,6 @@ _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ROTARY_THREADS = 256  # THREADS of rotary.cu
 NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous with a 16-byte aligned start (a copy only when it is not already)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -46,7 +40,7 @@ def vision_rotary_cuda(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
         return out
     fn = get_function(ROTARY_SRC, "vision_rotary", qkv.device, {"HEAD_DIM": hd, "HEADS": h, "IN_T": _CODE[qkv.dtype]})
     launch(fn, ((total + ROTARY_THREADS - 1) // ROTARY_THREADS, 1, 1), (ROTARY_THREADS, 1, 1),
-           (_aligned(qkv), _aligned(cos), _aligned(sin), out, np.int64(n)))
+           (aligned16(qkv), aligned16(cos), aligned16(sin), out, np.int64(n)))
     return out
 
 
@@ -72,7 +66,7 @@ def _layer_norm(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor
     defines = {"DIM": D, "IN_T": _CODE[x.dtype], "HAS_Y": int(y is not None)}
     launch(get_function(NORM_SRC, "layer_norm_fwd", x.device, defines), ((rows + per_block - 1) // per_block, 1, 1),
            (NORM_THREADS, 1, 1),
-           (_aligned(x), None if y is None else _aligned(y), _aligned(weight), _aligned(bias), s, out, np.int64(rows),
+           (aligned16(x), None if y is None else aligned16(y), aligned16(weight), aligned16(bias), s, out, np.int64(rows),
             np.float32(eps)))
     return s, out
 
