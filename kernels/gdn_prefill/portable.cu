@@ -166,6 +166,17 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
 
+    // u of chunk c (16-bit, staged in the rhs space by phase 3) -> Ug, 16-byte stores
+    auto store_ug = [&](int c) {
+        elem* ug = Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0;
+#pragma unroll
+        for (int i = 0; i < (8 * DVS + NTHR - 1) / NTHR; ++i) {  // 64 rows x DVS / 8 pieces
+            const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+            if (idx < 8 * DVS)
+                *reinterpret_cast<uint4*>(ug + row * DK + col) = *reinterpret_cast<const uint4*>(Rs + row * VST + col);
+        }
+    };
+
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
     if (from_h0 && h0) {
@@ -199,6 +210,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         __syncthreads();  // also: last chunk's phase 4 has read the scaled u that phase 1 overwrites
         if (c + 1 < sw.cend) load_chunk(c + 1, (i + 1) & 1);
         cp_async_commit();
+        if (c - 1 >= sw.cbeg) store_ug(c - 1);  // the last chunk's u, staged in the rhs space
 
         // ---- phase 1: state -> 16-bit smem
 #pragma unroll
@@ -245,7 +257,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         }
         __syncthreads();  // rhs complete; S (and the Hs copy) read: its space takes the scaled u
 
-        // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> Ug (16-bit) and the scaled u (fp16)
+        // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> the scaled u (fp16) where S was, and
+        //      after the barrier u itself (16-bit) into the rhs space, stored to Ug in the next step
+        u32 upk[NH][2];
         {
             float acc[NH][4];
 #pragma unroll
@@ -258,19 +272,24 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
             }
             const float gend = Gc[CH - 1];
             const float f0 = Rk[ra0] * __expf(gend - Gc[ra0]), f1 = Rk[ra1] * __expf(gend - Gc[ra1]);
-            elem* ug = Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0;
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
                 const int cc = 8 * (jh + j) + 2 * t;
-                if (out) {
-                    *reinterpret_cast<u32*>(ug + ra0 * DK + cc) = pack2(acc[j][0], acc[j][1]);
-                    *reinterpret_cast<u32*>(ug + ra1 * DK + cc) = pack2(acc[j][2], acc[j][3]);
-                }
+                upk[j][0] = pack2(acc[j][0], acc[j][1]);
+                upk[j][1] = pack2(acc[j][2], acc[j][3]);
                 Uh[(ra0 * VST + cc) / 2] = pack_f16_sat(f0 * acc[j][0], f0 * acc[j][1]);
                 Uh[(ra1 * VST + cc) / 2] = pack_f16_sat(f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
-        __syncthreads();
+        __syncthreads();  // every warp is done with rhs: its space takes u (read at the next step's start)
+        if (out) {
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                const int cc = 8 * (jh + j) + 2 * t;
+                *reinterpret_cast<u32*>(Rs + ra0 * VST + cc) = upk[j][0];
+                *reinterpret_cast<u32*>(Rs + ra1 * VST + cc) = upk[j][1];
+            }
+        }
 
         // ---- phase 4: S <- e^{G_end} S + K^T (scaled u), rows 16 warp of the state, all DVS columns, in fp16
         //      (11 bits, as the Hopper walk's update: half the tensor work of a bf16 hi + lo pair)
@@ -297,6 +316,10 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         }
     }
     cp_async_wait<0>();
+    if (sw.cend - 1 >= sw.cbeg && sw.cw < sw.cend) {  // the last chunk's u
+        __syncthreads();
+        store_ug(sw.cend - 1);
+    }
 
     if (!write_ht) return;
     float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
