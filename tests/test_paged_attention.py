@@ -123,21 +123,35 @@ def test_public_wrapper_runs_the_reference_off_cuda():
 
 
 def test_plan_is_fixed_by_shapes():
-    """Decode (1 token, 9B heads): the decode kernel's 16-row blocks, keys split until ~3 blocks per SM;
-    shorter capacity fewer splits; no split that leaves a partly filled second wave; a long prefill needs no
-    split."""
+    """Decode (1 token, 9B heads): the decode kernel's 16-row blocks, keys split until two blocks per H200 SM;
+    shorter capacity fewer splits (a decode share down to one 32-key tile); no split that leaves a partly
+    filled second wave; a long prefill needs no split."""
     p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
-    assert p.kernel == "dec" and p.row_tiles == 1 and p.splits == math.ceil(3 * 132 / 4)
+    assert p.kernel == "dec" and p.row_tiles == 1 and p.splits == math.ceil(2 * 132 / 4)
     assert pa_launch.plan(4, 1, 4, 4, 65536, 132).kernel == "dec"  # 16 rows: still one decode block
     assert pa_launch.plan(5, 1, 4, 4, 65536, 132).kernel == "mma"
     assert pa_launch.plan(1, 1, 4, 4, 65536, 132, head_dim=72).kernel == "mma"  # the decode kernel: dims % 64
-    assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
+    assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.BN  # one tile a share
+    assert pa_launch.plan(1, 1, 4, 4, 100, 132).splits == 4  # 100 keys (+ the new one): four tiles
+    assert pa_launch.plan(2, 1, 4, 4, 1024, 132, kernel="mma").splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
     assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
     assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
     # 256 tokens: 64 row tiles x kv heads; 4 splits fill one wave of 2 x 132 blocks, 5 would need a second
     assert pa_launch.plan(256, 1, 4, 4, 65536, 132).splits == 4
     assert pa_launch.plan(1024, 1, 4, 4, 65536, 132).splits == 1  # 256 blocks: one wave without a split
     assert pa_launch.plan(4, 8, 4, 4, 4096, 132).warps_m == 1
+
+
+def test_plan_counts_the_blocks_an_sm_holds():
+    """An RTX card's 100 KB SM holds one decode block (76 KB) and one 4-warp mma.sync block (101 KB), an A100's
+    164 KB two: the splits fill one wave of what the SM holds, not of an H200's."""
+    rtx, a100 = 102_400, 167_936
+    assert pa_launch.decode_blocks_per_sm(256, rtx) == 1 and pa_launch.decode_blocks_per_sm(256, a100) == 2
+    assert pa_launch.decode_blocks_per_sm(256, 233_472) == 2  # three fit; two fill the wave best (measured)
+    assert pa_launch.plan(1, 1, 4, 4, 65536, 82, smem_per_sm=rtx).splits == 82 // 4  # 21 starts a second wave
+    assert pa_launch.plan(1, 1, 4, 4, 65536, 108, smem_per_sm=a100).splits == 2 * 108 // 4
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 128, smem_per_sm=rtx).splits == 128 // 4
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132).splits == 2 * 132 // 4
 
 
 def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():

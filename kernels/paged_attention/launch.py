@@ -26,7 +26,7 @@ BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys 
 THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
 COMBINE_GROUPS = 4  # paged_attention.cu's COMBINE_GROUPS: the combine's most groups of threads per row
-MIN_KEYS_PER_SPLIT = 128  # below that the combine costs more than the split saves
+MIN_KEYS_PER_SPLIT = 128  # mma.sync kernel: below that the combine costs more than the split saves
 
 
 def smem_bytes(warps_m: int, head_dim: int) -> int:
@@ -47,6 +47,14 @@ def smem_bytes_decode(head_dim: int) -> int:
     return max(16 * (head_dim + 8) * 2, 4 * (BN // 8) * 32 * 16) + 4 * BN * (head_dim + 8) * 2
 
 
+def decode_blocks_per_sm(head_dim: int, smem_per_sm: int) -> int:
+    """Decode blocks one wave counts per SM: two where two fit (H100 / H200, A100), else one (RTX 30 / 40 / 50,
+    100 KB). Three fit an H200 SM, but two per SM fill the wave best (bench/paged_decode_sweep.py: 66 shares
+    instead of 99 at 16K keys 31.4 against 33.0 us, at 64K 89.5 against 90.3; the fewer shares, the less the
+    combine reads)."""
+    return max(1, min(2, smem_per_sm // (smem_bytes_decode(head_dim) + 1024)))
+
+
 @dataclass(frozen=True)
 class Plan:
     warps_m: int  # warps per block, each owning 16 (token, q head) rows
@@ -58,32 +66,36 @@ class Plan:
 
 def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
          splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None,
-         head_dim: int = 256) -> Plan:
+         head_dim: int = 256, smem_per_sm: int = 233_472) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
     Prefills of more than 64 rows (16 tokens at 4 q heads per kv head) take the warpgroup-mma kernel where
     the card has it (`wgmma`: sm_90a); decode steps (at most 16 rows) the four-warp decode kernel; the rest
     the mma.sync one (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
-    until the blocks fill one wave (two mma.sync blocks per SM, three decode blocks, whose 76 KB of shared
-    memory lets three share an H100/H200 SM, one warpgroup-mma block), but never into a second, partly
-    filled wave: a block of s
+    until the blocks fill one wave (the blocks an SM of `smem_per_sm` bytes holds: on an H100 / H200 two
+    decode blocks (decode_blocks_per_sm), three one-warp or two wider mma.sync blocks, one warpgroup-mma
+    block; on an RTX card's 100 KB one of each), but never into a second, partly filled wave: a block of s
     splits reads 1/s of the keys, so the split with the fewest waves per split wins, the smaller on a tie
     (each split costs a partial write and its share of the combine). 256 new tokens over 65,536 keys on
-    the mma.sync kernel: 4 splits, not 5 (1.2 waves)."""
+    the mma.sync kernel: 4 splits, not 5 (1.2 waves). A decode share may be one 32-key tile, an mma.sync
+    share is at least MIN_KEYS_PER_SPLIT keys."""
     rows = max(1, max_q) * group
     if kernel is None:
         kernel = "wg" if wgmma and rows > 64 else "dec" if rows <= 16 and head_dim % 64 == 0 else "mma"
     if kernel not in ("mma", "dec", "wg"):
         raise ValueError(f"paged_attention: kernel must be 'mma', 'dec' or 'wg', got {kernel!r}")
+    min_keys = MIN_KEYS_PER_SPLIT
     if kernel == "wg":
         warps_m, row_tiles, bn, per_sm = BM_WG // 16, math.ceil(rows / BM_WG), BN_WG, 1
-    elif kernel == "dec":  # 16 rows a block, shared by its four warps
-        warps_m, row_tiles, bn, per_sm = 1, math.ceil(rows / 16), BN, 3
+    elif kernel == "dec":  # 16 rows a block, shared by its four warps; a share may be one 32-key tile
+        warps_m, row_tiles, bn, per_sm = 1, math.ceil(rows / 16), BN, decode_blocks_per_sm(head_dim, smem_per_sm)
+        min_keys = BN  # 1 x 1,024 keys: 32 shares 10.8 us, 8 shares (128 keys each) 13.6 (paged_decode_sweep)
     else:
         warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        row_tiles, bn, per_sm = math.ceil(rows / (16 * warps_m)), BN, 3 if warps_m == 1 else 2
+        row_tiles, bn = math.ceil(rows / (16 * warps_m)), BN
+        per_sm = max(1, min(3 if warps_m == 1 else 2, smem_per_sm // (smem_bytes(warps_m, head_dim) + 1024)))
     if splits is None:
         base = row_tiles * num_seqs * num_kv_heads
-        max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / bn) // (MIN_KEYS_PER_SPLIT // bn)))
+        max_splits = max(1, min(MAX_SPLITS, math.ceil(kv_capacity / bn) // (min_keys // bn)))
         slots = per_sm * sm_count
         most = max(1, min(max_splits, math.ceil(slots / base)))
         splits = min(range(1, most + 1), key=lambda s: (math.ceil(base * s / slots) / s, s))
@@ -153,7 +165,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if kernel == "dec" and D % 64:
         raise ValueError(f"paged_attention: the decode kernel needs head_dim % 64 == 0 (head_dim {D}); leave "
                          f"kernel unset")
-    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D)
+    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D, card.smem_per_sm)
     if not 1 <= p.splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
                          f"COMBINE_MAX_SPLITS), got {p.splits}")
