@@ -119,3 +119,14 @@ def test_profile_patch_still_applies():
     r = subprocess.run(["git", "apply", "--check", "bench/patches/gdn_prefill_profile.patch"], cwd=root,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_out_ranks_cover_every_chunk_with_at_most_a_short_segments_padding():
+    """gdn_chunk_out's grid: packed calls one rank per prep slot; B rows of T tokens B x segments x chunks per
+    segment, at least every chunk and fewer than one padding rank per segment beyond (a short last segment)."""
+    assert P.out_ranks(1, 4096, True, 4, 77) == 77
+    for B, T, nseg in ((1, 1024, 4), (2, 700, 3), (1, 566, 4), (8, 4096, 1), (1, 32768, 4), (3, 300, 4), (1, 1, 1)):
+        chunks = -(-T // 64)
+        ns = nseg if chunks >= P.SEG_MIN_CHUNKS else 1
+        ranks = P.out_ranks(B, T, False, nseg, B * chunks)
+        assert B * chunks <= ranks < B * (chunks + ns)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import TensorMap, card_of, get_function, launch
-from .plan import PORTABLE_OUT_THREADS, D, Plan, plan
+from .plan import PORTABLE_OUT_THREADS, D, Plan, out_ranks, plan
 
 HERE = Path(__file__).resolve().parent
 SRC_PREP = HERE / "prep.cu"
@@ -103,7 +103,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if p.path == "hopper":
         _hopper(p, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base)
     else:
-        _portable(p, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, T, Hk, Hv, N, qs, ks, vs, base)
+        _portable(p, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base)
     return o, ht
 
 
@@ -123,7 +123,7 @@ def _hopper(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N
            shared_mem=p.walk_smem)
 
 
-def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, T, Hk, Hv, N, qs, ks, vs, base):
+def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base):
     dev = o.device
     defines = {**base, "DVS": p.dv_split, "STATE_SMEM": p.walk_smem, "OUT_SMEM": p.out_smem}
     Hs = torch.empty(p.slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
@@ -135,8 +135,10 @@ def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, T, Hk, Hv, N,
            shared_mem=p.walk_smem)
     if p.slots:
         out = _function(SRC_PORTABLE, "gdn_chunk_out", dev, p, defines)
-        launch(out, (p.slots, Hv, 1), (PORTABLE_OUT_THREADS, 1, 1),
-               (q, Pg, Fg, Hs, Ug, cu_seqlens, o, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(N), *qs),
+        ranks = out_ranks(B, T, cu_seqlens is not None, p.segments, p.slots)
+        launch(out, (ranks, Hv, 1), (PORTABLE_OUT_THREADS, 1, 1),
+               (q, Pg, Fg, Hs, Ug, cu_seqlens, o, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(N),
+                np.int32(p.segments), *qs),
                shared_mem=p.out_smem)
 
 

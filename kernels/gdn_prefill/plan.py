@@ -134,6 +134,17 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
     return best[1], best[2]
 
 
+def out_ranks(B: int, T: int, packed: bool, segments: int, slots: int) -> int:
+    """Grid x of gdn_chunk_out (portable.cu): the prep slots when packed, else B sequences x the walk's
+    segments x the chunks per segment (the walk's last steps first; a short last segment leaves ranks
+    with nothing to do)."""
+    if packed:
+        return slots
+    chunks = -(-T // CH)
+    ns = segments if segments > 1 and chunks >= SEG_MIN_CHUNKS else 1
+    return B * ns * -(-chunks // ns)
+
+
 def prep_slots(B: int, T: int, N: int, packed: bool) -> int:
     """(chunk, head) slots of the prep buffers: B * ceil(T / 64), or ceil(T / 64) + N + 1 when packed."""
     slots = (T + CH - 1) // CH + N + 1 if packed else B * ((T + CH - 1) // CH)

@@ -331,7 +331,12 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 }
 
 // ---------------------------------------------------------------- output kernel: all chunks at once
-// Grid: (slots, Hv), slots as the prep kernel's; 8 warps, warp w: rows 16 (w & 3), columns 64 (w >> 2).
+// Grid: (ranks, Hv), 8 warps, warp w: rows 16 (w & 3), columns 64 (w >> 2). Blocks start in linear order
+// (x fastest); block i takes value head i % Hv of chunk rank i / Hv. Packed sequences: rank = slot (as the
+// prep kernel's). B rows of T tokens: the state walk wrote the last steps of its segments last, and those
+// Hs / Ug are still in L2, so they come first: rank r is step per - 1 - r / (N ns) of segment r % ns of
+// sequence (r / ns) % N (ns segments of per chunks as the walk cuts them; ranks past a sequence's chunks
+// have nothing to do). plan.out_ranks gives the grid.
 // o = rq e^G (Q S_c) + P u for the chunk's rows < its sequence's length; o is contiguous [B, T, Hv, 128].
 // Q, P and the vectors stay in shared memory; the state's 128 rows and u's 64 rows, the products' B operands,
 // pass through two 32-row slices, the next one in flight while the current one is used: 44 KB a block, so
@@ -339,7 +344,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 extern "C" __global__ void __launch_bounds__(OTHR, 4)
 gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const float* __restrict__ Fg,
               const elem* __restrict__ Hs, const elem* __restrict__ Ug, const int* __restrict__ cu_seqlens,
-              elem* __restrict__ o, int T, int Hk, int Hv, int N,
+              elem* __restrict__ o, int T, int Hk, int Hv, int N, int nseg,
               long long q_sb, long long q_st, long long q_sh)
 {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -351,10 +356,22 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int mt = warp & 3, cw = 64 * (warp >> 2);
-    const int slot = blockIdx.x, h = blockIdx.y;
+    const int lin = blockIdx.y * gridDim.x + blockIdx.x, h = lin % Hv, r = lin / Hv;
     const int hk = h / (Hv / Hk);
-    int n, c;
-    const SeqSpan sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
+    int n, c, slot;
+    SeqSpan sp;
+    if (cu_seqlens) {
+        slot = r;
+        sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
+    } else {
+        const int nch = (T + CH - 1) / CH, ns = (nseg > 1 && nch >= SEG_MIN_CHUNKS) ? nseg : 1;
+        const int per = (nch + ns - 1) / ns, k = r / (N * ns);
+        n = (r / ns) % N;
+        c = (r % ns) * per + per - 1 - k;
+        if (c >= nch) return;  // past the end of a short last segment
+        slot = n * nch + c;
+        sp = seq_span(cu_seqlens, n, T);
+    }
     const long long bos = sp.bos, batch_tok = sp.batch_tok;
     const int len = sp.len, batch = sp.batch;
     if (c * CH >= len) return;  // a gap between packed sequences
