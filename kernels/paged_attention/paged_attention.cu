@@ -47,15 +47,7 @@ static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy l
 static_assert(BN == 32, "one lane per key row of a tile");
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-paged_attention_fwd(const elem* __restrict__ q, long long q_st, long long q_sh,
-                    const elem* __restrict__ gate, long long g_st, long long g_sh,
-                    const elem* __restrict__ k_new, long long kn_st, long long kn_sh,
-                    const elem* __restrict__ v_new, long long vn_st, long long vn_sh,
-                    elem* __restrict__ k_pool, elem* __restrict__ v_pool,
-                    const int* __restrict__ block_table, int bt_stride,
-                    const int* __restrict__ cache_lens, const int* __restrict__ cu_q,
-                    elem* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    int Hkv, int total_q, float scale_log2, int write_kv) {
+paged_attention_fwd(PAGED_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]
     elem* Ks = Qs + BM * LDS;                         // [2][BN][LDS]

@@ -35,15 +35,7 @@ static_assert(PIECES % 4 == 0, "four threads copy one key row");
 __device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >> 3) * rows * 64 + sw64(r, (pc & 7) * 8); }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-paged_attention_wg(const elem* __restrict__ q, long long q_st, long long q_sh,
-                   const elem* __restrict__ gate, long long g_st, long long g_sh,
-                   const elem* __restrict__ k_new, long long kn_st, long long kn_sh,
-                   const elem* __restrict__ v_new, long long vn_st, long long vn_sh,
-                   elem* __restrict__ k_pool, elem* __restrict__ v_pool,
-                   const int* __restrict__ block_table, int bt_stride,
-                   const int* __restrict__ cache_lens, const int* __restrict__ cu_q,
-                   elem* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                   int Hkv, int total_q, float scale_log2, int write_kv) {
+paged_attention_wg(PAGED_PARAMS) {
     extern __shared__ unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
     elem* Ks = Qs + BM * HEAD_DIM;  // [3][BN x HEAD_DIM]

@@ -1,7 +1,7 @@
 // What the paged-attention kernels share (paged_attention.cu on mma.sync, paged_decode.cu, paged_attention_wg.cu on
-// wgmma): which rows and key tiles a block takes, the block-table lookup, the append of the new tokens'
-// K/V, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of a row (normalise, gate, store; or the share's partial
-// output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
+// wgmma): their arguments, which rows and key tiles a block takes, the block-table lookup, the append of the
+// new tokens' K/V, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of
+// a row (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
 // a launch passes every one) and the including kernel's `elem` (bf16): included right after it.
 #pragma once
 
@@ -59,6 +59,21 @@ __device__ __forceinline__ TileWork tile_work(const int* cu_q, const int* cache_
 #endif
     return w;
 }
+
+// The arguments of every paged-attention kernel, in the order launch.paged_attention_cuda packs them: q and
+// the output gate [T, H, HEAD_DIM] and the new tokens' k / v [T, Hkv, HEAD_DIM] with their token and head
+// strides (elements); the pools [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]; each sequence's block-table row
+// (bt_stride entries), cached length and first new token (cu_q); the output, or with SPLIT the shares'
+// partial outputs and log2-sum-exps; the softmax scale with log2(e) folded in; whether to store the new K/V.
+#define PAGED_PARAMS                                                                                           \
+    const elem *__restrict__ q, long long q_st, long long q_sh, const elem *__restrict__ gate, long long g_st, \
+        long long g_sh, const elem *__restrict__ k_new, long long kn_st, long long kn_sh,                      \
+        const elem *__restrict__ v_new, long long vn_st, long long vn_sh, elem *__restrict__ k_pool,           \
+        elem *__restrict__ v_pool, const int *__restrict__ block_table, int bt_stride,                         \
+        const int *__restrict__ cache_lens, const int *__restrict__ cu_q, elem *__restrict__ out,              \
+        float *__restrict__ o_part, float *__restrict__ lse_part, int Hkv, int total_q, float scale_log2,      \
+        int write_kv
+
 
 // Stores the K/V of the tokens whose first row lies in rows [r0, r0 + bm) in their pool slots (so each
 // token is stored by exactly one block), 16 bytes a thread at a time; kn, vn: this sequence's first new

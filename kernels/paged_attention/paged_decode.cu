@@ -37,15 +37,7 @@ static_assert(BN == 32, "one lane per key row of a tile");
 // Grid (1, N * Hkv, splits); THREADS threads; SMEM_BYTES of dynamic shared memory.
 // Arguments as paged_attention_fwd's.
 extern "C" __global__ void __launch_bounds__(THREADS)
-paged_attention_decode(const elem* __restrict__ q, long long q_st, long long q_sh,
-                       const elem* __restrict__ gate, long long g_st, long long g_sh,
-                       const elem* __restrict__ k_new, long long kn_st, long long kn_sh,
-                       const elem* __restrict__ v_new, long long vn_st, long long vn_sh,
-                       elem* __restrict__ k_pool, elem* __restrict__ v_pool,
-                       const int* __restrict__ block_table, int bt_stride,
-                       const int* __restrict__ cache_lens, const int* __restrict__ cu_q,
-                       elem* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                       int Hkv, int total_q, float scale_log2, int write_kv) {
+paged_attention_decode(PAGED_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]; then the partial S
     elem* Ks = reinterpret_cast<elem*>(smem_raw + Q_BYTES);  // [2][BN][LDS]
