@@ -130,23 +130,29 @@ def main():
     assert rel["cuda"] <= 1.5 * rel["torch"] + 1e-3, "the kernels are further from fp32 than bf16 rounding explains"
 
 
+def graphed_decode_at(model: Qwen35Model, n: int, room: int) -> tuple[GraphedDecode, int]:
+    """A CUDA-graph decode step (as generate runs it) after `n` tokens of context with room for `room` more,
+    and the token to feed it. The context is a 64-token prefill whose cache is then extended to n positions
+    of random K/V: decode time does not depend on the values, and a real 128K prefill would only cost time."""
+    store = model.kv
+    ids = torch.randint(0, 248000, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+    cache = model.new_cache(1, 64)
+    tok = int(model.forward_prefill(ids, cache).argmax())
+    cache.reserve(n + room)
+    blocks = torch.tensor(cache.seq.blocks[1:], device="cuda")  # block 0 holds the prefill's 64 tokens
+    for pool in (store.k, store.v):
+        pool[:, blocks] = torch.randn_like(pool[:, blocks]) * 0.5
+    cache.length = n
+    cache = cache.clone(n + room)  # as generate forks a prefill (states outside inference mode)
+    return GraphedDecode(model, cache, n + room), tok
+
+
 def decode_at_contexts(model: Qwen35Model, contexts, steps: int) -> list[dict]:
-    """Greedy CUDA-graph decode (as generate runs it) after `n` tokens of context, for each n. The context is
-    a 64-token prefill whose cache is then extended to n positions of random K/V: decode time does not
-    depend on the values, and a real 128K prefill would only cost time here."""
+    """Greedy CUDA-graph decode after `n` tokens of context (graphed_decode_at), for each n."""
     model.set_backend("cuda")
     store, out = model.kv, []
     for n in contexts:
-        ids = torch.randint(0, 248000, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
-        cache = model.new_cache(1, 64)
-        tok = int(model.forward_prefill(ids, cache).argmax())
-        cache.reserve(n + steps + 1)
-        blocks = torch.tensor(cache.seq.blocks[1:], device="cuda")  # block 0 holds the prefill's 64 tokens
-        for pool in (store.k, store.v):
-            pool[:, blocks] = torch.randn_like(pool[:, blocks]) * 0.5
-        cache.length = n
-        cache = cache.clone(n + steps + 1)  # as generate forks a prefill (states outside inference mode)
-        step = GraphedDecode(model, cache, n + steps + 1)
+        step, tok = graphed_decode_at(model, n, steps + 1)
         for _ in range(2):
             tok = int(step(tok).argmax())
         torch.cuda.synchronize()
@@ -158,7 +164,7 @@ def decode_at_contexts(model: Qwen35Model, contexts, steps: int) -> list[dict]:
         out.append({"context": n, "decode_graph_tok_per_s": round(tps, 1), "kv_bytes_read_per_token": kv_bytes,
                     "kv_read_TBps": round(kv_bytes * tps / 1e12, 2)})
         print(f"graph decode at {n} tokens of context: {tps:.1f} tok/s")
-        del step, cache
+        del step
     return out
 
 

@@ -14,7 +14,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.runtime.model import Qwen35Model
 
-from e2e import nine_b, random_weights_, timed
+from e2e import graphed_decode_at, nine_b, random_weights_, timed
 
 
 def main():
@@ -40,18 +40,11 @@ def main():
 
 
 def decode_table(model, context: int, rows: int, steps: int = 20) -> None:
-    """A CUDA-graph decode step at `context` tokens (bench/e2e.py's setup): wall ms per step and the kernels
+    """A CUDA-graph decode step at `context` tokens (e2e.graphed_decode_at): wall ms per step and the kernels
     of one step by GPU time."""
     import time
 
-    from qwen35_fast.runtime.decode_graph import GraphedDecode
-    ids = torch.randint(0, 248000, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    cache = model.new_cache(1, 64)
-    tok = int(model.forward_prefill(ids, cache).argmax())
-    cache.reserve(context + 3 * steps + 8)
-    cache.length = context
-    cache = cache.clone(context + 3 * steps + 8)  # as generate forks a prefill
-    step = GraphedDecode(model, cache, context + 3 * steps + 8)
+    step, tok = graphed_decode_at(model, context, 3 * steps + 8)  # warm-up, timed and profiled steps
     for _ in range(steps):
         step(tok)
     torch.cuda.synchronize()

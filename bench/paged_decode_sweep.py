@@ -18,7 +18,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda, plan
 
-from gdn import ceilings
+from gdn import ceilings, graph_of
 from paged_attention import DEV, HKV, L2_DEFEAT_BYTES, D, H, graph_ms, paged_setup, same_bytes_copy
 
 NKVS = (1024, 4096, 16384, 65536)
@@ -28,10 +28,7 @@ SPLITS = (8, 16, 32, 48, 66, 99, 128)  # the plan's choices on an H200: 32 (1K k
 
 def kernel_split(calls) -> dict:
     """GPU microseconds per call of each kernel the calls launch (profiler over a replayed graph)."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
+    g = graph_of(lambda: [fn() for fn in calls])
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
