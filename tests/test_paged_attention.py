@@ -263,8 +263,9 @@ def test_paged_attention_vs_reference(case, forced_splits, kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 8, 9, 17, 25, 33, 99])
 def test_combine_of_every_group_count(splits):
-    """The combine takes one group of threads per run of 8 shares, at most 4 (a decode step's 99 shares: 4
-    groups of 3 or 4 runs): each count against the reference, with empty shares past the keys at 99."""
+    """The combine takes one group of threads per run of 8 shares (99 shares: 13 groups, the last one partly
+    empty) and a quarter of the head dims a block: each count against the reference, with empty shares past
+    the keys at 99."""
     a = make_case(31 + splits, 16, [(3000, 1), (700, 2)], device="cuda")
     before_k, before_v = a["k_pool"].clone(), a["v_pool"].clone()
     out = _run_cuda(a, splits)

@@ -25,7 +25,6 @@ BN = 32  # keys per tile, as in paged_attention.cu
 BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
 THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
-COMBINE_GROUPS = 4  # paged_attention.cu's COMBINE_GROUPS: the combine's most groups of threads per row
 MIN_KEYS_PER_SPLIT = 128  # mma.sync kernel: below that the combine costs more than the split saves
 
 
@@ -45,6 +44,11 @@ def smem_bytes_decode(head_dim: int) -> int:
     """Dynamic shared memory of one paged_attention_decode block (paged_decode.cu SMEM_BYTES): Q (later the
     four warps' partial S, 8 KB) and two stages of K and V tiles, padded rows."""
     return max(16 * (head_dim + 8) * 2, 4 * (BN // 8) * 32 * 16) + 4 * BN * (head_dim + 8) * 2
+
+
+def combine_cols(head_dim: int) -> int:
+    """Columns of one paged_attention_combine block (paged_attention.cu COMBINE_COLS)."""
+    return 64 if head_dim % 64 == 0 else 32 if head_dim % 32 == 0 else 16
 
 
 def decode_blocks_per_sm(head_dim: int, smem_per_sm: int) -> int:
@@ -194,8 +198,8 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
            shared_mem=smem)
     if p.splits > 1:
         comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
-        groups = min(COMBINE_GROUPS, math.ceil(p.splits / 8))  # one group of D / 4 threads per run of 8 shares
-        launch(comb, (T * H, 1, 1), (groups * D // 4, 1, 1),
+        cols = combine_cols(D)
+        launch(comb, (T * H, D // cols, 1), (math.ceil(p.splits / 8) * cols // 4, 1, 1),  # a group per run of 8
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
                 np.int32(p.splits)))
     return out

@@ -180,26 +180,36 @@ paged_attention_fwd(PAGED_PARAMS) {
 }
 
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
-// sigmoid(gate). One block per (token, q head) row of 1 to 4 groups of HEAD_DIM / 4 threads (4 columns a
-// thread; the launcher gives one group per run of 8 shares, at most 4): group k takes runs k, k + groups, ...
-// and the groups add their sums through shared memory at the end. The weights go through shared memory
-// first and each thread reads its 8 shares' rows at once, so that ~32 loads per column overlap (read one by
-// one, a decode step's 99 shares cost ~99 dependent L2 round trips; 8 at a time in one group of threads left
-// the 16 blocks of a decode step ~12 round trips).
-// Empty shares (lse = -inf) get weight 0 and their o_part is never read.
+// sigmoid(gate). One block per (token, q head) row and COMBINE_COLS columns, one group of COMBINE_COLS / 4
+// threads (4 columns a thread) per run of 8 shares (the launcher gives ceil(splits / 8) groups): every share's
+// row is in flight at once, so a merge is three dependent rounds of loads (the gate and the log2-sum-exps,
+// then the partial outputs) whatever the split count; the groups add their sums through shared memory in
+// group order (the sum does not depend on timing). Empty shares (lse = -inf) get weight 0 and their o_part is
+// never read.
 #define COMBINE_MAX_SPLITS 128
-#define COMBINE_GROUPS 4  // the most groups of a block
-extern "C" __global__ void __launch_bounds__(HEAD_DIM)
+#define COMBINE_MAX_GROUPS (COMBINE_MAX_SPLITS / 8)
+#define COMBINE_COLS (HEAD_DIM % 64 == 0 ? 64 : HEAD_DIM % 32 == 0 ? 32 : 16)  // launch.combine_cols
+extern "C" __global__ void __launch_bounds__(COMBINE_MAX_GROUPS * COMBINE_COLS / 4)
 paged_attention_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                         const elem* __restrict__ gate, long long g_st, long long g_sh,
                         elem* __restrict__ out, int total_q, int H, int splits) {
+    constexpr int TPG = COMBINE_COLS / 4;  // threads of a group
     __shared__ float w_s[COMBINE_MAX_SPLITS];
-    __shared__ float4 part[COMBINE_GROUPS - 1][HEAD_DIM / 4];
-    __shared__ float wpart[COMBINE_GROUPS - 1];
+    __shared__ float4 part[COMBINE_MAX_GROUPS - 1][TPG];
+    __shared__ float wpart[COMBINE_MAX_GROUPS - 1];
     const long long row = blockIdx.x;
     const long long stride = (long long)total_q * H;
-    const int groups = blockDim.x / (HEAD_DIM / 4);
-    const int grp = threadIdx.x / (HEAD_DIM / 4), c = (threadIdx.x % (HEAD_DIM / 4)) * 4;
+    const int grp = threadIdx.x / TPG, c = blockIdx.y * COMBINE_COLS + (threadIdx.x % TPG) * 4;
+    const int groups = blockDim.x / TPG;
+#if GATE
+    float2 g01 = make_float2(0.f, 0.f), g23 = g01;
+    if (grp == 0) {  // the gate's load overlaps the merge
+        const long long t = row / H, h = row % H;
+        const elem* grow = gate + t * g_st + h * g_sh + c;
+        g01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow));
+        g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + 2));
+    }
+#endif
     for (int s = threadIdx.x; s < splits; s += blockDim.x) w_s[s] = lse_part[s * stride + row];
     __syncthreads();
     float mx = NEG_INF;
@@ -211,36 +221,35 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     }
     __syncthreads();
     const float* op = o_part + row * HEAD_DIM + c;
+    const int s0 = 8 * grp;  // this group's run: groups * 8 >= splits
+    float w[8];
+    float4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        w[i] = s0 + i < splits ? w_s[s0 + i] : 0.f;
+        v[i] = w[i] > 0.f ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wsum = 0.f;
-    for (int s0 = 8 * grp; s0 < splits; s0 += 8 * groups) {
-        float w[8];
-        float4 v[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            w[i] = s0 + i < splits ? w_s[s0 + i] : 0.f;
-            v[i] = w[i] > 0.f ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            acc.x += w[i] * v[i].x;
-            acc.y += w[i] * v[i].y;
-            acc.z += w[i] * v[i].z;
-            acc.w += w[i] * v[i].w;
-            wsum += w[i];
-        }
+    for (int i = 0; i < 8; ++i) {
+        acc.x += w[i] * v[i].x;
+        acc.y += w[i] * v[i].y;
+        acc.z += w[i] * v[i].z;
+        acc.w += w[i] * v[i].w;
+        wsum += w[i];
     }
     if (groups > 1) {
         if (grp > 0) {
-            part[grp - 1][c / 4] = acc;
-            if (c == 0) wpart[grp - 1] = wsum;
+            part[grp - 1][threadIdx.x % TPG] = acc;
+            if (threadIdx.x % TPG == 0) wpart[grp - 1] = wsum;
         }
         __syncthreads();
         if (grp > 0) return;
     }
-    for (int k = 0; k < groups - 1; ++k) {  // in group order: the sum does not depend on timing
-        const float4 p = part[k][c / 4];
+    for (int k = 0; k < groups - 1; ++k) {  // in group order
+        const float4 p = part[k][threadIdx.x];
         acc.x += p.x;
         acc.y += p.y;
         acc.z += p.z;
@@ -249,10 +258,6 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
 #if GATE
-    const long long t = row / H, h = row % H;
-    const elem* grow = gate + t * g_st + h * g_sh + c;
-    const float2 g01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow));
-    const float2 g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + 2));
     const float gs[4] = {sigmoid_f(g01.x), sigmoid_f(g01.y), sigmoid_f(g23.x), sigmoid_f(g23.y)};
 #else
     const float gs[4] = {1.f, 1.f, 1.f, 1.f};
