@@ -130,7 +130,7 @@ def test_plan_is_fixed_by_shapes():
     assert p.kernel == "dec" and p.row_tiles == 1 and p.splits == math.ceil(2 * 132 / 4)
     assert pa_launch.plan(4, 1, 4, 4, 65536, 132).kernel == "dec"  # 16 rows: still one decode block
     assert pa_launch.plan(5, 1, 4, 4, 65536, 132).kernel == "mma"
-    assert pa_launch.plan(1, 1, 4, 4, 65536, 132, head_dim=72).kernel == "mma"  # the decode kernel: dims % 64
+    assert pa_launch.plan(1, 1, 4, 4, 65536, 132, head_dim=96).kernel == "mma"  # the decode kernel: dims % 64
     assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.BN  # one tile a share
     assert pa_launch.plan(1, 1, 4, 4, 100, 132).splits == 4  # 100 keys (+ the new one): four tiles
     assert pa_launch.plan(2, 1, 4, 4, 1024, 132, kernel="mma").splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
@@ -260,13 +260,27 @@ def test_paged_attention_vs_reference(case, forced_splits, kernel):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_combine_shape_stays_inside_the_kernels_arrays():
+    """paged_attention.cu's combine holds rows x splits weights (128), one float4 per thread (256 threads) and
+    one sum per 8 threads for the groups' sums; every group count and column width the launcher can give stays
+    inside them."""
+    for D in (32, 64, 96, 128, 160, 256):
+        for splits in range(2, pa_launch.MAX_SPLITS + 1):
+            cols, groups, rows = pa_launch.combine_shape(D, splits)
+            assert D % cols == 0 and 8 * groups >= splits
+            assert groups * cols // 4 * rows <= 256 and rows * splits <= 128 and rows * groups <= 32, (D, splits)
+            assert groups * cols // 4 * rows >= min(128, groups * cols // 4), (D, splits)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 8, 9, 17, 25, 33, 99])
-def test_combine_of_every_group_count(splits):
+@pytest.mark.parametrize("H, Hkv, D", [(16, 4, 256), (6, 2, 96), (6, 3, 64)])
+def test_combine_of_every_group_count(splits, H, Hkv, D):
     """The combine takes one group of threads per run of 8 shares (99 shares: 13 groups, the last one partly
-    empty) and a quarter of the head dims a block: each count against the reference, with empty shares past
+    empty), 64 / 32 columns a block at head dims 256 and 64 / 96, and several rows a block when the groups are
+    few (6 heads: a block's rows end past the last row): each against the reference, with empty shares past
     the keys at 99."""
-    a = make_case(31 + splits, 16, [(3000, 1), (700, 2)], device="cuda")
+    a = make_case(31 + splits, 16, [(3000, 1), (700, 2)], H=H, Hkv=Hkv, D=D, device="cuda")
     before_k, before_v = a["k_pool"].clone(), a["v_pool"].clone()
     out = _run_cuda(a, splits)
     r = {**a, "k_pool": before_k, "v_pool": before_v}

@@ -93,6 +93,19 @@ __device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const e
     }
 }
 
+// ROWS rows of a DVS-wide 16-bit tile in shared memory (row stride VST) -> device memory (row stride DK),
+// 16-byte pieces over the block's NTHR threads.
+template <int ROWS>
+__device__ __forceinline__ void store_rows(elem* dst, const elem* src, int tid) {
+    constexpr int PIECES = ROWS * DVS / 8;
+#pragma unroll
+    for (int i = 0; i < (PIECES + NTHR - 1) / NTHR; ++i) {
+        const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+        if (PIECES % NTHR == 0 || idx < PIECES)
+            *reinterpret_cast<uint4*>(dst + row * DK + col) = *reinterpret_cast<const uint4*>(src + row * VST + col);
+    }
+}
+
 // ---------------------------------------------------------------- sequential kernel: the state only
 // Grid: (128 / DVS * nseg, Hv, N): block x takes columns (x % (128 / DVS)) * DVS.. of segment x / (128 / DVS).
 // Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv, 64, 128] 16-bit u of each
@@ -166,16 +179,8 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
 
-    // u of chunk c (16-bit, staged in the rhs space by phase 3) -> Ug, 16-byte stores
-    auto store_ug = [&](int c) {
-        elem* ug = Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0;
-#pragma unroll
-        for (int i = 0; i < (8 * DVS + NTHR - 1) / NTHR; ++i) {  // 64 rows x DVS / 8 pieces
-            const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
-            if (idx < 8 * DVS)
-                *reinterpret_cast<uint4*>(ug + row * DK + col) = *reinterpret_cast<const uint4*>(Rs + row * VST + col);
-        }
-    };
+    // u of chunk c (16-bit, staged in the rhs space by phase 3) -> Ug
+    auto store_ug = [&](int c) { store_rows<CH>(Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0, Rs, tid); };
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
@@ -222,14 +227,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         __syncthreads();
 
         // ---- the 16-bit state entering chunk c -> Hs (16-byte stores; read by gdn_chunk_out)
-        if (out) {
-            elem* hs = Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0;
-#pragma unroll
-            for (int i = 0; i < DVS / 16; ++i) {  // 128 rows x DVS / 8 pieces
-                const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
-                *reinterpret_cast<uint4*>(hs + row * DK + col) = *reinterpret_cast<const uint4*>(Sb + row * VST + col);
-            }
-        }
+        if (out) store_rows<DK>(Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0, Sb, tid);
 
         // ---- phase 2: rhs = beta (v - e^G rk (K S)) for rows 16 mt, n-tiles jh .. jh + NH
         {

@@ -46,9 +46,14 @@ def smem_bytes_decode(head_dim: int) -> int:
     return max(16 * (head_dim + 8) * 2, 4 * (BN // 8) * 32 * 16) + 4 * BN * (head_dim + 8) * 2
 
 
-def combine_cols(head_dim: int) -> int:
-    """Columns of one paged_attention_combine block (paged_attention.cu COMBINE_COLS)."""
-    return 64 if head_dim % 64 == 0 else 32 if head_dim % 32 == 0 else 16
+def combine_shape(head_dim: int, splits: int) -> tuple[int, int, int]:
+    """(columns, groups a row, rows) of one paged_attention_combine block: COMBINE_COLS columns, a group of
+    columns / 4 threads per run of 8 shares, and as many rows as make 128 threads (a decode step's 4 to 16
+    rows of 66 shares: one row of 9 groups a block; 4,096 rows of 4 shares: 8 rows of one group). At most
+    256 threads and 128 weights (rows x splits) a block, as the kernel's shared arrays hold."""
+    cols = 64 if head_dim % 64 == 0 else 32
+    groups = math.ceil(splits / 8)
+    return cols, groups, max(1, 128 // (groups * cols // 4))
 
 
 def decode_blocks_per_sm(head_dim: int, smem_per_sm: int) -> int:
@@ -141,8 +146,9 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         raise TypeError(f"paged_attention: pools must be bfloat16, got {k_pool.dtype}, {v_pool.dtype}")
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads is not a multiple of {Hkv} kv heads")
-    if D % 16 or bs & (bs - 1):
-        raise ValueError(f"paged_attention: needs head_dim % 16 == 0 and a power-of-two block size (D={D}, block {bs})")
+    if D % 32 or bs & (bs - 1):
+        raise ValueError(f"paged_attention: needs head_dim % 32 == 0 (every Qwen3.5 size has 256) and a power-of-two "
+                         f"block size, got head_dim {D}, block size {bs}")
     _check_rows(q, "q", (T, H, D))
     _check_rows(k_new, "k_new", (T, Hkv, D))
     _check_rows(v_new, "v_new", (T, Hkv, D))
@@ -198,8 +204,8 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
            shared_mem=smem)
     if p.splits > 1:
         comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
-        cols = combine_cols(D)
-        launch(comb, (T * H, D // cols, 1), (math.ceil(p.splits / 8) * cols // 4, 1, 1),  # a group per run of 8
+        cols, groups, rows = combine_shape(D, p.splits)
+        launch(comb, (math.ceil(T * H / rows), D // cols, 1), (groups * cols // 4, rows, 1),
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
                 np.int32(p.splits)))
     return out
