@@ -414,7 +414,7 @@ def card_of(device) -> Card:
 # ----------------------------------------------------------------------------- launching
 # Kernels are launched with the driver's cuLaunchKernel through ctypes rather than CuPy's call, which turns
 # every argument into an object of its own: a cold image prompt on the 9B shape makes ~475 launches and is
-# bound by the host (bench/results/ttft-profile-h200.log: launch and argument conversion ~28 of ~98 ms of
+# bound by the host (bench/ttft_profile.py before this: launch and argument conversion ~28 of ~98 ms of
 # profiled host time, 63.5 ms wall for 44.8 ms of GPU kernels). Here a launch packs the values into one
 # reused buffer with struct.pack_into (24 arguments: 3.9 us on a CI core against 7.0 us for the numpy
 # scalars CuPy is handed): one 8-byte slot per parameter (4-byte values in its low half; the driver copies

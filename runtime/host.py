@@ -4,7 +4,7 @@ torch's blocking host-to-device copy waits for everything already queued on the 
 a dozen such copies, several of them behind the vision tower's 15 ms of kernels, and each one left the
 GPU idle while Python queued the next work. A copy from pageable memory with non_blocking=True is staged
 by the driver before the call returns (the host tensor may be dropped or changed at once) and waits for
-nothing. A cold image prompt made 19 synchronisations (bench/results/ttft-profile-h200.log), now 2 (the
+nothing. A cold image prompt made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the
 image's content hash, before the tower, and the logits) or 3 with the prefix cache on;
 tests/test_vision_gpu.py checks that none happens between the tower's launch and the logits.
 """
