@@ -12,7 +12,7 @@
 // rhs and the scaled u enter their mma as hi + lo 16-bit pairs: a single bf16 rounding of them
 // alone would put the final state's error near 3e-3; split, it is ~1e-6 (strong decay) to ~7e-4. (The wgmma
 // walk takes the scaled u as one fp16 value instead, with K^T in fp16: 11 bits, see walk_wgmma.cuh.)
-#include "common.cuh"
+#include "layout.cuh"  // elem (IN_T), u32, CH, DK, KST, BST
 
 #ifndef __CUDA_ARCH_FEAT_SM90_ALL
 #error "gdn_prefill.cu is the Hopper path (sm_90a); other cards take portable.cu"
@@ -20,18 +20,8 @@
 #ifndef DVS
 #define DVS 64  // state columns per block: 32, 64 or 128
 #endif
-#ifndef IN_T
-#define IN_T QF_BF16  // q, k, v, o element type: QF_BF16 or QF_HALF
-#endif
 
-typedef qf_type<IN_T>::t elem;
-typedef unsigned int u32;
-
-#define CH 64       // chunk length
-#define DK 128      // key / value head dim
 #define NTHR 256    // 8 warps
-#define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
-#define BST 72          // 16-bit row stride of P and T
 
 static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128");
 

@@ -11,25 +11,15 @@
 // Without Q and P on the sequential path a state block needs 69 KB (DVS 16) to 99 KB (DVS 64).
 // The roundings are those of the Hopper path's wgmma walk: Q S with the 16-bit state, P u with 16-bit u,
 // rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T).
-#include "common.cuh"
+#include "layout.cuh"  // elem (IN_T), u32, CH, DK, KST, BST
 
 #ifndef DVS
 #define DVS 32  // state columns per block of gdn_chunk_state: 16, 32 or 64
 #endif
-#ifndef IN_T
-#define IN_T QF_BF16  // q, k, v, o element type: QF_BF16 or QF_HALF
-#endif
 
-typedef qf_type<IN_T>::t elem;
-typedef unsigned int u32;
-
-#define CH 64       // chunk length
-#define DK 128      // key / value head dim
 #define NTHR 256    // state kernel: 8 warps
 #define OTHR 256    // output kernel: 8 warps
-#define KST (DK + 8)    // smem row stride (elements) of K, Q tiles
 #define VST (DVS + 8)   // smem row stride of the DVS-wide tiles
-#define BST 72          // 16-bit row stride of T and P tiles
 #define NJ (DVS / 8)    // n-tiles of 8 columns per state slice
 #define NH (NJ / 2)     // n-tiles per warp in the K S and T rhs phases (column halves)
 #define OST (DK + 8)    // output kernel: row stride of the state and u tiles

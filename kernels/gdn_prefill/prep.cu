@@ -9,26 +9,17 @@
 // and writes T, P (16-bit) and the four per-token vectors (fp32), ~17 KB per (chunk, head). The walks
 // (gdn_prefill.cu on Hopper, portable.cu elsewhere) read them: the chunk-local work is done once per
 // (chunk, head) at full occupancy instead of on the sequential path of every column slice.
-#include "common.cuh"
+#include "layout.cuh"  // elem (IN_T), u32, CH, DK, KST, BST
 
-#ifndef IN_T
-#define IN_T QF_BF16  // q, k element type: QF_BF16 or QF_HALF
-#endif
 #ifndef AB_T
 #define AB_T QF_FLOAT  // a, b element type
 #endif
 
-typedef qf_type<IN_T>::t elem;
 typedef qf_type<AB_T>::t abt;
-typedef unsigned int u32;
 
-#define CH 64       // chunk length
-#define DK 128      // key / value head dim
 #define PTHR 256    // 8 warps, two groups of 4 (K K^T -> L -> T; Q K^T -> P)
 #define PREP_MINB 4 // blocks per SM the registers are sized for (64 per thread)
-#define KST (DK + 8)    // smem row stride (elements) of K, Q tiles: 272 B, ldmatrix conflict-free
 #define FST 68          // fp32 row stride of L and T: 64 rows fill exactly a K or Q tile
-#define BST 72          // 16-bit row stride of T
 
 // Shared memory (bytes): L and T (fp32) take the place of K and Q once the products are in registers.
 #define PSM_K 0
