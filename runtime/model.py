@@ -21,6 +21,40 @@ from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
 
+# A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
+# the user turn) ran the recurrence once per part: 24 layers x (a conv and a GDN call per part), host work
+# (~0.2 ms a GDN call on the H200's host) and small-kernel latency for parts of a few tokens. On CUDA, when
+# the prefixes before the cuts add up to at most CUT_RECOMPUTE_TOKENS, one packed GDN call walks the whole
+# prompt and each prefix again from the same initial state (its final state is the state at the cut),
+# trading that many tokens of recurrence (~20 ns a token a layer on the H200) for the calls.
+CUT_RECOMPUTE_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class PackedCuts:
+    """A prefill's cuts as extra sequences of one GDN kernel call: the T tokens, then the first c tokens for
+    each cut c (cu_seqlens), and where each cut's conv state lies in [initial conv state | inputs]."""
+    cuts: tuple
+    cu_seqlens: torch.Tensor  # int32 [2 + len(cuts)], on the device
+    conv_index: torch.Tensor  # long [len(cuts) * (W - 1)], on the device
+
+    @staticmethod
+    def plan(cuts, T: int, width: int, be: kernels.Backend, device) -> "PackedCuts | None":
+        """The packed form for cuts (increasing, inside the T tokens) and a conv of `width` taps, or None
+        where the parts run one by one (no cuts, not on CUDA, or more than CUT_RECOMPUTE_TOKENS again)."""
+        cuts = tuple(int(c) for c in cuts)
+        if not cuts or not be.use_cuda or sum(cuts) > CUT_RECOMPUTE_TOKENS:
+            return None
+        return PackedCuts.build(cuts, T, width, device)
+
+    @staticmethod
+    def build(cuts, T: int, width: int, device) -> "PackedCuts":
+        bounds = [0, T]
+        for c in cuts:
+            bounds.append(bounds[-1] + int(c))
+        index = [int(c) + j for c in cuts for j in range(width - 1)]
+        return PackedCuts(tuple(int(c) for c in cuts), upload(bounds, torch.int32, device),
+                          upload(index, torch.long, device))
 
 class GDNLayer(nn.Module):
     def __init__(self, c: TextConfig, dtype, device):
@@ -370,10 +404,14 @@ class Qwen35Model(nn.Module):
         o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=be)
         return F.linear(o.flatten(-2), m.out_proj)
 
-    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=()):
+    def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=(),
+                     packed: PackedCuts | None = None):
         # a cache that already holds tokens continues from its states (None in a fresh cache). With
         # cut = [(c, state), ...] the recurrence runs in parts split at each c and the states at each cut go
-        # to its state: the projections and norms still run once over all T tokens.
+        # to its state: the projections and norms still run once over all T tokens. With `packed`, one
+        # call walks the T tokens and each prefix (CUT_RECOMPUTE_TOKENS).
+        if packed is not None:
+            return self._gdn_prefill_packed(m, x, cache, i, be, cut, packed)
         mixed, z, b, a = self._split_gdn(m, x)
         T = x.shape[1]
         bounds = (0, *(c for c, _ in cut), T)
@@ -388,6 +426,33 @@ class Qwen35Model(nn.Module):
                                                         initial_state=cache.ssm[i], backend=be)
             outs.append(o)
         return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
+
+    def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
+        c = self.config
+        hv = c.linear_num_value_heads
+        mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        T, C, w = mixed.shape[1], mixed.shape[2], m.conv_w.shape[1] - 1
+        conv0 = cache.conv[i]
+        y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
+        # the conv state at cut c: the W-1 inputs before it (the initial state's where c < W-1), as the
+        # conv kernel leaves it after c tokens
+        history = torch.cat([mixed.new_zeros(1, C, w) if conv0 is None else conv0.to(mixed.dtype),
+                             mixed.transpose(1, 2)], dim=2)
+        convs = history.index_select(2, pc.conv_index).view(1, C, len(cut), w).permute(2, 0, 1, 3).contiguous()
+
+        def rows(t):  # the T tokens, then the first c of them for each cut, packed
+            return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
+        q, k, v = self._qkv_heads(rows(y))
+        b, a = rows(ba).split([hv, hv], dim=-1)
+        h0 = cache.ssm[i]
+        if h0 is not None:
+            h0 = h0.expand(1 + len(cut), *h0.shape[1:])
+        o, ht = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0,
+                                          cu_seqlens=pc.cu_seqlens, backend=be)
+        cache.ssm[i] = ht[:1]
+        for n, (_, state) in enumerate(cut):
+            state.conv[i], state.ssm[i] = convs[n], ht[n + 1:n + 2]
+        return self._gdn_out(m, o[:, :T], z, be)
 
     def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pad: Padding,
                             kept: "GDNState"):
@@ -451,12 +516,14 @@ class Qwen35Model(nn.Module):
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         eps, blocks = c.rms_norm_eps, self.blocks
+        packed = (PackedCuts.plan([k for k, _ in cut], T, c.linear_conv_kernel_dim, be, h.device)
+                  if cut and not decode and pad is None else None)
         x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)
         for i, blk in enumerate(blocks):
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, *pad) if pad is not None
-                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut))
+                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, packed))
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
             h, x = kernels.add_rms_norm(h, x, blk.post_norm, eps, backend=be)  # the residual add, then the norm

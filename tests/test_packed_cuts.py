@@ -1,0 +1,131 @@
+"""The GDN states at a prefill's cuts from one packed kernel call (runtime/model.py PackedCuts: the prompt and
+each prefix before a cut as packed sequences from the same initial state) against the recurrence run part by
+part: the conv states bit for bit, outputs and recurrent states within fp32 rounding; and whole prefills that
+keep states, and prompts that reuse them, as with the parts. The packed form runs on CUDA; here it is forced
+onto the CPU's reference kernels (the GPU tests run it on the kernels)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_vision_vs_transformers import SMALL, TOWERS, _image, _make
+
+from qwen35_fast import kernels
+from qwen35_fast.runtime import model as model_mod
+from qwen35_fast.runtime import prefill, prefill_multimodal
+from qwen35_fast.runtime.config import LINEAR
+from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.model import CUT_RECOMPUTE_TOKENS, GDNState, PackedCuts
+
+from _models import rel
+
+TORCH = kernels.Backend("torch", "test")
+SYSTEM = "You describe pictures for a painter. Answer in one short sentence, naming colours and shapes."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("packed"), TOWERS["d2w32h2"], seed=11)[1]
+
+
+def _gdn_layer(model):
+    i = next(i for i, blk in enumerate(model.blocks) if blk.kind == LINEAR)
+    return i, model.blocks[i].mixer
+
+
+def _cache(model, warm: bool, seed: int):
+    """A stand-in with the conv / recurrent state lists _gdn_prefill reads and writes: empty, or random
+    states as a continued prompt has them."""
+    n = len(model.blocks)
+    cache = SimpleNamespace(conv=[None] * n, ssm=[None] * n)
+    if warm:
+        g = torch.Generator().manual_seed(seed)
+        c = model.config
+        i, m = _gdn_layer(model)
+        cache.conv[i] = torch.randn(1, c.conv_dim, m.conv_w.shape[1] - 1, generator=g)
+        cache.ssm[i] = torch.randn(1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                   generator=g) * 0.1
+    return cache
+
+
+@pytest.mark.parametrize("cuts", [(1,), (2, 3), (5, 64, 65, 100), (63,), (129,)])
+@pytest.mark.parametrize("warm", [False, True])
+def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
+    i, m = _gdn_layer(model)
+    T, n = 130, len(model.blocks)
+    x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(len(cuts) + 7 * warm))
+    parts, packed = _cache(model, warm, 3), _cache(model, warm, 3)
+    cut_parts = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
+    cut_packed = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
+    with torch.inference_mode():
+        want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
+        got = model._gdn_prefill(m, x, packed, i, TORCH, cut_packed,
+                                 PackedCuts.build(cuts, T, m.conv_w.shape[1], "cpu"))
+    assert got.shape == want.shape and rel(got, want) < 1e-5
+    assert torch.equal(packed.conv[i], parts.conv[i]) and rel(packed.ssm[i], parts.ssm[i]) < 1e-5
+    for (c, a), (_, b) in zip(cut_packed, cut_parts):
+        assert a.conv[i].shape == b.conv[i].shape and torch.equal(a.conv[i], b.conv[i]), f"conv state at {c}"
+        assert a.ssm[i].shape == b.ssm[i].shape and rel(a.ssm[i], b.ssm[i]) < 1e-5, f"recurrent state at {c}"
+
+
+def test_the_packed_form_is_planned_on_cuda_within_the_budget():
+    cuda = kernels.Backend("cuda", "test")
+    assert PackedCuts.plan((), 100, 4, cuda, "cpu") is None
+    assert PackedCuts.plan((10, 50), 100, 4, TORCH, "cpu") is None  # the CPU: the parts (no recompute)
+    assert PackedCuts.plan((CUT_RECOMPUTE_TOKENS // 2, CUT_RECOMPUTE_TOKENS // 2 + 1), 9000, 4, cuda, "cpu") is None
+    p = PackedCuts.plan((10, 50), 100, 4, cuda, "cpu")
+    assert p.cuts == (10, 50) and p.cu_seqlens.tolist() == [0, 100, 110, 160]
+    assert p.conv_index.tolist() == [10, 11, 12, 50, 51, 52]  # the 3 inputs before each cut, after 3 initial
+
+
+def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
+    """A system prompt, an image and two questions: the first prompt keeps its states through the packed
+    call, the second reuses them; the logits and the kept states as when the parts run one by one."""
+    image = preprocess_images(_image(64, 96, 7), SMALL)
+
+    def run():
+        model.setup_kv()  # a fresh store
+        first = prefill_multimodal(model, "What colour is it?", images=image, system_prompt=SYSTEM)
+        second = prefill_multimodal(model, "How many shapes are there?", images=image, system_prompt=SYSTEM)
+        text = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+        return first, second, text
+
+    parts = run()
+    calls = []
+    real = model_mod.Qwen35Model._gdn_prefill_packed
+    monkeypatch.setattr(model_mod.PackedCuts, "plan", staticmethod(
+        lambda cuts, T, width, be, device: PackedCuts.build(cuts, T, width, device) if cuts else None))
+    monkeypatch.setattr(model_mod.Qwen35Model, "_gdn_prefill_packed",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    packed = run()
+    assert calls, "the packed form did not run"
+    for a, b in zip(packed, parts):
+        assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
+        assert rel(a.logits, b.logits) <= 1e-5
+    assert packed[1].cached_tokens > 0  # the second question reused the first one's image
+
+
+@pytest.mark.gpu
+def test_on_the_kernels_the_packed_call_matches_the_parts(tmp_path_factory, monkeypatch):
+    """The CUDA path (bf16, the GDN kernel on packed sequences): the logits and every kept state as the parts
+    give them (conv states bit for bit; the rest within bf16 rounding, the same greedy token)."""
+    from _models import kernels_model
+    model = kernels_model(tmp_path_factory.mktemp("packed_gpu"), seed=9)
+    g = torch.Generator().manual_seed(4)
+    for T, cuts in ((300, [37, 200, 296]), (80, [1, 2, 79]), (1000, [64, 900])):
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g).cuda()
+        with monkeypatch.context() as m:
+            m.setattr(model_mod, "CUT_RECOMPUTE_TOKENS", -1)  # the parts, one by one
+            want, want_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
+        calls = []
+        real = model_mod.Qwen35Model._gdn_prefill_packed
+        with monkeypatch.context() as m:
+            m.setattr(model_mod.Qwen35Model, "_gdn_prefill_packed", lambda self, *a: calls.append(1) or real(self, *a))
+            got, got_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
+        assert calls, "the packed form did not run"
+        assert torch.isfinite(got).all() and rel(got, want) <= 2e-2 and got.argmax() == want.argmax()
+        for a, b in zip(got_kept, want_kept):
+            assert a.length == b.length
+            for x, y in zip(a.conv, b.conv):
+                assert (x is None and y is None) or torch.equal(x, y)
+            for x, y in zip(a.ssm, b.ssm):
+                assert (x is None and y is None) or rel(x, y) <= 2e-2
