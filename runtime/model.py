@@ -22,12 +22,15 @@ from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
-# the user turn) ran the recurrence once per part: 24 layers x (a conv and a GDN call per part), host work
-# (~0.2 ms a GDN call on the H200's host) and small-kernel latency for parts of a few tokens. On CUDA, when
-# the prefixes before the cuts add up to at most CUT_RECOMPUTE_TOKENS, one packed GDN call walks the whole
-# prompt and each prefix again from the same initial state (its final state is the state at the cut),
-# trading that many tokens of recurrence (~20 ns a token a layer on the H200) for the calls.
-CUT_RECOMPUTE_TOKENS = 4096
+# the user turn) runs the recurrence once per part: in each of the 24 GDN layers a conv and a GDN call per
+# part, host work the GPU waits for on a short prompt. On CUDA, when the prompt and the prefixes before the
+# cuts add up to at most PACKED_CUT_TOKENS, one packed GDN call walks the prompt and each prefix again from
+# the same initial state (a prefix's final state is the state at its cut). H200, a 9B-shaped model, cold
+# prefill with cuts at (200, T - 65, T - 5), parts / packed wall ms on two hosts: T = 600 35.0 / 22.1,
+# 1,300 40.3 / 37.4 and 55.8 / 37.7, 1,500 54.5 / 43.5; past the bound the recompute and the shorter
+# sequence split of a packed call cost more than the calls: 2,600 65.0 / 71.5, 4,096 99.3 / 112.2
+# (bench/results/gdn-cuts-packed-ab-h200.json).
+PACKED_CUT_TOKENS = 5120
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,9 @@ class PackedCuts:
     @staticmethod
     def plan(cuts, T: int, width: int, be: kernels.Backend, device) -> "PackedCuts | None":
         """The packed form for cuts (increasing, inside the T tokens) and a conv of `width` taps, or None
-        where the parts run one by one (no cuts, not on CUDA, or more than CUT_RECOMPUTE_TOKENS again)."""
+        where the parts run one by one (no cuts, not on CUDA, or more than PACKED_CUT_TOKENS in all)."""
         cuts = tuple(int(c) for c in cuts)
-        if not cuts or not be.use_cuda or sum(cuts) > CUT_RECOMPUTE_TOKENS:
+        if not cuts or not be.use_cuda or T + sum(cuts) > PACKED_CUT_TOKENS:
             return None
         return PackedCuts.build(cuts, T, width, device)
 
@@ -409,7 +412,7 @@ class Qwen35Model(nn.Module):
         # a cache that already holds tokens continues from its states (None in a fresh cache). With
         # cut = [(c, state), ...] the recurrence runs in parts split at each c and the states at each cut go
         # to its state: the projections and norms still run once over all T tokens. With `packed`, one
-        # call walks the T tokens and each prefix (CUT_RECOMPUTE_TOKENS).
+        # call walks the T tokens and each prefix (PACKED_CUT_TOKENS).
         if packed is not None:
             return self._gdn_prefill_packed(m, x, cache, i, be, cut, packed)
         mixed, z, b, a = self._split_gdn(m, x)
