@@ -71,6 +71,15 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
     return Backend("torch", f"PyTorch fallback: {reason}")
 
 
+def hopper_card(device: torch.device | str) -> bool:
+    """Whether `device` is an sm_90a card (H100 / H200), which runs the warpgroup-mma kernels."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    from .cuda_build import card_of
+    return card_of(device).wgmma
+
+
 def gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, backend: Backend | None = None):
     """Gated delta rule over a prompt, gates, beta and q/k L2-norm fused.

@@ -23,13 +23,15 @@ from .kv_store import KVStore, default_budget_bytes
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
 # the user turn) runs the recurrence once per part: in each of the 24 GDN layers a conv and a GDN call per
-# part, host work the GPU waits for on a short prompt. On CUDA, when the prompt and the prefixes before the
-# cuts add up to at most PACKED_CUT_TOKENS, one packed GDN call walks the prompt and each prefix again from
-# the same initial state (a prefix's final state is the state at its cut). H200, a 9B-shaped model, cold
-# prefill with cuts at (200, T - 65, T - 5), parts / packed wall ms on two hosts: T = 600 35.0 / 22.1,
-# 1,300 40.3 / 37.4 and 55.8 / 37.7, 1,500 54.5 / 43.5; past the bound the recompute and the shorter
-# sequence split of a packed call cost more than the calls: 2,600 65.0 / 71.5, 4,096 99.3 / 112.2
-# (bench/results/gdn-cuts-packed-ab-h200.json).
+# part, host work the GPU waits for on a short prompt. Where the GPU outruns the host (the Hopper cards) and
+# the prompt and the prefixes before the cuts add up to at most PACKED_CUT_TOKENS, one packed GDN call walks
+# the prompt and each prefix again from the same initial state (a prefix's final state is the state at its
+# cut). H200, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), parts / packed wall ms on
+# two hosts: T = 600 35.0 / 22.1, 1,300 40.3 / 37.4 and 55.8 / 37.7, 1,500 54.5 / 43.5; past the bound the
+# recompute and the shorter sequence split of a packed call cost more than the calls: 2,600 65.0 / 71.5,
+# 4,096 99.3 / 112.2 (bench/results/gdn-cuts-packed-ab-h200.json). The recompute is ~7% more GPU work at
+# 1,300 tokens (44.0 against 40.8 ms); on cards with a fraction of the H200's bf16 rate (A100, RTX) the same
+# prompt is GPU-bound, the host's calls hide under its GEMMs, and the parts run.
 PACKED_CUT_TOKENS = 5120
 
 
@@ -44,9 +46,10 @@ class PackedCuts:
     @staticmethod
     def plan(cuts, T: int, width: int, be: kernels.Backend, device) -> "PackedCuts | None":
         """The packed form for cuts (increasing, inside the T tokens) and a conv of `width` taps, or None
-        where the parts run one by one (no cuts, not on CUDA, or more than PACKED_CUT_TOKENS in all)."""
+        where the parts run one by one (no cuts, not on a Hopper card with the kernels, or more than
+        PACKED_CUT_TOKENS in all)."""
         cuts = tuple(int(c) for c in cuts)
-        if not cuts or not be.use_cuda or T + sum(cuts) > PACKED_CUT_TOKENS:
+        if not cuts or not be.use_cuda or T + sum(cuts) > PACKED_CUT_TOKENS or not kernels.hopper_card(device):
             return None
         return PackedCuts.build(cuts, T, width, device)
 

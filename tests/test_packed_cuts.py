@@ -67,8 +67,10 @@ def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
         assert a.ssm[i].shape == b.ssm[i].shape and rel(a.ssm[i], b.ssm[i]) < 1e-5, f"recurrent state at {c}"
 
 
-def test_the_packed_form_is_planned_on_cuda_within_the_budget():
+def test_the_packed_form_is_planned_on_hopper_cards_within_the_budget(monkeypatch):
     cuda = kernels.Backend("cuda", "test")
+    assert PackedCuts.plan((10, 50), 100, 4, cuda, "cpu") is None  # not a Hopper card: the parts
+    monkeypatch.setattr(kernels, "hopper_card", lambda device: True)
     assert PackedCuts.plan((), 100, 4, cuda, "cpu") is None
     assert PackedCuts.plan((10, 50), 100, 4, TORCH, "cpu") is None  # the CPU: the parts (no recompute)
     # the prompt and the prefixes walked again: at most PACKED_CUT_TOKENS in all
@@ -112,6 +114,7 @@ def test_on_the_kernels_the_packed_call_matches_the_parts(tmp_path_factory, monk
     give them (the first GDN layer's conv states bit for bit, as its input is the same; the rest within bf16
     rounding, since the layers before differ by it; the same greedy token)."""
     from _models import kernels_model
+    monkeypatch.setattr(kernels, "hopper_card", lambda device: True)  # the packed form on any card
     model = kernels_model(tmp_path_factory.mktemp("packed_gpu"), seed=9)
     g = torch.Generator().manual_seed(4)
     for T, cuts in ((300, [37, 200, 296]), (80, [1, 2, 79]), (1000, [64, 900])):
