@@ -38,10 +38,12 @@ PACKED_CUT_TOKENS = 5120
 @dataclass(frozen=True)
 class PackedCuts:
     """A prefill's cuts as extra sequences of one GDN kernel call: the T tokens, then the first c tokens for
-    each cut c (cu_seqlens), and where each cut's conv state lies in [initial conv state | inputs]."""
+    each cut c (cu_seqlens), and where each cut's conv state (the W-1 inputs before it) lies: rows of the
+    inputs, and for a cut of fewer than W-1 tokens, which of its entries come from the initial state."""
     cuts: tuple
     cu_seqlens: torch.Tensor  # int32 [2 + len(cuts)], on the device
-    conv_index: torch.Tensor  # long [len(cuts) * (W - 1)], on the device
+    conv_rows: torch.Tensor  # long [len(cuts) * (W - 1)]: input row of each conv state entry (0 where early)
+    conv_early: tuple | None  # (bool [len(cuts) * (W - 1)], long column of the initial state) or None
 
     @staticmethod
     def plan(cuts, T: int, width: int, be: kernels.Backend, device) -> "PackedCuts | None":
@@ -55,12 +57,16 @@ class PackedCuts:
 
     @staticmethod
     def build(cuts, T: int, width: int, device) -> "PackedCuts":
+        cuts, w = tuple(int(c) for c in cuts), width - 1
         bounds = [0, T]
         for c in cuts:
-            bounds.append(bounds[-1] + int(c))
-        index = [int(c) + j for c in cuts for j in range(width - 1)]
-        return PackedCuts(tuple(int(c) for c in cuts), upload(bounds, torch.int32, device),
-                          upload(index, torch.long, device))
+            bounds.append(bounds[-1] + c)
+        at = [c - w + j for c in cuts for j in range(w)]  # the input before the cut, -1 = the initial state's last
+        early = None
+        if min(at) < 0:
+            early = (upload([i < 0 for i in at], torch.bool, device), upload([w + min(i, -1) for i in at], torch.long, device))
+        return PackedCuts(cuts, upload(bounds, torch.int32, device), upload([max(i, 0) for i in at], torch.long, device),
+                          early)
 
 class GDNLayer(nn.Module):
     def __init__(self, c: TextConfig, dtype, device):
@@ -442,9 +448,13 @@ class Qwen35Model(nn.Module):
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
         # the conv state at cut c: the W-1 inputs before it (the initial state's where c < W-1), as the
         # conv kernel leaves it after c tokens
-        history = torch.cat([mixed.new_zeros(1, C, w) if conv0 is None else conv0.to(mixed.dtype),
-                             mixed.transpose(1, 2)], dim=2)
-        convs = history.index_select(2, pc.conv_index).view(1, C, len(cut), w).permute(2, 0, 1, 3).contiguous()
+        before = mixed.index_select(1, pc.conv_rows)  # [1, cuts * (W-1), C]
+        if pc.conv_early is not None:
+            early, col = pc.conv_early
+            init = (before.new_zeros(()) if conv0 is None
+                    else conv0.to(mixed.dtype).transpose(1, 2).index_select(1, col))
+            before = torch.where(early[None, :, None], init, before)
+        convs = before.view(len(cut), w, C).transpose(1, 2).unsqueeze(1).contiguous()  # [cuts, 1, C, W-1]
 
         def rows(t):  # the T tokens, then the first c of them for each cut, packed
             return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)

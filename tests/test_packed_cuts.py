@@ -78,7 +78,11 @@ def test_the_packed_form_is_planned_on_hopper_cards_within_the_budget(monkeypatc
     assert PackedCuts.plan((10, 50), PACKED_CUT_TOKENS - 59, 4, cuda, "cpu") is None
     p = PackedCuts.plan((10, 50), 100, 4, cuda, "cpu")
     assert p.cuts == (10, 50) and p.cu_seqlens.tolist() == [0, 100, 110, 160]
-    assert p.conv_index.tolist() == [10, 11, 12, 50, 51, 52]  # the 3 inputs before each cut, after 3 initial
+    assert p.conv_rows.tolist() == [7, 8, 9, 47, 48, 49] and p.conv_early is None  # the 3 inputs before each cut
+    p = PackedCuts.build((1, 5), 100, 4, "cpu")  # a cut after one token: two entries from the initial state
+    assert p.conv_rows.tolist() == [0, 0, 0, 2, 3, 4]
+    assert p.conv_early[0].tolist() == [True, True, False, False, False, False]
+    assert p.conv_early[1].tolist()[:2] == [1, 2]  # the initial state's last two columns
 
 
 def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
