@@ -29,8 +29,8 @@ from .kv_store import KVStore, default_budget_bytes
 # cut). H200, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), parts / packed wall ms on
 # two hosts: T = 600 35.0 / 22.1, 1,300 40.3 / 37.4 and 55.8 / 37.7, 1,500 54.5 / 43.5; past the bound the
 # recompute and the shorter sequence split of a packed call cost more than the calls: 2,600 65.0 / 71.5,
-# 4,096 99.3 / 112.2 (bench/results/gdn-cuts-packed-ab-h200.json). The recompute is ~7% more GPU work at
-# 1,300 tokens (44.0 against 40.8 ms); on cards with a fraction of the H200's bf16 rate (A100, RTX) the same
+# 4,096 99.3 / 112.2 (bench/results/gdn-cuts-packed-ab-h200.json). The recompute is ~2% more GPU work at
+# 1,300 tokens (41.6 against 40.8 ms); on cards with a fraction of the H200's bf16 rate (A100, RTX) the same
 # prompt is GPU-bound, the host's calls hide under its GEMMs, and the parts run.
 PACKED_CUT_TOKENS = 5120
 
