@@ -61,12 +61,14 @@ class PackedCuts:
         bounds = [0, T]
         for c in cuts:
             bounds.append(bounds[-1] + c)
-        at = [c - w + j for c in cuts for j in range(w)]  # the input before the cut, -1 = the initial state's last
+        at = [c - w + j for c in cuts for j in range(w)]  # input rows before each cut; < 0: the initial state
         early = None
         if min(at) < 0:
-            early = (upload([i < 0 for i in at], torch.bool, device), upload([w + min(i, -1) for i in at], torch.long, device))
-        return PackedCuts(cuts, upload(bounds, torch.int32, device), upload([max(i, 0) for i in at], torch.long, device),
-                          early)
+            early = (upload([i < 0 for i in at], torch.bool, device),
+                     upload([w + min(i, -1) for i in at], torch.long, device))
+        return PackedCuts(cuts, upload(bounds, torch.int32, device),
+                          upload([max(i, 0) for i in at], torch.long, device), early)
+
 
 class GDNLayer(nn.Module):
     def __init__(self, c: TextConfig, dtype, device):
