@@ -20,9 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -178,30 +177,17 @@ def _normalise(x: torch.Tensor, pp: Preprocessing) -> torch.Tensor:
 @dataclass(frozen=True)
 class VisionInput:
     """One image or one video ready for the tower: patches [N, C*T*P*P] fp32 and grid (t, h, w) in
-    patches; for a video, the timestamp (seconds) of each of its t slices. `digest` is the patches'
-    content hash when known (prefix.content_hash); an input remembered from an earlier prompt holds no
-    patches (pixels None) and makes them again with `reload` if the tower has to run."""
+    patches; for a video, the timestamp (seconds) of each of its t slices."""
     kind: str  # "image" | "video"
-    pixels: torch.Tensor | None
+    pixels: torch.Tensor
     grid: tuple[int, int, int]
     source_size: tuple[int, int]  # (height, width) before resizing
     timestamps: tuple[float, ...] = ()
     scaled_down: bool = False  # resized below its own size to fit max_pixels
-    digest: str | None = None
-    reload: Callable[[], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def n_tokens(self, merge_size: int = 2) -> int:
         t, h, w = self.grid
         return t * h * w // merge_size ** 2
-
-    @property
-    def n_patches(self) -> int:
-        t, h, w = self.grid
-        return t * h * w
-
-    def patches(self) -> torch.Tensor:
-        """The tower's input [N, C*T*P*P]: pixels, or made again from the source."""
-        return self.pixels if self.pixels is not None else self.reload()
 
 
 def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, device=None) -> list[VisionInput]:

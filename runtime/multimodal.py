@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import re
 import time
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -141,73 +140,22 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     return ids, parts, [inputs[i] for i in order]
 
 
-class InputMemo:
-    """What preprocessing an image / video tensor gave (grids, sizes, content hashes), remembered by the
-    tensor itself: a later prompt with the same tensor (ComfyUI hands a cached node's output on as the same
-    object) skips the upload, the resize and the hash, and a prefix it finds cached skips the patches
-    altogether. The key is the tensor's base object (alive: held weakly) with its version counter, which
-    every in-place change bumps, the view's offset, shape and strides, and the preprocessing settings and
-    device; patches are never kept (VRAM), an input remembered without them makes them again when the tower
-    has to run."""
-
-    def __init__(self, per_tensor: int = 16):
-        self._bases: dict[int, tuple[weakref.ref, dict]] = {}
-        self.per_tensor = per_tensor
-
-    def inputs(self, t, extra: tuple, make: Callable[[], list[VisionInput]],
-               backend: kernels.Backend) -> list[VisionInput]:
-        """make()'s VisionInputs for tensor t (with their digests), from memory when t was seen before."""
-        if not isinstance(t, torch.Tensor):
-            return make()
-        base = t if t._base is None else t._base
-        key = (base._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, extra)
-        entry = self._bases.get(id(base))
-        if entry is not None and entry[0]() is not base:
-            entry = None  # another object at that address: the old entry's callback has not run yet
-        if entry is not None and key in entry[1]:
-            made: dict = {}
-
-            def patches(i: int) -> torch.Tensor:  # made at most once for all the inputs of this call
-                if "inputs" not in made:
-                    made["inputs"] = make()
-                return made["inputs"][i].pixels
-            return [replace(m, reload=lambda i=i: patches(i)) for i, m in enumerate(entry[1][key])]
-        out = [replace(m, digest=content_hash(m.pixels, backend)) for m in make()]
-        if entry is None:
-            entry = self._bases[id(base)] = (weakref.ref(base, lambda ref, k=id(base): self._drop(k, ref)), {})
-        if len(entry[1]) >= self.per_tensor:
-            entry[1].pop(next(iter(entry[1])))
-        entry[1][key] = tuple(replace(m, pixels=None) for m in out)
-        return out
-
-    def _drop(self, k: int, ref: weakref.ref) -> None:
-        entry = self._bases.get(k)
-        if entry is not None and entry[0] is ref:
-            del self._bases[k]
-
-    def __len__(self) -> int:
-        return len(self._bases)
-
-
-INPUT_MEMO = InputMemo()
-
-
 def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:
     pp = read_preprocessing(getattr(model, "path", None), max_pixels=max_pixels)
-    be, dev = model.select_backend(), model.device
     out: list[VisionInput] = []
     if images is not None:
-        for item in [images] if isinstance(images, torch.Tensor) else images:
-            out += (INPUT_MEMO.inputs(item, ("image", pp, dev), lambda t=item: preprocess_images(t, pp, dev), be)
-                    if isinstance(item, torch.Tensor) else [item])
+        if isinstance(images, torch.Tensor):
+            out += preprocess_images(images, pp, model.device)
+        else:
+            for item in images:
+                out += preprocess_images(item, pp, model.device) if isinstance(item, torch.Tensor) else [item]
     n_images = len(out)
     if video is not None:
         if isinstance(video, VisionInput):
             out.append(video)
         else:
             frames, fps = video
-            out += INPUT_MEMO.inputs(frames, ("video", fps, pp, dev),
-                                     lambda: [preprocess_video(frames, fps, pp, dev)], be)
+            out.append(preprocess_video(frames, fps, pp, model.device))
     return out, n_images
 
 
@@ -243,7 +191,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
                           f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
-    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
+    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.pixels.shape[0] for inp in ordered))
     if reserve is not None:
         reserve(needed)
     model.select_backend()
@@ -291,9 +239,8 @@ def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0,
     out, k = [], 0
     for inp in ordered:
         n = inp.n_tokens(merge)
-        digest = inp.digest or content_hash(inp.pixels, backend)
         out.append(MediaSpan(offset + pads[k], offset + pads[k + n - 1] + 2,
-                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{digest}"))
+                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{content_hash(inp.pixels, backend)}"))
         k += n
     return out
 
@@ -340,7 +287,7 @@ def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: 
         dev = model.device
         clock.start()
         tower = model.vision
-        pixels = torch.cat([inp.patches().to(dev) for inp in todo])
+        pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
         features = tower(pixels, tower.plan([inp.grid for inp in todo]), backend=model.backend)
         clock.stop()
         slots = upload([i for i, t in enumerate(ids[n:]) if t in (IMAGE_PAD, VIDEO_PAD)], torch.long, dev)
