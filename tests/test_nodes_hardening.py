@@ -180,14 +180,20 @@ def test_every_value_the_generate_node_offers_runs(pack, models_dir, still_works
     pf = _prefill(pack, model)
     base = dict(prefill=pf, max_new_tokens=2, sampling=True, temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
                 repetition_penalty=1.0, presence_penalty=0.0, seed=0)
+    tried = []
     try:
         for name, (kind, opts) in _generate_inputs(pack).items():
             if kind not in ("INT", "FLOAT") or name == "max_new_tokens":
                 continue
             for value in (opts["min"], opts["max"]):
-                pack.Qwen35Generate.execute(**{**base, name: value})
+                out = pack.Qwen35Generate.execute(**{**base, name: value})
+                stats = out.ui["qwen35_generate"][0]
+                assert isinstance(out[0], str) and 1 <= stats["n_tokens"] <= 2, (name, value, stats)
+                tried.append(name)
     finally:
         model.release()
+    # every numeric setting of the node went through (a schema that stopped listing them would pass unseen)
+    assert set(tried) >= {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "seed"}
 
 
 @pytest.mark.parametrize("name, value, message", [
