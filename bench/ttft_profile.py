@@ -16,6 +16,8 @@ import torch
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
+from qwen35_fast.runtime import kv_pool, media, multimodal, prefill_graph, prefix
+from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 
 from e2e_profile import kernel_table
@@ -74,7 +76,57 @@ def main():
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
         if before:
             before()
+        host_stages(fn)
+        if before:
+            before()
         kernel_table(fn, 8)
+
+
+STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal, "media_spans"),
+          (multimodal, "layout_positions"), (multimodal, "prefill_reusing"), (multimodal, "_sync"),
+          (multimodal, "preprocess_images"), (media, "to_rgb"), (media, "_normalise"), (media, "_patchify"),
+          (multimodal, "content_hash"),
+          (kv_pool.KVPool, "match"), (kv_pool.KVPool, "save_snapshot"), (prefix, "padded_prefill"),
+          (model_mod.Cache, "resume"), (prefill_graph.PaddedPrefill, "__call__"),
+          (prefill_graph.PaddedPrefill, "_stage"), (torch.cuda.CUDAGraph, "replay"))
+
+
+def host_stages(fn) -> None:
+    """When each stage of one call starts and ends on the host clock (ms from the call's start), nested by
+    depth; the GPU is done when the call returns (it reads the logits back)."""
+    marks, depth = [], [0]
+
+    def wrap(f, name):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            depth[0] += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                marks.append((t, time.perf_counter(), depth[0], name))
+        return run
+
+    saved = []
+    for owner, name in STAGES:
+        f = owner.__dict__.get(name)
+        if f is None:
+            continue
+        saved.append((owner, name, f))
+        g = f.__func__ if isinstance(f, classmethod) else f
+        w = wrap(g, f"{getattr(owner, '__name__', owner)}.{name}")
+        setattr(owner, name, classmethod(w) if isinstance(f, classmethod) else w)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    print(f"host stages (ms from the call's start; returned at {(t1 - t0) * 1000:.2f}):")
+    for a, b, d, name in sorted(marks):
+        print(f"  {'  ' * d}{(a - t0) * 1000:7.2f} -> {(b - t0) * 1000:7.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class PoolExhausted(RuntimeError):
 @dataclass(frozen=True)
 class MediaSpan:
     """An image or video inside a prompt: its placeholder tokens are positions start .. end - 1, and
-    content_hash identifies its pixels (e.g. sha256 of the preprocessed patches)."""
+    content_hash identifies its pixels (multimodal.media_spans: a hash of its source pixels and settings)."""
     start: int
     end: int
     content_hash: str

@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,21 +124,26 @@ def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = IM
     return h, w
 
 
-def to_rgb(images: torch.Tensor) -> torch.Tensor:
-    """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32."""
+def _check_images(images) -> tuple[int, int, int, int]:
+    """(batch, height, width, channels) of a ComfyUI IMAGE [B, H, W, C] (or one [H, W, C]), or a Qwen35Error
+    that names what is wrong with it."""
     if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4):
         shape = list(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise Qwen35Error(f"an image input must be a tensor [batch, height, width, channels], got {shape}")
-    if images.dim() == 3:
-        images = images[None]
-    b, h, w, c = images.shape
+    b, h, w, c = images.shape if images.dim() == 4 else (1, *images.shape)
     if b == 0:
         raise Qwen35Error("the image batch is empty (0 images); connect an image or leave the input empty")
     if h == 0 or w == 0:
         raise Qwen35Error(f"an image is {w}x{h} pixels; both sides must be at least 1")
     if c not in (1, 2, 3, 4):
         raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")
-    x = images.float().clamp(0, 1)
+    return b, h, w, c
+
+
+def to_rgb(images: torch.Tensor) -> torch.Tensor:
+    """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32."""
+    b, h, w, c = _check_images(images)
+    x = images.reshape(b, h, w, c).float().clamp(0, 1)
     color, alpha = (x[..., :c - 1], x[..., c - 1:]) if c in (2, 4) else (x, None)
     if color.shape[-1] == 1:
         color = color.expand(b, h, w, 3)
@@ -174,38 +180,73 @@ def _normalise(x: torch.Tensor, pp: Preprocessing) -> torch.Tensor:
     return (x - _channel_values(tuple(pp.mean), x.dtype, x.device)) / _channel_values(tuple(pp.std), x.dtype, x.device)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class VisionInput:
-    """One image or one video ready for the tower: patches [N, C*T*P*P] fp32 and grid (t, h, w) in
-    patches; for a video, the timestamp (seconds) of each of its t slices."""
+    """One image or one video ready for the tower: its patches [N, C*T*P*P] fp32 (`pixels`) and grid (t, h, w)
+    in patches; for a video, the timestamp (seconds) of each of its t slices.
+
+    `patches` is the tensor, or a function that makes it, called once on the first read of `pixels`: a
+    prompt whose images are all inside a cached prefix never resizes or patches them. `source` is then what
+    the patches are made from (the input's own pixels, on the model's device) and `recipe` the settings
+    that make them (size, normalisation), so that the prefix cache's key of the input can come from its
+    source (content_key), the same for the same pixels and settings, without making the patches."""
     kind: str  # "image" | "video"
-    pixels: torch.Tensor
+    patches: torch.Tensor | Callable[[], torch.Tensor]
     grid: tuple[int, int, int]
     source_size: tuple[int, int]  # (height, width) before resizing
     timestamps: tuple[float, ...] = ()
     scaled_down: bool = False  # resized below its own size to fit max_pixels
+    source: torch.Tensor | None = None
+    recipe: str = ""
+
+    @functools.cached_property
+    def pixels(self) -> torch.Tensor:
+        return self.patches() if callable(self.patches) else self.patches
+
+    @property
+    def n_patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
 
     def n_tokens(self, merge_size: int = 2) -> int:
-        t, h, w = self.grid
-        return t * h * w // merge_size ** 2
+        return self.n_patches // merge_size ** 2
+
+    def content_key(self, fingerprint: Callable[[torch.Tensor], str]) -> str:
+        """What the prefix cache knows this input by: its kind, grid and `fingerprint` (a content hash) of its
+        source and recipe, or of its patches when it came without a source."""
+        grid = "x".join(map(str, self.grid))
+        if self.source is None:
+            return f"{self.kind}:{grid}:{fingerprint(self.pixels)}"
+        return f"{self.kind}:{grid}:{self.recipe}:{fingerprint(self.source)}"
+
+
+def _recipe(size: tuple[int, int], pp: Preprocessing) -> str:
+    """The settings that turn source pixels into patches, as text (part of an input's content key)."""
+    return (f"{size[0]}x{size[1]}/p{pp.patch_size}t{pp.temporal_patch_size}m{pp.merge_size}"
+            f"/mean{','.join(map(str, pp.mean))}/std{','.join(map(str, pp.std))}")
 
 
 def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, device=None) -> list[VisionInput]:
-    """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image).
-    device: where to resize (the model's GPU: much faster than the CPU for large images)."""
+    """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image), its
+    patches made when first read (the whole batch at once). device: where to resize (the model's GPU: much
+    faster than the CPU for large images)."""
     pp = pp or Preprocessing()
-    if isinstance(images, torch.Tensor) and device is not None:
+    b, h, w, c = _check_images(images)
+    if device is not None:
         images = images.to(device)
-    rgb = to_rgb(images)
-    _, _, h, w = rgb.shape
+    images = images.reshape(b, h, w, c)
     size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
-    x = _normalise(_resize(rgb, size), pp)
     scaled = h * w > pp.max_pixels
-    out = []
-    for frame in x:
-        pixels, grid = _patchify(frame[None].expand(pp.temporal_patch_size, -1, -1, -1), pp)
-        out.append(VisionInput("image", pixels, grid, (h, w), (), scaled))
-    return out
+
+    @functools.cache
+    def batch() -> list[torch.Tensor]:
+        x = _normalise(_resize(to_rgb(images), size), pp)
+        return [_patchify(frame[None].expand(pp.temporal_patch_size, -1, -1, -1), pp)[0] for frame in x]
+
+    grid = (1, size[0] // pp.patch_size, size[1] // pp.patch_size)
+    recipe = _recipe(size, pp)
+    return [VisionInput("image", functools.partial(lambda k: batch()[k], k), grid, (h, w), (), scaled, images[k],
+                        recipe) for k in range(b)]
 
 
 def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]:
@@ -229,19 +270,25 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     if not isinstance(frames, torch.Tensor) or frames.dim() != 4:
         raise Qwen35Error("a video must be frames [count, height, width, channels]")
     index = sample_frames(frames.shape[0], fps, pp)
-    rgb = to_rgb(frames[index].to(device) if device is not None else frames[index])
+    _, h, w, c = _check_images(frames)
+    chosen = frames[index].to(device) if device is not None else frames[index]
     tp, sampled = pp.temporal_patch_size, len(index)
-    if len(index) % tp:  # pairs of frames: the last one fills the gap
-        rgb = torch.cat([rgb, rgb[-1:].expand(tp - len(index) % tp, -1, -1, -1)])
-        index = index + [index[-1]] * (tp - len(index) % tp)
-    _, _, h, w = rgb.shape
+    fill = -len(index) % tp  # pairs of frames: the last one fills the gap
+    index = index + [index[-1]] * fill
     size = smart_resize(h, w, pp.factor, pp.video_min_pixels, pp.video_max_pixels, frames=sampled,
                         temporal_factor=tp)
-    x = _normalise(_resize(rgb, size), pp)
-    pixels, grid = _patchify(x, pp)
+
+    def patches() -> torch.Tensor:
+        rgb = to_rgb(chosen)
+        if fill:
+            rgb = torch.cat([rgb, rgb[-1:].expand(fill, -1, -1, -1)])
+        return _patchify(_normalise(_resize(rgb, size), pp), pp)[0]
+
+    grid = (len(index) // tp, size[0] // pp.patch_size, size[1] // pp.patch_size)
     times = [i / fps for i in index]
     stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
-    return VisionInput("video", pixels, grid, (h, w), stamps, sampled * h * w > pp.video_max_pixels)
+    return VisionInput("video", patches, grid, (h, w), stamps, sampled * h * w > pp.video_max_pixels, chosen,
+                       _recipe(size, pp))
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",

@@ -191,7 +191,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
                           f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
-    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.pixels.shape[0] for inp in ordered))
+    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
     if reserve is not None:
         reserve(needed)
     model.select_backend()
@@ -234,13 +234,14 @@ def _merge(model: Qwen35Model) -> int:
 def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0,
                 backend: kernels.Backend | None = None) -> list[MediaSpan]:
     """Where each input's tokens are (its first pad token to its <|vision_end|>, shifted by `offset`) and
-    the content hash of its pixels and grid: the prefix cache's keys for the blocks it covers."""
+    its content key (VisionInput.content_key: a hash of its pixels, its grid and settings): the prefix
+    cache's keys for the blocks it covers. Makes no patches."""
     pads = [i for i, t in enumerate(ids) if t in (IMAGE_PAD, VIDEO_PAD)]
     out, k = [], 0
     for inp in ordered:
         n = inp.n_tokens(merge)
         out.append(MediaSpan(offset + pads[k], offset + pads[k + n - 1] + 2,
-                             f"{inp.kind}:{'x'.join(map(str, inp.grid))}:{content_hash(inp.pixels, backend)}"))
+                             inp.content_key(lambda t: content_hash(t, backend))))
         k += n
     return out
 

@@ -84,6 +84,28 @@ def test_questions_about_one_image_read_it_once(pair, model, monkeypatch):
     assert first.media and first.media[0].content_hash == second.media[0].content_hash
 
 
+def test_a_cached_image_is_keyed_by_its_pixels_and_never_patched_again(model):
+    """The second prompt gets the same pixels in a new tensor: the key comes from the source pixels and the
+    settings, so it hits, and its patches are never made (nor resized). Other settings (a smaller
+    max_pixels) or a changed pixel give another key."""
+    raw = _image(64, 96, 7)
+    first = prefill_multimodal(model, "What colour is it?", images=preprocess_images(raw, SMALL), system_prompt=SYSTEM)
+    again = preprocess_images(raw.clone(), SMALL)
+    assert again[0].content_key(content_hash) == first.media[0].content_hash
+    second = prefill_multimodal(model, "How many shapes are there?", images=again, system_prompt=SYSTEM)
+    assert second.cached_tokens == list(second.token_ids).index(VISION_END) + 1
+    assert "pixels" not in vars(again[0])  # the patches were never made
+    changed = raw.clone()
+    changed[0, 5, 7, 1] += 0.25
+    smaller = SMALL.__class__(**{**vars(SMALL), "max_pixels": 32 * 64})
+    keys = {first.media[0].content_hash, preprocess_images(changed, SMALL)[0].content_key(content_hash),
+            preprocess_images(raw, smaller)[0].content_key(content_hash)}
+    assert len(keys) == 3
+    # a VisionInput made from patches alone (no source) is keyed by its patches
+    bare = again[0].__class__("image", again[0].pixels, again[0].grid, again[0].source_size)
+    assert bare.content_key(content_hash) not in keys and "pixels" in vars(again[0])
+
+
 def test_another_image_is_not_reused(model):
     a = preprocess_images(_image(64, 96, 7), SMALL)
     b = preprocess_images(_image(64, 96, 8), SMALL)  # same size, other pixels
