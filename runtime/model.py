@@ -304,6 +304,40 @@ class Padding:
     cut: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PaddedCut:
+    """A padded prefill's GDN layers as one kernel call each: the T tokens twice, as two sequences from the
+    same state, the first masked from `cut` on (its final state is the cut's), the second from `n` on (the
+    prompt's state, and its outputs). Made on the device once per pass, from Padding's tensors."""
+    cu_seqlens: torch.Tensor  # int32 [0, T, 2T]
+    off: torch.Tensor  # bool [1, 2T, 1]: the masked rows (a = b = -1e4)
+    conv_rows: torch.Tensor  # long [2 * (W-1)]: the input rows before the cut and before n (clamped to >= 0)
+    conv_early: tuple  # (bool [2 * (W-1)]: entries before the first input, long column of the initial state)
+
+    @staticmethod
+    def of(pad: Padding, T: int, width: int, device) -> "PaddedCut":
+        w = width - 1
+        index = torch.arange(2 * T, device=device)
+        off = index >= torch.where(index < T, pad.cut, pad.n + T)
+        at = (torch.cat([pad.cut, pad.n]) - w)[:, None] + torch.arange(w, device=device)  # [2, W-1]
+        at = at.flatten()
+        return PaddedCut(torch.tensor([0, T, 2 * T], dtype=torch.int32, device=device), off.view(1, 2 * T, 1),
+                         at.clamp(min=0), (at < 0, (at + w).clamp(0, w - 1)))
+
+
+def _conv_states(mixed: torch.Tensor, conv0: torch.Tensor | None, rows: torch.Tensor, early, w: int) -> torch.Tensor:
+    """The conv states [k, 1, C, w] (as the conv kernel leaves them, w = W-1) at k points of a prefill: entry
+    j of point p is input row rows[p * w + j] of mixed [1, T, C], or where `early` (None, or a bool mask and
+    a long column) marks it, that column of the initial state conv0 [1, C, w] (zeros when None)."""
+    before = mixed.index_select(1, rows)  # [1, k * w, C]
+    if early is not None:
+        mask, col = early
+        init = (before.new_zeros(()) if conv0 is None
+                else conv0.to(mixed.dtype).transpose(1, 2).index_select(1, col))
+        before = torch.where(mask[None, :, None], init, before)
+    return before.view(rows.numel() // w, w, mixed.shape[2]).transpose(1, 2).unsqueeze(1).contiguous()
+
+
 def text_positions(cache: Cache, T: int, device) -> torch.Tensor:
     """Rotary ids [3, T] of T text tokens appended to `cache` (its slots plus its rope_delta)."""
     return (torch.arange(cache.length, cache.length + T, device=device) + cache.rope_delta).expand(3, T)
@@ -445,18 +479,12 @@ class Qwen35Model(nn.Module):
         c = self.config
         hv = c.linear_num_value_heads
         mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T, C, w = mixed.shape[1], mixed.shape[2], m.conv_w.shape[1] - 1
+        T, w = mixed.shape[1], m.conv_w.shape[1] - 1
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
         # the conv state at cut c: the W-1 inputs before it (the initial state's where c < W-1), as the
         # conv kernel leaves it after c tokens
-        before = mixed.index_select(1, pc.conv_rows)  # [1, cuts * (W-1), C]
-        if pc.conv_early is not None:
-            early, col = pc.conv_early
-            init = (before.new_zeros(()) if conv0 is None
-                    else conv0.to(mixed.dtype).transpose(1, 2).index_select(1, col))
-            before = torch.where(early[None, :, None], init, before)
-        convs = before.view(len(cut), w, C).transpose(1, 2).unsqueeze(1).contiguous()  # [cuts, 1, C, W-1]
+        convs = _conv_states(mixed, conv0, pc.conv_rows, pc.conv_early, w)  # [cuts, 1, C, W-1]
 
         def rows(t):  # the T tokens, then the first c of them for each cut, packed
             return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
@@ -472,25 +500,26 @@ class Qwen35Model(nn.Module):
             state.conv[i], state.ssm[i] = convs[n], ht[n + 1:n + 2]
         return self._gdn_out(m, o[:, :T], z, be)
 
-    def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pad: Padding,
+    def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pc: PaddedCut,
                             kept: "GDNState"):
-        # Tokens at and after n get a = b = -1e4: decay exp(g) = 1 and beta = 0 exactly, so they leave the
-        # recurrent state as the last real token left it (their outputs are never read). A second pass
-        # masked at `cut` gives the state there. The conv states are the last W-1 real inputs, gathered.
-        mixed, z, b, a = self._split_gdn(m, x)
+        # Masked tokens get a = b = -1e4: decay exp(g) = 1 and beta = 0 exactly, so they leave the recurrent
+        # state as the last unmasked token left it (their outputs are never read). One call walks the tokens
+        # masked from `cut` on (the cut's state) and, packed after them, from `n` on (the prompt's state and
+        # outputs). The conv states are the last W-1 inputs before each, gathered.
+        c = self.config
+        hv = c.linear_num_value_heads
+        mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
         T, w = x.shape[1], m.conv_w.shape[1] - 1
-        y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=cache.conv[i], backend=be)
-        q, k, v = self._qkv_heads(y)
-        history = torch.cat([cache.conv[i].to(mixed.dtype), mixed.transpose(1, 2)], dim=2)  # [1, C, W-1+T]
-        index = torch.arange(T, device=x.device)[None, :, None]
-        tail = torch.arange(w, device=x.device)
-        for end, into in ((pad.cut, kept), (pad.n, cache)):  # the cut's first: both start from cache.ssm[i]
-            off = index >= end
-            o, ssm = kernels.gdn_chunk_prefill(q, k, v, a.masked_fill(off, -1e4), b.masked_fill(off, -1e4), m.A_log,
-                                               m.dt_bias, initial_state=cache.ssm[i], backend=be)
-            conv = history.index_select(2, end + tail)
-            into.conv[i], into.ssm[i] = conv, ssm
-        return self._gdn_out(m, o, z, be)
+        conv0, h0 = cache.conv[i], cache.ssm[i]
+        y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
+        q, k, v = self._qkv_heads(y.repeat(1, 2, 1))
+        b, a = ba.repeat(1, 2, 1).masked_fill(pc.off, -1e4).split([hv, hv], dim=-1)
+        o, ssm = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0.expand(2, *h0.shape[1:]),
+                                           cu_seqlens=pc.cu_seqlens, backend=be)
+        convs = _conv_states(mixed, conv0, pc.conv_rows, pc.conv_early, w)
+        kept.conv[i], kept.ssm[i] = convs[0], ssm[:1]
+        cache.conv[i], cache.ssm[i] = convs[1], ssm[1:]
+        return self._gdn_out(m, o[:, T:], z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         mixed, z, b, a = self._split_gdn(m, x[:, 0])
@@ -536,11 +565,12 @@ class Qwen35Model(nn.Module):
         eps, blocks = c.rms_norm_eps, self.blocks
         packed = (PackedCuts.plan([k for k, _ in cut], T, c.linear_conv_kernel_dim, be, h.device)
                   if cut and not decode and pad is None else None)
+        padded = PaddedCut.of(pad[0], T, c.linear_conv_kernel_dim, h.device) if pad is not None else None
         x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)
         for i, blk in enumerate(blocks):
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
-                     else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, *pad) if pad is not None
+                     else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, padded, pad[1]) if pad is not None
                      else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, packed))
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
