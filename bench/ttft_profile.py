@@ -28,6 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--kernels", type=int, default=8, help="rows of the kernel table of the reused prompt")
     a = ap.parse_args()
     model, system, questions, image = build(a.layers, smoke=not torch.cuda.is_available())
 
@@ -79,7 +80,7 @@ def main():
         host_stages(fn)
         if before:
             before()
-        kernel_table(fn, 8)
+        kernel_table(fn, a.kernels if name == "reuse" else 8)
 
 
 STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal, "media_spans"),
