@@ -321,7 +321,8 @@ class PaddedCut:
         off = index >= torch.where(index < T, pad.cut, pad.n + T)
         at = (torch.cat([pad.cut, pad.n]) - w)[:, None] + torch.arange(w, device=device)  # [2, W-1]
         at = at.flatten()
-        return PaddedCut(torch.tensor([0, T, 2 * T], dtype=torch.int32, device=device), off.view(1, 2 * T, 1),
+        cu = torch.arange(3, dtype=torch.int32, device=device) * T  # made on the device: a graph captures it
+        return PaddedCut(cu, off.view(1, 2 * T, 1),
                          at.clamp(min=0), (at < 0, (at + w).clamp(0, w - 1)))
 
 
