@@ -23,6 +23,7 @@ import torch
 from .chat import IM_END, IM_START, THINK_CLOSE
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids
+from .host import host_logits
 from .memory import out_of_memory, prefill_bytes
 from .model import Qwen35Model
 from .multimodal import (
@@ -137,6 +138,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
                               positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
                               use_cache=use_cache, needed=[cached + turn_end])
+        logits = host_logits(run.logits)
         _sync(dev)
     except RuntimeError as e:
         if not _is_out_of_memory(e):
@@ -148,7 +150,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
             vision_ms = clock.ms
             stats = VisionStats(n_vision, new - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                                 sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-        return Prefill(whole, run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
+        return Prefill(whole, logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
                        id(model), vision=stats, turn=run.states.get(cached + turn_end),
                        cached_tokens=run.cached_tokens, media=media)
     run = None

@@ -15,6 +15,7 @@ import torch
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
+from .host import host_logits
 from .memory import generate_bytes, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
@@ -152,13 +153,14 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
         t0 = time.perf_counter()
         run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
                               needed=[turn_end] if turn_end else [])
+        logits = host_logits(run.logits)
         _sync(model.device)
     except RuntimeError as e:
         if not _is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
-        return Prefill(tuple(ids), run.logits.cpu(), run.cache, ms, model.backend.name, thinking, id(model),
+        return Prefill(tuple(ids), logits, run.cache, ms, model.backend.name, thinking, id(model),
                        turn=run.states.get(turn_end), cached_tokens=run.cached_tokens)
     run = None
     raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))

@@ -25,4 +25,11 @@ def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     return t.to(device, non_blocking=device.type == "cuda")
 
 
-__all__ = ["upload"]
+def host_logits(logits: torch.Tensor) -> torch.Tensor:
+    """A prefill's logits [1, vocab] copied to the host, queued behind the prefill's kernels into pinned memory
+    (torch pins the result of a non-blocking copy from CUDA): valid once the caller has synchronised, and no
+    pageable copy after it (1 MB, ~0.1-0.2 ms of a reused prompt's ~9). Elsewhere the tensor itself."""
+    return logits.to("cpu", non_blocking=logits.is_cuda)
+
+
+__all__ = ["upload", "host_logits"]

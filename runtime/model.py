@@ -310,20 +310,17 @@ class PaddedCut:
     same state, the first masked from `cut` on (its final state is the cut's), the second from `n` on (the
     prompt's state, and its outputs). Made on the device once per pass, from Padding's tensors."""
     cu_seqlens: torch.Tensor  # int32 [0, T, 2T]
-    off: torch.Tensor  # bool [1, 2T, 1]: the masked rows (a = b = -1e4)
-    conv_rows: torch.Tensor  # long [2 * (W-1)]: the input rows before the cut and before n (clamped to >= 0)
-    conv_early: tuple  # (bool [2 * (W-1)]: entries before the first input, long column of the initial state)
+    off: torch.Tensor  # bool [1, 2, T, 1]: the masked rows of each copy (a = b = -1e4)
+    conv_rows: torch.Tensor  # long [2 * (W-1)]: rows of [initial conv state; inputs] before the cut and before n
 
     @staticmethod
     def of(pad: Padding, T: int, width: int, device) -> "PaddedCut":
         w = width - 1
-        index = torch.arange(2 * T, device=device)
-        off = index >= torch.where(index < T, pad.cut, pad.n + T)
-        at = (torch.cat([pad.cut, pad.n]) - w)[:, None] + torch.arange(w, device=device)  # [2, W-1]
-        at = at.flatten()
+        index = torch.arange(T, device=device)
+        off = index >= torch.cat([pad.cut, pad.n])[:, None]  # [2, T]
+        rows = (torch.cat([pad.cut, pad.n])[:, None] + torch.arange(w, device=device)).flatten()
         cu = torch.arange(3, dtype=torch.int32, device=device) * T  # made on the device: a graph captures it
-        return PaddedCut(cu, off.view(1, 2 * T, 1),
-                         at.clamp(min=0), (at < 0, (at + w).clamp(0, w - 1)))
+        return PaddedCut(cu, off.view(1, 2, T, 1), rows)
 
 
 def _conv_states(mixed: torch.Tensor, conv0: torch.Tensor | None, rows: torch.Tensor, early, w: int) -> torch.Tensor:
@@ -510,16 +507,19 @@ class Qwen35Model(nn.Module):
         c = self.config
         hv = c.linear_num_value_heads
         mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T, w = x.shape[1], m.conv_w.shape[1] - 1
-        conv0, h0 = cache.conv[i], cache.ssm[i]
+        T, C, w = x.shape[1], mixed.shape[2], m.conv_w.shape[1] - 1
+        conv0, h0 = cache.conv[i], cache.ssm[i]  # a padded prefill follows a cached prefix: both exist
         y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
         q, k, v = self._qkv_heads(y.repeat(1, 2, 1))
-        b, a = ba.repeat(1, 2, 1).masked_fill(pc.off, -1e4).split([hv, hv], dim=-1)
+        b, a = torch.where(pc.off, -1e4, ba.unsqueeze(1).expand(1, 2, T, 2 * hv)).view(1, 2 * T, 2 * hv).split([hv, hv], -1)
         o, ssm = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0.expand(2, *h0.shape[1:]),
                                            cu_seqlens=pc.cu_seqlens, backend=be)
-        convs = _conv_states(mixed, conv0, pc.conv_rows, pc.conv_early, w)
-        kept.conv[i], kept.ssm[i] = convs[0], ssm[:1]
-        cache.conv[i], cache.ssm[i] = convs[1], ssm[1:]
+        # the conv states: the W-1 rows before the cut and before n of the initial state and the inputs (a short
+        # pass: copying its T rows costs less than gathering from two sources)
+        history = torch.cat([conv0.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # [1, W-1 + T, C]
+        convs = history.index_select(1, pc.conv_rows).view(2, w, C).transpose(1, 2).contiguous()
+        kept.conv[i], kept.ssm[i] = convs[:1], ssm[:1]
+        cache.conv[i], cache.ssm[i] = convs[1:], ssm[1:]
         return self._gdn_out(m, o[:, T:], z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):

@@ -23,7 +23,7 @@ from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync
-from .host import upload
+from .host import host_logits, upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
 from .memory import out_of_memory, prefill_bytes, vision_bytes
@@ -207,6 +207,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, clock),
                               positions, delta, limit=turn_end, use_cache=use_cache,
                               needed=[turn_end] if turn_end else [])
+        logits = host_logits(run.logits)
         _sync(model.device)
         t2 = time.perf_counter()
     except RuntimeError as e:
@@ -222,7 +223,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     vision_ms = clock.ms
     stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-    return Prefill(tuple(ids), run.logits.cpu(), run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
+    return Prefill(tuple(ids), logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
                    id(model), vision=stats, turn=run.states.get(turn_end), cached_tokens=run.cached_tokens,
                    media=tuple(spans))
 
