@@ -5,7 +5,7 @@ the image from the K/V store (runtime/prefix.py) and runs only its own tokens. E
 from an empty prefix cache. Adds {"ttft_first_ms", "ttft_reuse_ms", ...} as "ttft" to
 bench/results/paged-h200.json (or --out), keeping the kernel rows there.
 
-    python3 bench/prefix_reuse.py [--layers 32] [--reps 5] [--out PATH] [--smoke]
+    python3 bench/prefix_reuse.py [--layers 32] [--reps 9] [--out PATH] [--smoke]
 """
 import argparse
 import json
@@ -23,7 +23,7 @@ from qwen35_fast.runtime.tokenizer import load_tokenizer
 from qwen35_fast.runtime.vision import VisionConfig, VisionTower
 
 from e2e import nine_b, random_weights_
-from vision import OUT_HIDDEN, TOWER, timed
+from vision import OUT_HIDDEN, TOWER
 
 WORDS = ("the painter wants a calm picture of a harbour at dawn with fishing boats mist on the water gulls over "
          "the masts warm light on the houses along the quay and a few people starting their day").split()
@@ -67,7 +67,7 @@ def build(layers: int, smoke: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script runs")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged-h200.json"))
     a = ap.parse_args()
@@ -83,14 +83,15 @@ def main():
     def second():
         return prefill_multimodal(model, questions[1], images=image, system_prompt=system)
 
-    ms_first = timed(first, a.reps)
-    times = []
-    for _ in range(a.reps):  # each second question after a fresh first one (else it would hit its own snapshot)
-        first()
+    # first and reused prompts in turn, each reuse after a fresh first one (else it would hit its own snapshot),
+    # so that both medians come from the same minutes of the host (whose speed drifts between runs)
+    first()
+    ms_capture = _once(lambda: int(second().logits.argmax()), dev)  # captures the short prefill's CUDA graph
+    firsts, times = [], []
+    for _ in range(a.reps):
+        firsts.append(_once(first, dev))
         times.append(_once(lambda: int(second().logits.argmax()), dev))
-    # the first reuse captures the short prefill's CUDA graph (runtime/prefill_graph.py); the others replay it
-    ms_capture, times = times[0], times[1:] or times
-    ms_reuse = sorted(times)[len(times) // 2]
+    ms_first, ms_reuse = (sorted(x)[len(x) // 2] for x in (firsts, times))
     pf_first = prefill_multimodal(model, questions[0], images=image, system_prompt=system, use_cache=False)
     first()
     pf = second()
