@@ -118,5 +118,11 @@ for D in (1152, 5120):
 from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E402
 
 hash_words_cuda(torch.randint(0, 1 << 40, (300_001,), dtype=torch.int64, device=dev), (1, 2))
+# the decode projections: an odd row count (the last warp's second row past N), K not a multiple of the
+# lanes' 128-piece stride, x staged in shared memory
+from qwen35_fast.kernels.gemv.launch import gemv_cuda  # noqa: E402
+
+for n, k in ((4097, 4096), (3, 72), (37, 17408)):
+    gemv_cuda(torch.randn(1, k, device=dev, dtype=torch.bfloat16), torch.randn(n, k, device=dev, dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("sanitize cases ran")

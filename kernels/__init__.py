@@ -136,6 +136,18 @@ def silu_mul(gu, backend: Backend | None = None):
     return ops.run(ops.silu_mul_op, gu, bool(backend and backend.use_cuda))
 
 
+def gemv(x, weight, backend: Backend | None = None):
+    """One row's projection, x @ weight^T (x [..., K] holding one row, weight [N, K]) -> [..., N] in x.dtype:
+    the CUDA kernel streams the weight once (16-bit types, K a multiple of 8); else F.linear."""
+    return ops.run(ops.gemv_op, x, weight, bool(backend and backend.use_cuda))
+
+
+def gemv_preferred(device: torch.device | str) -> bool:
+    """Whether the decode step's projections take gemv rather than cuBLAS on `device`: on the cards where it
+    was measured faster (bench/gemv.py: Hopper); elsewhere cuBLAS, unmeasured against it."""
+    return hopper_card(device)
+
+
 def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     """The GDN output norm: weight * (x / rms(x)) * silu(gate) over the last dimension. x, gate: [..., D];
     weight: [D]."""
@@ -185,7 +197,7 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul",
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
            "vision_rotary", "layer_norm", "add_layer_norm", "hash_words"]

@@ -16,6 +16,7 @@ import torch
 from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
+from .gemv.reference import gemv_ref
 from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 from .silu_mul.reference import silu_mul_ref
@@ -162,6 +163,16 @@ def _silu_mul_fake(gu, use_cuda):
     return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
+def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().gemv_cuda(x, weight)
+    return gemv_ref(x, weight)
+
+
+def _gemv_fake(x, weight, use_cuda):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _gated_norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                      use_cuda: bool) -> torch.Tensor:
     if use_cuda:
@@ -232,6 +243,7 @@ rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
 rms_norm_rope_op = _register("rms_norm_rope", _norm_rope_impl, _norm_rope_fake)
 add_rms_norm_op = _register("add_rms_norm", _add_norm_impl, _add_norm_fake)
 silu_mul_op = _register("silu_mul", _silu_mul_impl, _silu_mul_fake)
+gemv_op = _register("gemv", _gemv_impl, _gemv_fake)
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))

@@ -376,6 +376,9 @@ class Qwen35Model(nn.Module):
         # captured passes (prefill_graph.py) by key; they read the weights' and the store's addresses, so a
         # move or a new store drops them
         self.graphs: dict = {}
+        # one-row projections (a decode step) through kernels.gemv: None = where kernels.gemv_preferred says
+        self.decode_gemv: bool | None = None
+        self._gemv = False
 
     # --- the paged K/V store ----------------------------------------------------------------
     @property
@@ -416,7 +419,14 @@ class Qwen35Model(nn.Module):
             except (RuntimeError, ValueError) as e:
                 raise Qwen35Error(str(e)) from None
             self._backend_device = self.device
+            self._gemv = self.backend.use_cuda and (self.decode_gemv if self.decode_gemv is not None
+                                                    else kernels.gemv_preferred(self.device))
         return self.backend
+
+    def set_decode_gemv(self, on: bool | None) -> None:
+        """One-row projections through kernels.gemv (True), through cuBLAS (False), or as
+        kernels.gemv_preferred says for the device (None); captured passes are made again."""
+        self.decode_gemv, self._backend_device = on, None
 
     def set_backend(self, requested: str) -> kernels.Backend:
         """Choose the GDN backend again ("auto", "cuda" or "torch")."""
@@ -430,9 +440,15 @@ class Qwen35Model(nn.Module):
         return rope.cos_sin(positions, self.inv_freq, self.rope_section, self.dtype)
 
     # --- layers -----------------------------------------------------------------------------
-    def _split_gdn(self, m: GDNLayer, x):
+    def _proj(self, x, weight, be: kernels.Backend):
+        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it."""
+        if self._gemv and x.numel() == x.shape[-1]:
+            return kernels.gemv(x, weight, backend=be)
+        return F.linear(x, weight)
+
+    def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
         c = self.config
-        proj = F.linear(x, m.in_proj)
+        proj = self._proj(x, m.in_proj, be)
         hv = c.linear_num_value_heads
         return proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)  # mixed qkv, z, b, a
 
@@ -448,7 +464,7 @@ class Qwen35Model(nn.Module):
         c = self.config
         z = z.reshape(*z.shape[:-1], c.linear_num_value_heads, c.linear_value_head_dim)
         o = kernels.gated_rms_norm(o, z, m.norm_w, c.rms_norm_eps, backend=be)
-        return F.linear(o.flatten(-2), m.out_proj)
+        return self._proj(o.flatten(-2), m.out_proj, be)
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=(),
                      packed: PackedCuts | None = None):
@@ -458,7 +474,7 @@ class Qwen35Model(nn.Module):
         # call walks the T tokens and each prefix (PACKED_CUT_TOKENS).
         if packed is not None:
             return self._gdn_prefill_packed(m, x, cache, i, be, cut, packed)
-        mixed, z, b, a = self._split_gdn(m, x)
+        mixed, z, b, a = self._split_gdn(m, x, be)
         T = x.shape[1]
         bounds = (0, *(c for c, _ in cut), T)
         outs = []
@@ -523,7 +539,7 @@ class Qwen35Model(nn.Module):
         return self._gdn_out(m, o[:, T:], z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
-        mixed, z, b, a = self._split_gdn(m, x[:, 0])
+        mixed, z, b, a = self._split_gdn(m, x[:, 0], be)
         mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
@@ -533,7 +549,7 @@ class Qwen35Model(nn.Module):
         c = self.config
         B, T, _ = x.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qg, k, v = F.linear(x, m.qkv).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        qg, k, v = self._proj(x, m.qkv, be).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
         q = kernels.rms_norm_rope(q, m.q_norm, c.rms_norm_eps, cos, sin, backend=be)  # rotary: half-split
         k = kernels.rms_norm_rope(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, cos, sin, backend=be)
@@ -549,10 +565,10 @@ class Qwen35Model(nn.Module):
             out = kernels.paged_attention(q[0], k[0], v[0], store.k[j], store.v[j], kv.table, kv.lens, kv.cu_q,
                                           gate[0], max_q=kv.max_q, scale=hd ** -0.5, backend=be)
             out = out.reshape(B, T, H * hd)
-        return F.linear(out, m.o_proj)
+        return self._proj(out, m.o_proj, be)
 
     def _mlp(self, blk: Block, x, be: kernels.Backend):
-        return F.linear(kernels.silu_mul(F.linear(x, blk.gate_up), backend=be), blk.down)
+        return self._proj(kernels.silu_mul(self._proj(x, blk.gate_up, be), backend=be), blk.down, be)
 
     def _layers(self, h, cache: Cache, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
                 pad: tuple[Padding, "GDNState"] | None = None):

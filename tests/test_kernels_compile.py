@@ -52,6 +52,7 @@ VARIANTS = {
     # ... and the residual add before the norm (the hidden sizes)
     + [{"DIM": d, "IN_T": i, "W_T": w, "RES": 1} for d in (1024, 2048, 2560, 4096, 5120) for i in (2, 1) for w in (0, i)],
     "silu_mul.cu": [{"IN_T": i} for i in (2, 1)],
+    "gemv.cu": [{"IN_T": i} for i in (2, 1)],
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],
@@ -69,7 +70,7 @@ VARIANTS = {
 def test_sources_found():
     names = {p.name for p in SOURCES}
     assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "layer_norm.cu", "silu_mul.cu",
-            "content_hash.cu"} <= names
+            "content_hash.cu", "gemv.cu"} <= names
 
 
 @needs_nvrtc

@@ -1,4 +1,4 @@
-"""Decode, conv1d, the norms and the vision tower's kernels built as an RTX card gets them: PTX for compute_80 (which the driver finishes
+"""Decode, conv1d, the norms, the decode projections (gemv) and the vision tower's kernels built as an RTX card gets them: PTX for compute_80 (which the driver finishes
 for the GPU in hand) and no block above the 99 KB of shared memory that sm_86 / sm_89 / sm_120 give one
 block; each against its reference. (The prefill's portable path has its own tests in test_gdn_prefill_cuda.py;
 tests/test_kernels_compile.py compiles every source for sm_80 / 86 / 89 / 120 / 90a without a GPU.)"""
@@ -9,6 +9,7 @@ from qwen35_fast.kernels.conv1d import launch as conv_launch
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from qwen35_fast.kernels.gdn_decode import launch as decode_launch
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
+from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.rms_norm import launch as norm_launch
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 from qwen35_fast.kernels.vision import launch as vision_launch
@@ -27,7 +28,7 @@ def rtx(monkeypatch):
     """Every module these launchers load is built for compute_80, and every launch is checked against the
     99 KB cap; returns the (module, arch, shared memory) of each launch."""
     seen = []
-    for mod in (decode_launch, conv_launch, norm_launch, vision_launch):
+    for mod in (decode_launch, conv_launch, norm_launch, vision_launch, gemv_launch):
         get, run = mod.get_function, mod.launch
 
         def get_function(src, name, dev, defines=None, get=get):
@@ -123,3 +124,14 @@ def test_vision_kernels(rtx, D):
     s_ref, out_ref = add_layer_norm_ref(x, y, w, b, 1e-6)
     assert torch.equal(s, s_ref) and not out.isnan().any() and rel(out, out_ref) < 4e-3
     assert {e[1] for e in rtx if e[0] == "get"} == {"vision_rotary", "layer_norm_fwd"}
+
+
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 17408)])
+def test_gemv(rtx, N, K):
+    g = torch.Generator(device=DEV).manual_seed(N + K)
+    w = (torch.randn(N, K, generator=g, device=DEV) * 0.05).bfloat16()
+    x = torch.randn(1, K, generator=g, device=DEV).bfloat16()
+    _poison((1, N), torch.bfloat16)
+    y = gemv_launch.gemv_cuda(x, w)
+    assert not y.isnan().any() and rel(y, x.float() @ w.float().T) < 4e-3
+    assert ("get", "gemv") in rtx

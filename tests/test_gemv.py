@@ -1,0 +1,121 @@
+"""kernels/gemv: one row times a weight's transpose (the decode step's projections).
+
+On the GPU, against the fp32 product over many shapes (fresh, reproducible inputs; NaN-poisoned outputs):
+within the one rounding to the element type plus the fp32 sums' order. Cases the kernel does not take
+run F.linear. A captured CUDA graph replays it; a model decodes the same tokens with it as with cuBLAS.
+On any machine: the grid and the cases it takes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen35_fast import kernels
+from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, ROWS, WARPS, grid_blocks, takes
+
+from _models import poison_allocator
+
+ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 15, 16, 17, 4096, 12352, 248320])
+@pytest.mark.parametrize("sms", [46, 132])
+def test_grid_gives_every_warp_the_same_row_groups(n_rows, sms):
+    blocks = grid_blocks(n_rows, sms)
+    groups = -(-n_rows // ROWS)
+    rounds = -(-groups // (blocks * WARPS))  # row groups of the busiest warp
+    assert 1 <= blocks <= sms * BLOCKS_PER_SM
+    assert rounds == -(-groups // (sms * BLOCKS_PER_SM * WARPS))  # no more than the fullest grid gives
+    assert (blocks - 1) * WARPS * rounds < groups  # no block without work
+
+
+def test_takes_only_what_the_kernel_reads():
+    meta = torch.device("meta")
+    w = torch.empty(64, 4096, dtype=torch.bfloat16, device=meta)
+    x = torch.empty(1, 1, 4096, dtype=torch.bfloat16, device=meta)
+    assert not takes(x, w)  # not on a CUDA device
+    if not torch.cuda.is_available():
+        return
+    w, x = w.to_empty(device="cuda"), x.to_empty(device="cuda")
+    assert takes(x, w) and takes(x[0, 0], w)
+    assert not takes(torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda"), w)  # two rows
+    assert not takes(x.float(), w.float()) and not takes(x, w.half())
+    assert not takes(x[..., :4092], w[:, :4092])  # rows not 16-byte aligned (stride 4096, K 4092)
+    assert not takes(torch.empty(MAX_K + 8, dtype=torch.bfloat16, device="cuda"),
+                     torch.empty(4, MAX_K + 8, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", [(1, 8), (3, 72), (17, 1024), (4096, 4096), (12352, 4096), (4096, 12288),
+                                 (24576, 4096), (10240, 4096), (1024, 17408), (248320, 1024), (5, 24576)])
+def test_gemv_is_the_product_rounded_once(N, K, dtype):
+    g = torch.Generator(device="cuda").manual_seed(N * 131 + K)
+    w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
+    x = torch.randn(1, 1, K, generator=g, device="cuda").to(dtype)
+    poison_allocator(((1, 1, N), dtype))
+    y = kernels.gemv(x, w, backend=kernels.select_backend("cuda", "cuda"))
+    exact = (x.double() @ w.double().T)
+    assert y.shape == (1, 1, N) and y.dtype == dtype and not y.isnan().any()
+    err = (y.double() - exact).abs()
+    # one rounding (half an ulp of the value) and the fp32 sums of K products of order |w x|
+    bound = exact.abs() * ULP[dtype] / 2 * 1.001 + 1e-6 * (w.double().abs() @ x.double().abs().view(K)).view(1, 1, N)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+@pytest.mark.gpu
+def test_gemv_takes_strided_rows_and_one_dimensional_x():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    big = torch.randn(300, 4104, generator=g, device="cuda").bfloat16()
+    w = big[::3, 8:]  # row stride 3 * 4104 elements, 16-byte aligned rows
+    x = torch.randn(4096, generator=g, device="cuda").bfloat16()
+    assert takes(x, w)
+    y = kernels.gemv(x, w, backend=kernels.select_backend("cuda", "cuda"))
+    torch.testing.assert_close(y.float(), (w.float() @ x.float()), rtol=ULP[torch.bfloat16], atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_what_the_kernel_does_not_take_is_f_linear():
+    be = kernels.select_backend("cuda", "cuda")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for x, w in ((torch.randn(2, 64, generator=g, device="cuda").bfloat16(),
+                  torch.randn(32, 64, generator=g, device="cuda").bfloat16()),  # two rows
+                 (torch.randn(1, 60, generator=g, device="cuda").bfloat16(),
+                  torch.randn(32, 60, generator=g, device="cuda").bfloat16()),  # K not a multiple of 8
+                 (torch.randn(1, 64, generator=g, device="cuda"), torch.randn(32, 64, generator=g, device="cuda"))):
+        assert torch.equal(kernels.gemv(x, w, backend=be), F.linear(x, w))
+
+
+@pytest.mark.gpu
+def test_gemv_replays_in_a_cuda_graph():
+    from qwen35_fast.kernels.gemv.launch import gemv_cuda
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w = torch.randn(12352, 4096, generator=g, device="cuda").bfloat16()
+    x = torch.randn(1, 4096, generator=g, device="cuda").bfloat16()
+    gemv_cuda(x, w)  # load the module outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv_cuda(x, w)
+    for seed in (10, 11):
+        x.copy_(torch.randn(1, 4096, generator=g.manual_seed(seed), device="cuda").bfloat16())
+        graph.replay()
+        torch.testing.assert_close(y, gemv_cuda(x.clone(), w), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path):
+    """One decode step's logits from the same cache agree to bf16 rounding, and greedy generation (in its CUDA
+    graph) gives the same tokens."""
+    from qwen35_fast.runtime import generate, prefill
+
+    from _models import kernels_model, rel
+    model = kernels_model(tmp_path, seed=12)
+    pf = prefill(model, "Describe a lighthouse at dusk in one sentence.")
+    ids = torch.tensor([int(pf.logits.argmax())], device="cuda")
+    logits, tokens = {}, {}
+    for on in (False, True):
+        model.set_decode_gemv(on)
+        cache = pf.cache.clone(pf.cache.length + 8)
+        logits[on] = model.forward_decode(ids, cache).float()
+        assert model._gemv == on
+        tokens[on] = generate(model, pf, max_new_tokens=16).token_ids
+    assert rel(logits[True], logits[False]) < 1e-2
+    assert tokens[True] == tokens[False]
