@@ -601,8 +601,9 @@ class Qwen35Model(nn.Module):
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, vocab] for the hidden state of one position per sequence [B, hidden]."""
-        h = kernels.rms_norm(h_last, self.final_norm, self.config.rms_norm_eps, backend=self.select_backend())
-        return F.linear(h, self.embed if self.lm_head is None else self.lm_head).float()
+        be = self.select_backend()
+        h = kernels.rms_norm(h_last, self.final_norm, self.config.rms_norm_eps, backend=be)
+        return self._proj(h, self.embed if self.lm_head is None else self.lm_head, be).float()
 
     def new_cache(self, batch: int, capacity: int) -> Cache:
         """An empty cache with room for `capacity` tokens (blocks of the model's K/V store); one sequence."""
