@@ -1,0 +1,56 @@
+"""What generate() itself decodes at: the 9B-shaped model of bench/e2e.py (random weights, bf16, the kernels
+backend, the real tokenizer) after a ~1,000-token prompt, 128 new tokens, greedy and sampled (top-k, top-p,
+repetition penalty), with its streaming callback; tokens/s as Generation reports them (from the first
+token on), median of `reps`. bench/e2e.py times the bare graph step; this adds what the loop does around it
+(picking, the host reading each token, the text stream). Writes bench/results/generate-h200.json (or --out).
+
+    python3 bench/generate_speed.py [--layers 32] [--reps 3] [--out PATH]
+"""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+from _import import host_cpu
+
+from qwen35_fast.runtime import SamplingParams, generate, prefill
+from qwen35_fast.runtime.model import Qwen35Model
+from qwen35_fast.runtime.tokenizer import load_tokenizer
+
+from e2e import nine_b, random_weights_
+from prefix_reuse import words_for
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate-h200.json"))
+    a = ap.parse_args()
+    model = Qwen35Model(nine_b(a.layers), torch.bfloat16, torch.device("cuda"))
+    random_weights_(model)
+    model.tokenizer = load_tokenizer(None)
+    model.set_backend("cuda")
+    pf = prefill(model, words_for(model.tokenizer, 1000, 5))
+    texts = []
+    rows = []
+    for name, sampling in (("greedy", SamplingParams()),
+                           ("sampled", SamplingParams(do_sample=True, temperature=0.8, top_k=40, top_p=0.9,
+                                                      repetition_penalty=1.1))):
+        generate(model, pf, max_new_tokens=8, sampling=sampling)  # warm: the decode graph's modules
+        runs = [generate(model, pf, max_new_tokens=a.tokens, sampling=sampling, seed=r,
+                         on_token=lambda delta, n, most: texts.append(delta)) for r in range(a.reps)]
+        tps = sorted(g.decode_tokens_per_s for g in runs)
+        rows.append({"sampling": name, "prompt_tokens": pf.n_tokens, "new_tokens": [g.n_tokens for g in runs],
+                     "decode_tok_per_s": round(tps[len(tps) // 2], 1), "all_tok_per_s": [round(t, 1) for t in tps]})
+        print(f"generate, {name}: {rows[-1]['decode_tok_per_s']} tok/s ({rows[-1]['all_tok_per_s']})")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_cpu": host_cpu(),
+              "model": f"Qwen3.5-9B-shaped, {a.layers} layers, random weights, bf16", "rows": rows}
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
