@@ -42,6 +42,21 @@ def test_takes_only_what_the_kernel_reads():
                      torch.empty(4, MAX_K + 8, dtype=torch.bfloat16, device="cuda"))
 
 
+def test_gemv_is_a_custom_op_torch_compile_traces():
+    """The op's schema and fake implementation (what torch.compile traces through), and a compiled decode-like
+    step with it gives the eager result (on the CPU: the reference behind the op)."""
+    from qwen35_fast.kernels import ops
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 1, 64, generator=g), torch.randn(48, 64, generator=g)
+    torch.library.opcheck(ops.gemv_op, (x, w, False), test_utils=("test_schema", "test_faketensor"))
+    be = kernels.select_backend("torch", "cpu")
+
+    def step(x):
+        return kernels.gemv(torch.tanh(x), w, backend=be) * 2
+
+    torch.testing.assert_close(torch.compile(step, fullgraph=True)(x), step(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,K", [(1, 8), (3, 72), (17, 1024), (4096, 4096), (12352, 4096), (4096, 12288),
