@@ -27,11 +27,10 @@ from .host import host_logits
 from .memory import out_of_memory, prefill_bytes
 from .model import Qwen35Model
 from .multimodal import (
-    IMAGE_PAD,
-    VIDEO_PAD,
     TowerClock,
     VisionStats,
     _as_inputs,
+    _count_pads,
     _merge,
     build_prompt,
     media_spans,
@@ -121,7 +120,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     dev = model.device
     whole = parent.token_ids[:cached] + tuple(ids)  # the conversation: keys of the prefix cache run over all of it
     try:
-        n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
+        n_vision = _count_pads(ids)
         spans = media_spans(ids, ordered, _merge(model), offset=cached, backend=model.backend)
         media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
         positions = delta = None

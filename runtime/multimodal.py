@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -187,7 +188,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt, thinking, use_chat_template,
                                        allow_special_tokens)
     limit = model.config.max_position_embeddings
-    n_vision = sum(1 for i in ids if i in (IMAGE_PAD, VIDEO_PAD))
+    n_vision = _count_pads(ids)
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
                           f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
@@ -228,6 +229,19 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
                    media=tuple(spans))
 
 
+def _count_pads(ids) -> int:
+    """Image and video pad tokens among ids (a list or tuple: counted at C speed)."""
+    ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+    return ids.count(IMAGE_PAD) + ids.count(VIDEO_PAD)
+
+
+def _pad_positions(ids) -> np.ndarray:
+    """Positions of the image and video pad tokens among ids, in order (numpy: a 1,300-token prompt costs
+    ~0.3 ms in a Python loop)."""
+    arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    return np.flatnonzero((arr == IMAGE_PAD) | (arr == VIDEO_PAD))
+
+
 def _merge(model: Qwen35Model) -> int:
     return model.vision.config.spatial_merge_size if model.vision is not None else 2
 
@@ -237,11 +251,11 @@ def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0,
     """Where each input's tokens are (its first pad token to its <|vision_end|>, shifted by `offset`) and
     its content key (VisionInput.content_key: a hash of its pixels, its grid and settings): the prefix
     cache's keys for the blocks it covers. Makes no patches."""
-    pads = [i for i, t in enumerate(ids) if t in (IMAGE_PAD, VIDEO_PAD)]
+    pads = _pad_positions(ids)
     out, k = [], 0
     for inp in ordered:
         n = inp.n_tokens(merge)
-        out.append(MediaSpan(offset + pads[k], offset + pads[k + n - 1] + 2,
+        out.append(MediaSpan(offset + int(pads[k]), offset + int(pads[k + n - 1]) + 2,
                              inp.content_key(lambda t: content_hash(t, backend))))
         k += n
     return out
@@ -292,7 +306,7 @@ def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: 
         pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
         features = tower(pixels, tower.plan([inp.grid for inp in todo]), backend=model.backend)
         clock.stop()
-        slots = upload([i for i, t in enumerate(ids[n:]) if t in (IMAGE_PAD, VIDEO_PAD)], torch.long, dev)
+        slots = upload(torch.from_numpy(_pad_positions(ids[n:])), torch.long, dev)
         return slots, features
     return run
 

@@ -59,22 +59,31 @@ class VisionSpan:
 
 def layout_positions(parts) -> tuple[torch.Tensor, int]:
     """Position ids [3, T] for a prompt laid out as TextRun / VisionSpan parts, on the host (the model uploads
-    them, and reads the rope deltas at cuts from them without a synchronisation), and its rope_delta."""
-    chunks, s, top = [], 0, -1  # top: the largest position so far (built in numpy: ~2 us a part, not ~30)
-    for part in parts:
+    them, and reads the rope deltas at cuts from them without a synchronisation), and its rope_delta. Built in
+    numpy, consecutive text runs as one range (a chat prompt has a dozen of them)."""
+    total = sum(part.n for part in parts)
+    positions = np.empty((3, total), dtype=np.int64)
+    at, s, top = 0, 0, -1  # at: the next token, s: its position, top: the largest position so far
+    text_from = None  # the token where the current stretch of text runs starts
+    for part in (*parts, None):
         if isinstance(part, TextRun):
-            chunks.append(np.broadcast_to(np.arange(s, s + part.n), (3, part.n)))
-            top = max(top, s + part.n - 1)
-            s += part.n
-        else:  # (t, row, column) of each patch block, after the text before it
-            chunks.append(np.indices((part.t, part.h, part.w)).reshape(3, -1) + s)
-            top = max(top, s + max(part.t, part.h, part.w) - 1)
-            s += max(part.h, part.w)
-    positions = torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.int64)) if chunks else \
-        torch.zeros(3, 0, dtype=torch.long)
-    n = positions.shape[1]
-    delta = top + 1 - n if n else 0
-    return positions, delta
+            text_from = at if text_from is None else text_from
+            at += part.n
+            continue
+        if text_from is not None and at > text_from:  # the text stretch before this part: one range
+            positions[:, text_from:at] = np.arange(s, s + at - text_from)
+            s += at - text_from
+            top = max(top, s - 1)
+        text_from = None
+        if part is None:
+            break
+        # (t, row, column) of each patch block, after the text before it
+        positions[:, at:at + part.n] = np.indices((part.t, part.h, part.w)).reshape(3, -1) + s
+        top = max(top, s + max(part.t, part.h, part.w) - 1)
+        s += max(part.h, part.w)
+        at += part.n
+    delta = top + 1 - total if total else 0
+    return torch.from_numpy(positions), delta
 
 
 def text_positions(start: int, n: int, device=None) -> torch.Tensor:
