@@ -316,9 +316,9 @@ class PaddedCut:
     @staticmethod
     def of(pad: Padding, T: int, width: int, device) -> "PaddedCut":
         w = width - 1
-        index = torch.arange(T, device=device)
-        off = index >= torch.cat([pad.cut, pad.n])[:, None]  # [2, T]
-        rows = (torch.cat([pad.cut, pad.n])[:, None] + torch.arange(w, device=device)).flatten()
+        ends = torch.cat([pad.cut, pad.n])[:, None]  # [2, 1]
+        off = torch.arange(T, device=device) >= ends  # [2, T]
+        rows = (ends + torch.arange(w, device=device)).flatten()
         cu = torch.arange(3, dtype=torch.int32, device=device) * T  # made on the device: a graph captures it
         return PaddedCut(cu, off.view(1, 2, T, 1), rows)
 
