@@ -64,9 +64,13 @@ class GraphedDecode:
         with torch.cuda.graph(self.graph, stream=side):
             self.logits = model.forward_decode_at(self.ids, self.slot, cache)
 
-    def __call__(self, token: int) -> torch.Tensor:
-        """Append `token` at the cache's end; returns fp32 logits [1, vocab] (valid until the next call)."""
-        self.ids.fill_(token)
+    def __call__(self, token: int | torch.Tensor) -> torch.Tensor:
+        """Append `token` (an int, or a long tensor [1] on the device, copied there without a synchronisation)
+        at the cache's end; returns fp32 logits [1, vocab] (valid until the next call)."""
+        if isinstance(token, torch.Tensor):
+            self.ids.copy_(token.view(1))
+        else:
+            self.ids.fill_(token)
         self.graph.replay()
         self.slot.advance()
         self.cache.length += 1

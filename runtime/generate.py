@@ -19,7 +19,7 @@ from .host import host_logits
 from .memory import generate_bytes, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
-from .sampling import SamplingParams, apply_penalties, choose, generator_seed
+from .sampling import SamplingParams, apply_penalties, generator_seed, pick
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,37 @@ def kv_capacity(needed: int, current: int, most: int) -> int:
     return min(-(-want // KV_BLOCK) * KV_BLOCK, most)
 
 
+class _HostTokens:
+    """Token ids on their way to the host in queue order: push queues a copy of a device id (into pinned
+    memory behind the work before it, on CUDA), pop waits for the oldest and returns it. Two in flight at
+    most (the decode loop's one step ahead)."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+        self.slots = [torch.empty(1, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.done = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.pushed = self.popped = 0
+
+    def push(self, tok: torch.Tensor) -> None:
+        i = self.pushed % 2
+        self.slots[i].copy_(tok.view(1), non_blocking=self.cuda)
+        if self.cuda:
+            self.done[i].record()
+        self.pushed += 1
+
+    def drain(self) -> None:
+        """Wait for everything queued so far (before a decode step is captured again)."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def pop(self) -> int:
+        i = self.popped % 2
+        if self.cuda:
+            self.done[i].synchronize()
+        self.popped += 1
+        return int(self.slots[i][0])
+
+
 def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[str, str]:
     """(thinking, answer) text. Only with thinking on does the first `</think>` token end the thinking;
     with it off the prompt already closed the block, so all of the output is the answer, a literal
@@ -255,34 +286,49 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     history[:pf.n_tokens] = torch.tensor(pf.token_ids, dtype=torch.long)
     out: list[int] = []
     stream = model.tokenizer.stream_decoder()
-    logits = pf.logits.to(dev)
     finish = "length"
     t0 = time.perf_counter()
-    first_ms = 0.0
-    for n in range(budget):
+    first_ms = t_decode = 0.0
+    host = _HostTokens(dev)
+
+    def next_token(logits: torch.Tensor, n: int) -> torch.Tensor:
+        """Answer token n from the logits before it, picked and recorded on the device; its id is queued for
+        the host (host.pop)."""
+        at = pf.n_tokens + n
         if penalised:
-            end = pf.n_tokens + n
-            logits = apply_penalties(logits, history[:end], history[pf.n_tokens:end], sampling)
-        tok = choose(logits, sampling, generator)
-        if n == 0:
-            first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
-            t_decode = time.perf_counter()
-        if tok in eos:
-            finish = "stop"
-            break
-        out.append(tok)
-        history[pf.n_tokens + n] = tok
-        if on_token is not None:
-            on_token(stream.feed(tok), n + 1, max_new_tokens)
+            logits = apply_penalties(logits, history[:at], history[pf.n_tokens:at], sampling)
+        tok = pick(logits, sampling, generator)
+        history[at:at + 1] = tok
+        host.push(tok)
+        return tok
+
+    tok = next_token(pf.logits.to(dev), 0)
+    for n in range(budget):
+        # Token n is queued on the device. Step n + 1 and token n + 1 are queued behind it before the host
+        # reads token n, so the GPU computes the next token while the host checks this one and streams its
+        # text (after an end-of-turn token the step queued behind it is left unread; the cache is this
+        # generation's own).
         if n + 1 < budget:
             if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
                 cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
                 if step is not None and step.version != cache.store.version:  # the store grew: new tensors
+                    step = None  # the old graph goes before the new one is captured
+                    host.drain()  # and nothing of it is in flight
                     step = graphed_decode(model, cache, most)
                 elif step is not None:
                     step.slot.set_blocks(cache.seq.blocks)
-            logits = (step(tok) if step is not None
-                      else model.forward_decode(torch.tensor([tok], device=dev), cache))[0]
+            logits = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
+            tok = next_token(logits, n + 1)
+        done = host.pop()
+        if n == 0:
+            first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
+            t_decode = time.perf_counter()
+        if done in eos:
+            finish = "stop"
+            break
+        out.append(done)
+        if on_token is not None:
+            on_token(stream.feed(done), n + 1, max_new_tokens)
     decode_s = time.perf_counter() - t_decode if out else 0.0
     thinking, answer = _split_answer(model, out, pf.thinking)
     return Generation(answer, thinking, tuple(out), first_ms,

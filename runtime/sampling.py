@@ -66,10 +66,11 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     return logits
 
 
-def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one id from penalised fp32 logits [V]."""
+def pick(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one id from penalised fp32 logits [V]: a long tensor [1] where the logits are, read by nothing
+    on the host (a decode loop queues the next step behind it)."""
     if not p.do_sample:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits).view(1)
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -81,4 +82,4 @@ def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         sorted_p, order = torch.sort(probs, descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest prefix whose mass reaches top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return torch.multinomial(probs / probs.sum(), 1, generator=generator)

@@ -127,6 +127,17 @@ def test_out_ranks_cover_every_chunk_with_at_most_a_short_segments_padding():
     assert P.out_ranks(1, 4096, True, 4, 77) == 77
     for B, T, nseg in ((1, 1024, 4), (2, 700, 3), (1, 566, 4), (8, 4096, 1), (1, 32768, 4), (3, 300, 4), (1, 1, 1)):
         chunks = -(-T // 64)
-        ns = nseg if chunks >= P.SEG_MIN_CHUNKS else 1
-        ranks = P.out_ranks(B, T, False, nseg, B * chunks)
+        ns = P.seg_count(nseg, chunks)  # what the plan hands the launcher
+        ranks = P.out_ranks(B, T, False, ns, B * chunks)
         assert B * chunks <= ranks < B * (chunks + ns)
+
+
+def test_a_forced_split_of_short_sequences_is_one_segment_in_the_plan_of_an_unpacked_call():
+    """The kernels cut a sequence of fewer than SEG_MIN_CHUNKS chunks into one segment: an unpacked call's plan
+    says so (the output kernel and its grid take the plan's count as is); a packed call keeps the count asked
+    for, as its sequences' lengths differ and the walk decides per sequence."""
+    h200 = CARDS["H200"]
+    assert P.plan(1, 64 * 7, 1, Hk, Hv, False, h200, path="portable", segments=4).segments == 1
+    assert P.plan(1, 64 * 8, 1, Hk, Hv, False, h200, path="portable", segments=4).segments == 4
+    assert P.plan(1, 64 * 7, 2, Hk, Hv, True, h200, path="portable", segments=4).segments == 4
+    assert [P.seg_count(4, c) for c in (1, 7, 8, 100)] == [1, 1, 4, 4]

@@ -4,7 +4,7 @@ import torch
 
 from qwen35_fast import kernels
 from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill, prefill_ids
-from qwen35_fast.runtime.sampling import apply_penalties, choose
+from qwen35_fast.runtime.sampling import apply_penalties, pick
 
 from _models import make_hf_model, rel
 
@@ -72,14 +72,14 @@ def test_on_token_streams_the_text_and_can_cancel(pair):
 def test_sampling_filters():
     logits = torch.tensor([5.0, 4.0, 1.0, -2.0])
     greedy = SamplingParams()
-    assert choose(logits, greedy, None) == 0
+    assert int(pick(logits, greedy, None)) == 0
     g = torch.Generator().manual_seed(0)
     top1 = SamplingParams(do_sample=True, top_k=1)
-    assert {choose(logits, top1, g) for _ in range(20)} == {0}
+    assert {int(pick(logits, top1, g)) for _ in range(20)} == {0}
     narrow = SamplingParams(do_sample=True, top_p=0.5)
-    assert {choose(logits, narrow, g) for _ in range(20)} == {0}
+    assert {int(pick(logits, narrow, g)) for _ in range(20)} == {0}
     minp = SamplingParams(do_sample=True, min_p=0.2)  # keeps tokens with p >= 0.2 * p_max: ids 0 and 1
-    assert {choose(logits, minp, g) for _ in range(200)} == {0, 1}
+    assert {int(pick(logits, minp, g)) for _ in range(200)} == {0, 1}
     pen = apply_penalties(logits, torch.tensor([0, 3]), torch.tensor([1]),
                           SamplingParams(repetition_penalty=2.0, presence_penalty=1.5))
     assert pen.tolist() == [2.5, 2.5, 1.0, -4.0]

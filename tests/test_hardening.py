@@ -1,5 +1,6 @@
 """Issue 12: every bad input a user can hand the runtime gets a Qwen35Error naming it and the fix, and the
 same process then still loads a good model and generates the same text as before."""
+import itertools
 import json
 import os
 import shutil
@@ -306,8 +307,9 @@ def _scripted(monkeypatch, model, text):
     """Make generate write `text` (then end the turn), whatever the logits say."""
     import importlib
     gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
-    script = iter(model.tokenizer.encode(text) + [model.tokenizer.token_id("<|im_end|>")])
-    monkeypatch.setattr(gen_mod, "choose", lambda logits, p, g: next(script))
+    end = model.tokenizer.token_id("<|im_end|>")  # then end-of-turn again: the loop picks one token ahead
+    script = itertools.chain(model.tokenizer.encode(text), itertools.repeat(end))
+    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, g: torch.tensor([next(script)], device=logits.device))
 
 
 def test_literal_think_close_in_an_answer_with_thinking_off(still_works, chat_model, monkeypatch):
@@ -606,7 +608,7 @@ class SlotDecode:
         self.capacities = []
 
     def __call__(self, token):
-        self.ids.fill_(token)
+        self.ids.copy_(torch.as_tensor(token).view(1))  # an int, or the device id generate hands over
         self.capacities.append(self.cache.capacity)
         logits = self.model.forward_decode_at(self.ids, self.slot, self.cache)
         self.slot.advance()
@@ -656,10 +658,10 @@ def test_a_temperature_that_would_overflow_the_logits(chat_model, temperature):
 
 
 def test_the_smallest_temperature_samples_the_top_token():
-    from qwen35_fast.runtime.sampling import MIN_TEMPERATURE, choose
+    from qwen35_fast.runtime.sampling import MIN_TEMPERATURE, pick
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
-    pick = choose(logits, SamplingParams(do_sample=True, temperature=MIN_TEMPERATURE), torch.Generator().manual_seed(1))
-    assert pick == int(logits.argmax())
+    chosen = pick(logits, SamplingParams(do_sample=True, temperature=MIN_TEMPERATURE), torch.Generator().manual_seed(1))
+    assert int(chosen) == int(logits.argmax())
 
 
 def test_shards_linked_from_elsewhere_load_as_in_a_hugging_face_cache(folder, tmp_path, reference):

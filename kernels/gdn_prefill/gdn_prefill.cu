@@ -90,7 +90,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     wk.cw = wk.cbeg = 0;
     wk.cend = nchunks;
     wk.from_h0 = wk.write_ht = true;
-    if (DVS < 128 && seg && nchunks >= SEG_MIN_CHUNKS) {
+    if (DVS < 128 && seg && seg_count(DK / DVS, nchunks) > 1) {
         __shared__ int warm[SEG_MAX];
         SegWalk sw;
         if (seg_plan(Fg, wk.slot0, Hv, h, nchunks, DK / DVS, blockIdx.x, warm, sw)) {

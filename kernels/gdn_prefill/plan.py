@@ -111,6 +111,11 @@ PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
 
 
+def seg_count(nseg: int, chunks: int) -> int:
+    """Segments a sequence of `chunks` chunks is cut into when nseg are asked for (segments.cuh's seg_count)."""
+    return nseg if chunks >= SEG_MIN_CHUNKS else 1
+
+
 def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE_SPLITS) -> tuple[int, int]:
     """(columns per state block, segments per sequence) with the fewest estimated microseconds: waves of
     resident blocks times chunk steps per block (a segment's share plus one warm-up chunk) times the step
@@ -136,13 +141,12 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
 
 def out_ranks(B: int, T: int, packed: bool, segments: int, slots: int) -> int:
     """Grid x of gdn_chunk_out (portable.cu): the prep slots when packed, else B sequences x the walk's
-    segments x the chunks per segment (the walk's last steps first; a short last segment leaves ranks
-    with nothing to do)."""
+    segments (the plan's count for T) x the chunks per segment (the walk's last steps first; a short last
+    segment leaves ranks with nothing to do)."""
     if packed:
         return slots
     chunks = -(-T // CH)
-    ns = segments if segments > 1 and chunks >= SEG_MIN_CHUNKS else 1
-    return B * ns * -(-chunks // ns)
+    return B * segments * -(-chunks // segments)
 
 
 def prep_slots(B: int, T: int, N: int, packed: bool) -> int:
@@ -185,6 +189,8 @@ def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, pat
     nseg = segments or auto_nseg
     if not 1 <= nseg <= 16:
         raise ValueError(f"segments must be 1 to 16, got {nseg}")
+    if not packed:  # every sequence has T tokens: the kernels cut it into seg_count segments
+        nseg = seg_count(nseg, chunks)
     smem = portable_state_smem(dvs)
     if smem > card.smem_per_block:
         raise ValueError(f"gdn prefill: dv_split {dvs} needs {smem} bytes of shared memory per block, this GPU "

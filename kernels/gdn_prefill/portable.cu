@@ -130,7 +130,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 
     // chunks [cw, cend) walked, Hs and Ug written for [cbeg, cend); unsplit: segment 0 takes them all
     SegWalk sw{0, 0, nchunks};
-    if (nseg > 1 && nchunks >= SEG_MIN_CHUNKS) {
+    if (seg_count(nseg, nchunks) > 1) {
         if (!seg_plan(Fg, slot0, Hv, h, nchunks, nseg, sg, reinterpret_cast<int*>(Rs), sw)) sw = SegWalk{0, 0, nchunks};
     }
     if (sg > 0 && (sw.cbeg == 0 || sw.cbeg == sw.cend)) return;  // not split (no segment here), or an empty tail
@@ -352,7 +352,7 @@ gdn_chunk_out(const elem* __restrict__ q, const elem* __restrict__ Pg, const flo
         slot = r;
         sp = slot_sequence(cu_seqlens, slot, N, T, n, c);
     } else {
-        const int nch = (T + CH - 1) / CH, ns = (nseg > 1 && nch >= SEG_MIN_CHUNKS) ? nseg : 1;
+        const int nch = (T + CH - 1) / CH, ns = nseg;  // the plan's count for T (seg_count)
         const int per = (nch + ns - 1) / ns, k = r / (N * ns);
         n = (r / ns) % N;
         c = (r % ns) * per + per - 1 - k;

@@ -17,6 +17,12 @@
 #define SEG_MIN_CHUNKS 8  // shorter sequences are never split
 #define SEG_MAX 16        // most segments per sequence
 
+// Segments a sequence of nchunks chunks is cut into when nseg are asked for (plan.seg_count mirrors it; the
+// plan asks for one where every sequence of an unpacked call is shorter, so the output kernel takes nseg as is).
+__host__ __device__ __forceinline__ int seg_count(int nseg, int nchunks) {
+    return nchunks >= SEG_MIN_CHUNKS ? nseg : 1;
+}
+
 struct SegWalk {
     int cw, cbeg, cend;  // walk chunks [cw, cend), write o for [cbeg, cend)
 };
