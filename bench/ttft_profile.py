@@ -18,6 +18,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.runtime import kv_pool, media, multimodal, prefill_graph, prefix
 from qwen35_fast.runtime import model as model_mod
+from qwen35_fast.runtime import vision as vision_mod
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 
 from e2e_profile import kernel_table
@@ -28,7 +29,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", type=int, default=18)
-    ap.add_argument("--kernels", type=int, default=8, help="rows of the kernel table of the reused prompt")
+    ap.add_argument("--kernels", type=int, default=8, help="rows of the kernel tables")
+    ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = ap.parse_args()
     model, system, questions, image = build(a.layers, smoke=not torch.cuda.is_available())
 
@@ -73,20 +75,21 @@ def main():
         torch.cuda.synchronize()
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.rows)
+        pstats.Stats(prof, stream=out).sort_stats(a.sort).print_stats(a.rows)
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
         if before:
             before()
         host_stages(fn)
         if before:
             before()
-        kernel_table(fn, a.kernels if name == "reuse" else 8)
+        kernel_table(fn, a.kernels)
 
 
 STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal, "media_spans"),
           (multimodal, "layout_positions"), (multimodal, "prefill_reusing"), (multimodal, "_sync"),
           (multimodal, "preprocess_images"), (media, "to_rgb"), (media, "_normalise"), (media, "_patchify"),
-          (multimodal, "content_hash"),
+          (multimodal, "content_hash"), (vision_mod.VisionTower, "plan"), (vision_mod.VisionTower, "forward"),
+          (model_mod.Qwen35Model, "forward_prefill"), (model_mod.Qwen35Model, "forward_prefill_kept"),
           (kv_pool.KVPool, "match"), (kv_pool.KVPool, "save_snapshot"), (prefix, "padded_prefill"),
           (model_mod.Cache, "resume"), (prefill_graph.PaddedPrefill, "__call__"),
           (prefill_graph.PaddedPrefill, "_stage"), (torch.cuda.CUDAGraph, "replay"))
@@ -94,8 +97,11 @@ STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal,
 
 def host_stages(fn) -> None:
     """When each stage of one call starts and ends on the host clock (ms from the call's start), nested by
-    depth; the GPU is done when the call returns (it reads the logits back)."""
+    depth, and when the GPU finished the work queued up to the stage's end (an event recorded there): a GPU
+    time near the host's end means the GPU waited for the host. The GPU is done when the call returns (it
+    reads the logits back)."""
     marks, depth = [], [0]
+    start = torch.cuda.Event(enable_timing=True)
 
     def wrap(f, name):
         def run(*args, **kwargs):
@@ -105,7 +111,9 @@ def host_stages(fn) -> None:
                 return f(*args, **kwargs)
             finally:
                 depth[0] -= 1
-                marks.append((t, time.perf_counter(), depth[0], name))
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                marks.append((t, time.perf_counter(), depth[0], name, done))
         return run
 
     saved = []
@@ -120,14 +128,16 @@ def host_stages(fn) -> None:
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        start.record()
         fn()
         t1 = time.perf_counter()
+        torch.cuda.synchronize()
     finally:
         for owner, name, f in saved:
             setattr(owner, name, f)
-    print(f"host stages (ms from the call's start; returned at {(t1 - t0) * 1000:.2f}):")
-    for a, b, d, name in sorted(marks):
-        print(f"  {'  ' * d}{(a - t0) * 1000:7.2f} -> {(b - t0) * 1000:7.2f}  {name}")
+    print(f"host stages (ms from the call's start, host start -> end, GPU done; returned at {(t1 - t0) * 1000:.2f}):")
+    for a, b, d, name, done in sorted(marks, key=lambda m: m[:3]):
+        print(f"  {'  ' * d}{(a - t0) * 1000:7.2f} -> {(b - t0) * 1000:7.2f}  gpu {start.elapsed_time(done):7.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -140,3 +140,26 @@ def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folde
             prefill_multimodal(model, "Caption this.", images=IMAGE, use_cache=False)
     after = prefill_multimodal(model, "Caption this.", images=IMAGE, use_cache=False)
     assert torch.equal(after.logits, want)  # the model is unchanged
+
+
+def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
+    """Images of one size get the plan made for the first (the same tensors); the least recently used of
+    PLAN_CACHE goes; a plan above PLAN_CACHE_PATCHES is made every time; a move of the weights drops them,
+    and a kept plan equals a fresh one."""
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(vision, "PLAN_CACHE", 2)
+    monkeypatch.setattr(vision, "PLAN_CACHE_PATCHES", 200)
+    a = tower.plan([(1, 8, 12)])
+    assert tower.plan([[1, 8, 12]]) is a  # lists or tuples, ints of any kind
+    fresh = vision.plan(vc, [(1, 8, 12)], tower.device)
+    assert all(torch.equal(getattr(a, f), getattr(fresh, f)) for f in ("pos_index", "pos_weight", "cos", "sin"))
+    b = tower.plan([(1, 4, 4)])
+    assert tower.plan([(1, 8, 12)]) is a  # a is now the most recent: b goes first
+    tower.plan([(2, 4, 4)])
+    assert tower.plan([(1, 8, 12)]) is a and tower.plan([(1, 4, 4)]) is not b
+    big = tower.plan([(1, 16, 16)])  # 256 patches > 200
+    assert tower.plan([(1, 16, 16)]) is not big
+    tower.to(torch.float64)
+    assert tower.plan([(1, 8, 12)]) is not a
