@@ -559,7 +559,7 @@ class Qwen35Model(nn.Module):
             store.write(i, kv.slots, k[0], v[0])
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=T > 1, scale=hd ** -0.5, enable_gqa=H != Hkv)
-            out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
+            out = (out.transpose(1, 2) * torch.sigmoid(gate)).reshape(B, T, H * hd)  # no copy of the strided gate
         else:  # over the cached blocks and, causally, each other; K/V stored in the same launch
             j = store.index[i]
             out = kernels.paged_attention(q[0], k[0], v[0], store.k[j], store.v[j], kv.table, kv.lens, kv.cu_q,

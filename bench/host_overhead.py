@@ -1,0 +1,103 @@
+"""Host time per call of each operation of a vision-tower block (27 x 1152, one 1024 x 1024 image) and of
+a 9B text layer's prefill (1,300 tokens), against the GPU time of the same call. A call is launched `reps`
+times back to back without waiting (the GPU falls behind, so the host's time is its own) and then timed on
+the GPU alone. Where host > GPU over a whole block, a cold prompt waits for Python, not for the GPU.
+Development only.
+
+    python3 bench/host_overhead.py [--reps 200]
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast import kernels
+
+
+def host_and_gpu_us(fn, reps: int) -> tuple[float, float]:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) / reps * 1e6
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return host, a.elapsed_time(b) / reps * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    be = kernels.select_backend("auto", dev, bf)
+    r = lambda *s: torch.randn(*s, device=dev, dtype=bf) * 0.05  # noqa: E731
+
+    n, d, i, H, hd = 4096, 1152, 4304, 16, 72
+    x, y = r(n, d), r(n, d)
+    qkv_w, qkv_b, proj_w, proj_b = r(3 * d, d), r(3 * d), r(d, d), r(d)
+    fc1_w, fc1_b, fc2_w, fc2_b, lw, lb = r(i, d), r(i), r(d, i), r(d), r(d), r(d)
+    qkv = F.linear(x, qkv_w, qkv_b).view(n, 3, H, hd)
+    cos, sin = torch.randn(n, hd, device=dev), torch.randn(n, hd, device=dev)
+    q, k = kernels.vision_rotary(qkv, cos, sin, backend=be).unbind(0)
+    v = qkv[:, 2]
+    h1 = r(n, i)
+    tower = [
+        ("F.linear qkv", lambda: F.linear(x, qkv_w, qkv_b)),
+        ("vision_rotary", lambda: kernels.vision_rotary(qkv, cos, sin, backend=be)),
+        ("SDPA (views as the tower passes them)", lambda: F.scaled_dot_product_attention(
+            *(t.view(1, n, H, hd).transpose(1, 2) for t in (q, k, v)))),
+        ("F.linear proj", lambda: F.linear(x, proj_w, proj_b)),
+        ("add_layer_norm", lambda: kernels.add_layer_norm(x, y, lw, lb, 1e-6, backend=be)),
+        ("_addmm_activation fc1 + gelu", lambda: torch._addmm_activation(fc1_b, x, fc1_w.t(), use_gelu=True)),
+        ("F.linear fc2", lambda: F.linear(h1, fc2_w, fc2_b)),
+    ]
+
+    T, D, C, hv = 1300, 4096, 8192, 32
+    xt = r(1, T, D)
+    in_w = r(C + 4096 + 2 * hv, D)
+    mixed = r(1, T, C)
+    conv_w = r(C, 4)
+    qh, kh = r(1, T, 16, 128), r(1, T, 16, 128)
+    vh, a_, b_ = r(1, T, hv, 128), r(1, T, hv), r(1, T, hv)
+    A_log, dt_bias = torch.randn(hv, device=dev), torch.randn(hv, device=dev)
+    h0 = torch.zeros(1, hv, 128, 128, device=dev)
+    o, z = r(1, T, hv, 128), r(1, T, hv, 128)
+    nw, dw, out_w, gu_w, dn_w = r(128), r(D), r(D, 4096), r(2 * 12288, D), r(D, 12288)
+    gu = r(1, T, 2 * 12288)
+    text = [
+        ("F.linear in_proj", lambda: F.linear(xt, in_w)),
+        ("causal_conv1d_prefill", lambda: kernels.causal_conv1d_prefill(mixed, conv_w, initial_state=None, backend=be)),
+        ("gdn_chunk_prefill", lambda: kernels.gdn_chunk_prefill(qh, kh, vh, a_, b_, A_log, dt_bias,
+                                                                initial_state=h0, backend=be)),
+        ("gated_rms_norm", lambda: kernels.gated_rms_norm(o, z, nw, 1e-6, backend=be)),
+        ("F.linear out_proj", lambda: F.linear(xt, out_w)),
+        ("add_rms_norm", lambda: kernels.add_rms_norm(xt, xt, dw, 1e-6, backend=be)),
+        ("F.linear gate_up", lambda: F.linear(xt, gu_w)),
+        ("silu_mul", lambda: kernels.silu_mul(gu, backend=be)),
+        ("F.linear down", lambda: F.linear(gu[..., :12288], dn_w)),
+        ("torch.cat of two [1, T, 8192]", lambda: torch.cat([mixed, mixed[:, :600]], dim=1)),
+        ("torch.empty [1, T, 4096]", lambda: torch.empty(1, T, D, device=dev, dtype=bf)),
+    ]
+    for title, rows in (("vision block (4,096 patches)", tower), ("text layer (1,300 tokens)", text)):
+        print(f"== {title}: us per call, host / GPU")
+        th = tg = 0.0
+        for name, fn in rows:
+            h, g = host_and_gpu_us(fn, args.reps)
+            th, tg = th + h, tg + g
+            print(f"  {h:8.1f} {g:8.1f}  {name}")
+        print(f"  {th:8.1f} {tg:8.1f}  sum")
+
+
+if __name__ == "__main__":
+    main()
