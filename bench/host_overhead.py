@@ -4,11 +4,19 @@ times back to back without waiting (the GPU falls behind, so the host's time is 
 the GPU alone. Where host > GPU over a whole block, a cold prompt waits for Python, not for the GPU.
 Development only.
 
-    python3 bench/host_overhead.py [--reps 200]
+    python3 bench/host_overhead.py [--reps 200] [--profile "add_rms_norm,gdn_chunk_prefill"]
+
+Where an operation's host time is at least its GPU time, the two columns agree (the GPU waits for each
+launch): the host time is the first column, the GPU's is less. --profile runs cProfile over `reps` calls of
+each named operation and prints its costliest functions.
 """
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,10 +43,51 @@ def host_and_gpu_us(fn, reps: int) -> tuple[float, float]:
     return host, a.elapsed_time(b) / reps * 1e3
 
 
+def launch_parts(reps: int) -> None:
+    """Host us of each step of one launch through our path (add_rms_norm at a 1,300-token text layer)."""
+    from qwen35_fast.kernels import cuda_build as cb
+    from qwen35_fast.kernels.rms_norm import launch as L
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    x, w = torch.randn(1, 1300, 4096, device=dev, dtype=bf), torch.ones(4096, device=dev, dtype=bf)
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    defines = {"DIM": 4096, "IN_T": 2, "W_T": 2, "GATED": 0, "ROPE": 0, "RES": 1}
+    fn = cb.get_function(L.SRC, "rms_norm_fwd", dev, defines)
+    xv = L._rows(x)
+    i64 = np.int64
+    args = (xv, xv, w, y, i64(1300), np.int32(1), i64(4096), i64(4096), i64(4096), i64(4096), np.float32(1e-6),
+            None, None, i64(0), x, s)
+    grid, block = (1300 // 8 + 1, 1, 1), (256, 1, 1)
+    p = cb.pack_params(args)
+    kern = fn.kernel
+    cu = cb._driver_launch()
+    _, stream = cb._current_stream()
+    parts = [
+        ("cuLaunchKernel through ctypes (packed before)", lambda: cu(kern.ptr, *grid, *block, 0, stream.ptr, p.ptrs, None)),
+        ("pack_params (16 arguments)", lambda: cb.pack_params(args)),
+        ("_current_stream", cb._current_stream),
+        ("get_function (cached)", lambda: cb.get_function(L.SRC, "rms_norm_fwd", dev, defines)),
+        ("torch.empty [1, 1300, 4096]", lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device)),
+        ("numpy int64 x 6", lambda: (i64(1), i64(2), i64(3), i64(4), i64(5), i64(6))),
+        ("_rows", lambda: L._rows(x)),
+        ("launch (all of it)", lambda: cb.launch(fn, grid, block, args)),
+        ("add_rms_norm_cuda", lambda: L.add_rms_norm_cuda(x, x, w, 1e-6)),
+        ("kernels.add_rms_norm", lambda: kernels.add_rms_norm(x, x, w, 1e-6, backend=kernels.select_backend("auto", dev, bf))),
+        ("x + x (torch)", lambda: x + x),
+    ]
+    print("== one launch, host us per step")
+    for name, f in parts:
+        h, _ = host_and_gpu_us(f, reps)
+        print(f"  {h:8.2f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--profile", default="", help="comma-separated operation names to profile")
+    ap.add_argument("--launch-parts", action="store_true", help="only the steps of one launch")
     args = ap.parse_args()
+    if args.launch_parts:
+        return launch_parts(args.reps)
     dev, bf = torch.device("cuda"), torch.bfloat16
     be = kernels.select_backend("auto", dev, bf)
     r = lambda *s: torch.randn(*s, device=dev, dtype=bf) * 0.05  # noqa: E731
@@ -97,6 +146,18 @@ def main():
             th, tg = th + h, tg + g
             print(f"  {h:8.1f} {g:8.1f}  {name}")
         print(f"  {th:8.1f} {tg:8.1f}  sum")
+    for name, fn in tower + text:
+        if name in args.profile.split(","):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.reps):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+            print(f"== cProfile, {args.reps} calls of {name}")
+            print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
 
 
 if __name__ == "__main__":
