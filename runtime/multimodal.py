@@ -302,9 +302,8 @@ def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: 
             return None
         dev = model.device
         clock.start()
-        tower = model.vision
         pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
-        features = tower(pixels, tower.plan([inp.grid for inp in todo]), backend=model.backend)
+        features = model.vision.run(pixels, [inp.grid for inp in todo], backend=model.backend)
         clock.stop()
         slots = upload(torch.from_numpy(_pad_positions(ids[n:])), torch.long, dev)
         return slots, features

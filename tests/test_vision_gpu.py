@@ -138,3 +138,58 @@ def test_image_prompt_waits_for_the_gpu_only_at_its_end(tmp_path, monkeypatch):
         monkeypatch.undo()
         assert tower_started[0] and pf.vision.vision_ms > 0
         assert [w for w in waits if not w.startswith("prefill_multimodal ")] == [], (use_cache, waits)
+
+
+def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids(monkeypatch):
+    """run(): the first call with some grids is eager, the second captures, later ones replay; each gives the
+    eager forward's output bit for bit (the same kernels), whatever pixels it gets. Other grids run eagerly
+    without dropping the graph; a move of the weights, QWEN35_CUDA_GRAPHS=0, or sizes above GRAPH_PATCHES
+    never replay a graph, and a capture that fails leaves that size eager."""
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=3, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(5)
+    tower = VisionTower(vc, torch.bfloat16, dev)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.03)
+    be = kernels.select_backend("cuda", dev, torch.bfloat16)
+    grids, other = [(1, 16, 24), (1, 8, 8)], [(1, 32, 32)]
+
+    def pixels(gr):
+        n = sum(t * h * w for t, h, w in gr)
+        return torch.randn(n, vc.patch_dim, device=dev, generator=g).bfloat16()
+
+    def eager(x, gr):
+        return tower(x, vision.plan(vc, gr, dev), backend=be)
+
+    captures = []
+    real = vision.TowerGraph
+    monkeypatch.setattr(vision, "TowerGraph", lambda *a: captures.append(1) or real(*a))
+    for i in range(4):
+        x = pixels(grids)
+        assert torch.equal(tower.run(x, grids, be), eager(x, grids))
+        assert len(captures) == (0 if i == 0 else 1)
+    y = pixels(other)
+    assert torch.equal(tower.run(y, other, be), eager(y, other))
+    x = pixels(grids)
+    assert torch.equal(tower.run(x, grids, be), eager(x, grids)) and len(captures) == 1  # replayed
+    tower.to(dev)  # no move: the same tensors, yet the graph goes with any _apply
+    assert tower._graph is None
+    monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
+    for _ in range(3):
+        tower.run(x, grids, be)
+    assert len(captures) == 1 and tower._graph is None
+    monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "1")
+    monkeypatch.setattr(vision, "GRAPH_PATCHES", 100)
+    for _ in range(3):
+        tower.run(x, grids, be)
+    assert len(captures) == 1 and tower._graph is None
+    monkeypatch.setattr(vision, "GRAPH_PATCHES", 16384)
+
+    def refuse(*a):
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(vision, "TowerGraph", refuse)
+    for _ in range(3):
+        assert torch.equal(tower.run(x, grids, be), eager(x, grids))
+    assert tower._graph is None and (tower.plan(grids).grids, "cuda") in tower._no_graph
