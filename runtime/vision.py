@@ -240,8 +240,8 @@ PLAN_CACHE, PLAN_CACHE_PATCHES = 4, 16384
 # The second call in a row with the same grids (on a GPU, with the kernels) captures the tower as one CUDA
 # graph and later calls replay it: the tower's ~300 launches from Python cost more host time than its GPU
 # work on the H200's host (14 ms for 12.5), and a replay lets the host go on queueing the text layers while
-# the GPU runs the tower. One graph is kept (its memory: the activations of one call, ~0.2 GB for 4,096
-# patches of the 27 x 1152 tower), for at most GRAPH_PATCHES patches.
+# the GPU runs the tower. One graph is kept (its memory, counted in the model's size: the activations of one
+# call, estimated ~0.1-0.2 GB for 4,096 patches of the 27 x 1152 tower), for at most GRAPH_PATCHES patches.
 GRAPH_PATCHES = 16384
 
 
@@ -260,8 +260,15 @@ class TowerGraph:
             tower(self.pixels, p, backend=backend)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved(dev)
         with torch.cuda.graph(self.graph, stream=side):
             self.out = tower(self.pixels, p, backend=backend)
+        self.pool_bytes = torch.cuda.memory_reserved(dev) - before  # its activations and output
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the graph holds: its input and its pool (counted in the model's size)."""
+        return self.pixels.numel() * self.pixels.element_size() + self.pool_bytes
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         self.pixels.copy_(pixels)
@@ -341,6 +348,10 @@ class VisionTower(nn.Module):
         self._plans.clear()  # their tensors are where the weights were
         self._graph = self._last = None  # and the graph reads the weights' old addresses
         return super()._apply(fn, recurse)
+
+    def graph_bytes(self) -> int:
+        """Device memory of the kept CUDA graph (0 without one)."""
+        return self._graph.nbytes if self._graph is not None else 0
 
     def run(self, pixels: torch.Tensor, grids, backend: kernels.Backend | None = None) -> torch.Tensor:
         """forward over `pixels` of these grids with the kept plan; on a GPU with the kernels, the second call
