@@ -2,6 +2,7 @@
 instead of a few hundred kernel launches from Python."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -22,6 +23,15 @@ def side_stream(dev: torch.device) -> torch.cuda.Stream:
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(torch.device("cuda", key))
     return _side_streams[key]
+
+
+def reserved_after_release(dev: torch.device) -> int:
+    """Device memory the allocator reserves once its unused cache is given back, as torch.cuda.graph does on
+    entering a capture: the baseline from which a captured graph's pool is measured."""
+    torch.cuda.synchronize(dev)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(dev)
 
 
 def free_gpu_workspaces() -> None:

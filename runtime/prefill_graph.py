@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from .decode_graph import side_stream
+from .decode_graph import reserved_after_release, side_stream
 from .kv_pool import PAD, SequenceBlocks
 from .model import (
     Cache,
@@ -94,7 +94,7 @@ class PaddedPrefill:
             self._pass()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved(dev)
+        before = reserved_after_release(dev)  # (entering the capture empties the allocator's cache too)
         with torch.cuda.graph(graph, stream=side):
             self.out = self._pass()
         self.graph = graph

@@ -250,7 +250,7 @@ class TowerGraph:
     replayed, and its output copied out (the next replay overwrites the graph's own)."""
 
     def __init__(self, tower: "VisionTower", p: "VisionPlan", backend: kernels.Backend, pixels: torch.Tensor, key):
-        from .decode_graph import side_stream  # (decode_graph imports the model, which imports this module)
+        from .decode_graph import reserved_after_release, side_stream  # (it imports the model, which imports this)
         dev = pixels.device
         self.key = key
         self.pixels = pixels.clone()
@@ -260,7 +260,7 @@ class TowerGraph:
             tower(self.pixels, p, backend=backend)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved(dev)
+        before = reserved_after_release(dev)  # (entering the capture empties the allocator's cache too)
         with torch.cuda.graph(self.graph, stream=side):
             self.out = tower(self.pixels, p, backend=backend)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before  # its activations and output
