@@ -360,9 +360,7 @@ class VisionTower(nn.Module):
         p = self.plan(grids)
         x = pixels.to(self.device, self.dtype)
         key = (p.grids, backend.name if backend is not None else None)
-        graphable = (x.is_cuda and backend is not None and backend.use_cuda and p.n_patches <= GRAPH_PATCHES
-                     and key not in self._no_graph and os.environ.get("QWEN35_CUDA_GRAPHS", "1") != "0"
-                     and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
+        graphable = self._graphable(x, p, backend, key)
         last, self._last = self._last, key
         if graphable and self._graph is not None and self._graph.key == key:
             return self._graph(x)
@@ -374,9 +372,17 @@ class VisionTower(nn.Module):
         except Exception as e:  # noqa: BLE001 - a capture the card or a library refuses: this size runs eagerly
             self._no_graph.add(key)
             log.warning("qwen35: the vision tower runs without a CUDA graph for grids %s (%s)", p.grids, e)
-            torch.cuda.synchronize(x.device)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
             return self(x, p, backend=backend)
         return self._graph(x)
+
+    def _graphable(self, x: torch.Tensor, p: VisionPlan, backend: kernels.Backend | None, key) -> bool:
+        """Whether this call may replay or capture a graph: on a GPU with the kernels, not too large, not
+        refused before, graphs not turned off, and not itself inside a compile or a capture."""
+        return (x.is_cuda and backend is not None and backend.use_cuda and p.n_patches <= GRAPH_PATCHES
+                and key not in self._no_graph and os.environ.get("QWEN35_CUDA_GRAPHS", "1") != "0"
+                and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
     def _attention(self, blk: VisionBlock, x: torch.Tensor, p: VisionPlan, be: kernels.Backend | None) -> torch.Tensor:
         vc = self.config

@@ -163,3 +163,57 @@ def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
     assert tower.plan([(1, 16, 16)]) is not big
     tower.to(torch.float64)
     assert tower.plan([(1, 8, 12)]) is not a
+
+
+def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkeypatch):
+    """VisionTower.run's choice between eager, capture and replay (the CUDA graph stood in for by one that
+    runs the tower eagerly; tests/test_vision_gpu.py runs the real one): one graph kept, the grids of the last
+    call decide when to capture, a refused capture is not tried again, a move of the weights drops the graph;
+    every call gives the eager output."""
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.1)
+    made, replayed = [], []
+
+    class Graph:
+        def __init__(self, t, p, backend, x, key):
+            made.append(key[0])
+            self.key, self.p, self.nbytes = key, p, 1
+
+        def __call__(self, x):
+            replayed.append(self.key[0])
+            return tower(x, self.p)
+
+    monkeypatch.setattr(vision, "TowerGraph", Graph)
+    monkeypatch.setattr(vision.VisionTower, "_graphable", lambda self, x, p, backend, key: key not in self._no_graph)
+    A, B = ((1, 4, 4),), ((1, 8, 4),)
+
+    def call(grids):
+        x = torch.randn(sum(t * h * w for t, h, w in grids), vc.patch_dim)
+        assert torch.equal(tower.run(x, grids), tower(x, tower.plan(grids)))
+
+    call(A)
+    assert made == [] and replayed == []  # the first call with some grids: eager
+    call(A)
+    assert made == [A] and replayed == [A]  # the second in a row: captured, then replayed
+    call(A)
+    call(B)  # other grids: eager, A's graph kept
+    call(A)
+    assert made == [A] and replayed == [A, A, A] and tower.graph_bytes() == 1
+    call(B)
+    call(B)  # B twice in a row: B's graph replaces A's
+    assert made == [A, B] and tower._graph.key[0] == B
+    tower.to(torch.float64)
+    assert tower._graph is None and tower.graph_bytes() == 0
+    tower.to(torch.float32)
+
+    def refuse(*a):
+        made.append("refused")
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(vision, "TowerGraph", refuse)
+    for _ in range(4):
+        call(A)
+    assert made == [A, B, "refused"] and tower._graph is None  # tried once, eager since
