@@ -195,7 +195,7 @@ class _HostTokens:
     most (the decode loop's one step ahead)."""
 
     def __init__(self, dev: torch.device):
-        self.cuda = dev.type == "cuda"
+        self.dev, self.cuda = dev, dev.type == "cuda"
         self.slots = [torch.empty(1, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.done = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.pushed = self.popped = 0
@@ -204,13 +204,13 @@ class _HostTokens:
         i = self.pushed % 2
         self.slots[i].copy_(tok.view(1), non_blocking=self.cuda)
         if self.cuda:
-            self.done[i].record()
+            self.done[i].record(torch.cuda.current_stream(self.dev))  # the model's device, not the current one
         self.pushed += 1
 
     def drain(self) -> None:
         """Wait for everything queued so far (before a decode step is captured again)."""
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.dev).synchronize()
 
     def pop(self) -> int:
         i = self.popped % 2

@@ -121,7 +121,7 @@ class PaddedPrefill:
         self._dev[:used].copy_(self._host[:used], non_blocking=cuda)
         if cuda:
             self._staged = torch.cuda.Event()
-            self._staged.record()
+            self._staged.record(torch.cuda.current_stream(self._dev.device))  # the model's device's stream
 
     def __call__(self, cache: Cache, ids, positions: torch.Tensor | None, rope_delta: int | None,
                  keep_at: list[int]) -> tuple[torch.Tensor, list[GDNState]]:
