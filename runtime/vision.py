@@ -253,7 +253,8 @@ class TowerGraph:
         from .decode_graph import reserved_after_release, side_stream  # (it imports the model, which imports this)
         dev = pixels.device
         self.key = key
-        self.pixels = pixels.clone()
+        with torch.inference_mode(False):  # a normal tensor: replays copy into it in inference mode (ComfyUI) or not
+            self.pixels = pixels.clone()
         side = side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: kernel modules, cuDNN / cuBLAS plans and workspaces
