@@ -23,7 +23,7 @@ import torch
 from .chat import IM_END, IM_START, THINK_CLOSE
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids
-from .host import host_logits
+from .host import host_logits, on_model_device
 from .memory import out_of_memory, prefill_bytes
 from .model import Qwen35Model
 from .multimodal import (
@@ -79,6 +79,7 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
 
 
 @torch.compiler.disable
+@on_model_device
 def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", images=None, video=None,
                      previous_answer: str | None = None, thinking: bool = False, max_pixels: int | None = None,
                      allow_special_tokens: bool = False, use_cache: bool = True) -> Prefill:

@@ -15,7 +15,7 @@ import torch
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
-from .host import host_logits
+from .host import host_logits, on_model_device
 from .memory import generate_bytes, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
@@ -116,6 +116,7 @@ def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:
 
 
 @torch.compiler.disable
+@on_model_device
 def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat_template: bool = False,
                 use_cache: bool = True) -> Prefill:
     """Run token ids through the model. Returns the Prefill (logits of the last position only).
@@ -245,6 +246,7 @@ def _text(tok, ids: list[int]) -> str:
 
 
 @torch.compiler.disable
+@on_model_device
 def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
              seed: int = 0, on_token: OnToken | None = None) -> Generation:
     """Generate up to `max_new_tokens` after a prefill; stops at an end-of-turn token.

@@ -10,6 +10,8 @@ tests/test_vision_gpu.py checks that none happens between the tower's launch and
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -32,4 +34,18 @@ def host_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.to("cpu", non_blocking=logits.is_cuda)
 
 
-__all__ = ["upload", "host_logits"]
+def on_model_device(fn):
+    """Runs fn(model, ...) with the model's GPU as the current CUDA device when it is another one: our kernels
+    launch on the current device's stream, with the kernel modules loaded there (a model on cuda:1 while the
+    current device is 0 would otherwise launch on GPU 0). Elsewhere fn runs as it is."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        dev = (args[0] if args else kwargs["model"]).device
+        if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+            return fn(*args, **kwargs)
+        with torch.cuda.device(dev):
+            return fn(*args, **kwargs)
+    return run
+
+
+__all__ = ["upload", "host_logits", "on_model_device"]

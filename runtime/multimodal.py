@@ -24,7 +24,7 @@ from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
 from .generate import Prefill, _is_out_of_memory, _sync
-from .host import host_logits, upload
+from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
 from .memory import out_of_memory, prefill_bytes, vision_bytes
@@ -161,6 +161,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
 
 
 @torch.compiler.disable
+@on_model_device
 def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
                        thinking: bool = False, use_chat_template: bool = True,
                        max_pixels: int | None = None, allow_special_tokens: bool = False,

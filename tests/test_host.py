@@ -23,3 +23,36 @@ def test_upload_is_staged_and_queued_behind_busy_work():
     src.fill_(-1)  # the host copy changes before the device copy has run
     assert not torch.cuda.current_stream().query()  # the upload did not wait for the queued work
     assert torch.equal(got.cpu(), torch.arange(1 << 14))
+
+
+def test_the_runtime_runs_on_the_models_gpu_when_another_is_current(monkeypatch):
+    """on_model_device: a model on cuda:1 while cuda:0 is current runs inside torch.cuda.device(cuda:1) (our
+    launches take the current device's stream); on the current device, or off CUDA, nothing is changed."""
+    import contextlib
+
+    import torch
+
+    from qwen35_fast.runtime.host import on_model_device
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        entered.append(torch.device(dev))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+
+    class Model:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    @on_model_device
+    def step(model, x, y=1):
+        return x + y
+
+    assert step(Model("cuda:1"), 2, y=3) == 5 and entered == [torch.device("cuda:1")]
+    assert step(model=Model("cuda:1"), x=1) == 2 and len(entered) == 2
+    entered.pop()
+    assert step(Model("cuda:0"), 2) == 3 and step(Model("cpu"), 2) == 3 and len(entered) == 1
+    assert step.__name__ == "step"
