@@ -304,23 +304,31 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         host.push(tok)
         return tok
 
+    # On CUDA the loop runs one step ahead: step n + 1 and token n + 1 are queued behind token n before the
+    # host reads it, so the GPU computes the next token while the host checks this one and streams its text
+    # (after an end-of-turn token the step queued behind it is left unread; the cache is this generation's
+    # own). On a CPU each op runs as it is called: nothing would overlap, and the step after the end of the
+    # turn would cost its whole time, so the next step comes after the host has read the token.
+    ahead = host.cuda
+
+    def queue_step(n: int) -> None:
+        """Decode the token before answer token n into the cache and pick token n (tok)."""
+        nonlocal step, tok
+        if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
+            cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
+            if step is not None and step.version != cache.store.version:  # the store grew: new tensors
+                step = None  # the old graph goes before the new one is captured
+                host.drain()  # and nothing of it is in flight
+                step = graphed_decode(model, cache, most)
+            elif step is not None:
+                step.slot.set_blocks(cache.seq.blocks)
+        logits = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
+        tok = next_token(logits, n)
+
     tok = next_token(pf.logits.to(dev), 0)
     for n in range(budget):
-        # Token n is queued on the device. Step n + 1 and token n + 1 are queued behind it before the host
-        # reads token n, so the GPU computes the next token while the host checks this one and streams its
-        # text (after an end-of-turn token the step queued behind it is left unread; the cache is this
-        # generation's own).
-        if n + 1 < budget:
-            if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
-                cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
-                if step is not None and step.version != cache.store.version:  # the store grew: new tensors
-                    step = None  # the old graph goes before the new one is captured
-                    host.drain()  # and nothing of it is in flight
-                    step = graphed_decode(model, cache, most)
-                elif step is not None:
-                    step.slot.set_blocks(cache.seq.blocks)
-            logits = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
-            tok = next_token(logits, n + 1)
+        if ahead and n + 1 < budget:
+            queue_step(n + 1)
         done = host.pop()
         if n == 0:
             first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
@@ -331,6 +339,8 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         out.append(done)
         if on_token is not None:
             on_token(stream.feed(done), n + 1, max_new_tokens)
+        if not ahead and n + 1 < budget:
+            queue_step(n + 1)
     decode_s = time.perf_counter() - t_decode if out else 0.0
     thinking, answer = _split_answer(model, out, pf.thinking)
     return Generation(answer, thinking, tuple(out), first_ms,

@@ -123,3 +123,21 @@ def test_kernel_ops_trace_into_a_full_graph():
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, a, b, x)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_on_a_cpu_each_token_is_read_before_the_next_step_and_no_step_follows_the_end(pair, monkeypatch):
+    """The decode loop runs one step ahead only on CUDA: on a CPU a token reaches on_token before the step it
+    feeds, and the end-of-turn token is the last step computed (none is wasted after it)."""
+    import importlib
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    _, model = pair
+    eos = model.tokenizer.token_id("<|im_end|>")
+    script = iter([11, 12, 13, eos, 14, 15])
+    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, g: torch.tensor([next(script)], device=logits.device))
+    events = []
+    real = model.forward_decode
+    monkeypatch.setattr(model, "forward_decode", lambda ids, cache: events.append("step") or real(ids, cache))
+    out = generate(model, prefill_ids(model, list(range(5000, 5010))), max_new_tokens=8,
+                   on_token=lambda text, n, most: events.append(n))
+    assert out.token_ids == (11, 12, 13) and out.finish_reason == "stop"
+    assert events == [1, "step", 2, "step", 3, "step"]
