@@ -25,13 +25,24 @@ def side_stream(dev: torch.device) -> torch.cuda.Stream:
     return _side_streams[key]
 
 
-def reserved_after_release(dev: torch.device) -> int:
-    """Device memory the allocator reserves once its unused cache is given back, as torch.cuda.graph does on
-    entering a capture: the baseline from which a captured graph's pool is measured."""
+def capture_graph(dev: torch.device, run):
+    """run() once on the side stream (warm-up: kernel modules, library plans and workspaces), then captured
+    there: (the graph, what the captured run returned, the device memory its pool holds). The pool is measured
+    from the reserved memory after the allocator's unused cache is given back, as torch.cuda.graph does on
+    entering a capture."""
+    side = side_stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize(dev)
     gc.collect()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved(dev)
+    before = torch.cuda.memory_reserved(dev)
+    with torch.cuda.graph(graph, stream=side):
+        out = run()
+    return graph, out, torch.cuda.memory_reserved(dev) - before
 
 
 def free_gpu_workspaces() -> None:

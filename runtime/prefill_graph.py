@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from .decode_graph import reserved_after_release, side_stream
+from .decode_graph import capture_graph
 from .kv_pool import PAD, SequenceBlocks
 from .model import (
     Cache,
@@ -87,18 +87,8 @@ class PaddedPrefill:
         return logits, *(pack(xs) for xs in (cache.conv, cache.ssm, kept.conv, kept.ssm))
 
     def _capture(self) -> None:
-        dev = self.model.device
-        side = side_stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up on this call's inputs: kernel modules, library workspaces
-            self._pass()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        before = reserved_after_release(dev)  # (entering the capture empties the allocator's cache too)
-        with torch.cuda.graph(graph, stream=side):
-            self.out = self._pass()
-        self.graph = graph
-        self.pool_bytes = torch.cuda.memory_reserved(dev) - before
+        # warmed up on this call's inputs, then captured
+        self.graph, self.out, self.pool_bytes = capture_graph(self.model.device, self._pass)
 
     def _stage(self, ids, pos: torch.Tensor, n: int, cut: int, start: int, blocks) -> None:
         """This call's inputs into the host buffer, then one queued copy into the device buffer (the bytes up

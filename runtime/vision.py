@@ -250,21 +250,12 @@ class TowerGraph:
     replayed, and its output copied out (the next replay overwrites the graph's own)."""
 
     def __init__(self, tower: "VisionTower", p: "VisionPlan", backend: kernels.Backend, pixels: torch.Tensor, key):
-        from .decode_graph import reserved_after_release, side_stream  # (it imports the model, which imports this)
-        dev = pixels.device
+        from .decode_graph import capture_graph  # (it imports the model, which imports this module)
         self.key = key
         with torch.inference_mode(False):  # a normal tensor: replays copy into it in inference mode (ComfyUI) or not
             self.pixels = pixels.clone()
-        side = side_stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: kernel modules, cuDNN / cuBLAS plans and workspaces
-            tower(self.pixels, p, backend=backend)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        before = reserved_after_release(dev)  # (entering the capture empties the allocator's cache too)
-        with torch.cuda.graph(self.graph, stream=side):
-            self.out = tower(self.pixels, p, backend=backend)
-        self.pool_bytes = torch.cuda.memory_reserved(dev) - before  # its activations and output
+        self.graph, self.out, self.pool_bytes = capture_graph(pixels.device,
+                                                              lambda: tower(self.pixels, p, backend=backend))
 
     @property
     def nbytes(self) -> int:
