@@ -64,7 +64,10 @@ PORTABLE_ARCH = "compute_80" if _hopper() else None  # on the H200: the PTX an s
 PATHS = {"hopper": {"path": "hopper"}, "hopper_noseg": {"path": "hopper", "segments": 1},
          "portable": {"path": "portable", "arch": PORTABLE_ARCH},
          "portable_seg": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 64, "segments": 4},
-         "portable_16": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 16, "segments": 1}}
+         "portable_16": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 16, "segments": 1},
+         "portable_out_kernel": {"path": "portable", "arch": PORTABLE_ARCH, "fused_out": False},
+         "portable_fused_long": {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": 32, "segments": 1,
+                                 "fused_out": True}}
 ALL = list(PATHS)
 MAIN = ["hopper", "portable", "portable_seg"]
 
@@ -331,3 +334,22 @@ def test_large_and_small_values(scale):
         if kw["path"] == "hopper" and not _hopper():
             continue
         run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("scale", scale), **kw)
+
+
+@pytest.mark.parametrize("dv_split", [16, 32, 64])
+@pytest.mark.parametrize("T,B,packed", [(1, 1, False), (200, 2, False), (1000, 1, False), (3000, 1, False),
+                                        (801, 1, True)])
+def test_outputs_formed_by_the_state_kernel_equal_the_output_kernels(T, B, packed, dv_split):
+    """fused_out (the state kernel forms o after its walk) gives o bit for bit as gdn_chunk_out (the same products
+    in the same order), and the same final state; rows past each sequence's end are never written."""
+    lens = [300, 1, 500] if packed else None
+    N = len(lens) if packed else B
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1 if packed else B, T, 2, 4, torch.bfloat16, "model", N)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32) if packed else None
+    kw = {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": dv_split}
+    _poison(((q.shape[0], T, v.shape[2], 128), v.dtype), ((N, v.shape[2], 128, 128), torch.float32))
+    o1, h1 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=True, **kw)
+    o2, h2 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=False, **kw)
+    assert torch.isfinite(o1).all()
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0)

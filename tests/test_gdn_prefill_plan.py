@@ -145,3 +145,27 @@ def test_a_forced_split_of_short_sequences_is_one_segment_in_the_plan_of_an_unpa
     assert P.plan(1, 64 * 8, 1, Hk, Hv, False, h200, path="portable", segments=4).segments == 4
     assert P.plan(1, 64 * 7, 2, Hk, Hv, True, h200, path="portable", segments=4).segments == 4
     assert [P.seg_count(4, c) for c in (1, 7, 8, 100)] == [1, 1, 4, 4]
+
+
+def test_short_segments_form_their_outputs_in_the_state_kernel():
+    """fused_out: 64-column state blocks in one wave walking segments of at most FUSED_OUT_CHUNKS chunks skip
+    gdn_chunk_out (the H200's 1k and 4k prompts); more blocks than a wave, narrower blocks or longer segments
+    keep it; an override wins; the Hopper path never sets it."""
+    h200 = CARDS["H200"]
+    for L in (1024, 4096):
+        p = P.plan(1, L, 1, Hk, Hv, False, h200, path="portable")
+        assert p.dv_split == 64 and -(-L // 64 // p.segments) <= P.FUSED_OUT_CHUNKS and p.fused_out, L
+        assert Hv * 2 * p.segments <= P.portable_resident(64, h200)
+    assert not P.plan(1, 16384, 1, Hk, Hv, False, h200, path="portable").fused_out  # 64-chunk segments
+    assert not P.plan(8, 4096, 8, Hk, Hv, False, h200, path="portable").fused_out  # more than a wave
+    for card in CARDS.values():
+        for B, L in SIZES:
+            p = P.plan(B, L, B, Hk, Hv, False, card, path="portable")
+            if p.fused_out:
+                assert p.dv_split == 64 and -(-L // 64 // p.segments) <= P.FUSED_OUT_CHUNKS
+                assert B * Hv * 2 * p.segments <= P.portable_resident(64, card), (card, B, L)
+    p200 = P.plan(1, 200, 1, Hk, Hv, False, h200, path="portable")
+    assert p200.fused_out == (p200.dv_split == 64)
+    assert not P.plan(1, 1024, 1, Hk, Hv, False, h200, path="portable", fused_out=False).fused_out
+    assert P.plan(1, 16384, 1, Hk, Hv, False, h200, path="portable", fused_out=True).fused_out
+    assert not P.plan(1, 1024, 1, Hk, Hv, False, h200).fused_out  # hopper

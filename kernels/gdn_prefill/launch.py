@@ -38,14 +38,16 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            dv_split: Optional[int] = None,
                            segments: Optional[int] = None,
                            arch: Optional[str] = None,
-                           defines: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           defines: Optional[dict] = None,
+                           fused_out: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
     with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
     [N, Hv, 128, 128] fp32. path ("hopper" / "portable"), dv_split, segments and arch (the NVRTC target,
-    e.g. "compute_80") override plan.plan's choice; defines adds -D flags to every module (tests).
+    e.g. "compute_80") and fused_out (portable: o formed by the state kernel) override plan.plan's choice;
+    defines adds -D flags to every module (tests).
     Launch only: no synchronisation, capturable in a CUDA graph.
     """
     B, T, Hk, Dk = q.shape
@@ -83,7 +85,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
     if N == 0:
         return o, ht
-    p = plan(B, T, N, Hk, Hv, cu_seqlens is not None, card_of(dev), path, dv_split, segments, arch)
+    p = plan(B, T, N, Hk, Hv, cu_seqlens is not None, card_of(dev), path, dv_split, segments, arch, fused_out)
     i64 = np.int64
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     vs = tuple(i64(x) for x in v.stride()[:3])
@@ -130,10 +132,10 @@ def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv,
     Ug = torch.empty(p.slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
     fn = _function(SRC_PORTABLE, "gdn_chunk_state", dev, p, defines)
     launch(fn, p.grid(Hv, N), (THREADS, 1, 1),
-           (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(p.segments),
-            *ks, *vs),
+           (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, q, Pg, o if p.fused_out else None,
+            np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(p.segments), *ks, *vs, *qs),
            shared_mem=p.walk_smem)
-    if p.slots:
+    if p.slots and not p.fused_out:
         out = _function(SRC_PORTABLE, "gdn_chunk_out", dev, p, defines)
         ranks = out_ranks(B, T, cu_seqlens is not None, p.segments, p.slots)
         launch(out, (ranks, Hv, 1), (PORTABLE_OUT_THREADS, 1, 1),

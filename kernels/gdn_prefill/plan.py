@@ -69,6 +69,7 @@ class Plan:
     prep_smem: int
     walk_smem: int       # hopper: gdn_chunk_prefill_fwd; portable: gdn_chunk_state
     out_smem: int        # portable: gdn_chunk_out (0 on the Hopper path)
+    fused_out: bool = False  # portable: the state kernel forms o after its walk (no gdn_chunk_out launch)
 
     def grid(self, Hv: int, N: int) -> tuple:
         """Grid of the walk (hopper) or state (portable) kernel."""
@@ -109,11 +110,22 @@ PORTABLE_STEP_US = {16: 2.7, 32: 3.6, 64: 5.0}
 PORTABLE_SPLITS = (16, 32, 64)
 PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
+# The state kernel forms the outputs itself, after its walk (portable.cu), when its blocks are 64 columns wide,
+# fit in one wave and walk segments of at most this many chunks: a short prompt's output kernel is then mostly
+# its launch and ramp. H200, graph: 1k 0.0643 -> 0.0610 ms, 4k (16-chunk segments) 0.1875 -> 0.1855; with more
+# than one wave of blocks, or 16 / 32 columns (Q S repeated per slice), the output kernel is faster
+# (bench/results/gdn-portable-fused-out-h200.json).
+FUSED_OUT_CHUNKS = 16
 
 
 def seg_count(nseg: int, chunks: int) -> int:
     """Segments a sequence of `chunks` chunks is cut into when nseg are asked for (segments.cuh's seg_count)."""
     return nseg if chunks >= SEG_MIN_CHUNKS else 1
+
+
+def portable_resident(dvs: int, card: Card) -> int:
+    """State blocks of dvs columns the card holds at once (one wave)."""
+    return max(1, min(2, card.smem_per_sm // (portable_state_smem(dvs) + 1024))) * card.sms  # 2: registers' bound
 
 
 def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE_SPLITS) -> tuple[int, int]:
@@ -126,7 +138,7 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
         smem = portable_state_smem(dvs)
         if smem > cap and len(splits) > 1:
             continue
-        resident = max(1, min(2, card.smem_per_sm // (smem + 1024))) * card.sms  # 2: the registers' bound
+        resident = portable_resident(dvs, card)
         for nseg in PORTABLE_SEGMENTS:
             if nseg > 1 and (chunks < SEG_MIN_CHUNKS or chunks < 2 * nseg):
                 continue
@@ -160,7 +172,8 @@ def prep_slots(B: int, T: int, N: int, packed: bool) -> int:
 
 @lru_cache(maxsize=512)  # pure, and asked on every prefill call (~13 us of host time each on a CPU core)
 def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, path: Optional[str] = None,
-         dv_split: Optional[int] = None, segments: Optional[int] = None, arch: Optional[str] = None) -> Plan:
+         dv_split: Optional[int] = None, segments: Optional[int] = None, arch: Optional[str] = None,
+         fused_out: Optional[bool] = None) -> Plan:
     """The plan of one prefill call: B rows of T tokens (packed: N sequences in one row of T), Hk q/k heads,
     Hv value heads, on `card`. path / dv_split / segments / arch override the choice (tests and benchmarks:
     e.g. path="portable", arch="compute_80" runs what an RTX card runs); an override that cannot run
@@ -195,4 +208,8 @@ def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, pat
     if smem > card.smem_per_block:
         raise ValueError(f"gdn prefill: dv_split {dvs} needs {smem} bytes of shared memory per block, this GPU "
                          f"allows {card.smem_per_block}; leave dv_split unset and the plan picks one that fits")
-    return Plan("portable", arch or card.arch, dvs, nseg, hpb, slots, prep_smem(), smem, PORTABLE_OUT_SMEM)
+    if fused_out is None:
+        fused_out = (dvs == 64 and -(-chunks // nseg) <= FUSED_OUT_CHUNKS
+                     and N * Hv * (D // dvs) * nseg <= portable_resident(dvs, card))
+    return Plan("portable", arch or card.arch, dvs, nseg, hpb, slots, prep_smem(), smem, PORTABLE_OUT_SMEM,
+                bool(fused_out))

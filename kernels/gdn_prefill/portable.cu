@@ -7,7 +7,9 @@
 //      and writes the 16-bit state entering each chunk (Hs) and u (Ug) to device memory. Column slices
 //      are an exact split; a long sequence is also cut into segments that start a few chunks early from
 //      a zero state where the gates have decayed the earlier state away (segments.cuh).
-//   3. gdn_chunk_out (here): all (chunk, head) at once: o = rq e^G (Q Hs) + P Ug.
+//   3. gdn_chunk_out (here): all (chunk, head) at once: o = rq e^G (Q Hs) + P Ug. When the state blocks fit
+//      in one wave and walk short segments the plan has the state kernel do it instead, after its walk, for
+//      its own columns and chunks (o passed to it): one launch and its ramp less.
 // Without Q and P on the sequential path a state block needs 69 KB (DVS 16) to 99 KB (DVS 64).
 // The roundings are those of the Hopper path's wgmma walk: Q S with the 16-bit state, P u with 16-bit u,
 // rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T).
@@ -47,6 +49,15 @@ static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 #define OSM_R (OSM_F + 4 * CH * 4)
 #define OSLICE (OSL * OST * 2)
 #define OSM_TOTAL (OSM_R + 2 * OSLICE)  // 44 KB: two blocks per SM on the RTX cards, four on an H200
+// state kernel, after the walk (its stages are free then): one chunk's Q, P, vectors, and this block's columns
+// of the 16-bit state entering it and of its u
+#define TL_Q 0
+#define TL_P (TL_Q + CH * KST * 2)
+#define TL_F (TL_P + CH * BST * 2)
+#define TL_H (TL_F + 4 * CH * 4)
+#define TL_U (TL_H + DK * VST * 2)
+#define TL_TOTAL (TL_U + CH * VST * 2)
+static_assert(TL_TOTAL <= SM_TOTAL, "the output tail must fit the state kernel's shared memory");
 #ifdef STATE_SMEM  // the launcher's sizes (plan.py), checked against the layouts here
 static_assert(STATE_SMEM == SM_TOTAL, "plan.py's portable_state_smem() disagrees with SM_TOTAL in portable.cu");
 static_assert(OUT_SMEM == OSM_TOTAL, "plan.py's PORTABLE_OUT_SMEM disagrees with OSM_TOTAL in portable.cu");
@@ -96,6 +107,17 @@ __device__ __forceinline__ void store_rows(elem* dst, const elem* src, int tid) 
     }
 }
 
+// ROWS rows of DVS columns of a 16-bit [.][DK] tile in device memory -> shared memory (row stride VST), cp.async.
+template <int ROWS>
+__device__ __forceinline__ void load_rows(elem* dst, const elem* src, int tid) {
+    constexpr int PIECES = ROWS * DVS / 8;
+#pragma unroll
+    for (int i = 0; i < (PIECES + NTHR - 1) / NTHR; ++i) {
+        const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
+        if (PIECES % NTHR == 0 || idx < PIECES) cp_async16(dst + row * VST + col, src + row * DK + col, true);
+    }
+}
+
 // ---------------------------------------------------------------- sequential kernel: the state only
 // Grid: (128 / DVS * nseg, Hv, N): block x takes columns (x % (128 / DVS)) * DVS.. of segment x / (128 / DVS).
 // Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv, 64, 128] 16-bit u of each
@@ -105,9 +127,11 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const elem* __restrict__ Tg, const float* __restrict__ Fg,
                 const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
                 elem* __restrict__ Hs, elem* __restrict__ Ug, float* __restrict__ ht,
+                const elem* __restrict__ q, const elem* __restrict__ Pg, elem* __restrict__ o,
                 int T, int Hk, int Hv, int nseg,
                 long long k_sb, long long k_st, long long k_sh,
-                long long v_sb, long long v_st, long long v_sh)
+                long long v_sb, long long v_st, long long v_sh,
+                long long q_sb, long long q_st, long long q_sh)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
@@ -307,6 +331,70 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     if (sw.cend - 1 >= sw.cbeg && sw.cw < sw.cend) {  // the last chunk's u
         __syncthreads();
         store_ug(sw.cend - 1);
+    }
+
+    // ---- o = rq e^G (Q Hs) + P Ug for this block's columns of its chunks (o given: the plan's short segments;
+    //      else gdn_chunk_out does it). Hs and Ug come back from device memory, where this block wrote them:
+    //      a barrier makes its own stores visible to it. Same products in the same order as gdn_chunk_out.
+    if (o != nullptr) {
+        elem* Qs = reinterpret_cast<elem*>(smem + TL_Q);
+        elem* Ps = reinterpret_cast<elem*>(smem + TL_P);
+        float* Fs = reinterpret_cast<float*>(smem + TL_F);
+        elem* Hl = reinterpret_cast<elem*>(smem + TL_H);
+        elem* Ul = reinterpret_cast<elem*>(smem + TL_U);
+        const float* Rq = Fs + 3 * CH;
+        for (int c = sw.cbeg; c < sw.cend; ++c) {
+            __syncthreads();  // the walk's (or the last chunk's) shared memory is free; this block's stores visible
+            const long long sh = (long long)(slot0 + c) * Hv + h;
+            const elem* qb = q + batch * q_sb + (bos + (long long)c * CH) * q_st + hk * q_sh;
+#pragma unroll
+            for (int i = 0; i < CH * DK / 8 / NTHR; ++i) {  // Q: 64 rows (zero past the end)
+                const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
+                const bool ok = c * CH + row < len;
+                const long long tt = ok ? row : 0;
+                cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
+            }
+#pragma unroll
+            for (int i = 0; i < CH * CH / 8 / NTHR; ++i) {  // P: lower blocks only
+                const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
+                cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
+            }
+            if (tid < CH) cp_async16(Fs + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
+            load_rows<DK>(Hl, Hs + sh * DK * DK + v0, tid);
+            load_rows<CH>(Ul, Ug + sh * CH * DK + v0, tid);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            float acc[NH][4];
+#pragma unroll
+            for (int j = 0; j < NH; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 2
+            for (int kk = 0; kk < DK / 16; ++kk) {  // Q S
+                u32 af[4];
+                ldsm4(af, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
+                mma_row<NH>(acc, af, Hl, VST, 16 * kk, 8 * jh, lane);
+            }
+            const float f0 = Rq[ra0] * __expf(Fs[ra0]), f1 = Rq[ra1] * __expf(Fs[ra1]);
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
+            }
+            for (int kk = 0; kk <= mt; ++kk) {  // P u, the 16-token blocks at or left of the diagonal
+                u32 af[4];
+                ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
+                mma_row<NH>(acc, af, Ul, VST, 16 * kk, 8 * jh, lane);
+            }
+            elem* ob = o + (sp.batch_tok * Hv + h) * DK + v0;
+            const long long tok0 = (long long)c * CH;
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                const int cc = 8 * (jh + j) + 2 * t;
+                if (tok0 + ra0 < len)
+                    *reinterpret_cast<u32*>(ob + (tok0 + ra0) * Hv * DK + cc) = pack2(acc[j][0], acc[j][1]);
+                if (tok0 + ra1 < len)
+                    *reinterpret_cast<u32*>(ob + (tok0 + ra1) * Hv * DK + cc) = pack2(acc[j][2], acc[j][3]);
+            }
+        }
     }
 
     if (!write_ht) return;
