@@ -112,7 +112,7 @@ PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
 # The state kernel forms the outputs itself, after its walk (portable.cu), when its blocks are 64 columns wide,
 # fit in one wave and walk segments of at most this many chunks: a short prompt's output kernel is then mostly
-# its launch and ramp. H200, graph: 1k 0.0643 -> 0.0610 ms, 4k (16-chunk segments) 0.1875 -> 0.1855; with more
+# its launch and ramp. H200, graph: 1k 0.0643 -> 0.0595 ms, 4k (16-chunk segments) 0.1875 -> 0.1807; with more
 # than one wave of blocks, or 16 / 32 columns (Q S repeated per slice), the output kernel is faster
 # (bench/results/gdn-portable-fused-out-h200.json).
 FUSED_OUT_CHUNKS = 16

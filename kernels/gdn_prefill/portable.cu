@@ -49,15 +49,6 @@ static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 #define OSM_R (OSM_F + 4 * CH * 4)
 #define OSLICE (OSL * OST * 2)
 #define OSM_TOTAL (OSM_R + 2 * OSLICE)  // 44 KB: two blocks per SM on the RTX cards, four on an H200
-// state kernel, after the walk (its stages are free then): one chunk's Q, P, vectors, and this block's columns
-// of the 16-bit state entering it and of its u
-#define TL_Q 0
-#define TL_P (TL_Q + CH * KST * 2)
-#define TL_F (TL_P + CH * BST * 2)
-#define TL_H (TL_F + 4 * CH * 4)
-#define TL_U (TL_H + DK * VST * 2)
-#define TL_TOTAL (TL_U + CH * VST * 2)
-static_assert(TL_TOTAL <= SM_TOTAL, "the output tail must fit the state kernel's shared memory");
 #ifdef STATE_SMEM  // the launcher's sizes (plan.py), checked against the layouts here
 static_assert(STATE_SMEM == SM_TOTAL, "plan.py's portable_state_smem() disagrees with SM_TOTAL in portable.cu");
 static_assert(OUT_SMEM == OSM_TOTAL, "plan.py's PORTABLE_OUT_SMEM disagrees with OSM_TOTAL in portable.cu");
@@ -336,34 +327,49 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     // ---- o = rq e^G (Q Hs) + P Ug for this block's columns of its chunks (o given: the plan's short segments;
     //      else gdn_chunk_out does it). Hs and Ug come back from device memory, where this block wrote them:
     //      a barrier makes its own stores visible to it. Same products in the same order as gdn_chunk_out.
-    if (o != nullptr) {
-        elem* Qs = reinterpret_cast<elem*>(smem + TL_Q);
-        elem* Ps = reinterpret_cast<elem*>(smem + TL_P);
-        float* Fs = reinterpret_cast<float*>(smem + TL_F);
-        elem* Hl = reinterpret_cast<elem*>(smem + TL_H);
-        elem* Ul = reinterpret_cast<elem*>(smem + TL_U);
-        const float* Rq = Fs + 3 * CH;
-        for (int c = sw.cbeg; c < sw.cend; ++c) {
-            __syncthreads();  // the walk's (or the last chunk's) shared memory is free; this block's stores visible
+    //      The walk's two stages take Q, u, P and the vectors of a chunk (each where K, v, T and the vectors
+    //      were), one chunk ahead; its state space takes the chunk's Hs columns, loaded once Q S has read the
+    //      last ones.
+    if (o != nullptr && sw.cbeg < sw.cend) {
+        elem* Hl = reinterpret_cast<elem*>(smem + SM_S);
+        auto load_out = [&](int c, int buf) {  // Q rows (zero past the end), u columns, P, vectors
+            unsigned char* st = smem + buf * STAGE_BYTES;
+            elem* Qd = reinterpret_cast<elem*>(st);
+            elem* Ud = reinterpret_cast<elem*>(st + SO_V);
+            elem* Pd = reinterpret_cast<elem*>(st + SO_T);
             const long long sh = (long long)(slot0 + c) * Hv + h;
             const elem* qb = q + batch * q_sb + (bos + (long long)c * CH) * q_st + hk * q_sh;
 #pragma unroll
-            for (int i = 0; i < CH * DK / 8 / NTHR; ++i) {  // Q: 64 rows (zero past the end)
+            for (int i = 0; i < CH * DK / 8 / NTHR; ++i) {
                 const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
                 const bool ok = c * CH + row < len;
                 const long long tt = ok ? row : 0;
-                cp_async16(Qs + row * KST + col, qb + tt * q_st + col, ok);
+                cp_async16(Qd + row * KST + col, qb + tt * q_st + col, ok);
             }
+            load_rows<CH>(Ud, Ug + sh * CH * DK + v0, tid);
 #pragma unroll
             for (int i = 0; i < CH * CH / 8 / NTHR; ++i) {  // P: lower blocks only
                 const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-                cp_async16(Ps + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
+                cp_async16(Pd + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
             }
-            if (tid < CH) cp_async16(Fs + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
-            load_rows<DK>(Hl, Hs + sh * DK * DK + v0, tid);
-            load_rows<CH>(Ul, Ug + sh * CH * DK + v0, tid);
+            if (tid < CH) cp_async16(reinterpret_cast<float*>(st + SO_F) + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
+        };
+        auto load_h = [&](int c) { load_rows<DK>(Hl, Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0, tid); };
+        elem* ob = o + (sp.batch_tok * Hv + h) * DK + v0;
+        __syncthreads();  // the walk's shared memory is free; this block's Hs / Ug stores visible to it
+        load_out(sw.cbeg, 0);
+        load_h(sw.cbeg);
+        cp_async_commit();
+        for (int c = sw.cbeg, i = 0; c < sw.cend; ++c, ++i) {
+            unsigned char* st = smem + (i & 1) * STAGE_BYTES;
+            const elem* Qs = reinterpret_cast<const elem*>(st);
+            const elem* Ul = reinterpret_cast<const elem*>(st + SO_V);
+            const elem* Ps = reinterpret_cast<const elem*>(st + SO_T);
+            const float* Fs = reinterpret_cast<const float*>(st + SO_F);
+            const float* Rq = Fs + 3 * CH;
+            if (c + 1 < sw.cend) load_out(c + 1, (i + 1) & 1);  // its stage was last read before the barrier below
             cp_async_commit();
-            cp_async_wait<0>();
+            cp_async_wait<1>();  // chunk c's loads (all but the group just issued)
             __syncthreads();
             float acc[NH][4];
 #pragma unroll
@@ -374,6 +380,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 ldsm4(af, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
                 mma_row<NH>(acc, af, Hl, VST, 16 * kk, 8 * jh, lane);
             }
+            __syncthreads();  // every warp has read Hl
+            if (c + 1 < sw.cend) load_h(c + 1);
+            cp_async_commit();
             const float f0 = Rq[ra0] * __expf(Fs[ra0]), f1 = Rq[ra1] * __expf(Fs[ra1]);
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
@@ -384,7 +393,6 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
                 mma_row<NH>(acc, af, Ul, VST, 16 * kk, 8 * jh, lane);
             }
-            elem* ob = o + (sp.batch_tok * Hv + h) * DK + v0;
             const long long tok0 = (long long)c * CH;
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
@@ -394,6 +402,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 if (tok0 + ra1 < len)
                     *reinterpret_cast<u32*>(ob + (tok0 + ra1) * Hv * DK + cc) = pack2(acc[j][2], acc[j][3]);
             }
+            __syncthreads();  // every warp is done with this stage before the next iteration's loads refill it
         }
     }
 
