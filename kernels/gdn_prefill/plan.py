@@ -175,9 +175,9 @@ def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, pat
          dv_split: Optional[int] = None, segments: Optional[int] = None, arch: Optional[str] = None,
          fused_out: Optional[bool] = None) -> Plan:
     """The plan of one prefill call: B rows of T tokens (packed: N sequences in one row of T), Hk q/k heads,
-    Hv value heads, on `card`. path / dv_split / segments / arch override the choice (tests and benchmarks:
-    e.g. path="portable", arch="compute_80" runs what an RTX card runs); an override that cannot run
-    raises ValueError. Hopper: segments is 128 / dv_split when the walk may split sequences, else 1."""
+    Hv value heads, on `card`. path / dv_split / segments / arch / fused_out override the choice (tests and
+    benchmarks: e.g. path="portable", arch="compute_80" runs what an RTX card runs); an override that cannot
+    run raises ValueError. Hopper: segments is 128 / dv_split when the walk may split sequences, else 1."""
     hopper_ok = card.wgmma and card.smem_per_block >= hopper_walk_smem(32)
     if path is None:
         path = "hopper" if hopper_ok and arch in (None, "sm_90a") else "portable"
