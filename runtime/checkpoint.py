@@ -1,7 +1,8 @@
 """Finding, checking and reading Qwen3.5 checkpoints: a Hugging Face folder or one .safetensors file.
 
 Weights are read with safetensors only (never pickle). Every file's header is checked against its
-size before any tensor is read, so a truncated download is reported as such, by name.
+size before any tensor is read, so a truncated download is reported as such, by name. FP8 weights are
+dequantized as they are read (the model computes in bf16 / fp16 / fp32).
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import FULL, LINEAR, TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
@@ -22,20 +24,41 @@ IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
 @dataclass(frozen=True)
+class Fp8Weight:
+    """How one FP8 weight becomes real numbers: w = q * its scale (one for the tensor when block is None, else
+    one per block of block[0] rows x block[1] columns), or w = q when it has no scale."""
+    scale: tuple[Path, str] | None  # (file, name in file) of its scale tensor
+    block: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """Where a model's text weights are: tensor name (without prefix) -> (file, name in file)."""
     path: Path
     config: TextConfig
     tensors: dict[str, tuple[Path, str]]
     tokenizer_dir: Path | None
+    fp8: dict[str, Fp8Weight] = field(default_factory=dict)  # name in file -> its dequantization
 
 
 # Bytes per element of the dtypes a safetensors header can name (to check each tensor's extent).
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# What the text model can be loaded from: the three floating types it computes in.
+# What the text model can be loaded from: the three floating types it computes in, and FP8.
 LOADABLE_DTYPES = ("BF16", "F16", "F32")
-FP8_MARKERS = ("weight_scale_inv", "weight_scale", "scale_weight", "scaled_fp8", "input_scale")
+# FP8 weights in the forms in circulation. A weight X.weight stored as FP8 may have one scale beside it:
+#   X.weight_scale_inv  Hugging Face fine-grained FP8 (quantization_config quant_method "fp8"): one scale per
+#                       block of weight_block_size weights (128 x 128 unless the config says otherwise)
+#   X.weight_scale      one scale for the tensor, or one per output row
+#   X.scale_weight      ComfyUI's scaled_fp8 files: one scale for the tensor
+# w = q * scale; an FP8 weight without a scale is a plain cast (ComfyUI's fp8_e4m3fn files). What only a
+# quantized matmul would use (activation scales, format notes, ComfyUI's scaled_fp8 marker) is skipped.
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FP8_SCALES = ("weight_scale_inv", "weight_scale", "scale_weight")
+FP8_SIDE = ("input_scale", "scale_input", "comfy_quant")
+FP8_MARKERS = ("scaled_fp8",)
+SCALE_DTYPES = ("F32", "BF16", "F16")
+FP8_BLOCK = (128, 128)
 
 
 def read_header(file: Path) -> dict:
@@ -96,6 +119,112 @@ def read_header(file: Path) -> dict:
     return header
 
 
+def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
+                block: tuple[int, int] | None) -> tuple[set[str], dict[str, Fp8Weight]]:
+    """The names among `entries` (name in file -> (file, header entry)) that are FP8 scales or side data, not
+    weights, and how each FP8 weight is dequantized. block: the config's weight_block_size, if it has one."""
+    side, scale_of = set(), {}
+    for name in entries:
+        stem, _, suffix = name.rpartition(".")
+        if name in FP8_MARKERS or suffix in FP8_SIDE:
+            side.add(name)
+        elif suffix in FP8_SCALES and stem:
+            side.add(name)
+            weight = stem + ".weight"
+            if weight not in entries:
+                raise Qwen35Error(f"{source}: {name} is the FP8 scale of {weight}, which the checkpoint does not "
+                                  "have; the file is incomplete or damaged, re-download it")
+            if weight in scale_of:
+                raise Qwen35Error(f"{source}: {weight} has two FP8 scales, {scale_of[weight]} and {name}; the "
+                                  "file mixes quantization formats, re-download it")
+            scale_of[weight] = name
+    fp8 = {}
+    for name, (_, meta) in entries.items():
+        if name in side:
+            continue
+        scale = scale_of.get(name)
+        if meta["dtype"] not in FP8_DTYPES:
+            if scale is not None:
+                raise Qwen35Error(f"{source}: {scale} is an FP8 scale but {name} is {meta['dtype']}, not FP8; the "
+                                  "file mixes formats, re-download it")
+            continue
+        if scale is None:
+            fp8[name] = Fp8Weight(None, None)
+            continue
+        sfile, smeta = entries[scale]
+        if smeta["dtype"] not in SCALE_DTYPES:
+            raise Qwen35Error(f"{source}: {scale} is {smeta['dtype']}; FP8 scales load from {', '.join(SCALE_DTYPES)} "
+                              "(microscaling formats such as MXFP8 / NVFP4 are not supported): use the bf16 or "
+                              "fine-grained FP8 release of this model")
+        fp8[name] = Fp8Weight((sfile, scale), _fp8_block(name, meta["shape"], scale, smeta["shape"], block, source))
+    return side, fp8
+
+
+def _fp8_block(name: str, shape: list[int], scale: str, sshape: list[int], block, source: Path):
+    """None for one scale per tensor, else (rows, columns) per scale of a matrix."""
+    if math.prod(sshape) == 1:
+        return None
+    if len(shape) == 2 and sshape in ([shape[0]], [shape[0], 1]):
+        return (1, shape[1])  # one scale per output row
+    if len(shape) == 2 and len(sshape) == 2:
+        for b in ([tuple(block)] if block else [FP8_BLOCK, (64, 64), (256, 256), (32, 32), (16, 16)]):
+            if [-(-shape[0] // b[0]), -(-shape[1] // b[1])] == list(sshape):
+                return b
+    hint = f"blocks of {list(block)} (the config's weight_block_size)" if block else "blocks of 128 x 128"
+    raise Qwen35Error(f"{source}: {scale} has shape {list(sshape)}, which is not one scale, one per row or one per "
+                      f"{hint} of {name} {list(shape)}; the scales do not fit their weight, re-download it")
+
+
+def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: int = 4096):
+    """An FP8 tensor as `dtype`: q * scale in fp32, rounded once, a few thousand rows at a time (a 1 GB FP8
+    embedding never exists as 4 GB of fp32)."""
+    import torch
+    out = torch.empty(q.shape, dtype=dtype)
+    if scale is None:
+        return out.copy_(q)
+    s = scale.float()
+    step = rows_per_step if block is None else max(1, rows_per_step // block[0]) * block[0]
+    for r0 in range(0, q.shape[0], step):
+        r1 = min(q.shape[0], r0 + step)
+        part = q[r0:r1].float()
+        if block is None:
+            part.mul_(s.reshape(()))
+        else:
+            sb = s.reshape(s.shape[0], -1)[r0 // block[0]:-(-r1 // block[0])].repeat_interleave(block[0], 0)[:r1 - r0]
+            if sb.shape[1] > 1:
+                sb = sb.repeat_interleave(block[1], 1)[:, :q.shape[1]]
+            part.mul_(sb)
+        out[r0:r1].copy_(part)
+    return out
+
+
+class WeightReader:
+    """Reads a checkpoint's tensors, each file opened once, FP8 weights dequantized to the dtype asked for
+    (other tensors come as stored: the caller's copy converts them)."""
+
+    def __init__(self, fp8: dict[str, Fp8Weight]):
+        self.fp8, self._stack, self._handles = fp8, ExitStack(), {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _raw(self, file: Path, name: str):
+        if file not in self._handles:
+            from safetensors import safe_open
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        return self._handles[file].get_tensor(name)
+
+    def get(self, file: Path, name: str, dtype):
+        t = self._raw(file, name)
+        how = self.fp8.get(name)
+        if how is None:
+            return t
+        return dequantize(t, None if how.scale is None else self._raw(*how.scale), how.block, dtype)
+
+
 def _strip(name: str) -> str | None:
     """Text-model name of a tensor, or None for tensors the text model does not use."""
     if name.startswith(IGNORED_PREFIXES):
@@ -108,37 +237,38 @@ def _strip(name: str) -> str | None:
     return None
 
 
-def _collect(files: list[Path]) -> tuple[dict[str, tuple[Path, str]], dict[str, tuple[int, ...]], list[str]]:
-    tensors, shapes, other = {}, {}, []
-    dtypes: dict[str, str] = {}
-    seen: dict[str, Path] = {}
+def _collect(files: list[Path], block: tuple[int, int] | None = None):
+    """(tensors, shapes, other names, fp8) of the text model in `files`; block: the config's FP8 block size."""
+    entries: dict[str, tuple[Path, dict]] = {}
     for file in files:
         for name, meta in read_header(file).items():
-            if name in seen:
-                raise Qwen35Error(f"tensor {name!r} is in both {seen[name].name} and {file.name}; a checkpoint "
+            if name in entries:
+                raise Qwen35Error(f"tensor {name!r} is in both {entries[name][0].name} and {file.name}; a checkpoint "
                                   "holds each tensor once, so the folder mixes files of two downloads: keep one")
-            seen[name] = file
-            key = _strip(name)
-            if key is None:
-                other.append(name)
-                continue
-            tensors[key] = (file, name)
-            shapes[key] = tuple(meta["shape"])
-            dtypes[key] = meta["dtype"]
-    if not _is_qwen35(seen):
-        return tensors, shapes, other  # the caller says what this is instead
+            entries[name] = (file, meta)
     source = files[0] if len(files) == 1 else files[0].parent
-    fp8 = sorted(n for n in seen if n.rsplit(".", 1)[-1] in FP8_MARKERS)
-    if fp8 or any(d.startswith("F8") for d in dtypes.values()):
-        example = fp8[0] if fp8 else next(k for k, d in dtypes.items() if d.startswith("F8"))
-        raise Qwen35Error(f"{source}: an FP8-quantized checkpoint (e.g. {example}); FP8 weights are not "
-                          "supported yet: use the bf16 release of this model")
+    qwen35 = _is_qwen35(entries)
+    side, fp8 = set(), {}
+    if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
+        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _strip(n) is not None or n in FP8_MARKERS},
+                                source, block)
+    tensors, shapes, other, dtypes = {}, {}, [], {}
+    for name, (file, meta) in entries.items():
+        key = None if name in side else _strip(name)
+        if key is None:
+            other.append(name)
+            continue
+        tensors[key] = (file, name)
+        shapes[key] = tuple(meta["shape"])
+        dtypes[key] = meta["dtype"]
+    if not qwen35:
+        return tensors, shapes, other, {}  # the caller says what this is instead
     for key, dtype in dtypes.items():
-        if dtype not in LOADABLE_DTYPES:
+        if dtype not in LOADABLE_DTYPES and dtype not in FP8_DTYPES:
             raise Qwen35Error(f"{source}: tensor {tensors[key][1]!r} is {dtype}; Qwen3.5 weights load from "
-                              f"{', '.join(LOADABLE_DTYPES)} only (quantized or integer weights are not "
-                              "supported): use the bf16 release of this model")
-    return tensors, shapes, other
+                              f"{', '.join(LOADABLE_DTYPES)} or FP8 ({' / '.join(FP8_DTYPES)}) only (integer or "
+                              "4-bit quantized weights are not supported): use the bf16 release of this model")
+    return tensors, shapes, other, fp8
 
 
 def looks_like(names: list[str]) -> str:
@@ -268,9 +398,23 @@ def _read_config(cfg_file: Path) -> dict:
     if "quantization_config" in cfg:
         method = (cfg["quantization_config"] or {}).get("quant_method", "?") \
             if isinstance(cfg["quantization_config"], dict) else "?"
-        raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {method}); quantized "
-                          "weights (FP8, GPTQ, AWQ...) are not supported yet: use the bf16 release of this model")
+        if method != "fp8":
+            raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {method}); of the "
+                              "quantized formats only FP8 loads (dequantized at load), not GPTQ, AWQ or "
+                              "bitsandbytes: use the bf16 or FP8 release of this model")
     return cfg
+
+
+def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:
+    """The weight_block_size of a config's FP8 quantization_config, or None."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict) or q.get("weight_block_size") is None:
+        return None
+    b = q["weight_block_size"]
+    if not (isinstance(b, list) and len(b) == 2 and all(type(x) is int and x > 0 for x in b)):
+        raise Qwen35Error(f"{cfg_file}: quantization_config.weight_block_size is {b!r}; it must be two whole "
+                          "numbers (rows, columns per scale). Re-download config.json")
+    return b[0], b[1]
 
 
 def _index_files(path: Path, index: Path) -> list[Path]:
@@ -310,14 +454,14 @@ def locate(path: str | Path) -> Checkpoint:
         if path.suffix != ".safetensors":
             raise Qwen35Error(f"{path}: only .safetensors weights are loaded (never pickle .bin/.pt/.ckpt); "
                               "convert the file to safetensors")
-        tensors, shapes, other = _collect([path])
+        tensors, shapes, other, fp8 = _collect([path])
         if not _is_qwen35(_all_names(tensors, other)):
             raise _not_qwen35(path, _all_names(tensors, other))
         config = _infer(shapes, path)
         _check_sizes(config, path)
         check_shapes(config, shapes, path)
         tok_dir = path.parent if (path.parent / "tokenizer.json").exists() else None
-        return Checkpoint(path, config, tensors, tok_dir)
+        return Checkpoint(path, config, tensors, tok_dir, fp8)
 
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -329,8 +473,10 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{path}: no config.json, so this is not a Hugging Face checkpoint folder "
                           f"(found: {found}); point the loader at the folder that holds config.json and "
                           "model*.safetensors")
+    cfg = _read_config(cfg_file)
+    block = fp8_block_of(cfg, cfg_file)
     try:
-        config = from_hf_dict(_read_config(cfg_file), str(cfg_file))
+        config = from_hf_dict(cfg, str(cfg_file))
     except Qwen35Error:
         raise
     except (TypeError, AttributeError, ValueError, ZeroDivisionError) as e:  # a list where a number goes, a 0...
@@ -350,7 +496,7 @@ def locate(path: str | Path) -> Checkpoint:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""
         raise Qwen35Error(f"{path}: no .safetensors weights{hint}")
-    tensors, shapes, other = _collect(files)
+    tensors, shapes, other, fp8 = _collect(files, block)
     if not _is_qwen35(_all_names(tensors, other)):
         raise _not_qwen35(path, _all_names(tensors, other))
     in_files = 1 + max((int(k.split(".")[1]) for k in shapes if k.split(".")[0] == "layers"
@@ -359,4 +505,4 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{cfg_file}: the config has {config.num_hidden_layers} layers but the weights hold "
                           f"{in_files}; the config does not belong to these weights, re-download it")
     check_shapes(config, shapes, path)
-    return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None)
+    return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None, fp8)

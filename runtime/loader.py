@@ -4,14 +4,12 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .. import kernels
-from .checkpoint import Checkpoint, locate
+from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
 from .errors import Qwen35Error
 from .model import Qwen35Model
@@ -81,13 +79,9 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
             targets.update({s + "q_proj.weight": (m.qkv, 0), s + "k_proj.weight": (m.qkv, 2 * qd),
                             s + "v_proj.weight": (m.qkv, 2 * qd + kd), s + "o_proj.weight": (m.o_proj, 0),
                             s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
-    with ExitStack() as stack, torch.no_grad():
-        handles = {}
+    with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for name, (param, row) in targets.items():
-            file, key = ckpt.tensors[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            t = handles[file].get_tensor(key)
+            t = reader.get(*ckpt.tensors[name], param.dtype)
             if name.endswith("conv1d.weight"):
                 t = t[:, 0]
             param[row:row + t.shape[0]].copy_(t.to(param.device, non_blocking=False))

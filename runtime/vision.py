@@ -23,17 +23,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from .. import kernels
-from .checkpoint import read_header
+from .checkpoint import FP8_DTYPES, LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
 from .errors import Qwen35Error
 from .host import upload
 
@@ -474,24 +472,36 @@ def _weight_files(path: Path) -> list[Path]:
 class VisionCheckpoint:
     config: VisionConfig
     tensors: dict[str, tuple[Path, str]]  # name without prefix -> (file, name in file)
+    fp8: dict[str, Fp8Weight] = field(default_factory=dict)  # name in file -> its dequantization
 
 
 def locate_vision(path: str | Path, text_hidden: int) -> VisionCheckpoint | None:
     """The vision tower's config and tensors in a checkpoint folder or file; None when it has none."""
     path = Path(path)
-    tensors, shapes = {}, {}
+    entries = {}
     for file in _weight_files(path):
         for name, meta in read_header(file).items():
-            for prefix in VISION_PREFIXES:
-                if name.startswith(prefix):
-                    tensors[name[len(prefix):]] = (file, name)
-                    shapes[name[len(prefix):]] = tuple(meta["shape"])
-                    break
-    if not tensors:
+            if name.startswith(VISION_PREFIXES):
+                entries[name] = (file, meta)
+    if not entries:
         return None
-    vc = None
+    cfg = None
     if path.is_dir() and (path / "config.json").exists():
-        vc = vision_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        cfg = json.loads((path / "config.json").read_text())
+    side, fp8 = fp8_weights(entries, path, fp8_block_of(cfg, path / "config.json") if cfg else None)
+    tensors, shapes = {}, {}
+    for name, (file, meta) in entries.items():
+        if name in side:
+            continue
+        if meta["dtype"] not in LOADABLE_DTYPES and meta["dtype"] not in FP8_DTYPES:
+            raise Qwen35Error(f"{path}: vision tensor {name!r} is {meta['dtype']}; the tower loads from "
+                              f"{', '.join(LOADABLE_DTYPES)} or FP8 only (text prompts still work)")
+        key = next(name[len(p):] for p in VISION_PREFIXES if name.startswith(p))
+        tensors[key] = (file, name)
+        shapes[key] = tuple(meta["shape"])
+    vc = None
+    if cfg is not None:
+        vc = vision_config_from_hf(cfg, str(path / "config.json"))
     if vc is None:
         vc = infer_vision_config(shapes, str(path))
     want = expected_vision_shapes(vc)
@@ -506,19 +516,15 @@ def locate_vision(path: str | Path, text_hidden: int) -> VisionCheckpoint | None
     if vc.out_hidden_size != text_hidden:
         raise Qwen35Error(f"{path}: the vision tower writes width {vc.out_hidden_size} but the text model's width "
                           f"is {text_hidden}; the vision weights belong to another model size")
-    return VisionCheckpoint(vc, tensors)
+    return VisionCheckpoint(vc, tensors, fp8)
 
 
 def load_vision(ck: VisionCheckpoint, dtype: torch.dtype, device: torch.device) -> VisionTower:
     """The tower with its weights read once, straight onto `device` in `dtype`."""
     tower = VisionTower(ck.config, dtype, device)
-    with ExitStack() as stack, torch.no_grad():
-        handles = {}
+    with WeightReader(ck.fp8) as reader, torch.no_grad():
         for name, param in _targets(tower).items():
-            file, key = ck.tensors[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            t = handles[file].get_tensor(key)
+            t = reader.get(*ck.tensors[name], param.dtype)
             param.copy_(t.reshape(param.shape).to(param.device))
     return tower
 

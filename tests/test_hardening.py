@@ -112,11 +112,17 @@ QPROJ = "model.language_model.layers.3.self_attn.q_proj.weight"
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.update({QPROJ: t[QPROJ].to(torch.int8)}), rf"tensor '{QPROJ}' is I8; .*use the bf16 release"),
     (lambda t: t.update({QPROJ: t[QPROJ] > 0}), rf"tensor '{QPROJ}' is BOOL"),
-    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn)}), r"FP8-quantized checkpoint .*not supported yet"),
-    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn), QPROJ + "_scale_inv": torch.ones(1)}),
-     r"FP8-quantized checkpoint .*not supported yet"),
     (lambda t: t.update({QPROJ.replace(".weight", ".weight_scale_inv"): torch.ones(1)}),
-     r"FP8-quantized checkpoint \(e\.g\. .*weight_scale_inv\)"),
+     rf"weight_scale_inv is an FP8 scale but {QPROJ} is F32, not FP8"),
+    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn),
+                         QPROJ.replace(".weight", ".weight_scale_inv"): torch.ones(1, dtype=torch.float8_e8m0fnu)}),
+     r"weight_scale_inv is F8_E8M0; FP8 scales load from F32, BF16, F16 \(microscaling formats"),
+    (lambda t: t.update({QPROJ: t[QPROJ].to(torch.float8_e4m3fn),
+                         QPROJ.replace(".weight", ".weight_scale"): torch.ones(3, 5)}),
+     rf"weight_scale has shape \[3, 5\], which is not one scale, one per row or one per blocks of 128 x 128 "
+     rf"of {QPROJ}"),
+    (lambda t: t.update({QPROJ.replace("q_proj.weight", "x_proj.scale_weight"): torch.ones(())}),
+     r"x_proj.scale_weight is the FP8 scale of .*x_proj.weight, which the checkpoint does not have"),
     (lambda t: t.update({EMBED: t[EMBED].double()}), rf"tensor '{EMBED}' is F64"),
 ])
 def test_weights_of_the_wrong_dtype(folder, tmp_path, still_works, change, message):
@@ -141,12 +147,17 @@ def test_index_cannot_point_outside_the_folder(folder, tmp_path, still_works, ta
         load_model(ck, device="cpu")
 
 
-def test_quantization_config_is_refused(folder, tmp_path, still_works):
+@pytest.mark.parametrize("quant, message", [
+    ({"quant_method": "gptq", "bits": 4}, r"quantized checkpoint \(quantization_config: gptq\); of the quantized "
+                                          r"formats only FP8 loads"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size is \[128\]; it must be two whole"),
+])
+def test_quantization_config_is_refused(folder, tmp_path, still_works, quant, message):
     ck = _copy(folder, tmp_path)
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = quant
     (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Qwen35Error, match=r"quantized checkpoint \(quantization_config: fp8\)"):
+    with pytest.raises(Qwen35Error, match=message):
         load_model(ck, device="cpu")
 
 

@@ -1,0 +1,162 @@
+"""FP8 checkpoints (Hugging Face fine-grained FP8, ComfyUI's scaled_fp8, per-row scales, plain FP8 casts) load
+with every weight equal to its dequantized value: the same parameters, bit for bit, as a checkpoint that stores
+those values in fp32, for the text model and the vision tower."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qwen35_fast.runtime import load_model, prefill_ids
+from qwen35_fast.runtime.checkpoint import dequantize
+
+from _models import make_hf_model
+
+FP8_MAX = 448.0  # largest float8_e4m3fn
+# the matrices FP8 releases quantize: every projection of the text layers and of the vision blocks
+QUANTIZED = re.compile(r"(layers\.\d+\.(mlp|self_attn|linear_attn)\.\w+_proj\w*|visual\.blocks\.\d+\.(attn\.qkv|attn\.proj"
+                       r"|mlp\.linear_fc\d))\.weight$")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    f = tmp_path_factory.mktemp("bf16")
+    make_hf_model(f, seed=11)
+    return f
+
+
+def _tensors(folder):
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _block_scales(w, b):
+    """One scale per b[0] x b[1] block (partial blocks at the edges), from the block's largest magnitude."""
+    rows, cols = -(-w.shape[0] // b[0]), -(-w.shape[1] // b[1])
+    s = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            s[i, j] = w[i * b[0]:(i + 1) * b[0], j * b[1]:(j + 1) * b[1]].abs().max().clamp_min(1e-8) / FP8_MAX
+    return s
+
+
+def _expand(s, b, shape):
+    return s.repeat_interleave(b[0], 0)[:shape[0]].repeat_interleave(b[1], 1)[:, :shape[1]]
+
+
+def _quantize(tensors, form):
+    """(the FP8 checkpoint's tensors, the reference's: each quantized weight as its dequantized fp32 value)."""
+    fp8, ref = {}, {}
+    for name, w in tensors.items():
+        if not QUANTIZED.search(name):
+            fp8[name] = ref[name] = w
+            continue
+        w = w.float()
+        if form == "hf_block":  # config weight_block_size [24, 40]: partial blocks on every edge here
+            b = (24, 40)
+            s = _block_scales(w, b)
+            q = (w / _expand(s, b, w.shape)).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            ref[name] = q.float() * _expand(s, b, w.shape)
+        elif form == "comfy_scaled":  # ComfyUI scaled_fp8: one scale a tensor, activation scales beside it
+            s = w.abs().max() / FP8_MAX
+            q = (w / s).to(torch.float8_e4m3fn)
+            stem = name[:-len(".weight")]
+            fp8[name], fp8[stem + ".scale_weight"], fp8[stem + ".scale_input"] = q, s.reshape(()), torch.ones(())
+            ref[name] = q.float() * s
+        elif form == "per_row":  # one bf16 scale per output row
+            s = (w.abs().amax(1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
+            q = (w / s.float()).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name[:-len(".weight")] + ".weight_scale"] = q, s
+            ref[name] = q.float() * s.float()
+        else:  # a plain cast to FP8 (e5m2 here), no scale
+            q = w.to(torch.float8_e5m2)
+            fp8[name], ref[name] = q, q.float()
+    if form == "comfy_scaled":
+        fp8["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return fp8, ref
+
+
+def _write(folder, out, tensors, quant=None):
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    save_file(tensors, str(out / "model.safetensors"))
+    if quant:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"] = quant
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("form", ["hf_block", "comfy_scaled", "per_row", "plain"])
+@pytest.mark.parametrize("layout", ["folder", "single_file"])
+def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, form, layout):
+    if form == "hf_block" and layout == "single_file":
+        pytest.skip("a single file has no config to give its block size (128 x 128 is assumed; tested below)")
+    fp8, ref = _quantize(_tensors(folder), form)
+    quant = {"quant_method": "fp8", "weight_block_size": [24, 40], "activation_scheme": "dynamic"} \
+        if form == "hf_block" else None
+    a_path = _write(folder, tmp_path / "fp8", fp8, quant)
+    b_path = _write(folder, tmp_path / "ref", ref)
+    if layout == "single_file":
+        a_path, b_path = a_path / "model.safetensors", b_path / "model.safetensors"
+    a = load_model(a_path, dtype="fp32", device="cpu")
+    b = load_model(b_path, dtype="fp32", device="cpu")
+    pa, pb = a.state_dict(), b.state_dict()
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    if layout == "folder":  # the vision tower: its projections were quantized too
+        assert a.vision is not None
+        va, vb = a.vision.state_dict(), b.vision.state_dict()
+        assert va.keys() == vb.keys() and va
+        for k in va:
+            assert torch.equal(va[k], vb[k]), k
+    ids = [5, 77, 300, 12, 9, 401, 64]
+    la, lb = prefill_ids(a, ids).logits, prefill_ids(b, ids).logits
+    assert torch.equal(la, lb)
+    # the quantization is real: the weights moved off the fp32 originals
+    c = load_model(folder, dtype="fp32", device="cpu")
+    assert not torch.equal(prefill_ids(c, ids).logits, la)
+    if layout == "folder":
+        assert not torch.equal(c.vision.blocks[0].qkv_w, a.vision.blocks[0].qkv_w)
+
+
+def test_a_single_fp8_file_takes_128_x_128_blocks(tmp_path):
+    """Without a config, block scales are taken as the fine-grained FP8 releases make them (128 x 128)."""
+    w = torch.randn(300, 200)
+    s = _block_scales(w, (128, 128))
+    q = (w / _expand(s, (128, 128), w.shape)).to(torch.float8_e4m3fn)
+    from qwen35_fast.runtime.checkpoint import fp8_weights
+    entries = {"x.weight": (tmp_path, {"dtype": "F8_E4M3", "shape": [300, 200]}),
+               "x.weight_scale_inv": (tmp_path, {"dtype": "F32", "shape": [3, 2]})}
+    side, fp8 = fp8_weights(entries, tmp_path, None)
+    assert side == {"x.weight_scale_inv"} and fp8["x.weight"].block == (128, 128)
+    torch.testing.assert_close(dequantize(q, s, (128, 128), torch.float32), q.float() * _expand(s, (128, 128), w.shape),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block", [None, (1, 50), (16, 16), (24, 40), (128, 128)])
+@pytest.mark.parametrize("step", [1, 7, 24, 4096])
+def test_dequantize_in_row_steps_equals_one_pass(block, step):
+    """The row steps (a few thousand rows at a time) give what one fp32 pass gives, rounded once."""
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(100, 50, generator=g)
+    q = w.to(torch.float8_e4m3fn)
+    if block is None:
+        s, full = torch.tensor(0.37), torch.full((100, 50), 0.37)
+    elif block == (1, 50):
+        s = torch.rand(100, 1, generator=g) + 0.5
+        full = s.expand(100, 50)
+    else:
+        s = torch.rand(-(-100 // block[0]), -(-50 // block[1]), generator=g) + 0.5
+        full = _expand(s, block, (100, 50))
+    want = (q.float() * full).to(torch.bfloat16)
+    got = dequantize(q, s, block, torch.bfloat16, rows_per_step=step)
+    assert torch.equal(got, want)
+    assert torch.equal(dequantize(q, None, None, torch.bfloat16), q.to(torch.bfloat16))
