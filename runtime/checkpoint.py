@@ -29,6 +29,7 @@ class Fp8Weight:
     one per block of block[0] rows x block[1] columns), or w = q when it has no scale."""
     scale: tuple[Path, str] | None  # (file, name in file) of its scale tensor
     block: tuple[int, int] | None
+    view: str | None = None  # stored as bytes: the torch FP8 dtype to read them as
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP8_SCALES = ("weight_scale_inv", "weight_scale", "scale_weight")
 FP8_SIDE = ("input_scale", "scale_input", "comfy_quant")
 FP8_MARKERS = ("scaled_fp8",)
+COMFY_FP8 = ("float8_e4m3fn", "float8_e5m2")  # comfy_quant formats that are FP8 with one scale a tensor
 SCALE_DTYPES = ("F32", "BF16", "F16")
 FP8_BLOCK = (128, 128)
 
@@ -123,11 +125,13 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
                 block: tuple[int, int] | None) -> tuple[set[str], dict[str, Fp8Weight]]:
     """The names among `entries` (name in file -> (file, header entry)) that are FP8 scales or side data, not
     weights, and how each FP8 weight is dequantized. block: the config's weight_block_size, if it has one."""
-    side, scale_of = set(), {}
-    for name in entries:
+    side, scale_of, formats = set(), {}, {}
+    for name, (file, _) in entries.items():
         stem, _, suffix = name.rpartition(".")
-        if name in FP8_MARKERS or suffix in FP8_SIDE:
+        if suffix in FP8_MARKERS or suffix in FP8_SIDE:
             side.add(name)
+            if suffix == "comfy_quant" and stem:  # ComfyUI's per-layer note of its weight's format
+                formats[stem + ".weight"] = _comfy_format(file, name, source)
         elif suffix in FP8_SCALES and stem:
             side.add(name)
             weight = stem + ".weight"
@@ -142,22 +146,45 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
     for name, (_, meta) in entries.items():
         if name in side:
             continue
-        scale = scale_of.get(name)
-        if meta["dtype"] not in FP8_DTYPES:
+        scale, fmt, dtype = scale_of.get(name), formats.get(name), meta["dtype"]
+        if fmt is not None and fmt not in COMFY_FP8:
+            raise Qwen35Error(f"{source}: {name} is quantized as {fmt!r} (ComfyUI's comfy_quant); of the quantized "
+                              "formats only FP8 loads: use the bf16 or FP8 release of this model")
+        view = fmt if fmt in COMFY_FP8 and dtype == "U8" else None  # FP8 kept as bytes by older ComfyUI saves
+        if dtype not in FP8_DTYPES and view is None:
+            if scale is not None and dtype in ("U8", "I8"):
+                raise Qwen35Error(f"{source}: {name} is {dtype} with a scale: int8 or 4-bit quantized weights are "
+                                  "not supported: use the bf16 or FP8 release of this model")
             if scale is not None:
-                raise Qwen35Error(f"{source}: {scale} is an FP8 scale but {name} is {meta['dtype']}, not FP8; the "
+                raise Qwen35Error(f"{source}: {scale} is an FP8 scale but {name} is {dtype}, not FP8; the "
                                   "file mixes formats, re-download it")
             continue
         if scale is None:
-            fp8[name] = Fp8Weight(None, None)
+            fp8[name] = Fp8Weight(None, None, view)
             continue
         sfile, smeta = entries[scale]
         if smeta["dtype"] not in SCALE_DTYPES:
             raise Qwen35Error(f"{source}: {scale} is {smeta['dtype']}; FP8 scales load from {', '.join(SCALE_DTYPES)} "
                               "(microscaling formats such as MXFP8 / NVFP4 are not supported): use the bf16 or "
                               "fine-grained FP8 release of this model")
-        fp8[name] = Fp8Weight((sfile, scale), _fp8_block(name, meta["shape"], scale, smeta["shape"], block, source))
+        fp8[name] = Fp8Weight((sfile, scale), _fp8_block(name, meta["shape"], scale, smeta["shape"], block, source),
+                              view)
     return side, fp8
+
+
+def _comfy_format(file: Path, name: str, source: Path) -> str:
+    """The "format" of a ComfyUI comfy_quant note (a uint8 tensor holding JSON)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as h:
+            note = json.loads(h.get_tensor(name).numpy().tobytes())
+        fmt = note.get("format")
+        if not isinstance(fmt, str):
+            raise TypeError("no format")
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        raise Qwen35Error(f"{source}: {name} is not a comfy_quant note of a format (JSON with \"format\"); the file "
+                          "is damaged, re-download it") from None
+    return fmt
 
 
 def _fp8_block(name: str, shape: list[int], scale: str, sshape: list[int], block, source: Path):
@@ -222,6 +249,9 @@ class WeightReader:
         how = self.fp8.get(name)
         if how is None:
             return t
+        if how.view is not None:
+            import torch
+            t = t.view(getattr(torch, how.view))
         return dequantize(t, None if how.scale is None else self._raw(*how.scale), how.block, dtype)
 
 
@@ -250,8 +280,8 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
     qwen35 = _is_qwen35(entries)
     side, fp8 = set(), {}
     if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
-        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _strip(n) is not None or n in FP8_MARKERS},
-                                source, block)
+        side, fp8 = fp8_weights({n: e for n, e in entries.items()
+                                 if _strip(n) is not None or n.rpartition(".")[2] in FP8_MARKERS}, source, block)
     tensors, shapes, other, dtypes = {}, {}, [], {}
     for name, (file, meta) in entries.items():
         key = None if name in side else _strip(name)
@@ -264,7 +294,7 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
     if not qwen35:
         return tensors, shapes, other, {}  # the caller says what this is instead
     for key, dtype in dtypes.items():
-        if dtype not in LOADABLE_DTYPES and dtype not in FP8_DTYPES:
+        if dtype not in LOADABLE_DTYPES and tensors[key][1] not in fp8:
             raise Qwen35Error(f"{source}: tensor {tensors[key][1]!r} is {dtype}; Qwen3.5 weights load from "
                               f"{', '.join(LOADABLE_DTYPES)} or FP8 ({' / '.join(FP8_DTYPES)}) only (integer or "
                               "4-bit quantized weights are not supported): use the bf16 release of this model")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .checkpoint import FP8_DTYPES, LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
+from .checkpoint import LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
 from .errors import Qwen35Error
 from .host import upload
 
@@ -493,7 +493,7 @@ def locate_vision(path: str | Path, text_hidden: int) -> VisionCheckpoint | None
     for name, (file, meta) in entries.items():
         if name in side:
             continue
-        if meta["dtype"] not in LOADABLE_DTYPES and meta["dtype"] not in FP8_DTYPES:
+        if meta["dtype"] not in LOADABLE_DTYPES and name not in fp8:
             raise Qwen35Error(f"{path}: vision tensor {name!r} is {meta['dtype']}; the tower loads from "
                               f"{', '.join(LOADABLE_DTYPES)} or FP8 only (text prompts still work)")
         key = next(name[len(p):] for p in VISION_PREFIXES if name.startswith(p))

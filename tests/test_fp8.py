@@ -70,6 +70,13 @@ def _quantize(tensors, form):
             stem = name[:-len(".weight")]
             fp8[name], fp8[stem + ".scale_weight"], fp8[stem + ".scale_input"] = q, s.reshape(()), torch.ones(())
             ref[name] = q.float() * s
+        elif form == "comfy_quant":  # ComfyUI's per-layer format note; FP8 kept as bytes, as older saves did
+            s = w.abs().max() / FP8_MAX
+            q = (w / s).to(torch.float8_e4m3fn)
+            stem = name[:-len(".weight")]
+            fp8[name], fp8[stem + ".weight_scale"] = q.view(torch.uint8), s.reshape(())
+            fp8[stem + ".comfy_quant"] = _note({"format": "float8_e4m3fn"})
+            ref[name] = q.float() * s
         elif form == "per_row":  # one bf16 scale per output row
             s = (w.abs().amax(1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
             q = (w / s.float()).to(torch.float8_e4m3fn)
@@ -79,8 +86,12 @@ def _quantize(tensors, form):
             q = w.to(torch.float8_e5m2)
             fp8[name], ref[name] = q, q.float()
     if form == "comfy_scaled":
-        fp8["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+        fp8["model.scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     return fp8, ref
+
+
+def _note(d):
+    return torch.frombuffer(bytearray(json.dumps(d).encode()), dtype=torch.uint8)
 
 
 def _write(folder, out, tensors, quant=None):
@@ -93,7 +104,7 @@ def _write(folder, out, tensors, quant=None):
     return out
 
 
-@pytest.mark.parametrize("form", ["hf_block", "comfy_scaled", "per_row", "plain"])
+@pytest.mark.parametrize("form", ["hf_block", "comfy_scaled", "comfy_quant", "per_row", "plain"])
 @pytest.mark.parametrize("layout", ["folder", "single_file"])
 def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, form, layout):
     if form == "hf_block" and layout == "single_file":
