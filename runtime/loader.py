@@ -81,7 +81,7 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
                             s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for name, (param, row) in targets.items():
-            t = reader.get(*ckpt.tensors[name], param.dtype)
+            t = reader.get(*ckpt.tensors[name], param.dtype, param.device)
             if name.endswith("conv1d.weight"):
                 t = t[:, 0]
             param[row:row + t.shape[0]].copy_(t.to(param.device, non_blocking=False))

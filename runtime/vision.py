@@ -524,7 +524,7 @@ def load_vision(ck: VisionCheckpoint, dtype: torch.dtype, device: torch.device) 
     tower = VisionTower(ck.config, dtype, device)
     with WeightReader(ck.fp8) as reader, torch.no_grad():
         for name, param in _targets(tower).items():
-            t = reader.get(*ck.tensors[name], param.dtype)
+            t = reader.get(*ck.tensors[name], param.dtype, param.device)
             param.copy_(t.reshape(param.shape).to(param.device))
     return tower
 

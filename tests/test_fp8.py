@@ -171,3 +171,25 @@ def test_dequantize_in_row_steps_equals_one_pass(block, step):
     got = dequantize(q, s, block, torch.bfloat16, rows_per_step=step)
     assert torch.equal(got, want)
     assert torch.equal(dequantize(q, None, None, torch.bfloat16), q.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["hf_block", "comfy_quant", "plain"])
+def test_fp8_weights_dequantized_on_the_gpu_equal_the_cpus(folder, tmp_path, form):
+    """Loaded onto a GPU, FP8 weights are dequantized there; the same fp32 products and one rounding as on the
+    CPU, so the weights equal those of the fp32 reference moved to the GPU, bit for bit."""
+    fp8, ref = _quantize(_tensors(folder), form)
+    quant = {"quant_method": "fp8", "weight_block_size": [24, 40]} if form == "hf_block" else None
+    a = load_model(_write(folder, tmp_path / "fp8", fp8, quant), dtype="bf16", device="cuda")
+    b = load_model(_write(folder, tmp_path / "ref", ref), dtype="bf16", device="cuda")
+    pa, pb = a.state_dict(), b.state_dict()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    for k, v in a.vision.state_dict().items():
+        assert torch.equal(v, b.vision.state_dict()[k]), k
+
+
+def test_dequantize_on_a_device_given_equals_in_place():
+    q = torch.randn(70, 30).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 1) + 0.5
+    assert torch.equal(dequantize(q, s, (24, 30), torch.float32, device="cpu"), dequantize(q, s, (24, 30), torch.float32))
