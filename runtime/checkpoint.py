@@ -275,6 +275,16 @@ def _strip(name: str) -> str | None:
     return None
 
 
+def _text_or_its_fp8(name: str) -> bool:
+    """A text-model tensor, an FP8 scale or note of one, or a scaled_fp8 marker."""
+    stem, _, suffix = name.rpartition(".")
+    if suffix in FP8_MARKERS:
+        return True
+    if suffix in FP8_SCALES or suffix in FP8_SIDE:
+        return _strip(stem + ".weight") is not None
+    return _strip(name) is not None
+
+
 def _collect(files: list[Path], block: tuple[int, int] | None = None):
     """(tensors, shapes, other names, fp8) of the text model in `files`; block: the config's FP8 block size."""
     entries: dict[str, tuple[Path, dict]] = {}
@@ -288,8 +298,7 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
     qwen35 = _is_qwen35(entries)
     side, fp8 = set(), {}
     if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
-        side, fp8 = fp8_weights({n: e for n, e in entries.items()
-                                 if _strip(n) is not None or n.rpartition(".")[2] in FP8_MARKERS}, source, block)
+        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n)}, source, block)
     tensors, shapes, other, dtypes = {}, {}, [], {}
     for name, (file, meta) in entries.items():
         key = None if name in side else _strip(name)

@@ -18,7 +18,7 @@ from _models import make_hf_model
 FP8_MAX = 448.0  # largest float8_e4m3fn
 # the matrices FP8 releases quantize: every projection of the text layers and of the vision blocks
 QUANTIZED = re.compile(r"(layers\.\d+\.(mlp|self_attn|linear_attn)\.\w+_proj\w*|visual\.blocks\.\d+\.(attn\.qkv|attn\.proj"
-                       r"|mlp\.linear_fc\d))\.weight$")
+                       r"|mlp\.linear_fc\d)|^lm_head|embed_tokens)\.weight$")
 
 
 @pytest.fixture(scope="module")
