@@ -85,7 +85,8 @@ class Qwen35ModelLoader(io.ComfyNode):
         target = _pick_device(device)
         if target.type != "cpu":
             # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
-            mm.free_memory(weights_bytes(path) * 1.1 + mm.minimum_inference_memory(), target)
+            need = weights_bytes(path, 4 if dtype == "fp32" else 2)
+            mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
         if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
             raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
         runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)

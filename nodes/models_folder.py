@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -138,12 +139,14 @@ def find_model(name: str) -> Path | None:
     return Path(full) if full else None
 
 
-def weights_bytes(path: Path) -> int:
-    """Bytes of weight files at `path`: a rough size of the model before it is loaded (0 for what cannot be
-    read: loading it says why)."""
+def weights_bytes(path: Path, element_bytes: int = 2) -> int:
+    """Bytes the model's weights take once loaded with `element_bytes` per number (2: bf16 / fp16), from the
+    safetensors headers (an FP8 file takes twice its size, an fp32 one half); 0 for what cannot be read:
+    loading it says why."""
+    from ..runtime.checkpoint import read_header
+    from ..runtime.errors import Qwen35Error
     try:
-        if path.is_file():
-            return path.stat().st_size
-        return sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
-    except OSError:
+        files = [path] if path.is_file() else sorted(p for p in path.glob("*.safetensors") if p.is_file())
+        return element_bytes * sum(math.prod(t["shape"]) for f in files for t in read_header(f).values())
+    except (OSError, Qwen35Error):
         return 0

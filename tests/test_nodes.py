@@ -269,3 +269,19 @@ def _cuda_tensors(top=8):
         except Exception:  # noqa: BLE001 - objects that fail to answer are not what we look for
             pass
     return sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
+
+
+def test_weights_bytes_counts_numbers_not_file_bytes(pack, tmp_path):
+    """The VRAM made room for before a load: the loaded model's numbers at the dtype asked for, so an FP8
+    file (dequantized at load) counts twice its size and an fp32 one half of it at bf16."""
+    import torch
+    from safetensors.torch import save_file
+    f8, f32 = tmp_path / "f8.safetensors", tmp_path / "f32.safetensors"
+    save_file({"w": torch.zeros(64, 32, dtype=torch.float8_e4m3fn), "s": torch.ones(())}, str(f8))
+    save_file({"w": torch.zeros(64, 32)}, str(f32))
+    assert pack.models_folder.weights_bytes(f8) == 2 * (64 * 32 + 1)
+    assert pack.models_folder.weights_bytes(f32) == 2 * 64 * 32
+    assert pack.models_folder.weights_bytes(f32, 4) == 4 * 64 * 32
+    assert pack.models_folder.weights_bytes(tmp_path) == 2 * (64 * 32 + 1) + 2 * 64 * 32  # a folder: every file
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00")
+    assert pack.models_folder.weights_bytes(tmp_path / "bad.safetensors") == 0
