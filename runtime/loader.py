@@ -136,6 +136,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         raise
     model.tokenizer = tokenizer
     model.path = ckpt.path
-    log.info("Loaded %s: %s, %s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
-             str(dt).replace("torch.", ""), dev, time.perf_counter() - t0, model.backend.reason)
+    fp8 = f" ({len(ckpt.fp8)} FP8 weights dequantized)" if ckpt.fp8 else ""
+    log.info("Loaded %s: %s, %s%s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
+             str(dt).replace("torch.", ""), fp8, dev, time.perf_counter() - t0, model.backend.reason)
     return model
