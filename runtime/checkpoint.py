@@ -45,7 +45,7 @@ class Checkpoint:
 # Bytes per element of the dtypes a safetensors header can name (to check each tensor's extent).
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# What the text model can be loaded from: the three floating types it computes in, and FP8.
+# What the text model can be loaded from as stored: the three floating types it computes in (FP8: below).
 LOADABLE_DTYPES = ("BF16", "F16", "F32")
 # FP8 weights in the forms in circulation. A weight X.weight stored as FP8 may have one scale beside it:
 #   X.weight_scale_inv  Hugging Face fine-grained FP8 (quantization_config quant_method "fp8"): one scale per
@@ -125,13 +125,13 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
                 block: tuple[int, int] | None) -> tuple[set[str], dict[str, Fp8Weight]]:
     """The names among `entries` (name in file -> (file, header entry)) that are FP8 scales or side data, not
     weights, and how each FP8 weight is dequantized. block: the config's weight_block_size, if it has one."""
-    side, scale_of, formats = set(), {}, {}
+    side, scale_of, notes = set(), {}, {}
     for name, (file, _) in entries.items():
         stem, _, suffix = name.rpartition(".")
         if suffix in FP8_MARKERS or suffix in FP8_SIDE:
             side.add(name)
             if suffix == "comfy_quant" and stem:  # ComfyUI's per-layer note of its weight's format
-                formats[stem + ".weight"] = _comfy_format(file, name, source)
+                notes[stem + ".weight"] = (file, name)
         elif suffix in FP8_SCALES and stem:
             side.add(name)
             weight = stem + ".weight"
@@ -142,6 +142,7 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
                 raise Qwen35Error(f"{source}: {weight} has two FP8 scales, {scale_of[weight]} and {name}; the "
                                   "file mixes quantization formats, re-download it")
             scale_of[weight] = name
+    formats = _comfy_formats(notes, source)
     fp8 = {}
     for name, (_, meta) in entries.items():
         if name in side:
@@ -172,19 +173,25 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
     return side, fp8
 
 
-def _comfy_format(file: Path, name: str, source: Path) -> str:
-    """The "format" of a ComfyUI comfy_quant note (a uint8 tensor holding JSON)."""
+def _comfy_formats(notes: dict[str, tuple[Path, str]], source: Path) -> dict[str, str]:
+    """weight -> the "format" of its ComfyUI comfy_quant note (a uint8 tensor holding JSON), each file opened
+    once."""
     from safetensors import safe_open
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as h:
-            note = json.loads(h.get_tensor(name).numpy().tobytes())
-        fmt = note.get("format")
-        if not isinstance(fmt, str):
-            raise TypeError("no format")
-    except (ValueError, TypeError, AttributeError, RecursionError):
-        raise Qwen35Error(f"{source}: {name} is not a comfy_quant note of a format (JSON with \"format\"); the file "
-                          "is damaged, re-download it") from None
-    return fmt
+    formats = {}
+    with ExitStack() as stack:
+        handles = {}
+        for weight, (file, name) in notes.items():
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            try:
+                fmt = json.loads(handles[file].get_tensor(name).numpy().tobytes()).get("format")
+                if not isinstance(fmt, str):
+                    raise TypeError("no format")
+            except (ValueError, TypeError, AttributeError, RecursionError):
+                raise Qwen35Error(f"{source}: {name} is not a comfy_quant note of a format (JSON with \"format\"); "
+                                  "the file is damaged, re-download it") from None
+            formats[weight] = fmt
+    return formats
 
 
 def _fp8_block(name: str, shape: list[int], scale: str, sshape: list[int], block, source: Path):
