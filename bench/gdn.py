@@ -101,6 +101,19 @@ def ceilings():
     return bw, tf
 
 
+def graph_replay_floor_ms(kernels=(1, 3)) -> dict:
+    """Graph-replay ms of graphs holding 1 and 3 one-thread kernels, timed as the rows are: the part of a
+    short prefill's graph time that is the replay and its kernel boundaries, not the kernels' work."""
+    z = torch.zeros(1, device=DEV)
+    out = {}
+    for n in kernels:
+        def tiny(n=n):
+            for _ in range(n):
+                z.add_(1)
+        out[f"graph_{n}_tiny_kernels_ms"] = round(bench_ms(graph_of(tiny).replay), 4)
+    return out
+
+
 # ----------------------------------------------------------------------------- prefill implementations
 
 def prefill_inputs(B, L, seed=0):
@@ -338,7 +351,7 @@ def main():
 
     bw, tf = ceilings()
     info = {"impl": "ceilings", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "copy_TBps": round(bw / 1e12, 3), "bf16_TFLOPs": round(tf / 1e12, 1)}
+            "copy_TBps": round(bw / 1e12, 3), "bf16_TFLOPs": round(tf / 1e12, 1), **graph_replay_floor_ms()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -401,7 +414,8 @@ def main():
         torch.cuda.empty_cache()
 
     print()
-    print(f"{info['gpu']}: copy {info['copy_TBps']} TB/s, bf16 matmul {info['bf16_TFLOPs']} TFLOP/s")
+    print(f"{info['gpu']}: copy {info['copy_TBps']} TB/s, bf16 matmul {info['bf16_TFLOPs']} TFLOP/s, graph replay "
+          f"of 1 / 3 tiny kernels {info['graph_1_tiny_kernels_ms']} / {info['graph_3_tiny_kernels_ms']} ms")
     print(table(rows))
     save()
 
