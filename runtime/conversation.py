@@ -22,9 +22,9 @@ import torch
 
 from .chat import IM_END, IM_START, THINK_CLOSE
 from .errors import Qwen35Error
-from .generate import Prefill, _is_out_of_memory, _sync, generation_prompt_ids
+from .generate import Prefill, _sync, generation_prompt_ids
 from .host import host_logits, on_model_device
-from .memory import out_of_memory, prefill_bytes
+from .memory import is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Qwen35Model
 from .multimodal import (
     TowerClock,
@@ -141,7 +141,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         logits = host_logits(run.logits)
         _sync(dev)
     except RuntimeError as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         t2 = time.perf_counter()

@@ -16,7 +16,7 @@ from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_
 from .decode_graph import graphed_decode
 from .errors import Qwen35Error
 from .host import host_logits, on_model_device
-from .memory import generate_bytes, out_of_memory, prefill_bytes
+from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .sampling import SamplingParams, apply_penalties, generator_seed, pick
@@ -75,11 +75,6 @@ def _token_id(i) -> int:
         return operator.index(i)
     except TypeError:
         raise Qwen35Error(f"token ids must be whole numbers; found {i!r}") from None
-
-
-def _is_out_of_memory(e: RuntimeError) -> bool:
-    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so."""
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def _sync(device: torch.device) -> None:
@@ -157,7 +152,7 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
         logits = host_logits(run.logits)
         _sync(model.device)
     except RuntimeError as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
@@ -258,7 +253,7 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
     try:
         return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
     except RuntimeError as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise  # out of memory is reported below, once the run's tensors and the traceback are gone
     raise out_of_memory(model, f"generating after a prompt of {pf.n_tokens:,} tokens (max_new_tokens "
                                f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))

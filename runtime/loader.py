@@ -12,6 +12,7 @@ from .. import kernels
 from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
 from .errors import Qwen35Error
+from .memory import is_out_of_memory, loading_out_of_memory
 from .model import Qwen35Model
 
 log = logging.getLogger(__name__)
@@ -121,19 +122,25 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     dt = resolve_dtype(dtype, dev)
     from .tokenizer import load_tokenizer
     tokenizer = load_tokenizer(ckpt.tokenizer_dir)
-    model = None
+    model, oom = None, False
     try:
         model = Qwen35Model(ckpt.config, dt, dev)
         _fill(model, ckpt)
         _attach_vision(model, ckpt, dt, dev)
         model.requested_backend = backend
         model.select_backend()
-    except BaseException:
-        del model
+    except BaseException as e:
+        oom = is_out_of_memory(e)
+        if not oom:
+            del model
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
+    if oom:  # out of the except block: the traceback, and the half-built model it holds, are gone
+        model = None
         gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        raise
+        raise loading_out_of_memory(ckpt.path.name, ckpt.config, dt, dev)
     model.tokenizer = tokenizer
     model.path = ckpt.path
     fp8 = f" ({len(ckpt.fp8)} FP8 weights dequantized)" if ckpt.fp8 else ""

@@ -7,11 +7,12 @@ what to change.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from .config import LINEAR
+from .config import LINEAR, TextConfig, expected_shapes
 from .errors import Qwen35Error
 from .model import Qwen35Model
 
@@ -94,6 +95,25 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
         return 0, 0
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def loading_out_of_memory(name: str, config: TextConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Error:
+    """The error for a load that ran out of device memory; call it once the half-built model is gone."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    weights = dtype.itemsize * sum(math.prod(s) for s in expected_shapes(config).values())
+    free, total = free_bytes(device)
+    gib = 2 ** 30
+    return Qwen35Error(
+        f"out of memory on {device} loading {name}: its text weights alone take {weights / gib:.2f} GiB in "
+        f"{str(dtype).removeprefix('torch.')}, and {free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Pick a "
+        "smaller Qwen3.5 model, free memory (ComfyUI's 'Unload models', or close other programs on the GPU), or "
+        "load it on the cpu")
+
+
 def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
     """The error for a run that ran out of device memory (`what`: "reading a prompt of N tokens"); call it
     once the failed run's tensors are gone."""
@@ -110,4 +130,5 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
         "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
 
 
-__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory"]
+__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory",
+           "is_out_of_memory", "loading_out_of_memory"]

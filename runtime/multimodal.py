@@ -23,11 +23,11 @@ import torch
 from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .errors import Qwen35Error
-from .generate import Prefill, _is_out_of_memory, _sync
+from .generate import Prefill, _sync
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
-from .memory import out_of_memory, prefill_bytes, vision_bytes
+from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .prefix import content_hash, prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
@@ -213,7 +213,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         _sync(model.device)
         t2 = time.perf_counter()
     except RuntimeError as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise
         oom = True  # reported below, once this frame's tensors and the traceback are gone
     else:

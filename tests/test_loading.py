@@ -1,6 +1,7 @@
 """Both checkpoint forms load; every bad input a user can cause gets a message naming it and the fix."""
 import gc
 import json
+import math
 import shutil
 from dataclasses import replace
 
@@ -123,3 +124,27 @@ def test_max_new_tokens_below_one(model):
     pf = prefill(model, "hello")
     with pytest.raises(Qwen35Error, match="max_new_tokens is 0; it must be a whole number, at least 1"):
         generate(model, pf, max_new_tokens=0)
+
+
+@pytest.mark.parametrize("error", [  # made at each raise: a kept exception would keep its traceback's frames
+    lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.90 GiB"),
+    lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                         "tried to allocate 400000000000000 bytes"),
+])
+def test_a_load_out_of_memory_says_what_the_weights_take_and_leaves_nothing(folder, monkeypatch, error):
+    from qwen35_fast.runtime.checkpoint import locate
+    from qwen35_fast.runtime.config import expected_shapes
+
+    def full(model, ckpt):
+        raise error()
+
+    gc.collect()
+    before = sum(isinstance(o, Qwen35Model) for o in gc.get_objects())
+    monkeypatch.setattr(loader_mod, "_fill", full)
+    gib = 4 * sum(math.prod(s) for s in expected_shapes(locate(folder).config).values()) / 2 ** 30
+    with pytest.raises(Qwen35Error, match=rf"out of memory on cpu loading {folder.name}: its text weights alone take "
+                                          rf"{gib:.2f} GiB in float32, and .* GiB of .* GiB is free. Pick a smaller "
+                                          r"Qwen3.5 model, .*or load it on the cpu"):
+        load_model(folder, dtype="fp32", device="cpu")
+    gc.collect()
+    assert sum(isinstance(o, Qwen35Model) for o in gc.get_objects()) == before
