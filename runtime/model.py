@@ -396,8 +396,20 @@ class Qwen35Model(nn.Module):
         self.graphs.clear()
         auto = budget_bytes is None
         budget = default_budget_bytes(self.config, self.device, self.dtype) if auto else int(budget_bytes)
-        self._kv = KVStore(self.config, budget, self.dtype, self.device, growable=auto)
-        return self._kv
+        try:
+            self._kv = KVStore(self.config, budget, self.dtype, self.device, growable=auto)
+            return self._kv
+        except (RuntimeError, MemoryError) as e:
+            from .memory import is_out_of_memory  # memory.py imports this module
+            if not isinstance(e, MemoryError) and not is_out_of_memory(e):
+                raise
+        from .memory import free_bytes  # out of the except block: what the failed allocation held is gone
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        free, _ = free_bytes(self.device)
+        raise Qwen35Error(f"a K/V cache of {budget / 2**20:.0f} MiB does not fit on {self.device}: "
+                          f"{free / 2**20:.0f} MiB is free beside the model's weights. Lower the loader's K/V cache "
+                          "budget, or set it to 0 (auto: sized to the free memory, grown when a prompt needs it)")
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

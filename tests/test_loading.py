@@ -148,3 +148,15 @@ def test_a_load_out_of_memory_says_what_the_weights_take_and_leaves_nothing(fold
         load_model(folder, dtype="fp32", device="cpu")
     gc.collect()
     assert sum(isinstance(o, Qwen35Model) for o in gc.get_objects()) == before
+
+
+def test_a_cache_budget_that_does_not_fit_says_so(folder):
+    """A fixed K/V cache budget larger than the device's memory: an error naming both and the fix, and the model
+    keeps working with the auto budget."""
+    model = load_model(folder, dtype="fp32", device="cpu")
+    with pytest.raises(Qwen35Error, match=r"a K/V cache of 1073741824 MiB does not fit on cpu: \d+ MiB is free "
+                                          r"beside the model's weights. Lower the loader's K/V cache budget, or set it "
+                                          r"to 0 \(auto"):
+        model.setup_kv(1 << 50)
+    model.setup_kv()
+    assert prefill_ids(model, [1, 2, 3]).logits.isfinite().all()
