@@ -50,7 +50,8 @@ else:
     runs = [{"path": "hopper", "dv_split": 32}, {"path": "hopper", "dv_split": 128}] if hopper else []
     runs += [{"path": "portable", "arch": "compute_80", "dv_split": 16, "segments": 1},
              {"path": "portable", "arch": "compute_80", "dv_split": 64, "segments": 4},
-             {"path": "portable", "arch": "compute_80", "dv_split": 32, "segments": 3}]
+             {"path": "portable", "arch": "compute_80", "dv_split": 32, "segments": 3},
+             {"path": "portable", "arch": "compute_80", "dv_split": 64, "segments": 2, "fused_out": False}]
     for i, kw in enumerate(runs):
         if i == 0:  # the prep kernel with both value heads of a q/k head in one block
             plan_mod.prep_heads, keep = (lambda *a: Hv // Hk), plan_mod.prep_heads

@@ -336,17 +336,18 @@ def test_large_and_small_values(scale):
         run_and_check(q, k, v, a, b, A_log, dt_bias, h0, ref_key=("scale", scale), **kw)
 
 
-@pytest.mark.parametrize("dv_split", [16, 32, 64])
+@pytest.mark.parametrize("dv_split,segments", [(16, None), (32, None), (64, None), (64, 1), (32, 4)])
 @pytest.mark.parametrize("T,B,packed", [(1, 1, False), (200, 2, False), (1000, 1, False), (3000, 1, False),
                                         (801, 1, True)])
-def test_outputs_formed_by_the_state_kernel_equal_the_output_kernels(T, B, packed, dv_split):
-    """fused_out (the state kernel forms o after its walk) gives o bit for bit as gdn_chunk_out (the same products
-    in the same order), and the same final state; rows past each sequence's end are never written."""
+def test_outputs_formed_by_the_state_kernel_equal_the_output_kernels(T, B, packed, dv_split, segments):
+    """fused_out (the state walk forms o: Q S beside K S, P u at the next step) gives o bit for bit as
+    gdn_chunk_out (the same products in the same order), and the same final state, with and without segments;
+    rows past each sequence's end are never written."""
     lens = [300, 1, 500] if packed else None
     N = len(lens) if packed else B
     q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1 if packed else B, T, 2, 4, torch.bfloat16, "model", N)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32) if packed else None
-    kw = {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": dv_split}
+    kw = {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": dv_split, "segments": segments}
     _poison(((q.shape[0], T, v.shape[2], 128), v.dtype), ((N, v.shape[2], 128, 128), torch.float32))
     o1, h1 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=True, **kw)
     o2, h2 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=False, **kw)

@@ -28,7 +28,7 @@ def test_every_card_gets_a_plan_that_fits(name, B, T):
     assert p.slots == B * -(-T // 64) and p.prep_heads in (1, 2)
     if p.path == "portable":
         assert max(p.walk_smem, p.out_smem) <= P.RTX_SMEM
-        assert p.walk_smem == P.portable_state_smem(p.dv_split) and p.out_smem == P.PORTABLE_OUT_SMEM
+        assert p.walk_smem == P.portable_state_smem(p.dv_split, p.fused_out) and p.out_smem == P.PORTABLE_OUT_SMEM
         assert p.dv_split in (16, 32, 64) and 1 <= p.segments <= 16
         assert p.segments == 1 or -(-T // 64) >= max(P.SEG_MIN_CHUNKS, 2 * p.segments)
     else:
@@ -64,8 +64,10 @@ def test_a_card_with_fewer_sms_or_one_block_per_sm_never_gets_more_resident_work
     an RTX card, two on the H200."""
     for name in ("RTX 3090", "RTX 4090", "RTX 5090"):
         card = CARDS[name]
-        assert card.smem_per_sm // (P.portable_state_smem(64) + 1024) == 1
-    assert CARDS["H200"].smem_per_sm // (P.portable_state_smem(64) + 1024) == 2
+        assert card.smem_per_sm // (P.portable_state_smem(64, True) + 1024) == 1
+        assert P.portable_resident(64, card) == card.sms
+    assert CARDS["H200"].smem_per_sm // (P.portable_state_smem(64, True) + 1024) == 2
+    assert P.portable_resident(64, CARDS["H200"]) == 2 * CARDS["H200"].sms
 
 
 def test_forced_choices_and_their_errors():
@@ -102,7 +104,9 @@ def test_prep_heads_per_block():
 def test_layout_sizes():
     """The sizes the kernels are built with (each also static_asserted in its source)."""
     assert P.prep_smem() == 51712  # 4 prep blocks per SM on every card from sm_80
-    assert [P.portable_state_smem(d) for d in (16, 32, 64)] == [70656, 80896, 101376]
+    assert [P.portable_state_smem(d, True) for d in (16, 32, 64)] == [75776, 83968, 100352]
+    assert [P.portable_state_smem(d, False) for d in (16, 32, 64)] == [58368, 66560, 82944]
+    assert 2 * (P.portable_state_smem(64, False) + 1024) <= 167936  # two blocks on an A100 SM (164 KB)
     assert P.PORTABLE_OUT_SMEM == 45056  # two output blocks per SM on the RTX cards (100 KB each)
     assert 2 * (P.PORTABLE_OUT_SMEM + 1024) <= 102400  # 1 KB reserved per block of an SM's 100 KB
     assert P.hopper_walk_smem(128) == 199680 and P.hopper_walk_smem(32) == 203776
@@ -147,25 +151,14 @@ def test_a_forced_split_of_short_sequences_is_one_segment_in_the_plan_of_an_unpa
     assert [P.seg_count(4, c) for c in (1, 7, 8, 100)] == [1, 1, 4, 4]
 
 
-def test_short_segments_form_their_outputs_in_the_state_kernel():
-    """fused_out: 64-column state blocks in one wave walking segments of at most FUSED_OUT_CHUNKS chunks skip
-    gdn_chunk_out (the H200's 1k and 4k prompts); more blocks than a wave, narrower blocks or longer segments
-    keep it; an override wins; the Hopper path never sets it."""
+def test_the_portable_walk_forms_o_unless_told_not_to():
+    """fused_out (o formed in the state walk, no output kernel) is the portable plan's default on every card and
+    size; an override wins; the Hopper path never sets it."""
     h200 = CARDS["H200"]
-    for L in (1024, 4096):
-        p = P.plan(1, L, 1, Hk, Hv, False, h200, path="portable")
-        assert p.dv_split == 64 and -(-L // 64 // p.segments) <= P.FUSED_OUT_CHUNKS and p.fused_out, L
-        assert Hv * 2 * p.segments <= P.portable_resident(64, h200)
-    assert not P.plan(1, 16384, 1, Hk, Hv, False, h200, path="portable").fused_out  # 64-chunk segments
-    assert not P.plan(8, 4096, 8, Hk, Hv, False, h200, path="portable").fused_out  # more than a wave
     for card in CARDS.values():
         for B, L in SIZES:
-            p = P.plan(B, L, B, Hk, Hv, False, card, path="portable")
-            if p.fused_out:
-                assert p.dv_split == 64 and -(-L // 64 // p.segments) <= P.FUSED_OUT_CHUNKS
-                assert B * Hv * 2 * p.segments <= P.portable_resident(64, card), (card, B, L)
-    p200 = P.plan(1, 200, 1, Hk, Hv, False, h200, path="portable")
-    assert p200.fused_out == (p200.dv_split == 64)
-    assert not P.plan(1, 1024, 1, Hk, Hv, False, h200, path="portable", fused_out=False).fused_out
+            assert P.plan(B, L, B, Hk, Hv, False, card, path="portable").fused_out == P.OUT_IN_WALK
+    p = P.plan(1, 1024, 1, Hk, Hv, False, h200, path="portable", fused_out=False)
+    assert not p.fused_out and p.walk_smem == P.portable_state_smem(p.dv_split, False)
     assert P.plan(1, 16384, 1, Hk, Hv, False, h200, path="portable", fused_out=True).fused_out
     assert not P.plan(1, 1024, 1, Hk, Hv, False, h200).fused_out  # hopper

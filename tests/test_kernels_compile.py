@@ -41,8 +41,8 @@ VARIANTS = {
     "prep.cu": [{"IN_T": i, "AB_T": a, "PREP_SMEM": _P.prep_smem()} for i in (2, 1) for a in (0, 1, 2)],
     "gdn_prefill.cu": [{"DVS": d, "IN_T": i, "WALK_SMEM": _P.hopper_walk_smem(d), "WALK128_SMEM": _P.hopper_walk_smem(128)}
                        for d in (32, 64, 128) for i in (2, 1)],
-    "portable.cu": [{"DVS": d, "IN_T": i, "STATE_SMEM": _P.portable_state_smem(d), "OUT_SMEM": _P.PORTABLE_OUT_SMEM}
-                    for d in _P.PORTABLE_SPLITS for i in (2, 1)],
+    "portable.cu": [{"DVS": d, "IN_T": i, "OUT_IN_WALK": int(f), "STATE_SMEM": _P.portable_state_smem(d, f),
+                     "OUT_SMEM": _P.PORTABLE_OUT_SMEM} for d in _P.PORTABLE_SPLITS for i in (2, 1) for f in (True, False)],
     # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
     "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
                     for i in (2, 1) for w in (0, i) for g in (0, 1)]
@@ -133,8 +133,11 @@ def test_missing_headers_error(monkeypatch, tmp_path):
 @needs_nvrtc
 @pytest.mark.parametrize("src,defines", [
     ("prep.cu", {"PREP_SMEM": _P.prep_smem() + 16}),
-    ("portable.cu", {"DVS": 32, "STATE_SMEM": _P.portable_state_smem(32) + 16, "OUT_SMEM": _P.PORTABLE_OUT_SMEM}),
-    ("portable.cu", {"DVS": 64, "STATE_SMEM": _P.portable_state_smem(64), "OUT_SMEM": _P.PORTABLE_OUT_SMEM - 16}),
+    ("portable.cu", {"DVS": 32, "OUT_IN_WALK": 1, "STATE_SMEM": _P.portable_state_smem(32, True) + 16,
+                     "OUT_SMEM": _P.PORTABLE_OUT_SMEM}),
+    ("portable.cu", {"DVS": 64, "OUT_IN_WALK": 1, "STATE_SMEM": _P.portable_state_smem(64, False),
+                     "OUT_SMEM": _P.PORTABLE_OUT_SMEM}),
+    ("portable.cu", {"DVS": 64, "STATE_SMEM": _P.portable_state_smem(64, False), "OUT_SMEM": _P.PORTABLE_OUT_SMEM - 16}),
     ("gdn_prefill.cu", {"DVS": 64, "WALK_SMEM": _P.hopper_walk_smem(64) + 16, "WALK128_SMEM": _P.hopper_walk_smem(128)}),
 ])
 def test_prefill_kernels_refuse_sizes_that_disagree_with_the_plan(src, defines):

@@ -46,7 +46,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
     with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
     [N, Hv, 128, 128] fp32. path ("hopper" / "portable"), dv_split, segments and arch (the NVRTC target,
-    e.g. "compute_80") and fused_out (portable: o formed by the state kernel) override plan.plan's choice;
+    e.g. "compute_80") and fused_out (portable: o formed in the state walk) override plan.plan's choice;
     defines adds -D flags to every module (tests).
     Launch only: no synchronisation, capturable in a CUDA graph.
     """
@@ -127,9 +127,13 @@ def _hopper(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N
 
 def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base):
     dev = o.device
-    defines = {**base, "DVS": p.dv_split, "STATE_SMEM": p.walk_smem, "OUT_SMEM": p.out_smem}
-    Hs = torch.empty(p.slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
-    Ug = torch.empty(p.slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
+    defines = {**base, "DVS": p.dv_split, "OUT_IN_WALK": int(p.fused_out), "STATE_SMEM": p.walk_smem,
+               "OUT_SMEM": p.out_smem}
+    if p.fused_out:  # o formed in the walk
+        Hs = Ug = None
+    else:
+        Hs = torch.empty(p.slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
+        Ug = torch.empty(p.slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
     fn = _function(SRC_PORTABLE, "gdn_chunk_state", dev, p, defines)
     launch(fn, p.grid(Hv, N), (THREADS, 1, 1),
            (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, q, Pg, o if p.fused_out else None,

@@ -43,12 +43,13 @@ def hopper_walk_smem(dvs: int) -> int:
     return nst * stage + D * vst * 2 + 3 * CH * vst * 2
 
 
-def portable_state_smem(dvs: int) -> int:
-    """gdn_chunk_state (portable.cu SM_TOTAL): 2 stages of K, V, T, vectors; S (later the scaled u hi / lo);
-    rhs lo. 69 KB at 16 columns, 79 KB at 32, 99 KB at 64."""
+def portable_state_smem(dvs: int, out_in_walk: bool) -> int:
+    """gdn_chunk_state (portable.cu SM_TOTAL): 2 stages of K and the vectors; v (then rhs hi); T; Q when it
+    forms o itself; S (later the scaled u); rhs lo (later u). With Q 74 / 82 / 98 KB at 16 / 32 / 64 columns,
+    without 57 / 65 / 81 KB."""
     vst = dvs + 8
-    stage = CH * KST * 2 + CH * vst * 2 + CH * BST * 2 + 4 * CH * 4
-    return 2 * stage + D * vst * 2 + CH * vst * 2
+    stage = CH * KST * 2 + 4 * CH * 4
+    return 2 * stage + CH * vst * 2 + CH * BST * 2 + (CH * KST * 2 if out_in_walk else 0) + D * vst * 2 + CH * vst * 2
 
 
 PORTABLE_OUT_THREADS = 256
@@ -69,7 +70,7 @@ class Plan:
     prep_smem: int
     walk_smem: int       # hopper: gdn_chunk_prefill_fwd; portable: gdn_chunk_state
     out_smem: int        # portable: gdn_chunk_out (0 on the Hopper path)
-    fused_out: bool = False  # portable: the state kernel forms o after its walk (no gdn_chunk_out launch)
+    fused_out: bool = False  # portable: the state walk forms o itself (no Hs / Ug, no gdn_chunk_out launch)
 
     def grid(self, Hv: int, N: int) -> tuple:
         """Grid of the walk (hopper) or state (portable) kernel."""
@@ -110,12 +111,9 @@ PORTABLE_STEP_US = {16: 2.7, 32: 3.6, 64: 5.0}
 PORTABLE_SPLITS = (16, 32, 64)
 PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
-# The state kernel forms the outputs itself, after its walk (portable.cu), when its blocks are 64 columns wide,
-# fit in one wave and walk segments of at most this many chunks: a short prompt's output kernel is then mostly
-# its launch and ramp. H200, graph: 1k 0.0643 -> 0.0595 ms, 4k (16-chunk segments) 0.1875 -> 0.1807; with more
-# than one wave of blocks, or 16 / 32 columns (Q S repeated per slice), the output kernel is faster
-# (bench/results/gdn-portable-fused-out-h200.json).
-FUSED_OUT_CHUNKS = 16
+# The state walk forms o itself (portable.cu OUT_IN_WALK): no Hs / Ug round trip through device memory and no
+# output kernel. The cost model below takes its layout (Q in shared memory).
+OUT_IN_WALK = True
 
 
 def seg_count(nseg: int, chunks: int) -> int:
@@ -123,9 +121,10 @@ def seg_count(nseg: int, chunks: int) -> int:
     return nseg if chunks >= SEG_MIN_CHUNKS else 1
 
 
-def portable_resident(dvs: int, card: Card) -> int:
+def portable_resident(dvs: int, card: Card, out_in_walk: bool = OUT_IN_WALK) -> int:
     """State blocks of dvs columns the card holds at once (one wave)."""
-    return max(1, min(2, card.smem_per_sm // (portable_state_smem(dvs) + 1024))) * card.sms  # 2: registers' bound
+    smem = portable_state_smem(dvs, out_in_walk) + 1024
+    return max(1, min(2, card.smem_per_sm // smem)) * card.sms  # 2: registers' bound
 
 
 def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE_SPLITS) -> tuple[int, int]:
@@ -135,7 +134,7 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
     cap = min(card.smem_per_block, RTX_SMEM)
     best = None
     for dvs in splits:
-        smem = portable_state_smem(dvs)
+        smem = portable_state_smem(dvs, OUT_IN_WALK)
         if smem > cap and len(splits) > 1:
             continue
         resident = portable_resident(dvs, card)
@@ -204,12 +203,11 @@ def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, pat
         raise ValueError(f"segments must be 1 to 16, got {nseg}")
     if not packed:  # every sequence has T tokens: the kernels cut it into seg_count segments
         nseg = seg_count(nseg, chunks)
-    smem = portable_state_smem(dvs)
+    if fused_out is None:
+        fused_out = OUT_IN_WALK
+    smem = portable_state_smem(dvs, bool(fused_out))
     if smem > card.smem_per_block:
         raise ValueError(f"gdn prefill: dv_split {dvs} needs {smem} bytes of shared memory per block, this GPU "
                          f"allows {card.smem_per_block}; leave dv_split unset and the plan picks one that fits")
-    if fused_out is None:
-        fused_out = (dvs == 64 and -(-chunks // nseg) <= FUSED_OUT_CHUNKS
-                     and N * Hv * (D // dvs) * nseg <= portable_resident(dvs, card))
     return Plan("portable", arch or card.arch, dvs, nseg, hpb, slots, prep_smem(), smem, PORTABLE_OUT_SMEM,
                 bool(fused_out))

@@ -1,22 +1,29 @@
 // Gated DeltaNet chunked prefill, the portable path (NVRTC, sm_80 and later: every block fits the
-// 99 KB of shared memory the RTX 30/40/50 cards give one block). Three launches:
+// 99 KB of shared memory the RTX 30/40/50 cards give one block). Two or three launches:
 //   1. gdn_chunk_prep (prep.cu): per (chunk, head) T = (I+L)^-1, P, G, beta, rk, rq.
 //   2. gdn_chunk_state (here): one 256-thread block per (DVS state columns, segment, value head, sequence)
-//      walks its chunks with the fp32 state in registers and does only what the next state needs:
+//      walks its chunks with the fp32 state in registers:
 //        rhs = beta (v - e^G rk (K S));  u = T rhs;  S <- e^{G_end} S + K^T (rk e^{G_end - G} u)
-//      and writes the 16-bit state entering each chunk (Hs) and u (Ug) to device memory. Column slices
-//      are an exact split; a long sequence is also cut into segments that start a few chunks early from
-//      a zero state where the gates have decayed the earlier state away (segments.cuh).
-//   3. gdn_chunk_out (here): all (chunk, head) at once: o = rq e^G (Q Hs) + P Ug. When the state blocks fit
-//      in one wave and walk short segments the plan has the state kernel do it instead, after its walk, for
-//      its own columns and chunks (o passed to it): one launch and its ramp less.
-// Without Q and P on the sequential path a state block needs 69 KB (DVS 16) to 99 KB (DVS 64).
+//      Column slices are an exact split; a long sequence is also cut into segments that start a few chunks
+//      early from a zero state where the gates have decayed the earlier state away (segments.cuh).
+//      Built with OUT_IN_WALK (the plan's choice) it also forms o = rq e^G (Q S) + P u of its columns: Q S
+//      beside K S on the same B fragments of the 16-bit state, P u (P's A fragments loaded to registers
+//      during the state update) at the next step's start, where u is in shared memory for every warp.
+//      Otherwise it writes the 16-bit state entering each chunk (Hs) and u (Ug) to device memory, and
+//   3. gdn_chunk_out (here): all (chunk, head) at once: o = rq e^G (Q Hs) + P Ug.
+// The state block holds two stages of K and the vectors, one of v (then rhs hi) and T (each reloaded once
+// the step's T rhs has read it), Q (OUT_IN_WALK: reloaded once K S / Q S have read it), the 16-bit state
+// (then the scaled u) and rhs lo: 74 / 82 / 98 KB at 16 / 32 / 64 columns with Q, 57 / 65 / 81 KB without.
 // The roundings are those of the Hopper path's wgmma walk: Q S with the 16-bit state, P u with 16-bit u,
-// rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T).
+// rhs as a hi + lo 16-bit pair, the state update on fp16 (scaled u and K^T); o is bit for bit the same
+// either way (the same products in the same order).
 #include "layout.cuh"  // elem (IN_T), u32, CH, DK, KST, BST
 
 #ifndef DVS
 #define DVS 32  // state columns per block of gdn_chunk_state: 16, 32 or 64
+#endif
+#ifndef OUT_IN_WALK
+#define OUT_IN_WALK 0  // 1: gdn_chunk_state forms o itself (no Hs / Ug, no gdn_chunk_out)
 #endif
 
 #define NTHR 256    // state kernel: 8 warps
@@ -29,16 +36,17 @@
 static_assert(DVS == 16 || DVS == 32 || DVS == 64, "DVS must be 16, 32 or 64");
 
 // ---------------------------------------------------------------- shared memory layouts (bytes)
-// state kernel: 2 stages of K, V, T, vectors; then the 16-bit state, whose space holds the scaled u
-// (fp16) once K S has read it; then rhs (lo)
-#define SO_V (CH * KST * 2)
-#define SO_T (SO_V + CH * VST * 2)
-#define SO_F (SO_T + CH * BST * 2)
+// state kernel: 2 stages of K and the vectors; v (then rhs hi); T; Q (OUT_IN_WALK); the 16-bit state, whose
+// space holds the scaled u (fp16) once K S has read it; rhs lo (then u)
+#define SO_F (CH * KST * 2)
 #define STAGE_BYTES (SO_F + 4 * CH * 4)
-#define SM_S (2 * STAGE_BYTES)
+#define SM_V (2 * STAGE_BYTES)
+#define SM_T (SM_V + CH * VST * 2)
+#define SM_Q (SM_T + CH * BST * 2)
+#define SM_S (SM_Q + (OUT_IN_WALK ? CH * KST * 2 : 0))
 #define SM_UH SM_S
 #define SM_RHS (SM_S + DK * VST * 2)
-#define SM_TOTAL (SM_RHS + CH * VST * 2)  // 69 KB (DVS 16), 79 KB (32), 99 KB (64)
+#define SM_TOTAL (SM_RHS + CH * VST * 2)
 // output kernel: Q, P and the vectors for the whole block; the B operands (the 16-bit state's rows, then u's
 // rows) stream through a ring of two 32-row slices
 #define OSL 32      // rows per slice
@@ -98,21 +106,32 @@ __device__ __forceinline__ void store_rows(elem* dst, const elem* src, int tid) 
     }
 }
 
-// ROWS rows of DVS columns of a 16-bit [.][DK] tile in device memory -> shared memory (row stride VST), cp.async.
-template <int ROWS>
-__device__ __forceinline__ void load_rows(elem* dst, const elem* src, int tid) {
-    constexpr int PIECES = ROWS * DVS / 8;
+// acc[j] += A * B and acc2[j] += A2 * B (B's fragments loaded once) for j < NT, as mma_row.
+template <int NT>
+__device__ __forceinline__ void mma_row2(float acc[][4], const u32 af[4], float acc2[][4], const u32 af2[4],
+                                         const elem* B, int ld, int k0, int n0, int lane) {
+    if (NT == 1) {
+        u32 bf[2];
+        ldsm2t(bf, bk_addr(B, ld, k0, n0, lane));
+        mma16816(acc[0], af, bf[0], bf[1]);
+        mma16816(acc2[0], af2, bf[0], bf[1]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < (PIECES + NTHR - 1) / NTHR; ++i) {
-        const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
-        if (PIECES % NTHR == 0 || idx < PIECES) cp_async16(dst + row * VST + col, src + row * DK + col, true);
+        for (int jp = 0; jp < NT / 2; ++jp) {
+            u32 bf[4];
+            ldsm4t(bf, bk_addr(B, ld, k0, n0 + 16 * jp, lane));
+            mma16816(acc[2 * jp], af, bf[0], bf[1]);
+            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
+            mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
+            mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
+        }
     }
 }
 
-// ---------------------------------------------------------------- sequential kernel: the state only
 // Grid: (128 / DVS * nseg, Hv, N): block x takes columns (x % (128 / DVS)) * DVS.. of segment x / (128 / DVS).
+// OUT_IN_WALK: o (contiguous [B, T, Hv, 128]) for rows < the sequence's length; Hs, Ug unused. Else
 // Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv, 64, 128] 16-bit u of each
-// chunk (all 64 rows; rows past a sequence's end are not used). Strides in elements.
+// chunk (all 64 rows; rows past a sequence's end are not used); q, Pg, o unused. Strides in elements.
 extern "C" __global__ void __launch_bounds__(NTHR, 2)
 gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const elem* __restrict__ Tg, const float* __restrict__ Fg,
@@ -127,6 +146,9 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     extern __shared__ __align__(128) unsigned char smem[];
     elem* Sb = reinterpret_cast<elem*>(smem + SM_S);
     elem* Rs = reinterpret_cast<elem*>(smem + SM_RHS);
+    elem* Vc = reinterpret_cast<elem*>(smem + SM_V);  // v, then the high half of rhs
+    elem* Tb = reinterpret_cast<elem*>(smem + SM_T);
+    elem* Qs = reinterpret_cast<elem*>(smem + SM_Q);  // OUT_IN_WALK only
     u32* Uh = reinterpret_cast<u32*>(smem + SM_UH);  // rk e^{G_end-G} u in fp16 pairs, where S was
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -141,9 +163,10 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     const int slot0 = first_slot(cu_seqlens, n, T);
     const elem* kb = k + batch * k_sb + bos * k_st + hk * k_sh;
     const elem* vb = v + batch * v_sb + bos * v_st + h * v_sh + v0;
+    const elem* qb = q + batch * q_sb + bos * q_st + hk * q_sh;
     const int nchunks = (len + CH - 1) / CH;
 
-    // chunks [cw, cend) walked, Hs and Ug written for [cbeg, cend); unsplit: segment 0 takes them all
+    // chunks [cw, cend) walked, o (or Hs and Ug) written for [cbeg, cend); unsplit: segment 0 takes them all
     SegWalk sw{0, 0, nchunks};
     if (seg_count(nseg, nchunks) > 1) {
         if (!seg_plan(Fg, slot0, Hv, h, nchunks, nseg, sg, reinterpret_cast<int*>(Rs), sw)) sw = SegWalk{0, 0, nchunks};
@@ -151,20 +174,25 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     if (sg > 0 && (sw.cbeg == 0 || sw.cbeg == sw.cend)) return;  // not split (no segment here), or an empty tail
     const bool from_h0 = sw.cw == 0, write_ht = sw.cend == nchunks;
 
-    auto load_chunk = [&](int c, int buf) {  // K rows, this block's V columns (zero past the end), T, vectors
-        unsigned char* st = smem + buf * STAGE_BYTES;
-        elem* Kd = reinterpret_cast<elem*>(st);
-        elem* Vd = reinterpret_cast<elem*>(st + SO_V);
-        elem* Td = reinterpret_cast<elem*>(st + SO_T);
-        float* Fd = reinterpret_cast<float*>(st + SO_F);
+    // 64 rows of 128 columns of x (K or Q: zero past the end) for chunk c -> dst (row stride KST)
+    auto load_rows128 = [&](elem* dst, const elem* xb, long long x_st, int c) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < CH * DK / 8 / NTHR; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
             const int tok = c * CH + row;
             const bool ok = tok < len;
             const long long tt = ok ? tok : 0;
-            cp_async16(Kd + row * KST + col, kb + tt * k_st + col, ok);
+            cp_async16(dst + row * KST + col, xb + tt * x_st + col, ok);
         }
+    };
+    auto load_kf = [&](int c, int buf) {  // K rows and the vectors, into stage buf
+        unsigned char* st = smem + buf * STAGE_BYTES;
+        load_rows128(reinterpret_cast<elem*>(st), kb, k_st, c);
+        if (tid < CH)
+            cp_async16(reinterpret_cast<float*>(st + SO_F) + 4 * tid,
+                       Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
+    };
+    auto load_vt = [&](int c) {  // this block's V columns (zero past the end) and T (lower blocks only)
 #pragma unroll
         for (int i = 0; i < (8 * DVS + NTHR - 1) / NTHR; ++i) {  // 64 rows x DVS / 8 pieces
             const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
@@ -172,20 +200,16 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const int tok = c * CH + row;
                 const bool ok = tok < len;
                 const long long tt = ok ? tok : 0;
-                cp_async16(Vd + row * VST + col, vb + tt * v_st + col, ok);
+                cp_async16(Vc + row * VST + col, vb + tt * v_st + col, ok);
             }
         }
         const long long sb = ((long long)(slot0 + c) * Hv + h) * CH * CH;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-            cp_async16(Td + row * BST + col, Tg + sb + row * CH + col, (col >> 4) <= (row >> 4));  // lower blocks only
+            cp_async16(Tb + row * BST + col, Tg + sb + row * CH + col, (col >> 4) <= (row >> 4));
         }
-        if (tid < CH) cp_async16(Fd + 4 * tid, Fg + ((long long)(slot0 + c) * Hv + h) * 4 * CH + 4 * tid, true);
     };
-
-    // u of chunk c (16-bit, staged in the rhs space by phase 3) -> Ug
-    auto store_ug = [&](int c) { store_rows<CH>(Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0, Rs, tid); };
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
@@ -202,25 +226,54 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     }
 
-    if (sw.cw < sw.cend) load_chunk(sw.cw, 0);
+    if (sw.cw < sw.cend) {
+        load_kf(sw.cw, 0);
+        load_vt(sw.cw);
+        if (OUT_IN_WALK && sw.cw >= sw.cbeg) load_rows128(Qs, qb, q_st, sw.cw);
+    }
     cp_async_commit();
 
     const int mt = warp & 3, jh = (warp >> 2) * NH;  // phases 2, 3: row tile, first n-tile of the column half
     const int ra0 = 16 * mt + g, ra1 = ra0 + 8;
+    elem* ob = o + (sp.batch_tok * Hv + h) * DK + v0;  // OUT_IN_WALK
+    float acc_o[NH][4];  // OUT_IN_WALK: o of the chunk walked last (rows 16 mt, column half), Q S scaled, then + P u
+    u32 pf[4][4];        // OUT_IN_WALK: its P's A fragments (16-token blocks 0..mt of rows 16 mt)
+    // OUT_IN_WALK: o of chunk c += P u (u, 16-bit, in the rhs space), then stored
+    auto finish_o = [&](int c) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            if (kk > mt) break;  // warp-uniform
+            mma_row<NH>(acc_o, pf[kk], Rs, VST, 16 * kk, 8 * jh, lane);
+        }
+        const long long tok0 = (long long)c * CH;
+#pragma unroll
+        for (int j = 0; j < NH; ++j) {
+            const int cc = 8 * (jh + j) + 2 * t;
+            if (tok0 + ra0 < len)
+                *reinterpret_cast<u32*>(ob + (tok0 + ra0) * Hv * DK + cc) = pack2(acc_o[j][0], acc_o[j][1]);
+            if (tok0 + ra1 < len)
+                *reinterpret_cast<u32*>(ob + (tok0 + ra1) * Hv * DK + cc) = pack2(acc_o[j][2], acc_o[j][3]);
+        }
+    };
+    // u of chunk c (16-bit, in the rhs space) -> Ug
+    auto store_ug = [&](int c) { store_rows<CH>(Ug + ((long long)(slot0 + c) * Hv + h) * CH * DK + v0, Rs, tid); };
+
     for (int c = sw.cw, i = 0; c < sw.cend; ++c, ++i) {
         unsigned char* st = smem + (i & 1) * STAGE_BYTES;
         const elem* Kc = reinterpret_cast<const elem*>(st);
-        elem* Vc = reinterpret_cast<elem*>(st + SO_V);  // v, then the high half of rhs
-        const elem* Tb = reinterpret_cast<const elem*>(st + SO_T);
         const float* Gc = reinterpret_cast<const float*>(st + SO_F);
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
+        const float* Rq = Rk + CH;
         const bool out = c >= sw.cbeg;  // else a warm-up chunk: state only
         cp_async_wait<0>();
-        __syncthreads();  // also: last chunk's phase 4 has read the scaled u that phase 1 overwrites
-        if (c + 1 < sw.cend) load_chunk(c + 1, (i + 1) & 1);
+        __syncthreads();  // also: the last step's update has read the scaled u that phase 1 overwrites
+        if (c + 1 < sw.cend) load_kf(c + 1, (i + 1) & 1);
         cp_async_commit();
-        if (c - 1 >= sw.cbeg) store_ug(c - 1);  // the last chunk's u, staged in the rhs space
+        if (c - 1 >= sw.cbeg) {  // the last chunk's u, in the rhs space until phase 2 below
+            if (OUT_IN_WALK) finish_o(c - 1);
+            else store_ug(c - 1);
+        }
 
         // ---- phase 1: state -> 16-bit smem
 #pragma unroll
@@ -232,18 +285,35 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         __syncthreads();
 
         // ---- the 16-bit state entering chunk c -> Hs (16-byte stores; read by gdn_chunk_out)
-        if (out) store_rows<DK>(Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0, Sb, tid);
+        if (!OUT_IN_WALK && out) store_rows<DK>(Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0, Sb, tid);
 
-        // ---- phase 2: rhs = beta (v - e^G rk (K S)) for rows 16 mt, n-tiles jh .. jh + NH
+        // ---- phase 2: rhs = beta (v - e^G rk (K S)) for rows 16 mt, n-tiles jh .. jh + NH; with o, Q S beside
         {
             float acc[NH][4];
 #pragma unroll
             for (int j = 0; j < NH; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            if (OUT_IN_WALK && out) {
+#pragma unroll
+                for (int j = 0; j < NH; ++j) acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
 #pragma unroll 2
-            for (int kk = 0; kk < DK / 16; ++kk) {
-                u32 af[4];
-                ldsm4(af, a_addr(Kc, KST, 16 * mt, 16 * kk, lane));
-                mma_row<NH>(acc, af, Sb, VST, 16 * kk, 8 * jh, lane);
+                for (int kk = 0; kk < DK / 16; ++kk) {
+                    u32 af[4], aq[4];
+                    ldsm4(af, a_addr(Kc, KST, 16 * mt, 16 * kk, lane));
+                    ldsm4(aq, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
+                    mma_row2<NH>(acc, af, acc_o, aq, Sb, VST, 16 * kk, 8 * jh, lane);
+                }
+                const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
+#pragma unroll
+                for (int j = 0; j < NH; ++j) {
+                    acc_o[j][0] *= f0; acc_o[j][1] *= f0; acc_o[j][2] *= f1; acc_o[j][3] *= f1;
+                }
+            } else {
+#pragma unroll 2
+                for (int kk = 0; kk < DK / 16; ++kk) {
+                    u32 af[4];
+                    ldsm4(af, a_addr(Kc, KST, 16 * mt, 16 * kk, lane));
+                    mma_row<NH>(acc, af, Sb, VST, 16 * kk, 8 * jh, lane);
+                }
             }
             const float f0 = Rk[ra0] * __expf(Gc[ra0]), f1 = Rk[ra1] * __expf(Gc[ra1]);
             const float b0 = Bt[ra0], b1 = Bt[ra1];
@@ -258,10 +328,12 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                             b1 * (x1.x - f1 * acc[j][2]), b1 * (x1.y - f1 * acc[j][3]));
             }
         }
-        __syncthreads();  // rhs complete; S (and the Hs copy) read: its space takes the scaled u
+        __syncthreads();  // rhs complete; S (and the Hs copy) and Q read: S's space takes the scaled u
+        if (OUT_IN_WALK && c + 1 < sw.cend && c + 1 >= sw.cbeg) load_rows128(Qs, qb, q_st, c + 1);
+        cp_async_commit();
 
         // ---- phase 3: u = T rhs (rows 16 mt, same column half) -> the scaled u (fp16) where S was, and
-        //      after the barrier u itself (16-bit) into the rhs space, stored to Ug in the next step
+        //      after the barrier u itself (16-bit) into the rhs space, read at the next step's start
         u32 upk[NH][2];
         {
             float acc[NH][4];
@@ -284,13 +356,27 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 Uh[(ra1 * VST + cc) / 2] = pack_f16_sat(f1 * acc[j][2], f1 * acc[j][3]);
             }
         }
-        __syncthreads();  // every warp is done with rhs: its space takes u (read at the next step's start)
+        __syncthreads();  // every warp is done with rhs and T: u takes the rhs space, the next v and T load
+        if (c + 1 < sw.cend) load_vt(c + 1);
+        cp_async_commit();
         if (out) {
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
                 const int cc = 8 * (jh + j) + 2 * t;
                 *reinterpret_cast<u32*>(Rs + ra0 * VST + cc) = upk[j][0];
                 *reinterpret_cast<u32*>(Rs + ra1 * VST + cc) = upk[j][1];
+            }
+            if (OUT_IN_WALK) {  // P's A fragments (the mma's layout: rows g, g + 8; columns 2t, 2t + 8)
+                const elem* pb = Pg + ((long long)(slot0 + c) * Hv + h) * CH * CH + (16 * mt + g) * CH + 2 * t;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                    if (kk > mt) break;  // warp-uniform
+                    const elem* pk = pb + 16 * kk;
+                    pf[kk][0] = *reinterpret_cast<const u32*>(pk);
+                    pf[kk][1] = *reinterpret_cast<const u32*>(pk + 8 * CH);
+                    pf[kk][2] = *reinterpret_cast<const u32*>(pk + 8);
+                    pf[kk][3] = *reinterpret_cast<const u32*>(pk + 8 * CH + 8);
+                }
             }
         }
 
@@ -321,89 +407,8 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     cp_async_wait<0>();
     if (sw.cend - 1 >= sw.cbeg && sw.cw < sw.cend) {  // the last chunk's u
         __syncthreads();
-        store_ug(sw.cend - 1);
-    }
-
-    // ---- o = rq e^G (Q Hs) + P Ug for this block's columns of its chunks (o given: the plan's short segments;
-    //      else gdn_chunk_out does it). Hs and Ug come back from device memory, where this block wrote them:
-    //      a barrier makes its own stores visible to it. Same products in the same order as gdn_chunk_out.
-    //      The walk's two stages take Q, u, P and the vectors of a chunk (each where K, v, T and the vectors
-    //      were), one chunk ahead; its state space takes the chunk's Hs columns, loaded once Q S has read the
-    //      last ones.
-    if (o != nullptr && sw.cbeg < sw.cend) {
-        elem* Hl = reinterpret_cast<elem*>(smem + SM_S);
-        auto load_out = [&](int c, int buf) {  // Q rows (zero past the end), u columns, P, vectors
-            unsigned char* st = smem + buf * STAGE_BYTES;
-            elem* Qd = reinterpret_cast<elem*>(st);
-            elem* Ud = reinterpret_cast<elem*>(st + SO_V);
-            elem* Pd = reinterpret_cast<elem*>(st + SO_T);
-            const long long sh = (long long)(slot0 + c) * Hv + h;
-            const elem* qb = q + batch * q_sb + (bos + (long long)c * CH) * q_st + hk * q_sh;
-#pragma unroll
-            for (int i = 0; i < CH * DK / 8 / NTHR; ++i) {
-                const int idx = tid + i * NTHR, row = idx >> 4, col = (idx & 15) * 8;
-                const bool ok = c * CH + row < len;
-                const long long tt = ok ? row : 0;
-                cp_async16(Qd + row * KST + col, qb + tt * q_st + col, ok);
-            }
-            load_rows<CH>(Ud, Ug + sh * CH * DK + v0, tid);
-#pragma unroll
-            for (int i = 0; i < CH * CH / 8 / NTHR; ++i) {  // P: lower blocks only
-                const int idx = tid + i * NTHR, row = idx >> 3, col = (idx & 7) * 8;
-                cp_async16(Pd + row * BST + col, Pg + sh * CH * CH + row * CH + col, (col >> 4) <= (row >> 4));
-            }
-            if (tid < CH) cp_async16(reinterpret_cast<float*>(st + SO_F) + 4 * tid, Fg + sh * 4 * CH + 4 * tid, true);
-        };
-        auto load_h = [&](int c) { load_rows<DK>(Hl, Hs + ((long long)(slot0 + c) * Hv + h) * DK * DK + v0, tid); };
-        elem* ob = o + (sp.batch_tok * Hv + h) * DK + v0;
-        __syncthreads();  // the walk's shared memory is free; this block's Hs / Ug stores visible to it
-        load_out(sw.cbeg, 0);
-        load_h(sw.cbeg);
-        cp_async_commit();
-        for (int c = sw.cbeg, i = 0; c < sw.cend; ++c, ++i) {
-            unsigned char* st = smem + (i & 1) * STAGE_BYTES;
-            const elem* Qs = reinterpret_cast<const elem*>(st);
-            const elem* Ul = reinterpret_cast<const elem*>(st + SO_V);
-            const elem* Ps = reinterpret_cast<const elem*>(st + SO_T);
-            const float* Fs = reinterpret_cast<const float*>(st + SO_F);
-            const float* Rq = Fs + 3 * CH;
-            if (c + 1 < sw.cend) load_out(c + 1, (i + 1) & 1);  // its stage was last read before the barrier below
-            cp_async_commit();
-            cp_async_wait<1>();  // chunk c's loads (all but the group just issued)
-            __syncthreads();
-            float acc[NH][4];
-#pragma unroll
-            for (int j = 0; j < NH; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll 2
-            for (int kk = 0; kk < DK / 16; ++kk) {  // Q S
-                u32 af[4];
-                ldsm4(af, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
-                mma_row<NH>(acc, af, Hl, VST, 16 * kk, 8 * jh, lane);
-            }
-            __syncthreads();  // every warp has read Hl
-            if (c + 1 < sw.cend) load_h(c + 1);
-            cp_async_commit();
-            const float f0 = Rq[ra0] * __expf(Fs[ra0]), f1 = Rq[ra1] * __expf(Fs[ra1]);
-#pragma unroll
-            for (int j = 0; j < NH; ++j) {
-                acc[j][0] *= f0; acc[j][1] *= f0; acc[j][2] *= f1; acc[j][3] *= f1;
-            }
-            for (int kk = 0; kk <= mt; ++kk) {  // P u, the 16-token blocks at or left of the diagonal
-                u32 af[4];
-                ldsm4(af, a_addr(Ps, BST, 16 * mt, 16 * kk, lane));
-                mma_row<NH>(acc, af, Ul, VST, 16 * kk, 8 * jh, lane);
-            }
-            const long long tok0 = (long long)c * CH;
-#pragma unroll
-            for (int j = 0; j < NH; ++j) {
-                const int cc = 8 * (jh + j) + 2 * t;
-                if (tok0 + ra0 < len)
-                    *reinterpret_cast<u32*>(ob + (tok0 + ra0) * Hv * DK + cc) = pack2(acc[j][0], acc[j][1]);
-                if (tok0 + ra1 < len)
-                    *reinterpret_cast<u32*>(ob + (tok0 + ra1) * Hv * DK + cc) = pack2(acc[j][2], acc[j][3]);
-            }
-            __syncthreads();  // every warp is done with this stage before the next iteration's loads refill it
-        }
+        if (OUT_IN_WALK) finish_o(sw.cend - 1);
+        else store_ug(sw.cend - 1);
     }
 
     if (!write_ht) return;
