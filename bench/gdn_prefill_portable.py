@@ -5,8 +5,8 @@
 For each size of bench/gdn.py (Qwen3.5-9B GDN shapes, bf16, initial and final state) and each (columns per
 state block, segments) the plan could pick: CUDA-graph replay median ms of the whole call, and the plan's own
 choice with its per-kernel split (CUDA events, eager). The step times in plan.PORTABLE_STEP_US come from here.
---fused-out N also times each configuration whose segments have at most N chunks both ways, o formed by the
-state kernel and by the output kernel (rows with "fused_out"), which sets plan.FUSED_OUT_CHUNKS.
+--fused-out N also times each configuration whose segments have at most N chunks both ways, o formed in the
+state walk and by the output kernel (rows with "fused_out"), which sets plan.OUT_IN_WALK.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--arch", default="compute_80")
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--fused-out", type=int, default=0, metavar="N",
-                    help="time segments of at most N chunks with and without the state kernel's output tail")
+                    help="time segments of at most N chunks with o formed in the walk and by the output kernel")
     args = ap.parse_args()
     rows = []
     card = card_of("cuda")

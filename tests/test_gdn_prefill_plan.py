@@ -151,13 +151,20 @@ def test_a_forced_split_of_short_sequences_is_one_segment_in_the_plan_of_an_unpa
     assert [P.seg_count(4, c) for c in (1, 7, 8, 100)] == [1, 1, 4, 4]
 
 
-def test_the_portable_walk_forms_o_unless_told_not_to():
-    """fused_out (o formed in the state walk, no output kernel) is the portable plan's default on every card and
-    size; an override wins; the Hopper path never sets it."""
+def test_the_portable_walk_forms_o_where_its_blocks_are_wide_and_cover_half_the_sms():
+    """fused_out (o formed in the state walk, no output kernel): 32- or 64-column blocks covering at least half
+    the SMs (the H200's plans at every size of bench/gdn.py); 16 columns or fewer blocks keep gdn_chunk_out; an
+    override wins; the Hopper path never sets it."""
     h200 = CARDS["H200"]
+    for B, L in SIZES:
+        if B * L >= 1024:
+            assert P.plan(B, L, B, Hk, Hv, False, h200, path="portable").fused_out, (B, L)
     for card in CARDS.values():
         for B, L in SIZES:
-            assert P.plan(B, L, B, Hk, Hv, False, card, path="portable").fused_out == P.OUT_IN_WALK
+            p = P.plan(B, L, B, Hk, Hv, False, card, path="portable")
+            blocks = B * Hv * (128 // p.dv_split) * p.segments
+            assert p.fused_out == (p.dv_split >= 32 and 2 * blocks >= card.sms), (card, B, L)
+    assert not P.out_in_walk(16, 1000, h200) and not P.out_in_walk(64, 64, h200) and P.out_in_walk(64, 66, h200)
     p = P.plan(1, 1024, 1, Hk, Hv, False, h200, path="portable", fused_out=False)
     assert not p.fused_out and p.walk_smem == P.portable_state_smem(p.dv_split, False)
     assert P.plan(1, 16384, 1, Hk, Hv, False, h200, path="portable", fused_out=True).fused_out

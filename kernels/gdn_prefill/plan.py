@@ -105,15 +105,24 @@ def hopper_dv_split(n_heads_total: int, sms: int) -> int:
 
 
 # Portable state walk, measured on the H200 (compute_80 build, bench/gdn_prefill_portable.py): microseconds
-# per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM. With them the plan picks what
-# the sweep found fastest at every size of bench/gdn.py (64 columns; 4 segments for one long prompt).
-PORTABLE_STEP_US = {16: 2.7, 32: 3.6, 64: 5.0}
+# per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM, o formed in the walk at 32 and 64
+# columns (at 16 the walk alone: its output kernel is not counted). With them the plan picks what the sweep
+# found fastest at every size of bench/gdn.py (64 columns; 4 segments for one long prompt).
+PORTABLE_STEP_US = {16: 2.7, 32: 4.2, 64: 6.7}
 PORTABLE_SPLITS = (16, 32, 64)
 PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
-# The state walk forms o itself (portable.cu OUT_IN_WALK): no Hs / Ug round trip through device memory and no
-# output kernel. The cost model below takes its layout (Q in shared memory).
-OUT_IN_WALK = True
+
+
+def out_in_walk(dvs: int, blocks: int, card: Card) -> bool:
+    """Whether the state walk forms o itself (portable.cu OUT_IN_WALK: no Hs / Ug round trip through device
+    memory, no output kernel) rather than gdn_chunk_out. Its Q S and P u lengthen every step of the sequential
+    walk (~1.6 us at 64 columns), which pays when the walk's blocks cover at least half the SMs and are 32 or
+    64 columns wide. H200, graph, o in walk / output kernel (bench/results/gdn-portable-out-in-walk-h200.json):
+    64 columns x 4 segments 1k 0.056 / 0.065, 4k 0.162 / 0.186, 32k 1.12 / 1.25; 32 columns 0.88-0.91;
+    64 blocks on 132 SMs (64 columns, one segment) 1.05-1.16; 16 columns 0.93-1.13 (Q S once per narrow
+    slice)."""
+    return dvs >= 32 and 2 * blocks >= card.sms
 
 
 def seg_count(nseg: int, chunks: int) -> int:
@@ -121,9 +130,10 @@ def seg_count(nseg: int, chunks: int) -> int:
     return nseg if chunks >= SEG_MIN_CHUNKS else 1
 
 
-def portable_resident(dvs: int, card: Card, out_in_walk: bool = OUT_IN_WALK) -> int:
-    """State blocks of dvs columns the card holds at once (one wave)."""
-    smem = portable_state_smem(dvs, out_in_walk) + 1024
+def portable_resident(dvs: int, card: Card) -> int:
+    """State blocks of dvs columns the card holds at once (one wave), in the layout they mostly take (Q in it
+    at 32 and 64 columns)."""
+    smem = portable_state_smem(dvs, dvs >= 32) + 1024
     return max(1, min(2, card.smem_per_sm // smem)) * card.sms  # 2: registers' bound
 
 
@@ -134,7 +144,7 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
     cap = min(card.smem_per_block, RTX_SMEM)
     best = None
     for dvs in splits:
-        smem = portable_state_smem(dvs, OUT_IN_WALK)
+        smem = portable_state_smem(dvs, dvs >= 32)
         if smem > cap and len(splits) > 1:
             continue
         resident = portable_resident(dvs, card)
@@ -204,7 +214,7 @@ def plan(B: int, T: int, N: int, Hk: int, Hv: int, packed: bool, card: Card, pat
     if not packed:  # every sequence has T tokens: the kernels cut it into seg_count segments
         nseg = seg_count(nseg, chunks)
     if fused_out is None:
-        fused_out = OUT_IN_WALK
+        fused_out = out_in_walk(dvs, N * Hv * (D // dvs) * nseg, card)
     smem = portable_state_smem(dvs, bool(fused_out))
     if smem > card.smem_per_block:
         raise ValueError(f"gdn prefill: dv_split {dvs} needs {smem} bytes of shared memory per block, this GPU "
