@@ -106,9 +106,11 @@ def hopper_dv_split(n_heads_total: int, sms: int) -> int:
 
 # Portable state walk, measured on the H200 (compute_80 build, bench/gdn_prefill_portable.py): microseconds
 # per chunk step of one block at 16 / 32 / 64 columns with two blocks per SM, o formed in the walk at 32 and 64
-# columns (at 16 the walk alone: its output kernel is not counted). With them the plan picks what the sweep
-# found fastest at every size of bench/gdn.py (64 columns; 4 segments for one long prompt).
-PORTABLE_STEP_US = {16: 2.7, 32: 4.2, 64: 6.7}
+# columns, at 16 the walk's step plus its share of the output kernel. A block alone on its SM steps in ~0.65 of
+# that time (clock64 profile: ~5,450 against ~8,400 cycles). With them the plan picks what the sweep found
+# fastest at every size of bench/gdn.py (64 columns; 4 segments for one long prompt).
+PORTABLE_STEP_US = {16: 3.1, 32: 4.2, 64: 6.7}
+PORTABLE_ALONE = 0.65
 PORTABLE_SPLITS = (16, 32, 64)
 PORTABLE_SEGMENTS = (1, 2, 4, 8, 16)
 SEG_MIN_CHUNKS = 8  # segments.cuh: shorter sequences are never split
@@ -140,7 +142,8 @@ def portable_resident(dvs: int, card: Card) -> int:
 def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE_SPLITS) -> tuple[int, int]:
     """(columns per state block, segments per sequence) with the fewest estimated microseconds: waves of
     resident blocks times chunk steps per block (a segment's share plus one warm-up chunk) times the step
-    time at that width; ties go to fewer segments, then wider blocks."""
+    time at that width (PORTABLE_ALONE of it where every block has its SM to itself); ties go to fewer
+    segments, then wider blocks."""
     cap = min(card.smem_per_block, RTX_SMEM)
     best = None
     for dvs in splits:
@@ -153,7 +156,8 @@ def portable_choice(n_heads_total: int, chunks: int, card: Card, splits=PORTABLE
                 continue
             blocks = n_heads_total * (D // dvs) * nseg
             steps = -(-chunks // nseg) + (1 if nseg > 1 else 0)
-            cost = -(-blocks // resident) * steps * PORTABLE_STEP_US[dvs]
+            alone = PORTABLE_ALONE if resident == card.sms or blocks <= card.sms else 1.0
+            cost = -(-blocks // resident) * steps * PORTABLE_STEP_US[dvs] * alone
             key = (round(cost, 6), nseg, -dvs)
             if best is None or key < best[0]:
                 best = (key, dvs, nseg)
