@@ -342,7 +342,13 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gdn-h200.json"))
     ap.add_argument("--no-peers", action="store_true", help="time ours only")
     ap.add_argument("--budget-s", type=float, default=420, help="skip the remaining prefill rows after this long")
+    ap.add_argument("--impls", default=",".join(PREFILL_IMPLS),
+                    help="the prefill implementations to time (a comma-separated subset); with a subset the decode "
+                         "and conv1d rows are left out")
     args = ap.parse_args()
+    chosen = [n for n in PREFILL_IMPLS if n in args.impls.split(",")]
+    if not chosen:
+        ap.error(f"--impls names none of {', '.join(PREFILL_IMPLS)}")
     rows = []
 
     def save():
@@ -361,7 +367,7 @@ def main():
     rows.append(info)
     save()
 
-    for name, fn in (("decode", decode_rows), ("conv1d", conv_rows)):
+    for name, fn in (("decode", decode_rows), ("conv1d", conv_rows)) if len(chosen) == len(PREFILL_IMPLS) else ():
         try:
             rows.extend(fn(bw))
         except Exception as e:
@@ -370,6 +376,7 @@ def main():
         save()
 
     impls, missing = load_impls(not args.no_peers)
+    impls = {n: f for n, f in impls.items() if n in chosen}
     for name, why in missing.items():
         print(f"{name}: missing ({why})", flush=True)
     info["accuracy_L300"] = accuracy(impls)
@@ -380,7 +387,7 @@ def main():
         nbytes, flops = prefill_cost(B, L)
         floor = max(nbytes / bw, flops / tf) * 1e3
         x = prefill_inputs(B, L)
-        for name in PREFILL_IMPLS:
+        for name in chosen:
             row = {"impl": name, "B": B, "L": L, "ms_eager": None, "ms_graph": None, "floor_ms": round(floor, 4),
                    "floor_bytes_ms": round(nbytes / bw * 1e3, 4), "floor_flops_ms": round(flops / tf * 1e3, 4)}
             if name not in impls:
