@@ -74,14 +74,16 @@ __device__ __forceinline__ void ldsm2t(u32 r[2], const void* p) {  // lanes 0-15
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
 }
 
-// acc[j] += A (fragment af) * B[k0:k0+16, n0 + 8j : n0 + 8j + 8] for j < NT, B a row-major [k][n] tile.
-template <int NT>
-__device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const elem* B, int ld, int k0, int n0,
-                                        int lane) {
+// acc[j] += A (fragment af) * B[k0:k0+16, n0 + 8j : n0 + 8j + 8] for j < NT, B a row-major [k][n] tile; with
+// TWO, acc2[j] += A2 (fragment af2) * B as well, on the same B fragments (loaded once).
+template <int NT, bool TWO>
+__device__ __forceinline__ void mma_rows(float acc[][4], const u32 af[4], float acc2[][4], const u32 af2[4],
+                                         const elem* B, int ld, int k0, int n0, int lane) {
     if (NT == 1) {
         u32 bf[2];
         ldsm2t(bf, bk_addr(B, ld, k0, n0, lane));
         mma16816(acc[0], af, bf[0], bf[1]);
+        if (TWO) mma16816(acc2[0], af2, bf[0], bf[1]);
     } else {
 #pragma unroll
         for (int jp = 0; jp < NT / 2; ++jp) {
@@ -89,8 +91,17 @@ __device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const e
             ldsm4t(bf, bk_addr(B, ld, k0, n0 + 16 * jp, lane));
             mma16816(acc[2 * jp], af, bf[0], bf[1]);
             mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
+            if (TWO) {
+                mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
+                mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
+            }
         }
     }
+}
+template <int NT>
+__device__ __forceinline__ void mma_row(float acc[][4], const u32 af[4], const elem* B, int ld, int k0, int n0,
+                                        int lane) {
+    mma_rows<NT, false>(acc, af, acc, af, B, ld, k0, n0, lane);
 }
 
 // ROWS rows of a DVS-wide 16-bit tile in shared memory (row stride VST) -> device memory (row stride DK),
@@ -103,28 +114,6 @@ __device__ __forceinline__ void store_rows(elem* dst, const elem* src, int tid) 
         const int idx = tid + i * NTHR, row = idx / (DVS / 8), col = (idx % (DVS / 8)) * 8;
         if (PIECES % NTHR == 0 || idx < PIECES)
             *reinterpret_cast<uint4*>(dst + row * DK + col) = *reinterpret_cast<const uint4*>(src + row * VST + col);
-    }
-}
-
-// acc[j] += A * B and acc2[j] += A2 * B (B's fragments loaded once) for j < NT, as mma_row.
-template <int NT>
-__device__ __forceinline__ void mma_row2(float acc[][4], const u32 af[4], float acc2[][4], const u32 af2[4],
-                                         const elem* B, int ld, int k0, int n0, int lane) {
-    if (NT == 1) {
-        u32 bf[2];
-        ldsm2t(bf, bk_addr(B, ld, k0, n0, lane));
-        mma16816(acc[0], af, bf[0], bf[1]);
-        mma16816(acc2[0], af2, bf[0], bf[1]);
-    } else {
-#pragma unroll
-        for (int jp = 0; jp < NT / 2; ++jp) {
-            u32 bf[4];
-            ldsm4t(bf, bk_addr(B, ld, k0, n0 + 16 * jp, lane));
-            mma16816(acc[2 * jp], af, bf[0], bf[1]);
-            mma16816(acc[2 * jp + 1], af, bf[2], bf[3]);
-            mma16816(acc2[2 * jp], af2, bf[0], bf[1]);
-            mma16816(acc2[2 * jp + 1], af2, bf[2], bf[3]);
-        }
     }
 }
 
@@ -300,7 +289,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                     u32 af[4], aq[4];
                     ldsm4(af, a_addr(Kc, KST, 16 * mt, 16 * kk, lane));
                     ldsm4(aq, a_addr(Qs, KST, 16 * mt, 16 * kk, lane));
-                    mma_row2<NH>(acc, af, acc_o, aq, Sb, VST, 16 * kk, 8 * jh, lane);
+                    mma_rows<NH, true>(acc, af, acc_o, aq, Sb, VST, 16 * kk, 8 * jh, lane);
                 }
                 const float f0 = Rq[ra0] * __expf(Gc[ra0]), f1 = Rq[ra1] * __expf(Gc[ra1]);
 #pragma unroll
