@@ -131,43 +131,49 @@ def prefill_inputs(B, L, seed=0):
     return dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, h0=h0, g=gl, beta=beta.to(torch.bfloat16))
 
 
-def load_impls(with_peers):
+def load_impls(chosen):
+    """The prefill implementations named in `chosen` that import here, and why the others did not; a peer
+    left out of `chosen` is never imported."""
     impls, missing = {}, {}
-    try:
-        from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda as ours
+    if any(n.startswith("ours") for n in chosen):
+        try:
+            from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda as ours
 
-        def run_ours(x):
-            return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None)
-        impls["ours"] = run_ours
-        for var, kw in VARIANTS.items():
-            def run_var(x, kw=kw):
-                return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None, **kw)
-            impls[f"ours-{var}"] = run_var
-    except Exception as e:
-        missing["ours"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for var in VARIANTS:
-            missing[f"ours-{var}"] = missing["ours"]
-    if not with_peers:
-        return impls, missing
-    try:
-        import fla.ops.gated_delta_rule as fgdr
+            def run_ours(x):
+                return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None)
+            impls["ours"] = run_ours
+            for var, kw in VARIANTS.items():
+                def run_var(x, kw=kw):
+                    return ours(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"], None,
+                                **kw)
+                impls[f"ours-{var}"] = run_var
+        except Exception as e:
+            missing["ours"] = f"{type(e).__name__}: {str(e)[:200]}"
+            for var in VARIANTS:
+                missing[f"ours-{var}"] = missing["ours"]
+    if "fla" in chosen:
+        try:
+            import fla.ops.gated_delta_rule as fgdr
 
-        def run_fla(x):
-            return fgdr.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"],
-                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
-        impls["fla"] = run_fla
-    except Exception as e:
-        missing["fla"] = f"{type(e).__name__}: {str(e)[:200]}"
-    try:
-        from flash_qla import chunk_gated_delta_rule as fq
+            def run_fla(x):
+                return fgdr.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
+                                                   initial_state=x["h0"], output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+            impls["fla"] = run_fla
+        except Exception as e:
+            missing["fla"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if "flashqla" in chosen:
+        try:
+            from flash_qla import chunk_gated_delta_rule as fq
 
-        def run_flashqla(x):
-            return fq(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"],
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)
-        impls["flashqla"] = run_flashqla
-    except Exception as e:
-        missing["flashqla"] = f"{type(e).__name__}: {str(e)[:200]}"
-    return impls, missing
+            def run_flashqla(x):
+                return fq(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"],
+                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+            impls["flashqla"] = run_flashqla
+        except Exception as e:
+            missing["flashqla"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return ({n: f for n, f in impls.items() if n in chosen},
+            {n: why for n, why in missing.items() if n in chosen})
 
 
 def kernel_breakdown(f, x, reps=5):
@@ -375,8 +381,7 @@ def main():
             rows.append({"impl": f"ours-{name}", "error": f"{type(e).__name__}: {str(e)[:300]}"})
         save()
 
-    impls, missing = load_impls(not args.no_peers)
-    impls = {n: f for n, f in impls.items() if n in chosen}
+    impls, missing = load_impls([n for n in chosen if n.startswith("ours") or not args.no_peers])
     for name, why in missing.items():
         print(f"{name}: missing ({why})", flush=True)
     info["accuracy_L300"] = accuracy(impls)
