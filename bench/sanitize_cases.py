@@ -83,8 +83,7 @@ silu_mul_cuda(torch.randn(1, 37, 2 * 12288, device=dev, dtype=torch.bfloat16))
 from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda  # noqa: E402
 
 # paged attention: 3 sequences (cached, new) = (40, 9), (0, 70), (500, 1) in shuffled 16-token blocks, GQA 4;
-# each kernel (the decode kernel with 1, 2 and 4 row tiles a block), whole and split + combine; on sm_90a the
-# warpgroup kernel too
+# the whole kernel (two warp counts) and the split + combine path; on sm_90a the warpgroup kernel too
 Hq, Hkv_, Dh, bs = 8, 2, 256, 16
 lens, nqs = [40, 0, 500], [9, 70, 1]
 need = [-(-(L + n) // bs) for L, n in zip(lens, nqs)]
@@ -99,11 +98,10 @@ qg = torch.randn(Tn, Hq, 2 * Dh, device=dev, dtype=torch.bfloat16)
 kn, vn = (torch.randn(Tn, Hkv_, Dh, device=dev, dtype=torch.bfloat16) for _ in range(2))
 cl = torch.tensor(lens, dtype=torch.int32, device=dev)
 cuq = torch.tensor([0, 9, 79, 80], dtype=torch.int32, device=dev)
-kernels = [("mma", None), ("dec", 1), ("dec", 2), ("dec", 4)] + ([("wg", None)] if card_of(dev).wgmma else [])
 for sp in (1, 3):
-    for kern, rt in kernels:
+    for kern in ("mma", "dec", "wg") if card_of(dev).wgmma else ("mma", "dec"):
         paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp,
-                             kernel=kern, row_tiles=rt)
+                             kernel=kern)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # the decode kernel, no gate
 from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402

@@ -129,14 +129,17 @@ def test_plan_is_fixed_by_shapes():
     p = pa_launch.plan(1, 1, 4, 4, 65536, 132)
     assert p.kernel == "dec" and p.row_tiles == 1 and p.splits == math.ceil(2 * 132 / 4)
     assert pa_launch.plan(4, 1, 4, 4, 65536, 132).kernel == "dec"  # 16 rows: still one decode block
-    # 20 to 64 rows: two or four row tiles a decode block, one key stream for them (two / one a block per SM)
-    assert pa_launch.plan(5, 1, 4, 4, 65536, 132) == pa_launch.Plan(2, 1, 66, "dec")
-    assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 33, "dec")
-    assert pa_launch.plan(17, 1, 4, 4, 65536, 132).kernel == "mma"
+    assert pa_launch.plan(5, 1, 4, 4, 65536, 132).kernel == "mma"
+    # 5 to 16 new tokens over short contexts: the decode kernel's blocks (one per 16 rows) while each reads few keys
+    assert pa_launch.plan(16, 1, 4, 4, 1040, 132) == pa_launch.Plan(1, 4, 16, "dec")  # 256 blocks: one wave
+    assert pa_launch.plan(8, 1, 4, 4, 4096, 132).kernel == "dec"
+    assert pa_launch.plan(12, 1, 4, 4, 4096, 132).kernel == "mma"
+    assert pa_launch.plan(16, 1, 4, 4, 1040, 132, head_dim=96).kernel == "mma"
     assert pa_launch.plan(1, 1, 4, 4, 65536, 132, head_dim=96).kernel == "mma"  # the decode kernel: dims % 64
     assert pa_launch.plan(1, 1, 4, 4, 1024, 132).splits == 1024 // pa_launch.BN  # one tile a share
     assert pa_launch.plan(1, 1, 4, 4, 100, 132).splits == 4  # 100 keys (+ the new one): four tiles
     assert pa_launch.plan(2, 1, 4, 4, 1024, 132, kernel="mma").splits == 1024 // pa_launch.MIN_KEYS_PER_SPLIT
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132) == pa_launch.Plan(4, 1, 66)
     assert pa_launch.plan(4096, 1, 4, 4, 65536, 132).splits == 1
     # 256 tokens: 64 row tiles x kv heads; 4 splits fill one wave of 2 x 132 blocks, 5 would need a second
     assert pa_launch.plan(256, 1, 4, 4, 65536, 132).splits == 4
@@ -153,15 +156,13 @@ def test_plan_counts_the_blocks_an_sm_holds():
     assert pa_launch.plan(1, 1, 4, 4, 65536, 82, smem_per_sm=rtx).splits == 82 // 4  # 21 starts a second wave
     assert pa_launch.plan(1, 1, 4, 4, 65536, 108, smem_per_sm=a100).splits == 2 * 108 // 4
     assert pa_launch.plan(16, 1, 4, 4, 65536, 128, smem_per_sm=rtx).splits == 128 // 4
-    assert pa_launch.plan(16, 1, 4, 4, 65536, 132, kernel="mma").splits == 2 * 132 // 4
-    assert pa_launch.decode_blocks_per_sm(256, 233_472, 4) == 1  # 512 threads of 128 registers fill the SM
-    assert pa_launch.decode_blocks_per_sm(256, rtx, 4) == 1  # 101,376 bytes: an RTX block's opt-in maximum
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132).splits == 2 * 132 // 4
 
 
 def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():
     """sm_90a: more than 64 rows (16 tokens x 4 q heads) go to paged_attention_wg, 128 rows a block, one block
-    per SM; up to 16 tokens stay on the decode kernel; elsewhere everything does."""
-    assert pa_launch.plan(16, 1, 4, 4, 65536, 132, wgmma=True).kernel == "dec"
+    per SM; decode and 16-token steps stay on mma.sync; elsewhere everything does."""
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132, wgmma=True).kernel == "mma"
     assert pa_launch.plan(1, 1, 4, 4, 65536, 132, wgmma=True) == pa_launch.plan(1, 1, 4, 4, 65536, 132)
     p = pa_launch.plan(1024, 1, 4, 4, 65536, 132, wgmma=True)
     assert (p.kernel, p.row_tiles, p.splits) == ("wg", 32, 1)  # 128 blocks: one wave of 132
@@ -179,7 +180,6 @@ def test_shared_memory_fits_consumer_cards():
     assert pa_launch.smem_bytes_decode(256) == 76_032  # three decode blocks per H100 / H200 SM (228 KB)
     assert 3 * (pa_launch.smem_bytes_decode(256) + 1024) <= 233_472
     assert pa_launch.smem_bytes_decode(128) == 8192 + 4 * 32 * 136 * 2  # the partial S outgrows Q at dim 128
-    assert pa_launch.smem_bytes_decode(256, 4) == 101_376  # four row tiles: the RTX opt-in maximum exactly
 
 
 # ----------------------------------------------------------------------------- compiles (CPU, NVRTC)
@@ -204,10 +204,8 @@ def test_compiles_for_every_card(arch):
     sets = VARIANTS if arch in ("sm_80", "sm_90a") else VARIANTS[:: 5] + VARIANTS[-1:]
     for d in sets:
         assert cuda_build.compile_cubin(SRC, arch, d)[:4] == b"\x7fELF", f"{arch} {d}"
-    dec = [dict(d) for d in {tuple(sorted((k, v) for k, v in d.items() if k != "WARPS_M")): 0 for d in sets}]
-    dec += [{"GROUP": 4, "BLOCK_SIZE": 16, "SPLIT": s, "GATE": 1, "ROW_TILES": t} for t in (2, 4) for s in (0, 1)]
-    for d in dec:  # the decode kernel (one row tile a block, then two and four)
-        assert cuda_build.compile_cubin(pa_launch.SRC_DEC, arch, d)[:4] == b"\x7fELF", f"dec {d}"
+    for d in {tuple(sorted((k, v) for k, v in d.items() if k != "WARPS_M")): 0 for d in sets}:  # the decode kernel
+        assert cuda_build.compile_cubin(pa_launch.SRC_DEC, arch, dict(d))[:4] == b"\x7fELF", f"dec {d}"
     if arch == "sm_90a":  # the warpgroup-mma kernel: Hopper only
         for d in VARIANTS[:: 3] + VARIANTS[-1:]:
             d = {k: v for k, v in d.items() if k != "WARPS_M"}
@@ -232,12 +230,10 @@ CASES = [
 
 
 def _run_cuda(a, splits=None, kernel=None):
-    """kernel: "mma", "wg", "dec" (the plan's row tiles a block), "dec1" / "dec2" / "dec4" (that many)."""
     out = torch.full_like(a["q"], float("nan"), memory_format=torch.contiguous_format)
-    row_tiles = int(kernel[3:]) if kernel and kernel.startswith("dec") and len(kernel) > 3 else None
     pa_launch.paged_attention_cuda(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
                                    a["cache_lens"], a["cu_q"], a["gate"], a["max_q"], out=out, splits=splits,
-                                   kernel=kernel[:3] if kernel else None, row_tiles=row_tiles)
+                                   kernel=kernel)
     return out
 
 
@@ -246,12 +242,12 @@ def _hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "dec1", "dec2", "dec4", "wg"])
+@pytest.mark.parametrize("kernel", ["mma", "dec", "wg"])
 @pytest.mark.parametrize("forced_splits", [None, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_paged_attention_vs_reference(case, forced_splits, kernel):
     """Each kernel forced on every case (the warpgroup one on sm_90a: its decode rows too, 1 token in 128 rows;
-    the decode kernel on prefills too, 16, 32 or 64 rows a block, the rows past a sequence's end idle)."""
+    the decode kernel on prefills too, 16 rows a block)."""
     if kernel == "wg" and not _hopper():
         pytest.skip("the warpgroup-mma kernel runs on sm_90a only")
     bs, lens, H, Hkv = CASES[case]

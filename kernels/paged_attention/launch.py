@@ -23,8 +23,12 @@ SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
 SRC_DEC = Path(__file__).with_name("paged_decode.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
 BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
-THREADS_DEC = 128  # paged_decode.cu: four warps a 16-row tile (ROW_TILES tiles a block)
-DEC_MAX_ROWS = 64  # the decode kernel takes up to 16 new tokens at GQA 4 (four row tiles a block)
+THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
+# Up to 64 rows, the decode kernel's 16-row blocks (each reading every key) beat the mma.sync kernel's one
+# block of 32 / 64 rows while (row tiles x keys) stays within this (H200, graph us, 5 / 8 / 12 / 16 new tokens
+# at GQA 4: 1,024 keys 11.1 / 11.4 / 12.7 / 14.5 against 15.6 / 16.1 / 16.3 / 16.8; 4,096 keys 16.7 / 16.9 against
+# 17.0 / 17.6, but 20.2 / 25.3 against 18.4 / 19.2; bench/results/paged-decode-tiles-h200.log)
+DEC_KEY_ROWS = 8192
 MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
 MIN_KEYS_PER_SPLIT = 128  # mma.sync kernel: below that the combine costs more than the split saves
 
@@ -41,11 +45,10 @@ def smem_bytes_wg(head_dim: int) -> int:
     return (BM_WG + 5 * BN_WG) * head_dim * 2 + 1024
 
 
-def smem_bytes_decode(head_dim: int, row_tiles: int = 1) -> int:
-    """Dynamic shared memory of one paged_attention_decode block of `row_tiles` 16-row tiles (paged_decode.cu
-    SMEM_BYTES): Q (later the warps' partial S, 8 KB a row tile) and two stages of K and V tiles, padded rows."""
-    return (max(16 * row_tiles * (head_dim + 8) * 2, 4 * row_tiles * (BN // 8) * 32 * 16)
-            + 4 * BN * (head_dim + 8) * 2)
+def smem_bytes_decode(head_dim: int) -> int:
+    """Dynamic shared memory of one paged_attention_decode block (paged_decode.cu SMEM_BYTES): Q (later the
+    four warps' partial S, 8 KB) and two stages of K and V tiles, padded rows."""
+    return max(16 * (head_dim + 8) * 2, 4 * (BN // 8) * 32 * 16) + 4 * BN * (head_dim + 8) * 2
 
 
 def combine_shape(head_dim: int, splits: int) -> tuple[int, int, int]:
@@ -58,19 +61,17 @@ def combine_shape(head_dim: int, splits: int) -> tuple[int, int, int]:
     return cols, groups, max(1, 128 // (groups * cols // 4))
 
 
-def decode_blocks_per_sm(head_dim: int, smem_per_sm: int, row_tiles: int = 1) -> int:
+def decode_blocks_per_sm(head_dim: int, smem_per_sm: int) -> int:
     """Decode blocks one wave counts per SM: two where two fit (H100 / H200, A100), else one (RTX 30 / 40 / 50,
-    100 KB). Three one-tile blocks fit an H200 SM, but two per SM fill the wave best
-    (bench/paged_decode_sweep.py: 66 shares instead of 99 at 16K keys 31.4 against 33.0 us, at 64K 89.5 against
-    90.3; the fewer shares, the less the combine reads). A four-tile block (512 threads of 128 registers)
-    fills an SM's register file alone."""
-    by_smem = smem_per_sm // (smem_bytes_decode(head_dim, row_tiles) + 1024)
-    return max(1, min(2, by_smem, 4 // row_tiles))
+    100 KB). Three fit an H200 SM, but two per SM fill the wave best (bench/paged_decode_sweep.py: 66 shares
+    instead of 99 at 16K keys 31.4 against 33.0 us, at 64K 89.5 against 90.3; the fewer shares, the less the
+    combine reads)."""
+    return max(1, min(2, smem_per_sm // (smem_bytes_decode(head_dim) + 1024)))
 
 
 @dataclass(frozen=True)
 class Plan:
-    warps_m: int  # 16-row tiles of (token, q head) rows a block: one warp each ("mma", "wg"), four ("dec")
+    warps_m: int  # warps per block, each owning 16 (token, q head) rows
     row_tiles: int  # blocks along the rows of the longest sequence
     splits: int  # blocks sharing one row tile's keys (1: no combine pass)
     kernel: str = "mma"  # "mma": paged_attention_fwd; "dec": paged_attention_decode (every card); "wg":
@@ -79,11 +80,11 @@ class Plan:
 
 def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: int, sm_count: int,
          splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None,
-         head_dim: int = 256, smem_per_sm: int = 233_472, row_tiles: Optional[int] = None) -> Plan:
+         head_dim: int = 256, smem_per_sm: int = 233_472) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
     Prefills of more than 64 rows (16 tokens at 4 q heads per kv head) take the warpgroup-mma kernel where
-    the card has it (`wgmma`: sm_90a); decode steps (at most 16 rows) the four-warp decode kernel; the rest
-    the mma.sync one (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
+    the card has it (`wgmma`: sm_90a); decode steps (at most 16 rows) the four-warp decode kernel, and up to
+    64 rows over short contexts (DEC_KEY_ROWS); the rest the mma.sync one (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
     until the blocks fill one wave (the blocks an SM of `smem_per_sm` bytes holds: on an H100 / H200 two
     decode blocks (decode_blocks_per_sm), three one-warp or two wider mma.sync blocks, one warpgroup-mma
     block; on an RTX card's 100 KB one of each), but never into a second, partly filled wave: a block of s
@@ -93,18 +94,15 @@ def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: 
     share is at least MIN_KEYS_PER_SPLIT keys."""
     rows = max(1, max_q) * group
     if kernel is None:
-        kernel = "wg" if wgmma and rows > 64 else "dec" if rows <= DEC_MAX_ROWS and head_dim % 64 == 0 else "mma"
+        dec = head_dim % 64 == 0 and (rows <= 16 or rows <= 64 and math.ceil(rows / 16) * kv_capacity <= DEC_KEY_ROWS)
+        kernel = "wg" if wgmma and rows > 64 else "dec" if dec else "mma"
     if kernel not in ("mma", "dec", "wg"):
         raise ValueError(f"paged_attention: kernel must be 'mma', 'dec' or 'wg', got {kernel!r}")
     min_keys = MIN_KEYS_PER_SPLIT
     if kernel == "wg":
         warps_m, row_tiles, bn, per_sm = BM_WG // 16, math.ceil(rows / BM_WG), BN_WG, 1
-    elif kernel == "dec":  # 16, 32 or 64 rows a block reading one key stream; a share may be one 32-key tile
-        warps_m = row_tiles or (1 if rows <= 16 else 2 if rows <= 32 else 4)
-        if warps_m not in (1, 2, 4):
-            raise ValueError(f"paged_attention: the decode kernel takes 1, 2 or 4 row tiles a block, got {warps_m}")
-        row_tiles, bn = math.ceil(rows / (16 * warps_m)), BN
-        per_sm = decode_blocks_per_sm(head_dim, smem_per_sm, warps_m)
+    elif kernel == "dec":  # 16 rows a block, shared by its four warps; a share may be one 32-key tile
+        warps_m, row_tiles, bn, per_sm = 1, math.ceil(rows / 16), BN, decode_blocks_per_sm(head_dim, smem_per_sm)
         min_keys = BN  # 1 x 1,024 keys: 32 shares 10.8 us, 8 shares (128 keys each) 13.6 (paged_decode_sweep)
     else:
         warps_m = 1 if rows <= 16 else 2 if rows <= 32 else 4
@@ -133,16 +131,14 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
                          cu_q: torch.Tensor, gate: Optional[torch.Tensor], max_q: int, scale: Optional[float] = None,
                          write_kv: bool = True, out: Optional[torch.Tensor] = None,
-                         splits: Optional[int] = None, kernel: Optional[str] = None,
-                         row_tiles: Optional[int] = None) -> torch.Tensor:
+                         splits: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """Attention of the new tokens over the paged pool, the new K/V stored in the pool in the same launch.
 
     q, gate: [T, H, D] bf16 (gate optional: out *= sigmoid(gate)); k_new, v_new: [T, Hkv, D] bf16;
     k_pool, v_pool: [num_blocks, block_size, Hkv, D] bf16 contiguous (updated in place when write_kv);
     block_table: int32 [N, max_blocks]; cache_lens: int32 [N]; cu_q: int32 [N + 1], cu_q[N] = T;
     max_q: at least the largest cu_q[n + 1] - cu_q[n] (a host int: the launch never reads the device).
-    splits, kernel ("mma" / "dec" / "wg") and the decode kernel's row tiles a block override the plan (tests,
-    benchmarks).
+    splits and kernel ("mma" / "dec" / "wg") override the plan (tests, benchmarks).
     Returns out [T, H, D] bf16 (written into `out` when given). cache_lens[n] + new tokens of sequence n
     must fit in its max_blocks * block_size slots; nothing checks that on the host (it would need a sync).
     """
@@ -185,8 +181,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if kernel == "dec" and D % 64:
         raise ValueError(f"paged_attention: the decode kernel needs head_dim % 64 == 0 (head_dim {D}); leave "
                          f"kernel unset")
-    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D, card.smem_per_sm,
-             row_tiles)
+    p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D, card.smem_per_sm)
     if not 1 <= p.splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
                          f"COMBINE_MAX_SPLITS), got {p.splits}")
@@ -195,8 +190,8 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     if p.kernel == "wg":
         fn, threads, smem = get_function(SRC_WG, "paged_attention_wg", q.device, defines), THREADS_WG, smem_bytes_wg(D)
     elif p.kernel == "dec":
-        fn = get_function(SRC_DEC, "paged_attention_decode", q.device, {**defines, "ROW_TILES": p.warps_m})
-        threads, smem = THREADS_DEC * p.warps_m, smem_bytes_decode(D, p.warps_m)
+        fn = get_function(SRC_DEC, "paged_attention_decode", q.device, defines)
+        threads, smem = THREADS_DEC, smem_bytes_decode(D)
     else:
         fn = get_function(SRC, "paged_attention_fwd", q.device, {**defines, "WARPS_M": p.warps_m})
         threads, smem = 32 * p.warps_m, smem_bytes(p.warps_m, D)

@@ -182,10 +182,10 @@ paged_attention_fwd(PAGED_PARAMS) {
 // Merges the SPLIT shares: out[row] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), times
 // sigmoid(gate). A block takes COMBINE_COLS columns of blockDim.y (token, q head) rows; a row has one group
 // of COMBINE_COLS / 4 threads (4 columns a thread) per run of 8 shares (the launcher gives ceil(splits / 8)
-// groups, and as many rows a block as make ~128 threads): the gate, the log2-sum-exps and every share's partial
-// row are in flight at once, so a merge is one round of loads whatever the split count; a row's groups add
-// their sums through shared memory in group order (the sum does not depend on timing). Empty shares
-// (lse = -inf) get weight 0; their o_part rows, never written, are read and dropped.
+// groups, and as many rows a block as make ~128 threads): every share's row is in flight at once, so a merge
+// is three dependent rounds of loads (the gate and the log2-sum-exps, then the partial outputs) whatever the
+// split count; a row's groups add their sums through shared memory in group order (the sum does not depend
+// on timing). Empty shares (lse = -inf) get weight 0 and their o_part is never read.
 #define COMBINE_MAX_SPLITS 128
 #define COMBINE_COLS (HEAD_DIM % 64 == 0 ? 64 : 32)  // launch.combine_shape
 #define COMBINE_THREADS 256  // the most threads of a block (launch.combine_shape)
@@ -212,15 +212,6 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
         g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(grow + 2));
     }
 #endif
-    // the group's partial rows are loaded with the log2-sum-exps, before the weights are known: one round of
-    // loads; an empty share's row (never written) is loaded too, and dropped by its weight 0 below
-    const float* op = o_part + row * HEAD_DIM + c;
-    const int s0 = 8 * grp;  // this group's run: groups * 8 >= splits
-    float4 v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        v[i] = live && s0 + i < splits ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
     if (live)
         for (int s = threadIdx.x; s < splits; s += blockDim.x) w[s] = lse_part[s * stride + row];
     __syncthreads();
@@ -234,11 +225,15 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
             w[s] = ls == NEG_INF ? 0.f : exp2f(ls - mx);
         }
     __syncthreads();
+    const float* op = o_part + row * HEAD_DIM + c;
+    const int s0 = 8 * grp;  // this group's run: groups * 8 >= splits
     float wi[8];
+    float4 v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         wi[i] = live && s0 + i < splits ? w[s0 + i] : 0.f;
-        if (!(wi[i] > 0.f)) v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        v[i] = wi[i] > 0.f ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wsum = 0.f;

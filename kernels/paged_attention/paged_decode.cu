@@ -1,20 +1,17 @@
-// Paged attention for decode steps and short appends: up to 16 ROW_TILES rows ((new token, q head of the
-// group) pairs: four new tokens a row tile at GQA 4) of one (sequence, kv head) against its cached context, one
-// key share per block (SPLIT). Layout, causal rule, K/V append and shares as in paged_attention.cu, whose
-// combine kernel merges the shares.
+// Paged attention for decode steps: at most 16 rows ((new token, q head of the group) pairs: one to four new
+// tokens at GQA 4) of one (sequence, kv head) against its cached context, one key share per block (SPLIT).
+// Layout, causal rule, K/V append and shares as in paged_attention.cu, whose combine kernel merges the shares.
 //
-// Why a kernel of its own: paged_attention.cu gives 16 rows one warp (one mma tile) that forms S over the
-// whole head dim; three such blocks per H200 SM (one per RTX SM). A warp alone on its scheduler waits out the
-// latency of every instruction of a 32-key tile (~300 of them: ldmatrix, mma, exponentials, copies): ~4.5 us
-// per tile whatever the share size, 58-63% of the copy bandwidth at 65,536 keys and far less on short
-// contexts. Here four warps share each row tile: warp w of the tile forms S over head dims [w DW, (w + 1) DW)
-// (DW = HEAD_DIM / 4, its Q fragments held in registers for the whole share), the four partial S meet
-// through shared memory (summed in warp order, so every warp holds the same S and the same softmax), and
-// warp w accumulates output columns [w DW, (w + 1) DW) of O += P V. The ROW_TILES row tiles of a block read
-// one stream of key tiles (each K/V tile copied once for all of them). At head dim 256: 76,032 bytes and 4
-// warps a block with one row tile (three blocks per H200 SM), 101,376 and 16 warps with four (one per SM:
-// 128 registers a thread fill the register file; it fits an RTX block's 99 KB). Q's space holds the partial S
-// once Q is in registers.
+// Why a kernel of its own: paged_attention.cu gives these rows one warp per block (16 rows are one mma
+// tile), three such blocks per H200 SM (one per RTX SM). A warp alone on its scheduler waits out the latency
+// of every instruction of a 32-key tile (~300 of them: ldmatrix, mma, exponentials, copies): ~4.5 us per tile
+// whatever the share size, 58-63% of the copy bandwidth at 65,536 keys and far less on short contexts.
+// Here four warps share each tile: warp w forms S over head dims [w DW, (w + 1) DW) (DW = HEAD_DIM / 4,
+// its Q fragments held in registers for the whole share), the four partial S meet through shared memory
+// (summed in warp order, so every warp holds the same S and the same softmax), and warp w accumulates
+// output columns [w DW, (w + 1) DW) of O += P V. A warp's part of a tile is a quarter of the one-warp
+// kernel's, and three blocks (12 warps) share an H200 SM: 76,032 bytes of shared memory a block at head dim
+// 256 (Q's space holds the partial S once Q is in registers).
 #include "common.cuh"
 #include "mma_ptx.cuh"  // smem_u32, ldsm4 / ldsm4t, mma16816_bf16, pack_bf16, cp_async*
 
@@ -22,29 +19,24 @@ typedef __nv_bfloat16 elem;
 
 #include "paged_common.cuh"  // the shared defines' defaults; tile_work, slot_of, append_kv, empty_share, finish_row
 
-#ifndef ROW_TILES
-#define ROW_TILES 1  // 16-row mma tiles a block: 1, 2 or 4
-#endif
-
-#define BM (16 * ROW_TILES)  // rows of the block
-#define BN 32                // keys per tile
-#define NW (4 * ROW_TILES)   // warps: four per row tile, one per head-dim quarter
+#define BM 16               // rows of the block: one mma tile
+#define BN 32               // keys per tile
+#define NW 4                // warps
 #define THREADS (32 * NW)
-#define DW (HEAD_DIM / 4)    // head dims (of S's sum, of the output) per warp
+#define DW (HEAD_DIM / NW)  // head dims (of S's sum, of the output) per warp
 #define LDS (HEAD_DIM + 8)  // padded row: the 8 rows one ldmatrix reads fall in distinct banks
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per row
 
-static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
-static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == 4, "ROW_TILES: 1, 2 or 4");
+static_assert(HEAD_DIM % (16 * NW) == 0, "HEAD_DIM must be a multiple of 64");
 static_assert((BN * CHUNKS) % THREADS == 0, "every thread must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
-#define SP_BYTES (NW * (BN / 8) * 32 * 16)  // every warp's partial S, fragment order
+#define SP_BYTES (NW * (BN / 8) * 32 * 16)  // the four warps' partial S, fragment order
 #define Q_BYTES (BM * LDS * 2 > SP_BYTES ? BM * LDS * 2 : SP_BYTES)  // Q, then the partial S
 #define SMEM_BYTES (Q_BYTES + 4 * BN * LDS * 2)  // + two stages of K and V: launch.smem_bytes_decode
 
 // Grid (1, N * Hkv, splits); THREADS threads; SMEM_BYTES of dynamic shared memory.
 // Arguments as paged_attention_fwd's.
-extern "C" __global__ void __launch_bounds__(THREADS, ROW_TILES == 2 ? 2 : 0)  // two-tile blocks: two an SM
+extern "C" __global__ void __launch_bounds__(THREADS)
 paged_attention_decode(PAGED_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]; then the partial S
@@ -53,7 +45,6 @@ paged_attention_decode(PAGED_PARAMS) {
     float4* Sp = reinterpret_cast<float4*>(smem_raw);  // [NW][BN / 8][32 lanes]: each warp's S fragments
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int rt = warp >> 2, wq = warp & 3;  // the warp's row tile and head-dim quarter
     const TileWork tw = tile_work<BM, BN>(cu_q, cache_lens, Hkv);
     const int kvh = tw.kvh, q0 = tw.q0, nq = tw.nq, rows = tw.rows, r0 = tw.r0, L = tw.L, H = tw.H;
     if (r0 >= rows) return;
@@ -64,9 +55,9 @@ paged_attention_decode(PAGED_PARAMS) {
     if (write_kv && blockIdx.z == 0) append_kv<BM, THREADS>(k_pool, v_pool, kn, kn_st, vn, vn_st, bt, L, nq, r0, Hkv, kvh);
 
     const int j0 = tw.j0, j1 = tw.j1;  // key tiles of this block's share
-    const int rA = r0 + 16 * rt + (lane >> 2), rB = rA + 8;  // the thread's two rows (the same in the tile's warps)
+    const int rA = r0 + (lane >> 2), rB = rA + 8;  // the two rows this thread holds (the same in every warp)
     if (j0 >= j1) {  // nothing to see: an empty share (the combine skips it)
-        if (wq == 0) empty_share({rA, rB}, rows, lane & 3, q0, kvh, H, total_q, lse_part);
+        if (warp == 0) empty_share({rA, rB}, rows, lane & 3, q0, kvh, H, total_q, lse_part);
         return;
     }
 
@@ -115,7 +106,7 @@ paged_attention_decode(PAGED_PARAMS) {
     u32 qa[DW / 16][4];  // A fragments of Q over this warp's head dims, for the whole share
 #pragma unroll
     for (int kk = 0; kk < DW / 16; ++kk)
-        ldsm4(qa[kk], Qs + (16 * rt + (lane & 15)) * LDS + wq * DW + kk * 16 + (lane >> 4) * 8);
+        ldsm4(qa[kk], Qs + (lane & 15) * LDS + warp * DW + kk * 16 + (lane >> 4) * 8);
     // (the loop's first barrier orders these reads before any warp writes the partial S over them)
 
     float o[DW / 8][4];
@@ -133,7 +124,7 @@ paged_attention_decode(PAGED_PARAMS) {
         const elem* ks = Ks + st * BN * LDS;
         const elem* vs = Vs + st * BN * LDS;
 
-        // this warp's part of S = Q K^T: head dims [wq DW, wq DW + DW)
+        // this warp's part of S = Q K^T: head dims [warp DW, warp DW + DW)
         float s[BN / 8][4];
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
@@ -142,7 +133,7 @@ paged_attention_decode(PAGED_PARAMS) {
 #pragma unroll
             for (int nn = 0; nn < BN / 16; ++nn) {
                 u32 b[4];
-                ldsm4(b, ks + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + wq * DW + kk * 16 +
+                ldsm4(b, ks + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + warp * DW + kk * 16 +
                              ((lane >> 3) & 1) * 8);
                 mma16816_bf16(s[2 * nn], qa[kk], b[0], b[1]);
                 mma16816_bf16(s[2 * nn + 1], qa[kk], b[2], b[3]);
@@ -152,11 +143,11 @@ paged_attention_decode(PAGED_PARAMS) {
         for (int i = 0; i < BN / 8; ++i) Sp[(warp * (BN / 8) + i) * 32 + lane] = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {  // the tile's four parts in warp order: the same S in its warps
-            float4 acc = Sp[(4 * rt * (BN / 8) + i) * 32 + lane];
+        for (int i = 0; i < BN / 8; ++i) {  // the four parts in warp order: the same S in every warp
+            float4 acc = Sp[i * 32 + lane];
 #pragma unroll
-            for (int w = 1; w < 4; ++w) {
-                const float4 x = Sp[((4 * rt + w) * (BN / 8) + i) * 32 + lane];
+            for (int w = 1; w < NW; ++w) {
+                const float4 x = Sp[(w * (BN / 8) + i) * 32 + lane];
                 acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
             }
             s[i][0] = acc.x; s[i][1] = acc.y; s[i][2] = acc.z; s[i][3] = acc.w;
@@ -165,7 +156,7 @@ paged_attention_decode(PAGED_PARAMS) {
         // mask (causal, and past the sequence), scale into the log2 domain, online softmax
         online_softmax<BN, DW / 8>(s, o, m, l, j, lane, limA, limB, scale_log2);
 
-        // O[:, wq DW ..] += P V: the S accumulators are, pairwise, the A fragments of P
+        // O[:, warp DW ..] += P V: the S accumulators are, pairwise, the A fragments of P
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             const u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
@@ -174,7 +165,7 @@ paged_attention_decode(PAGED_PARAMS) {
 #pragma unroll
             for (int dn = 0; dn < DW / 16; ++dn) {
                 u32 b[4];
-                ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + wq * DW + dn * 16 +
+                ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * DW + dn * 16 +
                               (lane >> 4) * 8);
                 mma16816_bf16(o[2 * dn], a, b[0], b[1]);
                 mma16816_bf16(o[2 * dn + 1], a, b[2], b[3]);
@@ -190,8 +181,8 @@ paged_attention_decode(PAGED_PARAMS) {
     auto val = [&](int half) { return [&, half](int i, int e) { return o[i][2 * half + e]; }; };
     if (rA < rows)
         finish_row<DW / 8>(rA, m[0], l[0], lane & 3, q0, kvh, H, total_q, gate, g_st, g_sh, out, o_part, lse_part,
-                           val(0), wq * DW, wq == 0);
+                           val(0), warp * DW, warp == 0);
     if (rB < rows)
         finish_row<DW / 8>(rB, m[1], l[1], lane & 3, q0, kvh, H, total_q, gate, g_st, g_sh, out, o_part, lse_part,
-                           val(1), wq * DW, wq == 0);
+                           val(1), warp * DW, warp == 0);
 }
