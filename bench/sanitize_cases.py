@@ -121,9 +121,17 @@ from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E40
 hash_words_cuda(torch.randint(0, 1 << 40, (300_001,), dtype=torch.int64, device=dev), (1, 2))
 # the decode projections: an odd row count (the last warp's second row past N), K not a multiple of the
 # lanes' 128-piece stride, x staged in shared memory
-from qwen35_fast.kernels.gemv.launch import gemv_cuda  # noqa: E402
+from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda  # noqa: E402
 
 for n, k in ((4097, 4096), (3, 72), (37, 17408)):
     gemv_cuda(torch.randn(1, k, device=dev, dtype=torch.bfloat16), torch.randn(n, k, device=dev, dtype=torch.bfloat16))
+# with the residual add and norm formed as x is staged (four warps a row at 4,096, one at 2,560; without x),
+# and with the MLP's gate
+for k, with_x in ((4096, True), (2560, True), (4096, False)):
+    r16 = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    gemv_add_rms_norm_cuda(r16, torch.randn_like(r16) if with_x else None, torch.randn(k, device=dev), 1e-6,
+                           torch.randn(301, k, device=dev, dtype=torch.bfloat16))
+gemv_silu_mul_cuda(torch.randn(1, 2 * 12288, device=dev, dtype=torch.bfloat16),
+                   torch.randn(257, 12288, device=dev, dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -142,6 +142,23 @@ def gemv(x, weight, backend: Backend | None = None):
     return ops.run(ops.gemv_op, x, weight, bool(backend and backend.use_cuda))
 
 
+def gemv_add_rms_norm(res, x, norm_w, eps: float, weight, backend: Backend | None = None):
+    """The residual add, the RMSNorm after it and the one-row projection that takes it, in one launch on the
+    CUDA backend: returns (s, rms_norm(s, norm_w) @ weight^T) with s = res + x in x.dtype, the values of
+    add_rms_norm then gemv bit for bit. x None: (res, rms_norm(res, norm_w) @ weight^T). res, x: [..., K]
+    holding one row; norm_w: [K]; weight: [N, K]."""
+    use_cuda = bool(backend and backend.use_cuda)
+    if x is None:
+        return res, ops.run(ops.gemv_rms_norm_op, res, norm_w, float(eps), weight, use_cuda)
+    return ops.run(ops.gemv_add_rms_norm_op, res, x, norm_w, float(eps), weight, use_cuda)
+
+
+def gemv_silu_mul(gu, weight, backend: Backend | None = None):
+    """The MLP's down projection of silu(g) * u (gu = [..., 2 K] holding one row, g its first half; weight
+    [N, K]), in one launch on the CUDA backend: the values of silu_mul then gemv bit for bit."""
+    return ops.run(ops.gemv_silu_mul_op, gu, weight, bool(backend and backend.use_cuda))
+
+
 def gemv_preferred(device: torch.device | str) -> bool:
     """Whether the decode step's projections take gemv rather than cuBLAS on `device`: on the cards where it
     was measured faster (bench/gemv.py: Hopper); elsewhere cuBLAS, unmeasured against it."""
@@ -197,7 +214,8 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv", "gemv_preferred",
+           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv",
+           "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
            "vision_rotary", "layer_norm", "add_layer_norm", "hash_words"]

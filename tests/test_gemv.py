@@ -136,3 +136,110 @@ def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path):
         tokens[on] = generate(model, pf, max_new_tokens=16).token_ids
     assert rel(logits[True], logits[False]) < 1e-2
     assert tokens[True] == tokens[False]
+
+
+# ----------------------------------------------------------------------------- what forms x before it
+
+def test_fused_projections_on_the_cpu_are_their_parts():
+    """kernels.gemv_add_rms_norm / gemv_silu_mul on the reference backend: add_rms_norm (rms_norm without x)
+    then gemv, silu_mul then gemv; their ops' schemas and fake implementations (torch.compile)."""
+    from qwen35_fast.kernels import ops
+    be = kernels.select_backend("torch", "cpu")
+    g = torch.Generator().manual_seed(4)
+    res, x = (torch.randn(1, 1, 256, generator=g).bfloat16() for _ in range(2))
+    nw, w = torch.randn(256, generator=g) * 0.1, torch.randn(40, 256, generator=g).bfloat16()
+    s, y = kernels.gemv_add_rms_norm(res, x, nw, 1e-6, w, backend=be)
+    s0, n0 = kernels.add_rms_norm(res, x, nw, 1e-6, backend=be)
+    assert torch.equal(s, s0) and torch.equal(y, kernels.gemv(n0, w, backend=be))
+    s, y = kernels.gemv_add_rms_norm(res, None, nw, 1e-6, w, backend=be)
+    assert s is res and torch.equal(y, kernels.gemv(kernels.rms_norm(res, nw, 1e-6, backend=be), w, backend=be))
+    gu = torch.randn(1, 1, 512, generator=g).bfloat16()
+    assert torch.equal(kernels.gemv_silu_mul(gu, w, backend=be), kernels.gemv(kernels.silu_mul(gu, backend=be), w,
+                                                                               backend=be))
+    for op, args in ((ops.gemv_add_rms_norm_op, (res, x, nw, 1e-6, w, False)),
+                     (ops.gemv_rms_norm_op, (res, nw, 1e-6, w, False)), (ops.gemv_silu_mul_op, (gu, w, False))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_dtype", ["same", torch.float32])
+@pytest.mark.parametrize("with_x", [True, False])
+@pytest.mark.parametrize("K", [1024, 2048, 2560, 4096, 5120])
+def test_gemv_add_rms_norm_is_add_rms_norm_then_gemv(K, with_x, norm_dtype, dtype):
+    """Every Qwen3.5 hidden size (one warp a row at 2,560, four at the others): the new residual and the
+    projection bit for bit the two launches' (rms_norm.cu's add_rms_norm or rms_norm, then gemv)."""
+    from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda
+    from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda, rms_norm_cuda
+    g = torch.Generator(device="cuda").manual_seed(K + 7 * with_x)
+    N = 1000 + K // 8  # not a multiple of the rows a grid takes at once
+    res, x = (torch.randn(1, 1, K, generator=g, device="cuda").to(dtype) for _ in range(2))
+    nw = (torch.randn(K, generator=g, device="cuda") * 0.2).to(dtype if norm_dtype == "same" else norm_dtype)
+    w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
+    poison_allocator(((1, 1, K), dtype), ((1, 1, N), dtype))
+    s, y = gemv_add_rms_norm_cuda(res, x if with_x else None, nw, 1e-6, w)
+    s0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6) if with_x else (res, rms_norm_cuda(res, nw, 1e-6))
+    assert torch.equal(s, s0) and (with_x or s is res)
+    assert not y.isnan().any() and torch.equal(y, gemv_cuda(n0, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", [(1024, 3584), (2560, 9216), (4096, 12288), (5120, 17408), (33, 8)])
+def test_gemv_silu_mul_is_silu_mul_then_gemv(N, K, dtype):
+    """The MLP's down projections of every Qwen3.5 size: bit for bit silu_mul.cu then gemv."""
+    from qwen35_fast.kernels.gemv.launch import gemv_cuda, gemv_silu_mul_cuda
+    from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    gu = (torch.randn(1, 1, 2 * K, generator=g, device="cuda") * 3).to(dtype)
+    w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
+    poison_allocator(((1, 1, N), dtype))
+    y = gemv_silu_mul_cuda(gu, w)
+    assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), w))
+
+
+@pytest.mark.gpu
+def test_fused_projections_fall_back_to_their_two_launches():
+    """A hidden size not a multiple of 256, two rows, a norm weight of another length: the two launches."""
+    from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda
+    from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda
+    from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
+    g = torch.Generator(device="cuda").manual_seed(21)
+    for shape, K in (((1, 1, 192), 192), ((2, 256), 256)):
+        res, x = (torch.randn(*shape, generator=g, device="cuda").bfloat16() for _ in range(2))
+        nw, w = torch.randn(K, generator=g, device="cuda"), torch.randn(24, K, generator=g, device="cuda").bfloat16()
+        s, y = gemv_add_rms_norm_cuda(res, x, nw, 1e-6, w)
+        s0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6)
+        assert torch.equal(s, s0) and torch.equal(y, gemv_cuda(n0, w))
+    gu, w = torch.randn(2, 64, generator=g, device="cuda").bfloat16(), torch.randn(8, 32, device="cuda").bfloat16()
+    assert torch.equal(gemv_silu_mul_cuda(gu, w), gemv_cuda(silu_mul_cuda(gu), w))
+
+
+@pytest.mark.gpu
+def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path, monkeypatch):
+    """A model of hidden size 256 (the fused kernels take it): one decode step's logits, and 12 greedy tokens
+    in the step's CUDA graph, with the residual adds, norms and MLP gates formed inside the projections
+    equal those with each as its own launch (the kernels' public calls replaced by their two launches)."""
+    from qwen35_fast.runtime import generate, prefill
+
+    from _models import kernels_model
+    model = kernels_model(tmp_path, seed=13, hidden=256, inter=512)
+    model.set_decode_gemv(True)
+    pf = prefill(model, "Describe a lighthouse at dusk in one sentence.")
+    ids = torch.tensor([int(pf.logits.argmax())], device="cuda")
+    logits, tokens = {}, {}
+    for fused in (True, False):
+        if not fused:
+            def add_norm(res, x, nw, eps, w, backend=None):
+                s, n = (kernels.add_rms_norm(res, x, nw, eps, backend=backend) if x is not None
+                        else (res, kernels.rms_norm(res, nw, eps, backend=backend)))
+                return s, kernels.gemv(n, w, backend=backend)
+            monkeypatch.setattr(kernels, "gemv_add_rms_norm", add_norm)
+            monkeypatch.setattr(kernels, "gemv_silu_mul", lambda gu, w, backend=None: kernels.gemv(
+                kernels.silu_mul(gu, backend=backend), w, backend=backend))
+            model.set_decode_gemv(True)  # captured passes are made again
+        cache = pf.cache.clone(pf.cache.length + 8)
+        logits[fused] = model.forward_decode(ids, cache).float()
+        tokens[fused] = generate(model, pf, max_new_tokens=12).token_ids
+    assert torch.equal(logits[True], logits[False])
+    assert tokens[True] == tokens[False]

@@ -5,13 +5,31 @@
 // are not read again this step). x is staged in shared memory once a block. Products and sums in fp32, a
 // shuffle reduction per row, rounded once to the element type. The grid (launch.py) gives every warp the
 // same number of row groups. K a multiple of 8, rows 16-byte aligned (the launcher checks).
+//
+// What stands before the projection in the decoder layer can be formed while x is staged (PRO), so that
+// it costs no launch of its own:
+//   PRO 0: x as given.
+//   PRO 1: x = RMSNorm(res + x) with weight nw (x null: RMSNorm(res)): the residual stream's add and the
+//          norm after it, as rms_norm.cu's add_rms_norm computes them (DIM = K; the same threads per row,
+//          the same order of the sum of squares and the same roundings: bit for bit its output); block 0
+//          stores res + x to `sum`.
+//   PRO 2: x = silu(g) * u, g and u the halves of x [2 K] (the MLP's gate), as silu_mul.cu rounds them.
+#include "common.cuh"
 #include "common.cuh"
 
 #ifndef IN_T
 #define IN_T QF_BF16
 #endif
 
+#ifndef PRO
+#define PRO 0
+#endif
+#ifndef W_T
+#define W_T IN_T  // PRO 1: the norm's weight
+#endif
+
 typedef qf_type<IN_T>::t elem;
+typedef qf_type<W_T>::t wtype;
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -29,13 +47,76 @@ __device__ __forceinline__ float dot8(const Vec8& w, const Vec8& x, float acc) {
     return acc;
 }
 
-// W: N rows of stride ldw elements; x: K contiguous; y: N contiguous.
+#if PRO == 1
+#define NV (DIM / 8)
+#define TPR (NV <= 32 ? NV : NV % 128 == 0 ? 128 : 32)  // threads per row and vectors per thread: rms_norm.cu's
+#define VPL (NV / TPR)
+static_assert(NV % TPR == 0 && TPR <= THREADS, "DIM: a multiple of 256 (every Qwen3.5 hidden size)");
+
+// xs = RMSNorm(res + x) * (1 + nw) as 16-byte pieces; block 0 stores res + x to sum. Every group of TPR threads
+// forms the whole row (the same values; the first group stores them).
+__device__ __forceinline__ void stage_norm(uint4* xs, const elem* __restrict__ x, const elem* __restrict__ res,
+                                           const wtype* __restrict__ nw, elem* __restrict__ sum, float eps) {
+    __shared__ float part[WARPS];
+    const int li = threadIdx.x % TPR;
+    const bool first = threadIdx.x < TPR;
+    Vec8 v[VPL];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) {
+        const int col = (k * TPR + li) * 8;
+        v[k].u = *reinterpret_cast<const uint4*>(res + col);
+        if (x != nullptr) {
+            Vec8 xv;
+            xv.u = *reinterpret_cast<const uint4*>(x + col);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[k].e[e] = from_f<elem>(to_f(v[k].e[e]) + to_f(xv.e[e]));
+            if (blockIdx.x == 0 && first) *reinterpret_cast<uint4*>(sum + col) = v[k].u;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float f = to_f(v[k].e[e]);
+            ss = fmaf(f, f, ss);
+        }
+    }
+    ss = block_row_sum<TPR>(ss, part);
+    const float rr = rsqrtf(ss * (1.f / DIM) + eps);
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) {
+        const int col = (k * TPR + li) * 8;
+        Vec8 out;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out.e[e] = from_f<elem>(to_f(v[k].e[e]) * rr * (1.f + to_f(nw[col + e])));
+        if (first) xs[k * TPR + li] = out.u;
+    }
+}
+#endif
+
+// W: N rows of stride ldw elements; x: K contiguous (PRO 2: 2 K); y: N contiguous. PRO 1: res, nw: K
+// contiguous, sum: K (written by block 0 when x is given), eps. Unused pointers may be null.
 extern "C" __global__ void __launch_bounds__(THREADS, 4)
-gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ y, int N, int K, long long ldw)
+gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ y, int N, int K, long long ldw,
+     const elem* __restrict__ res, const wtype* __restrict__ nw, elem* __restrict__ sum, float eps)
 {
     extern __shared__ uint4 xs[];  // K / 8 pieces of x
     const int nv = K >> 3;
+#if PRO == 1
+    stage_norm(xs, x, res, nw, sum, eps);
+#elif PRO == 2
+    for (int i = threadIdx.x; i < nv; i += THREADS) {
+        Vec8 g, u, o;
+        g.u = __ldg(reinterpret_cast<const uint4*>(x) + i);
+        u.u = __ldg(reinterpret_cast<const uint4*>(x) + nv + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float sg = to_f(from_f<elem>(silu_f(to_f(g.e[e]))));
+            o.e[e] = from_f<elem>(__fmul_rn(sg, to_f(u.e[e])));
+        }
+        xs[i] = o.u;
+    }
+#else
     for (int i = threadIdx.x; i < nv; i += THREADS) xs[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
+#endif
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int step = gridDim.x * WARPS * ROWS;

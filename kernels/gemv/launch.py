@@ -1,4 +1,5 @@
-"""Launcher of gemv.cu: y = W x for one row x, the decode step's projections."""
+"""Launcher of gemv.cu: y = W x for one row x, the decode step's projections; with the residual add and
+RMSNorm before it (gemv_add_rms_norm_cuda) or the MLP's gate (gemv_silu_mul_cuda) formed as x is staged."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +8,8 @@ import numpy as np
 import torch
 
 from ..cuda_build import card_of, get_function, launch
+from ..rms_norm.launch import add_rms_norm_cuda, rms_norm_cuda
+from ..silu_mul.launch import silu_mul_cuda
 from .reference import gemv_ref
 
 SRC = Path(__file__).with_name("gemv.cu")
@@ -36,16 +39,57 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0)
 
 
+def _aligned_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t's n elements as a contiguous, 16-byte aligned row (a copy where t is not one)."""
+    v = t.reshape(n)
+    return v if v.is_contiguous() and v.data_ptr() % 16 == 0 else v.clone(memory_format=torch.contiguous_format)
+
+
+def _launch(weight: torch.Tensor, x, y: torch.Tensor, K: int, defines: dict, res=None, norm_w=None, s=None,
+            eps: float = 0.0) -> None:
+    N = weight.shape[0]
+    fn = get_function(SRC, "gemv", y.device, {"IN_T": _CODE[y.dtype], **defines})
+    launch(fn, (grid_blocks(N, card_of(y.device).sms), 1, 1), (THREADS, 1, 1),
+           (weight, x, y, np.int32(N), np.int32(K), np.int64(weight.stride(0)), res, norm_w, s, np.float32(eps)),
+           shared_mem=K * y.element_size())
+
+
 def gemv_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Same contract as reference.gemv_ref; what the kernel does not take (see takes) runs the reference."""
     if not takes(x, weight):
         return gemv_ref(x, weight)
     N, K = weight.shape
-    xv = x.reshape(K)
-    if not xv.is_contiguous() or xv.data_ptr() % 16:
-        xv = xv.clone(memory_format=torch.contiguous_format)  # a new, aligned copy
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    fn = get_function(SRC, "gemv", x.device, {"IN_T": _CODE[x.dtype]})
-    launch(fn, (grid_blocks(N, card_of(x.device).sms), 1, 1), (THREADS, 1, 1),
-           (weight, xv, y, np.int32(N), np.int32(K), np.int64(weight.stride(0))), shared_mem=K * x.element_size())
+    _launch(weight, _aligned_row(x, K), y, K, {})
+    return y
+
+
+def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.gemv_add_rms_norm_ref, in one launch (PRO 1): the norm is the one
+    add_rms_norm / rms_norm compute, bit for bit. What it does not take (see takes; the hidden size a multiple
+    of 256, the norm weight [K] of a 16-bit or fp32 type) runs as those two launches."""
+    K = res.shape[-1]
+    ok = (takes(res, weight) and K % 256 == 0 and norm_w.shape == (K,) and norm_w.dtype in (*_CODE, torch.float32)
+          and norm_w.is_cuda and (x is None or (x.shape == res.shape and x.dtype == res.dtype)))
+    if not ok:
+        s, n = add_rms_norm_cuda(res, x, norm_w, eps) if x is not None else (res, rms_norm_cuda(res, norm_w, eps))
+        return s, gemv_cuda(n, weight)
+    s = res if x is None else torch.empty_like(res, memory_format=torch.contiguous_format)
+    y = torch.empty(*res.shape[:-1], weight.shape[0], dtype=res.dtype, device=res.device)
+    w_code = _CODE.get(norm_w.dtype, 0)  # QF_FLOAT 0
+    _launch(weight, None if x is None else _aligned_row(x, K), y, K, {"PRO": 1, "DIM": K, "W_T": w_code},
+            _aligned_row(res, K), norm_w.contiguous(), None if x is None else s, eps)
+    return s, y
+
+
+def gemv_silu_mul_cuda(gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.gemv_silu_mul_ref, in one launch (PRO 2; bit for bit silu_mul then gemv);
+    what it does not take runs as those two launches."""
+    K = weight.shape[-1]
+    ok = gu.shape[-1] == 2 * K and takes(gu[..., :K], weight)
+    if not ok:
+        return gemv_cuda(silu_mul_cuda(gu), weight)
+    y = torch.empty(*gu.shape[:-1], weight.shape[0], dtype=gu.dtype, device=gu.device)
+    _launch(weight, _aligned_row(gu, 2 * K), y, K, {"PRO": 2})
     return y

@@ -1,0 +1,91 @@
+"""A / B of the decode step's fused projections on the GPU: a Qwen3.5-9B-shaped model (random weights, bf16),
+CUDA-graph greedy decode (as generate runs it) at each context, with the residual adds, norms and MLP gates
+formed inside the projections (kernels.gemv_add_rms_norm / gemv_silu_mul, what the model does) and with each
+as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
+the first step's logits are the same bit for bit.
+
+    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--out PATH]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast import kernels
+from qwen35_fast.runtime.model import Qwen35Model
+
+from e2e import graphed_decode_at, nine_b, random_weights_
+
+FUSED = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
+
+
+def _add_norm_apart(res, x, norm_w, eps, weight, backend=None):
+    s, n = (kernels.add_rms_norm(res, x, norm_w, eps, backend=backend) if x is not None
+            else (res, kernels.rms_norm(res, norm_w, eps, backend=backend)))
+    return s, kernels.gemv(n, weight, backend=backend)
+
+
+def _silu_mul_apart(gu, weight, backend=None):
+    return kernels.gemv(kernels.silu_mul(gu, backend=backend), weight, backend=backend)
+
+
+APART = {"gemv_add_rms_norm": _add_norm_apart, "gemv_silu_mul": _silu_mul_apart}
+
+
+def use(model: Qwen35Model, fns: dict) -> None:
+    for name, fn in fns.items():
+        setattr(kernels, name, fn)
+    model.set_decode_gemv(True)  # the captured passes are made again
+
+
+def tok_per_s(model: Qwen35Model, n: int, steps: int) -> tuple[float, torch.Tensor]:
+    torch.manual_seed(n)  # the same random context for both
+    step, tok = graphed_decode_at(model, n, steps + 3)
+    first = step(tok).float().clone()
+    tok = int(first.argmax())
+    tok = int(step(tok).argmax())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = int(step(tok).argmax())
+    tps = steps / (time.perf_counter() - t0)
+    del step
+    return tps, first
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    model = Qwen35Model(nine_b(32), torch.bfloat16, torch.device("cuda"))
+    random_weights_(model)
+    model.set_backend("cuda")
+    rows = []
+    for n in a.contexts:
+        tps, first = {"fused": [], "apart": []}, {}
+        for _ in range(a.rounds):
+            for name, fns in (("fused", FUSED), ("apart", APART)):
+                use(model, fns)
+                t, first[name] = tok_per_s(model, n, a.steps)
+                tps[name].append(round(t, 1))
+        use(model, FUSED)
+        row = {"context": n, "tok_per_s_fused": statistics.median(tps["fused"]),
+               "tok_per_s_apart": statistics.median(tps["apart"]), "rounds": tps,
+               "first_logits_equal": bool(torch.equal(first["fused"], first["apart"]))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "model": "Qwen3.5-9B-shaped, random weights, bf16",
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
