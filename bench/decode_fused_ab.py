@@ -2,9 +2,10 @@
 CUDA-graph greedy decode (as generate runs it) at each context, with the residual adds, norms and MLP gates
 formed inside the projections (kernels.gemv_add_rms_norm / gemv_silu_mul, what the model does) and with each
 as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
-the first step's logits are the same bit for bit.
+the first step's logits are the same bit for bit. With --b-src FILE (another gemv.cu beside it), the fused
+step on gemv.cu against the fused step on that file instead.
 
-    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--out PATH]
+    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--b-src F] [--out PATH]
 """
 import argparse
 import json
@@ -16,6 +17,7 @@ import torch
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast import kernels
+from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.runtime.model import Qwen35Model
 
 from e2e import graphed_decode_at, nine_b, random_weights_
@@ -36,9 +38,10 @@ def _silu_mul_apart(gu, weight, backend=None):
 APART = {"gemv_add_rms_norm": _add_norm_apart, "gemv_silu_mul": _silu_mul_apart}
 
 
-def use(model: Qwen35Model, fns: dict) -> None:
+def use(model: Qwen35Model, fns: dict, src) -> None:
     for name, fn in fns.items():
         setattr(kernels, name, fn)
+    gemv_launch.SRC = src
     model.set_decode_gemv(True)  # the captured passes are made again
 
 
@@ -62,29 +65,34 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768])
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--b-src", default="", help="a gemv.cu to run the fused step on, against gemv.cu")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    src = gemv_launch.SRC
+    variants = ((("fused", FUSED, src), ("apart", APART, src)) if not a.b_src
+                else (("fused", FUSED, src), ("fused_b", FUSED, a.b_src)))
+    b = variants[1][0]
     model = Qwen35Model(nine_b(32), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
     model.set_backend("cuda")
     rows = []
     for n in a.contexts:
-        tps, first = {"fused": [], "apart": []}, {}
+        tps, first = {name: [] for name, _, _ in variants}, {}
         for _ in range(a.rounds):
-            for name, fns in (("fused", FUSED), ("apart", APART)):
-                use(model, fns)
+            for name, fns, s in variants:
+                use(model, fns, s)
                 t, first[name] = tok_per_s(model, n, a.steps)
                 tps[name].append(round(t, 1))
-        use(model, FUSED)
+        use(model, FUSED, src)
         row = {"context": n, "tok_per_s_fused": statistics.median(tps["fused"]),
-               "tok_per_s_apart": statistics.median(tps["apart"]), "rounds": tps,
-               "first_logits_equal": bool(torch.equal(first["fused"], first["apart"]))}
+               f"tok_per_s_{b}": statistics.median(tps[b]), "rounds": tps,
+               "first_logits_equal": bool(torch.equal(first["fused"], first[b]))}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "model": "Qwen3.5-9B-shaped, random weights, bf16",
-                       "rows": rows}, f, indent=1)
+                       "b": b if not a.b_src else f"fused on {a.b_src}", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
