@@ -161,6 +161,29 @@ def test_fused_projections_on_the_cpu_are_their_parts():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_fused_decode_step_is_the_layer_loop_on_the_cpu(tmp_path, monkeypatch):
+    """The model's fused decode step (_decode_gemv: what it runs with gemv on a GPU), taken here on the reference
+    backend, gives the logits and states of its layer loop: the same roundings, in the same order."""
+    from qwen35_fast.runtime import load_model, prefill_ids
+
+    from _models import make_hf_model
+    make_hf_model(tmp_path, seed=14, vocab=512, hidden=256, inter=512)
+    model = load_model(tmp_path, dtype="bf16", device="cpu")
+    calls, step = [], type(model)._decode_gemv
+    monkeypatch.setattr(type(model), "_decode_gemv", lambda self, *a: calls.append(1) or step(self, *a))
+    pf = prefill_ids(model, list(range(100, 130)))
+    ids = torch.tensor([int(pf.logits.argmax())])
+    out = {}
+    for fused in (False, True):
+        model.select_backend()
+        model._gemv = fused  # (select_backend keeps it while the device stays)
+        cache = pf.cache.clone(pf.cache.length + 4)
+        out[fused] = (model.forward_decode(ids, cache), cache.ssm[0].clone(), cache.conv[0].clone())
+    assert calls == [1]  # the fused step ran once, for the second decode
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm_dtype", ["same", torch.float32])
