@@ -15,7 +15,6 @@
 //          stores res + x to `sum`.
 //   PRO 2: x = silu(g) * u, g and u the halves of x [2 K] (the MLP's gate), as silu_mul.cu rounds them.
 #include "common.cuh"
-#include "common.cuh"
 
 #ifndef IN_T
 #define IN_T QF_BF16
