@@ -10,7 +10,6 @@ step on gemv.cu against the fused step on that file instead.
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
@@ -20,7 +19,7 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.runtime.model import Qwen35Model
 
-from e2e import graphed_decode_at, nine_b, random_weights_
+from e2e import graphed_decode_at, greedy_tok_per_s, nine_b, random_weights_
 
 FUSED = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
 
@@ -49,13 +48,7 @@ def tok_per_s(model: Qwen35Model, n: int, steps: int) -> tuple[float, torch.Tens
     torch.manual_seed(n)  # the same random context for both
     step, tok = graphed_decode_at(model, n, steps + 3)
     first = step(tok).float().clone()
-    tok = int(first.argmax())
-    tok = int(step(tok).argmax())
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = int(step(tok).argmax())
-    tps = steps / (time.perf_counter() - t0)
+    tps = greedy_tok_per_s(step, int(first.argmax()), steps)
     del step
     return tps, first
 

@@ -147,19 +147,25 @@ def graphed_decode_at(model: Qwen35Model, n: int, room: int) -> tuple[GraphedDec
     return GraphedDecode(model, cache, n + room), tok
 
 
+def greedy_tok_per_s(step: GraphedDecode, tok: int, steps: int) -> float:
+    """Tokens a second of `steps` greedy steps of a graphed decode from `tok` (each read by the host, as
+    generate reads them), after two warm-up steps."""
+    for _ in range(2):
+        tok = int(step(tok).argmax())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = int(step(tok).argmax())
+    return steps / (time.perf_counter() - t0)
+
+
 def decode_at_contexts(model: Qwen35Model, contexts, steps: int) -> list[dict]:
     """Greedy CUDA-graph decode after `n` tokens of context (graphed_decode_at), for each n."""
     model.set_backend("cuda")
     store, out = model.kv, []
     for n in contexts:
         step, tok = graphed_decode_at(model, n, steps + 1)
-        for _ in range(2):
-            tok = int(step(tok).argmax())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = int(step(tok).argmax())
-        tps = steps / (time.perf_counter() - t0)
+        tps = greedy_tok_per_s(step, tok, steps)
         kv_bytes = n * 2 * store.k[:, 0, 0].numel() * store.k.element_size()  # K and V of every attention layer
         out.append({"context": n, "decode_graph_tok_per_s": round(tps, 1), "kv_bytes_read_per_token": kv_bytes,
                     "kv_read_TBps": round(kv_bytes * tps / 1e12, 2)})
