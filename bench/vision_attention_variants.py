@@ -1,9 +1,11 @@
-"""The experimental vision-tower attention (bench/experiments/vision_attention.cu: warpgroup mma, head dims 64 / 72
-unpadded) against cuDNN's SDPA (which pads head dim 72 to 128) on the tower's shapes: each variant's time and its
-output's relative error against cuDNN's. Writes bench/results/vision-attention-variants-h200.json (or --out).
-GPU only (sm_90a).
+"""The experimental vision-tower attention kernels against cuDNN's SDPA (which pads head dim 72 to 128) on the
+tower's shapes: bench/experiments/vision_attention.cu (warpgroup mma, head dims 64 / 72 unpadded, every thread
+copying with cp.async) and vision_attention_ws.cu (the same with a TMA producer warp and stage barriers). Each
+variant's time and its output's relative error against cuDNN's; first, each warp-specialised variant against
+an fp32 reference on ragged segments (lengths not multiples of the tiles) with its output poisoned with NaN.
+Writes bench/results/vision-attention-variants-h200.json (or --out). GPU only (sm_90a).
 
-    python3 bench/vision_attention_variants.py [--out PATH]
+    python3 bench/vision_attention_variants.py [--only-ws] [--out PATH]
 """
 import argparse
 import json
@@ -17,11 +19,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-from qwen35_fast.kernels.cuda_build import get_function, launch
+from qwen35_fast.kernels.cuda_build import TensorMap, get_function, launch
 
 SRC = Path(__file__).parent / "experiments" / "vision_attention.cu"
+SRC_WS = Path(__file__).parent / "experiments" / "vision_attention_ws.cu"
 VARIANTS = [(2, 64, 0), (2, 64, 1), (1, 64, 1), (3, 64, 1), (2, 128, 1)]  # (WGS, BN, EXP_FAST)
-SHAPES = [(1, 4096, 16, 72), (16, 3600, 16, 72), (1, 4096, 16, 64)]  # segments, tokens each, heads, head dim
+WS_VARIANTS = [(2, 128, 2, 2), (2, 64, 3, 3), (2, 64, 4, 4), (3, 64, 3, 3), (3, 64, 4, 4)]  # (C, BN, KS, VS)
+SHAPES = [(1, 4096, 16, 72), (4, 4096, 16, 72), (16, 3600, 16, 72), (1, 4096, 16, 64)]  # segments, tokens, heads, dim
 
 
 def timed(fn, reps=20):
@@ -50,11 +54,67 @@ def run(q, k, v, cu, length, wgs, bn, fast):
     return out
 
 
+def ws_smem(hd, c, bn, ks, vs):
+    qk_cb, v_cb = math.ceil(2 * math.ceil(hd / 16) / 8), math.ceil(hd // 8 / 8)
+    return (qk_cb * 64 * (64 * c) + ks * qk_cb * bn * 64 + vs * v_cb * bn * 64) * 2 + 1024 + 8 * (1 + 2 * ks + 2 * vs)
+
+
+_maps: dict = {}
+
+
+def _map(x):
+    """The tensor map of [N, heads, head dim] x (encoded once per address and shape: off the timed path)."""
+    n, h, hd = x.shape
+    key = (x.data_ptr(), n, h, hd, x.stride(0))
+    if key not in _maps:
+        _maps[key] = TensorMap(x.data_ptr(), (hd, h, n), (hd * 2, x.stride(0) * 2), (64, 1, 64))
+    return _maps[key]
+
+
+def run_ws(q, k, v, cu, length, c, bn, ks, vs, out=None):
+    n, h, hd = q.shape
+    fn = get_function(SRC_WS, "vision_attention_ws", q.device, {"HEAD_DIM": hd, "HEADS": h, "C": c, "BN": bn,
+                                                               "KS": ks, "VS": vs})
+    maps = [_map(x) for x in (q, k, v)]
+    out = torch.empty_like(q) if out is None else out
+    launch(fn, (math.ceil(length / (64 * c)), (cu.numel() - 1) * h, 1), (128 * (c + 1), 1, 1),
+           (*maps, cu, out, np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=ws_smem(hd, c, bn, ks, vs))
+    return out
+
+
+def check_ws(rows):
+    """Each warp-specialised variant on ragged segments against the fp32 reference; output poisoned."""
+    for hd in (72, 64):
+        lens = [1, 63, 200, 1000, 4096 + 37, 129, 64 * 3]
+        n, h = sum(lens), 16
+        g = torch.Generator(device="cuda").manual_seed(hd)
+        qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
+        q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        ref = torch.empty(n, h, hd, device="cuda")
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs, ks_, vs_ = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
+            ref[a:b] = F.scaled_dot_product_attention(qs, ks_, vs_).transpose(0, 1)
+        for c, bn, ks, vs in WS_VARIANTS:
+            out = torch.full_like(q, float("nan"))
+            run_ws(q, k, v, cu, max(lens), c, bn, ks, vs, out)
+            torch.cuda.synchronize()
+            o = out.float()
+            err = ((o - ref).norm() / ref.norm()).item()
+            worst = ((o - ref).abs().amax() / ref.abs().amax()).item()
+            ok = bool(torch.isfinite(o).all()) and err < 1e-2
+            rows.append({"check": "ragged fp32", "head_dim": hd, "C": c, "BN": bn, "KS": ks, "VS": vs,
+                         "rel_err": float(f"{err:.2e}"), "max_err_rel": float(f"{worst:.2e}"), "ok": ok})
+            print(f"check hd {hd} C {c} BN {bn} KS {ks} VS {vs}: rel err {err:.1e} max {worst:.1e} {'ok' if ok else 'FAIL'}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--only-ws", action="store_true", help="only the warp-specialised kernel (and cuDNN)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-variants-h200.json"))
     a = ap.parse_args()
     rows = []
+    check_ws(rows)
     for segs, length, h, hd in SHAPES:
         n = segs * length
         g = torch.Generator(device="cuda").manual_seed(n + hd)
@@ -68,7 +128,14 @@ def main():
         shape = f"{segs}x{length}x{h}x{hd}"
         rows.append({"impl": "cudnn", "shape": shape, "ms": round(cudnn, 4)})
         print(f"{shape}: cuDNN {cudnn:.4f} ms")
-        for wgs, bn, fast in VARIANTS:
+        for c, bn, ks, vs in WS_VARIANTS:
+            o = run_ws(q, k, v, cu, length, c, bn, ks, vs).float()
+            err = ((o - ref).norm() / ref.norm()).item()
+            ms = timed(lambda: run_ws(q, k, v, cu, length, c, bn, ks, vs))
+            rows.append({"impl": "ws", "shape": shape, "C": c, "BN": bn, "KS": ks, "VS": vs, "ms": round(ms, 4),
+                         "over_cudnn": round(ms / cudnn, 3), "rel_err_vs_cudnn": float(f"{err:.2e}")})
+            print(f"  ws C {c} BN {bn} KS {ks} VS {vs}: {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+        for wgs, bn, fast in ([] if a.only_ws else VARIANTS):
             o = run(q, k, v, cu, length, wgs, bn, fast).float()
             err = ((o - ref).norm() / ref.norm()).item()
             ms = timed(lambda: run(q, k, v, cu, length, wgs, bn, fast))

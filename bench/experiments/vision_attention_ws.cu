@@ -1,0 +1,280 @@
+// EXPERIMENT (bench only; not used by the runtime): the vision tower's attention (head dims 64 / 72) on
+// warpgroup mma with warp specialisation: one producer warp copies Q, K and V with TMA into stages guarded by
+// shared-memory barriers, C consumer warpgroups (64 query rows each) never copy and never wait on each other.
+// vision_attention.cu (the same mathematics, every thread copying with cp.async, one block barrier per tile)
+// ran at 0.29-0.38 ms against cuDNN's 0.205 for one image (4,096 tokens, 16 heads of 72); the notes there
+// blame the feeding. bench/vision_attention_variants.py times both against cuDNN.
+//
+// Each token of a packed batch attends to every token of its own segment (cu_seqlens: one image, or one
+// 2-frame slice of a video) and to no other, no causal mask, softmax scale 1 / sqrt(HEAD_DIM).
+//   q, k, v: [N, HEADS, HEAD_DIM] bf16 read through tensor maps (dims HEAD_DIM, HEADS, N; boxes of 64 columns x
+//   64 tokens of one head, 128-byte swizzle, zeros past the tensor: the pad of a Q / K row to 80 columns and
+//   the rows past token N); cu_seqlens int32 [segments + 1]; out [N, HEADS, HEAD_DIM] contiguous.
+// Block: BM = 64 C rows of one (segment, head); warpgroup C is the producer. Per tile of BN keys a consumer
+// warpgroup forms S = Q K^T (both in shared memory), the online softmax in the exp2 domain, O += P V with P
+// from registers and V read with the transpose bit (one m64nHEAD_DIMk16 per 16 keys). S(j + 1) is issued
+// before tile j's exponentials, so they run beside it on the tensor cores.
+// Shared memory: Q [QK_CB][BM][64], K [KS][QK_CB][BN][64], V [VS][V_CB][BN][64] (128-byte rows), barriers.
+#include "common.cuh"
+#include "mma_ptx.cuh"    // smem_u32, pack_bf16
+#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
+#include "gdn_prefill/tma.cuh"  // TmaDesc, mbarriers, tensor copies
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 72
+#endif
+#ifndef HEADS
+#define HEADS 16
+#endif
+#ifndef C
+#define C 2  // consumer warpgroups
+#endif
+#ifndef BN
+#define BN 128
+#endif
+#ifndef KS
+#define KS 2  // K stages
+#endif
+#ifndef VS
+#define VS 2  // V stages
+#endif
+
+typedef __nv_bfloat16 elem;
+
+#define BM (64 * C)
+#define THREADS (128 * (C + 1))
+#define NS (BN / 2)                      // S accumulators a thread
+#define QK_STEPS ((HEAD_DIM + 15) / 16)  // k-steps of S = Q K^T
+#define QK_CB ((2 * QK_STEPS + 7) / 8)   // 64-column blocks of a Q / K tile (the zero pad included)
+#define V_CB ((HEAD_DIM / 8 + 7) / 8)    // of a V tile
+#define NO (HEAD_DIM / 2)                // output accumulators a thread
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define Q_ELEMS (QK_CB * BM * 64)
+#define K_ELEMS (QK_CB * BN * 64)
+#define V_ELEMS (V_CB * BN * 64)
+#define REG_PRODUCER 24
+#define REG_CONSUMER (C == 2 ? 240 : 160)
+
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 72, "HEAD_DIM must be 64 or 72 (the PV instruction's width)");
+
+__device__ __forceinline__ unsigned long long wg_desc_sw128_mn(const void* p, unsigned block_bytes) {
+    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)(block_bytes >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#define WG_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
+__device__ __forceinline__ void wg_rs_m64n72_bf16(float d[36], const u32 a[4], unsigned long long desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 " WG_D36 ", {%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"
+                 : WG_D32_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#if BN == 128
+#define WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
+               "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+__device__ __forceinline__ void s_step(float (&d)[NS], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WG_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D32_OUT(d), WG_D32_OUT((d + 32))
+                 : "l"(da), "l"(db), "r"(acc));
+}
+#else
+__device__ __forceinline__ void s_step(float (&d)[NS], unsigned long long da, unsigned long long db, int acc) {
+    wg_ss_m64n64_bf16(d, da, db, acc);
+}
+#endif
+
+__device__ __forceinline__ void pv_step(float (&o)[NO], const u32 (&a)[4], unsigned long long desc) {
+#if HEAD_DIM == 72
+    wg_rs_m64n72_bf16(o, a, desc, 1);
+#else
+    wg_rs_m64n64_bf16(o, a, desc, 1);
+#endif
+}
+
+__device__ __forceinline__ float exp2_(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* map, int c0, int c1, int c2, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(bar)) : "memory");
+}
+// the rows [row, row + rows) of columns [0, 64 QK_CB) (or V_CB) of head h: boxes of 64 tokens
+__device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs, int rows, int h, int row,
+                                         unsigned long long* bar) {
+    for (int cb = 0; cb < cbs; ++cb)
+        for (int rb = 0; rb < rows / 64; ++rb)
+            tma_load_3d(dst + cb * rows * 64 + rb * 64 * 64, map, 64 * cb, h, row + 64 * rb, bar);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+vision_attention_ws(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
+                    const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens,
+                    elem* __restrict__ out, float scale_log2) {
+    extern __shared__ unsigned char smem_raw[];
+    elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+    elem* Ks = Qs + Q_ELEMS;
+    elem* Vs = Ks + KS * K_ELEMS;
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(Vs + VS * V_ELEMS);
+    unsigned long long* full_q = bars;
+    unsigned long long* full_k = bars + 1;
+    unsigned long long* empty_k = full_k + KS;
+    unsigned long long* full_v = empty_k + KS;
+    unsigned long long* empty_v = full_v + VS;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int seg = blockIdx.y / HEADS, h = blockIdx.y % HEADS;
+    const int s0 = cu_seqlens[seg], len = cu_seqlens[seg + 1] - s0;
+    const int r0 = blockIdx.x * BM;
+    if (r0 >= len) return;
+    // the tile count through a shuffle: ptxas serializes wgmma around branches it cannot prove warp-uniform
+    const int ntiles = __shfl_sync(0xffffffffu, (len + BN - 1) / BN, 0);
+
+    if (tid == 0) {
+        mbar_init(full_q, 1);
+        for (int i = 0; i < KS; ++i) { mbar_init(full_k + i, 1); mbar_init(empty_k + i, C); }
+        for (int i = 0; i < VS; ++i) { mbar_init(full_v + i, 1); mbar_init(empty_v + i, C); }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == C) {  // the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REG_PRODUCER));
+        if (warp == 4 * C && lane == 0) {
+            mbar_expect_tx(full_q, Q_ELEMS * 2);
+            tma_rows(Qs, &q_map, QK_CB, BM, h, s0 + r0, full_q);
+            for (int j = 0; j < ntiles; ++j) {
+                const int ks = j % KS, vs = j % VS;
+                if (j >= KS) mbar_wait(empty_k + ks, (j / KS - 1) & 1);
+                mbar_expect_tx(full_k + ks, K_ELEMS * 2);
+                tma_rows(Ks + ks * K_ELEMS, &k_map, QK_CB, BN, h, s0 + j * BN, full_k + ks);
+                if (j >= VS) mbar_wait(empty_v + vs, (j / VS - 1) & 1);
+                mbar_expect_tx(full_v + vs, V_ELEMS * 2);
+                tma_rows(Vs + vs * V_ELEMS, &v_map, V_CB, BN, h, s0 + j * BN, full_v + vs);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REG_CONSUMER));
+    const bool signal = (tid & 127) == 0;  // the thread that releases a stage for its warpgroup
+
+    float o[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running max (unscaled) and sum of the two rows
+    const elem* Qw = Qs + 64 * wg * 64;                  // this warpgroup's 64 rows
+
+    auto issue_s = [&](float (&s)[NS], int j) {  // S = Q K^T of tile j, asynchronous until wg_wait
+        const elem* ks = Ks + (j % KS) * K_ELEMS;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk) {
+            const int cb = kk >> 2, sub = kk & 3;
+            s_step(s, wg_desc_kmajor_sw128(Qw + cb * BM * 64) + 2 * sub, wg_desc_kmajor_sw128(ks + cb * BN * 64) + 2 * sub,
+                   kk > 0);
+        }
+        wg_commit();
+        wg_pin(s);
+    };
+
+    auto tile = [&](int j, float (&s)[NS], float (&s_next)[NS]) {
+        if (j * BN + BN > len) {  // the segment's last, partial tile: keys past its end weigh nothing
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (j * BN + 8 * i + 2 * t + e >= len) s[4 * i + e] = s[4 * i + 2 + e] = NEG_INF;
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+        }
+        float mc[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+            mc[hh] = mx[hh] * scale_log2;
+            const float alpha = exp2_(m[hh] * scale_log2 - mc[hh]);  // 0 on the first tile (m = -inf)
+            l[hh] *= alpha;
+#pragma unroll
+            for (int i = 0; i < NO / 4; ++i) {
+                o[4 * i + 2 * hh] *= alpha;
+                o[4 * i + 2 * hh + 1] *= alpha;
+            }
+            m[hh] = mx[hh];
+        }
+        if (j + 1 < ntiles) mbar_wait(full_k + (j + 1) % KS, ((j + 1) / KS) & 1);
+        issue_s(s_next, j + 1);  // past the last tile: a stale stage, never read (branch-free wgmma)
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            s[4 * i + 0] = exp2_(fmaf(s[4 * i + 0], scale_log2, -mc[0]));
+            s[4 * i + 1] = exp2_(fmaf(s[4 * i + 1], scale_log2, -mc[0]));
+            s[4 * i + 2] = exp2_(fmaf(s[4 * i + 2], scale_log2, -mc[1]));
+            s[4 * i + 3] = exp2_(fmaf(s[4 * i + 3], scale_log2, -mc[1]));
+            rs[0] += s[4 * i + 0] + s[4 * i + 1];
+            rs[1] += s[4 * i + 2] + s[4 * i + 3];
+        }
+        l[0] += rs[0];
+        l[1] += rs[1];
+
+        mbar_wait(full_v + j % VS, (j / VS) & 1);
+        const elem* vs = Vs + (j % VS) * V_ELEMS;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u32 a[4] = {pack_bf16(s[8 * kk + 0], s[8 * kk + 1]), pack_bf16(s[8 * kk + 2], s[8 * kk + 3]),
+                              pack_bf16(s[8 * kk + 4], s[8 * kk + 5]), pack_bf16(s[8 * kk + 6], s[8 * kk + 7])};
+            pv_step(o, a, wg_desc_sw128_mn(vs + kk * 16 * 64, BN * 64 * 2));
+        }
+        wg_commit();
+        wg_wait<0>();  // S(j + 1) and O
+        wg_pin(o);
+        wg_pin(s_next);
+        if (signal) {
+            if (j + 1 < ntiles) mbar_arrive(empty_k + (j + 1) % KS);
+            mbar_arrive(empty_v + j % VS);
+        }
+    };
+
+    float sa[NS], sb[NS];
+    mbar_wait(full_q, 0);
+    mbar_wait(full_k, 0);
+    issue_s(sa, 0);
+    wg_wait<0>();
+    wg_pin(sa);
+    if (signal) mbar_arrive(empty_k);
+    for (int j = 0; j < ntiles; j += 2) {  // two tiles a turn: the S registers trade places
+        tile(j, sa, sb);
+        if (j + 1 < ntiles) tile(j + 1, sb, sa);
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+    }
+    const int rA = r0 + 64 * wg + 16 * wq + g;  // the thread's two rows: rA and rA + 8
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = rA + 8 * half;
+        if (r >= len) continue;
+        const float inv = 1.f / l[half];
+        elem* dst = out + ((long long)(s0 + r) * HEADS + h) * HEAD_DIM + 2 * t;
+#pragma unroll
+        for (int i = 0; i < NO / 4; ++i)
+            *reinterpret_cast<u32*>(dst + 8 * i) = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+    }
+}
