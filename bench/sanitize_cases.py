@@ -104,6 +104,7 @@ for sp in (1, 3):
                              kernel=kern)
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # the decode kernel, no gate
+from qwen35_fast.kernels.vision import launch as vision_launch  # noqa: E402
 from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402
 
 # the vision tower's kernels: rotary with head dim 72 (half not a multiple of 8) and a token count off the
@@ -115,6 +116,12 @@ for D in (1152, 5120):
     wv, bv = torch.randn(D, device=dev, dtype=torch.bfloat16), torch.randn(D, device=dev, dtype=torch.bfloat16)
     add_layer_norm_cuda(xv, yv, wv, bv, 1e-6)
     layer_norm_cuda(xv, wv, bv, 1e-6)
+# the vision attention (sm_90a): segments shorter than a row block, one across two, a partial key tile; v strided
+if card_of(dev).wgmma:
+    for hd in (72, 64):
+        qkv_a = torch.randn(461, 3, 3, hd, device=dev, dtype=torch.bfloat16)
+        vision_launch.vision_attention_cuda(qkv_a[:, 0].contiguous(), qkv_a[:, 1].contiguous(), qkv_a[:, 2],
+                                            torch.tensor([0, 5, 205, 461], dtype=torch.int32, device=dev), 256)
 # the content hash: more words than threads of its grid, a count off the block
 from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E402
 

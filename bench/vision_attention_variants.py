@@ -1,5 +1,5 @@
-"""The experimental vision-tower attention kernels against cuDNN's SDPA (which pads head dim 72 to 128) on the
-tower's shapes: bench/experiments/vision_attention.cu (warpgroup mma, head dims 64 / 72 unpadded, every thread
+"""The vision tower's attention kernel (kernels/vision/attention.cu, "ours") and the experimental variants against
+cuDNN's SDPA (which pads head dim 72 to 128) on the tower's shapes: bench/experiments/vision_attention.cu (warpgroup mma, head dims 64 / 72 unpadded, every thread
 copying with cp.async) and vision_attention_ws.cu (the same with a TMA producer warp and stage barriers). Each
 variant's time and its output's relative error against cuDNN's; first, each warp-specialised variant against
 an fp32 reference on ragged segments (lengths not multiples of the tiles) with its output poisoned with NaN.
@@ -20,11 +20,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.kernels.cuda_build import TensorMap, get_function, launch
+from qwen35_fast.kernels.vision.launch import vision_attention_cuda
 
 SRC = Path(__file__).parent / "experiments" / "vision_attention.cu"
 SRC_WS = Path(__file__).parent / "experiments" / "vision_attention_ws.cu"
 VARIANTS = [(2, 64, 0), (2, 64, 1), (1, 64, 1), (3, 64, 1), (2, 128, 1)]  # (WGS, BN, EXP_FAST)
-WS_VARIANTS = [(2, 128, 2, 2), (2, 64, 3, 3), (2, 64, 4, 4), (3, 64, 3, 3), (3, 64, 4, 4)]  # (C, BN, KS, VS)
+WS_VARIANTS = [(2, 128, 2, 2, 0, 0), (2, 128, 2, 2, 1, 0), (2, 128, 2, 2, 1, 1), (2, 128, 3, 3, 1, 0), (2, 128, 3, 3, 1, 1),
+               (3, 128, 2, 2, 1, 0), (3, 128, 2, 2, 1, 1), (3, 64, 3, 3, 0, 0), (3, 64, 3, 3, 1, 0),
+               (3, 64, 4, 4, 1, 1)]  # (C, BN, KS, VS, ORDER, PINGPONG)
+WS_KEYS = ("C", "BN", "KS", "VS", "ORDER", "PINGPONG")
 SHAPES = [(1, 4096, 16, 72), (4, 4096, 16, 72), (16, 3600, 16, 72), (1, 4096, 16, 64)]  # segments, tokens, heads, dim
 
 
@@ -54,7 +58,7 @@ def run(q, k, v, cu, length, wgs, bn, fast):
     return out
 
 
-def ws_smem(hd, c, bn, ks, vs):
+def ws_smem(hd, c, bn, ks, vs, *_):
     qk_cb, v_cb = math.ceil(2 * math.ceil(hd / 16) / 8), math.ceil(hd // 8 / 8)
     return (qk_cb * 64 * (64 * c) + ks * qk_cb * bn * 64 + vs * v_cb * bn * 64) * 2 + 1024 + 8 * (1 + 2 * ks + 2 * vs)
 
@@ -71,14 +75,15 @@ def _map(x):
     return _maps[key]
 
 
-def run_ws(q, k, v, cu, length, c, bn, ks, vs, out=None):
+def run_ws(q, k, v, cu, length, var, out=None):
     n, h, hd = q.shape
+    c, bn, ks, vs, order, pp = var
     fn = get_function(SRC_WS, "vision_attention_ws", q.device, {"HEAD_DIM": hd, "HEADS": h, "C": c, "BN": bn,
-                                                               "KS": ks, "VS": vs})
+                                                               "KS": ks, "VS": vs, "ORDER": order, "PINGPONG": pp})
     maps = [_map(x) for x in (q, k, v)]
     out = torch.empty_like(q) if out is None else out
     launch(fn, (math.ceil(length / (64 * c)), (cu.numel() - 1) * h, 1), (128 * (c + 1), 1, 1),
-           (*maps, cu, out, np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=ws_smem(hd, c, bn, ks, vs))
+           (*maps, cu, out, np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=ws_smem(hd, *var))
     return out
 
 
@@ -95,17 +100,17 @@ def check_ws(rows):
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             qs, ks_, vs_ = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
             ref[a:b] = F.scaled_dot_product_attention(qs, ks_, vs_).transpose(0, 1)
-        for c, bn, ks, vs in WS_VARIANTS:
+        for var in WS_VARIANTS:
             out = torch.full_like(q, float("nan"))
-            run_ws(q, k, v, cu, max(lens), c, bn, ks, vs, out)
+            run_ws(q, k, v, cu, max(lens), var, out)
             torch.cuda.synchronize()
             o = out.float()
             err = ((o - ref).norm() / ref.norm()).item()
             worst = ((o - ref).abs().amax() / ref.abs().amax()).item()
             ok = bool(torch.isfinite(o).all()) and err < 1e-2
-            rows.append({"check": "ragged fp32", "head_dim": hd, "C": c, "BN": bn, "KS": ks, "VS": vs,
+            rows.append({"check": "ragged fp32", "head_dim": hd, **dict(zip(WS_KEYS, var)),
                          "rel_err": float(f"{err:.2e}"), "max_err_rel": float(f"{worst:.2e}"), "ok": ok})
-            print(f"check hd {hd} C {c} BN {bn} KS {ks} VS {vs}: rel err {err:.1e} max {worst:.1e} {'ok' if ok else 'FAIL'}")
+            print(f"check hd {hd} {var}: rel err {err:.1e} max {worst:.1e} {'ok' if ok else 'FAIL'}")
 
 
 def main():
@@ -128,13 +133,19 @@ def main():
         shape = f"{segs}x{length}x{h}x{hd}"
         rows.append({"impl": "cudnn", "shape": shape, "ms": round(cudnn, 4)})
         print(f"{shape}: cuDNN {cudnn:.4f} ms")
-        for c, bn, ks, vs in WS_VARIANTS:
-            o = run_ws(q, k, v, cu, length, c, bn, ks, vs).float()
+        o = vision_attention_cuda(q, k, v, cu, length).float()
+        err = ((o - ref).norm() / ref.norm()).item()
+        ms = timed(lambda: vision_attention_cuda(q, k, v, cu, length))
+        rows.append({"impl": "ours", "shape": shape, "ms": round(ms, 4), "over_cudnn": round(ms / cudnn, 3),
+                     "rel_err_vs_cudnn": float(f"{err:.2e}")})
+        print(f"  ours (kernels/vision/attention.cu): {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+        for var in WS_VARIANTS:
+            o = run_ws(q, k, v, cu, length, var).float()
             err = ((o - ref).norm() / ref.norm()).item()
-            ms = timed(lambda: run_ws(q, k, v, cu, length, c, bn, ks, vs))
-            rows.append({"impl": "ws", "shape": shape, "C": c, "BN": bn, "KS": ks, "VS": vs, "ms": round(ms, 4),
+            ms = timed(lambda: run_ws(q, k, v, cu, length, var))
+            rows.append({"impl": "ws", "shape": shape, **dict(zip(WS_KEYS, var)), "ms": round(ms, 4),
                          "over_cudnn": round(ms / cudnn, 3), "rel_err_vs_cudnn": float(f"{err:.2e}")})
-            print(f"  ws C {c} BN {bn} KS {ks} VS {vs}: {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+            print(f"  ws {var}: {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
         for wgs, bn, fast in ([] if a.only_ws else VARIANTS):
             o = run(q, k, v, cu, length, wgs, bn, fast).float()
             err = ((o - ref).norm() / ref.norm()).item()

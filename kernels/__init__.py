@@ -1,6 +1,6 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
 prefill and update), the two RMSNorms (plain, and the GDN output's gated one), paged attention, and the
-vision tower's rotary and LayerNorms (plain, and fused with the residual add before it).
+vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it).
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -191,6 +191,23 @@ def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
     return ops.run(ops.vision_rotary_op, qkv, cos, sin, bool(backend and backend.use_cuda))
 
 
+def vision_attention_takes(q, k, v, cu_seqlens, backend: Backend | None = None) -> bool:
+    """Whether `vision_attention` runs its own kernel for these tensors on this backend (bf16, head dim 64 or 72,
+    an sm_90a card: kernels/vision/attention.cu); where not, the tower takes SDPA."""
+    if not (backend is not None and backend.use_cuda and q.is_cuda):
+        return False
+    from .vision.launch import attention_takes
+    return attention_takes(q, k, v, cu_seqlens)
+
+
+def vision_attention(q, k, v, cu_seqlens, max_len: int, backend: Backend | None = None):
+    """The vision tower's attention: each token attends to the tokens of its own segment (one image, or one
+    2-frame slice of a video) and to no other, no mask, scale 1 / sqrt(hd). q, k, v: [N, H, hd]; cu_seqlens int32
+    [segments + 1] (the segments' starts and N); max_len: a host int at least the longest segment. Returns
+    [N, H, hd] contiguous."""
+    return ops.run(ops.vision_attention_op, q, k, v, cu_seqlens, int(max_len), bool(backend and backend.use_cuda))
+
+
 def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):
     """The prefix cache's content hash lanes over int64 words [N]: int64 [2] on words' device, lane s the
     wrapping sum of mix(w_i ^ mix(i + seeds[s])) (content_hash/reference.py). One kernel on the CUDA backend
@@ -218,4 +235,4 @@ __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_de
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
-           "vision_rotary", "layer_norm", "add_layer_norm", "hash_words"]
+           "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words"]

@@ -361,6 +361,21 @@ class TensorMap:
         return TensorMap()
 
 
+_maps: dict = {}
+
+
+def tensor_map(x, dims: tuple, strides: tuple, box: tuple, promotion: int = 2) -> TensorMap:
+    """TensorMap(x.data_ptr(), ...), encoded once per address, dims, strides, box and promotion: a CUDA graph's
+    captures and the allocator's reuse of addresses find the map made before (at most 256 kept)."""
+    key = (x.data_ptr(), tuple(dims), tuple(strides), tuple(box), promotion)
+    m = _maps.get(key)
+    if m is None:
+        if len(_maps) >= 256:
+            _maps.clear()
+        m = _maps[key] = TensorMap(x.data_ptr(), dims, strides, box, promotion)
+    return m
+
+
 _smem_optin: dict = {}
 
 

@@ -21,7 +21,7 @@ from .gemv.reference import gemv_add_rms_norm_ref, gemv_ref, gemv_silu_mul_ref
 from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 from .silu_mul.reference import silu_mul_ref
-from .vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
+from .vision.reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_rotary_ref
 
 NS = "qwen35_fast"
 
@@ -245,6 +245,17 @@ def _vision_rotary_fake(qkv, cos, sin, use_cuda):
     return qkv.new_empty(2, n, h, hd)
 
 
+def _vision_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                           use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().vision_attention_cuda(q, k, v, cu_seqlens, max_len)
+    return vision_attention_ref(q, k, v, cu_seqlens)
+
+
+def _vision_attention_fake(q, k, v, cu_seqlens, max_len, use_cuda):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def _layer_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                      use_cuda: bool) -> torch.Tensor:
     if use_cuda:
@@ -285,5 +296,6 @@ gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fa
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))
 vision_rotary_op = _register("vision_rotary", _vision_rotary_impl, _vision_rotary_fake)
+vision_attention_op = _register("vision_attention", _vision_attention_impl, _vision_attention_fake)
 layer_norm_op = _register("layer_norm", _layer_norm_impl, _layer_norm_fake)
 add_layer_norm_op = _register("add_layer_norm", _add_layer_norm_impl, _add_layer_norm_fake)

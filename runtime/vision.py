@@ -8,9 +8,10 @@
 Patches arrive in merge-block order (block row, block column, row in block, column in block), as
 transformers' processor and `media.py` lay them out, so the merger's 2x2 groups are four
 consecutive rows. Attention is full (non-causal) inside one image or one 2-frame slice of a video
-and never crosses them: slices of one length run as one batched SDPA call (cuDNN on Hopper); slices of
-several lengths run as one variable-length flash attention launch over their offsets on CUDA
-(`cu_seqlens`), or on the CPU as one batched SDPA call per distinct length (`groups`).
+and never crosses them: on H100 / H200 one launch of our kernel over every slice (`kernels.vision_attention`,
+through the slices' offsets `cu_seqlens`); on other GPUs slices of one length run as one batched SDPA call
+and slices of several lengths as one variable-length flash attention launch; on the CPU one batched SDPA
+call per distinct length (`groups`).
 
 The rotary and the LayerNorms (each after the first fused with the residual add before it) are
 `kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
@@ -381,6 +382,9 @@ class VisionTower(nn.Module):
         # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
         q, k = kernels.vision_rotary(qkv, p.cos, p.sin, backend=be).unbind(0)
         v = qkv[:, 2]
+        if kernels.vision_attention_takes(q, k, v, p.cu_seqlens, backend=be):  # ours: sm_90a, head dim 64 / 72
+            out = kernels.vision_attention(q, k, v, p.cu_seqlens, p.max_len, backend=be)
+            return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         if len(p.groups) > 1 and be is not None and be.use_cuda and _varlen_attn() is not None:
             out = _varlen_attn()(q, k, v.contiguous(), p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)

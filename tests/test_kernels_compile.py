@@ -15,7 +15,7 @@ from qwen35_fast.kernels.gdn_prefill import plan as _P
 KERNELS = Path(cuda_build.__file__).resolve().parent
 SOURCES = sorted(KERNELS.rglob("*.cu"))
 ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"]  # sm_90a: what cuda_build picks on H100/H200
-ONLY = {"gdn_prefill.cu": ("sm_90a",), "paged_attention_wg.cu": ("sm_90a",)}  # the warpgroup-mma kernels
+ONLY = {"gdn_prefill.cu": ("sm_90a",), "paged_attention_wg.cu": ("sm_90a",), "attention.cu": ("sm_90a",)}  # wgmma kernels
 
 
 def _nvrtc_missing():
@@ -31,6 +31,7 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None,
 
 # define sets the launchers use, so that every compiled variant is checked, not just the defaults
 VARIANTS = {
+    "attention.cu": [{"HEAD_DIM": 72, "HEADS": 16}, {"HEAD_DIM": 64, "HEADS": 16}, {"HEAD_DIM": 64, "HEADS": 12}],
     "conv1d.cu": [{}, {"HAS_BIAS": 1, "HAS_INIT": 1, "VARLEN": 1}, {"TX": 0, "VEC": 4, "W": 3},
                   {"VEC": 4, "UNROLL": 16}, {"TX": 0, "VEC": 2, "UNROLL": 4},
                   {"TX": 1, "VEC": 1, "TW": 0, "TS": 0, "TB": 0, "HAS_BIAS": 1}],

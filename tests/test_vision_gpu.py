@@ -60,13 +60,12 @@ def test_tower_mlp_takes_the_gelu_in_the_gemm_epilogue_at_least_as_exactly():
     assert rel(got.float(), want) <= 1.05 * rel(unfused.float(), want)
 
 
-def test_images_of_two_sizes_take_one_varlen_attention_launch(monkeypatch):
-    """On the kernels backend, slices of different lengths run as one variable-length attention call per
-    layer (the reference backend: one batched SDPA per length); the same features to bf16 rounding."""
+def test_images_of_two_sizes_take_one_attention_launch(monkeypatch):
+    """On the kernels backend, slices of different lengths run as one attention call per layer: our kernel on
+    sm_90a cards, else one variable-length flash attention call (the reference backend: one batched SDPA per
+    length); the same features to bf16 rounding."""
     from qwen35_fast import kernels
     from qwen35_fast.runtime import vision
-    if vision._varlen_attn() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen")
     vc = vision.VisionConfig(depth=3, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
     tower = VisionTower(vc, torch.bfloat16, torch.device("cuda"))
     with torch.no_grad():
@@ -77,10 +76,18 @@ def test_images_of_two_sizes_take_one_varlen_attention_launch(monkeypatch):
     pixels = torch.cat([i.pixels for i in imgs]).to(torch.bfloat16)
     plan = tower.plan([i.grid for i in imgs])
     assert len(plan.groups) == 2
-    calls = []
-    real = vision._varlen_attn()
-    monkeypatch.setattr(vision, "_varlen_attn", lambda: lambda *a: calls.append(1) or real(*a))
     be = kernels.select_backend("cuda", torch.device("cuda"), torch.bfloat16)
+    q = torch.empty(plan.n_patches, vc.num_heads, vc.head_dim, device="cuda", dtype=torch.bfloat16)
+    ours = kernels.vision_attention_takes(q, q, q, plan.cu_seqlens, backend=be)
+    if not ours and vision._varlen_attn() is None:
+        pytest.skip("neither our attention kernel (sm_90a) nor torch.nn.attention.varlen here")
+    calls = []
+    if ours:
+        real = kernels.vision_attention
+        monkeypatch.setattr(kernels, "vision_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    else:
+        real = vision._varlen_attn()
+        monkeypatch.setattr(vision, "_varlen_attn", lambda: lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         got = tower(pixels, plan, backend=be)
         want = tower(pixels, plan)  # references: grouped SDPA

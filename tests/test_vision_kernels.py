@@ -1,12 +1,14 @@
-"""The vision tower's kernels (kernels/vision/: rotary, LayerNorm, residual add + LayerNorm) against their
-PyTorch references, and the tower on the CUDA backend against the tower on the reference backend.
+"""The vision tower's kernels (kernels/vision/: rotary, LayerNorm, residual add + LayerNorm, attention) against
+their PyTorch references, and the tower on the CUDA backend against the tower on the reference backend.
 
 GPU tests: fresh seeded random inputs per case; torch's caching allocator is filled with NaN before each
 launch so that an output element a kernel forgets to write shows up. The rotary and the residual sum are
 bit for bit the reference; the LayerNorm's output is within one rounding of it (torch's kernel forms the
 statistics with Welford's update, ours in two passes over the row: the fp32 values differ in the last
-bits, which moves a rounding of the output now and then). The CPU tests check the references and the ops'
-fake implementations.
+bits, which moves a rounding of the output now and then). The attention (sm_90a only) rounds P to bf16 for
+its second product, as every flash attention does: it is checked against the fp32 attention within twice
+the error of torch's own bf16 SDPA on the same inputs. The CPU tests check the references and the ops' fake
+implementations.
 """
 import pytest
 import torch
@@ -14,7 +16,12 @@ import torch.nn.functional as F
 
 from qwen35_fast import kernels
 from qwen35_fast.kernels import ops
-from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
+from qwen35_fast.kernels.vision.reference import (
+    add_layer_norm_ref,
+    layer_norm_ref,
+    vision_attention_ref,
+    vision_rotary_ref,
+)
 
 from _models import poison_allocator, rel
 
@@ -74,6 +81,24 @@ def test_vision_ops_pass_opcheck():
     torch.library.opcheck(ops.vision_rotary_op, (qkv, cos, sin, False), test_utils=checks)
     torch.library.opcheck(ops.layer_norm_op, (x, w, b, 1e-6, False), test_utils=checks)
     torch.library.opcheck(ops.add_layer_norm_op, (x, y, w, b, 1e-6, False), test_utils=checks)
+    q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    torch.library.opcheck(ops.vision_attention_op, (q, k, v, cu, 3, False), test_utils=checks)
+
+
+def test_attention_ref_attends_within_segments():
+    """Each segment's tokens see their own segment only: the reference equals SDPA on each segment alone, and
+    changing another segment's keys changes nothing."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(10, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)  # an empty segment too
+    got = vision_attention_ref(q, k, v, cu)
+    for a, b in ((0, 3), (3, 10)):
+        want = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
+        assert torch.equal(got[a:b], want.transpose(0, 1))
+    k2 = k.clone()
+    k2[3:] += 1
+    assert torch.equal(vision_attention_ref(q, k2, v, cu)[:3], got[:3])
 
 
 # ----------------------------------------------------------------------------- rotary (GPU)
@@ -170,6 +195,63 @@ def test_layer_norm_falls_back_where_the_kernel_does_not_apply(impl):
             assert not norm_takes(x, y, w, b)
     s, out = impl.add_layer_norm_cuda(*norm_inputs(0, 1152, torch.bfloat16, DEV, 0), 1e-6)
     assert s.shape == out.shape == (0, 1152)
+
+
+# ----------------------------------------------------------------------------- attention (GPU, sm_90a)
+
+ATTN_CASES = [  # segment lengths, heads, head dim: one image of each tower, several, video slices, ragged ends
+    ([4096], 16, 72), ([1024], 12, 64), ([1024, 1024], 16, 64), ([3600] * 3, 16, 72), ([1], 16, 72),
+    ([63, 200, 1000, 4133, 129, 192], 16, 72), ([7] * 40, 3, 72), ([193, 384, 385], 1, 64), ([128, 0, 130], 5, 72),
+    ([256, 2], 16, 64), ([5000], 2, 72)]
+
+
+def attention_inputs(lens, H, hd, seed, spare=0):
+    """q, k (contiguous [N, H, hd], as the rotary writes them) and v (strided: a view of a [N, 3, H, hd] qkv),
+    cu_seqlens; `spare` NaN rows after N in every buffer (past the tensors: never read)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    n = sum(lens)
+    qkv = torch.full((n + spare, 3, H, hd), float("nan"), device=DEV, dtype=torch.bfloat16)
+    qkv[:n] = (torch.randn(n, 3, H, hd, generator=g, device=DEV) * 2).bfloat16()
+    qk = torch.full((2, n + spare, H, hd), float("nan"), device=DEV, dtype=torch.bfloat16)
+    qk[:, :n] = qkv[:n, :2].transpose(0, 1)
+    cu = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+    return qk[0, :n], qk[1, :n], qkv[:n, 2], cu
+
+
+@gpu
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{len(c[0])}seg-{max(c[0])}x{c[1]}x{c[2]}")
+def test_attention_matches_fp32_within_torch_bf16_error(impl, case):
+    from qwen35_fast.kernels.vision.launch import attention_takes
+    lens, H, hd = case
+    q, k, v, cu = attention_inputs(lens, H, hd, sum(lens) + H + hd, spare=300)
+    if not attention_takes(q, k, v, cu):
+        pytest.skip("the vision attention kernel runs on sm_90a cards only")
+    n = q.shape[0]
+    poison_allocator(((n, H, hd), torch.bfloat16))
+    got = impl.vision_attention_cuda(q, k, v, cu, max(lens))
+    assert got.shape == (n, H, hd) and got.dtype == torch.bfloat16 and not got.isnan().any()
+    want = vision_attention_ref(q.float(), k.float(), v.float(), cu)
+    torch_bf16 = vision_attention_ref(q, k, v, cu).float()
+    assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
+    assert (got.float() - want).abs().max() <= 2 * (torch_bf16 - want).abs().max() + 1e-3
+
+
+@gpu
+def test_attention_backend_and_fallbacks(impl):
+    """Through the backend, and the reference exactly where the kernel does not take the call: fp16, fp32,
+    head dim 80, K with its heads not packed."""
+    from qwen35_fast.kernels.vision.launch import attention_takes
+    q, k, v, cu = attention_inputs([300, 77], 4, 72, 9)
+    be = kernels.select_backend("cuda", DEV, torch.bfloat16)
+    if attention_takes(q, k, v, cu):
+        assert kernels.vision_attention_takes(q, k, v, cu, backend=be)
+        assert torch.equal(kernels.vision_attention(q, k, v, cu, 300, backend=be), impl.vision_attention_cuda(q, k, v, cu, 300))
+    assert not kernels.vision_attention_takes(q, k, v, cu, backend=None)
+    wide = torch.randn(377, 4, 2 * 72, device=DEV, dtype=torch.bfloat16)[..., :72]  # heads 144 apart
+    for args in [(q.half(), k.half(), v.half()), (q.float(), k.float(), v.float()),
+                 tuple(torch.randn(377, 4, 80, device=DEV, dtype=torch.bfloat16) for _ in range(3)), (q, wide, v)]:
+        assert not attention_takes(*args, cu)
+        assert torch.equal(impl.vision_attention_cuda(*args, cu, 300), vision_attention_ref(*args, cu))
 
 
 # ----------------------------------------------------------------------------- the tower (GPU)

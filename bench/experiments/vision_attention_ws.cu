@@ -18,7 +18,7 @@
 #include "common.cuh"
 #include "mma_ptx.cuh"    // smem_u32, pack_bf16
 #include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
-#include "gdn_prefill/tma.cuh"  // TmaDesc, mbarriers, tensor copies
+#include "tma_ptx.cuh"     // TmaDesc, mbarriers, tensor copies
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 72
@@ -37,6 +37,12 @@
 #endif
 #ifndef VS
 #define VS 2  // V stages
+#endif
+#ifndef ORDER
+#define ORDER 1  // 0: S(j + 1) beside tile j's exponentials, then P V(j); 1: FlashAttention-3's order
+#endif
+#ifndef PINGPONG
+#define PINGPONG 0  // 1: the consumer warpgroups take turns issuing their products (ORDER 1)
 #endif
 
 typedef __nv_bfloat16 elem;
@@ -99,13 +105,6 @@ __device__ __forceinline__ float exp2_(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* map, int c0, int c1, int c2, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-                 :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(bar)) : "memory");
 }
 // the rows [row, row + rows) of columns [0, 64 QK_CB) (or V_CB) of head h: boxes of 64 tokens
 __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs, int rows, int h, int row,
@@ -187,6 +186,7 @@ vision_attention_ws(const __grid_constant__ TmaDesc q_map, const __grid_constant
         wg_pin(s);
     };
 
+#if ORDER == 0
     auto tile = [&](int j, float (&s)[NS], float (&s_next)[NS]) {
         if (j * BN + BN > len) {  // the segment's last, partial tile: keys past its end weigh nothing
 #pragma unroll
@@ -260,6 +260,117 @@ vision_attention_ws(const __grid_constant__ TmaDesc q_map, const __grid_constant
         tile(j, sa, sb);
         if (j + 1 < ntiles) tile(j + 1, sb, sa);
     }
+#else
+    // FlashAttention-3's order: S(j) and P(j - 1) V(j - 1) issued together, tile j's softmax beside the
+    // latter; P(j - 1) packed to bf16 (the register A operand) only once that product has finished.
+    float s[NS];
+    u32 pk[BN / 4];
+    auto softmax = [&](int j, float (&alpha)[2], float (&rs)[2]) {  // s -> exponentials in place
+        if (j * BN + BN > len) {
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (j * BN + 8 * i + 2 * t + e >= len) s[4 * i + e] = s[4 * i + 2 + e] = NEG_INF;
+        }
+        float mx[2] = {m[0], m[1]}, mc[2];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+            mc[hh] = mx[hh] * scale_log2;
+            alpha[hh] = exp2_(m[hh] * scale_log2 - mc[hh]);
+            m[hh] = mx[hh];
+            rs[hh] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            s[4 * i + 0] = exp2_(fmaf(s[4 * i + 0], scale_log2, -mc[0]));
+            s[4 * i + 1] = exp2_(fmaf(s[4 * i + 1], scale_log2, -mc[0]));
+            s[4 * i + 2] = exp2_(fmaf(s[4 * i + 2], scale_log2, -mc[1]));
+            s[4 * i + 3] = exp2_(fmaf(s[4 * i + 3], scale_log2, -mc[1]));
+            rs[0] += s[4 * i + 0] + s[4 * i + 1];
+            rs[1] += s[4 * i + 2] + s[4 * i + 3];
+        }
+    };
+    auto pack = [&]() {
+#pragma unroll
+        for (int i = 0; i < BN / 4; ++i) pk[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
+    };
+    auto issue_pv = [&](int j) {
+        mbar_wait(full_v + j % VS, (j / VS) & 1);
+        const elem* vs = Vs + (j % VS) * V_ELEMS;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u32 a[4] = {pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3]};
+            pv_step(o, a, wg_desc_sw128_mn(vs + kk * 16 * 64, BN * 64 * 2));
+        }
+        wg_commit();
+    };
+    // ping-pong: a warpgroup issues its products only in its turn (named barrier 1 + wg), then hands the
+    // turn on, so that one warpgroup's exponentials run while the next one's products do
+    auto turn_wait = [&]() {
+#if PINGPONG
+        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + wg), "n"(256) : "memory");
+#endif
+    };
+    auto turn_pass = [&]() {
+#if PINGPONG
+        asm volatile("bar.arrive %0, %1;\n" :: "r"(1 + (wg + 1) % C), "n"(256) : "memory");
+#endif
+    };
+#if PINGPONG
+    if (wg == C - 1) asm volatile("bar.arrive %0, %1;\n" :: "r"(1), "n"(256) : "memory");
+#endif
+    float alpha[2], rs[2];
+    mbar_wait(full_q, 0);
+    mbar_wait(full_k, 0);
+    turn_wait();
+    issue_s(s, 0);
+    turn_pass();
+    wg_wait<0>();
+    wg_pin(s);
+    if (signal) mbar_arrive(empty_k);
+    softmax(0, alpha, rs);
+    l[0] = rs[0];
+    l[1] = rs[1];
+    pack();
+    for (int j = 1; j < ntiles; ++j) {
+        mbar_wait(full_k + j % KS, (j / KS) & 1);
+        turn_wait();
+        issue_s(s, j);
+        issue_pv(j - 1);
+        turn_pass();
+        wg_wait<1>();  // S(j)
+        wg_pin(s);
+        if (signal) mbar_arrive(empty_k + j % KS);
+        softmax(j, alpha, rs);
+        wg_wait<0>();  // P(j - 1) V(j - 1)
+        wg_pin(o);
+        if (signal) mbar_arrive(empty_v + (j - 1) % VS);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            l[hh] = l[hh] * alpha[hh] + rs[hh];
+#pragma unroll
+            for (int i = 0; i < NO / 4; ++i) {
+                o[4 * i + 2 * hh] *= alpha[hh];
+                o[4 * i + 2 * hh + 1] *= alpha[hh];
+            }
+        }
+        pack();
+    }
+    turn_wait();
+    issue_pv(ntiles - 1);
+    turn_pass();
+    wg_wait<0>();
+    wg_pin(o);
+#endif
 
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

@@ -28,7 +28,7 @@ static_assert(DVS == 32 || DVS == 64 || DVS == 128, "DVS must be 32, 64 or 128")
 #include "seq.cuh"
 #include "mma_tiles.cuh"
 #include "segments.cuh"
-#include "tma.cuh"
+#include "tma_ptx.cuh"
 
 // One block's walk: state columns [v0, v0 + W) of head h of sequence n over chunks [cw, cend). Chunks
 // before cbeg only carry the state (warm-up of a sequence segment); o is written for [cbeg, cend).

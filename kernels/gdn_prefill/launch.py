@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import TensorMap, card_of, get_function, launch
+from ..cuda_build import TensorMap, card_of, get_function, launch, tensor_map
 from .plan import PORTABLE_OUT_THREADS, D, Plan, out_ranks, plan
 
 HERE = Path(__file__).resolve().parent
@@ -149,17 +149,10 @@ def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv,
 
 
 L2_PROMOTION = 2  # the walk's tensor maps: L2 promotion 128 B (cuda_build.TensorMap)
-_maps: dict = {}  # (address, dims, strides) -> TensorMap: the same tensors (a graph, the allocator's reuse) encode once
 
 
 def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
-    key = (x.data_ptr(), dims, strides)
-    m = _maps.get(key)
-    if m is None:
-        if len(_maps) >= 256:
-            _maps.clear()
-        m = _maps[key] = TensorMap(x.data_ptr(), dims, strides, box, L2_PROMOTION)
-    return m
+    return tensor_map(x, dims, strides, box, L2_PROMOTION)
 
 
 def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> list:

@@ -9,7 +9,7 @@
 // Warpgroup wg (warps 4 wg .. 4 wg + 3) holds state rows [64 wg, +64) x 128 columns.
 // Per chunk: S -> 16-bit (canonical layout); then group wg takes the column half [64 wg, +64) of K S,
 // Q S, the rhs, u = T rhs and o += P u, and adds K^T (scaled u) to its own state rows.
-// K, Q, V, T, P arrive by TMA (tma.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
+// K, Q, V, T, P arrive by TMA (tma_ptx.cuh: one thread issues 8 tile copies per chunk, counted on an mbarrier)
 // in the 128-byte swizzled layout; K, Q, T, P reach the tensor cores through ldmatrix as A fragments, rhs
 // (hi, over v) as a swizzled B operand (T's and P's upper blocks, never written, are zeroed in the
 // fragments). The 16-bit state, rhs (lo), u and the scaled u sit in the canonical no-swizzle layout

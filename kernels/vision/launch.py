@@ -1,25 +1,32 @@
-"""Launchers of rotary.cu and layer_norm.cu (the vision tower's rotary, LayerNorm and residual add + LayerNorm).
+"""Launchers of rotary.cu, layer_norm.cu and attention.cu (the vision tower's rotary, LayerNorm, residual add +
+LayerNorm, and attention within each image or video slice).
 
 The kernels take bf16 / fp16 activations: rotary with head dims that are multiples of 8 and fp32 cos / sin;
-LayerNorm with rows that are multiples of 8 up to MAX_D and weight and bias in the activation's dtype.
-Anything else runs the reference."""
+LayerNorm with rows that are multiples of 8 up to MAX_D and weight and bias in the activation's dtype;
+attention bf16 with head dims 64 or 72 on sm_90a cards (H100 / H200: wgmma and TMA; the tower takes SDPA
+elsewhere). Anything else runs the reference."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..cuda_build import aligned16, get_function, launch
-from .reference import add_layer_norm_ref, layer_norm_ref, vision_rotary_ref
+from ..cuda_build import aligned16, card_of, get_function, launch, tensor_map
+from .reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_rotary_ref
 
 ROTARY_SRC = Path(__file__).with_name("rotary.cu")
 NORM_SRC = Path(__file__).with_name("layer_norm.cu")
+ATTN_SRC = Path(__file__).with_name("attention.cu")
 _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ROTARY_THREADS = 256  # THREADS of rotary.cu
 NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
+ATTN_ROWS, ATTN_KEYS, ATTN_THREADS = 192, 128, 512  # BM, BN, THREADS of attention.cu
+ATTN_HEAD_DIMS = (64, 72)
+MAX_GRID_Y = 65535
 
 
 def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -84,3 +91,48 @@ def add_layer_norm_cuda(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, 
     if not norm_takes(x, y, weight, bias):
         return add_layer_norm_ref(x, y, weight, bias, eps)
     return _layer_norm(x, y, weight, bias, eps)
+
+
+def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Whether attention.cu runs this call (from shapes, strides and the card; the launcher also wants 16-byte
+    aligned data): bf16 q, k, v of one shape [N, H, hd], hd 64 or 72, each token's heads packed ([.., H, hd]
+    contiguous; rows any multiple of 16 bytes apart, as the copy engine reads them), on an sm_90a card."""
+    if not (q.is_cuda and q.dim() == 3 and q.dtype == torch.bfloat16 and q.shape[-1] in ATTN_HEAD_DIMS):
+        return False
+    n, h, hd = q.shape
+    for x in (q, k, v):
+        if (x.shape != q.shape or x.dtype != q.dtype or x.device != q.device or x.stride(2) != 1
+                or x.stride(1) != hd or x.stride(0) * x.element_size() % 16):
+            return False
+    return (cu_seqlens.dtype == torch.int32 and (cu_seqlens.numel() - 1) * h <= MAX_GRID_Y
+            and card_of(q.device).wgmma)
+
+
+def attention_smem(head_dim: int) -> int:
+    """Dynamic shared memory of attention.cu: Q, two stages of K and V (64-column blocks of 128-byte rows),
+    1 KB of alignment, nine barriers."""
+    qk_cb, v_cb = 1 if head_dim <= 64 else 2, 1 if head_dim <= 64 else 2
+    return (qk_cb * ATTN_ROWS + 2 * qk_cb * ATTN_KEYS + 2 * v_cb * ATTN_KEYS) * 64 * 2 + 1024 + 9 * 8
+
+
+def _attention_map(x: torch.Tensor):
+    """x [N, H, hd] as the kernel's TMA boxes: 64 columns x 64 tokens of one head; zeros outside."""
+    n, h, hd = x.shape
+    return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, 64))
+
+
+def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_len: int) -> torch.Tensor:
+    """Same contract as reference.vision_attention_ref; max_len: at least the longest segment (a host int)."""
+    if not attention_takes(q, k, v, cu_seqlens) or any(x.data_ptr() % 16 for x in (q, k, v)):
+        return vision_attention_ref(q, k, v, cu_seqlens)
+    n, h, hd = q.shape
+    out = torch.empty(n, h, hd, dtype=q.dtype, device=q.device)
+    segments = cu_seqlens.numel() - 1
+    if n == 0 or segments <= 0 or max_len <= 0:
+        return out
+    fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
+    launch(fn, ((max_len + ATTN_ROWS - 1) // ATTN_ROWS, segments * h, 1), (ATTN_THREADS, 1, 1),
+           (_attention_map(q), _attention_map(k), _attention_map(v), cu_seqlens.contiguous(), out,
+            np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=attention_smem(hd))
+    return out

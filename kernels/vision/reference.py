@@ -1,5 +1,5 @@
-"""PyTorch references of rotary.cu and layer_norm.cu: the vision tower's own expressions, so the reference
-backend computes exactly what the tower computed before the kernels."""
+"""PyTorch references of rotary.cu, layer_norm.cu and attention.cu: the vision tower's own expressions, so the
+reference backend computes exactly what the tower computed before the kernels."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +28,15 @@ def add_layer_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, b
     x, y: [..., D]; weight, bias: [D]."""
     s = x + y
     return s, F.layer_norm(s, s.shape[-1:], weight, bias, eps)
+
+
+def vision_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Attention within each segment [cu_seqlens[i], cu_seqlens[i + 1]) of the packed tokens, no mask, scale
+    1 / sqrt(head dim): SDPA per segment. q, k, v: [N, H, hd]; cu_seqlens int32 [segments + 1]. Returns
+    [N, H, hd] (contiguous) in q.dtype."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            out[a:b] = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+    return out

@@ -1,7 +1,7 @@
-// Hopper tensor-memory-accelerator copies (TMA, sm_90) for the GDN prefill walk: 2-D / 4-D tiles described
-// by tensor maps the launcher encodes (cuTensorMapEncodeTiled, 128-byte swizzle) and passes by value,
-// plain bulk copies, and the shared-memory barriers (mbarrier) they complete on. Included after
-// mma_tiles.cuh.
+// Hopper tensor-memory-accelerator copies (TMA, sm_90) for the GDN prefill walk and the vision attention:
+// 2-D / 3-D / 4-D tiles described by tensor maps the launcher encodes (cuda_build.TensorMap: 128-byte
+// swizzle) and passes by value, plain bulk copies, and the shared-memory barriers (mbarrier) they complete
+// on. After mma_ptx.cuh (smem_u32).
 #pragma once
 #include "wgmma_ptx.cuh"  // sw64, the 128-byte swizzle
 
@@ -18,6 +18,10 @@ __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, int bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
+// One arrival (of the count the barrier was initialised with).
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(bar)) : "memory");
+}
 // Waits until the phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
     asm volatile("{\n.reg .pred P1;\nWAIT_LOOP:\n"
@@ -27,6 +31,10 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* map, int c0, int c1, unsigned long long* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* map, int c0, int c1, int c2, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc* map, int c0, int c1, int c2, int c3,
                                             unsigned long long* bar) {
