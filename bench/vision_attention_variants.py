@@ -25,10 +25,11 @@ from qwen35_fast.kernels.vision.launch import vision_attention_cuda
 SRC = Path(__file__).parent / "experiments" / "vision_attention.cu"
 SRC_WS = Path(__file__).parent / "experiments" / "vision_attention_ws.cu"
 VARIANTS = [(2, 64, 0), (2, 64, 1), (1, 64, 1), (3, 64, 1), (2, 128, 1)]  # (WGS, BN, EXP_FAST)
-WS_VARIANTS = [(2, 128, 2, 2, 0, 0), (2, 128, 2, 2, 1, 0), (2, 128, 2, 2, 1, 1), (2, 128, 3, 3, 1, 0), (2, 128, 3, 3, 1, 1),
-               (3, 128, 2, 2, 1, 0), (3, 128, 2, 2, 1, 1), (3, 64, 3, 3, 0, 0), (3, 64, 3, 3, 1, 0),
-               (3, 64, 4, 4, 1, 1)]  # (C, BN, KS, VS, ORDER, PINGPONG)
-WS_KEYS = ("C", "BN", "KS", "VS", "ORDER", "PINGPONG")
+WS_VARIANTS = [(2, 128, 2, 2, 0, 0, 0), (2, 128, 2, 2, 1, 0, 0), (2, 128, 2, 2, 1, 1, 0), (2, 128, 3, 3, 1, 0, 0),
+               (2, 128, 3, 3, 1, 1, 0), (3, 128, 2, 2, 1, 0, 0), (3, 128, 2, 2, 1, 1, 0), (3, 64, 3, 3, 0, 0, 0),
+               (3, 64, 3, 3, 1, 0, 0), (3, 64, 4, 4, 1, 1, 0), (3, 128, 2, 3, 1, 1, 0), (3, 128, 3, 2, 1, 1, 0),
+               (3, 128, 2, 2, 1, 1, 4), (3, 128, 2, 2, 1, 1, 2)]  # (C, BN, KS, VS, ORDER, PINGPONG, POLY)
+WS_KEYS = ("C", "BN", "KS", "VS", "ORDER", "PINGPONG", "POLY")
 SHAPES = [(1, 4096, 16, 72), (4, 4096, 16, 72), (16, 3600, 16, 72), (1, 4096, 16, 64)]  # segments, tokens, heads, dim
 
 
@@ -77,9 +78,10 @@ def _map(x):
 
 def run_ws(q, k, v, cu, length, var, out=None):
     n, h, hd = q.shape
-    c, bn, ks, vs, order, pp = var
+    c, bn, ks, vs, order, pp, poly = var
     fn = get_function(SRC_WS, "vision_attention_ws", q.device, {"HEAD_DIM": hd, "HEADS": h, "C": c, "BN": bn,
-                                                               "KS": ks, "VS": vs, "ORDER": order, "PINGPONG": pp})
+                                                               "KS": ks, "VS": vs, "ORDER": order, "PINGPONG": pp,
+                                                               "POLY": poly})
     maps = [_map(x) for x in (q, k, v)]
     out = torch.empty_like(q) if out is None else out
     launch(fn, (math.ceil(length / (64 * c)), (cu.numel() - 1) * h, 1), (128 * (c + 1), 1, 1),
