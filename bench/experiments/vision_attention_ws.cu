@@ -1,9 +1,10 @@
-// EXPERIMENT (bench only; not used by the runtime): the vision tower's attention (head dims 64 / 72) on
-// warpgroup mma with warp specialisation: one producer warp copies Q, K and V with TMA into stages guarded by
-// shared-memory barriers, C consumer warpgroups (64 query rows each) never copy and never wait on each other.
-// vision_attention.cu (the same mathematics, every thread copying with cp.async, one block barrier per tile)
-// ran at 0.29-0.38 ms against cuDNN's 0.205 for one image (4,096 tokens, 16 heads of 72); the notes there
-// blame the feeding. bench/vision_attention_variants.py times both against cuDNN.
+// EXPERIMENT (bench only): the variants measured on the way to kernels/vision/attention.cu, the shipped kernel
+// (C 3, BN 128, KS = VS = 2, ORDER 1, PINGPONG 1, POLY 0). One producer warp copies Q, K and V with TMA into
+// stages guarded by shared-memory barriers; C consumer warpgroups (64 query rows each) never copy. Switches:
+// C consumers, BN keys a tile, KS / VS stages, ORDER (0: S(j + 1) beside tile j's exponentials, then P V(j);
+// 1: FlashAttention-3's order), PINGPONG (the consumers take turns issuing products), POLY (every POLY-th
+// group of 8 columns takes its exponentials on the FMA pipe). bench/vision_attention_variants.py times them
+// against cuDNN and the shipped kernel (kernels/vision/NOTES.md has the table).
 //
 // Each token of a packed batch attends to every token of its own segment (cu_seqlens: one image, or one
 // 2-frame slice of a video) and to no other, no causal mask, softmax scale 1 / sqrt(HEAD_DIM).
@@ -12,13 +13,12 @@
 //   the rows past token N); cu_seqlens int32 [segments + 1]; out [N, HEADS, HEAD_DIM] contiguous.
 // Block: BM = 64 C rows of one (segment, head); warpgroup C is the producer. Per tile of BN keys a consumer
 // warpgroup forms S = Q K^T (both in shared memory), the online softmax in the exp2 domain, O += P V with P
-// from registers and V read with the transpose bit (one m64nHEAD_DIMk16 per 16 keys). S(j + 1) is issued
-// before tile j's exponentials, so they run beside it on the tensor cores.
+// from registers and V read with the transpose bit (one m64nHEAD_DIMk16 per 16 keys).
 // Shared memory: Q [QK_CB][BM][64], K [KS][QK_CB][BN][64], V [VS][V_CB][BN][64] (128-byte rows), barriers.
 #include "common.cuh"
 #include "mma_ptx.cuh"    // smem_u32, pack_bf16
 #include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
-#include "tma_ptx.cuh"     // TmaDesc, mbarriers, tensor copies
+#include "tma_ptx.cuh"    // TmaDesc, mbarriers, tensor copies
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 72

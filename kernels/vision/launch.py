@@ -26,7 +26,7 @@ NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
 ATTN_ROWS, ATTN_KEYS, ATTN_THREADS = 192, 128, 512  # BM, BN, THREADS of attention.cu
 ATTN_HEAD_DIMS = (64, 72)
-MAX_GRID_Y = 65535
+MAX_GRID_Y = 65535  # attention.cu's grid.y is segments x heads
 
 
 def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -111,7 +111,8 @@ def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 def attention_smem(head_dim: int) -> int:
     """Dynamic shared memory of attention.cu: Q, two stages of K and V (64-column blocks of 128-byte rows),
     1 KB of alignment, nine barriers."""
-    qk_cb, v_cb = 1 if head_dim <= 64 else 2, 1 if head_dim <= 64 else 2
+    qk_cb = (2 * ((head_dim + 15) // 16) + 7) // 8  # QK_CB: Q / K rows padded to the k-steps of 16
+    v_cb = (head_dim + 63) // 64  # V_CB
     return (qk_cb * ATTN_ROWS + 2 * qk_cb * ATTN_KEYS + 2 * v_cb * ATTN_KEYS) * 64 * 2 + 1024 + 9 * 8
 
 
