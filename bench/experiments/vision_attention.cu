@@ -26,27 +26,7 @@
 // WGS 2, BN 64).
 #include "common.cuh"
 #include "mma_ptx.cuh"    // smem_u32, pack_bf16, cp_async*
-#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
-
-// Descriptor of an operand [K][N] with N contiguous (the transpose bit) wider than 64: 64-column blocks of that
-// swizzled layout, block_bytes apart (the leading offset: the step from one block to the next along N), their
-// 8-row groups 1 KB apart (the stride offset).
-__device__ __forceinline__ unsigned long long wg_desc_sw128_mn(const void* p, unsigned block_bytes) {
-    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)(block_bytes >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-#define WG_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
-               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
-// d (64 x 72) (+)= A (64 x 16, registers, as wg_rs_m64n64_bf16) B (16 x 72, N contiguous: wg_desc_sw128_mn), bf16.
-// d[4 j + 0, 1]: row g, columns 8 j + 2 t, +1 (j < 9); d[4 j + 2, 3]: 8 rows below.
-__device__ __forceinline__ void wg_rs_m64n72_bf16(float d[36], const u32 a[4], unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 " WG_D36 ", {%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"
-                 : WG_D32_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
+#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, the m64n64 / m64n128 / m64n72 shapes
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 72
@@ -93,14 +73,8 @@ __device__ __forceinline__ float exp2_(float x) {
 }
 
 #if BN == 128
-#define WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
-               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
-               "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 __device__ __forceinline__ void s_step(float (&d)[NS], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WG_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : WG_D32_OUT(d), WG_D32_OUT((d + 32))
-                 : "l"(da), "l"(db), "r"(acc));
+    wg_ss_m64n128_bf16(d, da, db, acc);
 }
 #else
 __device__ __forceinline__ void s_step(float (&d)[NS], unsigned long long da, unsigned long long db, int acc) {

@@ -25,7 +25,7 @@
 // (kernels/vision/NOTES.md).
 #include "common.cuh"
 #include "mma_ptx.cuh"    // smem_u32, pack_bf16, u32
-#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n64k16
+#include "wgmma_ptx.cuh"  // fences, swizzled layout, descriptors, m64n128k16 / m64n72k16 / m64n64k16
 #include "tma_ptx.cuh"    // TmaDesc, mbarriers, tensor copies
 
 #ifndef HEAD_DIM
@@ -54,34 +54,15 @@ typedef __nv_bfloat16 elem;
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 72, "HEAD_DIM must be 64 or 72 (the P V instruction's width)");
 
-// Descriptor of an operand [K][N] with N contiguous (the transpose bit) wider than 64: 64-column blocks of the
-// swizzled layout, block_bytes apart (the leading offset), their 8-row groups 1 KB apart (the stride offset).
-__device__ __forceinline__ unsigned long long desc_sw128_mn(const void* p, unsigned block_bytes) {
-    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | ((unsigned long long)(block_bytes >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-#define WG_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
-               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
-#define WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
-               "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
-               "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-
-// s (64 x 128) (+)= A (64 x 16) B (16 x 128), both K-major in shared memory.
+// s (64 x 128) (+)= Q K^T's 16-column step (both K-major in shared memory).
 __device__ __forceinline__ void s_step(float (&d)[NS], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WG_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : WG_D32_OUT(d), WG_D32_OUT((d + 32))
-                 : "l"(da), "l"(db), "r"(acc));
+    wg_ss_m64n128_bf16(d, da, db, acc);
 }
 
 // o (64 x HEAD_DIM) += A (64 x 16, registers) B (16 x HEAD_DIM, N contiguous).
 __device__ __forceinline__ void pv_step(float (&o)[NO], const u32 (&a)[4], unsigned long long desc) {
 #if HEAD_DIM == 72
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16 " WG_D36 ", {%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"
-                 : WG_D32_OUT(o), "+f"(o[32]), "+f"(o[33]), "+f"(o[34]), "+f"(o[35])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    wg_rs_m64n72_bf16(o, a, desc, 1);
 #else
     wg_rs_m64n64_bf16(o, a, desc, 1);
 #endif
@@ -182,7 +163,7 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             const u32 a[4] = {pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3]};
-            pv_step(o, a, desc_sw128_mn(vs + kk * 16 * 64, BN * 64 * 2));
+            pv_step(o, a, wg_desc_sw128_mn(vs + kk * 16 * 64, BN * 64 * 2));
         }
         wg_commit();
     };
