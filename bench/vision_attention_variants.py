@@ -19,8 +19,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-from qwen35_fast.kernels.cuda_build import TensorMap, get_function, launch
-from qwen35_fast.kernels.vision.launch import vision_attention_cuda
+from qwen35_fast.kernels.cuda_build import get_function, launch
+from qwen35_fast.kernels.vision.launch import attention_map, vision_attention_cuda
+from qwen35_fast.kernels.vision.reference import vision_attention_ref
 
 SRC = Path(__file__).parent / "experiments" / "vision_attention.cu"
 SRC_WS = Path(__file__).parent / "experiments" / "vision_attention_ws.cu"
@@ -64,25 +65,13 @@ def ws_smem(hd, c, bn, ks, vs, *_):
     return (qk_cb * 64 * (64 * c) + ks * qk_cb * bn * 64 + vs * v_cb * bn * 64) * 2 + 1024 + 8 * (1 + 2 * ks + 2 * vs)
 
 
-_maps: dict = {}
-
-
-def _map(x):
-    """The tensor map of [N, heads, head dim] x (encoded once per address and shape: off the timed path)."""
-    n, h, hd = x.shape
-    key = (x.data_ptr(), n, h, hd, x.stride(0))
-    if key not in _maps:
-        _maps[key] = TensorMap(x.data_ptr(), (hd, h, n), (hd * 2, x.stride(0) * 2), (64, 1, 64))
-    return _maps[key]
-
-
 def run_ws(q, k, v, cu, length, var, out=None):
     n, h, hd = q.shape
     c, bn, ks, vs, order, pp, poly = var
     fn = get_function(SRC_WS, "vision_attention_ws", q.device, {"HEAD_DIM": hd, "HEADS": h, "C": c, "BN": bn,
                                                                "KS": ks, "VS": vs, "ORDER": order, "PINGPONG": pp,
                                                                "POLY": poly})
-    maps = [_map(x) for x in (q, k, v)]
+    maps = [attention_map(x) for x in (q, k, v)]  # the shipped kernel's maps: its boxes, encoded once
     out = torch.empty_like(q) if out is None else out
     launch(fn, (math.ceil(length / (64 * c)), (cu.numel() - 1) * h, 1), (128 * (c + 1), 1, 1),
            (*maps, cu, out, np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=ws_smem(hd, *var))
@@ -98,10 +87,7 @@ def check_ws(rows):
         qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
         q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
         cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-        ref = torch.empty(n, h, hd, device="cuda")
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            qs, ks_, vs_ = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
-            ref[a:b] = F.scaled_dot_product_attention(qs, ks_, vs_).transpose(0, 1)
+        ref = vision_attention_ref(q.float(), k.float(), v.float(), cu)
         for var in WS_VARIANTS:
             out = torch.full_like(q, float("nan"))
             run_ws(q, k, v, cu, max(lens), var, out)
@@ -113,6 +99,15 @@ def check_ws(rows):
             rows.append({"check": "ragged fp32", "head_dim": hd, **dict(zip(WS_KEYS, var)),
                          "rel_err": float(f"{err:.2e}"), "max_err_rel": float(f"{worst:.2e}"), "ok": ok})
             print(f"check hd {hd} {var}: rel err {err:.1e} max {worst:.1e} {'ok' if ok else 'FAIL'}")
+
+
+def measure(rows, shape, ref, cudnn_ms, label, fn, impl, **fields):
+    """One row: fn's time and its output's error against cuDNN's (ref), printed and appended to rows."""
+    err = ((fn().float() - ref).norm() / ref.norm()).item()
+    ms = timed(fn)
+    rows.append({"impl": impl, "shape": shape, **fields, "ms": round(ms, 4), "over_cudnn": round(ms / cudnn_ms, 3),
+                 "rel_err_vs_cudnn": float(f"{err:.2e}")})
+    print(f"  {label}: {ms:.4f} ms ({ms / cudnn_ms:.2f} x cuDNN), error {err:.1e}")
 
 
 def main():
@@ -135,26 +130,13 @@ def main():
         shape = f"{segs}x{length}x{h}x{hd}"
         rows.append({"impl": "cudnn", "shape": shape, "ms": round(cudnn, 4)})
         print(f"{shape}: cuDNN {cudnn:.4f} ms")
-        o = vision_attention_cuda(q, k, v, cu, length).float()
-        err = ((o - ref).norm() / ref.norm()).item()
-        ms = timed(lambda: vision_attention_cuda(q, k, v, cu, length))
-        rows.append({"impl": "ours", "shape": shape, "ms": round(ms, 4), "over_cudnn": round(ms / cudnn, 3),
-                     "rel_err_vs_cudnn": float(f"{err:.2e}")})
-        print(f"  ours (kernels/vision/attention.cu): {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+        base = (rows, shape, ref, cudnn)
+        measure(*base, "ours (kernels/vision/attention.cu)", lambda: vision_attention_cuda(q, k, v, cu, length), "ours")
         for var in WS_VARIANTS:
-            o = run_ws(q, k, v, cu, length, var).float()
-            err = ((o - ref).norm() / ref.norm()).item()
-            ms = timed(lambda: run_ws(q, k, v, cu, length, var))
-            rows.append({"impl": "ws", "shape": shape, **dict(zip(WS_KEYS, var)), "ms": round(ms, 4),
-                         "over_cudnn": round(ms / cudnn, 3), "rel_err_vs_cudnn": float(f"{err:.2e}")})
-            print(f"  ws {var}: {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+            measure(*base, f"ws {var}", lambda: run_ws(q, k, v, cu, length, var), "ws", **dict(zip(WS_KEYS, var)))
         for wgs, bn, fast in ([] if a.only_ws else VARIANTS):
-            o = run(q, k, v, cu, length, wgs, bn, fast).float()
-            err = ((o - ref).norm() / ref.norm()).item()
-            ms = timed(lambda: run(q, k, v, cu, length, wgs, bn, fast))
-            rows.append({"impl": "experiment", "shape": shape, "WGS": wgs, "BN": bn, "EXP_FAST": fast, "ms": round(ms, 4),
-                         "over_cudnn": round(ms / cudnn, 3), "rel_err_vs_cudnn": float(f"{err:.2e}")})
-            print(f"  WGS {wgs} BN {bn} EXP_FAST {fast}: {ms:.4f} ms ({ms / cudnn:.2f} x cuDNN), error {err:.1e}")
+            measure(*base, f"WGS {wgs} BN {bn} EXP_FAST {fast}", lambda: run(q, k, v, cu, length, wgs, bn, fast),
+                    "experiment", WGS=wgs, BN=bn, EXP_FAST=fast)
     Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
 
 

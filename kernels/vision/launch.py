@@ -116,7 +116,7 @@ def attention_smem(head_dim: int) -> int:
     return (qk_cb * ATTN_ROWS + 2 * qk_cb * ATTN_KEYS + 2 * v_cb * ATTN_KEYS) * 64 * 2 + 1024 + 9 * 8
 
 
-def _attention_map(x: torch.Tensor):
+def attention_map(x: torch.Tensor):
     """x [N, H, hd] as the kernel's TMA boxes: 64 columns x 64 tokens of one head; zeros outside."""
     n, h, hd = x.shape
     return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, 64))
@@ -134,6 +134,6 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         return out
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
     launch(fn, ((max_len + ATTN_ROWS - 1) // ATTN_ROWS, segments * h, 1), (ATTN_THREADS, 1, 1),
-           (_attention_map(q), _attention_map(k), _attention_map(v), cu_seqlens.contiguous(), out,
+           (attention_map(q), attention_map(k), attention_map(v), cu_seqlens.contiguous(), out,
             np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=attention_smem(hd))
     return out
