@@ -6,6 +6,10 @@ moves as many bytes (read + written) as the kernel reads, timed the same way: wh
 many bytes reaches at that size (bench/paged_attention.py's same_bytes_copy).
 
     python3 bench/paged_decode_sweep.py [--out bench/results/paged-decode-sweep-h200.json]
+        [--nq 1,4] [--nkv 1024,4096,16384,65536] [--kernels dec] [--splits 8,16,32,48,66,99,128]
+
+--kernels: the kernels the sweep forces at each split ("dec", "mma", "wg"), e.g. `--nq 16 --kernels wg,mma`
+for 16 new tokens (64 rows) on the two prefill kernels.
 """
 import argparse
 import json
@@ -44,17 +48,22 @@ def kernel_split(calls) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/paged-decode-sweep-h200.json")
+    ap.add_argument("--nq", default=",".join(map(str, NQS)))
+    ap.add_argument("--nkv", default=",".join(map(str, NKVS)))
+    ap.add_argument("--kernels", default="dec")
+    ap.add_argument("--splits", default=",".join(map(str, SPLITS)))
     a = ap.parse_args()
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     bw, _ = ceilings()
     card = card_of(DEV)
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows, copies_out = [], []
-    for Nkv in NKVS:
+    for Nkv in ints(a.nkv):
         kv_bytes = 2 * Nkv * HKV * D * 2
         copies = max(1, min(8, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
         copies_out.append(same_bytes_copy(kv_bytes, copies, bw))
         print(json.dumps(copies_out[-1]), flush=True)
-        for Nq in NQS:
+        for Nq in ints(a.nq):
             qg = torch.randn(Nq, H, 2 * D, device=DEV, dtype=torch.bfloat16, generator=gen)
             kn = torch.randn(Nq, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
             lens = torch.tensor([Nkv], dtype=torch.int32, device=DEV)
@@ -66,12 +75,13 @@ def main():
             def calls(**kw):
                 return [lambda t=t: paged_attention_cuda(qg[..., :D], kn, kn, k_pool, v_pool, t, lens, cu_q,
                                                          qg[..., D:], Nq, **kw) for t in tables]
-            for s in tuple(x for x in SPLITS if x <= math.ceil(Nkv / 32)):
-                ms = graph_ms(calls(splits=s, kernel="dec"))
-                row = {"Nq": Nq, "Nkv": Nkv, "splits": s, "ms": round(ms, 5),
-                       "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for kernel in a.kernels.split(","):
+                for s in tuple(x for x in ints(a.splits) if x <= math.ceil(Nkv / 32)):
+                    ms = graph_ms(calls(splits=s, kernel=kernel))
+                    row = {"Nq": Nq, "Nkv": Nkv, "kernel": kernel, "splits": s, "ms": round(ms, 5),
+                           "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             ms = graph_ms(calls())
             row = {"Nq": Nq, "Nkv": Nkv, "plan": {"splits": p.splits, "kernel": p.kernel},
                    "ms": round(ms, 5), "kv_copy_bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3),

@@ -2,29 +2,63 @@
 
 torch's blocking host-to-device copy waits for everything already queued on the stream; a prompt makes
 a dozen such copies, several of them behind the vision tower's 15 ms of kernels, and each one left the
-GPU idle while Python queued the next work. A copy from pageable memory with non_blocking=True is staged
-by the driver before the call returns (the host tensor may be dropped or changed at once) and waits for
-nothing. A cold image prompt made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the
-image's content hash, before the tower, and the logits) or 3 with the prefix cache on;
-tests/test_vision_gpu.py checks that none happens between the tower's launch and the logits.
+GPU idle while Python queued the next work. A small copy from pageable memory with non_blocking=True is
+staged by the driver before the call returns (the host tensor may be dropped or changed at once) and waits
+for nothing; a larger one waits for the stream to reach it (a video's plan, with one 368 KB index, held the host
+~23 ms behind the previous tower call: bench/vision_profile.py --video), so copies above PINNED_ABOVE go
+through pinned memory first. A cold image
+prompt made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the image's content hash, before
+the tower, and the logits) or 3 with the prefix cache on; tests/test_vision_gpu.py checks that none happens
+between the tower's launch and the logits.
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
+
+# bytes above which a copy to the GPU is staged in pinned memory first (the driver stages smaller pageable
+# copies itself without waiting)
+PINNED_ABOVE = 32 * 1024
 
 
 def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """`data` (a list, a tuple or a CPU tensor) as a tensor on `device`, queued without a synchronisation on
-    CUDA (elsewhere a plain copy: the staging guarantee above is CUDA's)."""
+    CUDA, however large (elsewhere a plain copy)."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     if device is None:
         return t
     device = torch.device(device)
-    return t.to(device, non_blocking=device.type == "cuda")
+    if device.type != "cuda":
+        return t.to(device)
+    if t.numel() * t.element_size() > PINNED_ABOVE:
+        t = t.pin_memory()  # (torch's caching host allocator keeps it until the copy has read it)
+    return t.to(device, non_blocking=True)
+
+
+def upload_arrays(arrays, device) -> list[torch.Tensor]:
+    """numpy `arrays` on `device` in one copy, as typed views (their dtypes and shapes) of one device buffer. On
+    CUDA they are packed (8-byte aligned) into one pinned host buffer, so the copy is queued and the host goes
+    on at once whatever its size; torch's caching host allocator keeps the buffer until the copy has read it.
+    Elsewhere the views share one host buffer."""
+    device = torch.device(device)
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    spans = [(a.nbytes + 7) // 8 * 8 for a in arrays]
+    cuda = device.type == "cuda"
+    host = torch.empty(max(8, sum(spans)), dtype=torch.uint8, pin_memory=cuda)
+    flat, at = host.numpy(), 0
+    for a, span in zip(arrays, spans):
+        flat[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        at += span
+    buf = host if device.type == "cpu" else host.to(device, non_blocking=cuda)
+    out, at = [], 0
+    for a, span in zip(arrays, spans):
+        out.append(buf[at:at + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape))
+        at += span
+    return out
 
 
 def host_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -48,4 +82,4 @@ def on_model_device(fn):
     return run
 
 
-__all__ = ["upload", "host_logits", "on_model_device"]
+__all__ = ["upload", "upload_arrays", "host_logits", "on_model_device"]

@@ -21,12 +21,14 @@ file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,7 @@ from torch import nn
 from .. import kernels
 from .checkpoint import LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
 from .errors import Qwen35Error
-from .host import upload
+from .host import upload_arrays
 
 log = logging.getLogger(__name__)
 
@@ -164,71 +166,73 @@ class VisionPlan:
         return sum(t * h * w for t, h, w in self.grids)
 
 
-def _block_order_rows_cols(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of each patch of an h x w grid, listed in merge-block order."""
-    br = torch.arange(h // m).view(-1, 1, 1, 1)
-    bc = torch.arange(w // m).view(1, -1, 1, 1)
-    ir = torch.arange(m).view(1, 1, -1, 1)
-    ic = torch.arange(m).view(1, 1, 1, -1)
+@functools.lru_cache(maxsize=32)
+def _grid_taps(h: int, w: int, m: int, side: int) -> tuple[np.ndarray, ...]:
+    """For one frame of an h x w patch grid, its patches listed in merge-block order (block row, block column,
+    row in block, column in block): their rows and columns, and the four taps of the learned side x side
+    position grid each interpolates (bilinear, corners aligned: patch 0 -> grid 0, the last -> grid side - 1;
+    fp32 as torch computes it): indices [h w, 4] and weights [h w, 4]. Kept per size (read-only)."""
     shape = (h // m, w // m, m, m)
-    return (br * m + ir).expand(shape).reshape(-1), (bc * m + ic).expand(shape).reshape(-1)
+    br, bc, ir, ic = np.ix_(np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m))
+    row, col = np.broadcast_to(br * m + ir, shape).reshape(-1), np.broadcast_to(bc * m + ic, shape).reshape(-1)
+
+    def taps(index, size):
+        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        lo = np.floor(src)
+        return lo.astype(np.int64), np.minimum(lo.astype(np.int64) + 1, side - 1), src - lo
+
+    one = np.float32(1)
+    (r0, r1, fr), (c0, c1, fc) = taps(row, h), taps(col, w)
+    index = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
+    weight = np.stack([(one - fr) * (one - fc), (one - fr) * fc, fr * (one - fc), fr * fc], axis=1)
+    out = (row, col, index, weight)
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """The rotary's frequencies of one axis (a quarter of the head each for h and w), fp32, made on the host
+    as transformers makes them."""
+    return (1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2))).numpy()
 
 
 def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
-    """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]."""
+    """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]. The index math runs on the
+    host (numpy) and goes to the device in one copy (upload_arrays); cos / sin are made where the tower runs."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
     m, side = vc.spatial_merge_size, vc.grid_side
-    rows, cols, heights, widths, pos_rows = [], [], [], [], []
+    frames, pos_rows = [], []
     first = 0
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
             raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
-        r, c = _block_order_rows_cols(h, w, m)
-        rows.append(r)
-        cols.append(c)
-        heights.append(torch.full((h * w,), h))
-        widths.append(torch.full((h * w,), w))
-        pos_rows.append((first + torch.arange(h * w)).repeat(t))
+        frames.append(_grid_taps(h, w, m, side))
+        pos_rows.append(np.tile(first + np.arange(h * w), t))
         first += h * w
-    # index math on the host, the float math where the tower runs (one small copy instead of cos / sin)
-    frame_row, frame_col = upload(torch.cat(rows), device=device), upload(torch.cat(cols), device=device)
-    height, width = upload(torch.cat(heights), device=device), upload(torch.cat(widths), device=device)
-    expand = upload(torch.cat(pos_rows), device=device) if any(t > 1 for t, _, _ in grids) else None
+    frame_row, frame_col, pos_index, pos_weight = (np.concatenate(a) for a in zip(*frames))
+    video = any(t > 1 for t, _, _ in grids)
+    expand = np.concatenate(pos_rows) if video else None
     row, col = (frame_row, frame_col) if expand is None else (frame_row[expand], frame_col[expand])
-
-    def taps(index, size):  # bilinear, corners aligned: patch 0 -> grid 0, last patch -> grid side-1
-        src = index.float() * (side - 1) / (size - 1).clamp_min(1).float()
-        lo = src.floor()
-        return lo.long(), (lo.long() + 1).clamp_max(side - 1), src - lo
-
-    r0, r1, fr = taps(frame_row, height)
-    c0, c1, fc = taps(frame_col, width)
-    pos_index = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], dim=1)
-    pos_weight = torch.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], dim=1)
-
-    hd = vc.head_dim
-    inv_freq = 1.0 / vc.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32, device=device)
-                                       / (hd // 2))
-    f = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=1)
-    emb = torch.cat([f, f], dim=1)
 
     # attention slices: one per image, one per temporal patch of a video; grouped by length
     lengths = [h * w for t, h, w in grids for _ in range(t)]
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
-        by_len.setdefault(n, []).append(starts[i])
-    groups = []
-    for n, firsts in by_len.items():
-        if len(by_len) == 1:
-            groups.append((None, len(firsts), n))
-        else:
-            idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
-            groups.append((upload(idx, device=device), len(firsts), n))
-    cu = upload(starts, torch.int32, device)
-    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), tuple(groups), cu, max(lengths))
+        by_len.setdefault(n, []).append(int(starts[i]))
+    group_index = [] if len(by_len) == 1 else [(np.asarray(f)[:, None] + np.arange(n)[None, :]).reshape(-1)
+                                               for n, f in by_len.items()]
+    # the rotary's angles: each half of the head is (row x inv_freq, column x inv_freq)
+    rowcol = np.stack([row, col, row, col], axis=1).astype(np.float32)  # exact: far below 2^24 patches
+    arrays = ([pos_index, pos_weight, rowcol, _inv_freq(vc.head_dim, vc.rope_theta), starts.astype(np.int32)]
+              + ([expand] if video else []) + group_index)
+    pos_index, pos_weight, rowcol, inv_freq, cu, *rest = upload_arrays(arrays, device)
+    expand = rest.pop(0) if video else None
+    groups = tuple((rest[i] if rest else None, len(f), n) for i, (n, f) in enumerate(by_len.items()))
+    emb = (rowcol[:, :, None] * inv_freq).view(len(row), -1)  # [N, hd]
+    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), groups, cu, max(lengths))
 
 
 # --- weights and forward ------------------------------------------------------------------------
