@@ -1,12 +1,14 @@
 """The vision tower's rotary and residual add + LayerNorm kernels at the 27 x 1152 tower's shapes (one 1024 x 1024
 image: 4,096 patches; 32 frames of 720 x 1280: 46,080), against the copy floor of the bytes each must move:
-the rotary at each VECS (16-byte vectors per thread; the launcher's ROTARY_VECS is the one it runs), every
-variant checked bit for bit against the reference. CUDA-graph replays, median ms. Writes JSON.
+the shipped rotary (one 16-byte vector a thread) and bench/experiments/vision_rotary_vecs.cu at each VECS
+(vectors a thread), every one checked bit for bit against the reference. CUDA-graph replays, median ms.
+Writes JSON.
 
-    python3 bench/vision_elementwise.py [--vecs 1,2,4,8] [--out bench/results/vision-rotary-h200.json]
+    python3 bench/vision_elementwise.py [--vecs 1,2,4,8] [--out bench/results/vision-rotary-vecs-h200.json]
 """
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,15 +23,15 @@ from gdn import bench_ms, ceilings, graph_of
 
 DEV = "cuda"
 H, HD, D = 16, 72, 1152
+SRC_VECS = Path(__file__).parent / "experiments" / "vision_rotary_vecs.cu"
 
 
 def rotary_at(qkv, cos, sin, vecs):
-    """vision_rotary_cuda with VECS = vecs (the launcher's code path, the define forced)."""
+    """The experiment's rotary with VECS = vecs, launched as the shipped one is."""
     n = qkv.shape[0]
     out = torch.empty(2, n, H, HD, dtype=qkv.dtype, device=qkv.device)
     total = n * 2 * H * (HD // 8)
-    fn = get_function(vl.ROTARY_SRC, "vision_rotary", qkv.device,
-                      {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, "VECS": vecs})
+    fn = get_function(SRC_VECS, "vision_rotary_vecs", qkv.device, {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, "VECS": vecs})
     per_block = vl.ROTARY_THREADS * vecs
 
     def run():
@@ -42,11 +44,11 @@ def rotary_at(qkv, cos, sin, vecs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vecs", default="1,2,4,8")
-    ap.add_argument("--out", default="bench/results/vision-rotary-h200.json")
+    ap.add_argument("--out", default="bench/results/vision-rotary-vecs-h200.json")
     a = ap.parse_args()
     bw, _ = ceilings()
     rows = []
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; launcher ROTARY_VECS {vl.ROTARY_VECS}")
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     for name, n in (("1x1024x1024", 4096), ("video 32x720x1280", 46080)):
         g = torch.Generator(device=DEV).manual_seed(n)
         qkv = torch.randn(n, 3, H, HD, device=DEV, dtype=torch.bfloat16, generator=g)
@@ -54,13 +56,13 @@ def main():
         cos, sin = ang.cos(), ang.sin()
         want = vision_rotary_ref(qkv, cos, sin)
         floor = (2 * 2 * n * H * HD * 2 + 2 * n * HD * 4) / bw * 1e3  # q, k in and out (bf16), cos / sin
-        for vecs in (int(v) for v in a.vecs.split(",")):
-            run = rotary_at(qkv, cos, sin, vecs)
+        for vecs in ["shipped"] + [int(v) for v in a.vecs.split(",")]:
+            run = (lambda: vl.vision_rotary_cuda(qkv, cos, sin)) if vecs == "shipped" else rotary_at(qkv, cos, sin, vecs)
             exact = bool(torch.equal(run(), want))
             ms = bench_ms(graph_of(run).replay)
             rows.append({"kernel": "rotary", "input": name, "tokens": n, "vecs": vecs, "ms": round(ms, 5),
                          "floor_ms": round(floor, 5), "bit_exact": exact})
-            print(f"rotary {name} VECS {vecs}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
+            print(f"rotary {name} {vecs}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
                   f"({floor / ms:.0%}), bit exact {exact}")
         x, y = (torch.randn(n, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))
         w, b = (torch.randn(D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))
