@@ -4,9 +4,8 @@ torch's blocking host-to-device copy waits for everything already queued on the 
 a dozen such copies, several of them behind the vision tower's 15 ms of kernels, and each one left the
 GPU idle while Python queued the next work. A small copy from pageable memory with non_blocking=True is
 staged by the driver before the call returns (the host tensor may be dropped or changed at once) and waits
-for nothing; a larger one waits for the stream to reach it (a video's plan, with one 368 KB index, held the host
-~23 ms behind the previous tower call: bench/vision_profile.py --video), so copies above PINNED_ABOVE go
-through pinned memory first. A cold image
+for nothing up to a size: behind 0.1 s of queued work on the H200, copies of 128 KB to 1 MB returned within
+0.3 ms, one of 8 MB waited for the queue (51.7 ms), so copies above PINNED_ABOVE go through pinned memory. A cold image
 prompt made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the image's content hash, before
 the tower, and the logits) or 3 with the prefix cache on; tests/test_vision_gpu.py checks that none happens
 between the tower's launch and the logits.
@@ -15,12 +14,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 # bytes above which a copy to the GPU is staged in pinned memory first (the driver stages smaller pageable
-# copies itself without waiting)
-PINNED_ABOVE = 32 * 1024
+# copies itself without waiting: measured up to 1 MB, tests/test_host.py)
+PINNED_ABOVE = 1 << 20
 
 
 def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
@@ -37,28 +35,6 @@ def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     if t.numel() * t.element_size() > PINNED_ABOVE:
         t = t.pin_memory()  # (torch's caching host allocator keeps it until the copy has read it)
     return t.to(device, non_blocking=True)
-
-
-def upload_arrays(arrays, device) -> list[torch.Tensor]:
-    """numpy `arrays` on `device` in one copy, as typed views (their dtypes and shapes) of one device buffer. On
-    CUDA they are packed (8-byte aligned) into one pinned host buffer, so the copy is queued and the host goes
-    on at once whatever its size; torch's caching host allocator keeps the buffer until the copy has read it.
-    Elsewhere the views share one host buffer."""
-    device = torch.device(device)
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    spans = [(a.nbytes + 7) // 8 * 8 for a in arrays]
-    cuda = device.type == "cuda"
-    host = torch.empty(max(8, sum(spans)), dtype=torch.uint8, pin_memory=cuda)
-    flat, at = host.numpy(), 0
-    for a, span in zip(arrays, spans):
-        flat[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
-        at += span
-    buf = host if device.type == "cpu" else host.to(device, non_blocking=cuda)
-    out, at = [], 0
-    for a, span in zip(arrays, spans):
-        out.append(buf[at:at + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape))
-        at += span
-    return out
 
 
 def host_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -82,4 +58,4 @@ def on_model_device(fn):
     return run
 
 
-__all__ = ["upload", "upload_arrays", "host_logits", "on_model_device"]
+__all__ = ["upload", "host_logits", "on_model_device"]

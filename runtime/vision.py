@@ -36,7 +36,7 @@ from torch import nn
 from .. import kernels
 from .checkpoint import LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
 from .errors import Qwen35Error
-from .host import upload_arrays
+from .host import upload
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
     """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]. The index math runs on the
-    host (numpy) and goes to the device in one copy (upload_arrays); cos / sin are made where the tower runs."""
+    host (numpy), copied to the device without waiting (upload); cos / sin are made where the tower runs."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
     m, side = vc.spatial_merge_size, vc.grid_side
     frames, pos_rows = [], []
@@ -228,7 +228,7 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
     rowcol = np.stack([row, col, row, col], axis=1).astype(np.float32)  # exact: far below 2^24 patches
     arrays = ([pos_index, pos_weight, rowcol, _inv_freq(vc.head_dim, vc.rope_theta), starts.astype(np.int32)]
               + ([expand] if video else []) + group_index)
-    pos_index, pos_weight, rowcol, inv_freq, cu, *rest = upload_arrays(arrays, device)
+    pos_index, pos_weight, rowcol, inv_freq, cu, *rest = (upload(torch.from_numpy(a), device=device) for a in arrays)
     expand = rest.pop(0) if video else None
     groups = tuple((rest[i] if rest else None, len(f), n) for i, (n, f) in enumerate(by_len.items()))
     emb = (rowcol[:, :, None] * inv_freq).view(len(row), -1)  # [N, hd]
