@@ -5,10 +5,10 @@ such copies, several of them behind the vision tower's 15 ms of kernels, and eac
 Python queued the next work. A small copy from pageable memory with non_blocking=True is staged by the driver
 before the call returns (the host tensor may be dropped or changed at once) and waits for nothing up to a
 size: behind 0.1 s of queued work on the H200, copies of 128 KB to 1 MB returned within 0.3 ms, one of 8 MB
-waited for the queue (51.7 ms), so copies above PINNED_ABOVE go through pinned memory. A cold image prompt
-made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the image's content hash, before the
-tower, and the logits) or 3 with the prefix cache on; tests/test_vision_gpu.py checks that none happens
-between the tower's launch and the logits.
+waited for the queue (51.7 ms; bench/upload_wait.py), so copies above PINNED_ABOVE go through pinned memory. A
+cold image prompt made 19 synchronisations (bench/ttft_profile.py before this), now 2 (the image's content
+hash, before the tower, and the logits) or 3 with the prefix cache on; tests/test_vision_gpu.py checks that
+none happens between the tower's launch and the logits.
 """
 from __future__ import annotations
 
