@@ -203,17 +203,16 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
     host (numpy), copied to the device without waiting (upload); cos / sin are made where the tower runs."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
     m, side = vc.spatial_merge_size, vc.grid_side
-    frames, pos_rows = [], []
-    first = 0
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
             raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
-        frames.append(_grid_taps(h, w, m, side))
-        pos_rows.append(np.tile(first + np.arange(h * w), t))
-        first += h * w
-    frame_row, frame_col, pos_index, pos_weight = (np.concatenate(a) for a in zip(*frames))
+    frame_row, frame_col, pos_index, pos_weight = (
+        np.concatenate(a) for a in zip(*(_grid_taps(h, w, m, side) for _, h, w in grids)))
     video = any(t > 1 for t, _, _ in grids)
-    expand = np.concatenate(pos_rows) if video else None
+    # a video's t temporal patches take the rows of its grid's first frame
+    firsts = np.cumsum([0] + [h * w for _, h, w in grids[:-1]])
+    expand = (np.concatenate([np.tile(f + np.arange(h * w), t) for f, (t, h, w) in zip(firsts, grids)])
+              if video else None)
     row, col = (frame_row, frame_col) if expand is None else (frame_row[expand], frame_col[expand])
 
     # attention slices: one per image, one per temporal patch of a video; grouped by length
