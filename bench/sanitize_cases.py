@@ -116,12 +116,14 @@ for D in (1152, 5120):
     wv, bv = torch.randn(D, device=dev, dtype=torch.bfloat16), torch.randn(D, device=dev, dtype=torch.bfloat16)
     add_layer_norm_cuda(xv, yv, wv, bv, 1e-6)
     layer_norm_cuda(xv, wv, bv, 1e-6)
-# the vision attention (sm_90a): segments shorter than a row block, one across two, a partial key tile; v strided
+# the vision attention (sm_90a): segments shorter than a row block, one across two, a partial key tile; v strided;
+# on a grid of one CTA per block (13 runs of tiles: blocks split between CTAs) and of four (whole rounds first)
 if card_of(dev).wgmma:
-    for hd in (72, 64):
+    for hd, ctas in ((72, None), (64, None), (72, 4)):
         qkv_a = torch.randn(461, 3, 3, hd, device=dev, dtype=torch.bfloat16)
         vision_launch.vision_attention_cuda(qkv_a[:, 0].contiguous(), qkv_a[:, 1].contiguous(), qkv_a[:, 2],
-                                            torch.tensor([0, 5, 205, 461], dtype=torch.int32, device=dev), 256)
+                                            torch.tensor([0, 5, 205, 461], dtype=torch.int32, device=dev), 256,
+                                            ctas=ctas)
 # the content hash: more words than threads of its grid, a count off the block
 from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E402
 

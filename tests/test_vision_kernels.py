@@ -202,7 +202,7 @@ def test_layer_norm_falls_back_where_the_kernel_does_not_apply(impl):
 ATTN_CASES = [  # segment lengths, heads, head dim: one image of each tower, several, video slices, ragged ends
     ([4096], 16, 72), ([1024], 12, 64), ([1024, 1024], 16, 64), ([3600] * 3, 16, 72), ([1], 16, 72),
     ([63, 200, 1000, 4133, 129, 192], 16, 72), ([7] * 40, 3, 72), ([193, 384, 385], 1, 64), ([128, 0, 130], 5, 72),
-    ([256, 2], 16, 64), ([5000], 2, 72)]
+    ([256, 2], 16, 64), ([5000], 2, 72), ([3] * 1100, 2, 64)]  # the last: more segments than the kernel keeps in shared memory
 
 
 def attention_inputs(lens, H, hd, seed, spare=0):
@@ -234,6 +234,31 @@ def test_attention_matches_fp32_within_torch_bf16_error(impl, case):
     torch_bf16 = vision_attention_ref(q, k, v, cu).float()
     assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
     assert (got.float() - want).abs().max() <= 2 * (torch_bf16 - want).abs().max() + 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("ctas", [1, 2, 5, 7, 13, 64])
+@pytest.mark.parametrize("case", [([4096], 16, 72), ([63, 200, 1000, 4133, 129, 192], 4, 72), ([3600] * 3, 2, 64),
+                                  ([7] * 40, 3, 72)], ids=lambda c: f"{len(c[0])}seg-{max(c[0])}x{c[1]}x{c[2]}")
+def test_attention_on_few_ctas_splits_blocks_exactly(impl, case, ctas):
+    """A grid of few CTAs: whole rounds, then runs of key tiles that begin and end inside blocks (the partial
+    state handed from CTA to CTA and merged), against the same fp32 bound; twice, bit for bit, and within
+    rounding of the one-CTA-per-SM grid."""
+    from qwen35_fast.kernels.vision.launch import attention_takes
+    lens, H, hd = case
+    q, k, v, cu = attention_inputs(lens, H, hd, 7 * ctas + H, spare=64)
+    if not attention_takes(q, k, v, cu):
+        pytest.skip("the vision attention kernel runs on sm_90a cards only")
+    n = q.shape[0]
+    poison_allocator(((n, H, hd), torch.bfloat16))
+    got = impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=ctas)
+    assert not got.isnan().any()
+    want = vision_attention_ref(q.float(), k.float(), v.float(), cu)
+    torch_bf16 = vision_attention_ref(q, k, v, cu).float()
+    assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
+    assert torch.equal(impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=ctas), got)
+    full = impl.vision_attention_cuda(q, k, v, cu, max(lens))
+    assert (full.float() - got.float()).abs().max() <= 2 ** -6 * full.float().abs().max()
 
 
 @gpu

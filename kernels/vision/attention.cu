@@ -6,21 +6,21 @@
 //   x 64 tokens of one head, 128-byte swizzle, zeros outside the tensor: they pad a Q / K row to 80 columns,
 //   a V row to 128, and fill the rows past token N); cu_seqlens int32 [segments + 1];
 //   out [N, HEADS, HEAD_DIM] contiguous.
-// Grid: (row blocks of the longest segment, segments x HEADS). A block: BM = 192 rows (tokens) of one
-// (segment, head), three consumer warpgroups of 64 rows and one producer warpgroup, one thread of which
-// copies Q once and each 128-key tile of K and V (two stages each) with TMA; full barriers count the bytes
-// in, empty barriers one arrival per consumer warpgroup when its products have read a stage.
-// A consumer warpgroup per tile j (FlashAttention-3's order): issue S(j) = Q K(j)^T (both operands in shared
-// memory, five k-steps: the head padded to 80 by the map's zeros) and O += P(j - 1) V(j - 1) (P from
-// registers, V read with the transpose bit: one m64nHEAD_DIMk16 per 16 keys, spanning V's two 64-column
-// blocks through the descriptor's leading offset); wait for S(j) only, then tile j's online softmax (exp2
-// domain, the scale folded into one fma) runs while the tensor cores finish P(j - 1) V(j - 1); then O is
-// rescaled and P(j) packed to bf16. The warpgroups take turns issuing their products (named barriers
-// 1 .. 3, each handing the turn to the next), so one warpgroup's exponentials run while another's products
-// do. Rows past the segment are computed on the next segment's tokens (or zeros) and never stored; keys
-// past it get -inf before the softmax, so their V rows (finite, or zeros) weigh nothing.
+// The work: blocks of BM = 192 query rows of one (segment, head), ordered by segment, head, row block; each
+// walks its segment's 128-key tiles. A persistent grid of G blocks (one per SM) shares it out so that every
+// SM ends with about the same number of tiles (the tail of a wave-by-wave grid leaves SMs idle: one image is
+// 352 blocks, 2.67 waves of 132 SMs): first D whole rounds (block c + i G on CTA c), then the last
+// G .. 2G blocks' tiles cut into G equal runs (stream-K). A run starts and ends inside a block at most once
+// each (runs are at least a block's tiles long): the block at its end is begun first and its partial state
+// (O unnormalised, the running max and sum per row) handed to CTA c + 1 through global memory and a flag;
+// the block at its start is finished last, after the partial of CTA c - 1 has arrived, then merged. A CTA
+// only waits on a lower one, which the hardware started no later.
+// A CTA: three consumer warpgroups of 64 rows and one producer warpgroup, one thread of which copies each
+// block's Q and each 128-key tile of K and V (two stages each) with TMA; full barriers count the bytes in,
+// empty barriers one arrival per consumer warpgroup when its products have read a stage (Q: its block's last
+// S).
 // Shared memory: Q [QK_CB][BM][64], K [2][QK_CB][BN][64], V [2][V_CB][BN][64] (128-byte rows, 1024-byte
-// aligned), the barriers: 181,320 bytes at head dim 72, 91,208 at 64 (launch.py: attention_smem).
+// aligned), the barriers: 181,328 bytes at head dim 72, 91,216 at 64 (launch.py: attention_smem).
 // bench/experiments/vision_attention_ws.cu keeps the variants measured against this one
 // (kernels/vision/NOTES.md).
 #include "common.cuh"
@@ -51,6 +51,9 @@ typedef __nv_bfloat16 elem;
 #define K_ELEMS (QK_CB * BN * 64)
 #define V_ELEMS (V_CB * BN * 64)
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define CT (128 * CONSUMERS)             // consumer threads
+#define PART (NO + 4)                    // a consumer thread's partial state: O, the running max and sum of its two rows
+#define CU_KEPT 1024                     // segment starts kept in shared memory (the plan's walks read them)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 72, "HEAD_DIM must be 64 or 72 (the P V instruction's width)");
 
@@ -82,16 +85,117 @@ __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs,
             tma_load_3d(dst + cb * rows * 64 + rb * 64 * 64, map, 64 * cb, h, row + 64 * rb, bar);
 }
 
+// One block of the work: (segment, head, row block) and its key tiles; u0: its first tile in the work's order.
+struct Blk { int s0, len, h, rb, nt, idx; long long u0; };
+
+// The block of index i (by_step 0) or the block holding key-tile step u (by_step 1).
+__device__ Blk find_block(const int* cu, int segments, int i, long long u, int by_step) {
+    Blk b = {0, 0, 0, 0, 1, 0, 0};
+    int bi = 0;
+    long long bu = 0;
+    for (int sg = 0; sg < segments; ++sg) {
+        const int s0 = cu[sg], len = cu[sg + 1] - s0;
+        const int nb = (len + BM - 1) / BM, nt = (len + BN - 1) / BN;
+        const long long cost = (long long)nb * HEADS * nt;
+        if (by_step ? u < bu + cost : i < bi + nb * HEADS) {
+            const int r = by_step ? (int)((u - bu) / nt) : i - bi;
+            b.s0 = s0; b.len = len; b.h = r / nb; b.rb = r % nb; b.nt = nt; b.idx = bi + r; b.u0 = bu + (long long)r * nt;
+            return b;
+        }
+        bi += nb * HEADS;
+        bu += cost;
+    }
+    return b;
+}
+
+// This CTA's items (blocks, or parts of one, in the order it runs them): D whole blocks c + i G, then the run
+// of tile steps [a, b): the block at its end begun (kind 1: the partial state handed on), the whole blocks
+// inside, the block at its start finished (kind 2: merged with CTA c - 1's partial).
+struct Plan { int d, nfull, head, tail, head_idx, head_t1, tail_idx, tail_t0, first_full, items; };
+struct Item { Blk b; int t0, t1, kind; };
+
+__device__ Item plan_item(const Plan& p, const int* cu, int segments, int k) {
+    int idx, t0 = 0, t1 = -1, kind = 0;
+    if (k < p.d) {
+        idx = blockIdx.x + k * gridDim.x;
+    } else {
+        k -= p.d;
+        if (p.head && k == 0) {
+            idx = p.head_idx; t1 = p.head_t1; kind = 1;
+        } else {
+            k -= p.head;
+            if (k < p.nfull) idx = p.first_full + k;
+            else { idx = p.tail_idx; t0 = p.tail_t0; kind = 2; }
+        }
+    }
+    Item it;
+    it.b = find_block(cu, segments, idx, 0, 0);
+    it.t0 = t0;
+    it.t1 = t1 < 0 ? it.b.nt : t1;
+    it.kind = kind;
+    return it;
+}
+
+// By the whole warp 0 (lane 0 writes the plan): the work's tiles, blocks and longest tile walk first.
+__device__ void make_plan(Plan& p, const int* cu, int segments, int lane) {
+    long long w = 0;
+    int nblocks = 0, ntmax = 1;
+    for (int sg = lane; sg < segments; sg += 32) {
+        const int len = cu[sg + 1] - cu[sg];
+        const int nb = (len + BM - 1) / BM, nt = (len + BN - 1) / BN;
+        w += (long long)nb * HEADS * nt;
+        nblocks += nb * HEADS;
+        if (nb) ntmax = max(ntmax, nt);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        w += __shfl_xor_sync(0xffffffffu, w, o);
+        nblocks += __shfl_xor_sync(0xffffffffu, nblocks, o);
+        ntmax = max(ntmax, __shfl_xor_sync(0xffffffffu, ntmax, o));
+    }
+    if (lane) return;
+    const int G = gridDim.x, c = blockIdx.x;
+    p.d = nblocks >= 2 * G ? nblocks / G - 1 : 0;
+    p.head = p.tail = p.nfull = 0;
+    p.head_idx = p.head_t1 = p.tail_idx = p.tail_t0 = p.first_full = 0;
+    const long long u_dp = p.d ? find_block(cu, segments, p.d * G, 0, 0).u0 : 0;
+    const long long rest = w - u_dp;
+    const int g_sk = (int)max(1ll, min((long long)G, rest / ntmax));
+    if (c < g_sk && rest > 0) {
+        const long long a = u_dp + rest * c / g_sk, b = u_dp + rest * (c + 1) / g_sk;
+        const Blk A = find_block(cu, segments, 0, a, 1), B = find_block(cu, segments, 0, b - 1, 1);
+        p.tail = a > A.u0;
+        p.head = b < B.u0 + B.nt;
+        p.tail_idx = A.idx; p.tail_t0 = (int)(a - A.u0);
+        p.head_idx = B.idx; p.head_t1 = (int)(b - B.u0);
+        p.first_full = A.idx + p.tail;
+        p.nfull = max(0, B.idx + 1 - p.head - p.first_full);
+    }
+    p.items = p.d + p.head + p.nfull + p.tail;
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
+// partials: [G][PART][CT] fp32; flags: G zeros (CTA c sets flags[c] once its partial is written)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
-                 const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens,
-                 elem* __restrict__ out, float scale_log2) {
+                 const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens, int segments,
+                 elem* __restrict__ out, float* __restrict__ partials, unsigned* __restrict__ flags, float scale_log2) {
     extern __shared__ unsigned char smem_raw[];
+    __shared__ Plan plan;
+    __shared__ int cu_kept[CU_KEPT];
     elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
     elem* Ks = Qs + Q_ELEMS;
     elem* Vs = Ks + STAGES * K_ELEMS;
     unsigned long long* full_q = reinterpret_cast<unsigned long long*>(Vs + STAGES * V_ELEMS);
-    unsigned long long* full_k = full_q + 1;
+    unsigned long long* empty_q = full_q + 1;
+    unsigned long long* full_k = empty_q + 1;
     unsigned long long* empty_k = full_k + STAGES;
     unsigned long long* full_v = empty_k + STAGES;
     unsigned long long* empty_v = full_v + STAGES;
@@ -99,15 +203,10 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;
     const int g = lane >> 2, t = lane & 3;
-    const int seg = blockIdx.y / HEADS, h = blockIdx.y % HEADS;
-    const int s0 = cu_seqlens[seg], len = cu_seqlens[seg + 1] - s0;
-    const int r0 = blockIdx.x * BM;
-    if (r0 >= len) return;
-    // the tile count through a shuffle: ptxas serializes wgmma around branches it cannot prove warp-uniform
-    const int ntiles = __shfl_sync(0xffffffffu, (len + BN - 1) / BN, 0);
 
     if (tid == 0) {
         mbar_init(full_q, 1);
+        mbar_init(empty_q, CONSUMERS);
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(full_k + i, 1);
             mbar_init(empty_k + i, CONSUMERS);
@@ -116,21 +215,35 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
         }
         mbar_init_fence();
     }
+    const int* cu = cu_seqlens;  // the segment starts: a copy in shared memory where they fit
+    if (segments < CU_KEPT) {
+        for (int i = tid; i <= segments; i += THREADS) cu_kept[i] = cu_seqlens[i];
+        cu = cu_kept;
+        __syncthreads();
+    }
+    if (warp == 0) make_plan(plan, cu, segments, lane);
     __syncthreads();
+    const int items = plan.items;
+    if (items == 0) return;
 
     if (wg == CONSUMERS) {  // the producer: 24 registers a thread, the rest to the consumers
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (warp == 4 * CONSUMERS && lane == 0) {
-            mbar_expect_tx(full_q, Q_ELEMS * 2);
-            tma_rows(Qs, &q_map, QK_CB, BM, h, s0 + r0, full_q);
-            for (int j = 0; j < ntiles; ++j) {
-                const int st = j % STAGES, reuse = j / STAGES - 1;  // the stage's earlier tile's release
-                if (reuse >= 0) mbar_wait(empty_k + st, reuse & 1);
-                mbar_expect_tx(full_k + st, K_ELEMS * 2);
-                tma_rows(Ks + st * K_ELEMS, &k_map, QK_CB, BN, h, s0 + j * BN, full_k + st);
-                if (reuse >= 0) mbar_wait(empty_v + st, reuse & 1);
-                mbar_expect_tx(full_v + st, V_ELEMS * 2);
-                tma_rows(Vs + st * V_ELEMS, &v_map, V_CB, BN, h, s0 + j * BN, full_v + st);
+            int step = 0;  // tiles copied so far: the stage and its round
+            for (int k = 0; k < items; ++k) {
+                const Item it = plan_item(plan, cu, segments, k);
+                if (k > 0) mbar_wait(empty_q, (k - 1) & 1);  // the previous block's last S has read Q
+                mbar_expect_tx(full_q, Q_ELEMS * 2);
+                tma_rows(Qs, &q_map, QK_CB, BM, it.b.h, it.b.s0 + it.b.rb * BM, full_q);
+                for (int j = it.t0; j < it.t1; ++j, ++step) {
+                    const int st = step % STAGES, reuse = step / STAGES - 1;  // the stage's earlier tile's release
+                    if (reuse >= 0) mbar_wait(empty_k + st, reuse & 1);
+                    mbar_expect_tx(full_k + st, K_ELEMS * 2);
+                    tma_rows(Ks + st * K_ELEMS, &k_map, QK_CB, BN, it.b.h, it.b.s0 + j * BN, full_k + st);
+                    if (reuse >= 0) mbar_wait(empty_v + st, reuse & 1);
+                    mbar_expect_tx(full_v + st, V_ELEMS * 2);
+                    tma_rows(Vs + st * V_ELEMS, &v_map, V_CB, BN, it.b.h, it.b.s0 + j * BN, full_v + st);
+                }
             }
         }
         return;
@@ -140,13 +253,11 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
 
     float o[NO], s[NS];
     u32 pk[BN / 4];  // P of the previous tile, bf16 pairs (the m16n8k16 A fragments of its 16-key steps)
-#pragma unroll
-    for (int i = 0; i < NO; ++i) o[i] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2];  // running max (unscaled) and sum of the thread's two rows
     const elem* Qw = Qs + 64 * wg * 64;     // this warpgroup's 64 rows
 
-    auto issue_s = [&](int j) {
-        const elem* ks = Ks + (j % STAGES) * K_ELEMS;
+    auto issue_s = [&](int step) {
+        const elem* ks = Ks + (step % STAGES) * K_ELEMS;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < QK_STEPS; ++kk) {
@@ -156,9 +267,9 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
         }
         wg_commit();
     };
-    auto issue_pv = [&](int j) {
-        mbar_wait(full_v + j % STAGES, (j / STAGES) & 1);
-        const elem* vs = Vs + (j % STAGES) * V_ELEMS;
+    auto issue_pv = [&](int step) {
+        mbar_wait(full_v + step % STAGES, (step / STAGES) & 1);
+        const elem* vs = Vs + (step % STAGES) * V_ELEMS;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -168,7 +279,7 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
         wg_commit();
     };
     // s -> exponentials in place (against the new running max); alpha rescales what came before
-    auto softmax = [&](int j, float (&alpha)[2], float (&rs)[2]) {
+    auto softmax = [&](int j, int len, float (&alpha)[2], float (&rs)[2]) {
         if (j * BN + BN > len) {  // the segment's last, partial tile: keys past its end weigh nothing
 #pragma unroll
             for (int i = 0; i < BN / 8; ++i)
@@ -208,65 +319,116 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
     // the turn to issue products: warpgroup w waits on barrier 1 + w, then hands it to the next warpgroup
     auto turn_wait = [&]() { asm volatile("bar.sync %0, 256;\n" :: "r"(1 + wg) : "memory"); };
     auto turn_pass = [&]() { asm volatile("bar.arrive %0, 256;\n" :: "r"(1 + (wg + 1) % CONSUMERS) : "memory"); };
+    auto consumers_sync = [&]() { asm volatile("bar.sync 4, %0;\n" :: "n"(CT) : "memory"); };
 
     if (wg == CONSUMERS - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // the first turn: warpgroup 0's
-    float alpha[2], rs[2];
-    mbar_wait(full_q, 0);
-    mbar_wait(full_k, 0);
-    turn_wait();
-    issue_s(0);
-    turn_pass();
-    wg_wait<0>();
-    wg_pin(s);
-    if (signal) mbar_arrive(empty_k);
-    softmax(0, alpha, rs);
-    l[0] = rs[0];
-    l[1] = rs[1];
-    pack();
-    for (int j = 1; j < ntiles; ++j) {
-        mbar_wait(full_k + j % STAGES, (j / STAGES) & 1);
+    int step = 0;  // tiles consumed so far: the stage and its round
+    for (int k = 0; k < items; ++k) {
+        const Item it = plan_item(plan, cu, segments, k);
+        // loop bounds through a shuffle: ptxas serializes wgmma around branches it cannot prove warp-uniform
+        const int t0 = __shfl_sync(0xffffffffu, it.t0, 0), t1 = __shfl_sync(0xffffffffu, it.t1, 0);
+        const int len = it.b.len, last = step + t1 - t0 - 1;
+        float alpha[2], rs[2];
+#pragma unroll
+        for (int i = 0; i < NO; ++i) o[i] = 0.f;
+        m[0] = m[1] = NEG_INF;
+        mbar_wait(full_q, k & 1);
+        mbar_wait(full_k + step % STAGES, (step / STAGES) & 1);
         turn_wait();
-        issue_s(j);
-        issue_pv(j - 1);
+        issue_s(step);
         turn_pass();
-        wg_wait<1>();  // S(j)
+        wg_wait<0>();
         wg_pin(s);
-        if (signal) mbar_arrive(empty_k + j % STAGES);
-        softmax(j, alpha, rs);
-        wg_wait<0>();  // P(j - 1) V(j - 1)
+        if (signal) {
+            mbar_arrive(empty_k + step % STAGES);
+            if (step == last) mbar_arrive(empty_q);
+        }
+        softmax(t0, len, alpha, rs);
+        l[0] = rs[0];
+        l[1] = rs[1];
+        pack();
+        for (int j = t0 + 1; j < t1; ++j) {
+            ++step;
+            mbar_wait(full_k + step % STAGES, (step / STAGES) & 1);
+            turn_wait();
+            issue_s(step);
+            issue_pv(step - 1);
+            turn_pass();
+            wg_wait<1>();  // S(j)
+            wg_pin(s);
+            if (signal) {
+                mbar_arrive(empty_k + step % STAGES);
+                if (step == last) mbar_arrive(empty_q);
+            }
+            softmax(j, len, alpha, rs);
+            wg_wait<0>();  // P(j - 1) V(j - 1)
+            wg_pin(o);
+            if (signal) mbar_arrive(empty_v + (step - 1) % STAGES);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                l[hh] = l[hh] * alpha[hh] + rs[hh];
+#pragma unroll
+                for (int i = 0; i < NO / 4; ++i) {
+                    o[4 * i + 2 * hh] *= alpha[hh];
+                    o[4 * i + 2 * hh + 1] *= alpha[hh];
+                }
+            }
+            pack();
+        }
+        turn_wait();
+        issue_pv(step);
+        turn_pass();
+        wg_wait<0>();
         wg_pin(o);
-        if (signal) mbar_arrive(empty_v + (j - 1) % STAGES);
+        if (signal) mbar_arrive(empty_v + step % STAGES);
+        ++step;
+
+        if (it.kind == 1) {  // the block's first tiles: its partial state to CTA c + 1
+            float* w = partials + (long long)blockIdx.x * PART * CT + tid;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            l[hh] = l[hh] * alpha[hh] + rs[hh];
+            for (int i = 0; i < NO; ++i) __stcg(w + i * CT, o[i]);
+            __stcg(w + NO * CT, m[0]);
+            __stcg(w + (NO + 1) * CT, m[1]);
+            __stcg(w + (NO + 2) * CT, l[0]);
+            __stcg(w + (NO + 3) * CT, l[1]);
+            __threadfence();
+            consumers_sync();
+            if (tid == 0) st_release(flags + blockIdx.x, 1u);
+            continue;
+        }
+        if (it.kind == 2) {  // the block's last tiles: merged with CTA c - 1's partial state of its first ones
+            while (ld_acquire(flags + blockIdx.x - 1) == 0) {}
+            const float* w = partials + (long long)(blockIdx.x - 1) * PART * CT + tid;
 #pragma unroll
-            for (int i = 0; i < NO / 4; ++i) {
-                o[4 * i + 2 * hh] *= alpha[hh];
-                o[4 * i + 2 * hh + 1] *= alpha[hh];
+            for (int hh = 0; hh < 2; ++hh) {
+                const float pm = __ldcg(w + (NO + hh) * CT), pl = __ldcg(w + (NO + 2 + hh) * CT);
+                const float mn = fmaxf(m[hh], pm);
+                const float a0 = exp2_approx((m[hh] - mn) * scale_log2), a1 = exp2_approx((pm - mn) * scale_log2);
+                l[hh] = l[hh] * a0 + pl * a1;
+#pragma unroll
+                for (int i = 0; i < NO / 4; ++i)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int x = 4 * i + 2 * hh + e;
+                        o[x] = o[x] * a0 + __ldcg(w + x * CT) * a1;
+                    }
             }
         }
-        pack();
-    }
-    turn_wait();
-    issue_pv(ntiles - 1);
-    turn_pass();
-    wg_wait<0>();
-    wg_pin(o);
-
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
-        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
-    }
-    const int rA = r0 + 64 * wg + 16 * wq + g;  // the thread's two rows: rA and rA + 8
+        for (int hh = 0; hh < 2; ++hh) {
+            l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+            l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+        }
+        const int rA = it.b.rb * BM + 64 * wg + 16 * wq + g;  // the thread's two rows: rA and rA + 8
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = rA + 8 * half;
-        if (r >= len) continue;
-        const float inv = 1.f / l[half];
-        elem* dst = out + ((long long)(s0 + r) * HEADS + h) * HEAD_DIM + 2 * t;
+        for (int half = 0; half < 2; ++half) {
+            const int r = rA + 8 * half;
+            if (r >= len) continue;
+            const float inv = 1.f / l[half];
+            elem* dst = out + ((long long)(it.b.s0 + r) * HEADS + it.b.h) * HEAD_DIM + 2 * t;
 #pragma unroll
-        for (int i = 0; i < NO / 4; ++i)
-            *reinterpret_cast<u32*>(dst + 8 * i) = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+            for (int i = 0; i < NO / 4; ++i)
+                *reinterpret_cast<u32*>(dst + 8 * i) = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
+        }
     }
 }

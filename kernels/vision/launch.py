@@ -24,9 +24,8 @@ _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ROTARY_THREADS = 256  # THREADS of rotary.cu
 NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
-ATTN_ROWS, ATTN_KEYS, ATTN_THREADS = 192, 128, 512  # BM, BN, THREADS of attention.cu
+ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_CONSUMER_THREADS = 192, 128, 512, 384  # BM, BN, THREADS, CT of attention.cu
 ATTN_HEAD_DIMS = (64, 72)
-MAX_GRID_Y = 65535  # attention.cu's grid.y is segments x heads
 
 
 def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -104,16 +103,15 @@ def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         if (x.shape != q.shape or x.dtype != q.dtype or x.device != q.device or x.stride(2) != 1
                 or x.stride(1) != hd or x.stride(0) * x.element_size() % 16):
             return False
-    return (cu_seqlens.dtype == torch.int32 and (cu_seqlens.numel() - 1) * h <= MAX_GRID_Y
-            and card_of(q.device).wgmma)
+    return cu_seqlens.dtype == torch.int32 and card_of(q.device).wgmma
 
 
 def attention_smem(head_dim: int) -> int:
     """Dynamic shared memory of attention.cu: Q, two stages of K and V (64-column blocks of 128-byte rows),
-    1 KB of alignment, nine barriers."""
+    1 KB of alignment, ten barriers."""
     qk_cb = (2 * ((head_dim + 15) // 16) + 7) // 8  # QK_CB: Q / K rows padded to the k-steps of 16
     v_cb = (head_dim + 63) // 64  # V_CB
-    return (qk_cb * ATTN_ROWS + 2 * qk_cb * ATTN_KEYS + 2 * v_cb * ATTN_KEYS) * 64 * 2 + 1024 + 9 * 8
+    return (qk_cb * ATTN_ROWS + 2 * qk_cb * ATTN_KEYS + 2 * v_cb * ATTN_KEYS) * 64 * 2 + 1024 + 10 * 8
 
 
 def attention_map(x: torch.Tensor):
@@ -123,8 +121,9 @@ def attention_map(x: torch.Tensor):
 
 
 def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          max_len: int) -> torch.Tensor:
-    """Same contract as reference.vision_attention_ref; max_len: at least the longest segment (a host int)."""
+                          max_len: int, ctas: Optional[int] = None) -> torch.Tensor:
+    """Same contract as reference.vision_attention_ref; max_len: at least the longest segment (a host int).
+    ctas: the persistent grid (default one CTA per SM; tests take fewer to split small inputs)."""
     if not attention_takes(q, k, v, cu_seqlens) or any(x.data_ptr() % 16 for x in (q, k, v)):
         return vision_attention_ref(q, k, v, cu_seqlens)
     n, h, hd = q.shape
@@ -132,8 +131,13 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     segments = cu_seqlens.numel() - 1
     if n == 0 or segments <= 0 or max_len <= 0:
         return out
+    blocks = (max_len + ATTN_ROWS - 1) // ATTN_ROWS * segments * h  # at least the work's blocks
+    grid = max(1, min(ctas or card_of(q.device).sms, blocks))
+    partials = torch.empty(grid * (hd // 2 + 4) * ATTN_CONSUMER_THREADS, dtype=torch.float32, device=q.device)
+    flags = torch.zeros(grid, dtype=torch.int32, device=q.device)  # a CTA's partial is there (one memset)
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
-    launch(fn, ((max_len + ATTN_ROWS - 1) // ATTN_ROWS, segments * h, 1), (ATTN_THREADS, 1, 1),
-           (attention_map(q), attention_map(k), attention_map(v), cu_seqlens.contiguous(), out,
-            np.float32(hd ** -0.5 * math.log2(math.e))), shared_mem=attention_smem(hd))
+    launch(fn, (grid, 1, 1), (ATTN_THREADS, 1, 1),
+           (attention_map(q), attention_map(k), attention_map(v), cu_seqlens.contiguous(), np.int32(segments), out,
+            partials, flags, np.float32(hd ** -0.5 * math.log2(math.e))),
+           shared_mem=attention_smem(hd))
     return out
