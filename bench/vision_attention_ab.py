@@ -1,10 +1,11 @@
-"""A / B of the vision attention's grid: a former attention.cu launched as it was (one block per 192-row block of
-each (segment, head), wave after wave: `git show ad70ee0:kernels/vision/attention.cu > old.cu`) against the
-shipped persistent grid (kernels/vision/attention.cu: whole rounds, then the last blocks' key tiles shared out
-evenly). Alternating rounds (A B A B ..., so that clock drift falls on both), the median ms per shape, and
-each output's relative error against cuDNN's and against fp32 attention. GPU only (sm_90a).
+"""A / B of two versions of the vision attention (kernels/vision/attention.cu, the shipped one, is B): A is a former
+source, launched as it was: with --waves the grid of one block per 192-row block of each (segment, head),
+wave after wave (`git show ad70ee0:kernels/vision/attention.cu > old.cu`), else the shipped launcher's
+persistent grid and parameters. Each call timed inside a CUDA graph (no host time), alternating rounds
+(A B A B ..., so that clock drift falls on both), the median ms per shape, and each output's relative error
+against cuDNN's and against fp32 attention. GPU only (sm_90a).
 
-    python3 bench/vision_attention_ab.py old.cu [--rounds 5] [--out PATH]
+    python3 bench/vision_attention_ab.py old.cu [--waves] [--rounds 5] [--out PATH]
 """
 import argparse
 import json
@@ -16,35 +17,66 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from vision_attention_variants import timed
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast.kernels.cuda_build import get_function, launch
+from qwen35_fast.kernels.vision import launch as vision_launch
 from qwen35_fast.kernels.vision.launch import ATTN_ROWS, ATTN_THREADS, attention_map, vision_attention_cuda
 
 SHAPES = [(1, 4096, 16, 72), (2, 4096, 16, 72), (4, 4096, 16, 72), (16, 3600, 16, 72), (1, 1024, 16, 72),
           (1, 4096, 16, 64), (1, 4096, 12, 64)]  # segments, tokens, heads, dim
 
 
-def old_smem(hd):
+def waves_smem(hd):
     qk_cb, v_cb = (2 * ((hd + 15) // 16) + 7) // 8, (hd + 63) // 64
     return (qk_cb * ATTN_ROWS + 2 * qk_cb * 128 + 2 * v_cb * 128) * 64 * 2 + 1024 + 9 * 8
 
 
-def run_old(src, q, k, v, cu, length):
+def graph_ms(fn, calls=10, reps=10):
+    """ms per call of fn, replayed from a CUDA graph of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / (reps * calls)
+
+
+def run_persistent(src, q, k, v, cu, length, smem_less=0):
+    """The shipped launcher with another source (smem_less: the bytes of dynamic shared memory it needs less)."""
+    shipped, smem = vision_launch.ATTN_SRC, vision_launch.attention_smem
+    vision_launch.ATTN_SRC, vision_launch.attention_smem = src, lambda hd: smem(hd) - smem_less
+    try:
+        return vision_attention_cuda(q, k, v, cu, length)
+    finally:
+        vision_launch.ATTN_SRC, vision_launch.attention_smem = shipped, smem
+
+
+def run_waves(src, q, k, v, cu, length):
     n, h, hd = q.shape
     fn = get_function(src, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
     out = torch.empty_like(q)
-    launch(fn, (math.ceil(length / ATTN_ROWS), (cu.numel() - 1) * h, 1), (ATTN_THREADS, 1, 1),
+    launch(fn, (math.ceil(length / ATTN_ROWS), (cu.numel() - 1) * h, 1), (ATTN_THREADS, 1, 1),  # its grid and parameters
            (attention_map(q), attention_map(k), attention_map(v), cu, out, np.float32(hd ** -0.5 * math.log2(math.e))),
-           shared_mem=old_smem(hd))
+           shared_mem=waves_smem(hd))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("old", type=Path)
+    ap.add_argument("--waves", action="store_true", help="A launched as a wave-by-wave grid (before 1138890)")
+    ap.add_argument("--smem-less", type=int, default=0, help="A's dynamic shared memory: the shipped one's less this")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-grid-ab-h200.json"))
     a = ap.parse_args()
@@ -58,7 +90,8 @@ def main():
         qs, ks, vs = (x.reshape(segs, length, h, hd).transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ref = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, h, hd).float()
-        fa = lambda: run_old(a.old, q, k, v, cu, length)  # noqa: E731
+        fa = (lambda: run_waves(a.old, q, k, v, cu, length)) if a.waves else \
+            (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less))
         fb = lambda: vision_attention_cuda(q, k, v, cu, length)  # noqa: E731
         ref32 = torch.stack([F.scaled_dot_product_attention(*(x[:, i].float() for x in (qs, ks, vs))) for i in range(h)], 1)
         ref32 = ref32.transpose(1, 2).reshape(n, h, hd)  # heads one at a time: [segments, tokens, hd] each
@@ -66,8 +99,8 @@ def main():
         err32 = [((x - ref32).norm() / ref32.norm()).item() for x in (fa().float(), fb().float(), ref)]
         ta, tb = [], []
         for _ in range(a.rounds):
-            ta.append(timed(fa))
-            tb.append(timed(fb))
+            ta.append(graph_ms(fa))
+            tb.append(graph_ms(fb))
         ma, mb = statistics.median(ta), statistics.median(tb)
         blocks = math.ceil(length / ATTN_ROWS) * segs * h
         shape = f"{segs}x{length}x{h}x{hd}"
@@ -78,7 +111,9 @@ def main():
                      "rel_err_vs_fp32_new": float(f"{err32[1]:.2e}"), "rel_err_vs_fp32_cudnn": float(f"{err32[2]:.2e}")})
         print(f"{shape} ({blocks} blocks): old {ma:.4f} ms, new {mb:.4f} ms ({mb / ma:.3f}x); "
               f"error vs cuDNN {err[0]:.1e} / {err[1]:.1e}, vs fp32 {err32[0]:.1e} / {err32[1]:.1e} (cuDNN {err32[2]:.1e})")
-    Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+    Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "old": a.old.name,
+                                       "old_grid": "waves" if a.waves else "persistent", "timing": "CUDA graph of 10 calls",
+                                       "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -201,3 +201,25 @@ def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids
     for _ in range(3):
         assert torch.equal(tower.run(x, grids, be), eager(x, grids))
     assert tower._graph is None and (tower.plan(grids).grids, "cuda") in tower._no_graph
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_on_the_second_gpu_gives_the_first_gpus_tokens(tmp_path):
+    """ComfyUI may load the model onto cuda:1 while cuda:0 stays current: every launch (GDN, vision tower,
+    paged attention, decode graphs) goes to the model's GPU (runtime.host.on_model_device), the current
+    device is left as it was, and an image prompt gives what the same model gives on cuda:0."""
+    make_hf_model(tmp_path, seed=5, vocab=248320, head_dim_lin=128)
+    image = torch.rand(1, 96, 160, 3, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams(do_sample=False)
+    torch.cuda.set_device(0)
+    runs = []
+    for dev in ("cuda:0", "cuda:1"):
+        model = load_model(tmp_path, dtype="bf16", device=dev, backend="auto")
+        assert model.vision.patch_w.device == torch.device(dev)
+        pf = prefill_multimodal(model, "What is this?", images=image.to(dev))
+        runs.append((pf.logits.float().cpu(), generate(model, pf, max_new_tokens=8, sampling=greedy).token_ids))
+        assert torch.cuda.current_device() == 0
+        del model, pf
+    (l0, t0), (l1, t1) = runs
+    assert t1 == t0 and len(t0) >= 1
+    assert rel(l1, l0) < 1e-3
