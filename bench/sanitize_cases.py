@@ -117,7 +117,7 @@ for D in (1152, 5120):
     add_layer_norm_cuda(xv, yv, wv, bv, 1e-6)
     layer_norm_cuda(xv, wv, bv, 1e-6)
 # the vision attention (sm_90a): segments shorter than a row block, one across two, a partial key tile; v strided;
-# on a grid of one CTA per block (13 runs of tiles: blocks split between CTAs) and of four (whole rounds first)
+# in one wave (a block a CTA) and on four CTAs (two whole rounds, then runs of tiles: blocks split between CTAs)
 if card_of(dev).wgmma:
     for hd, ctas in ((72, None), (64, None), (72, 4)):
         qkv_a = torch.randn(461, 3, 3, hd, device=dev, dtype=torch.bfloat16)

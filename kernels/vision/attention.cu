@@ -110,7 +110,8 @@ __device__ Blk find_block(const int* cu, int segments, int i, long long u, int b
 
 // This CTA's items (blocks, or parts of one, in the order it runs them): D whole blocks c + i G, then the run
 // of tile steps [a, b): the block at its end begun (kind 1: the partial state handed on), the whole blocks
-// inside, the block at its start finished (kind 2: merged with CTA c - 1's partial).
+// inside, the block at its start finished (kind 2: merged with CTA c - 1's partial). Work of one wave at
+// most: block c alone.
 struct Plan { int d, nfull, head, tail, head_idx, head_t1, tail_idx, tail_t0, first_full, items; };
 struct Item { Blk b; int t0, t1, kind; };
 
@@ -154,13 +155,18 @@ __device__ void make_plan(Plan& p, const int* cu, int segments, int lane) {
     }
     if (lane) return;
     const int G = gridDim.x, c = blockIdx.x;
-    p.d = nblocks >= 2 * G ? nblocks / G - 1 : 0;
     p.head = p.tail = p.nfull = 0;
     p.head_idx = p.head_t1 = p.tail_idx = p.tail_t0 = p.first_full = 0;
+    if (nblocks <= G) {  // one wave: a block a CTA, nothing handed on (the launcher passes no partials then)
+        p.d = c < nblocks;
+        p.items = p.d;
+        return;
+    }
+    p.d = nblocks >= 2 * G ? nblocks / G - 1 : 0;
     const long long u_dp = p.d ? find_block(cu, segments, p.d * G, 0, 0).u0 : 0;
     const long long rest = w - u_dp;
     const int g_sk = (int)max(1ll, min((long long)G, rest / ntmax));
-    if (c < g_sk && rest > 0) {
+    if (c < g_sk) {
         const long long a = u_dp + rest * c / g_sk, b = u_dp + rest * (c + 1) / g_sk;
         const Blk A = find_block(cu, segments, 0, a, 1), B = find_block(cu, segments, 0, b - 1, 1);
         p.tail = a > A.u0;

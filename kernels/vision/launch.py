@@ -133,8 +133,11 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         return out
     blocks = (max_len + ATTN_ROWS - 1) // ATTN_ROWS * segments * h  # at least the work's blocks
     grid = max(1, min(ctas or card_of(q.device).sms, blocks))
-    partials = torch.empty(grid * (hd // 2 + 4) * ATTN_CONSUMER_THREADS, dtype=torch.float32, device=q.device)
-    flags = torch.zeros(grid, dtype=torch.int32, device=q.device)  # a CTA's partial is there (one memset)
+    if blocks > grid:  # more than a wave: CTAs hand partial blocks on (a fill: the flags start at zero)
+        partials = torch.empty(grid * (hd // 2 + 4) * ATTN_CONSUMER_THREADS, dtype=torch.float32, device=q.device)
+        flags = torch.zeros(grid, dtype=torch.int32, device=q.device)
+    else:  # a block a CTA: neither is read
+        partials, flags = None, None
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
     launch(fn, (grid, 1, 1), (ATTN_THREADS, 1, 1),
            (attention_map(q), attention_map(k), attention_map(v), cu_seqlens.contiguous(), np.int32(segments), out,
