@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from vision_attention_variants import shape_inputs
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
@@ -83,13 +83,7 @@ def main():
     rows = []
     for segs, length, h, hd in SHAPES:
         n = segs * length
-        g = torch.Generator(device="cuda").manual_seed(n + hd)
-        qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
-        q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
-        cu = torch.arange(segs + 1, device="cuda", dtype=torch.int32) * length
-        qs, ks, vs = (x.reshape(segs, length, h, hd).transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ref = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, h, hd).float()
+        q, k, v, cu, (qs, ks, vs), ref = shape_inputs(segs, length, h, hd)
         fa = (lambda: run_waves(a.old, q, k, v, cu, length)) if a.waves else \
             (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less))
         fb = lambda: vision_attention_cuda(q, k, v, cu, length)  # noqa: E731

@@ -101,6 +101,20 @@ def check_ws(rows):
             print(f"check hd {hd} {var}: rel err {err:.1e} max {worst:.1e} {'ok' if ok else 'FAIL'}")
 
 
+def shape_inputs(segs, length, h, hd):
+    """Seeded random q, k (contiguous) and v (strided in qkv) of `segs` segments of `length` tokens, cu_seqlens,
+    the same as [segs, h, length, hd] views for SDPA, and cuDNN's output [N, h, hd] in fp32."""
+    n = segs * length
+    g = torch.Generator(device="cuda").manual_seed(n + hd)
+    qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
+    q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+    cu = torch.arange(segs + 1, device="cuda", dtype=torch.int32) * length
+    views = tuple(x.reshape(segs, length, h, hd).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = F.scaled_dot_product_attention(*views).transpose(1, 2).reshape(n, h, hd).float()
+    return q, k, v, cu, views, ref
+
+
 def measure(rows, shape, ref, cudnn_ms, label, fn, impl, **fields):
     """One row: fn's time and its output's error against cuDNN's (ref), printed and appended to rows."""
     err = ((fn().float() - ref).norm() / ref.norm()).item()
@@ -118,14 +132,8 @@ def main():
     rows = []
     check_ws(rows)
     for segs, length, h, hd in SHAPES:
-        n = segs * length
-        g = torch.Generator(device="cuda").manual_seed(n + hd)
-        qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
-        q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
-        cu = torch.arange(segs + 1, device="cuda", dtype=torch.int32) * length
-        qs, ks, vs = (x.reshape(segs, length, h, hd).transpose(1, 2) for x in (q, k, v))
+        q, k, v, cu, (qs, ks, vs), ref = shape_inputs(segs, length, h, hd)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ref = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, h, hd).float()
             cudnn = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs))
         shape = f"{segs}x{length}x{h}x{hd}"
         rows.append({"impl": "cudnn", "shape": shape, "ms": round(cudnn, 4)})
