@@ -22,6 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+# GPU ms a call back to back between two events (timed one call at a time with a synchronisation after each,
+# the tower's fc1 / fc2 GEMMs took ~1.7x their time inside the tower)
+from vision_attention_variants import timed as back_to_back_ms
+
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast import kernels
@@ -31,20 +35,6 @@ from qwen35_fast.runtime.vision import plan as vision_plan
 
 from e2e_profile import kernel_table
 from vision import TOWER, timed
-
-
-def back_to_back_ms(fn, reps: int = 50) -> float:
-    """GPU ms per call of fn launched reps times back to back between two CUDA events (timed one call at a time,
-    a synchronisation after each, the tower's fc1 / fc2 GEMMs took ~1.7x their time inside the tower)."""
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def fresh_call_parts(tower, pixels, grids, be, reps: int = 10) -> None:
@@ -128,7 +118,7 @@ def main():
         for sdpa in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
                 with sdpa_kernel(sdpa):
-                    ms = back_to_back_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+                    ms = back_to_back_ms(lambda: F.scaled_dot_product_attention(q, k, v), 50)
                 print(f"sdpa {sdpa.name} [1,{h},{n},{d}]: {ms:.3f} ms x {vc.depth} layers = {ms * vc.depth:.2f} ms")
             except RuntimeError as e:
                 print(f"sdpa {sdpa.name}: {str(e).splitlines()[0][:120]}")
@@ -139,7 +129,7 @@ def main():
                          ("fc1", lambda: F.linear(x, blk.fc1_w, blk.fc1_b)),
                          ("fc2", lambda: F.linear(torch.empty(n, vc.intermediate_size, device=dev,
                                                               dtype=torch.bfloat16), blk.fc2_w, blk.fc2_b))):
-            ms = back_to_back_ms(fn)
+            ms = back_to_back_ms(fn, 50)
             k_in = vc.intermediate_size if name == "fc2" else vc.hidden_size
             w = fn().shape[1]
             print(f"linear {name} [{n}x{k_in}]x[{k_in}x{w}]: {ms:.3f} ms, "

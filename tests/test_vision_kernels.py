@@ -218,20 +218,26 @@ def attention_inputs(lens, H, hd, seed, spare=0):
     return qk[0, :n], qk[1, :n], qkv[:n, 2], cu
 
 
+def attention_against_fp32(impl, case, seed, spare, **launch):
+    """The kernel on a case's fresh inputs (its output poisoned first; skipped off sm_90a): the inputs, its
+    output, the fp32 attention and torch's bf16 attention (as fp32) of the same inputs."""
+    from qwen35_fast.kernels.vision.launch import attention_takes
+    lens, H, hd = case
+    q, k, v, cu = attention_inputs(lens, H, hd, seed, spare=spare)
+    if not attention_takes(q, k, v, cu):
+        pytest.skip("the vision attention kernel runs on sm_90a cards only")
+    poison_allocator(((q.shape[0], H, hd), torch.bfloat16))
+    got = impl.vision_attention_cuda(q, k, v, cu, max(lens), **launch)
+    want = vision_attention_ref(q.float(), k.float(), v.float(), cu)
+    return (q, k, v, cu), got, want, vision_attention_ref(q, k, v, cu).float()
+
+
 @gpu
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{len(c[0])}seg-{max(c[0])}x{c[1]}x{c[2]}")
 def test_attention_matches_fp32_within_torch_bf16_error(impl, case):
-    from qwen35_fast.kernels.vision.launch import attention_takes
     lens, H, hd = case
-    q, k, v, cu = attention_inputs(lens, H, hd, sum(lens) + H + hd, spare=300)
-    if not attention_takes(q, k, v, cu):
-        pytest.skip("the vision attention kernel runs on sm_90a cards only")
-    n = q.shape[0]
-    poison_allocator(((n, H, hd), torch.bfloat16))
-    got = impl.vision_attention_cuda(q, k, v, cu, max(lens))
-    assert got.shape == (n, H, hd) and got.dtype == torch.bfloat16 and not got.isnan().any()
-    want = vision_attention_ref(q.float(), k.float(), v.float(), cu)
-    torch_bf16 = vision_attention_ref(q, k, v, cu).float()
+    _, got, want, torch_bf16 = attention_against_fp32(impl, case, sum(lens) + H + hd, spare=300)
+    assert got.shape == (sum(lens), H, hd) and got.dtype == torch.bfloat16 and not got.isnan().any()
     assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
     assert (got.float() - want).abs().max() <= 2 * (torch_bf16 - want).abs().max() + 1e-3
 
@@ -244,17 +250,9 @@ def test_attention_on_few_ctas_splits_blocks_exactly(impl, case, ctas):
     """A grid of few CTAs: whole rounds, then runs of key tiles that begin and end inside blocks (the partial
     state handed from CTA to CTA and merged), against the same fp32 bound; twice, bit for bit, and within
     rounding of the one-CTA-per-SM grid."""
-    from qwen35_fast.kernels.vision.launch import attention_takes
-    lens, H, hd = case
-    q, k, v, cu = attention_inputs(lens, H, hd, 7 * ctas + H, spare=64)
-    if not attention_takes(q, k, v, cu):
-        pytest.skip("the vision attention kernel runs on sm_90a cards only")
-    n = q.shape[0]
-    poison_allocator(((n, H, hd), torch.bfloat16))
-    got = impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=ctas)
+    lens, H, _ = case
+    (q, k, v, cu), got, want, torch_bf16 = attention_against_fp32(impl, case, 7 * ctas + H, spare=64, ctas=ctas)
     assert not got.isnan().any()
-    want = vision_attention_ref(q.float(), k.float(), v.float(), cu)
-    torch_bf16 = vision_attention_ref(q, k, v, cu).float()
     assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
     assert torch.equal(impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=ctas), got)
     full = impl.vision_attention_cuda(q, k, v, cu, max(lens))
