@@ -22,7 +22,7 @@ def main():
     finally:
         nv.destroyProgram(prog)
     for ln in log.splitlines():
-        if "Compiling entry" in ln or "registers" in ln or "spill" in ln:
+        if "Compiling entry" in ln or "registers" in ln or "spill" in ln or "arning" in ln:
             print(ln.strip())
 
 
