@@ -52,14 +52,17 @@ def graph_ms(fn, calls=10, reps=10):
     return a.elapsed_time(b) / (reps * calls)
 
 
-def run_persistent(src, q, k, v, cu, length, smem_less=0):
-    """The shipped launcher with another source (smem_less: the bytes of dynamic shared memory it needs less)."""
-    shipped, smem = vision_launch.ATTN_SRC, vision_launch.attention_smem
+def run_persistent(src, q, k, v, cu, length, smem_less=0, fill_flags=False):
+    """The shipped launcher with another source (smem_less: the bytes of dynamic shared memory it needs less;
+    fill_flags: flags zeroed by a fill each call, for sources whose readers leave them set)."""
+    shipped, smem, flags = vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.attention_flags
     vision_launch.ATTN_SRC, vision_launch.attention_smem = src, lambda hd: smem(hd) - smem_less
+    if fill_flags:
+        vision_launch.attention_flags = lambda device, n: torch.zeros(n, dtype=torch.int32, device=device)
     try:
         return vision_attention_cuda(q, k, v, cu, length)
     finally:
-        vision_launch.ATTN_SRC, vision_launch.attention_smem = shipped, smem
+        vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.attention_flags = shipped, smem, flags
 
 
 def run_waves(src, q, k, v, cu, length):
@@ -77,6 +80,8 @@ def main():
     ap.add_argument("old", type=Path)
     ap.add_argument("--waves", action="store_true", help="A launched as a wave-by-wave grid (before 1138890)")
     ap.add_argument("--smem-less", type=int, default=0, help="A's dynamic shared memory: the shipped one's less this")
+    ap.add_argument("--fill-flags", action="store_true",
+                    help="A's flags zeroed by a fill each call (sources whose readers leave them set)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-grid-ab-h200.json"))
     a = ap.parse_args()
@@ -85,7 +90,7 @@ def main():
         n = segs * length
         q, k, v, cu, (qs, ks, vs), ref = shape_inputs(segs, length, h, hd)
         fa = (lambda: run_waves(a.old, q, k, v, cu, length)) if a.waves else \
-            (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less))
+            (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less, a.fill_flags))
         fb = lambda: vision_attention_cuda(q, k, v, cu, length)  # noqa: E731
         ref32 = torch.stack([F.scaled_dot_product_attention(*(x[:, i].float() for x in (qs, ks, vs))) for i in range(h)], 1)
         ref32 = ref32.transpose(1, 2).reshape(n, h, hd)  # heads one at a time: [segments, tokens, hd] each

@@ -218,6 +218,12 @@ def attention_inputs(lens, H, hd, seed, spare=0):
     return qk[0, :n], qk[1, :n], qkv[:n, 2], cu
 
 
+def attention_flags(device, n):
+    """The launcher's flag buffer of the current stream (kernels/vision/launch.py)."""
+    from qwen35_fast.kernels.vision.launch import attention_flags as flags
+    return flags(torch.device(device), n)
+
+
 def attention_against_fp32(impl, case, seed, spare, **launch):
     """The kernel on a case's fresh inputs (its output poisoned first; skipped off sm_90a): the inputs, its
     output, the fp32 attention and torch's bf16 attention (as fp32) of the same inputs."""
@@ -257,6 +263,34 @@ def test_attention_on_few_ctas_splits_blocks_exactly(impl, case, ctas):
     assert torch.equal(impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=ctas), got)
     full = impl.vision_attention_cuda(q, k, v, cu, max(lens))
     assert (full.float() - got.float()).abs().max() <= 2 ** -6 * full.float().abs().max()
+    torch.cuda.synchronize()
+    assert not attention_flags(q.device, 1).any()  # every flag a launch set, its reader set back to zero
+
+
+@gpu
+def test_attention_split_blocks_in_a_graph_and_on_another_stream(impl):
+    """Launches that hand partial blocks on, replayed from a CUDA graph between eager launches and run on a side
+    stream (each stream its own flags): the same output every time, and every flag back at zero after."""
+    lens = [4096, 1000, 63]
+    (q, k, v, cu), got, want, torch_bf16 = attention_against_fp32(impl, (lens, 16, 72), 11, spare=64, ctas=5)
+    assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=5)
+    for _ in range(3):
+        replayed.fill_(float("nan"))
+        g.replay()
+        assert torch.equal(replayed, got)
+        assert torch.equal(impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=5), got)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=5)
+        flags_side = attention_flags(q.device, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(on_side, got)
+    assert flags_side.data_ptr() != attention_flags(q.device, 1).data_ptr()
+    assert not flags_side.any() and not attention_flags(q.device, 1).any()
 
 
 @gpu

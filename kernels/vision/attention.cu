@@ -188,7 +188,8 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
 
-// partials: [G][PART][CT] fp32; flags: G zeros (CTA c sets flags[c] once its partial is written)
+// partials: [G][PART][CT] fp32; flags: G zeros (CTA c sets flags[c] once its partial is written; CTA c + 1, its
+// one reader, returns it to zero, so the launcher keeps one buffer of flags and never fills it again)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
                  const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens, int segments,
@@ -436,5 +437,11 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
             for (int i = 0; i < NO / 4; ++i)
                 *reinterpret_cast<u32*>(dst + 8 * i) = pack_bf16(o[4 * i + 2 * half] * inv, o[4 * i + 2 * half + 1] * inv);
         }
+    }
+    // the last item merged CTA c - 1's partial: once every consumer thread has seen its flag (and stored its rows),
+    // the flag goes back to zero for the next launch
+    if (plan.tail) {
+        consumers_sync();
+        if (tid == 0) flags[blockIdx.x - 1] = 0u;
     }
 }

@@ -120,6 +120,20 @@ def attention_map(x: torch.Tensor):
     return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, 64))
 
 
+_FLAGS: dict = {}  # (device index, stream) -> the int32 flags attention.cu hands partial blocks on with
+
+
+def attention_flags(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 flags at zero for the launch about to go on the current stream: one buffer per (device, stream),
+    filled with zeros once. The kernel sets each flag once and its one reader sets it back to zero, so launches
+    in stream order always find zeros (a CUDA graph that made the buffer in its capture fills it on every replay)."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    f = _FLAGS.get(key)
+    if f is None or f.numel() < n:
+        f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
+    return f
+
+
 def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                           max_len: int, ctas: Optional[int] = None) -> torch.Tensor:
     """Same contract as reference.vision_attention_ref; max_len: at least the longest segment (a host int).
@@ -133,9 +147,9 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         return out
     blocks = (max_len + ATTN_ROWS - 1) // ATTN_ROWS * segments * h  # at least the work's blocks
     grid = max(1, min(ctas or card_of(q.device).sms, blocks))
-    if blocks > grid:  # more than a wave: CTAs hand partial blocks on (a fill: the flags start at zero)
+    if blocks > grid:  # more than a wave: CTAs hand partial blocks on
         partials = torch.empty(grid * (hd // 2 + 4) * ATTN_CONSUMER_THREADS, dtype=torch.float32, device=q.device)
-        flags = torch.zeros(grid, dtype=torch.int32, device=q.device)
+        flags = attention_flags(q.device, grid)
     else:  # a block a CTA: neither is read
         partials, flags = None, None
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
