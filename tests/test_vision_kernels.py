@@ -270,13 +270,16 @@ def test_attention_on_few_ctas_splits_blocks_exactly(impl, case, ctas):
 @gpu
 def test_attention_split_blocks_in_a_graph_and_on_another_stream(impl):
     """Launches that hand partial blocks on, replayed from a CUDA graph between eager launches and run on a side
-    stream (each stream its own flags): the same output every time, and every flag back at zero after."""
+    stream (each stream its own flags; the graph its own): the same output every time, every flag back at zero."""
     lens = [4096, 1000, 63]
     (q, k, v, cu), got, want, torch_bf16 = attention_against_fp32(impl, (lens, 16, 72), 11, spare=64, ctas=5)
     assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
+    from qwen35_fast.kernels.vision.launch import _FLAGS
+    kept = dict(_FLAGS)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         replayed = impl.vision_attention_cuda(q, k, v, cu, max(lens), ctas=5)
+    assert set(_FLAGS) == set(kept)  # the capture's flags are the graph's own (a fill on each replay), not kept
     for _ in range(3):
         replayed.fill_(float("nan"))
         g.replay()
