@@ -126,14 +126,14 @@ _FLAGS: dict = {}  # (device index, stream) -> the int32 flags attention.cu hand
 def attention_flags(device: torch.device, n: int) -> torch.Tensor:
     """n int32 flags at zero for the launch about to go on the current stream: one buffer per (device, stream),
     filled with zeros once. The kernel sets each flag once and its one reader sets it back to zero, so launches
-    in stream order always find zeros. Inside a CUDA graph's capture on a stream without one, the graph gets
-    its own, filled on every replay and never kept here (nothing of the graph's memory pool outlives it)."""
+    in stream order always find zeros. A CUDA graph's capture gets flags of its own, filled on every replay:
+    a graph shares no state with the launches around its replays, and nothing of its memory pool is kept here."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     f = _FLAGS.get(key)
     if f is None or f.numel() < n:
-        f = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            _FLAGS[key] = f
+        f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
     return f
 
 
