@@ -189,7 +189,7 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
 }
 
 // partials: [G][PART][CT] fp32; flags: G zeros (CTA c sets flags[c] once its partial is written; CTA c + 1, its
-// one reader, returns it to zero, so the launcher keeps one buffer of flags and never fills it again)
+// one reader, returns it to zero at the kernel's end, so launches in stream order share one buffer, zeroed once)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
                  const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens, int segments,
