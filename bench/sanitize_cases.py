@@ -83,7 +83,8 @@ silu_mul_cuda(torch.randn(1, 37, 2 * 12288, device=dev, dtype=torch.bfloat16))
 from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda  # noqa: E402
 
 # paged attention: 3 sequences (cached, new) = (40, 9), (0, 70), (500, 1) in shuffled 16-token blocks, GQA 4;
-# the whole kernel (two warp counts) and the split + combine path; on sm_90a the warpgroup kernel too
+# the whole kernel (two warp counts) and the split + combine path; on sm_90a the warpgroup kernel too (two
+# warpgroups for the 280 rows of 70 tokens, one for the 36 rows of the first sequence alone)
 Hq, Hkv_, Dh, bs = 8, 2, 256, 16
 lens, nqs = [40, 0, 500], [9, 70, 1]
 need = [-(-(L + n) // bs) for L, n in zip(lens, nqs)]
@@ -102,6 +103,9 @@ for sp in (1, 3):
     for kern in ("mma", "dec", "wg") if card_of(dev).wgmma else ("mma", "dec"):
         paged_attention_cuda(qg[..., :Dh], kn, vn, pool_k, pool_v, table, cl, cuq, qg[..., Dh:], 70, splits=sp,
                              kernel=kern)
+    if card_of(dev).wgmma:
+        paged_attention_cuda(qg[:9, :, :Dh], kn[:9], vn[:9], pool_k, pool_v, table[:1], cl[:1], cuq[:2],
+                             qg[:9, :, Dh:], 9, splits=sp, kernel="wg")
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # the decode kernel, no gate
 from qwen35_fast.kernels.vision import launch as vision_launch  # noqa: E402

@@ -43,10 +43,22 @@ __device__ __forceinline__ u32 pack_f16(float x, float y) {
     return *reinterpret_cast<u32*>(&h);
 }
 
+// 2^x on the special-function unit, subnormal results flushed to zero (the softmaxes' and gates' exponentials:
+// exp2f adds a range fix-up of three instructions around it).
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 16 bytes global -> shared, asynchronously; zero fill where !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+// The same to a shared-memory address (what smem_u32 gives): offsets added to it stay immediates of the copy.
+__device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int n> __device__ __forceinline__ void cp_async_wait() {

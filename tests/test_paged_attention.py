@@ -160,15 +160,22 @@ def test_plan_counts_the_blocks_an_sm_holds():
 
 
 def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():
-    """sm_90a: more than 64 rows (16 tokens x 4 q heads) go to paged_attention_wg, 128 rows a block, one block
-    per SM; decode and 16-token steps stay on mma.sync; elsewhere everything does."""
-    assert pa_launch.plan(16, 1, 4, 4, 65536, 132, wgmma=True).kernel == "mma"
+    """sm_90a: what the decode kernel does not take goes to paged_attention_wg (one block per SM): 128 rows a
+    block above 64 rows (16 tokens x 4 q heads), 64 rows up to there; decode steps stay on the decode kernel;
+    elsewhere the mma.sync kernel takes them."""
+    p = pa_launch.plan(16, 1, 4, 4, 65536, 132, wgmma=True)
+    assert (p.kernel, p.warps_m, p.row_tiles, p.splits) == ("wg", 4, 1, 33)  # 33 x 4 blocks: one wave
+    assert pa_launch.plan(5, 1, 4, 4, 65536, 132, wgmma=True).kernel == "wg"
+    assert pa_launch.plan(16, 1, 4, 4, 65536, 132).kernel == "mma"
+    assert pa_launch.plan(16, 1, 4, 4, 1024, 132, wgmma=True).kernel == "dec"  # short contexts: DEC_KEY_ROWS
+    assert pa_launch.plan(4, 1, 4, 4, 65536, 132, wgmma=True).kernel == "dec"
     assert pa_launch.plan(1, 1, 4, 4, 65536, 132, wgmma=True) == pa_launch.plan(1, 1, 4, 4, 65536, 132)
     p = pa_launch.plan(1024, 1, 4, 4, 65536, 132, wgmma=True)
     assert (p.kernel, p.row_tiles, p.splits) == ("wg", 32, 1)  # 128 blocks: one wave of 132
     p = pa_launch.plan(256, 1, 4, 4, 65536, 132, wgmma=True)
     assert (p.kernel, p.row_tiles, p.splits) == ("wg", 8, 4)  # 32 blocks x 4 splits = 128, a fifth spills
     assert pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="mma").kernel == "mma"
+    assert pa_launch.plan(17, 1, 4, 4, 65536, 132, kernel="wg").warps_m == 8
     assert pa_launch.plan(4096, 1, 4, 4, 1024, 132).kernel == "mma"
     with pytest.raises(ValueError, match="'mma', 'dec' or 'wg'"):
         pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="wgmma")
@@ -180,6 +187,7 @@ def test_shared_memory_fits_consumer_cards():
     assert pa_launch.smem_bytes_decode(256) == 76_032  # three decode blocks per H100 / H200 SM (228 KB)
     assert 3 * (pa_launch.smem_bytes_decode(256) + 1024) <= 233_472
     assert pa_launch.smem_bytes_decode(128) == 8192 + 4 * 32 * 136 * 2  # the partial S outgrows Q at dim 128
+    assert pa_launch.smem_bytes_wg(256, 1) <= 232_448 and pa_launch.smem_bytes_wg(256, 2) <= 232_448  # Hopper
 
 
 # ----------------------------------------------------------------------------- compiles (CPU, NVRTC)
@@ -209,7 +217,9 @@ def test_compiles_for_every_card(arch):
     if arch == "sm_90a":  # the warpgroup-mma kernel: Hopper only
         for d in VARIANTS[:: 3] + VARIANTS[-1:]:
             d = {k: v for k, v in d.items() if k != "WARPS_M"}
-            assert cuda_build.compile_cubin(pa_launch.SRC_WG, arch, d)[:4] == b"\x7fELF", f"wg {d}"
+            for wgs in (1, 2):
+                assert cuda_build.compile_cubin(pa_launch.SRC_WG, arch, {**d, "WARPGROUPS": wgs})[:4] == b"\x7fELF", \
+                    f"wg {wgs} {d}"
 
 
 # ----------------------------------------------------------------------------- kernels vs reference (GPU)
@@ -246,8 +256,8 @@ def _hopper():
 @pytest.mark.parametrize("forced_splits", [None, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_paged_attention_vs_reference(case, forced_splits, kernel):
-    """Each kernel forced on every case (the warpgroup one on sm_90a: its decode rows too, 1 token in 128 rows;
-    the decode kernel on prefills too, 16 rows a block)."""
+    """Each kernel forced on every case (the warpgroup one on sm_90a: one warpgroup up to 64 rows, decode rows
+    too, 1 token in 64 rows; two above; the decode kernel on prefills too, 16 rows a block)."""
     if kernel == "wg" and not _hopper():
         pytest.skip("the warpgroup-mma kernel runs on sm_90a only")
     bs, lens, H, Hkv = CASES[case]

@@ -102,11 +102,6 @@ __device__ __forceinline__ void tri_blocks(int w, int bi[3], int bj[3]) {
 }
 __device__ __forceinline__ int tri_nblocks(int w) { return w < 2 ? 3 : 2; }
 
-__device__ __forceinline__ float ex2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // tri_acc's blocks scaled and masked: K K^T -> L (fp32, row stride FST, strictly lower,
 // beta_i rk_i rk_j e^{G_i-G_j});  Q K^T (is_q) -> P (16-bit, row stride pst, rq_i rk_j e^{..}).

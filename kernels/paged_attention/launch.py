@@ -22,7 +22,7 @@ SRC = Path(__file__).with_name("paged_attention.cu")
 SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
 SRC_DEC = Path(__file__).with_name("paged_decode.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
-BM_WG, BN_WG, THREADS_WG = 128, 64, 256  # paged_attention_wg.cu: rows and keys per tile, two warpgroups
+BN_WG = 64  # paged_attention_wg.cu: keys per tile; 64 rows and 128 threads a warpgroup, one or two a block
 THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
 # Up to 64 rows, the decode kernel's 16-row blocks (each reading every key) beat the mma.sync kernel's one
 # block of 32 / 64 rows while (row tiles x keys) stays within this (H200, graph us, 5 / 8 / 12 / 16 new tokens
@@ -39,10 +39,10 @@ def smem_bytes(warps_m: int, head_dim: int) -> int:
     return (16 * warps_m + 4 * BN) * (head_dim + 8) * 2
 
 
-def smem_bytes_wg(head_dim: int) -> int:
-    """Dynamic shared memory of one paged_attention_wg block: Q, three stages of K and two of V (swizzled,
-    unpadded), 1 KB to align them."""
-    return (BM_WG + 5 * BN_WG) * head_dim * 2 + 1024
+def smem_bytes_wg(head_dim: int, warpgroups: int = 2) -> int:
+    """Dynamic shared memory of one paged_attention_wg block: Q (64 rows a warpgroup), three stages of K and
+    of V two with two warpgroups, three with one (swizzled, unpadded), 1 KB to align them."""
+    return (64 * warpgroups + (5 if warpgroups == 2 else 6) * BN_WG) * head_dim * 2 + 1024
 
 
 def smem_bytes_decode(head_dim: int) -> int:
@@ -82,9 +82,10 @@ def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: 
          splits: Optional[int] = None, wgmma: bool = False, kernel: Optional[str] = None,
          head_dim: int = 256, smem_per_sm: int = 233_472) -> Plan:
     """The launch shape for sequences of at most `max_q` new tokens over at most `kv_capacity` keys.
-    Prefills of more than 64 rows (16 tokens at 4 q heads per kv head) take the warpgroup-mma kernel where
-    the card has it (`wgmma`: sm_90a); decode steps (at most 16 rows) the four-warp decode kernel, and up to
-    64 rows over short contexts (DEC_KEY_ROWS); the rest the mma.sync one (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
+    Decode steps (at most 16 rows) take the four-warp decode kernel, and so do up to 64 rows (16 tokens at
+    4 q heads per kv head) over short contexts (DEC_KEY_ROWS); the rest the warpgroup-mma kernel where the
+    card has it (`wgmma`: sm_90a; one warpgroup a block up to 64 rows, two above), else the mma.sync one
+    (`kernel` forces one). Splits the keys (decode, and short prefills on long contexts)
     until the blocks fill one wave (the blocks an SM of `smem_per_sm` bytes holds: on an H100 / H200 two
     decode blocks (decode_blocks_per_sm), three one-warp or two wider mma.sync blocks, one warpgroup-mma
     block; on an RTX card's 100 KB one of each), but never into a second, partly filled wave: a block of s
@@ -95,12 +96,13 @@ def plan(max_q: int, num_seqs: int, num_kv_heads: int, group: int, kv_capacity: 
     rows = max(1, max_q) * group
     if kernel is None:
         dec = head_dim % 64 == 0 and (rows <= 16 or rows <= 64 and math.ceil(rows / 16) * kv_capacity <= DEC_KEY_ROWS)
-        kernel = "wg" if wgmma and rows > 64 else "dec" if dec else "mma"
+        kernel = "dec" if dec else "wg" if wgmma and rows > 16 else "mma"
     if kernel not in ("mma", "dec", "wg"):
         raise ValueError(f"paged_attention: kernel must be 'mma', 'dec' or 'wg', got {kernel!r}")
     min_keys = MIN_KEYS_PER_SPLIT
-    if kernel == "wg":
-        warps_m, row_tiles, bn, per_sm = BM_WG // 16, math.ceil(rows / BM_WG), BN_WG, 1
+    if kernel == "wg":  # one warpgroup (64 rows) where the rows fit in it, else two
+        warps_m = 4 if rows <= 64 else 8
+        row_tiles, bn, per_sm = math.ceil(rows / (16 * warps_m)), BN_WG, 1
     elif kernel == "dec":  # 16 rows a block, shared by its four warps; a share may be one 32-key tile
         warps_m, row_tiles, bn, per_sm = 1, math.ceil(rows / 16), BN, decode_blocks_per_sm(head_dim, smem_per_sm)
         min_keys = BN  # 1 x 1,024 keys: 32 shares 10.8 us, 8 shares (128 keys each) 13.6 (paged_decode_sweep)
@@ -188,7 +190,9 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     defines = {"HEAD_DIM": D, "GROUP": group, "BLOCK_SIZE": bs, "SPLIT": int(p.splits > 1),
                "GATE": int(gate is not None)}
     if p.kernel == "wg":
-        fn, threads, smem = get_function(SRC_WG, "paged_attention_wg", q.device, defines), THREADS_WG, smem_bytes_wg(D)
+        wgs = p.warps_m // 4
+        fn = get_function(SRC_WG, "paged_attention_wg", q.device, {**defines, "WARPGROUPS": wgs})
+        threads, smem = 128 * wgs, smem_bytes_wg(D, wgs)
     elif p.kernel == "dec":
         fn = get_function(SRC_DEC, "paged_attention_decode", q.device, defines)
         threads, smem = THREADS_DEC, smem_bytes_decode(D)

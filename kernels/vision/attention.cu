@@ -71,12 +71,6 @@ __device__ __forceinline__ void pv_step(float (&o)[NO], const u32 (&a)[4], unsig
 #endif
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // rows [row, row + rows) of head h, columns [0, 64 cbs): one box per 64 columns x 64 rows
 __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs, int rows, int h, int row,
                                          unsigned long long* bar) {
@@ -305,16 +299,16 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
             mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
             mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
             mc[hh] = mx[hh] * scale_log2;
-            alpha[hh] = exp2_approx(m[hh] * scale_log2 - mc[hh]);  // 0 on the first tile (m = -inf)
+            alpha[hh] = ex2_ftz(m[hh] * scale_log2 - mc[hh]);  // 0 on the first tile (m = -inf)
             m[hh] = mx[hh];
             rs[hh] = 0.f;
         }
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i) {
-            s[4 * i + 0] = exp2_approx(fmaf(s[4 * i + 0], scale_log2, -mc[0]));
-            s[4 * i + 1] = exp2_approx(fmaf(s[4 * i + 1], scale_log2, -mc[0]));
-            s[4 * i + 2] = exp2_approx(fmaf(s[4 * i + 2], scale_log2, -mc[1]));
-            s[4 * i + 3] = exp2_approx(fmaf(s[4 * i + 3], scale_log2, -mc[1]));
+            s[4 * i + 0] = ex2_ftz(fmaf(s[4 * i + 0], scale_log2, -mc[0]));
+            s[4 * i + 1] = ex2_ftz(fmaf(s[4 * i + 1], scale_log2, -mc[0]));
+            s[4 * i + 2] = ex2_ftz(fmaf(s[4 * i + 2], scale_log2, -mc[1]));
+            s[4 * i + 3] = ex2_ftz(fmaf(s[4 * i + 3], scale_log2, -mc[1]));
             rs[0] += s[4 * i + 0] + s[4 * i + 1];
             rs[1] += s[4 * i + 2] + s[4 * i + 3];
         }
@@ -410,7 +404,7 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
             for (int hh = 0; hh < 2; ++hh) {
                 const float pm = __ldcg(w + (NO + hh) * CT), pl = __ldcg(w + (NO + 2 + hh) * CT);
                 const float mn = fmaxf(m[hh], pm);
-                const float a0 = exp2_approx((m[hh] - mn) * scale_log2), a1 = exp2_approx((pm - mn) * scale_log2);
+                const float a0 = ex2_ftz((m[hh] - mn) * scale_log2), a1 = ex2_ftz((pm - mn) * scale_log2);
                 l[hh] = l[hh] * a0 + pl * a1;
 #pragma unroll
                 for (int i = 0; i < NO / 4; ++i)
