@@ -41,6 +41,7 @@ typedef __nv_bfloat16 elem;
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64");
 static_assert(PIECES % 4 == 0, "four threads copy one key row");
 static_assert(WARPGROUPS == 1 || WARPGROUPS == 2, "one or two warpgroups");
+static_assert(KROWS % 8 == 0, "a thread's key rows share their swizzle");
 
 // Offset (elements) of 16-byte piece pc of row r in a [rows][HEAD_DIM] tile stored as column blocks.
 __device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >> 3) * rows * 64 + sw64(r, (pc & 7) * 8); }
