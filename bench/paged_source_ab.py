@@ -4,11 +4,12 @@ Nq x Nkv case, the source swapped between rounds (A B A B ..., so that clock dri
 whether the two give the same output bit for bit.
 
     python3 bench/paged_source_ab.py kernels/paged_attention/paged_attention_b.cu [--cases 1x16384,256x1024]
-        [--rounds 4] [--out ab.json]
+        [--rounds 4] [--kernel mma] [--out ab.json]
 
 B must sit beside A (the kernels include their neighbours by relative path) and replaces the source of its
 kind: paged_attention.cu (the mma.sync kernel and the merge of the shares), paged_decode.cu,
-paged_attention_wg.cu.
+paged_attention_wg.cu. --kernel forces one kernel ("mma", "dec", "wg") instead of the plan's, e.g. the
+mma.sync kernel that cards without wgmma run.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def main():
     ap.add_argument("--kind", default="paged_attention.cu", choices=sorted(ATTR))
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--kernel", default=None, choices=["mma", "dec", "wg"])
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     attr = ATTR[a.kind]
@@ -54,7 +56,8 @@ def main():
 
         def calls():
             return [lambda t=t: pa_launch.paged_attention_cuda(qg[..., :D], kn, kn, k_pool, v_pool, t, lens, cu_q,
-                                                               qg[..., D:], Nq, write_kv=False) for t in tables]
+                                                               qg[..., D:], Nq, write_kv=False, kernel=a.kernel)
+                    for t in tables]
         times = {"a": [], "b": []}
         outs = {}
         for _ in range(a.rounds):
