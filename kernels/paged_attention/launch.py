@@ -41,8 +41,9 @@ def smem_bytes(warps_m: int, head_dim: int) -> int:
 
 def smem_bytes_wg(head_dim: int, warpgroups: int = 2) -> int:
     """Dynamic shared memory of one paged_attention_wg block: Q (64 rows a warpgroup), three stages of K and
-    of V two with two warpgroups, three with one (swizzled, unpadded), 1 KB to align them."""
-    return (64 * warpgroups + (5 if warpgroups == 2 else 6) * BN_WG) * head_dim * 2 + 1024
+    VSTAGES of V (three with one warpgroup, two with two), swizzled and unpadded, 1 KB to align them."""
+    v_stages = 3 if warpgroups == 1 else 2
+    return (64 * warpgroups + (3 + v_stages) * BN_WG) * head_dim * 2 + 1024
 
 
 def smem_bytes_decode(head_dim: int) -> int:
