@@ -13,7 +13,11 @@ import torch  # noqa: E402
 
 import _import  # noqa: E402,F401
 
-from qwen35_fast.kernels.conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_update_cuda  # noqa: E402
+from qwen35_fast.kernels.conv1d.launch import (  # noqa: E402
+    causal_conv1d_prefill_cuda,
+    causal_conv1d_states_cuda,
+    causal_conv1d_update_cuda,
+)
 from qwen35_fast.kernels.gdn_decode.launch import gdn_decode_step_cuda  # noqa: E402
 
 dev = "cuda"
@@ -32,6 +36,7 @@ weight, bias = torch.randn(C, W, device=dev, dtype=torch.bfloat16), torch.randn(
 init = torch.randn(5, C, W - 1, device=dev, dtype=torch.bfloat16)
 causal_conv1d_prefill_cuda(x, weight, bias, init, cu)
 causal_conv1d_prefill_cuda(x[:, :, :999], weight[:999], None, None, None)  # unaligned channels: VEC = 1
+causal_conv1d_states_cuda(x[:, :, :999], init[:1, :999], torch.tensor([0, 2, 199, 200, 500], device=dev), W)
 causal_conv1d_update_cuda(torch.randn(N, C, device=dev, dtype=torch.bfloat16),
                           torch.randn(N, C, W - 1, device=dev, dtype=torch.bfloat16), weight, bias)
 

@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--rows", type=int, default=18)
     ap.add_argument("--kernels", type=int, default=8, help="rows of the kernel tables")
     ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
+    ap.add_argument("--order", type=int, default=0,
+                    help="also print the reused prompt's first ORDER kernels in launch order (one layer of each kind)")
     a = ap.parse_args()
     model, system, questions, image = build(a.layers, smoke=not torch.cuda.is_available())
 
@@ -83,6 +85,9 @@ def main():
         if before:
             before()
         kernel_table(fn, a.kernels)
+        if a.order and name == "reuse":
+            before()
+            kernel_order(fn, a.order)
 
 
 STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal, "media_spans"),
@@ -93,6 +98,26 @@ STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal,
           (kv_pool.KVPool, "match"), (kv_pool.KVPool, "save_snapshot"), (prefix, "padded_prefill"),
           (model_mod.Cache, "resume"), (prefill_graph.PaddedPrefill, "__call__"),
           (prefill_graph.PaddedPrefill, "_stage"), (torch.cuda.CUDAGraph, "replay"))
+
+
+def kernel_order(fn, n: int) -> None:
+    """The first n GPU kernels and copies of one call of fn in the order they ran: start (us from the first),
+    duration (us) and the gap before each, so that the glue between the model's operators shows."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not ev:
+        return
+    t0, end = ev[0].time_range.start, ev[0].time_range.start
+    print(f"kernels in order ({len(ev)} in all; us: start, duration, gap before):")
+    for e in ev[:n]:
+        s, d = e.time_range.start, e.time_range.end - e.time_range.start
+        print(f"  {s - t0:9.1f} {d:7.1f} {s - end:6.1f}  {e.name[:100]}")
+        end = e.time_range.end
+    busy = sum(e.time_range.end - e.time_range.start for e in ev)
+    print(f"  span {ev[-1].time_range.end - t0:.1f} us, busy {busy:.1f} us")
 
 
 def host_stages(fn) -> None:

@@ -107,6 +107,13 @@ def causal_conv1d_prefill(x, weight, bias=None, initial_state=None, cu_seqlens=N
                                         bool(backend and backend.use_cuda))
 
 
+def causal_conv1d_states(x, initial_state, ends, width: int, backend: Backend | None = None):
+    """The conv states after ends[s] tokens of x [1, T, C] (ends [S] on x's device, clamped to 0..T), from
+    initial_state [1, C, W-1] (or zeros) where a point lies fewer than W-1 tokens in: [S, C, W-1], each what
+    causal_conv1d_prefill over x[:, :ends[s]] would return as its state."""
+    return ops.run(ops.causal_conv1d_states_op, x, initial_state, ends, width, bool(backend and backend.use_cuda))
+
+
 def causal_conv1d_update(x, conv_state, weight, bias=None, backend: Backend | None = None):
     """One token. x: [N, C]; conv_state: [N, C, W-1] updated in place. Returns y: [N, C]."""
     return ops.run(ops.causal_conv1d_update_op, x, conv_state, weight, bias, bool(backend and backend.use_cuda))
@@ -231,7 +238,7 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv",
+           "causal_conv1d_prefill", "causal_conv1d_states", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv",
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",

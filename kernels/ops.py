@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_states_ref, causal_conv1d_update_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
 from .gemv.reference import gemv_add_rms_norm_ref, gemv_ref, gemv_silu_mul_ref
@@ -108,6 +108,17 @@ def _conv_prefill_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 def _conv_prefill_fake(x, weight, bias, initial_state, cu_seqlens, use_cuda):
     B, T, C = x.shape
     return torch.empty_like(x), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[1] - 1)
+
+
+def _conv_states_impl(x: torch.Tensor, initial_state: Optional[torch.Tensor], ends: torch.Tensor, width: int,
+                      use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().causal_conv1d_states_cuda(x, initial_state, ends, width)
+    return causal_conv1d_states_ref(x, initial_state, ends, width)
+
+
+def _conv_states_fake(x, initial_state, ends, width, use_cuda):
+    return x.new_empty(ends.shape[0], x.shape[2], width - 1)
 
 
 def _conv_update_impl(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -282,6 +293,7 @@ def _add_layer_norm_fake(x, y, weight, bias, eps, use_cuda):
 gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
 gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
 causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
+causal_conv1d_states_op = _register("causal_conv1d_states", _conv_states_impl, _conv_states_fake)
 causal_conv1d_update_op = _register("causal_conv1d_update", _conv_update_impl, _conv_update_fake,
                                     mutates_args=("conv_state",))
 rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)

@@ -38,36 +38,27 @@ PACKED_CUT_TOKENS = 5120
 @dataclass(frozen=True)
 class PackedCuts:
     """A prefill's cuts as extra sequences of one GDN kernel call: the T tokens, then the first c tokens for
-    each cut c (cu_seqlens), and where each cut's conv state (the W-1 inputs before it) lies: rows of the
-    inputs, and for a cut of fewer than W-1 tokens, which of its entries come from the initial state."""
+    each cut c (cu_seqlens), and the cuts on the device, where the conv states are gathered."""
     cuts: tuple
     cu_seqlens: torch.Tensor  # int32 [2 + len(cuts)], on the device
-    conv_rows: torch.Tensor  # long [len(cuts) * (W - 1)]: input row of each conv state entry (0 where early)
-    conv_early: tuple | None  # (bool [len(cuts) * (W - 1)], long column of the initial state) or None
+    ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
 
     @staticmethod
-    def plan(cuts, T: int, width: int, be: kernels.Backend, device) -> "PackedCuts | None":
-        """The packed form for cuts (increasing, inside the T tokens) and a conv of `width` taps, or None
-        where the parts run one by one (no cuts, not on a Hopper card with the kernels, or more than
-        PACKED_CUT_TOKENS in all)."""
+    def plan(cuts, T: int, be: kernels.Backend, device) -> "PackedCuts | None":
+        """The packed form for cuts (increasing, inside the T tokens), or None where the parts run one by one
+        (no cuts, not on a Hopper card with the kernels, or more than PACKED_CUT_TOKENS in all)."""
         cuts = tuple(int(c) for c in cuts)
         if not cuts or not be.use_cuda or T + sum(cuts) > PACKED_CUT_TOKENS or not kernels.hopper_card(device):
             return None
-        return PackedCuts.build(cuts, T, width, device)
+        return PackedCuts.build(cuts, T, device)
 
     @staticmethod
-    def build(cuts, T: int, width: int, device) -> "PackedCuts":
-        cuts, w = tuple(int(c) for c in cuts), width - 1
+    def build(cuts, T: int, device) -> "PackedCuts":
+        cuts = tuple(int(c) for c in cuts)
         bounds = [0, T]
         for c in cuts:
             bounds.append(bounds[-1] + c)
-        at = [c - w + j for c in cuts for j in range(w)]  # input rows before each cut; < 0: the initial state
-        early = None
-        if min(at) < 0:
-            early = (upload([i < 0 for i in at], torch.bool, device),
-                     upload([w + min(i, -1) for i in at], torch.long, device))
-        return PackedCuts(cuts, upload(bounds, torch.int32, device),
-                          upload([max(i, 0) for i in at], torch.long, device), early)
+        return PackedCuts(cuts, upload(bounds, torch.int32, device), upload(list(cuts), torch.long, device))
 
 
 class GDNLayer(nn.Module):
@@ -306,34 +297,16 @@ class Padding:
 
 @dataclass(frozen=True)
 class PaddedCut:
-    """A padded prefill's GDN layers as one kernel call each: the T tokens twice, as two sequences from the
-    same state, the first masked from `cut` on (its final state is the cut's), the second from `n` on (the
-    prompt's state, and its outputs). Made on the device once per pass, from Padding's tensors."""
-    cu_seqlens: torch.Tensor  # int32 [0, T, 2T]
-    off: torch.Tensor  # bool [1, 2, T, 1]: the masked rows of each copy (a = b = -1e4)
-    conv_rows: torch.Tensor  # long [2 * (W-1)]: rows of [initial conv state; inputs] before the cut and before n
+    """A padded prefill's GDN layers as one kernel call each: the T tokens twice, as a batch of two sequences
+    from the same state, the first masked from `cut` on (its final state is the cut's), the second from `n`
+    on (the prompt's state, and its outputs). Made on the device once per pass, from Padding's tensors."""
+    off: torch.Tensor  # bool [2, T, 1]: the masked rows of each copy (a = b = -1e4)
+    ends: torch.Tensor  # long [2]: cut and n, where the conv states are gathered
 
     @staticmethod
-    def of(pad: Padding, T: int, width: int, device) -> "PaddedCut":
-        w = width - 1
-        ends = torch.cat([pad.cut, pad.n])[:, None]  # [2, 1]
-        off = torch.arange(T, device=device) >= ends  # [2, T]
-        rows = (ends + torch.arange(w, device=device)).flatten()
-        cu = torch.arange(3, dtype=torch.int32, device=device) * T  # made on the device: a graph captures it
-        return PaddedCut(cu, off.view(1, 2, T, 1), rows)
-
-
-def _conv_states(mixed: torch.Tensor, conv0: torch.Tensor | None, rows: torch.Tensor, early, w: int) -> torch.Tensor:
-    """The conv states [k, 1, C, w] (as the conv kernel leaves them, w = W-1) at k points of a prefill: entry
-    j of point p is input row rows[p * w + j] of mixed [1, T, C], or where `early` (None, or a bool mask and
-    a long column) marks it, that column of the initial state conv0 [1, C, w] (zeros when None)."""
-    before = mixed.index_select(1, rows)  # [1, k * w, C]
-    if early is not None:
-        mask, col = early
-        init = (before.new_zeros(()) if conv0 is None
-                else conv0.to(mixed.dtype).transpose(1, 2).index_select(1, col))
-        before = torch.where(mask[None, :, None], init, before)
-    return before.view(rows.numel() // w, w, mixed.shape[2]).transpose(1, 2).unsqueeze(1).contiguous()
+    def of(pad: Padding, T: int, device) -> "PaddedCut":
+        ends = torch.cat([pad.cut, pad.n])
+        return PaddedCut((torch.arange(T, device=device) >= ends[:, None]).view(2, T, 1), ends)
 
 
 def text_positions(cache: Cache, T: int, device) -> torch.Tensor:
@@ -507,12 +480,11 @@ class Qwen35Model(nn.Module):
         c = self.config
         hv = c.linear_num_value_heads
         mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T, w = mixed.shape[1], m.conv_w.shape[1] - 1
+        T = mixed.shape[1]
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
-        # the conv state at cut c: the W-1 inputs before it (the initial state's where c < W-1), as the
-        # conv kernel leaves it after c tokens
-        convs = _conv_states(mixed, conv0, pc.conv_rows, pc.conv_early, w)  # [cuts, 1, C, W-1]
+        # the conv state at each cut, as the conv kernel leaves it after that many tokens
+        convs = kernels.causal_conv1d_states(mixed, conv0, pc.ends, m.conv_w.shape[1], backend=be)[:, None]
 
         def rows(t):  # the T tokens, then the first c of them for each cut, packed
             return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
@@ -532,25 +504,24 @@ class Qwen35Model(nn.Module):
                             kept: "GDNState"):
         # Masked tokens get a = b = -1e4: decay exp(g) = 1 and beta = 0 exactly, so they leave the recurrent
         # state as the last unmasked token left it (their outputs are never read). One call walks the tokens
-        # masked from `cut` on (the cut's state) and, packed after them, from `n` on (the prompt's state and
-        # outputs). The conv states are the last W-1 inputs before each, gathered.
+        # as a batch of two sequences over the same inputs (batch stride 0): masked from `cut` on (the cut's
+        # state) and from `n` on (the prompt's state and outputs). The incoming state is given once per
+        # sequence (the graphed pass keeps it so, PaddedPrefill), else expanded. The conv states are the
+        # last W-1 inputs before each point, gathered.
         c = self.config
         hv = c.linear_num_value_heads
         mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T, C, w = x.shape[1], mixed.shape[2], m.conv_w.shape[1] - 1
+        T, C = x.shape[1], mixed.shape[2]
         conv0, h0 = cache.conv[i], cache.ssm[i]  # a padded prefill follows a cached prefix: both exist
         y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
-        q, k, v = self._qkv_heads(y.repeat(1, 2, 1))
-        b, a = torch.where(pc.off, -1e4, ba.unsqueeze(1).expand(1, 2, T, 2 * hv)).view(1, 2 * T, 2 * hv).split([hv, hv], -1)
-        o, ssm = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0.expand(2, *h0.shape[1:]),
-                                           cu_seqlens=pc.cu_seqlens, backend=be)
-        # the conv states: the W-1 rows before the cut and before n of the initial state and the inputs (a short
-        # pass: copying its T rows costs less than gathering from two sources)
-        history = torch.cat([conv0.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # [1, W-1 + T, C]
-        convs = history.index_select(1, pc.conv_rows).view(2, w, C).transpose(1, 2).contiguous()
+        q, k, v = self._qkv_heads(y.expand(2, T, C))
+        b, a = torch.where(pc.off, -1e4, ba).split([hv, hv], -1)
+        h0 = h0 if h0.shape[0] == 2 else h0.expand(2, *h0.shape[1:])
+        o, ssm = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0, backend=be)
+        convs = kernels.causal_conv1d_states(mixed, conv0, pc.ends, m.conv_w.shape[1], backend=be)
         kept.conv[i], kept.ssm[i] = convs[:1], ssm[:1]
         cache.conv[i], cache.ssm[i] = convs[1:], ssm[1:]
-        return self._gdn_out(m, o[:, T:], z, be)
+        return self._gdn_out(m, o[1:], z, be)
 
     def _gdn_decode(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend):
         return self._gdn_decode_from(m, self._proj(x, m.in_proj, be), cache, i, be)
@@ -603,9 +574,9 @@ class Qwen35Model(nn.Module):
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         eps, blocks = c.rms_norm_eps, self.blocks
-        packed = (PackedCuts.plan([k for k, _ in cut], T, c.linear_conv_kernel_dim, be, h.device)
+        packed = (PackedCuts.plan([k for k, _ in cut], T, be, h.device)
                   if cut and not decode and pad is None else None)
-        padded = PaddedCut.of(pad[0], T, c.linear_conv_kernel_dim, h.device) if pad is not None else None
+        padded = PaddedCut.of(pad[0], T, h.device) if pad is not None else None
         if decode and self._gemv and h.numel() == h.shape[-1]:
             return self._decode_gemv(h, cache, kv, cos, sin, be)
         x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)

@@ -113,6 +113,23 @@ class PaddedPrefill:
             self._staged = torch.cuda.Event()
             self._staged.record(torch.cuda.current_stream(self._dev.device))  # the model's device's stream
 
+    def _copy_states(self, cache: Cache) -> None:
+        """The cache's GDN states into the pass's buffers: one copy each for a packed state (GDNState.packed, a
+        snapshot), the recurrent one into both of its halves at once."""
+        dst, src = flat_view(self.conv), flat_view(cache.conv)
+        if dst is not None and src is not None and src.shape == dst.shape:
+            dst.copy_(src)
+        elif dst is not None:
+            torch._foreach_copy_([t for t in self.conv if t is not None], [t for t in cache.conv if t is not None])
+        layers = [t for t in cache.ssm if t is not None]
+        dst, src = flat_view(self.ssm), flat_view(cache.ssm)
+        if dst is not None and src is not None and dst.numel() == 2 * src.numel():
+            n = len(layers)
+            dst.view(n, 2, -1).copy_(src.view(n, 1, -1).expand(n, 2, -1))
+        else:
+            for d, t in zip((t for t in self.ssm if t is not None), layers):
+                d.copy_(t.expand_as(d))
+
     def __call__(self, cache: Cache, ids, positions: torch.Tensor | None, rope_delta: int | None,
                  keep_at: list[int]) -> tuple[torch.Tensor, list[GDNState]]:
         """Model.forward_prefill_kept's contract for at most `bucket` ids (a list) and at most one keep_at:
@@ -132,14 +149,12 @@ class PaddedPrefill:
         kept = GDNState([], [], start + cut, rope_delta_after(cache, positions, cut))
         self._stage(ids, pos, n, cut, start, cache.seq.blocks)
         if self.conv is None:  # each kind of state as views of one flat buffer
-            self.conv, self.ssm = (pack_views([None if t is None else torch.zeros_like(t, device=dev) for t in xs])
-                                   for xs in (cache.conv, cache.ssm))
-        for dst, src in ((self.conv, cache.conv), (self.ssm, cache.ssm)):
-            flat_dst, flat_src = flat_view(dst), flat_view(src)
-            if flat_dst is not None and flat_src is not None and flat_src.shape == flat_dst.shape:
-                flat_dst.copy_(flat_src)  # a packed state (GDNState.packed, a snapshot): one copy
-            elif flat_dst is not None:
-                torch._foreach_copy_([t for t in dst if t is not None], [t for t in src if t is not None])
+            self.conv = pack_views([None if t is None else torch.zeros_like(t, device=dev) for t in cache.conv])
+            # the recurrent states twice over: one for each sequence of the padded pass, which reads them
+            # where they lie (forward_prefill_padded)
+            self.ssm = pack_views([None if t is None else t.new_zeros((2, *t.shape[1:]), device=dev)
+                                   for t in cache.ssm])
+        self._copy_states(cache)
         if self.capture and self.graph is None:
             try:
                 self._capture()
@@ -153,12 +168,13 @@ class PaddedPrefill:
             logits, conv, ssm, cut_conv, cut_ssm = self.out
         else:
             logits, conv, ssm, cut_conv, cut_ssm = self._pass()
-        cache.conv[:], cache.ssm[:] = _unpack(conv, self.conv), _unpack(ssm, self.ssm)
+        one_ssm = [None if t is None else t[:1] for t in self.ssm]
+        cache.conv[:], cache.ssm[:] = _unpack(conv, self.conv), _unpack(ssm, one_ssm)
         cache.length = start + n
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         if keep_at:
-            kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, self.ssm)
+            kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, one_ssm)
         return logits.clone(), [kept] if keep_at else []
 
 

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from qwen35_fast import kernels
-from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from qwen35_fast.kernels.conv1d.reference import (
+    causal_conv1d_prefill_ref,
+    causal_conv1d_states_ref,
+    causal_conv1d_update_ref,
+)
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.rms_norm.reference import (
     add_rms_norm_ref,
@@ -178,6 +182,26 @@ def test_conv_prefill_strided_x(impl):
     y_ref, st_ref = causal_conv1d_prefill_ref(x, weight[:, 0], None, None)
     y, st = impl.causal_conv1d_prefill_cuda(x, weight, None, None)
     check_conv(y, st, y_ref, st_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 2, 64, 300])
+@pytest.mark.parametrize("C", [8, 1000, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("W,with_init", [(4, True), (4, False), (2, True), (5, True)])
+def test_conv_states_match_reference(impl, T, C, dtype, W, with_init):
+    """Points at the start, inside the initial state's reach, in the middle, at the end and outside 0..T
+    (clamped), on x as a channel slice of a wider projection (token stride > C), as the model passes it."""
+    g = torch.Generator(device=DEV).manual_seed(zlib.crc32(repr((T, C, dtype, W, with_init)).encode()))
+    for rep in range(2):
+        x = torch.randn(1, T, C + 24, generator=g, device=DEV).to(dtype)[:, :, 16:16 + C]
+        init = torch.randn(1, C, W - 1, generator=g, device=DEV).to(dtype) if with_init else None
+        pts = [0, 1, W - 2, T // 2, T - 1, T, -1, T + 5]
+        ends = torch.tensor(pts if rep == 0 else pts[::-1][:3], device=DEV)
+        want = causal_conv1d_states_ref(x, init, ends, W)
+        poison_allocator(((len(ends), C, W - 1), dtype))
+        got = impl.causal_conv1d_states_cuda(x, init, ends.int() if rep else ends, W)
+        torch.cuda.synchronize()
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("N", [1, 3, 64])

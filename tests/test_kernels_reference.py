@@ -12,7 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_fast import kernels
-from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from qwen35_fast.kernels.conv1d.reference import (
+    causal_conv1d_prefill_ref,
+    causal_conv1d_states_ref,
+    causal_conv1d_update_ref,
+)
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.gdn_prefill.reference import gate_and_beta, gdn_prefill_chunked, gdn_prefill_recurrent_f64
 
@@ -211,6 +215,25 @@ def test_conv_prefill_ref_empty_sequence():
     init = torch.randn(2, C, W - 1)
     _, st = causal_conv1d_prefill_ref(x, torch.randn(C, W), None, init, torch.tensor([0, 0, 3], dtype=torch.int32))
     assert torch.equal(st[0], init[0])
+
+
+@pytest.mark.parametrize("W", [2, 4, 5])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_conv_states_ref_is_the_prefill_state_at_each_point(W, with_init):
+    """The state after e tokens is what a prefill over the first e tokens leaves (0 tokens: the initial state);
+    points outside 0..T are clamped."""
+    T, C = 9, 5
+    g = torch.Generator().manual_seed(W * 2 + with_init)
+    x = torch.randn(1, T, C, generator=g).bfloat16()
+    init = torch.randn(1, C, W - 1, generator=g).bfloat16() if with_init else None
+    ends = torch.tensor([0, 1, W - 2, W - 1, 5, T, -3, T + 4])
+    got = causal_conv1d_states_ref(x, init, ends, W)
+    assert got.shape == (len(ends), C, W - 1) and got.dtype == x.dtype
+    weight = torch.randn(C, W, generator=g)
+    for s, e in enumerate(ends.clamp(0, T).tolist()):
+        want = (init[0] if init is not None else torch.zeros(C, W - 1, dtype=x.dtype)) if e == 0 else \
+            causal_conv1d_prefill_ref(x[:, :e], weight, None, init)[1][0]
+        assert torch.equal(got[s], want), f"state after {e} tokens"
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -59,7 +59,7 @@ def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
     with torch.inference_mode():
         want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
         got = model._gdn_prefill(m, x, packed, i, TORCH, cut_packed,
-                                 PackedCuts.build(cuts, T, m.conv_w.shape[1], "cpu"))
+                                 PackedCuts.build(cuts, T, "cpu"))
     assert got.shape == want.shape and rel(got, want) < 1e-5
     assert torch.equal(packed.conv[i], parts.conv[i]) and rel(packed.ssm[i], parts.ssm[i]) < 1e-5
     for (c, a), (_, b) in zip(cut_packed, cut_parts):
@@ -69,20 +69,16 @@ def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
 
 def test_the_packed_form_is_planned_on_hopper_cards_within_the_budget(monkeypatch):
     cuda = kernels.Backend("cuda", "test")
-    assert PackedCuts.plan((10, 50), 100, 4, cuda, "cpu") is None  # not a Hopper card: the parts
+    assert PackedCuts.plan((10, 50), 100, cuda, "cpu") is None  # not a Hopper card: the parts
     monkeypatch.setattr(kernels, "hopper_card", lambda device: True)
-    assert PackedCuts.plan((), 100, 4, cuda, "cpu") is None
-    assert PackedCuts.plan((10, 50), 100, 4, TORCH, "cpu") is None  # the CPU: the parts (no recompute)
+    assert PackedCuts.plan((), 100, cuda, "cpu") is None
+    assert PackedCuts.plan((10, 50), 100, TORCH, "cpu") is None  # the CPU: the parts (no recompute)
     # the prompt and the prefixes walked again: at most PACKED_CUT_TOKENS in all
-    assert PackedCuts.plan((10, 50), PACKED_CUT_TOKENS - 60, 4, cuda, "cpu") is not None
-    assert PackedCuts.plan((10, 50), PACKED_CUT_TOKENS - 59, 4, cuda, "cpu") is None
-    p = PackedCuts.plan((10, 50), 100, 4, cuda, "cpu")
+    assert PackedCuts.plan((10, 50), PACKED_CUT_TOKENS - 60, cuda, "cpu") is not None
+    assert PackedCuts.plan((10, 50), PACKED_CUT_TOKENS - 59, cuda, "cpu") is None
+    p = PackedCuts.plan((10, 50), 100, cuda, "cpu")
     assert p.cuts == (10, 50) and p.cu_seqlens.tolist() == [0, 100, 110, 160]
-    assert p.conv_rows.tolist() == [7, 8, 9, 47, 48, 49] and p.conv_early is None  # the 3 inputs before each cut
-    p = PackedCuts.build((1, 5), 100, 4, "cpu")  # a cut after one token: two entries from the initial state
-    assert p.conv_rows.tolist() == [0, 0, 0, 2, 3, 4]
-    assert p.conv_early[0].tolist() == [True, True, False, False, False, False]
-    assert p.conv_early[1].tolist()[:2] == [1, 2]  # the initial state's last two columns
+    assert p.ends.tolist() == [10, 50]  # where the conv states are gathered
 
 
 def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
@@ -101,7 +97,7 @@ def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monke
     calls = []
     real = model_mod.Qwen35Model._gdn_prefill_packed
     monkeypatch.setattr(model_mod.PackedCuts, "plan", staticmethod(
-        lambda cuts, T, width, be, device: PackedCuts.build(cuts, T, width, device) if cuts else None))
+        lambda cuts, T, be, device: PackedCuts.build(cuts, T, device) if cuts else None))
     monkeypatch.setattr(model_mod.Qwen35Model, "_gdn_prefill_packed",
                         lambda self, *a: calls.append(1) or real(self, *a))
     packed = run()

@@ -5,6 +5,7 @@
 // a window of the last W-1 inputs through registers, so x is read once (plus W-1 tokens of halo per
 // chunk) and y written once. The thread that handles a sequence's last token writes its final state.
 // Update: one token per sequence, one thread per (sequence, channel), state shifted in place.
+// States: the conv state at given points of a prompt, gathered from its inputs and initial state.
 //
 // Defines: W (kernel width), VEC (channels per thread), TX (x, y, prefill states), TS (update state),
 // TW (weight), TB (bias): 0 float, 1 half, 2 bfloat16; HAS_BIAS, HAS_INIT, VARLEN: 0 or 1.
@@ -245,4 +246,24 @@ causal_conv1d_update(const tx* __restrict__ x, ts* __restrict__ state, const tw*
     for (int j = 0; j < W - 2; ++j) st[j] = st[j + 1];
     st[W - 2] = xn;
     y[idx] = from_f<tx>(silu_f(acc));
+}
+
+// The conv state after ends[s] tokens of a prompt, for each s: the W-1 inputs before that point (oldest
+// first), from the initial state where the point lies fewer than W-1 tokens in (zeros without one). What
+// the prefill leaves as its final state, for points inside it (a graphed prefill's cut and prompt end).
+// x: [T, C] (token stride x_st, channels contiguous); init: [C, W-1] contiguous (HAS_INIT); ends: [S],
+// clamped to 0..T; out: [S, C, W-1] contiguous. One thread per (channel, point).
+extern "C" __global__ void __launch_bounds__(THREADS)
+causal_conv1d_states(const tx* __restrict__ x, const tx* __restrict__ init, const long long* __restrict__ ends,
+                     tx* __restrict__ out, int C, int T, long long x_st)
+{
+    const int c = blockIdx.x * THREADS + threadIdx.x, s = blockIdx.y;
+    if (c >= C) return;
+    const long long e = min(max(ends[s], 0LL), (long long)T);
+    tx* o = out + ((size_t)s * C + c) * (W - 1);
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) {
+        const long long p = e - (W - 1) + j;
+        o[j] = p >= 0 ? x[p * x_st + c] : HAS_INIT ? init[(size_t)c * (W - 1) + (W - 1) + p] : from_f<tx>(0.f);
+    }
 }

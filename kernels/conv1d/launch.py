@@ -118,3 +118,30 @@ def causal_conv1d_update_cuda(x, conv_state, weight, bias=None):
     launch(fn, (-(-N * C // THREADS), 1, 1), (THREADS, 1, 1),
            (x, conv_state, weight, bias, y, N, C, np.int64(x.stride(0)), np.int64(conv_state.stride(0))))
     return y
+
+
+def causal_conv1d_states_cuda(x, initial_state, ends, width: int):
+    """The conv states after ends[s] tokens of x (reference.causal_conv1d_states_ref). x: [1, T, C] (channels
+    contiguous); initial_state: [1, C, W-1] or None (zeros); ends: [S] int32 / int64 on x's device (clamped
+    to 0..T, read on the device); width: W. Returns [S, C, W-1] in x.dtype."""
+    B, T, C = x.shape
+    if B != 1 or ends.dim() != 1:
+        raise ValueError(f"causal_conv1d_states: needs x [1, T, C] and ends [S], got x {tuple(x.shape)}, "
+                         f"ends {tuple(ends.shape)}")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (1, C, width - 1):
+            raise ValueError(f"causal_conv1d_states: initial_state must be [1, C, W-1] = {(1, C, width - 1)}, "
+                             f"got {tuple(initial_state.shape)}")
+        initial_state = initial_state.to(x.dtype).contiguous()
+    ends = ends.to(torch.long).contiguous()
+    S = ends.shape[0]
+    out = torch.empty(S, C, width - 1, dtype=x.dtype, device=x.device)
+    if S == 0 or C == 0:
+        return out
+    fn = get_function(SRC, "causal_conv1d_states", x.device,
+                      {"W": width, "TX": _code(x, "x"), "HAS_INIT": int(initial_state is not None)})
+    launch(fn, (-(-C // THREADS), S, 1), (THREADS, 1, 1),
+           (x, initial_state, ends, out, C, T, np.int64(x.stride(1))))
+    return out

@@ -39,3 +39,16 @@ def causal_conv1d_update_ref(x, conv_state, weight, bias=None):
         out = out + bias.float()
     conv_state.copy_(xs[:, :, 1:])
     return F.silu(out).to(x.dtype)
+
+
+def causal_conv1d_states_ref(x, initial_state, ends, width: int):
+    """The conv state after ends[s] tokens of x [1, T, C] for each s of ends [S] (clamped to 0..T): the W-1
+    inputs before that point, oldest first, from initial_state [1, C, W-1] (zeros when None) where the point
+    lies fewer than W-1 tokens in; what causal_conv1d_prefill_ref returns as the final state of x[:, :ends[s]].
+    Returns [S, C, W-1] in x.dtype."""
+    _, T, C = x.shape
+    prev = (torch.zeros(C, width - 1, dtype=x.dtype, device=x.device) if initial_state is None
+            else initial_state[0].to(x.dtype))
+    history = torch.cat([prev.transpose(0, 1), x[0]])  # [W-1 + T, C]: row W-1 + p is input p
+    rows = ends.to(device=x.device, dtype=torch.long).clamp(0, T)[:, None] + torch.arange(width - 1, device=x.device)
+    return history[rows].transpose(1, 2).contiguous()
