@@ -2,6 +2,7 @@
 (graph replay, median), to pick the launchers' defaults. Prints one table.
 
     python bench/variants.py [--decode VTxTHREADS,... [--n 8,32]]   (--decode: only those decode tiles)
+    python bench/variants.py --conv-chunks 16,8,4   (only the conv's least tokens per thread, at short lengths)
 """
 import sys
 import time
@@ -36,7 +37,29 @@ def decode_sets(N, copies):
                  state=torch.randn(N, HV, D, D, device=DEV) * 0.1) for _ in range(copies)]
 
 
+def conv_chunks(mins: list[int]) -> None:
+    """The conv prefill at prompt lengths of a short prefill (a question after a reused prefix, the 9B shape: x a
+    channel slice of the in_proj output, an initial state) and longer, for each least chunk (MIN_CHUNK)."""
+    C, W, wide = 8192, 4, 12352
+    w = torch.randn(C, W, dtype=torch.bfloat16, device=DEV)
+    init = torch.randn(1, C, W - 1, dtype=torch.bfloat16, device=DEV)
+    xs = {L: torch.randn(1, L, wide, dtype=torch.bfloat16, device=DEV)[:, :, :C] for L in (64, 256, 1294, 4096)}
+    for m in mins:
+        conv.MIN_CHUNK = m
+        res = []
+        for L, x in xs.items():
+            y, st = conv.causal_conv1d_prefill_cuda(x, w, None, init)
+            y_ref, st_ref = causal_conv1d_prefill_ref(x, w, None, init)
+            ok = torch.equal(st, st_ref) and (y.float() - y_ref.float()).abs().max().item() < 0.05
+            ms = bench_ms(graph_of(lambda: conv.causal_conv1d_prefill_cuda(x, w, None, init)).replay)
+            res.append(f"L={L}: {ms * 1e3:.2f} us ok={ok}")
+        print(f"conv MIN_CHUNK={m} | " + " | ".join(res), flush=True)
+
+
 def main():
+    if "--conv-chunks" in sys.argv:
+        conv_chunks([int(v) for v in sys.argv[sys.argv.index("--conv-chunks") + 1].split(",")])
+        return
     bw, _ = ceilings()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     torch.manual_seed(0)

@@ -14,7 +14,8 @@
 // Rows are (i, j) of an [R, H, DIM] view with element strides (s0, s1, 1); x and gate have their own.
 // TPR threads hold one row (DIM / 8 vectors of 8 elements, VPL per thread): up to 32 lanes of a warp
 // (32 / TPR rows per warp), or 128 threads (4 warps, partial sums through shared memory) where DIM / 8
-// is a multiple of 128, so that long rows keep VPL small (registers: occupancy).
+// is a multiple of 128, so that long rows keep VPL small (registers: occupancy). The launcher may set TPR
+// (a divisor of DIM / 8, at most the block): the whole block for a few long rows.
 #include "common.cuh"
 
 #ifndef DIM
@@ -40,12 +41,15 @@ typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
 
 #define NV (DIM / 8)                                        // 16-byte vectors per row
+#ifndef TPR
 #define TPR (NV <= 32 ? NV : NV % 128 == 0 ? 128 : 32)      // threads per row
+#endif
 #define VPL (NV / TPR)                                      // vectors per thread
 #define WARPS 8
 #define RPB (WARPS * 32 / TPR)                              // rows per block
 static_assert(DIM % 8 == 0 && (NV < 32 ? 32 % NV == 0 : NV % 32 == 0),
               "DIM / 8 must divide 32 or be a multiple of 32");
+static_assert(NV % TPR == 0 && TPR <= WARPS * 32, "TPR: threads per row, a divisor of DIM / 8, at most a block");
 static_assert(!RES || (!GATED && !ROPE), "RES: the plain norm only");
 static_assert(ROPE == 0 || (!GATED && ROPE % 16 == 0 && ROPE <= 8 * (TPR < 32 ? TPR : 32) &&
                             ((ROPE / 16) & (ROPE / 16 - 1)) == 0),

@@ -1,0 +1,50 @@
+"""The residual add + RMSNorm kernel (kernels/rms_norm, RES 1) at the 9B hidden size over few and many rows,
+with 128 threads a row (the default) and 256 (the whole block, what the launcher takes for at most FEW_ROWS
+rows): CUDA-graph us per launch, and how many outputs equal the default's bit for bit (the sum must equal
+all). Development only; how kernels/rms_norm/launch.py FEW_ROWS was set (results/norm-rows-h200.json).
+
+    python3 bench/norm_rows.py
+"""
+import json
+
+import numpy as np
+import torch
+
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
+
+from qwen35_fast.kernels.cuda_build import get_function, launch
+from qwen35_fast.kernels.rms_norm import launch as norm
+
+from gdn import bench_ms, graph_of
+
+
+def main():
+    D, dev = 4096, "cuda"
+    for rows in (64, 128, 256, 1294):
+        res = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
+        x = torch.randn_like(res)
+        w = torch.randn(D, device=dev)
+        row = {"rows": rows, "D": D}
+        want_s = want_y = None
+        for tpr in (128, 256):
+            fn = get_function(norm.SRC, "rms_norm_fwd", x.device, {"DIM": D, "IN_T": 2, "W_T": 0, "GATED": 0,
+                                                                   "ROPE": 0, "RES": 1, "TPR": tpr})
+            per_block = norm.WARPS * 32 // tpr
+            y, s = torch.empty_like(x), torch.empty_like(x)
+
+            def call():
+                launch(fn, ((rows + per_block - 1) // per_block, 1, 1), (norm.WARPS * 32, 1, 1),
+                       (x, x, w, y, np.int64(rows), np.int32(1), np.int64(D), np.int64(D), np.int64(D), np.int64(D),
+                        np.float32(1e-6), None, None, np.int64(0), res, s))
+            call()
+            torch.cuda.synchronize()
+            if want_s is None:
+                want_s, want_y = s.clone(), y.clone()
+            row[f"us_tpr{tpr}"] = round(bench_ms(graph_of(call).replay) * 1e3, 2)
+            row[f"same_sum_tpr{tpr}"] = bool(torch.equal(s, want_s))
+            row[f"same_norm_fraction_tpr{tpr}"] = (y == want_y).float().mean().item()
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
