@@ -1,6 +1,6 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
-prefill and update), the two RMSNorms (plain, and the GDN output's gated one), paged attention, and the
-vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it).
+prefill, its states at given points, and update), the two RMSNorms (plain, and the GDN output's gated
+one), paged attention, and the vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it).
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides

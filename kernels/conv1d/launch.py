@@ -13,9 +13,9 @@ THREADS = 128  # as in conv1d.cu
 # bytes of x per thread and token; tokens whose loads are issued together. H200, C = 8192, bf16 (bench/variants.py):
 # 8 B x 8 reaches 78% of copy bandwidth at L = 32768 (16 B x 4: 75%, 16 B x 8: 71%, 16 B x 16: 51%).
 VEC_BYTES, UNROLL = 8, 8
-# tokens per thread at least: a short prompt's tokens spread over more blocks. H200, the 9B conv after a cached
-# prefix (bench/variants.py --conv-chunks, results/conv-chunks-h200.json): 64 tokens 11.6 us at 16, 9.9 at 8, 9.4 at 4; 256 tokens 13.0 /
-# 11.5 / 14.9; 1,294 and 4,096 tokens the same at each
+# tokens per thread at least: a short prompt's tokens spread over more blocks. H200, the 9B conv after a
+# cached prefix (bench/variants.py --conv-chunks, results/conv-chunks-h200.json): 64 tokens 11.6 us at 16,
+# 9.9 at 8, 9.4 at 4; 256 tokens 13.0 / 11.5 / 14.9; 1,294 and 4,096 tokens the same at each
 MIN_CHUNK = 8
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _num_sms: dict = {}
