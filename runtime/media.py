@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -187,21 +189,28 @@ class VisionInput:
 
     `patches` is the tensor, or a function that makes it, called once on the first read of `pixels`: a
     prompt whose images are all inside a cached prefix never resizes or patches them. `source` is then what
-    the patches are made from (the input's own pixels, on the model's device) and `recipe` the settings
-    that make them (size, normalisation), so that the prefix cache's key of the input can come from its
-    source (content_key), the same for the same pixels and settings, without making the patches."""
+    the patches are made from (the input's own pixels on the model's device, or a function that puts them
+    there, called once) and `recipe` the settings that make them (size, normalisation), so that the prefix
+    cache's key of the input can come from its source (content_key), the same for the same pixels and
+    settings, without making the patches. `origin` (the caller's tensor and which part of it the input is)
+    lets a tensor seen before skip even that (SeenTensors)."""
     kind: str  # "image" | "video"
     patches: torch.Tensor | Callable[[], torch.Tensor]
     grid: tuple[int, int, int]
     source_size: tuple[int, int]  # (height, width) before resizing
     timestamps: tuple[float, ...] = ()
     scaled_down: bool = False  # resized below its own size to fit max_pixels
-    source: torch.Tensor | None = None
+    source: torch.Tensor | Callable[[], torch.Tensor] | None = None
     recipe: str = ""
+    origin: tuple[torch.Tensor, object] | None = None
 
     @functools.cached_property
     def pixels(self) -> torch.Tensor:
         return self.patches() if callable(self.patches) else self.patches
+
+    @functools.cached_property
+    def source_pixels(self) -> torch.Tensor | None:
+        return self.source() if callable(self.source) else self.source
 
     @property
     def n_patches(self) -> int:
@@ -217,7 +226,41 @@ class VisionInput:
         grid = "x".join(map(str, self.grid))
         if self.source is None:
             return f"{self.kind}:{grid}:{fingerprint(self.pixels)}"
-        return f"{self.kind}:{grid}:{self.recipe}:{fingerprint(self.source)}"
+        if self.origin is None:
+            return f"{self.kind}:{grid}:{self.recipe}:{fingerprint(self.source_pixels)}"
+        tensor, part = self.origin
+        return f"{self.kind}:{grid}:{self.recipe}:{SEEN.get(tensor, part, lambda: fingerprint(self.source_pixels))}"
+
+
+class SeenTensors:
+    """Fingerprints of the caller's tensors hashed before, by identity (a weak reference, so a tensor that is
+    gone never matches a new one at its address) and part (an image of a batch, a video's sampled frames).
+    ComfyUI hands the same IMAGE object to each run of a node that reads one LoadImage output and treats node
+    outputs as immutable (its own cache reuses them), so a second question about an image neither copies it
+    to the GPU nor reads it again. A tensor changed in place through torch moves its version counter and is
+    hashed again (inference tensors, what ComfyUI's nodes make, have no counter: theirs are taken as
+    ComfyUI takes them, unchanged)."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._seen: OrderedDict = OrderedDict()
+
+    def get(self, tensor: torch.Tensor, part, compute: Callable[[], str]) -> str:
+        version = None if tensor.is_inference() else tensor._version
+        key = (id(tensor), part)
+        hit = self._seen.get(key)
+        if hit is not None and hit[0]() is tensor and hit[1] == version:
+            self._seen.move_to_end(key)
+            return hit[2]
+        value = compute()
+        self._seen[key] = (weakref.ref(tensor), version, value)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        return value
+
+
+SEEN = SeenTensors()
 
 
 def _recipe(size: tuple[int, int], pp: Preprocessing) -> str:
@@ -232,21 +275,23 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
     faster than the CPU for large images)."""
     pp = pp or Preprocessing()
     b, h, w, c = _check_images(images)
-    if device is not None:
-        images = images.to(device)
-    images = images.reshape(b, h, w, c)
+    given = images
     size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
     scaled = h * w > pp.max_pixels
 
     @functools.cache
+    def on_device() -> torch.Tensor:  # moved when first needed: a cached image is never copied
+        return (given if device is None else given.to(device)).reshape(b, h, w, c)
+
+    @functools.cache
     def batch() -> list[torch.Tensor]:
-        x = _normalise(_resize(to_rgb(images), size), pp)
+        x = _normalise(_resize(to_rgb(on_device()), size), pp)
         return [_patchify(frame[None].expand(pp.temporal_patch_size, -1, -1, -1), pp)[0] for frame in x]
 
     grid = (1, size[0] // pp.patch_size, size[1] // pp.patch_size)
     recipe = _recipe(size, pp)
-    return [VisionInput("image", functools.partial(lambda k: batch()[k], k), grid, (h, w), (), scaled, images[k],
-                        recipe) for k in range(b)]
+    return [VisionInput("image", functools.partial(lambda k: batch()[k], k), grid, (h, w), (), scaled,
+                        functools.partial(lambda k: on_device()[k], k), recipe, (given, k)) for k in range(b)]
 
 
 def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]:
@@ -271,7 +316,8 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         raise Qwen35Error("a video must be frames [count, height, width, channels]")
     index = sample_frames(frames.shape[0], fps, pp)
     _, h, w, c = _check_images(frames)
-    chosen = frames[index].to(device) if device is not None else frames[index]
+    picked = list(index)  # the sampled frames, moved when first needed
+    chosen = functools.cache(lambda: frames[picked].to(device) if device is not None else frames[picked])
     tp, sampled = pp.temporal_patch_size, len(index)
     fill = -len(index) % tp  # pairs of frames: the last one fills the gap
     index = index + [index[-1]] * fill
@@ -279,7 +325,7 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
                         temporal_factor=tp)
 
     def patches() -> torch.Tensor:
-        rgb = to_rgb(chosen)
+        rgb = to_rgb(chosen())
         if fill:
             rgb = torch.cat([rgb, rgb[-1:].expand(fill, -1, -1, -1)])
         return _patchify(_normalise(_resize(rgb, size), pp), pp)[0]
@@ -288,7 +334,7 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     times = [i / fps for i in index]
     stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
     return VisionInput("video", patches, grid, (h, w), stamps, sampled * h * w > pp.video_max_pixels, chosen,
-                       _recipe(size, pp))
+                       _recipe(size, pp), (frames, tuple(picked)))
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",

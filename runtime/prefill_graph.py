@@ -67,7 +67,7 @@ class PaddedPrefill:
         d32[2:].fill_(PAD)
         self.kv = KVStep(table=d32[2:].view(1, nb), lens=d32[:1],
                          cu_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev), max_q=bucket)
-        self.conv = self.ssm = None  # the GDN states going in: shaped like the first caller's
+        self.conv = self.ssm = self.one_ssm = None  # the GDN states going in: shaped like the first caller's
         self.graph = None
         self.pool_bytes = 0  # device memory the captured graph keeps (its outputs and activations)
 
@@ -154,6 +154,7 @@ class PaddedPrefill:
             # where they lie (forward_prefill_padded)
             self.ssm = pack_views([None if t is None else t.new_zeros((2, *t.shape[1:]), device=dev)
                                    for t in cache.ssm])
+            self.one_ssm = [None if t is None else t[:1] for t in self.ssm]  # one state's shape, to unpack into
         self._copy_states(cache)
         if self.capture and self.graph is None:
             try:
@@ -168,13 +169,12 @@ class PaddedPrefill:
             logits, conv, ssm, cut_conv, cut_ssm = self.out
         else:
             logits, conv, ssm, cut_conv, cut_ssm = self._pass()
-        one_ssm = [None if t is None else t[:1] for t in self.ssm]
-        cache.conv[:], cache.ssm[:] = _unpack(conv, self.conv), _unpack(ssm, one_ssm)
+        cache.conv[:], cache.ssm[:] = _unpack(conv, self.conv), _unpack(ssm, self.one_ssm)
         cache.length = start + n
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         if keep_at:
-            kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, one_ssm)
+            kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, self.one_ssm)
         return logits.clone(), [kept] if keep_at else []
 
 

@@ -106,6 +106,39 @@ def test_a_cached_image_is_keyed_by_its_pixels_and_never_patched_again(model):
     assert bare.content_key(content_hash) not in keys and "pixels" in vars(again[0])
 
 
+def test_an_image_tensor_seen_before_is_not_read_again(model, monkeypatch):
+    """ComfyUI hands the same IMAGE object to each question about one image: its fingerprint is remembered by
+    identity, so the second prompt neither moves its pixels nor hashes them; a change in place through torch
+    reads it again (and misses); an inference tensor (what ComfyUI's nodes make) is remembered too."""
+    from qwen35_fast.runtime import multimodal
+    hashed = []
+    monkeypatch.setattr(multimodal, "content_hash", lambda t, backend=None: hashed.append(1) or content_hash(t))
+    raw = _image(64, 96, 7)
+    first = prefill_multimodal(model, "What colour is it?", images=raw, system_prompt=SYSTEM, max_pixels=SMALL.max_pixels)
+    second = prefill_multimodal(model, "How many shapes?", images=raw, system_prompt=SYSTEM, max_pixels=SMALL.max_pixels)
+    assert len(hashed) == 1 and second.media[0].content_hash == first.media[0].content_hash
+    assert second.cached_tokens == list(second.token_ids).index(VISION_END) + 1
+    raw[0, 5, 7, 1] += 0.25  # its version counter moves
+    changed = prefill_multimodal(model, "How many shapes?", images=raw, system_prompt=SYSTEM,
+                                 max_pixels=SMALL.max_pixels)
+    assert len(hashed) == 2 and changed.cached_tokens == system_end(model, changed.token_ids)
+    with torch.inference_mode():
+        frozen = _image(64, 96, 8)
+    keys = [preprocess_images(frozen, SMALL)[0] for _ in range(2)]
+    assert keys[0].content_key(content_hash) == keys[1].content_key(content_hash)
+    assert "source_pixels" in vars(keys[0]) and "source_pixels" not in vars(keys[1])  # read once
+
+
+def test_seen_tensors_are_a_bounded_memo_by_identity():
+    from qwen35_fast.runtime.media import SeenTensors
+    seen, calls = SeenTensors(size=2), []
+    a, b, c = (torch.full((3,), float(i)) for i in range(3))
+    for t in (a, b, a, c, a, b):  # b is the least recently used when c comes
+        seen.get(t, 0, lambda t=t: calls.append(t) or str(float(t[0])))
+    assert [float(t[0]) for t in calls] == [0.0, 1.0, 2.0, 1.0]
+    assert seen.get(a, 1, lambda: "other part") == "other part"  # another part of the same tensor
+
+
 def test_another_image_is_not_reused(model):
     a = preprocess_images(_image(64, 96, 7), SMALL)
     b = preprocess_images(_image(64, 96, 8), SMALL)  # same size, other pixels
