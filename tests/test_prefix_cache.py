@@ -8,8 +8,8 @@ from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import Qwen35Error, generate, prefill, prefill_multimodal
 from qwen35_fast.runtime.generate import generation_prompt_ids
-from qwen35_fast.runtime.media import preprocess_images
-from qwen35_fast.runtime.multimodal import VISION_END
+from qwen35_fast.runtime.media import preprocess_images, preprocess_video
+from qwen35_fast.runtime.multimodal import VIDEO_PAD, VISION_END
 from qwen35_fast.runtime.prefix import content_hash, system_end
 
 from _models import rel
@@ -127,6 +127,13 @@ def test_an_image_tensor_seen_before_is_not_read_again(model, monkeypatch):
     keys = [preprocess_images(frozen, SMALL)[0] for _ in range(2)]
     assert keys[0].content_key(content_hash) == keys[1].content_key(content_hash)
     assert "source_pixels" in vars(keys[0]) and "source_pixels" not in vars(keys[1])  # read once
+    # a video's sampled frames likewise; another frame rate samples other frames: another part, hashed
+    frames = torch.rand(8, 64, 80, 3, generator=torch.Generator().manual_seed(6))
+    before = len(hashed)
+    videos = [preprocess_video(frames, fps, SMALL) for fps in (2.0, 2.0, 4.0)]
+    keys = [multimodal.media_spans([VIDEO_PAD] * v.n_tokens() + [VISION_END], [v], 2)[0].content_hash
+            for v in videos]
+    assert len(hashed) == before + 2 and keys[0] == keys[1] != keys[2]
 
 
 def test_seen_tensors_are_a_bounded_memo_by_identity():
