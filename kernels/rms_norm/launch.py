@@ -37,15 +37,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return v if aligned else v.contiguous()
 
 
-FEW_ROWS = 256  # at most this many rows of 2,048 or 4,096: a whole block a row (TPR 256)
+FEW_ROWS = 256  # 2 to this many rows of 2,048 or 4,096: a whole block a row (TPR 256)
 
 
 def _tpr(D: int, rows: Optional[int] = None) -> int:
     """Threads per row of rms_norm.cu (TPR): its default, or for a few long rows (a short prefill's hidden
     states) the whole block, so that more blocks share the work. H200, the 9B add + norm (bench/norm_rows.py,
-    graph replay of one launch): 64 rows 9.3 -> 7.8 us, 256 rows 10.2 -> 9.4, 1,294 rows the same."""
+    graph replay of one launch): 64 rows 9.3 -> 7.8 us, 256 rows 10.2 -> 9.4, 1,294 rows the same. One row (a
+    decode step) keeps the default: gemv.cu's fused norm sums with the default's threads per row, and is bit
+    for bit the norm launch it replaces only when that launch does too."""
     nv = D // 8
-    if rows is not None and nv % 256 == 0 and rows <= FEW_ROWS:
+    if rows is not None and nv % 256 == 0 and 1 < rows <= FEW_ROWS:
         return 256
     return nv if nv <= 32 else 128 if nv % 128 == 0 else 32
 
