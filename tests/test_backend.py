@@ -30,9 +30,11 @@ def test_unknown_backend():
 
 def test_a_second_import_of_the_pack_shares_its_ops():
     """With the repository root on sys.path (pytest does that for a checkout whose folder name has a
-    dash), transformers' probe for the Hugging Face `kernels` package imports our kernels/ folder as a
-    top-level `kernels`: a second import of the pack. It must reuse the registered ops; registering them
-    again left the first ones dangling and their next call failed ("vector::reserve") or segfaulted."""
+    dash), anything that imports a top-level `kernels` (transformers up to 5.24 probed for the Hugging Face
+    package that way; 5.25 depends on that package and imports it by name) gets our kernels/ folder: a
+    second import of the pack. It must reuse the registered ops; registering them again left the first ones
+    dangling and their next call failed ("vector::reserve") or segfaulted. The second import is made here
+    directly, as that probe made it."""
     import subprocess
     import sys
     from pathlib import Path
@@ -45,7 +47,7 @@ import _import  # the repository as qwen35_fast
 import torch
 import qwen35_fast.kernels.ops as first
 sys.path.insert(0, {str(root)!r})
-import transformers.activations  # probes for `kernels` and finds ours
+import kernels.ops  # a top-level `kernels`: ours, a second time
 assert sys.modules["kernels"].__file__.startswith({str(root)!r})
 N, Hk, Hv, D = 1, 2, 4, 128
 args = lambda: (torch.randn(N, Hk, D), torch.randn(N, Hk, D), torch.randn(N, Hv, D), torch.randn(N, Hv),
