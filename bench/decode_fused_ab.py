@@ -3,9 +3,11 @@ CUDA-graph greedy decode (as generate runs it) at each context, with the residua
 formed inside the projections (kernels.gemv_add_rms_norm / gemv_silu_mul, what the model does) and with each
 as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
 the first step's logits are the same bit for bit. With --b-src FILE (another gemv.cu beside it), the fused
-step on gemv.cu against the fused step on that file instead.
+step on gemv.cu against the fused step on that file instead; with --b-unsplit, against the fused step with
+every projection's row groups on one warp (gemv.cu's SPLIT 1, as before warps shared the short projections' rows).
 
-    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--b-src F] [--out PATH]
+    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--b-src F | --b-unsplit]
+                                     [--out PATH]
 """
 import argparse
 import json
@@ -37,10 +39,14 @@ def _silu_mul_apart(gu, weight, backend=None):
 APART = {"gemv_add_rms_norm": _add_norm_apart, "gemv_silu_mul": _silu_mul_apart}
 
 
-def use(model: Qwen35Model, fns: dict, src) -> None:
+SPLIT_OF = gemv_launch.split_of
+
+
+def use(model: Qwen35Model, fns: dict, src, split: bool = True) -> None:
     for name, fn in fns.items():
         setattr(kernels, name, fn)
     gemv_launch.SRC = src
+    gemv_launch.split_of = SPLIT_OF if split else (lambda *a: 1)
     model.set_decode_gemv(True)  # the captured passes are made again
 
 
@@ -59,21 +65,23 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--b-src", default="", help="a gemv.cu to run the fused step on, against gemv.cu")
+    ap.add_argument("--b-unsplit", action="store_true", help="B: every projection's row groups on one warp")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     src = gemv_launch.SRC
-    variants = ((("fused", FUSED, src), ("apart", APART, src)) if not a.b_src
-                else (("fused", FUSED, src), ("fused_b", FUSED, a.b_src)))
+    variants = ((("fused", FUSED, src, True), ("unsplit", FUSED, src, False)) if a.b_unsplit
+                else (("fused", FUSED, src, True), ("fused_b", FUSED, a.b_src, True)) if a.b_src
+                else (("fused", FUSED, src, True), ("apart", APART, src, True)))
     b = variants[1][0]
     model = Qwen35Model(nine_b(32), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
     model.set_backend("cuda")
     rows = []
     for n in a.contexts:
-        tps, first = {name: [] for name, _, _ in variants}, {}
+        tps, first = {name: [] for name, *_ in variants}, {}
         for _ in range(a.rounds):
-            for name, fns, s in variants:
-                use(model, fns, s)
+            for name, fns, s, split in variants:
+                use(model, fns, s, split)
                 t, first[name] = tok_per_s(model, n, a.steps)
                 tps[name].append(round(t, 1))
         use(model, FUSED, src)
@@ -85,7 +93,8 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "model": "Qwen3.5-9B-shaped, random weights, bf16",
-                       "b": b if not a.b_src else f"fused on {a.b_src}", "rows": rows}, f, indent=1)
+                       "b": f"fused on {a.b_src}" if a.b_src else "fused, SPLIT 1 everywhere" if a.b_unsplit else b,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

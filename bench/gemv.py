@@ -3,7 +3,8 @@ does to CUDA-graph decode of the 9B-shaped model (bench/e2e.py's) at 4K tokens o
 
 Per shape (the 9B and 4B projections and the 9B lm_head): one CUDA graph of `calls` products over weights
 rotated through more bytes than L2 holds (every call streams its weight from HBM, as a decode step does),
-replayed; ms per call and the weight bytes read per second. Then decode tok/s with the projections on
+replayed; ms per call and the weight bytes read per second; and for the shapes whose row groups are shared by
+several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Then decode tok/s with the projections on
 cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
 
     python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--out PATH]
@@ -19,12 +20,14 @@ import torch.nn.functional as F
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
+from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.gemv.launch import gemv_cuda
 
 SHAPES = {  # name: (N, K)
     "9B in_proj (GDN)": (12352, 4096), "9B out_proj / o_proj": (4096, 4096), "9B qkv (attention)": (10240, 4096),
     "9B gate_up": (24576, 4096), "9B down": (4096, 12288), "9B lm_head": (248320, 4096),
     "4B in_proj (GDN)": (8288, 2560), "4B gate_up": (18432, 2560), "4B down": (2560, 9216),
+    "4B out_proj": (2560, 4096),
 }
 L2_ROTATION_BYTES = 512 << 20
 
@@ -76,14 +79,24 @@ def kernel_rows(calls: int, reps: int) -> list[dict]:
         weights = [(torch.randn(N, K, generator=g, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         x = torch.randn(1, K, generator=g, device="cuda").bfloat16()
         ours = per_call_ms(gemv_cuda, weights, x, calls, reps)
+        split = gemv_launch.split_of(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+        split1 = None
+        if split > 1:
+            chosen, gemv_launch.split_of = gemv_launch.split_of, lambda *a: 1
+            try:
+                split1 = per_call_ms(gemv_cuda, weights, x, calls, reps)
+            finally:
+                gemv_launch.split_of = chosen
         cublas = per_call_ms(F.linear, weights, x, calls, reps)
         err = float((gemv_cuda(x, weights[0]).float() - F.linear(x, weights[0]).float()).norm()
                     / F.linear(x, weights[0]).float().norm())
-        row = {"shape": name, "N": N, "K": K, "ms_gemv": round(ours, 5), "ms_cublas": round(cublas, 5),
+        row = {"shape": name, "N": N, "K": K, "split": split, "ms_gemv": round(ours, 5),
+               "ms_gemv_split1": split1 and round(split1, 5), "ms_cublas": round(cublas, 5),
                "TBps_gemv": round(nbytes / ours / 1e9, 3), "TBps_cublas": round(nbytes / cublas / 1e9, 3),
                "rel_err_vs_cublas": err}
         rows.append(row)
-        print(f"{name:24s} gemv {ours * 1000:8.1f} us {row['TBps_gemv']:5.2f} TB/s | cuBLAS {cublas * 1000:8.1f} us "
+        print(f"{name:24s} gemv {ours * 1000:8.1f} us {row['TBps_gemv']:5.2f} TB/s (split {split}"
+              + (f"; split 1: {split1 * 1000:.1f} us" if split1 else "") + f") | cuBLAS {cublas * 1000:8.1f} us "
               f"{row['TBps_cublas']:5.2f} TB/s")
         del weights
     return rows

@@ -9,22 +9,37 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_fast import kernels
-from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, ROWS, WARPS, grid_blocks, takes
+from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, MIN_RUN, ROWS, WARPS, grid_blocks, split_of, takes
 
 from _models import poison_allocator
 
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp, at most, relative to the value
 
 
-@pytest.mark.parametrize("n_rows", [1, 2, 3, 15, 16, 17, 4096, 12352, 248320])
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 15, 16, 17, 2560, 4096, 12352, 248320])
 @pytest.mark.parametrize("sms", [46, 132])
-def test_grid_gives_every_warp_the_same_row_groups(n_rows, sms):
-    blocks = grid_blocks(n_rows, sms)
-    groups = -(-n_rows // ROWS)
-    rounds = -(-groups // (blocks * WARPS))  # row groups of the busiest warp
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_grid_gives_every_warp_the_same_row_groups(n_rows, sms, split):
+    blocks = grid_blocks(n_rows, sms, split)
+    groups, per_block = -(-n_rows // ROWS), WARPS // split  # row groups, and those a block takes at once
+    rounds = -(-groups // (blocks * per_block))  # row groups of the busiest warp
     assert 1 <= blocks <= sms * BLOCKS_PER_SM
-    assert rounds == -(-groups // (sms * BLOCKS_PER_SM * WARPS))  # no more than the fullest grid gives
-    assert (blocks - 1) * WARPS * rounds < groups  # no block without work
+    assert rounds == -(-groups // (sms * BLOCKS_PER_SM * per_block))  # no more than the fullest grid gives
+    assert (blocks - 1) * per_block * rounds < groups  # no block without work
+
+
+@pytest.mark.parametrize("n_rows,k,sms,split", [
+    (4096, 4096, 132, 2), (4096, 12288, 132, 2),  # 9B out_proj / o_proj, down: 2,048 row groups on 4,224 warps
+    (2560, 9216, 132, 2), (2560, 4096, 132, 2),  # 4B down, out_proj
+    (1024, 17408, 132, 4), (5, 24576, 132, 4),
+    (12352, 4096, 132, 1), (24576, 4096, 132, 1), (8288, 2560, 132, 1),  # the row groups fill the grid
+    (1024, 1024, 132, 1), (2048, 2048, 132, 1),  # 0.8B / 2B rows: too short to share
+    (4096, 4096, 46, 1), (2560, 9216, 46, 1), (1024, 9216, 46, 2)])  # a 46-SM card's grid holds fewer warps
+def test_warps_share_a_row_group_where_the_rows_leave_the_grid_idle(n_rows, k, sms, split):
+    assert split_of(n_rows, k, sms) == split
+    groups = -(-n_rows // ROWS)
+    assert groups * split <= max(groups, sms * BLOCKS_PER_SM * WARPS)  # never more than one full grid of warps
+    assert split == 1 or (k // 8) // split >= MIN_RUN
 
 
 def test_takes_only_what_the_kernel_reads():
@@ -208,7 +223,9 @@ def test_the_fused_decode_step_is_the_layer_loop_on_the_cpu(tmp_path, monkeypatc
 @pytest.mark.parametrize("K", [1024, 2048, 2560, 4096, 5120])
 def test_gemv_add_rms_norm_is_add_rms_norm_then_gemv(K, with_x, norm_dtype, dtype):
     """Every Qwen3.5 hidden size (one warp a row at 2,560, four at the others): the new residual and the
-    projection bit for bit the two launches' (rms_norm.cu's add_rms_norm or rms_norm, then gemv)."""
+    projection bit for bit the two launches' (rms_norm.cu's add_rms_norm or rms_norm, then gemv with each row
+    group on one warp, as the fused kernel sums it; a plain product of these shapes may share a group between
+    warps: within the fp32 sums' order of it)."""
     from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda
     from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda, rms_norm_cuda
     g = torch.Generator(device="cuda").manual_seed(K + 7 * with_x)
@@ -220,14 +237,16 @@ def test_gemv_add_rms_norm_is_add_rms_norm_then_gemv(K, with_x, norm_dtype, dtyp
     s, y = gemv_add_rms_norm_cuda(res, x if with_x else None, nw, 1e-6, w)
     s0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6) if with_x else (res, rms_norm_cuda(res, nw, 1e-6))
     assert torch.equal(s, s0) and (with_x or s is res)
-    assert not y.isnan().any() and torch.equal(y, gemv_cuda(n0, w))
+    assert not y.isnan().any() and torch.equal(y, gemv_cuda(n0, w, split=1))
+    torch.testing.assert_close(y, gemv_cuda(n0, w), rtol=2 * ULP[dtype], atol=1e-3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,K", [(1024, 3584), (2560, 9216), (4096, 12288), (5120, 17408), (33, 8)])
 def test_gemv_silu_mul_is_silu_mul_then_gemv(N, K, dtype):
-    """The MLP's down projections of every Qwen3.5 size: bit for bit silu_mul.cu then gemv."""
+    """The MLP's down projections of every Qwen3.5 size: bit for bit silu_mul.cu then gemv (each row group on
+    one warp, as the fused kernel sums it)."""
     from qwen35_fast.kernels.gemv.launch import gemv_cuda, gemv_silu_mul_cuda
     from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
     g = torch.Generator(device="cuda").manual_seed(N + K)
@@ -235,7 +254,7 @@ def test_gemv_silu_mul_is_silu_mul_then_gemv(N, K, dtype):
     w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
     poison_allocator(((1, 1, N), dtype))
     y = gemv_silu_mul_cuda(gu, w)
-    assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), w))
+    assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), w, split=1))
 
 
 @pytest.mark.gpu

@@ -5,6 +5,9 @@
 // are not read again this step). x is staged in shared memory once a block. Products and sums in fp32, a
 // shuffle reduction per row, rounded once to the element type. The grid (launch.py) gives every warp the
 // same number of row groups. K a multiple of 8, rows 16-byte aligned (the launcher checks).
+// SPLIT warps may share a row group, each taking one of SPLIT consecutive runs of K (launch.py: where the rows
+// alone leave warps of a full grid idle, e.g. the 4,096 rows of a 9B out_proj); their row sums meet in
+// shared memory, added in run order.
 //
 // What stands before the projection in the decoder layer can be formed while x is staged (PRO), so that
 // it costs no launch of its own:
@@ -30,10 +33,16 @@
 typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
 
+#ifndef SPLIT
+#define SPLIT 1
+#endif
+
 #define THREADS 256
 #define WARPS (THREADS / 32)
 #define ROWS 2
 #define UNROLL 4
+#define GROUPS (WARPS / SPLIT)  // row groups a block works on at once
+static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "SPLIT: 1, 2 or 4 warps a row group");
 
 union Vec8 {
     uint4 u;
@@ -97,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4)
 gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ y, int N, int K, long long ldw,
      const elem* __restrict__ res, const wtype* __restrict__ nw, elem* __restrict__ sum, float eps)
 {
-    extern __shared__ uint4 xs[];  // K / 8 pieces of x
+    extern __shared__ uint4 xs[];  // K / 8 pieces of x (SPLIT > 1: then the warps' row sums)
     const int nv = K >> 3;
 #if PRO == 1
     stage_norm(xs, x, res, nw, sum, eps);
@@ -117,9 +126,11 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
     for (int i = threadIdx.x; i < nv; i += THREADS) xs[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
 #endif
     __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int step = gridDim.x * WARPS * ROWS;
-    for (int r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS; r0 < N; r0 += step) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int run = (nv + SPLIT - 1) / SPLIT;                      // pieces of K a warp takes
+    const int v_lo = (warp % SPLIT) * run, v_hi = min(nv, v_lo + run);
+    const int step = gridDim.x * GROUPS * ROWS;
+    for (int r0 = (blockIdx.x * GROUPS + warp / SPLIT) * ROWS; r0 < N; r0 += step) {
         const uint4* row[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)  // a row past N reads row N - 1 again and is not stored
@@ -127,18 +138,18 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-        for (int v0 = lane; v0 < nv; v0 += 32 * UNROLL) {
+        for (int v0 = v_lo + lane; v0 < v_hi; v0 += 32 * UNROLL) {
             Vec8 w[ROWS][UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int v = v0 + 32 * u;
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) w[r][u].u = v < nv ? __ldcs(row[r] + v) : make_uint4(0, 0, 0, 0);
+                for (int r = 0; r < ROWS; ++r) w[r][u].u = v < v_hi ? __ldcs(row[r] + v) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int v = v0 + 32 * u;
-                if (v < nv) {
+                if (v < v_hi) {
                     Vec8 xv;
                     xv.u = xs[v];
 #pragma unroll
@@ -151,7 +162,24 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
 #pragma unroll
             for (int off = 16; off >= 1; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
         }
-        if (lane == 0) {
+#if SPLIT > 1
+        // the group's SPLIT warps (the same rows, the same trips through this loop) meet at barrier 1 + group
+        float* part = reinterpret_cast<float*>(xs + nv);  // [WARPS][ROWS], after x
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) part[warp * ROWS + r] = acc[r];
+        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + warp / SPLIT), "n"(SPLIT * 32) : "memory");
+        if (warp % SPLIT == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                acc[r] = part[warp * ROWS + r];
+#pragma unroll
+                for (int k = 1; k < SPLIT; ++k) acc[r] += part[(warp + k) * ROWS + r];
+            }
+        }
+        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + warp / SPLIT), "n"(SPLIT * 32) : "memory");  // part read
+#endif
+        if (lane == 0 && warp % SPLIT == 0) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
                 if (r0 + r < N) y[r0 + r] = from_f<elem>(acc[r]);

@@ -20,12 +20,30 @@ _CODE = {torch.float16: 1, torch.bfloat16: 2}
 MAX_K = 24576  # 48 KB of x in shared memory (every Qwen3.5 projection: K <= 17,408)
 
 
-def grid_blocks(n_rows: int, sms: int) -> int:
-    """Blocks for n_rows rows: at most BLOCKS_PER_SM a multiprocessor, and as few as give every warp the same
-    number of row groups (ROWS rows each) as the fullest one (no wave of a few warps at the end)."""
+SPLITS = (4, 2, 1)  # warps a row group may take (gemv.cu SPLIT)
+MIN_RUN = 32 * 4 * 2  # pieces of K a warp's run keeps at least: two rounds of its lanes' UNROLL loads
+
+
+def split_of(n_rows: int, k: int, sms: int) -> int:
+    """Warps per row group of a plain product: the most of SPLITS whose warps still fit one full grid
+    (BLOCKS_PER_SM blocks an SM) and leave each warp at least MIN_RUN pieces of a row; 1 where the row groups
+    alone fill the grid. (The fused products keep 1: every block forms the whole x, a norm or the MLP's gate,
+    so twice the blocks for the same rows cost more staging than the shared rows save: 9B-shaped graph decode
+    206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json.)"""
     groups = -(-n_rows // ROWS)
-    rounds = -(-groups // (sms * BLOCKS_PER_SM * WARPS))  # row groups per warp
-    return max(1, -(-groups // (rounds * WARPS)))
+    for s in SPLITS:
+        if groups * s <= sms * BLOCKS_PER_SM * WARPS and (k // 8) // s >= MIN_RUN:
+            return s
+    return 1
+
+
+def grid_blocks(n_rows: int, sms: int, split: int = 1) -> int:
+    """Blocks for n_rows rows, `split` warps a row group: at most BLOCKS_PER_SM a multiprocessor, and as few as
+    give every warp the same number of row groups (ROWS rows each) as the fullest one (no wave of a few warps
+    at the end)."""
+    groups, per_block = -(-n_rows // ROWS), WARPS // split
+    rounds = -(-groups // (sms * BLOCKS_PER_SM * per_block))  # row groups per warp
+    return max(1, -(-groups // (rounds * per_block)))
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,21 +64,22 @@ def _aligned_row(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _launch(weight: torch.Tensor, x, y: torch.Tensor, K: int, defines: dict, res=None, norm_w=None, s=None,
-            eps: float = 0.0) -> None:
+            eps: float = 0.0, split: int = 1) -> None:
     N = weight.shape[0]
-    fn = get_function(SRC, "gemv", y.device, {"IN_T": _CODE[y.dtype], **defines})
-    launch(fn, (grid_blocks(N, card_of(y.device).sms), 1, 1), (THREADS, 1, 1),
+    fn = get_function(SRC, "gemv", y.device, {"IN_T": _CODE[y.dtype], "SPLIT": split, **defines})
+    launch(fn, (grid_blocks(N, card_of(y.device).sms, split), 1, 1), (THREADS, 1, 1),
            (weight, x, y, np.int32(N), np.int32(K), np.int64(weight.stride(0)), res, norm_w, s, np.float32(eps)),
-           shared_mem=K * y.element_size())
+           shared_mem=K * y.element_size() + (WARPS * ROWS * 4 if split > 1 else 0))
 
 
-def gemv_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as reference.gemv_ref; what the kernel does not take (see takes) runs the reference."""
+def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """Same contract as reference.gemv_ref; what the kernel does not take (see takes) runs the reference.
+    split: warps a row group (default split_of; 1 sums each row as the fused products do, bit for bit)."""
     if not takes(x, weight):
         return gemv_ref(x, weight)
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    _launch(weight, _aligned_row(x, K), y, K, {})
+    _launch(weight, _aligned_row(x, K), y, K, {}, split=split_of(N, K, card_of(x.device).sms) if split is None else split)
     return y
 
 
