@@ -4,8 +4,8 @@ does to CUDA-graph decode of the 9B-shaped model (bench/e2e.py's) at 4K tokens o
 Per shape (the 9B and 4B projections and the 9B lm_head): one CUDA graph of `calls` products over weights
 rotated through more bytes than L2 holds (every call streams its weight from HBM, as a decode step does),
 replayed; ms per call and the weight bytes read per second; and for the shapes whose row groups are shared by
-several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Then decode tok/s with the projections on
-cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
+several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Then decode tok/s with
+the projections on cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
 
     python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--out PATH]
 """
