@@ -20,8 +20,7 @@ import torch.nn.functional as F
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
-from qwen35_fast.kernels.gemv import launch as gemv_launch
-from qwen35_fast.kernels.gemv.launch import gemv_cuda
+from qwen35_fast.kernels.gemv.launch import gemv_cuda, split_of
 
 SHAPES = {  # name: (N, K)
     "9B in_proj (GDN)": (12352, 4096), "9B out_proj / o_proj": (4096, 4096), "9B qkv (attention)": (10240, 4096),
@@ -79,14 +78,8 @@ def kernel_rows(calls: int, reps: int) -> list[dict]:
         weights = [(torch.randn(N, K, generator=g, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         x = torch.randn(1, K, generator=g, device="cuda").bfloat16()
         ours = per_call_ms(gemv_cuda, weights, x, calls, reps)
-        split = gemv_launch.split_of(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
-        split1 = None
-        if split > 1:
-            chosen, gemv_launch.split_of = gemv_launch.split_of, lambda *a: 1
-            try:
-                split1 = per_call_ms(gemv_cuda, weights, x, calls, reps)
-            finally:
-                gemv_launch.split_of = chosen
+        split = split_of(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+        split1 = per_call_ms(lambda x, w: gemv_cuda(x, w, split=1), weights, x, calls, reps) if split > 1 else None
         cublas = per_call_ms(F.linear, weights, x, calls, reps)
         err = float((gemv_cuda(x, weights[0]).float() - F.linear(x, weights[0]).float()).norm()
                     / F.linear(x, weights[0]).float().norm())

@@ -79,7 +79,9 @@ def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -
         return gemv_ref(x, weight)
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    _launch(weight, _aligned_row(x, K), y, K, {}, split=split_of(N, K, card_of(x.device).sms) if split is None else split)
+    if split is None:
+        split = split_of(N, K, card_of(x.device).sms)
+    _launch(weight, _aligned_row(x, K), y, K, {}, split=split)
     return y
 
 
