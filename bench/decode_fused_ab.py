@@ -1,4 +1,5 @@
-"""A / B of the decode step's fused projections on the GPU: a Qwen3.5-9B-shaped model (random weights, bf16),
+"""A / B of the decode step's fused projections on the GPU: a Qwen3.5-9B-shaped model (--model: another dense
+size; random weights, bf16),
 CUDA-graph greedy decode (as generate runs it) at each context, with the residual adds, norms and MLP gates
 formed inside the projections (kernels.gemv_add_rms_norm / gemv_silu_mul, what the model does) and with each
 as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
@@ -6,8 +7,8 @@ the first step's logits are the same bit for bit. With --b-src FILE (another gem
 step on gemv.cu against the fused step on that file instead; with --b-unsplit, against the fused step with
 every projection's row groups on one warp (gemv.cu's SPLIT 1, as before warps shared the short projections' rows).
 
-    python3 bench/decode_fused_ab.py [--contexts 4096 32768] [--steps 64] [--rounds 3] [--b-src F | --b-unsplit]
-                                     [--out PATH]
+    python3 bench/decode_fused_ab.py [--model 9b] [--contexts 4096 32768] [--steps 64] [--rounds 3]
+                                     [--b-src F | --b-unsplit] [--out PATH]
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.runtime.model import Qwen35Model
 
-from e2e import graphed_decode_at, greedy_tok_per_s, nine_b, random_weights_
+from e2e import SHAPES, graphed_decode_at, greedy_tok_per_s, random_weights_, shaped
 
 FUSED = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
 
@@ -61,6 +62,7 @@ def tok_per_s(model: Qwen35Model, n: int, steps: int) -> tuple[float, torch.Tens
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="9b", choices=sorted(SHAPES), help="the dense Qwen3.5 size whose shapes to run")
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768])
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -73,7 +75,7 @@ def main():
                 else (("fused", FUSED, src, True), ("fused_b", FUSED, a.b_src, True)) if a.b_src
                 else (("fused", FUSED, src, True), ("apart", APART, src, True)))
     b = variants[1][0]
-    model = Qwen35Model(nine_b(32), torch.bfloat16, torch.device("cuda"))
+    model = Qwen35Model(shaped(a.model), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
     model.set_backend("cuda")
     rows = []
@@ -92,7 +94,9 @@ def main():
         print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "model": "Qwen3.5-9B-shaped, random weights, bf16",
+            json.dump({"gpu": torch.cuda.get_device_name(), "model": f"Qwen3.5-{a.model.upper()}-shaped, random weights, bf16",
+                       "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "gdn_value_heads"),
+                                         SHAPES[a.model])),
                        "b": f"fused on {a.b_src}" if a.b_src else "fused, SPLIT 1 everywhere" if a.b_unsplit else b,
                        "rows": rows}, f, indent=1)
 

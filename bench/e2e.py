@@ -19,13 +19,25 @@ from qwen35_fast.runtime.config import FULL, LINEAR, TextConfig
 from qwen35_fast.runtime.decode_graph import GraphedDecode
 from qwen35_fast.runtime.model import Qwen35Model
 
+# the text sizes of the dense Qwen3.5 checkpoints: (hidden, intermediate, layers, q heads, kv heads, GDN value heads)
+SHAPES = {"0.8b": (1024, 3584, 24, 8, 2, 16), "2b": (2048, 6144, 24, 8, 2, 16), "4b": (2560, 9216, 32, 16, 4, 32),
+          "9b": (4096, 12288, 32, 16, 4, 32)}
+
+
+def shaped(name: str, layers: int | None = None) -> TextConfig:
+    """A text config of one dense Qwen3.5 size (SHAPES; head dim 256, GDN key heads 16 of 128), `layers` deep
+    (default: the checkpoint's depth)."""
+    hidden, inter, depth, heads, kv, v_heads = SHAPES[name]
+    layers = depth if layers is None else layers
+    return TextConfig(vocab_size=248320, hidden_size=hidden, intermediate_size=inter,
+                      layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=256,
+                      linear_num_key_heads=16, linear_num_value_heads=v_heads, linear_key_head_dim=128,
+                      linear_value_head_dim=128)
+
 
 def nine_b(layers: int) -> TextConfig:
-    return TextConfig(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-                      layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
-                      num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                      linear_value_head_dim=128)
+    return shaped("9b", layers)
 
 
 @torch.no_grad()
