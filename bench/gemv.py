@@ -4,10 +4,13 @@ does to CUDA-graph decode of the 9B-shaped model (bench/e2e.py's) at 4K tokens o
 Per shape (the 9B and 4B projections and the 9B lm_head): one CUDA graph of `calls` products over weights
 rotated through more bytes than L2 holds (every call streams its weight from HBM, as a decode step does),
 replayed; ms per call and the weight bytes read per second; and for the shapes whose row groups are shared by
-several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Then decode tok/s with
+several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Where the decode step
+fuses what comes before the product into it (ms_fused: the residual add and RMSNorm staged, PRO 1, for the
+projections after a norm; silu(g) * u, PRO 2, for down), that launch against the two it replaces (ms_apart:
+add_rms_norm or silu_mul, then the plain product). Then decode tok/s with
 the projections on cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
 
-    python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--out PATH]
+    python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--no-decode] [--out PATH]
 """
 import argparse
 import json
@@ -20,14 +23,20 @@ import torch.nn.functional as F
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
-from qwen35_fast.kernels.gemv.launch import gemv_cuda, split_of
+from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda, split_of
+from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda
+from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
 
 SHAPES = {  # name: (N, K)
     "9B in_proj (GDN)": (12352, 4096), "9B out_proj / o_proj": (4096, 4096), "9B qkv (attention)": (10240, 4096),
     "9B gate_up": (24576, 4096), "9B down": (4096, 12288), "9B lm_head": (248320, 4096),
     "4B in_proj (GDN)": (8288, 2560), "4B gate_up": (18432, 2560), "4B down": (2560, 9216),
     "4B out_proj": (2560, 4096),
+    "2B in_proj (GDN)": (8224, 2048), "2B gate_up": (12288, 2048), "2B down": (2048, 6144),
+    "0.8B in_proj (GDN)": (8224, 1024), "0.8B gate_up": (7168, 1024), "0.8B down": (1024, 3584),
 }
+# the products the decode step forms its input for: PRO 1 after the residual add and norm, PRO 2 for down
+PRO = {"in_proj": 1, "qkv": 1, "gate_up": 1, "down": 2}
 L2_ROTATION_BYTES = 512 << 20
 
 
@@ -81,16 +90,29 @@ def kernel_rows(calls: int, reps: int) -> list[dict]:
         split = split_of(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
         split1 = per_call_ms(lambda x, w: gemv_cuda(x, w, split=1), weights, x, calls, reps) if split > 1 else None
         cublas = per_call_ms(F.linear, weights, x, calls, reps)
+        fused = apart = None
+        pro = next((v for k, v in PRO.items() if f" {k}" in name), 0)
+        if pro == 1:
+            res, nw = torch.randn_like(x), torch.rand(K, generator=g, device="cuda").bfloat16()
+            fused = per_call_ms(lambda x, w: gemv_add_rms_norm_cuda(res, x, nw, 1e-6, w), weights, x, calls, reps)
+            apart = per_call_ms(lambda x, w: gemv_cuda(add_rms_norm_cuda(res, x, nw, 1e-6)[1], w, split=1),
+                                weights, x, calls, reps)
+        elif pro == 2:
+            gu = torch.randn(1, 2 * K, generator=g, device="cuda").bfloat16()
+            fused = per_call_ms(lambda _, w: gemv_silu_mul_cuda(gu, w), weights, x, calls, reps)
+            apart = per_call_ms(lambda _, w: gemv_cuda(silu_mul_cuda(gu), w, split=1), weights, x, calls, reps)
         err = float((gemv_cuda(x, weights[0]).float() - F.linear(x, weights[0]).float()).norm()
                     / F.linear(x, weights[0]).float().norm())
         row = {"shape": name, "N": N, "K": K, "split": split, "ms_gemv": round(ours, 5),
                "ms_gemv_split1": split1 and round(split1, 5), "ms_cublas": round(cublas, 5),
+               "ms_fused": fused and round(fused, 5), "ms_apart": apart and round(apart, 5),
                "TBps_gemv": round(nbytes / ours / 1e9, 3), "TBps_cublas": round(nbytes / cublas / 1e9, 3),
                "rel_err_vs_cublas": err}
         rows.append(row)
         print(f"{name:24s} gemv {ours * 1000:8.1f} us {row['TBps_gemv']:5.2f} TB/s (split {split}"
               + (f"; split 1: {split1 * 1000:.1f} us" if split1 else "") + f") | cuBLAS {cublas * 1000:8.1f} us "
-              f"{row['TBps_cublas']:5.2f} TB/s")
+              f"{row['TBps_cublas']:5.2f} TB/s"
+              + (f" | fused (PRO {pro}) {fused * 1000:.1f} us, apart {apart * 1000:.1f} us" if fused else ""))
         del weights
     return rows
 
@@ -118,12 +140,13 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--no-decode", action="store_true", help="the products only")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gemv-h200.json"))
     a = ap.parse_args()
     rate = copy_rate()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_cpu": host_cpu(),
               "copy_TBps": round(rate / 1e12, 3), "rows": kernel_rows(a.calls, a.reps)}
-    result["decode"] = decode_rows(a.layers, a.context, a.steps)
+    result["decode"] = [] if a.no_decode else decode_rows(a.layers, a.context, a.steps)
     for kind in ("cuBLAS", "gemv"):
         tps = [r["decode_graph_tok_per_s"] for r in result["decode"] if r["projections"] == kind]
         print(f"9B-shaped decode at {a.context} tokens, projections on {kind}: {tps} tok/s")
