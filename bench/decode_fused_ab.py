@@ -6,9 +6,10 @@ as its own launch (those two calls replaced by their parts here), in turn over s
 the first step's logits are the same bit for bit. With --b-src FILE (another gemv.cu beside it), the fused
 step on gemv.cu against the fused step on that file instead; with --b-unsplit, against the fused step with
 every projection's row groups on one warp (gemv.cu's SPLIT 1, as before warps shared the short projections' rows).
+--mixed adds the step with only the norms apart and the step with only the MLP gates apart.
 
     python3 bench/decode_fused_ab.py [--model 9b] [--contexts 4096 32768] [--steps 64] [--rounds 3]
-                                     [--b-src F | --b-unsplit] [--out PATH]
+                                     [--b-src F | --b-unsplit | --mixed] [--out PATH]
 """
 import argparse
 import json
@@ -68,12 +69,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--b-src", default="", help="a gemv.cu to run the fused step on, against gemv.cu")
     ap.add_argument("--b-unsplit", action="store_true", help="B: every projection's row groups on one warp")
+    ap.add_argument("--mixed", action="store_true",
+                    help="also each fusion alone: the norm's (PRO 1) apart, and the MLP gate's (PRO 2) apart")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     src = gemv_launch.SRC
     variants = ((("fused", FUSED, src, True), ("unsplit", FUSED, src, False)) if a.b_unsplit
                 else (("fused", FUSED, src, True), ("fused_b", FUSED, a.b_src, True)) if a.b_src
                 else (("fused", FUSED, src, True), ("apart", APART, src, True)))
+    if a.mixed:
+        variants += (("norm_apart", {**FUSED, "gemv_add_rms_norm": APART["gemv_add_rms_norm"]}, src, True),
+                     ("gate_apart", {**FUSED, "gemv_silu_mul": APART["gemv_silu_mul"]}, src, True))
     b = variants[1][0]
     model = Qwen35Model(shaped(a.model), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
@@ -90,6 +96,8 @@ def main():
         row = {"context": n, "tok_per_s_fused": statistics.median(tps["fused"]),
                f"tok_per_s_{b}": statistics.median(tps[b]), "rounds": tps,
                "first_logits_equal": bool(torch.equal(first["fused"], first[b]))}
+        if a.mixed:
+            row["tok_per_s"] = {name: statistics.median(t) for name, t in tps.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.out:

@@ -598,8 +598,9 @@ class Qwen35Model(nn.Module):
     def _decode_gemv(self, h, cache: Cache, kv: KVStep, cos, sin, be: kernels.Backend):
         """_layers' decode step for one row with the projections on gemv: each residual add and the norm after
         it are formed by the projection that takes the norm (kernels.gemv_add_rms_norm), the MLP's gate by its
-        down projection (kernels.gemv_silu_mul). The values of the unfused step bit for bit, three launches a
-        layer fewer."""
+        down projection (kernels.gemv_silu_mul), where that is faster than their own launches (the kernel's
+        launcher decides per shape). The values of the unfused step bit for bit, up to three launches a layer
+        fewer."""
         eps, y = self.config.rms_norm_eps, None  # y: the output the residual stream has yet to add
         for i, blk in enumerate(self.blocks):
             m = blk.mixer

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen35_fast import kernels
+from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, MIN_RUN, ROWS, WARPS, grid_blocks, split_of, takes
 
 from _models import poison_allocator
@@ -40,6 +41,17 @@ def test_warps_share_a_row_group_where_the_rows_leave_the_grid_idle(n_rows, k, s
     groups = -(-n_rows // ROWS)
     assert groups * split <= max(groups, sms * BLOCKS_PER_SM * WARPS)  # never more than one full grid of warps
     assert split == 1 or (k // 8) // split >= MIN_RUN
+
+
+@pytest.mark.parametrize("pro,n_rows,k,fused", [
+    (1, 12352, 4096, True), (1, 24576, 4096, True), (1, 10240, 4096, True),  # 9B in_proj, gate_up, qkv
+    (2, 4096, 12288, False),  # 9B down: the plain product splits, so silu_mul and it run apart
+    (1, 12352, 2560, False), (1, 18432, 2560, False), (2, 2560, 9216, False),  # 4B: one warp forms a norm's row
+    (1, 12288, 2048, True), (2, 2048, 6144, False),  # 2B
+    (1, 8224, 1024, True), (1, 7168, 1024, True), (2, 1024, 3584, True),  # 0.8B: its down does not split
+    (1, 248320, 5120, True), (2, 5120, 17408, split_of(5120, 17408, 132) == 1)])  # 27B lm_head, down
+def test_fused_launch_only_where_it_was_measured_faster(pro, n_rows, k, fused):
+    assert gemv_launch.fuses(pro, n_rows, k, 132) == fused
 
 
 def test_takes_only_what_the_kernel_reads():
@@ -234,27 +246,31 @@ def test_gemv_add_rms_norm_is_add_rms_norm_then_gemv(K, with_x, norm_dtype, dtyp
     nw = (torch.randn(K, generator=g, device="cuda") * 0.2).to(dtype if norm_dtype == "same" else norm_dtype)
     w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
     poison_allocator(((1, 1, K), dtype), ((1, 1, N), dtype))
-    s, y = gemv_add_rms_norm_cuda(res, x if with_x else None, nw, 1e-6, w)
+    s, y = gemv_add_rms_norm_cuda(res, x if with_x else None, nw, 1e-6, w, fuse=True)
     s0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6) if with_x else (res, rms_norm_cuda(res, nw, 1e-6))
     assert torch.equal(s, s0) and (with_x or s is res)
     assert not y.isnan().any() and torch.equal(y, gemv_cuda(n0, w, split=1))
     torch.testing.assert_close(y, gemv_cuda(n0, w), rtol=2 * ULP[dtype], atol=1e-3)
+    # as the model calls it (fused or not, as gemv.launch.fuses says): the two launches' values, bit for bit
+    s, y = gemv_add_rms_norm_cuda(res, x if with_x else None, nw, 1e-6, w)
+    assert torch.equal(s, s0) and torch.equal(y, gemv_cuda(n0, w))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,K", [(1024, 3584), (2560, 9216), (4096, 12288), (5120, 17408), (33, 8)])
 def test_gemv_silu_mul_is_silu_mul_then_gemv(N, K, dtype):
-    """The MLP's down projections of every Qwen3.5 size: bit for bit silu_mul.cu then gemv (each row group on
-    one warp, as the fused kernel sums it)."""
+    """The MLP's down projections of every Qwen3.5 size: the fused launch bit for bit silu_mul.cu then gemv
+    with each row group on one warp (as it sums them); as the model calls it, silu_mul.cu then gemv."""
     from qwen35_fast.kernels.gemv.launch import gemv_cuda, gemv_silu_mul_cuda
     from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
     g = torch.Generator(device="cuda").manual_seed(N + K)
     gu = (torch.randn(1, 1, 2 * K, generator=g, device="cuda") * 3).to(dtype)
     w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(dtype)
     poison_allocator(((1, 1, N), dtype))
-    y = gemv_silu_mul_cuda(gu, w)
+    y = gemv_silu_mul_cuda(gu, w, fuse=True)
     assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), w, split=1))
+    assert torch.equal(gemv_silu_mul_cuda(gu, w), gemv_cuda(silu_mul_cuda(gu), w))  # fused or not, as fuses says
 
 
 @pytest.mark.gpu

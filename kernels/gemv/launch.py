@@ -29,12 +29,30 @@ def split_of(n_rows: int, k: int, sms: int) -> int:
     (BLOCKS_PER_SM blocks an SM) and leave each warp at least MIN_RUN pieces of a row; 1 where the row groups
     alone fill the grid. (The fused products keep 1: every block forms the whole x, a norm or the MLP's gate,
     so twice the blocks for the same rows cost more staging than the shared rows save: 9B-shaped graph decode
-    206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json.)"""
+    206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json; where a product splits, its
+    norm or gate runs as a launch of its own instead: `fuses`.)"""
     groups = -(-n_rows // ROWS)
     for s in SPLITS:
         if groups * s <= sms * BLOCKS_PER_SM * WARPS and (k // 8) // s >= MIN_RUN:
             return s
     return 1
+
+
+def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
+    """Whether a product's fused launch (PRO 1: the residual add and RMSNorm staged as x; PRO 2: the MLP's
+    gate) beats the two launches it replaces; else those run (the norm or the gate, then the plain product).
+    Graph decode of each dense size at 4K context (results/decode-mixed-*-ab-h200.json, tok/s fused / with the
+    gates apart / the norms apart / both apart):
+    - where the plain product splits its row groups (split_of > 1) the fused one, which keeps one warp a group,
+      loses to the gate's launch and the split product: 9B 207.8 / 210.0, 2B 612.0 / 617.7 (down: 2 warps a
+      group); 0.8B, whose down does not split, 899.0 / 884.3;
+    - a norm whose row rms_norm.cu forms with one warp (ten 16-byte vectors a lane at K = 2,560, the 4B's hidden
+      size; four warps at the others) holds every block's weights back that long: 4B 294.0 / 300.9 / 300.7 /
+      307.5, where the norms fused win at the other sizes (9B 207.8 against 203.2 apart)."""
+    if split_of(n_rows, k, sms) > 1:
+        return False
+    nv = k // 8
+    return pro != 1 or nv <= 32 or nv % 128 == 0  # gemv.cu's TPR: 128 threads a row, or the row in one pass
 
 
 def grid_blocks(n_rows: int, sms: int, split: int = 1) -> int:
@@ -86,13 +104,15 @@ def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -
 
 
 def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as reference.gemv_add_rms_norm_ref, in one launch (PRO 1): the norm is the one
-    add_rms_norm / rms_norm compute, bit for bit. What it does not take (see takes; the hidden size a multiple
-    of 256, the norm weight [K] of a 16-bit or fp32 type) runs as those two launches."""
+                           weight: torch.Tensor, fuse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.gemv_add_rms_norm_ref: add_rms_norm (rms_norm without x) then gemv_cuda, bit
+    for bit, in one launch (PRO 1) where `fuses` says it is faster (fuse: True / False to ask for it or not).
+    The fused launch sums each row as gemv_cuda(..., split=1) does; what it does not take (see takes; the hidden
+    size a multiple of 256, the norm weight [K] of a 16-bit or fp32 type) runs as the two launches."""
     K = res.shape[-1]
     ok = (takes(res, weight) and K % 256 == 0 and norm_w.shape == (K,) and norm_w.dtype in (*_CODE, torch.float32)
-          and norm_w.is_cuda and (x is None or (x.shape == res.shape and x.dtype == res.dtype)))
+          and norm_w.is_cuda and (x is None or (x.shape == res.shape and x.dtype == res.dtype))
+          and (fuse if fuse is not None else fuses(1, weight.shape[0], K, card_of(res.device).sms)))
     if not ok:
         s, n = add_rms_norm_cuda(res, x, norm_w, eps) if x is not None else (res, rms_norm_cuda(res, norm_w, eps))
         return s, gemv_cuda(n, weight)
@@ -104,11 +124,13 @@ def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: to
     return s, y
 
 
-def gemv_silu_mul_cuda(gu: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as reference.gemv_silu_mul_ref, in one launch (PRO 2; bit for bit silu_mul then gemv);
-    what it does not take runs as those two launches."""
+def gemv_silu_mul_cuda(gu: torch.Tensor, weight: torch.Tensor, fuse: bool | None = None) -> torch.Tensor:
+    """Same contract as reference.gemv_silu_mul_ref: silu_mul then gemv_cuda, bit for bit, in one launch (PRO 2)
+    where `fuses` says it is faster (fuse: True / False to ask for it or not; the fused launch sums each row as
+    gemv_cuda(..., split=1) does); what it does not take runs as the two launches."""
     K = weight.shape[-1]
-    ok = gu.shape[-1] == 2 * K and takes(gu[..., :K], weight)
+    ok = (gu.shape[-1] == 2 * K and takes(gu[..., :K], weight)
+          and (fuse if fuse is not None else fuses(2, weight.shape[0], K, card_of(gu.device).sms)))
     if not ok:
         return gemv_cuda(silu_mul_cuda(gu), weight)
     y = torch.empty(*gu.shape[:-1], weight.shape[0], dtype=gu.dtype, device=gu.device)
