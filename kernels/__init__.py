@@ -151,9 +151,9 @@ def gemv(x, weight, backend: Backend | None = None):
 
 def gemv_add_rms_norm(res, x, norm_w, eps: float, weight, backend: Backend | None = None):
     """The residual add, the RMSNorm after it and the one-row projection that takes it, in one launch on the
-    CUDA backend where that is the faster (gemv.launch.fuses): returns (s, rms_norm(s, norm_w) @ weight^T) with s = res + x in x.dtype, the values of
-    add_rms_norm then gemv bit for bit. x None: (res, rms_norm(res, norm_w) @ weight^T). res, x: [..., K]
-    holding one row; norm_w: [K]; weight: [N, K]."""
+    CUDA backend where that is faster (gemv.launch.fuses): returns (s, rms_norm(s, norm_w) @ weight^T) with
+    s = res + x in x.dtype, the values of add_rms_norm then gemv bit for bit. x None: (res, rms_norm(res,
+    norm_w) @ weight^T). res, x: [..., K] holding one row; norm_w: [K]; weight: [N, K]."""
     use_cuda = bool(backend and backend.use_cuda)
     if x is None:
         return res, ops.run(ops.gemv_rms_norm_op, res, norm_w, float(eps), weight, use_cuda)
@@ -162,7 +162,7 @@ def gemv_add_rms_norm(res, x, norm_w, eps: float, weight, backend: Backend | Non
 
 def gemv_silu_mul(gu, weight, backend: Backend | None = None):
     """The MLP's down projection of silu(g) * u (gu = [..., 2 K] holding one row, g its first half; weight
-    [N, K]), in one launch on the CUDA backend where that is the faster (gemv.launch.fuses): the values of
+    [N, K]), in one launch on the CUDA backend where that is faster (gemv.launch.fuses): the values of
     silu_mul then gemv bit for bit."""
     return ops.run(ops.gemv_silu_mul_op, gu, weight, bool(backend and backend.use_cuda))
 
