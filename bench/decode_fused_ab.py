@@ -1,12 +1,13 @@
 """A / B of the decode step's fused projections on the GPU: a Qwen3.5-9B-shaped model (--model: another dense
 size; random weights, bf16),
 CUDA-graph greedy decode (as generate runs it) at each context, with the residual adds, norms and MLP gates
-formed inside the projections (kernels.gemv_add_rms_norm / gemv_silu_mul, what the model does) and with each
-as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
+formed inside the projections (the fused launches of kernels.gemv_add_rms_norm / gemv_silu_mul, forced
+everywhere) and with each as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
 the first step's logits are the same bit for bit. With --b-src FILE (another gemv.cu beside it), the fused
 step on gemv.cu against the fused step on that file instead; with --b-unsplit, against the fused step with
 every projection's row groups on one warp (gemv.cu's SPLIT 1, as before warps shared the short projections' rows).
---mixed adds the step with only the norms apart and the step with only the MLP gates apart.
+--mixed adds the step with only the norms apart, the step with only the MLP gates apart, and the step as
+the model runs it (the launcher choosing per shape, gemv.launch.fuses).
 
     python3 bench/decode_fused_ab.py [--model 9b] [--contexts 4096 32768] [--steps 64] [--rounds 3]
                                      [--b-src F | --b-unsplit | --mixed] [--out PATH]
@@ -25,7 +26,19 @@ from qwen35_fast.runtime.model import Qwen35Model
 
 from e2e import SHAPES, graphed_decode_at, greedy_tok_per_s, random_weights_, shaped
 
-FUSED = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
+# what the model calls: the launcher takes the fused launch where gemv.launch.fuses says it is faster
+MODEL = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
+
+
+def _add_norm_fused(res, x, norm_w, eps, weight, backend=None):
+    return gemv_launch.gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight, fuse=True)
+
+
+def _silu_mul_fused(gu, weight, backend=None):
+    return gemv_launch.gemv_silu_mul_cuda(gu, weight, fuse=True)
+
+
+FUSED = {"gemv_add_rms_norm": _add_norm_fused, "gemv_silu_mul": _silu_mul_fused}  # every one fused
 
 
 def _add_norm_apart(res, x, norm_w, eps, weight, backend=None):
@@ -79,7 +92,8 @@ def main():
                 else (("fused", FUSED, src, True), ("apart", APART, src, True)))
     if a.mixed:
         variants += (("norm_apart", {**FUSED, "gemv_add_rms_norm": APART["gemv_add_rms_norm"]}, src, True),
-                     ("gate_apart", {**FUSED, "gemv_silu_mul": APART["gemv_silu_mul"]}, src, True))
+                     ("gate_apart", {**FUSED, "gemv_silu_mul": APART["gemv_silu_mul"]}, src, True),
+                     ("model", MODEL, src, True))
     b = variants[1][0]
     model = Qwen35Model(shaped(a.model), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
@@ -92,7 +106,7 @@ def main():
                 use(model, fns, s, split)
                 t, first[name] = tok_per_s(model, n, a.steps)
                 tps[name].append(round(t, 1))
-        use(model, FUSED, src)
+        use(model, MODEL, src)
         row = {"context": n, "tok_per_s_fused": statistics.median(tps["fused"]),
                f"tok_per_s_{b}": statistics.median(tps[b]), "rounds": tps,
                "first_logits_equal": bool(torch.equal(first["fused"], first[b]))}

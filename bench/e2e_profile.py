@@ -84,7 +84,8 @@ def by_launch(prof, rows: int, per: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        trace = json.load(open(path))
+        with open(path) as f:
+            trace = json.load(f)
     kernels = sorted((ev for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"), key=lambda ev: ev["ts"])
     spans = collections.defaultdict(list)
     for ev in kernels:

@@ -5,9 +5,9 @@ Per shape (the 9B and 4B projections and the 9B lm_head): one CUDA graph of `cal
 rotated through more bytes than L2 holds (every call streams its weight from HBM, as a decode step does),
 replayed; ms per call and the weight bytes read per second; and for the shapes whose row groups are shared by
 several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Where the decode step
-fuses what comes before the product into it (ms_fused: the residual add and RMSNorm staged, PRO 1, for the
-projections after a norm; silu(g) * u, PRO 2, for down), that launch against the two it replaces (ms_apart:
-add_rms_norm or silu_mul, then the plain product). Then decode tok/s with
+may fuse what comes before the product into it (ms_fused: the fused launch, forced, with the residual add and
+RMSNorm staged, PRO 1, for the projections after a norm; silu(g) * u, PRO 2, for down), that launch against
+the two it stands for (ms_apart: add_rms_norm or silu_mul, then the product with one warp a row group). Then decode tok/s with
 the projections on cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
 
     python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--no-decode] [--out PATH]
@@ -94,12 +94,13 @@ def kernel_rows(calls: int, reps: int) -> list[dict]:
         pro = next((v for k, v in PRO.items() if f" {k}" in name), 0)
         if pro == 1:
             res, nw = torch.randn_like(x), torch.rand(K, generator=g, device="cuda").bfloat16()
-            fused = per_call_ms(lambda x, w: gemv_add_rms_norm_cuda(res, x, nw, 1e-6, w), weights, x, calls, reps)
+            fused = per_call_ms(lambda x, w: gemv_add_rms_norm_cuda(res, x, nw, 1e-6, w, fuse=True), weights, x,
+                                calls, reps)
             apart = per_call_ms(lambda x, w: gemv_cuda(add_rms_norm_cuda(res, x, nw, 1e-6)[1], w, split=1),
                                 weights, x, calls, reps)
         elif pro == 2:
             gu = torch.randn(1, 2 * K, generator=g, device="cuda").bfloat16()
-            fused = per_call_ms(lambda _, w: gemv_silu_mul_cuda(gu, w), weights, x, calls, reps)
+            fused = per_call_ms(lambda _, w: gemv_silu_mul_cuda(gu, w, fuse=True), weights, x, calls, reps)
             apart = per_call_ms(lambda _, w: gemv_cuda(silu_mul_cuda(gu), w, split=1), weights, x, calls, reps)
         err = float((gemv_cuda(x, weights[0]).float() - F.linear(x, weights[0]).float()).norm()
                     / F.linear(x, weights[0]).float().norm())

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import card_of, get_function, launch
+from ..rms_norm.launch import _tpr as norm_threads_per_row
 from ..rms_norm.launch import add_rms_norm_cuda, rms_norm_cuda
 from ..silu_mul.launch import silu_mul_cuda
 from .reference import gemv_ref
@@ -51,8 +52,8 @@ def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
       307.5, where the norms fused win at the other sizes (9B 207.8 against 203.2 apart)."""
     if split_of(n_rows, k, sms) > 1:
         return False
-    nv = k // 8
-    return pro != 1 or nv <= 32 or nv % 128 == 0  # gemv.cu's TPR: 128 threads a row, or the row in one pass
+    tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with rms_norm.cu's threads
+    return pro != 1 or tpr > 32 or tpr == k // 8  # more than one warp a row, or one vector a thread
 
 
 def grid_blocks(n_rows: int, sms: int, split: int = 1) -> int:
