@@ -1,13 +1,13 @@
 """A / B of the decode step's fused projections on the GPU: a Qwen3.5-9B-shaped model (--model: another dense
-size; random weights, bf16),
-CUDA-graph greedy decode (as generate runs it) at each context, with the residual adds, norms and MLP gates
-formed inside the projections (the fused launches of kernels.gemv_add_rms_norm / gemv_silu_mul, forced
-everywhere) and with each as its own launch (those two calls replaced by their parts here), in turn over several rounds; and whether
-the first step's logits are the same bit for bit. With --b-src FILE (another gemv.cu beside it), the fused
-step on gemv.cu against the fused step on that file instead; with --b-unsplit, against the fused step with
-every projection's row groups on one warp (gemv.cu's SPLIT 1, as before warps shared the short projections' rows).
---mixed adds the step with only the norms apart, the step with only the MLP gates apart, and the step as
-the model runs it (the launcher choosing per shape, gemv.launch.fuses).
+size; random weights, bf16), CUDA-graph greedy decode (as generate runs it) at each context, with the residual
+adds, norms and MLP gates formed inside the projections (the fused launches of kernels.gemv_add_rms_norm /
+gemv_silu_mul, forced everywhere) and with each as its own launch (those two calls replaced by their parts
+here), in turn over several rounds; and whether the first step's logits are the same bit for bit. With
+--b-src FILE (another gemv.cu beside it), the fused step on gemv.cu against the fused step on that file
+instead; with --b-unsplit, against the fused step with every projection's row groups on one warp (gemv.cu's
+SPLIT 1, as before warps shared the short projections' rows). --mixed adds the step with only the norms
+apart, the step with only the MLP gates apart, and the step as the model runs it (the launcher choosing per
+shape, gemv.launch.fuses).
 
     python3 bench/decode_fused_ab.py [--model 9b] [--contexts 4096 32768] [--steps 64] [--rounds 3]
                                      [--b-src F | --b-unsplit | --mixed] [--out PATH]
@@ -116,7 +116,8 @@ def main():
         print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "model": f"Qwen3.5-{a.model.upper()}-shaped, random weights, bf16",
+            json.dump({"gpu": torch.cuda.get_device_name(),
+                       "model": f"Qwen3.5-{a.model.upper()}-shaped, random weights, bf16",
                        "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "gdn_value_heads"),
                                          SHAPES[a.model])),
                        "b": f"fused on {a.b_src}" if a.b_src else "fused, SPLIT 1 everywhere" if a.b_unsplit else b,

@@ -93,7 +93,8 @@ def by_launch(prof, rows: int, per: int) -> None:
         spans[(ev["name"][:40], tuple(a.get("grid", ())), tuple(a.get("block", ())))].append(ev["dur"])
     print("by launch shape: us a call (median), calls a step, us a step")
     for (name, grid, block), d in sorted(spans.items(), key=lambda kv: -sum(kv[1]))[:rows]:
-        print(f"{sorted(d)[len(d) // 2]:8.2f} us x{len(d) // per:<4d} {sum(d) / per:8.1f} us  {name} grid {grid} block {block}")
+        print(f"{sorted(d)[len(d) // 2]:8.2f} us x{len(d) // per:<4d} {sum(d) / per:8.1f} us  {name} "
+              f"grid {grid} block {block}")
     n = len(kernels) // per
     if per > 1 and n * per == len(kernels):  # one step's kernels in launch order, the median of each over the steps
         print(f"a step's first kernels in order (of {n}): us (median), gap before it (us)")

@@ -7,8 +7,8 @@ replayed; ms per call and the weight bytes read per second; and for the shapes w
 several warps (launch.split_of), the same with one warp a row group (ms_gemv_split1). Where the decode step
 may fuse what comes before the product into it (ms_fused: the fused launch, forced, with the residual add and
 RMSNorm staged, PRO 1, for the projections after a norm; silu(g) * u, PRO 2, for down), that launch against
-the two it stands for (ms_apart: add_rms_norm or silu_mul, then the product with one warp a row group). Then decode tok/s with
-the projections on cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
+the two it stands for (ms_apart: add_rms_norm or silu_mul, then the product with one warp a row group). Then
+decode tok/s with the projections on cuBLAS and on gemv, in turn, twice. Writes bench/results/gemv-h200.json (or --out).
 
     python3 bench/gemv.py [--calls 24] [--reps 20] [--layers 32] [--no-decode] [--out PATH]
 """
