@@ -114,10 +114,20 @@ for sp in (1, 3):
 paged_attention_cuda(qg[79:, :, :Dh], kn[79:], vn[79:], pool_k, pool_v, table[2:], cl[2:],
                      torch.tensor([0, 1], dtype=torch.int32, device=dev), None, 1)  # the decode kernel, no gate
 from qwen35_fast.kernels.vision import launch as vision_launch  # noqa: E402
-from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_rotary_cuda  # noqa: E402
+from qwen35_fast.kernels.vision.launch import (  # noqa: E402
+    add_layer_norm_cuda,
+    layer_norm_cuda,
+    vision_positions_cuda,
+    vision_rotary_cuda,
+)
 
-# the vision tower's kernels: rotary with head dim 72 (half not a multiple of 8) and a token count off the
-# block; LayerNorm rows over one warp (1,152: some lanes' last slot empty) and over 4 warps (5,120), fused and plain
+# the vision tower's kernels: positions for images of two sizes and a 3-frame video, rows of 1,152 (144 vectors
+# over 128 threads); rotary with head dim 72 (half not a multiple of 8) and a token count off the block;
+# LayerNorm rows over one warp (1,152: some lanes' last slot empty) and over 4 warps (5,120), fused and plain
+vision_positions_cuda(torch.randn(96 + 16 + 36, 1152, device=dev, dtype=torch.bfloat16),
+                      torch.randn(48 * 48, 1152, device=dev, dtype=torch.bfloat16),
+                      torch.tensor([[1, 8, 12, 0], [1, 4, 4, 96], [3, 2, 6, 112]], dtype=torch.int32, device=dev),
+                      [1, 8, 12, 1, 4, 4, 3, 2, 6], torch.rand(18, device=dev), 2)
 qkv = torch.randn(37, 3, 5, 72, device=dev, dtype=torch.bfloat16)
 vision_rotary_cuda(qkv, torch.randn(37, 72, device=dev), torch.randn(37, 72, device=dev))
 for D in (1152, 5120):

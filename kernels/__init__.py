@@ -192,6 +192,18 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 
 
+def vision_positions(x, pos_embed, table, grids, inv_freq, merge: int, backend: Backend | None = None):
+    """The vision patches' positions from their grids alone: (x + the learned position grid bilinearly
+    interpolated to each frame's size, cos, sin of the 2-D rotary's angles). x: [N, D] patch embeddings,
+    patches in merge-block order per frame; pos_embed [side * side, D]; table: int32 [G, 4] on x's device,
+    the grids' t, h, w and first patch (what the kernel reads); grids: the same (t, h, w) on the host (what
+    the reference reads); inv_freq fp32 [hd / 4]; merge: the merger's block side. Returns x + pos in x.dtype
+    and cos, sin fp32 [N, hd]. One kernel on the CUDA backend (bf16 / fp16, rows a multiple of 8)."""
+    flat = [int(v) for g in grids for v in g]
+    return ops.run(ops.vision_positions_op, x, pos_embed, table, flat, inv_freq, int(merge),
+                   bool(backend and backend.use_cuda))
+
+
 def vision_rotary(qkv, cos, sin, backend: Backend | None = None):
     """The vision tower's 2-D rotary (rotate-half over the whole head) on q and k, in fp32, rounded once.
     qkv: [N, 3, H, hd] (the qkv projection's output); cos, sin: fp32 [N, hd]. Returns [2, N, H, hd]
@@ -243,4 +255,4 @@ __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_de
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
-           "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words"]
+           "vision_positions", "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words"]

@@ -16,7 +16,13 @@ from .gdn_decode.launch import gdn_decode_step_cuda
 from .gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda
 from .rms_norm.launch import add_rms_norm_cuda, gated_rms_norm_cuda, rms_norm_cuda, rms_norm_rope_cuda
 from .silu_mul.launch import silu_mul_cuda
-from .vision.launch import add_layer_norm_cuda, layer_norm_cuda, vision_attention_cuda, vision_rotary_cuda
+from .vision.launch import (
+    add_layer_norm_cuda,
+    layer_norm_cuda,
+    vision_attention_cuda,
+    vision_positions_cuda,
+    vision_rotary_cuda,
+)
 
 _PROBE_SRC = Path(__file__).with_name("probe.cu")
 _status: dict = {}
@@ -70,5 +76,5 @@ def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu
 
 __all__ = ["cuda_status", "hash_words_cuda", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",
            "causal_conv1d_prefill_cuda", "causal_conv1d_states_cuda", "causal_conv1d_update_cuda", "rms_norm_cuda", "gated_rms_norm_cuda",
-           "rms_norm_rope_cuda", "add_rms_norm_cuda", "silu_mul_cuda", "gemv_cuda", "gemv_add_rms_norm_cuda", "gemv_silu_mul_cuda", "vision_rotary_cuda", "vision_attention_cuda", "layer_norm_cuda",
+           "rms_norm_rope_cuda", "add_rms_norm_cuda", "silu_mul_cuda", "gemv_cuda", "gemv_add_rms_norm_cuda", "gemv_silu_mul_cuda", "vision_positions_cuda", "vision_rotary_cuda", "vision_attention_cuda", "layer_norm_cuda",
            "add_layer_norm_cuda"]

@@ -1,7 +1,7 @@
 """The kernels' operators as torch custom ops (namespace `qwen35_fast`): the four GDN operators and the
 four RMSNorms (plain, gated, with the attention's rotary, after the residual add), the MLP's silu(g) * u, the
 decode step's one-row projections (alone, after the residual add and norm, after the MLP's gate), paged
-attention over the K/V block pool, and the vision tower's rotary and LayerNorms.
+attention over the K/V block pool, and the vision tower's positions, rotary, attention and LayerNorms.
 
 Registering them as custom ops with fake implementations lets a torch.compile'd function call them
 as opaque nodes: no graph break inside our code, no tracing into CuPy. Each op runs the CUDA kernel
@@ -21,7 +21,13 @@ from .gemv.reference import gemv_add_rms_norm_ref, gemv_ref, gemv_silu_mul_ref
 from .paged_attention.reference import paged_attention_ref
 from .rms_norm.reference import add_rms_norm_ref, gated_rms_norm_ref, rms_norm_ref, rms_norm_rope_ref
 from .silu_mul.reference import silu_mul_ref
-from .vision.reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_rotary_ref
+from .vision.reference import (
+    add_layer_norm_ref,
+    layer_norm_ref,
+    vision_attention_ref,
+    vision_positions_ref,
+    vision_rotary_ref,
+)
 
 NS = "qwen35_fast"
 
@@ -245,6 +251,21 @@ def _paged_attention_fake(q, k_new, v_new, k_pool, v_pool, block_table, cache_le
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _vision_positions_impl(x: torch.Tensor, pos_embed: torch.Tensor, table: torch.Tensor, grids: list[int],
+                           inv_freq: torch.Tensor, merge: int,
+                           use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().vision_positions_cuda(x, pos_embed, table, grids, inv_freq, merge)
+    return vision_positions_ref(x, pos_embed, grids, inv_freq, merge)
+
+
+def _vision_positions_fake(x, pos_embed, table, grids, inv_freq, merge, use_cuda):
+    n, hd = x.shape[0], 4 * inv_freq.shape[0]
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(n, hd, dtype=torch.float32, device=x.device),
+            torch.empty(n, hd, dtype=torch.float32, device=x.device))
+
+
 def _vision_rotary_impl(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().vision_rotary_cuda(qkv, cos, sin)
@@ -307,6 +328,7 @@ gemv_silu_mul_op = _register("gemv_silu_mul", _gemv_silu_mul_impl, _gemv_silu_mu
 gated_rms_norm_op = _register("gated_rms_norm", _gated_norm_impl, _gated_norm_fake)
 paged_attention_op = _register("paged_attention", _paged_attention_impl, _paged_attention_fake,
                                mutates_args=("k_pool", "v_pool"))
+vision_positions_op = _register("vision_positions", _vision_positions_impl, _vision_positions_fake)
 vision_rotary_op = _register("vision_rotary", _vision_rotary_impl, _vision_rotary_fake)
 vision_attention_op = _register("vision_attention", _vision_attention_impl, _vision_attention_fake)
 layer_norm_op = _register("layer_norm", _layer_norm_impl, _layer_norm_fake)

@@ -13,8 +13,8 @@ through the slices' offsets `cu_seqlens`); on other GPUs slices of one length ru
 and slices of several lengths as one variable-length flash attention launch; on the CPU one batched SDPA
 call per distinct length (`groups`).
 
-The rotary and the LayerNorms (each after the first fused with the residual add before it) are
-`kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
+The patches' positions (the interpolated position grid and the rotary's angles, made from the grids), the
+rotary and the LayerNorms (each after the first fused with the residual add before it) are `kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
 
 Sizes come from the checkpoint (config.json's `vision_config`, or the tensor shapes of a single
 file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152 (9B, 27B).
@@ -143,20 +143,18 @@ def expected_vision_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class VisionPlan:
-    """Index math for one tower call, made once from the grids (none of it reads pixels).
+    """Index math for one tower call, made once from the grids (none of it reads pixels), in one upload.
 
-    grids: (t, h, w) per image / video in patches; pos_index, pos_weight: [M, 4] taps into the
-    learned position grid for the first slice of each grid (the t slices of a video share them);
-    pos_rows: [N] which of the M rows each patch takes (None when M = N); cos, sin: [N, head_dim]
-    fp32 rotary; groups: (token index [S*L] or None when the group is every token in order, S slices,
-    L tokens each); cu_seqlens: int32 [slices + 1] where each slice starts, and max_len, its longest.
+    grids: (t, h, w) per image / video in patches; table: int32 [G, 4] on the tower's device, each grid's
+    t, h, w and first patch (kernels.vision_positions makes the positions and rotary angles from it);
+    inv_freq: fp32 [head_dim / 4], the rotary's frequencies of one axis; groups: (token index [S*L] or None
+    when the group is every token in order, S slices, L tokens each) per slice length, for SDPA;
+    cu_seqlens: int32 [slices + 1] where each attention slice (an image, a video's temporal patch) starts,
+    and max_len, its longest.
     """
     grids: tuple[tuple[int, int, int], ...]
-    pos_index: torch.Tensor
-    pos_weight: torch.Tensor
-    pos_rows: torch.Tensor | None
-    cos: torch.Tensor
-    sin: torch.Tensor
+    table: torch.Tensor
+    inv_freq: torch.Tensor
     groups: tuple[tuple[torch.Tensor | None, int, int], ...]
     cu_seqlens: torch.Tensor
     max_len: int
@@ -164,31 +162,6 @@ class VisionPlan:
     @property
     def n_patches(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
-
-
-@functools.lru_cache(maxsize=32)
-def _grid_taps(h: int, w: int, m: int, side: int) -> tuple[np.ndarray, ...]:
-    """For one frame of an h x w patch grid, its patches listed in merge-block order (block row, block column,
-    row in block, column in block): their rows and columns, and the four taps of the learned side x side
-    position grid each interpolates (bilinear, corners aligned: patch 0 -> grid 0, the last -> grid side - 1;
-    fp32 as torch computes it): indices [h w, 4] and weights [h w, 4]. Kept per size (read-only)."""
-    shape = (h // m, w // m, m, m)
-    br, bc, ir, ic = np.ix_(np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m))
-    row, col = np.broadcast_to(br * m + ir, shape).reshape(-1), np.broadcast_to(bc * m + ic, shape).reshape(-1)
-
-    def taps(index, size):
-        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
-        lo = np.floor(src)
-        return lo.astype(np.int64), np.minimum(lo.astype(np.int64) + 1, side - 1), src - lo
-
-    one = np.float32(1)
-    (r0, r1, fr), (c0, c1, fc) = taps(row, h), taps(col, w)
-    index = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
-    weight = np.stack([(one - fr) * (one - fc), (one - fr) * fc, fr * (one - fc), fr * fc], axis=1)
-    out = (row, col, index, weight)
-    for a in out:
-        a.flags.writeable = False
-    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,45 +172,35 @@ def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 
 def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
-    """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]. The index math runs on the
-    host (numpy), copied to the device without waiting (upload); cos / sin are made where the tower runs."""
+    """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]: a few host integers copied to
+    the device as one array without waiting (upload); the per-patch work is the tower's first kernel."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
-    m, side = vc.spatial_merge_size, vc.grid_side
+    m = vc.spatial_merge_size
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
             raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
-    frame_row, frame_col, pos_index, pos_weight = (
-        np.concatenate(a) for a in zip(*(_grid_taps(h, w, m, side) for _, h, w in grids)))
-    video = any(t > 1 for t, _, _ in grids)
-    # a video's t temporal patches take the rows of its grid's first frame
-    firsts = np.cumsum([0] + [h * w for _, h, w in grids[:-1]])
-    expand = (np.concatenate([np.tile(f + np.arange(h * w), t) for f, (t, h, w) in zip(firsts, grids)])
-              if video else None)
-    row, col = (frame_row, frame_col) if expand is None else (frame_row[expand], frame_col[expand])
-
+    sizes = [t * h * w for t, h, w in grids]
+    table = np.array([(t, h, w, s) for (t, h, w), s in zip(grids, np.cumsum([0] + sizes[:-1]))], dtype=np.int32)
     # attention slices: one per image, one per temporal patch of a video; grouped by length
     lengths = [h * w for t, h, w in grids for _ in range(t)]
-    starts = np.concatenate([[0], np.cumsum(lengths)])
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_len.setdefault(n, []).append(int(starts[i]))
-    group_index = [] if len(by_len) == 1 else [(np.asarray(f)[:, None] + np.arange(n)[None, :]).reshape(-1)
-                                               for n, f in by_len.items()]
-    # the rotary's angles: each half of the head is (row x inv_freq, column x inv_freq)
-    rowcol = np.stack([row, col, row, col], axis=1).astype(np.float32)  # exact: far below 2^24 patches
-    arrays = ([pos_index, pos_weight, rowcol, _inv_freq(vc.head_dim, vc.rope_theta), starts.astype(np.int32)]
-              + ([expand] if video else []) + group_index)
-    pos_index, pos_weight, rowcol, inv_freq, cu, *rest = (upload(torch.from_numpy(a), device=device) for a in arrays)
-    expand = rest.pop(0) if video else None
-    groups = tuple((rest[i] if rest else None, len(f), n) for i, (n, f) in enumerate(by_len.items()))
-    emb = (rowcol[:, :, None] * inv_freq).view(len(row), -1)  # [N, hd]
-    return VisionPlan(grids, pos_index, pos_weight, expand, emb.cos(), emb.sin(), groups, cu, max(lengths))
+    inv_freq = _inv_freq(vc.head_dim, vc.rope_theta)
+    buf = upload(torch.from_numpy(np.concatenate([table.reshape(-1), starts, inv_freq.view(np.int32)])), device=device)
+    g, s = table.size, starts.size
+    groups = tuple((None if len(by_len) == 1 else
+                    upload(torch.from_numpy((np.asarray(f)[:, None] + np.arange(n)[None, :]).reshape(-1)), device=device),
+                    len(f), n) for n, f in by_len.items())
+    return VisionPlan(grids, buf[:g].view(len(grids), 4), buf[g + s:].view(torch.float32), groups, buf[g:g + s],
+                      max(lengths))
 
 
 # --- weights and forward ------------------------------------------------------------------------
 
-# The tower keeps the plans of its last PLAN_CACHE calls of at most PLAN_CACHE_PATCHES patches (~5 MB each
-# at most: the fp32 rotary tables are most of it; a long video's plan is made again, once per tower call)
+# The tower keeps the plans of its last PLAN_CACHE calls of at most PLAN_CACHE_PATCHES patches (a few hundred
+# bytes each; with images of several sizes, the SDPA path's token order, 8 bytes a patch)
 PLAN_CACHE, PLAN_CACHE_PATCHES = 4, 16384
 # The second call in a row with the same grids (on a GPU, with the kernels) captures the tower as one CUDA
 # graph and later calls replay it: the tower's ~300 launches from Python cost more host time than its GPU
@@ -254,6 +217,7 @@ class TowerGraph:
     def __init__(self, tower: "VisionTower", p: "VisionPlan", backend: kernels.Backend, pixels: torch.Tensor, key):
         from .decode_graph import capture_graph  # (it imports the model, which imports this module)
         self.key = key
+        self.plan = p  # the replays read its tensors: they live as long as the graph, whatever the tower keeps
         with torch.inference_mode(False):  # a normal tensor: replays copy into it in inference mode (ComfyUI) or not
             self.pixels = pixels.clone()
         self.graph, self.out, self.pool_bytes = capture_graph(pixels.device,
@@ -327,7 +291,7 @@ class VisionTower(nn.Module):
 
     def plan(self, grids) -> VisionPlan:
         """The plan of these grids, kept for the next call with the same grids (images of one size, the
-        frames of a batch: ~30 small kernels and host work, 2 ms of a cold image prompt on the H200's host)."""
+        frames of a batch: its host work and upload are not repeated)."""
         key = tuple((int(t), int(h), int(w)) for t, h, w in grids)
         p = self._plans.pop(key, None)
         if p is None:
@@ -378,12 +342,13 @@ class VisionTower(nn.Module):
                 and key not in self._no_graph and os.environ.get("QWEN35_CUDA_GRAPHS", "1") != "0"
                 and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
-    def _attention(self, blk: VisionBlock, x: torch.Tensor, p: VisionPlan, be: kernels.Backend | None) -> torch.Tensor:
+    def _attention(self, blk: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: VisionPlan,
+                   be: kernels.Backend | None) -> torch.Tensor:
         vc = self.config
         n, d = x.shape
         qkv = F.linear(x, blk.qkv_w, blk.qkv_b).view(n, 3, vc.num_heads, vc.head_dim)
         # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
-        q, k = kernels.vision_rotary(qkv, p.cos, p.sin, backend=be).unbind(0)
+        q, k = kernels.vision_rotary(qkv, cos, sin, backend=be).unbind(0)
         v = qkv[:, 2]
         if kernels.vision_attention_takes(q, k, v, p.cu_seqlens, backend=be):  # ours: sm_90a, head dim 64 / 72
             out = kernels.vision_attention(q, k, v, p.cu_seqlens, p.max_len, backend=be)
@@ -422,14 +387,15 @@ class VisionTower(nn.Module):
             raise Qwen35Error(f"vision input has shape {list(pixels.shape)}, the grids need "
                               f"[{p.n_patches}, {vc.patch_dim}]")
         x = F.linear(pixels.to(self.device, self.dtype), self.patch_w, self.patch_b)
-        pos = (self.pos_embed[p.pos_index].float() * p.pos_weight[..., None]).sum(1).to(x.dtype)
-        x = x + (pos if p.pos_rows is None else pos.index_select(0, p.pos_rows))
+        # + the learned position grid interpolated to each image, and the rotary's cos / sin, from the grids
+        x, cos, sin = kernels.vision_positions(x, self.pos_embed, p.table, p.grids, p.inv_freq, vc.spatial_merge_size,
+                                               backend=backend)
         # every LayerNorm after the first runs fused with the residual add before it: a block's norm2 after
         # its attention, the next block's norm1 (the merger's norm after the last block) after its MLP
         norms = [(blk.norm1_w, blk.norm1_b) for blk in self.blocks] + [(self.merge_norm_w, self.merge_norm_b)]
         h = kernels.layer_norm(x, *norms[0], LAYER_NORM_EPS, backend=backend)
         for blk, next_norm in zip(self.blocks, norms[1:]):
-            x, h = kernels.add_layer_norm(x, self._attention(blk, h, p, backend), blk.norm2_w, blk.norm2_b,
+            x, h = kernels.add_layer_norm(x, self._attention(blk, h, cos, sin, p, backend), blk.norm2_w, blk.norm2_b,
                                           LAYER_NORM_EPS, backend=backend)
             x, h = kernels.add_layer_norm(x, self._mlp(blk, h), *next_norm, LAYER_NORM_EPS, backend=backend)
         h = h.reshape(-1, vc.hidden_size * vc.merge_unit)

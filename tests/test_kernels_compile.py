@@ -61,6 +61,10 @@ VARIANTS = {
     "paged_decode.cu": [{"BLOCK_SIZE": b, "SPLIT": s, "GATE": g} for b in (16, 64) for s in (0, 1) for g in (0, 1)],
     # vision/launch.py: the released towers' heads (12 x 64, 16 x 64, 16 x 72) and other multiples of 8; row
     # lengths over every threads-per-row choice of layer_norm.cu (1 / 2 / 4 / 8 warps), plain and fused
+    # ... positions: the released towers' rows and heads on the 48 x 48 grid, 2 x 2 merge, and odd sizes
+    "positions.cu": [{"DIM": d, "HEAD_DIM": hd, "SIDE": s, "MERGE": m, "IN_T": i}
+                     for d, hd, s, m in ((768, 64, 48, 2), (1024, 64, 48, 2), (1152, 72, 48, 2), (40, 8, 7, 3),
+                                         (8, 4, 1, 1)) for i in (2, 1)],
     "rotary.cu": [{"HEAD_DIM": d, "HEADS": h, "IN_T": i} for d, h in ((64, 12), (64, 16), (72, 16), (80, 3), (8, 1))
                   for i in (2, 1)],
     "layer_norm.cu": [{"DIM": d, "IN_T": i, "HAS_Y": y} for d in (768, 1024, 1152, 2056, 5120, 8, 10240)
@@ -70,7 +74,7 @@ VARIANTS = {
 
 def test_sources_found():
     names = {p.name for p in SOURCES}
-    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "layer_norm.cu", "silu_mul.cu",
+    assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "positions.cu", "layer_norm.cu", "silu_mul.cu",
             "content_hash.cu", "gemv.cu"} <= names
 
 

@@ -13,7 +13,7 @@ from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.rms_norm import launch as norm_launch
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
 from qwen35_fast.kernels.vision import launch as vision_launch
-from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, vision_rotary_ref
+from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, vision_positions_ref, vision_rotary_ref
 
 from _models import rel
 
@@ -123,7 +123,14 @@ def test_vision_kernels(rtx, D):
     s, out = vision_launch.add_layer_norm_cuda(x, y, w, b, 1e-6)
     s_ref, out_ref = add_layer_norm_ref(x, y, w, b, 1e-6)
     assert torch.equal(s, s_ref) and not out.isnan().any() and rel(out, out_ref) < 4e-3
-    assert {e[1] for e in rtx if e[0] == "get"} == {"vision_rotary", "layer_norm_fwd"}
+    pe = torch.randn(48 * 48, D, generator=g, device=DEV).bfloat16()
+    table = torch.tensor([[1, 4, 6, 0], [3, 2, 2, 24]], dtype=torch.int32, device=DEV)
+    inv_freq = torch.rand(18, generator=g, device=DEV)
+    _poison((36, D), torch.bfloat16)
+    got = vision_launch.vision_positions_cuda(x[:36], pe, table, [1, 4, 6, 3, 2, 2], inv_freq, 2)
+    want = vision_positions_ref(x[:36], pe, [1, 4, 6, 3, 2, 2], inv_freq, 2)
+    assert not got[0].isnan().any() and rel(got[0], want[0]) < 4e-3 and rel(got[1], want[1]) < 1e-6
+    assert {e[1] for e in rtx if e[0] == "get"} == {"vision_positions", "vision_rotary", "layer_norm_fwd"}
 
 
 @pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 17408)])

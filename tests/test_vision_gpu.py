@@ -203,6 +203,30 @@ def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids
     assert tower._graph is None and (tower.plan(grids).grids, "cuda") in tower._no_graph
 
 
+def test_a_kept_graph_outlives_its_plan_in_the_towers_cache():
+    """A graph keeps the plan its replays read: after other grids push that plan out of the tower's cache
+    (PLAN_CACHE) and the allocator hands its memory to others, a replay still gives the eager output."""
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=2, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(6)
+    tower = VisionTower(vc, torch.bfloat16, dev)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.03)
+    be = kernels.select_backend("cuda", dev, torch.bfloat16)
+    grids = [(1, 24, 16)]
+    x = torch.randn(384, vc.patch_dim, device=dev, generator=g).bfloat16()
+    want = tower(x, vision.plan(vc, grids, dev), backend=be)
+    tower.run(x, grids, be)
+    tower.run(x, grids, be)  # captured
+    for i in range(vision.PLAN_CACHE + 2):  # other sizes push the plan out; their plans land where it was
+        other = [(1, 8, 8 + 2 * i)]
+        tower.run(torch.randn(64 * (4 + i), vc.patch_dim, device=dev, generator=g).bfloat16(), other, be)
+    assert tower._graph is not None and tower._graph.key[0] == tuple(grids)
+    assert torch.equal(tower.run(x, grids, be), want)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_model_on_the_second_gpu_gives_the_first_gpus_tokens(tmp_path):
     """ComfyUI may load the model onto cuda:1 while cuda:0 stays current: every launch (GDN, vision tower,

@@ -1,5 +1,5 @@
-"""The vision tower's kernels (kernels/vision/: rotary, LayerNorm, residual add + LayerNorm, attention) against
-their PyTorch references, and the tower on the CUDA backend against the tower on the reference backend.
+"""The vision tower's kernels (kernels/vision/: positions, rotary, LayerNorm, residual add + LayerNorm, attention)
+against their PyTorch references, and the tower on the CUDA backend against the tower on the reference backend.
 
 GPU tests: fresh seeded random inputs per case; torch's caching allocator is filled with NaN before each
 launch so that an output element a kernel forgets to write shows up. The rotary and the residual sum are
@@ -18,8 +18,10 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels import ops
 from qwen35_fast.kernels.vision.reference import (
     add_layer_norm_ref,
+    grid_taps,
     layer_norm_ref,
     vision_attention_ref,
+    vision_positions_ref,
     vision_rotary_ref,
 )
 
@@ -40,6 +42,19 @@ def rotary_inputs(N, H, hd, dtype, device, seed):
     f = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], dim=1)
     emb = torch.cat([f, f], dim=1)
     return qkv, emb.cos(), emb.sin()
+
+
+def positions_inputs(grids, D, hd, side, dtype, device, seed):
+    """x [N, D], a position grid [side^2, D], the grids' table (t, h, w, first patch) and frequencies."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    x = torch.randn(n, D, generator=g, device=device).to(dtype)
+    pos = torch.randn(side * side, D, generator=g, device=device).to(dtype)
+    firsts = [sum(t * h * w for t, h, w in grids[:i]) for i in range(len(grids))]
+    table = torch.tensor([(t, h, w, f) for (t, h, w), f in zip(grids, firsts)], dtype=torch.int32,
+                         device=device).view(-1, 4)
+    inv_freq = 1.0 / 10_000 ** (torch.arange(0, hd // 2, 2, dtype=torch.float32, device=device) / (hd // 2))
+    return x, pos, table, [v for gr in grids for v in gr], inv_freq
 
 
 def norm_inputs(rows, D, dtype, device, seed):
@@ -66,6 +81,34 @@ def test_rotary_ref_is_the_towers_expression():
         assert got.shape == (2, 37, 3, 72) and got.is_contiguous() and torch.equal(got, want.transpose(0, 1))
 
 
+def test_positions_ref_interpolates_the_grid_and_lays_out_the_angles():
+    """The reference against a direct reading of the layout: each patch's row and column in merge-block order,
+    the position grid sampled bilinearly at (row (side - 1) / (h - 1), column (side - 1) / (w - 1)) in float64,
+    a video's frames all at its first frame's positions, angles (row, column, row, column) x inv_freq."""
+    grids, side, m = [(1, 4, 6), (3, 2, 4)], 5, 2
+    x, pos, table, flat, inv_freq = positions_inputs(grids, 8, 16, side, torch.float32, "cpu", 0)
+    got, cos, sin = vision_positions_ref(x, pos, flat, inv_freq, m)
+    grid = pos.double().view(side, side, 8)
+    n = 0
+    for t, h, w in grids:
+        for _ in range(t):
+            for br in range(h // m):
+                for bc in range(w // m):
+                    for i in range(m * m):
+                        r, c = br * m + i // m, bc * m + i % m
+                        y, z = r * (side - 1) / max(h - 1, 1), c * (side - 1) / max(w - 1, 1)
+                        y0, z0 = int(y), int(z)
+                        y1, z1 = min(y0 + 1, side - 1), min(z0 + 1, side - 1)
+                        want = ((1 - (y - y0)) * ((1 - (z - z0)) * grid[y0, z0] + (z - z0) * grid[y0, z1])
+                                + (y - y0) * ((1 - (z - z0)) * grid[y1, z0] + (z - z0) * grid[y1, z1]))
+                        assert torch.allclose(got[n].double() - x[n].double(), want, atol=1e-5)
+                        angles = torch.tensor([r, c, r, c], dtype=torch.float64)[:, None] * inv_freq.double()
+                        assert torch.allclose(cos[n].double(), angles.view(-1).cos(), atol=1e-5)
+                        assert torch.allclose(sin[n].double(), angles.view(-1).sin(), atol=1e-5)
+                        n += 1
+    assert n == x.shape[0] and grid_taps(4, 6, m, side)[2].shape == (24, 4)
+
+
 def test_layer_norm_refs_are_the_towers_expressions():
     x, y, w, b = norm_inputs(9, 48, torch.bfloat16, "cpu", 1)
     s, out = add_layer_norm_ref(x, y, w, b, 1e-6)
@@ -79,6 +122,8 @@ def test_vision_ops_pass_opcheck():
     x, y, w, b = norm_inputs(5, 32, torch.float32, "cpu", 3)
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.vision_rotary_op, (qkv, cos, sin, False), test_utils=checks)
+    px, pos, table, flat, inv_freq = positions_inputs([(1, 2, 4), (2, 2, 2)], 8, 16, 3, torch.float32, "cpu", 4)
+    torch.library.opcheck(ops.vision_positions_op, (px, pos, table, flat, inv_freq, 2, False), test_utils=checks)
     torch.library.opcheck(ops.layer_norm_op, (x, w, b, 1e-6, False), test_utils=checks)
     torch.library.opcheck(ops.add_layer_norm_op, (x, y, w, b, 1e-6, False), test_utils=checks)
     q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
@@ -99,6 +144,48 @@ def test_attention_ref_attends_within_segments():
     k2 = k.clone()
     k2[3:] += 1
     assert torch.equal(vision_attention_ref(q, k2, v, cu)[:3], got[:3])
+
+
+# ----------------------------------------------------------------------------- positions (GPU)
+
+POSITIONS_CASES = [  # grids, D, hd, side, merge: the released towers (48 x 48 grid, 2 x 2 merge) on one image,
+    # images of several sizes, a video, a grid smaller / larger than the learned one, odd shapes
+    ([(1, 64, 64)], 1152, 72, 48, 2), ([(1, 32, 24), (1, 16, 40), (4, 12, 16)], 1152, 72, 48, 2),
+    ([(16, 46, 80)], 1024, 64, 48, 2), ([(1, 2, 2)], 768, 64, 48, 2), ([(1, 96, 100), (1, 2, 60)], 768, 64, 48, 2),
+    ([(2, 6, 9), (1, 3, 3), (5, 9, 3)], 40, 8, 7, 3), ([(1, 4, 4)] * 37, 64, 16, 5, 2), ([(3, 2, 2)], 8, 4, 1, 1)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", range(len(POSITIONS_CASES)))
+def test_positions_match_reference(impl, case, dtype):
+    grids, D, hd, side, m = POSITIONS_CASES[case]
+    x, pos, table, flat, inv_freq = positions_inputs(grids, D, hd, side, dtype, DEV, case)
+    n = x.shape[0]
+    poison_allocator(((n, D), dtype), ((n, hd), torch.float32))
+    got, cos, sin = impl.vision_positions_cuda(x, pos, table, flat, inv_freq, m)
+    want, cos_r, sin_r = vision_positions_ref(x, pos, flat, inv_freq, m)
+    assert got.shape == (n, D) and got.dtype == dtype and cos.shape == sin.shape == (n, hd)
+    assert not (got.isnan().any() or cos.isnan().any() or sin.isnan().any())
+    assert (cos - cos_r).abs().max() <= 2e-7 and (sin - sin_r).abs().max() <= 2e-7
+    diff = (got.float() - want.float()).abs()
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert diff.max() <= ulp * (pos.float().abs().max() + x.float().abs().max()) and (diff > 0).float().mean() < 1e-3
+
+
+@gpu
+def test_positions_through_the_backend_and_fallback(impl):
+    x, pos, table, flat, inv_freq = positions_inputs([(1, 8, 6), (2, 4, 4)], 64, 16, 6, torch.bfloat16, DEV, 9)
+    be = kernels.select_backend("cuda", DEV, torch.bfloat16)
+    grids = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+    got = kernels.vision_positions(x, pos, table, grids, inv_freq, 2, backend=be)
+    assert all(torch.equal(a, b) for a, b in zip(got, impl.vision_positions_cuda(x, pos, table, flat, inv_freq, 2)))
+    for args in [(x.float(), pos.float()), (x[:, :60].contiguous(), pos[:, :60].contiguous()), (x, pos[:35]),
+                 (x, pos.half())]:  # fp32, rows not of 8, a grid not square, another dtype: the reference
+        want = vision_positions_ref(*args, flat, inv_freq, 2)
+        assert all(torch.equal(a, b) for a, b in zip(impl.vision_positions_cuda(*args, table, flat, inv_freq, 2), want))
+    empty = impl.vision_positions_cuda(x[:0], pos, table[:0], [], inv_freq, 2)
+    assert [t.shape for t in empty] == [(0, 64), (0, 16), (0, 16)]
 
 
 # ----------------------------------------------------------------------------- rotary (GPU)

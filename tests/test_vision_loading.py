@@ -154,7 +154,7 @@ def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
     a = tower.plan([(1, 8, 12)])
     assert tower.plan([[1, 8, 12]]) is a  # lists or tuples, ints of any kind
     fresh = vision.plan(vc, [(1, 8, 12)], tower.device)
-    assert all(torch.equal(getattr(a, f), getattr(fresh, f)) for f in ("pos_index", "pos_weight", "cos", "sin"))
+    assert all(torch.equal(getattr(a, f), getattr(fresh, f)) for f in ("table", "inv_freq", "cu_seqlens"))
     b = tower.plan([(1, 4, 4)])
     assert tower.plan([(1, 8, 12)]) is a  # a is now the most recent: b goes first
     tower.plan([(2, 4, 4)])

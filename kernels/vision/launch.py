@@ -1,7 +1,8 @@
-"""Launchers of rotary.cu, layer_norm.cu and attention.cu (the vision tower's rotary, LayerNorm, residual add +
-LayerNorm, and attention within each image or video slice).
+"""Launchers of positions.cu, rotary.cu, layer_norm.cu and attention.cu (the vision tower's patch positions,
+rotary, LayerNorm, residual add + LayerNorm, and attention within each image or video slice).
 
-The kernels take bf16 / fp16 activations: rotary with head dims that are multiples of 8 and fp32 cos / sin;
+The kernels take bf16 / fp16 activations: positions with rows that are multiples of 8 and the position grid in
+the activation's dtype; rotary with head dims that are multiples of 8 and fp32 cos / sin;
 LayerNorm with rows that are multiples of 8 up to MAX_D and weight and bias in the activation's dtype;
 attention bf16 with head dims 64 or 72 on sm_90a cards (H100 / H200: wgmma and TMA; the tower takes SDPA
 elsewhere). Anything else runs the reference."""
@@ -15,17 +16,51 @@ import numpy as np
 import torch
 
 from ..cuda_build import aligned16, card_of, get_function, launch, tensor_map
-from .reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_rotary_ref
+from .reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_positions_ref, vision_rotary_ref
 
+POSITIONS_SRC = Path(__file__).with_name("positions.cu")
 ROTARY_SRC = Path(__file__).with_name("rotary.cu")
 NORM_SRC = Path(__file__).with_name("layer_norm.cu")
 ATTN_SRC = Path(__file__).with_name("attention.cu")
 _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+POSITIONS_THREADS = 128  # THREADS of positions.cu
 ROTARY_THREADS = 256  # THREADS of rotary.cu
 NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
 ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_CONSUMER_THREADS = 192, 128, 512, 384  # BM, BN, THREADS, CT of attention.cu
 ATTN_HEAD_DIMS = (64, 72)
+
+
+def positions_takes(x: torch.Tensor, pos_embed: torch.Tensor, table: torch.Tensor, grids: list[int],
+                    inv_freq: torch.Tensor) -> bool:
+    """Whether positions.cu runs this call: bf16 / fp16 rows of a multiple of 8, the position grid square and
+    in x's dtype, the grids' table int32 [G, 4] beside them, fp32 frequencies."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % 8:
+        return False
+    side = math.isqrt(pos_embed.shape[0]) if pos_embed.dim() == 2 else 0
+    return (pos_embed.dtype == x.dtype and pos_embed.shape == (side * side, x.shape[1]) and side > 0
+            and table.dtype == torch.int32 and table.shape == (len(grids) // 3, 4) and table.is_contiguous()
+            and table.device == x.device and inv_freq.dtype == torch.float32 and inv_freq.dim() == 1
+            and inv_freq.is_contiguous() and inv_freq.numel() > 0)
+
+
+def vision_positions_cuda(x: torch.Tensor, pos_embed: torch.Tensor, table: torch.Tensor, grids: list[int],
+                          inv_freq: torch.Tensor, merge: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as reference.vision_positions_ref; table: the grids on x's device as positions.cu reads
+    them, int32 [G, 4] (t, h, w, first patch of each)."""
+    if not positions_takes(x, pos_embed, table, grids, inv_freq):
+        return vision_positions_ref(x, pos_embed, grids, inv_freq, merge)
+    n, d = x.shape
+    hd = 4 * inv_freq.numel()
+    out = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    cos, sin = (torch.empty(n, hd, dtype=torch.float32, device=x.device) for _ in range(2))
+    if n == 0:
+        return out, cos, sin
+    defines = {"DIM": d, "HEAD_DIM": hd, "SIDE": math.isqrt(pos_embed.shape[0]), "MERGE": merge,
+               "IN_T": _CODE[x.dtype]}
+    launch(get_function(POSITIONS_SRC, "vision_positions", x.device, defines), (n, 1, 1), (POSITIONS_THREADS, 1, 1),
+           (aligned16(x), aligned16(pos_embed), table, np.int32(table.shape[0]), inv_freq, out, cos, sin))
+    return out, cos, sin
 
 
 def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
