@@ -9,7 +9,8 @@ question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --
 rotary and the LayerNorms where they run), a fresh plan each call ("ms"), and as the runtime runs a size
 that repeats ("ms_repeat": the kept plan, a CUDA graph from the second call); "ours-torch" on the PyTorch
 references.
-floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run.
+floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run. Each size's four timings are
+taken in turn, one call of each a round (medians over --reps rounds).
 
     python3 bench/vision.py [--reps 10] [--layers 32] [--no-transformers-e2e] [--out PATH]
 """
@@ -50,15 +51,23 @@ def merged(out):
 
 
 def timed(fn, reps):
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
+    return timed_in_turn({"": fn}, reps)[""]
+
+
+def timed_in_turn(fns: dict, reps: int, warmup: int = 2) -> dict:
+    """Median ms of each of fns, called one after the other in each of reps rounds (after warmup rounds), the
+    GPU idle at each call's start: drift of the clocks or of the host's speed during the run falls on all of
+    them alike, not on whichever ran first."""
+    times = {k: [] for k in fns}
+    for r in range(warmup + reps):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= warmup:
+                times[k].append((time.perf_counter() - t0) * 1000)
+    return {k: sorted(t)[len(t) // 2] for k, t in times.items()}
 
 
 def bf16_rate() -> float:
@@ -135,12 +144,14 @@ def main():
             b = merged(ref(pixels, grid_thw=grid_t))
             err = float((a.float() - b.float()).norm() / b.float().norm()) if same_weights else None
             fresh = lambda: vision_plan(ours.config, grids, ours.device)  # noqa: E731  (not the tower's kept plan)
-            ms_ours = timed(lambda: ours(pixels, fresh(), backend=be), args.reps)  # planning included
-            # what the runtime runs when the size repeats (a batch of renders): the kept plan, and from the
-            # second call a CUDA graph (VisionTower.run; eager where it takes none, e.g. over GRAPH_PATCHES)
-            ms_repeat = timed(lambda: ours.run(pixels, grids, backend=be), args.reps)
-            ms_torch = timed(lambda: ours(pixels, fresh()), args.reps)
-            ms_ref = timed(lambda: ref(pixels, grid_thw=grid_t), args.reps)
+            ms = timed_in_turn({
+                "ours": lambda: ours(pixels, fresh(), backend=be),  # planning included
+                # what the runtime runs when the size repeats (a batch of renders): the kept plan, and from the
+                # second call a CUDA graph (VisionTower.run; eager where it takes none, e.g. over GRAPH_PATCHES)
+                "repeat": lambda: ours.run(pixels, grids, backend=be),
+                "torch": lambda: ours(pixels, fresh()),
+                "transformers": lambda: ref(pixels, grid_thw=grid_t)}, args.reps)
+            ms_ours, ms_repeat, ms_torch, ms_ref = ms["ours"], ms["repeat"], ms["torch"], ms["transformers"]
         common = {"tower": vc.shape_name, "images": name, "grids": grids, "floor_ms": round(floor, 2),
                   "tflop": round(ours.flops(grids) / 1e12, 2)}
         rows.append({"impl": "ours", **common, "ms": round(ms_ours, 2), "ms_repeat": round(ms_repeat, 2),
