@@ -1,10 +1,13 @@
-"""The residual add + RMSNorm kernel (kernels/rms_norm, RES 1) at the 9B hidden size over few and many rows,
-with 128 threads a row (the default) and 256 (the whole block, what the launcher takes for at most FEW_ROWS
-rows): CUDA-graph us per launch, and how many outputs equal the default's bit for bit (the sum must equal
-all). Development only; how kernels/rms_norm/launch.py FEW_ROWS was set (results/norm-rows-h200.json).
+"""The residual add + RMSNorm kernel (kernels/rms_norm, RES 1) at a hidden size (default the 9B's) over few and
+many rows, with each of several threads per row (default 128, the 9B's, and 256, the whole block, what the
+launcher takes for at most FEW_ROWS rows): CUDA-graph us per launch, and how many outputs equal the first
+variant's bit for bit (the sum must equal all). Development only; how kernels/rms_norm/launch.py FEW_ROWS was
+set (results/norm-rows-h200.json) and the 4B's 64 threads a row (--dim 2560 --tprs 32 64,
+results/norm-rows-2560-h200.json).
 
-    python3 bench/norm_rows.py
+    python3 bench/norm_rows.py [--dim 4096] [--tprs 128 256] [--rows 64 128 256 1294]
 """
+import argparse
 import json
 
 import numpy as np
@@ -19,14 +22,19 @@ from gdn import bench_ms, graph_of
 
 
 def main():
-    D, dev = 4096, "cuda"
-    for rows in (64, 128, 256, 1294):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--tprs", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 1294])
+    args = ap.parse_args()
+    D, dev = args.dim, "cuda"
+    for rows in args.rows:
         res = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
         x = torch.randn_like(res)
         w = torch.randn(D, device=dev)
         row = {"rows": rows, "D": D}
         want_s = want_y = None
-        for tpr in (128, 256):
+        for tpr in args.tprs:
             fn = get_function(norm.SRC, "rms_norm_fwd", x.device, {"DIM": D, "IN_T": 2, "W_T": 0, "GATED": 0,
                                                                    "ROPE": 0, "RES": 1, "TPR": tpr})
             per_block = norm.WARPS * 32 // tpr

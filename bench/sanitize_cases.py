@@ -76,6 +76,7 @@ from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda  # noqa: E402
 xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)
 rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
+rms_norm_cuda(torch.randn(37, 2560, device=dev, dtype=torch.bfloat16), torch.randn(2560, device=dev), 1e-6)
 gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
 # q / k with the rotary (strided q, 37 tokens: a partly filled last block), the residual add + norm, silu * mul
 cs = torch.rand(37, 64, device=dev, dtype=torch.bfloat16)
@@ -153,12 +154,12 @@ from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, g
 
 for n, k in ((4097, 4096), (3, 72), (37, 17408)):
     gemv_cuda(torch.randn(1, k, device=dev, dtype=torch.bfloat16), torch.randn(n, k, device=dev, dtype=torch.bfloat16))
-# with the residual add and norm formed as x is staged (four warps a row at 4,096, one at 2,560; without x),
+# with the residual add and norm formed as x is staged (four warps a row at 4,096, two at 2,560; without x),
 # and with the MLP's gate
 for k, with_x in ((4096, True), (2560, True), (4096, False)):
     r16 = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     gemv_add_rms_norm_cuda(r16, torch.randn_like(r16) if with_x else None, torch.randn(k, device=dev), 1e-6,
-                           torch.randn(301, k, device=dev, dtype=torch.bfloat16))
+                           torch.randn(301, k, device=dev, dtype=torch.bfloat16), fuse=True)
 gemv_silu_mul_cuda(torch.randn(1, 2 * 12288, device=dev, dtype=torch.bfloat16),
                    torch.randn(257, 12288, device=dev, dtype=torch.bfloat16))
 torch.cuda.synchronize()

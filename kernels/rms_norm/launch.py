@@ -49,7 +49,7 @@ def _tpr(D: int, rows: Optional[int] = None) -> int:
     nv = D // 8
     if rows is not None and nv % 256 == 0 and 1 < rows <= FEW_ROWS:
         return 256
-    return nv if nv <= 32 else 128 if nv % 128 == 0 else 32
+    return nv if nv <= 32 else 128 if nv % 128 == 0 else 64 if nv % 64 == 0 else 32
 
 
 def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
