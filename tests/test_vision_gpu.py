@@ -147,20 +147,29 @@ def test_image_prompt_waits_for_the_gpu_only_at_its_end(tmp_path, monkeypatch):
         assert [w for w in waits if not w.startswith("prefill_multimodal ")] == [], (use_cache, waits)
 
 
+def random_tower(depth: int, seed: int):
+    """A bf16 tower of the 9B's width (1,152, 16 heads) and `depth` blocks on the GPU, small random weights; the CUDA backend and
+    the generator that made them (for the test's pixels)."""
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                             out_hidden_size=2048)
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed)
+    tower = VisionTower(vc, torch.bfloat16, dev)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.03)
+    return tower, kernels.select_backend("cuda", dev, torch.bfloat16), g
+
+
 def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids(monkeypatch):
     """run(): the first call with some grids is eager, the second captures, later ones replay; each gives the
     eager forward's output bit for bit (the same kernels), whatever pixels it gets. Other grids run eagerly
     without dropping the graph; a move of the weights, QWEN35_CUDA_GRAPHS=0, or sizes above GRAPH_PATCHES
     never replay a graph, and a capture that fails leaves that size eager."""
-    from qwen35_fast import kernels
     from qwen35_fast.runtime import vision
-    vc = vision.VisionConfig(depth=3, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
-    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(5)
-    tower = VisionTower(vc, torch.bfloat16, dev)
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.03)
-    be = kernels.select_backend("cuda", dev, torch.bfloat16)
+    tower, be, g = random_tower(3, 5)
+    vc, dev = tower.config, tower.device
     grids, other = [(1, 16, 24), (1, 8, 8)], [(1, 32, 32)]
 
     def pixels(gr):
@@ -206,15 +215,9 @@ def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids
 def test_a_kept_graph_outlives_its_plan_in_the_towers_cache():
     """A graph keeps the plan its replays read: after other grids push that plan out of the tower's cache
     (PLAN_CACHE) and the allocator hands its memory to others, a replay still gives the eager output."""
-    from qwen35_fast import kernels
     from qwen35_fast.runtime import vision
-    vc = vision.VisionConfig(depth=2, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
-    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(6)
-    tower = VisionTower(vc, torch.bfloat16, dev)
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.03)
-    be = kernels.select_backend("cuda", dev, torch.bfloat16)
+    tower, be, g = random_tower(2, 6)
+    vc, dev = tower.config, tower.device
     grids = [(1, 24, 16)]
     x = torch.randn(384, vc.patch_dim, device=dev, generator=g).bfloat16()
     want = tower(x, vision.plan(vc, grids, dev), backend=be)
