@@ -148,8 +148,8 @@ def test_image_prompt_waits_for_the_gpu_only_at_its_end(tmp_path, monkeypatch):
 
 
 def random_tower(depth: int, seed: int):
-    """A bf16 tower of the 9B's width (1,152, 16 heads) and `depth` blocks on the GPU, small random weights; the CUDA backend and
-    the generator that made them (for the test's pixels)."""
+    """A bf16 tower of the 9B's width (1,152, 16 heads) and `depth` blocks on the GPU with small random weights,
+    the CUDA backend, and the generator that made them (for the test's pixels)."""
     from qwen35_fast import kernels
     from qwen35_fast.runtime import vision
     vc = vision.VisionConfig(depth=depth, hidden_size=1152, intermediate_size=4304, num_heads=16,
