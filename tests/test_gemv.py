@@ -46,7 +46,8 @@ def test_warps_share_a_row_group_where_the_rows_leave_the_grid_idle(n_rows, k, s
 @pytest.mark.parametrize("pro,n_rows,k,fused", [
     (1, 12352, 4096, True), (1, 24576, 4096, True), (1, 10240, 4096, True),  # 9B in_proj, gate_up, qkv
     (2, 4096, 12288, False),  # 9B down: the plain product splits, so silu_mul and it run apart
-    (1, 12352, 2560, False), (1, 18432, 2560, False), (2, 2560, 9216, False),  # 4B: one warp forms a norm's row
+    (1, 12352, 2560, True), (1, 18432, 2560, True), (2, 2560, 9216, False),  # 4B: its norm rows on two warps
+    (1, 12352, 1280, False),  # a row of 1,280 (not a Qwen3.5 size) would be one warp's: the norm apart
     (1, 12288, 2048, True), (2, 2048, 6144, False),  # 2B
     (1, 8224, 1024, True), (1, 7168, 1024, True), (2, 1024, 3584, True),  # 0.8B: its down does not split
     (1, 248320, 5120, True), (2, 5120, 17408, True)])  # 27B lm_head; its down fills the grid unsplit
@@ -234,7 +235,7 @@ def test_the_fused_decode_step_is_the_layer_loop_on_the_cpu(tmp_path, monkeypatc
 @pytest.mark.parametrize("with_x", [True, False])
 @pytest.mark.parametrize("K", [1024, 2048, 2560, 4096, 5120])
 def test_gemv_add_rms_norm_is_add_rms_norm_then_gemv(K, with_x, norm_dtype, dtype):
-    """Every Qwen3.5 hidden size (one warp a row at 2,560, four at the others): the new residual and the
+    """Every Qwen3.5 hidden size (two warps a row at 2,560, four at the others): the new residual and the
     projection bit for bit the two launches' (rms_norm.cu's add_rms_norm or rms_norm, then gemv with each row
     group on one warp, as the fused kernel sums it; a plain product of these shapes may share a group between
     warps: within the fp32 sums' order of it)."""

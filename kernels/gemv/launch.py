@@ -47,9 +47,11 @@ def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
     - where the plain product splits its row groups (split_of > 1) the fused one, which keeps one warp a group,
       loses to the gate's launch and the split product: 9B 207.8 / 210.0, 2B 612.0 / 617.7 (down: 2 warps a
       group); 0.8B, whose down does not split, 899.0 / 884.3;
-    - a norm whose row rms_norm.cu forms with one warp (ten 16-byte vectors a lane at K = 2,560, the 4B's hidden
-      size; four warps at the others) holds every block's weights back that long: 4B 294.0 / 300.9 / 300.7 /
-      307.5, where the norms fused win at the other sizes (9B 207.8 against 203.2 apart)."""
+    - a norm whose row rms_norm.cu forms with one warp (ten 16-byte vectors a lane) holds every block's weights
+      back that long: the 4B (K = 2,560) when its rows were one warp's, 294.0 / 300.9 / 300.7 / 307.5; on two
+      warps (five vectors a lane, results/decode-mixed-4b-tpr64-ab-h200.json) 315.7 / 323.1 / 307.0 / 313.6,
+      the norms fused winning as at the other sizes (9B 207.8 against 203.2 apart). No Qwen3.5 hidden size
+      is one warp's row now; the guard stays for any other."""
     if split_of(n_rows, k, sms) > 1:
         return False
     tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with rms_norm.cu's threads
