@@ -14,7 +14,8 @@ and slices of several lengths as one variable-length flash attention launch; on 
 call per distinct length (`groups`).
 
 The patches' positions (the interpolated position grid and the rotary's angles, made from the grids), the
-rotary and the LayerNorms (each after the first fused with the residual add before it) are `kernels` operators: CUDA kernels under the text model's backend, the PyTorch references without one.
+rotary and the LayerNorms (each after the first fused with the residual add before it) are `kernels`
+operators: CUDA kernels under the text model's backend, the PyTorch references without one.
 
 Sizes come from the checkpoint (config.json's `vision_config`, or the tensor shapes of a single
 file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152 (9B, 27B).
@@ -73,10 +74,6 @@ class VisionConfig:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size ** 2
-
-    @property
-    def grid_side(self) -> int:
-        return int(round(self.num_position_embeddings ** 0.5))
 
     @property
     def shape_name(self) -> str:
@@ -190,9 +187,10 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
     inv_freq = _inv_freq(vc.head_dim, vc.rope_theta)
     buf = upload(torch.from_numpy(np.concatenate([table.reshape(-1), starts, inv_freq.view(np.int32)])), device=device)
     g, s = table.size, starts.size
-    groups = tuple((None if len(by_len) == 1 else
-                    upload(torch.from_numpy((np.asarray(f)[:, None] + np.arange(n)[None, :]).reshape(-1)), device=device),
-                    len(f), n) for n, f in by_len.items())
+    def order(n, firsts):  # the tokens of the slices of length n, in turn (SDPA's batch of them)
+        return upload(torch.from_numpy((np.asarray(firsts)[:, None] + np.arange(n)[None, :]).reshape(-1)), device=device)
+
+    groups = tuple((None if len(by_len) == 1 else order(n, f), len(f), n) for n, f in by_len.items())
     return VisionPlan(grids, buf[:g].view(len(grids), 4), buf[g + s:].view(torch.float32), groups, buf[g:g + s],
                       max(lengths))
 
