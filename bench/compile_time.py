@@ -28,9 +28,9 @@ MODULES = [("probe.cu", {}), ("conv1d/conv1d.cu", {}), ("conv1d/conv1d.cu", {"TX
            ("gdn_decode/gdn_decode.cu", {"VT": 16, "THREADS": 32}),
            ("gdn_prefill/prep.cu", {"IN_T": 2, "AB_T": 2}),
            ("gdn_prefill/gdn_prefill.cu", {"DVS": 32, "IN_T": 2}),
-           ("rms_norm/rms_norm.cu", {"DIM": 4096, "IN_T": 2, "W_T": 0, "GATED": 0}),
-           ("rms_norm/rms_norm.cu", {"DIM": 256, "IN_T": 2, "W_T": 0, "GATED": 0}),
-           ("rms_norm/rms_norm.cu", {"DIM": 128, "IN_T": 2, "W_T": 2, "GATED": 1})]
+           ("rms_norm/rms_norm.cu", {"DIM": 4096, "IN_T": 2, "W_T": 0, "GATED": 0, "TPR": 128}),
+           ("rms_norm/rms_norm.cu", {"DIM": 256, "IN_T": 2, "W_T": 0, "GATED": 0, "TPR": 32}),
+           ("rms_norm/rms_norm.cu", {"DIM": 128, "IN_T": 2, "W_T": 2, "GATED": 1, "TPR": 16})]
 
 
 def main():

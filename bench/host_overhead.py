@@ -50,7 +50,7 @@ def launch_parts(reps: int) -> None:
     dev, bf = torch.device("cuda"), torch.bfloat16
     x, w = torch.randn(1, 1300, 4096, device=dev, dtype=bf), torch.ones(4096, device=dev, dtype=bf)
     y, s = torch.empty_like(x), torch.empty_like(x)
-    defines = {"DIM": 4096, "IN_T": 2, "W_T": 2, "GATED": 0, "ROPE": 0, "RES": 1}
+    defines = {"DIM": 4096, "IN_T": 2, "W_T": 2, "GATED": 0, "ROPE": 0, "RES": 1, "TPR": L._tpr(4096)}
     fn = cb.get_function(L.SRC, "rms_norm_fwd", dev, defines)
     xv = L._rows(x)
     i64 = np.int64

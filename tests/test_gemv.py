@@ -85,19 +85,14 @@ def test_gemv_is_a_custom_op_torch_compile_traces():
     torch.testing.assert_close(torch.compile(step, fullgraph=True)(x), step(x))
 
 
-@pytest.mark.parametrize("K", [1024, 2048, 2560, 4096, 5120])
-def test_a_one_row_norm_launch_sums_as_the_fused_norm(K):
+@pytest.mark.parametrize("K,threads", [(1024, 128), (2048, 128), (2560, 64), (4096, 128), (5120, 128), (256, 32),
+                                       (128, 16), (1152, 32)])
+def test_a_one_row_norm_launch_sums_as_the_fused_norm(K, threads):
     """gemv_add_rms_norm is bit for bit rms_norm.cu's launch over a decode step's one row only when both sum with
-    the same threads per row: gemv.cu's default is rms_norm.cu's, and the norm launcher's few-rows policy (a
-    whole block a row) starts at two rows."""
-    import re
-    from pathlib import Path
-
+    the same threads per row: both launchers take _tpr's (gemv's with no row count), and the norm launcher's
+    few-rows policy (a whole block a row) starts at two rows."""
     from qwen35_fast.kernels.rms_norm.launch import FEW_ROWS, _tpr
-    root = Path(kernels.__file__).parent
-    defaults = {re.search(r"#define TPR (\(.*?\))", (root / f).read_text()).group(1)
-                for f in ("gemv/gemv.cu", "rms_norm/rms_norm.cu")}
-    assert len(defaults) == 1
+    assert _tpr(K) == threads and gemv_launch.norm_threads_per_row(K) == threads
     assert _tpr(K, 1) == _tpr(K) and _tpr(K, FEW_ROWS + 1) == _tpr(K)
     assert _tpr(K, 2) == (256 if K // 8 % 256 == 0 else _tpr(K))
 

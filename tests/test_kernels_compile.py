@@ -11,6 +11,7 @@ import pytest
 
 from qwen35_fast.kernels import cuda_build
 from qwen35_fast.kernels.gdn_prefill import plan as _P
+from qwen35_fast.kernels.rms_norm.launch import _tpr
 
 KERNELS = Path(cuda_build.__file__).resolve().parent
 SOURCES = sorted(KERNELS.rglob("*.cu"))
@@ -44,16 +45,22 @@ VARIANTS = {
                        for d in (32, 64, 128) for i in (2, 1)],
     "portable.cu": [{"DVS": d, "IN_T": i, "OUT_IN_WALK": int(f), "STATE_SMEM": _P.portable_state_smem(d, f),
                      "OUT_SMEM": _P.PORTABLE_OUT_SMEM} for d in _P.PORTABLE_SPLITS for i in (2, 1) for f in (True, False)],
-    # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated
-    "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g} for d in (64, 128, 256, 2560, 4096)
+    # rms_norm/launch.py: row length (the model's 128, 256, hidden sizes) x x dtype x weight dtype x gated, with
+    # its threads per row (_tpr: one row, and a few rows' whole block)
+    "rms_norm.cu": [{"DIM": d, "IN_T": i, "W_T": w, "GATED": g, "TPR": _tpr(d)} for d in (64, 128, 256, 2560, 4096)
                     for i in (2, 1) for w in (0, i) for g in (0, 1)]
     # ... and q / k with the rotary after the norm (Qwen3.5: 64 of 256; small test models: 32 of 128)
-    + [{"DIM": d, "IN_T": i, "W_T": w, "ROPE": r} for d, r in ((256, 64), (128, 32), (128, 64), (64, 16))
+    + [{"DIM": d, "IN_T": i, "W_T": w, "ROPE": r, "TPR": _tpr(d)} for d, r in ((256, 64), (128, 32), (128, 64), (64, 16))
        for i in (2, 1) for w in (0, i)]
     # ... and the residual add before the norm (the hidden sizes)
-    + [{"DIM": d, "IN_T": i, "W_T": w, "RES": 1} for d in (1024, 2048, 2560, 4096, 5120) for i in (2, 1) for w in (0, i)],
+    + [{"DIM": d, "IN_T": i, "W_T": w, "RES": 1, "TPR": t} for d in (1024, 2048, 2560, 4096, 5120) for i in (2, 1)
+       for w in (0, i) for t in {_tpr(d), _tpr(d, 2)}],
     "silu_mul.cu": [{"IN_T": i} for i in (2, 1)],
-    "gemv.cu": [{"IN_T": i} for i in (2, 1)],
+    # gemv/launch.py: the plain product (split row groups too), the norm before it at each hidden size, the MLP's gate
+    "gemv.cu": [{"IN_T": i, "SPLIT": s} for i in (2, 1) for s in (1, 2, 4)]
+    + [{"IN_T": i, "PRO": 1, "DIM": d, "W_T": w, "TPR": _tpr(d)} for d in (1024, 2048, 2560, 4096, 5120)
+       for i in (2, 1) for w in (0, i)]
+    + [{"IN_T": i, "PRO": 2} for i in (2, 1)],
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],

@@ -57,8 +57,10 @@ __device__ __forceinline__ float dot8(const Vec8& w, const Vec8& x, float acc) {
 
 #if PRO == 1
 #define NV (DIM / 8)
-// threads per row and vectors per thread: rms_norm.cu's
-#define TPR (NV <= 32 ? NV : NV % 128 == 0 ? 128 : NV % 64 == 0 ? 64 : 32)
+// threads per row (from the launcher: rms_norm.cu's for a one-row launch) and vectors per thread
+#ifndef TPR
+#error "TPR (threads per row) is set by the launcher: rms_norm/launch.py _tpr"
+#endif
 #define VPL (NV / TPR)
 static_assert(NV % TPR == 0 && TPR <= THREADS, "DIM: a multiple of 256 (every Qwen3.5 hidden size)");
 

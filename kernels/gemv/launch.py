@@ -54,7 +54,7 @@ def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
       is one warp's row now; the guard stays for any other."""
     if split_of(n_rows, k, sms) > 1:
         return False
-    tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with rms_norm.cu's threads
+    tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with these threads (its launcher passes them)
     return pro != 1 or tpr > 32 or tpr == k // 8  # more than one warp a row, or one vector a thread
 
 
@@ -121,9 +121,10 @@ def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: to
         return s, gemv_cuda(n, weight)
     s = res if x is None else torch.empty_like(res, memory_format=torch.contiguous_format)
     y = torch.empty(*res.shape[:-1], weight.shape[0], dtype=res.dtype, device=res.device)
-    w_code = _CODE.get(norm_w.dtype, 0)  # QF_FLOAT 0
-    _launch(weight, None if x is None else _aligned_row(x, K), y, K, {"PRO": 1, "DIM": K, "W_T": w_code},
-            _aligned_row(res, K), norm_w.contiguous(), None if x is None else s, eps)
+    # the row formed with the threads of rms_norm.cu's one-row launch: the same sums, bit for bit
+    defines = {"PRO": 1, "DIM": K, "W_T": _CODE.get(norm_w.dtype, 0), "TPR": norm_threads_per_row(K)}  # W_T 0: fp32
+    _launch(weight, None if x is None else _aligned_row(x, K), y, K, defines, _aligned_row(res, K), norm_w.contiguous(),
+            None if x is None else s, eps)
     return s, y
 
 

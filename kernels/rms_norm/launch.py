@@ -41,11 +41,14 @@ FEW_ROWS = 256  # 2 to this many rows of 2,048 or 4,096: a whole block a row (TP
 
 
 def _tpr(D: int, rows: Optional[int] = None) -> int:
-    """Threads per row of rms_norm.cu (TPR): its default, or for a few long rows (a short prefill's hidden
-    states) the whole block, so that more blocks share the work. H200, the 9B add + norm (bench/norm_rows.py,
-    graph replay of one launch): 64 rows 9.3 -> 7.8 us, 256 rows 10.2 -> 9.4, 1,294 rows the same. One row (a
-    decode step) keeps the default: gemv.cu's fused norm sums with the default's threads per row, and is bit
-    for bit the norm launch it replaces only when that launch does too."""
+    """Threads per row (TPR) of rms_norm.cu and of gemv.cu's fused norm; the one place the rule is written.
+    Rows of at most 32 vectors (of 8 elements) take one thread a vector; longer ones 128 threads where the
+    vectors divide by 128, else 64 where by 64 (2,560: five vectors a thread, not ten; results/norm-rows-2560-
+    h200.json), else one warp: long rows keep few vectors a thread (registers: occupancy). A few long rows (a
+    short prefill's hidden states) take the whole block, so that more blocks share the work: H200, the 9B add
+    + norm (bench/norm_rows.py, graph replay of one launch): 64 rows 9.3 -> 7.8 us, 256 rows 10.2 -> 9.4, 1,294
+    rows the same. One row (a decode step) keeps the rule: gemv.cu's fused norm, given rows=None, sums with the
+    same threads, and is bit for bit the norm launch it replaces only when that launch does too."""
     nv = D // 8
     if rows is not None and nv % 256 == 0 and 1 < rows <= FEW_ROWS:
         return 256

@@ -13,10 +13,9 @@
 //                     add), s written to `sum` [rows, DIM]: the residual stream's add and the next norm.
 // Rows are (i, j) of an [R, H, DIM] view with element strides (s0, s1, 1); x and gate have their own.
 // TPR threads hold one row (DIM / 8 vectors of 8 elements, VPL per thread): up to 32 lanes of a warp
-// (32 / TPR rows per warp), or 128 threads (4 warps, partial sums through shared memory) where DIM / 8
-// is a multiple of 128, else 64 where it is a multiple of 64 (2,560: five vectors a thread, not ten), so
-// that long rows keep VPL small (registers: occupancy). The launcher may set TPR
-// (a divisor of DIM / 8, at most the block): the whole block for a few long rows.
+// (32 / TPR rows per warp), or several warps (partial sums through shared memory). TPR, a divisor of DIM / 8
+// and at most the block, comes from the launcher (launch.py `_tpr`, the one place its rule is written;
+// gemv.cu's fused norm takes the same value, so that both sum a row alike).
 #include "common.cuh"
 
 #ifndef DIM
@@ -43,7 +42,7 @@ typedef qf_type<W_T>::t wtype;
 
 #define NV (DIM / 8)                                        // 16-byte vectors per row
 #ifndef TPR
-#define TPR (NV <= 32 ? NV : NV % 128 == 0 ? 128 : NV % 64 == 0 ? 64 : 32)  // threads per row
+#error "TPR (threads per row) is set by the launcher: rms_norm/launch.py _tpr"
 #endif
 #define VPL (NV / TPR)                                      // vectors per thread
 #define WARPS 8
