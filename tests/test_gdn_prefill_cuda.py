@@ -2,14 +2,13 @@
 path (sm_90a: prep + wgmma walk with the sequence split) and the portable path (prep + state walk with
 column slices and segments + output kernel), the latter built as the RTX cards get it (compute_80 PTX on
 an sm_90 card) wherever the GPU can run that."""
-import math
 
 import pytest
 import torch
 
 from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
 
-from _models import rel
+from _models import poison_allocator, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -46,13 +45,6 @@ def make_inputs(B, T, Hk, Hv, dtype, decay, h0_n=None, gate_dtype=torch.float32,
     dt_bias = torch.randn(Hv, generator=g, device=dev) * 0.5
     h0 = None if h0_n is None else torch.randn(h0_n, Hv, 128, 128, generator=g, device=dev) * 0.1
     return q, k, v, a, b, A_log, dt_bias, h0
-
-
-def _poison(*shapes_dtypes):
-    """Leave NaN in the caching allocator's free blocks so that outputs the kernel fails to write show."""
-    nbytes = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d in shapes_dtypes)
-    junk = torch.full((nbytes // 4 + 4096,), float("nan"), device="cuda")
-    del junk
 
 
 def _hopper():
@@ -96,7 +88,7 @@ def run_and_check(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens=None, o_tol=O_TO
                   ref_key=None, **kw):
     B, T, Hv = v.shape[:3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    _poison(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
+    poison_allocator(((B, T, Hv, 128), v.dtype), ((N, Hv, 128, 128), torch.float32))
     o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens, **kw)
     o_ref, ht_ref = reference(ref_key, q, k, v, a, b, A_log, dt_bias, h0, cu_seqlens)
     assert o.shape == (B, T, Hv, 128) and o.dtype == v.dtype
@@ -348,7 +340,7 @@ def test_outputs_formed_by_the_state_kernel_equal_the_output_kernels(T, B, packe
     q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1 if packed else B, T, 2, 4, torch.bfloat16, "model", N)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32) if packed else None
     kw = {"path": "portable", "arch": PORTABLE_ARCH, "dv_split": dv_split, "segments": segments}
-    _poison(((q.shape[0], T, v.shape[2], 128), v.dtype), ((N, v.shape[2], 128, 128), torch.float32))
+    poison_allocator(((q.shape[0], T, v.shape[2], 128), v.dtype), ((N, v.shape[2], 128, 128), torch.float32))
     o1, h1 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=True, **kw)
     o2, h2 = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, fused_out=False, **kw)
     assert torch.isfinite(o1).all()

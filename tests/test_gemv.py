@@ -55,13 +55,14 @@ def test_fused_launch_only_where_it_was_measured_faster(pro, n_rows, k, fused):
     assert gemv_launch.fuses(pro, n_rows, k, 132) == fused
 
 
+def test_takes_nothing_off_a_cuda_device():
+    assert not takes(torch.empty(1, 1, 4096, dtype=torch.bfloat16), torch.empty(64, 4096, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_takes_only_what_the_kernel_reads():
-    w = torch.empty(64, 4096, dtype=torch.bfloat16)
-    x = torch.empty(1, 1, 4096, dtype=torch.bfloat16)
-    assert not takes(x, w)  # not on a CUDA device
-    if not torch.cuda.is_available():
-        return
-    w, x = w.cuda(), x.cuda()
+    w = torch.empty(64, 4096, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(1, 1, 4096, dtype=torch.bfloat16, device="cuda")
     assert takes(x, w) and takes(x[0, 0], w)
     assert not takes(torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda"), w)  # two rows
     assert not takes(x.float(), w.float()) and not takes(x, w.half())

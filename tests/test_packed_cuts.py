@@ -129,6 +129,7 @@ def test_on_the_kernels_the_packed_call_matches_the_parts(tmp_path_factory, monk
             got, got_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
         assert calls, "the packed form did not run"
         assert torch.isfinite(got).all() and rel(got, want) <= 2e-2 and got.argmax() == want.argmax()
+        assert len(got_kept) == len(want_kept) == len(cuts)
         first = next(i for i, x in enumerate(want_kept[0].conv) if x is not None)
         for a, b in zip(got_kept, want_kept):
             assert a.length == b.length and torch.equal(a.conv[first], b.conv[first])

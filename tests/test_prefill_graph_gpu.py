@@ -43,13 +43,14 @@ def test_replay_equals_the_eager_pass_and_the_unpadded_prefill(model, bucket):
         got, got_kept = graphed(a, ids, None, None, cut)
         same, same_kept = eager(b, ids, None, None, cut)
         assert graphed.graph is not None
-        assert torch.equal(got, same)
+        assert torch.equal(got, same) and len(got_kept) == len(same_kept) == len(cut)
         for x, y in zip(a.conv + a.ssm + [t for s in got_kept for t in s.conv + s.ssm],
                         b.conv + b.ssm + [t for s in same_kept for t in s.conv + s.ssm]):
             assert (x is None and y is None) or torch.equal(x, y)
         x = torch.tensor([ids], device="cuda")
         want, want_kept = model.forward_prefill_kept(x, c, cut) if cut else (model.forward_prefill(x, c), [])
         assert torch.isfinite(got).all() and rel(got, want) <= BF16 and got.argmax() == want.argmax()
+        assert len(want_kept) == len(cut)
         for s, w in zip(got_kept, want_kept):
             assert s.length == w.length
             assert all(rel(p, q) <= BF16 for p, q in zip(s.ssm, w.ssm) if p is not None)

@@ -169,6 +169,10 @@ def test_unused_blocks_never_reach_a_result(model):
     out = generate(model, second, max_new_tokens=70)  # past a block boundary (64)
     assert out.n_tokens == 70 or out.finish_reason == "stop"
     assert torch.isfinite(first.logits).all()
+    # the tokens are those after a cold prefill of the same prompt (NaN read anywhere would change them)
+    cold = prefill(model, "Describe a blue square.", system_prompt=SYSTEM, use_cache=False)
+    assert cold.cached_tokens == 0 and rel(second.logits, cold.logits) <= TOL
+    assert out.token_ids == generate(model, cold, max_new_tokens=70).token_ids
 
 
 def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model):

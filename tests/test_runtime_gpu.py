@@ -27,6 +27,27 @@ def test_kernels_match_the_pytorch_path(folder, dtype):
     assert rel(ours, ref) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_decode_steps_on_the_kernels_match_the_pytorch_path(folder, dtype):
+    """Eight decode steps after a prefill, the same tokens fed to both backends (the decode kernels, gemv and
+    its fused norms where the card takes them, paged attention's decode kernel; against the references), each
+    on its own fork of the prefill's cache: every step's logits within the prefill's tolerance."""
+    model = load_model(folder, dtype=dtype, device="cuda", backend="cuda")
+    g = torch.Generator().manual_seed(1)
+    pf = prefill_ids(model, torch.randint(0, 248000, (300,), generator=g).tolist())
+    feed = torch.randint(0, 248000, (8,), generator=g).to("cuda")
+    steps = {}
+    for backend in ("cuda", "torch"):
+        assert model.set_backend(backend).name == backend
+        cache = pf.cache.clone(pf.n_tokens + len(feed), device=model.device)
+        steps[backend] = [model.forward_decode(t.view(1), cache).float() for t in feed]
+        assert cache.length == pf.n_tokens + len(feed)
+    assert len(steps["cuda"]) == len(steps["torch"]) == len(feed)
+    for i, (ours, ref) in enumerate(zip(steps["cuda"], steps["torch"])):
+        assert torch.isfinite(ours).all(), f"step {i}"
+        assert rel(ours, ref) < 2e-2, f"step {i}: {rel(ours, ref):.2e}"
+
+
 def test_graphed_decode_gives_what_eager_decode_gives(folder, monkeypatch):
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     pf = prefill_ids(model, list(range(7000, 7100)))
