@@ -116,13 +116,12 @@ def test_prefill_vs_f64(T, B, ratio, with_h0, decay, dtype, path):
     run_and_check(*inputs, **PATHS[path], ref_key=(T, B, ratio, with_h0, decay, dtype, seed))
 
 
-@pytest.mark.parametrize("path,dv_split", [("hopper", 32), ("hopper", 64), ("hopper", 128),
-                                           ("portable", 16), ("portable", 32), ("portable", 64)])
-@pytest.mark.parametrize("segments", [None, 1, 3])
+# the Hopper walk splits into 128 / dv_split segments or none; the portable one into any number
+@pytest.mark.parametrize("path,dv_split,segments",
+                         [("hopper", d, s) for d in (32, 64, 128) for s in (None, 1)]
+                         + [("portable", d, s) for d in (16, 32, 64) for s in (None, 1, 3)])
 @pytest.mark.parametrize("decay", ["weak", "model"])
 def test_every_dv_split(path, dv_split, segments, decay):
-    if path == "hopper" and segments == 3:
-        pytest.skip("the Hopper walk splits into 128 / dv_split segments or none")
     inputs = make_inputs(2, 700, 2, 4, torch.bfloat16, decay, 2, seed=dv_split + (segments or 0))
     run_and_check(*inputs, path=path, dv_split=dv_split, segments=segments,
                   arch=PORTABLE_ARCH if path == "portable" else None, ref_key=("dvs", decay, dv_split, segments))
