@@ -68,3 +68,26 @@ def test_pyproject_dependencies_match_requirements_txt():
     required = requirement_names((ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines())
     assert requirement_names(project["dependencies"]) == required | {"torch"}
     assert {"transformers", "pytest", "ruff"} <= requirement_names(project["optional-dependencies"]["test"])
+
+
+# The loaders whose file the example workflows name, and the folder ComfyUI keeps that file in
+MODEL_LOADERS = {"Qwen35ModelLoader": {"text_encoders", "LLM"}, "CheckpointLoaderSimple": {"checkpoints"}}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "example_workflows").glob("*.json")), ids=lambda p: p.name)
+def test_every_model_an_example_workflow_loads_carries_its_download(path):
+    """As ComfyUI's own templates do: each loader node lists, under properties.models, the file its widget
+    names with an https URL ending in that name and the models folder it goes to, so the front end offers
+    to download what is missing."""
+    import json
+    nodes = [n for n in json.loads(path.read_text(encoding="utf-8"))["nodes"] if n["type"] in MODEL_LOADERS]
+    assert any(n["type"] == "Qwen35ModelLoader" for n in nodes), "every example loads a Qwen3.5 model"
+    for n in nodes:
+        models = n.get("properties", {}).get("models")
+        assert models, f"{n['type']} (node {n['id']}) has no properties.models"
+        by_name = {m["name"]: m for m in models}
+        name = n["widgets_values"][0]
+        assert name in by_name, f"{n['type']} names {name!r}, its models list {sorted(by_name)}"
+        m = by_name[name]
+        assert m["url"].startswith("https://") and m["url"].split("?")[0].endswith("/" + name), m["url"]
+        assert m["directory"] in MODEL_LOADERS[n["type"]], m["directory"]
