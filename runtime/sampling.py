@@ -66,20 +66,32 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     return logits
 
 
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What sampling draws from, after temperature, top_k, min_p and top_p: (weights [C], ids [C] or None for
+    every id in order), the weights the softmax's probabilities of the kept candidates (not renormalised;
+    zero where min_p or top_p dropped one). top_k keeps the k highest logits (torch.topk's k: ties at the
+    k-th are broken by it), so the rest of the step runs over k values, not the vocabulary (no sort of
+    it); top_p walks the candidates from the most probable and keeps the smallest prefix whose mass reaches
+    top_p (over the vocabulary sorted, where top_k is off)."""
+    logits = logits / p.temperature
+    ids = None
+    if p.top_k and p.top_k < logits.numel():
+        logits, ids = torch.topk(logits, p.top_k)  # in descending order
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        if ids is None:
+            probs, ids = torch.sort(probs, descending=True)
+        probs = probs * (probs.cumsum(0) - probs < p.top_p)
+    return probs, ids
+
+
 def pick(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one id from penalised fp32 logits [V]: a long tensor [1] where the logits are, read by nothing
     on the host (a decode loop queues the next step behind it)."""
     if not p.do_sample:
         return torch.argmax(logits).view(1)
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-    return torch.multinomial(probs / probs.sum(), 1, generator=generator)
+    weights, ids = candidates(logits, p)
+    j = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+    return j if ids is None else ids[j]

@@ -85,6 +85,55 @@ def test_sampling_filters():
     assert pen.tolist() == [2.5, 2.5, 1.0, -4.0]
 
 
+def _distribution_over_the_vocabulary(logits, p):
+    """The sampling distribution as its definition reads, over every id (the top-k as a threshold on the
+    logits, the softmax over all of them, top_p over the vocabulary sorted): the reference of candidates."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        s, order = torch.sort(probs, descending=True)
+        probs = torch.zeros_like(probs).scatter_(0, order, s * (s.cumsum(0) - s < p.top_p))
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,temperature", [(20, 0.8, 0.0, 0.7), (40, 0.9, 0.0, 1.0), (0, 0.8, 0.0, 0.7),
+                                                           (20, 1.0, 0.0, 0.7), (5, 0.95, 0.1, 1.3), (0, 1.0, 0.05, 1.0),
+                                                           (1, 0.5, 0.0, 0.7), (3000, 0.99, 0.0, 0.5)])
+def test_candidates_are_the_distribution_the_settings_define(top_k, top_p, min_p, temperature):
+    """candidates (what pick draws from: top_k's k values, not the vocabulary) gives each id the probability
+    the settings define over the whole vocabulary (distinct logits: no tie at the k-th)."""
+    from qwen35_fast.runtime.sampling import candidates
+    p = SamplingParams(do_sample=True, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    for seed in range(3):
+        logits = torch.randn(248320, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float() * 4
+        want = _distribution_over_the_vocabulary(logits, p)
+        weights, ids = candidates(logits, p)
+        got = torch.zeros_like(want)
+        got[torch.arange(len(weights)) if ids is None else ids] = weights / weights.sum()
+        if top_k and top_k < logits.numel():
+            assert len(weights) == top_k
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert (got > 0).sum() == (want > 0).sum() >= 1
+
+
+def test_top_k_keeps_k_candidates_where_the_logits_tie():
+    """bf16 logits tie often: top_k keeps exactly k ids, none with a logit below one it dropped."""
+    from qwen35_fast.runtime.sampling import candidates
+    logits = (torch.randn(248320, generator=torch.Generator().manual_seed(5)) * 3).bfloat16().float()
+    p = SamplingParams(do_sample=True, top_k=20, top_p=1.0)
+    weights, ids = candidates(logits, p)
+    assert len(ids) == 20 and len(set(ids.tolist())) == 20
+    dropped = torch.ones_like(logits, dtype=torch.bool)
+    dropped[ids] = False
+    assert logits[ids].min() >= logits[dropped].max()
+    g = torch.Generator().manual_seed(0)
+    assert {int(pick(logits, p, g)) for _ in range(300)} <= set(ids.tolist())
+
+
 def test_bad_sampling_settings(pair):
     _, model = pair
     pf = prefill(model, "hi")
