@@ -73,11 +73,10 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
     k-th are broken by it), so the rest of the step runs over k values, not the vocabulary (no sort of
     it); top_p walks the candidates from the most probable and keeps the smallest prefix whose mass reaches
     top_p (over the vocabulary sorted, where top_k is off)."""
-    logits = logits / p.temperature
     ids = None
     if p.top_k and p.top_k < logits.numel():
-        logits, ids = torch.topk(logits, p.top_k)  # in descending order
-    probs = torch.softmax(logits, dim=-1)
+        logits, ids = torch.topk(logits, p.top_k)  # in descending order (a positive temperature keeps it)
+    probs = torch.softmax(logits / p.temperature, dim=-1)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
@@ -93,5 +92,5 @@ def pick(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | N
     if not p.do_sample:
         return torch.argmax(logits).view(1)
     weights, ids = candidates(logits, p)
-    j = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+    j = torch.multinomial(weights, 1, generator=generator)  # (weights need not sum to 1)
     return j if ids is None else ids[j]
