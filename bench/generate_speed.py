@@ -1,11 +1,13 @@
-"""What generate() itself decodes at: the 9B-shaped model of bench/e2e.py (random weights, bf16, the kernels
-backend, the real tokenizer) after a ~1,000-token prompt, 128 new tokens, greedy and sampled (top-k, top-p,
-repetition penalty), the Generate node's default settings (top_k 20, top_p 0.8, temperature 0.7) with the
-current pick and with the former pick over the whole vocabulary (bench/sampling_pick.py), with its streaming
-callback; tokens/s as Generation reports them (from the first token on), median of `reps` rounds taken in turn. bench/e2e.py times the bare graph step; this adds what the loop does around it
-(picking, the host reading each token, the text stream). Writes bench/results/generate-h200.json (or --out).
+"""What generate() itself decodes at: the 9B-shaped model of bench/e2e.py (--model: another dense size; random
+weights, bf16, the kernels backend, the real tokenizer) after a ~1,000-token prompt, 128 new tokens: greedy,
+sampled with top-k 40, top-p and a repetition penalty, and the Generate node's default settings (top_k 20,
+top_p 0.8, temperature 0.7) with the current pick and with the former pick over the whole vocabulary
+(bench/sampling_pick.py); with its streaming callback; tokens/s as Generation reports them (from the first token
+on), median of `reps` rounds taken in turn. bench/e2e.py times the bare graph step; this adds what the loop does
+around it (picking, the host reading each token, the text stream). Writes bench/results/generate-h200.json (or
+--out).
 
-    python3 bench/generate_speed.py [--layers 32] [--reps 3] [--out PATH]
+    python3 bench/generate_speed.py [--model 9b] [--layers N] [--reps 3] [--out PATH]
 """
 import argparse
 import importlib
@@ -23,7 +25,7 @@ from qwen35_fast.runtime import sampling as sampling_mod
 from qwen35_fast.runtime.model import Qwen35Model
 from qwen35_fast.runtime.tokenizer import load_tokenizer
 
-from e2e import nine_b, random_weights_
+from e2e import SHAPES, random_weights_, shaped
 from prefix_reuse import words_for
 
 gen_mod = importlib.import_module("qwen35_fast.runtime.generate")  # the module (the package exports its function)
@@ -31,12 +33,13 @@ gen_mod = importlib.import_module("qwen35_fast.runtime.generate")  # the module 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--model", default="9b", choices=sorted(SHAPES), help="the dense Qwen3.5 size whose shapes to run")
+    ap.add_argument("--layers", type=int, default=None, help="default: the size's own")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate-h200.json"))
     a = ap.parse_args()
-    model = Qwen35Model(nine_b(a.layers), torch.bfloat16, torch.device("cuda"))
+    model = Qwen35Model(shaped(a.model, a.layers), torch.bfloat16, torch.device("cuda"))
     random_weights_(model)
     model.tokenizer = load_tokenizer(None)
     model.set_backend("cuda")
@@ -62,7 +65,8 @@ def main():
                      "decode_tok_per_s": round(tps[len(tps) // 2], 1), "all_tok_per_s": [round(t, 1) for t in tps]})
         print(f"generate, {name}: {rows[-1]['decode_tok_per_s']} tok/s ({rows[-1]['all_tok_per_s']})")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_cpu": host_cpu(),
-              "model": f"Qwen3.5-9B-shaped, {a.layers} layers, random weights, bf16", "rows": rows}
+              "model": f"Qwen3.5-{a.model.upper()}-shaped, {model.config.num_hidden_layers} layers, random weights, bf16",
+              "rows": rows}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
