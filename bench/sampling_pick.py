@@ -1,7 +1,10 @@
-"""GPU time of one sampling pick over Qwen3.5's 248,320 logits: runtime.sampling.pick (top_k's k candidates,
-no sort of the vocabulary) against the former form over the whole vocabulary (kept here as `pick_over_vocab`:
-top_k as a mask, softmax, min_p and top_p over all ids, a sort of the vocabulary for top_p), for the Generate
-node's default settings and others. Medians of `reps` rounds of `n` picks each, in turn; writes JSON.
+"""One sampling pick over Qwen3.5's 248,320 logits: runtime.sampling.pick on the CUDA backend (kernels/sampling/
+sample.cu, one launch, for top_k 1 to 64), the same pick in torch ops (the reference, top_k's k candidates, no sort
+of the vocabulary; what the CUDA backend runs for other settings), and the form before both over the whole
+vocabulary (kept here as `pick_over_vocab`: top_k as a mask, softmax, min_p and top_p over all ids, a sort of the
+vocabulary for top_p, torch.multinomial), for the Generate node's default settings and others. Per pick: the host
+queueing back to back (what a decode loop pays where the host binds) and, for the first two, the GPU time (n picks
+replayed from a CUDA graph). Medians of `reps` rounds of `n` picks each, in turn; writes JSON.
 
     python3 bench/sampling_pick.py [--n 200] [--reps 5] [--out bench/results/sampling-pick-h200.json]
 """
@@ -14,11 +17,18 @@ import torch
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
+from qwen35_fast import kernels
 from qwen35_fast.runtime.sampling import SamplingParams, pick
 
+_GENERATORS: dict = {}
 
-def pick_over_vocab(logits, p, generator):
-    """The pick before candidates(): every step over the whole vocabulary."""
+
+def pick_over_vocab(logits, p, seed, n, backend=None, out=None):
+    """The pick before the candidates: every step over the whole vocabulary, torch.multinomial drawing with a
+    generator per seed (pick's signature, so that bench/generate_speed.py can put it in generate)."""
+    generator = _GENERATORS.get((logits.device, seed))
+    if generator is None:
+        generator = _GENERATORS[(logits.device, seed)] = torch.Generator(logits.device).manual_seed(seed)
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -30,7 +40,8 @@ def pick_over_vocab(logits, p, generator):
         sorted_p, order = torch.sort(probs, descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-    return torch.multinomial(probs / probs.sum(), 1, generator=generator)
+    tok = torch.multinomial(probs / probs.sum(), 1, generator=generator)
+    return tok if out is None else out.copy_(tok)
 
 
 SETTINGS = {"node default (top_k 20, top_p 0.8, T 0.7)": SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
@@ -40,6 +51,35 @@ SETTINGS = {"node default (top_k 20, top_p 0.8, T 0.7)": SamplingParams(do_sampl
             "temperature only": SamplingParams(do_sample=True, temperature=0.7)}
 
 
+def host_us(fn, n):
+    """us a call with n calls queued back to back (events around them; the host binds where the GPU work is small)."""
+    fn(0)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(n):
+        fn(i)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / n
+
+
+def gpu_us(fn, n):
+    """GPU us a call: n calls captured in a CUDA graph, the replay timed."""
+    fn(0)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(n):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200)
@@ -47,27 +87,24 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampling-pick-h200.json"))
     a = ap.parse_args()
     logits = (torch.randn(248320, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3).bfloat16().float()
-    g = torch.Generator("cuda").manual_seed(1)
+    cuda = kernels.select_backend("cuda", "cuda")
     rows = []
     for name, p in SETTINGS.items():
-        times = {"candidates": [], "over_vocab": []}
+        impls = {"kernel": lambda i: pick(logits, p, 1, i, cuda), "torch_ops": lambda i: pick(logits, p, 1, i, None),
+                 "over_vocab": lambda i: pick_over_vocab(logits, p, 1, i)}
+        host = {k: [] for k in impls}
         for _ in range(a.reps):
-            for impl, fn in (("candidates", pick), ("over_vocab", pick_over_vocab)):
-                fn(logits, p, g)  # warm
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(a.n):
-                    fn(logits, p, g)
-                end.record()
-                torch.cuda.synchronize()
-                times[impl].append(start.elapsed_time(end) * 1000 / a.n)
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        rows.append({"settings": name, "us_candidates": round(med["candidates"], 1),
-                     "us_over_vocab": round(med["over_vocab"], 1)})
-        print(f"{name}: {rows[-1]['us_candidates']} us (over the vocabulary {rows[-1]['us_over_vocab']} us)")
+            for impl, fn in impls.items():
+                host[impl].append(host_us(fn, a.n))
+        row = {"settings": name, "kernel_takes": bool(0 < p.top_k <= 64)}
+        row.update({f"us_host_{k}": round(sorted(v)[len(v) // 2], 1) for k, v in host.items()})
+        row.update({f"us_gpu_{k}": round(gpu_us(impls[k], a.n), 1) for k in ("kernel", "torch_ops")})
+        rows.append(row)
+        print(row)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_cpu": host_cpu(),
-           "vocab": logits.numel(), "note": "us a pick, the host queueing back to back (events around n picks)",
-           "rows": rows}
+           "vocab": logits.numel(), "note": "us a pick: us_host_* queued back to back (events around n picks), "
+           "us_gpu_* n picks replayed from a CUDA graph; kernel: pick on the CUDA backend (sample.cu where "
+           "kernel_takes, else the torch ops)", "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -148,6 +148,13 @@ if card_of(dev).wgmma:
 from qwen35_fast.kernels.content_hash.launch import hash_words_cuda  # noqa: E402
 
 hash_words_cuda(torch.randint(0, 1 << 40, (300_001,), dtype=torch.int64, device=dev), (1, 2))
+# the sampled token: the full vocabulary (every block selecting), a vocabulary whose last blocks hold fewer
+# logits than k or none, ties everywhere
+from qwen35_fast.kernels.sampling.launch import sample_cuda  # noqa: E402
+
+sample_cuda(torch.randn(248320, device=dev), 20, 0.7, 0.0, 0.8, 0.4)
+sample_cuda(torch.randn(3000, device=dev).bfloat16().float(), 64, 1.0, 0.05, 0.9, 0.9)
+sample_cuda(torch.zeros(65, device=dev), 64, 1.0, 0.0, 1.0, 0.5)
 # the decode projections: an odd row count (the last warp's second row past N), K not a multiple of the
 # lanes' 128-piece stride, x staged in shared memory
 from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda  # noqa: E402

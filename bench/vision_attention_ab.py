@@ -55,14 +55,14 @@ def graph_ms(fn, calls=10, reps=10):
 def run_persistent(src, q, k, v, cu, length, smem_less=0, fill_flags=False):
     """The shipped launcher with another source (smem_less: the bytes of dynamic shared memory it needs less;
     fill_flags: flags zeroed by a fill each call, for sources whose readers leave them set)."""
-    shipped, smem, flags = vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.attention_flags
+    shipped, smem, flags = vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.stream_flags
     vision_launch.ATTN_SRC, vision_launch.attention_smem = src, lambda hd: smem(hd) - smem_less
     if fill_flags:
-        vision_launch.attention_flags = lambda device, n: torch.zeros(n, dtype=torch.int32, device=device)
+        vision_launch.stream_flags = lambda device, n: torch.zeros(n, dtype=torch.int32, device=device)
     try:
         return vision_attention_cuda(q, k, v, cu, length)
     finally:
-        vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.attention_flags = shipped, smem, flags
+        vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.stream_flags = shipped, smem, flags
 
 
 def run_waves(src, q, k, v, cu, length):

@@ -1,6 +1,7 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
 prefill, its states at given points, and update), the two RMSNorms (plain, and the GDN output's gated
-one), paged attention, and the vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it).
+one), paged attention, the vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it),
+and the sampled next token.
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -239,6 +240,22 @@ def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):
     return hash_words_ref(words, seeds)
 
 
+def sample(logits, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
+           backend: Backend | None = None, out=None):
+    """One token drawn from fp32 logits [V]: (id int64 [1], weights [C], ids int64 [C] or None for every id in
+    order). The candidates are top_k's k highest logits (all where top_k is 0 or >= V), in order of logit and
+    then of id; their weights the softmax of logits / temperature, zero where min_p or top_p drops one; the id
+    the candidate where the weights' running sum first exceeds u * their total (sampling/reference.py). One
+    kernel on the CUDA backend for fp32 logits and 0 < top_k <= 64, else the torch ops; out: an int64 [1]
+    tensor to write the id to. Nothing is read back to the host. Not an operator: generate runs outside
+    compiled graphs."""
+    if backend is not None and backend.use_cuda and logits.is_cuda:
+        from .sampling.launch import sample_cuda
+        return sample_cuda(logits, top_k, temperature, min_p, top_p, u, out)
+    from .sampling.reference import sample_ref
+    return sample_ref(logits, top_k, temperature, min_p, top_p, u, out)
+
+
 def layer_norm(x, weight, bias, eps: float, backend: Backend | None = None):
     """LayerNorm over the last dimension, fp32 statistics, returned in x.dtype. x: [..., D]; weight, bias: [D]."""
     return ops.run(ops.layer_norm_op, x, weight, bias, float(eps), bool(backend and backend.use_cuda))
@@ -255,4 +272,4 @@ __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_de
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
-           "vision_positions", "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words"]
+           "vision_positions", "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words", "sample"]

@@ -437,15 +437,16 @@ def card_of(device) -> Card:
 # parameter (128 bytes, by value) points at the map itself. Without the driver library launches go
 # through CuPy.
 
-_SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "m": "8x"}  # struct codes of the parameter kinds
-_NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f"}
+_SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "8x"}  # struct codes of the parameter kinds
+_NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
 _tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
 _cu_launch = None
 
 
 def _param(a) -> tuple[str, object]:
     """(kind, value) of one kernel argument: "p" a 64-bit pointer (a tensor's data_ptr, None as 0), "q" int64,
-    "i" int32, "f" float32, "m" a TensorMap (its address). Python ints are int32, floats float32."""
+    "i" int32, "f" float32, "d" float64, "m" a TensorMap (its address). Python ints are int32, floats float32
+    (numpy.float64, a float too, is a double)."""
     kind = _NP_KIND.get(type(a))
     if kind is not None:
         return kind, a.item()
@@ -464,7 +465,7 @@ def _param(a) -> tuple[str, object]:
     if isinstance(a, float):
         return "f", a
     raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float, TensorMap "
-                    f"or numpy int32 / int64 / uint64 / float32 scalar")
+                    f"or numpy int32 / int64 / uint64 / float32 / float64 scalar")
 
 
 class _Packed:
@@ -565,3 +566,25 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> N
     elif rc != 0:
         raise RuntimeError(f"cuLaunchKernel failed (CUresult {rc}) for grid {tuple(grid)}, block {tuple(block)}, "
                            f"{shared_mem} bytes of shared memory")
+
+
+_FLAGS: dict = {}  # (device index, stream) -> int32 flags at zero (stream_flags)
+
+
+def stream_flags(device, n: int):
+    """n int32 flags at zero for the launch about to go on the current stream, for kernels whose blocks hand
+    work on through flags or count their arrivals on them (vision/attention.cu, sampling/sample.cu): one buffer
+    per (device, stream), filled with zeros once. Such a kernel sets each flag back to zero before it ends, so
+    launches in stream order always find zeros. A CUDA graph's capture gets flags of its own, filled on every
+    replay: a graph shares no state with the launches around its replays, and nothing of its memory pool is
+    kept here."""
+    import torch
+
+    device = torch.device(device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    f = _FLAGS.get(key)
+    if f is None or f.numel() < n:
+        f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
+    return f

@@ -19,7 +19,7 @@ from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
-from .sampling import SamplingParams, apply_penalties, generator_seed, pick
+from .sampling import SamplingParams, apply_penalties, draw_seed, pick
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     sampling.check()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise Qwen35Error(f"max_new_tokens is {max_new_tokens!r}; it must be a whole number, at least 1")
-    generator_seed(seed)  # checked before any work
+    seed = draw_seed(seed)  # checked before any work
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
     model.select_backend()
@@ -275,7 +275,6 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     most = pf.n_tokens + budget  # the cache never needs more positions than this
     cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
     step = graphed_decode(model, cache, most) if budget > 2 else None
-    generator = torch.Generator(device=dev).manual_seed(generator_seed(seed)) if sampling.do_sample else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
     # prompt and answer ids on the device, written one token at a time (penalties read slices of it)
@@ -294,8 +293,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         at = pf.n_tokens + n
         if penalised:
             logits = apply_penalties(logits, history[:at], history[pf.n_tokens:at], sampling)
-        tok = pick(logits, sampling, generator)
-        history[at:at + 1] = tok
+        tok = pick(logits, sampling, seed, n, model.backend, out=history[at:at + 1])
         host.push(tok)
         return tok
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .errors import Qwen35Error
 
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
+_M64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,9 @@ class SamplingParams:
             raise Qwen35Error(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off)")
 
 
-def generator_seed(seed: int) -> int:
-    """The 64-bit generator seed for a user's seed of any size or sign, hashed from its full value: torch's
-    CPU generator keeps only the low 32 bits of what it is given, so seeds s and s + 2**32 (or s + 2**64,
-    out of its range altogether) would otherwise give the same text."""
+def draw_seed(seed: int) -> int:
+    """The 64-bit seed of a generation's draws (draw_uniform) for a user's seed of any size or sign, hashed
+    from its full value: seeds s and s + 2**64 give different text."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise Qwen35Error(f"seed is {seed!r} ({type(seed).__name__}); it must be a whole number")
     data = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
@@ -66,31 +67,22 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     return logits
 
 
-def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What sampling draws from, after temperature, top_k, min_p and top_p: (weights [C], ids [C] or None for
-    every id in order), the weights the softmax's probabilities of the kept candidates (not renormalised;
-    zero where min_p or top_p dropped one). top_k keeps the k highest logits (torch.topk's k: ties at the
-    k-th are broken by it), so the rest of the step runs over k values, not the vocabulary (no sort of
-    it); top_p walks the candidates from the most probable and keeps the smallest prefix whose mass reaches
-    top_p (over the vocabulary sorted, where top_k is off)."""
-    ids = None
-    if p.top_k and p.top_k < logits.numel():
-        logits, ids = torch.topk(logits, p.top_k)  # in descending order (a positive temperature keeps it)
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        if ids is None:
-            probs, ids = torch.sort(probs, descending=True)
-        probs = probs * (probs.cumsum(0) - probs < p.top_p)
-    return probs, ids
+def draw_uniform(seed: int, n: int) -> float:
+    """The uniform in [0, 1) that draws answer token n of a generation with 64-bit seed `seed` (draw_seed's):
+    the top 53 bits of splitmix64's output at seed + (n + 1) * 0x9E3779B97F4A7C15 (wrapping). A function of the
+    seed and n alone: no generator state, the same draws on every device and backend."""
+    x = (seed + (n + 1) * 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((x ^ (x >> 31)) >> 11) * 2.0 ** -53
 
 
-def pick(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one id from penalised fp32 logits [V]: a long tensor [1] where the logits are, read by nothing
-    on the host (a decode loop queues the next step behind it)."""
+def pick(logits: torch.Tensor, p: SamplingParams, seed: int, n: int, backend: kernels.Backend | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Answer token n from penalised fp32 logits [V]: the argmax, or a draw at draw_uniform(seed, n) from the
+    settings' candidates (kernels.sample: one kernel on the CUDA backend for top_k 1 to 64). A long tensor [1]
+    where the logits are (out where given), read by nothing on the host (a decode loop queues the next step
+    behind it)."""
     if not p.do_sample:
-        return torch.argmax(logits).view(1)
-    weights, ids = candidates(logits, p)
-    j = torch.multinomial(weights, 1, generator=generator)  # (weights need not sum to 1)
-    return j if ids is None else ids[j]
+        return torch.argmax(logits, 0, keepdim=True, out=out)
+    return kernels.sample(logits, p.top_k, p.temperature, p.min_p, p.top_p, draw_uniform(seed, n), backend, out)[0]

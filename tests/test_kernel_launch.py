@@ -16,7 +16,7 @@ def _slot(p, i, n=8) -> bytes:
 
 
 ARGS = (torch.zeros(4), None, np.int32(-5), np.int64(-(2 ** 40) - 3), np.uint64(2 ** 63 + 5), np.float32(1.5), 7, 2.25,
-        True, np.int32(2 ** 31 - 1))
+        True, np.int32(2 ** 31 - 1), np.float64(0.1))
 
 
 def test_each_argument_packs_as_cupy_would_pass_it():
@@ -26,6 +26,7 @@ def test_each_argument_packs_as_cupy_would_pass_it():
         assert _slot(p, i, len(want)) == want, (i, a)
     assert _slot(p, 0) == ARGS[0].data_ptr().to_bytes(8, "little")
     assert _slot(p, 2) == (-5).to_bytes(4, "little", signed=True) + bytes(4)  # 4-byte values: the low half
+    assert _slot(p, 10) == np.float64(0.1).tobytes()  # a double (numpy.float64 is a Python float too)
 
 
 def test_tensor_maps_pass_by_address():

@@ -306,8 +306,8 @@ def attention_inputs(lens, H, hd, seed, spare=0):
 
 
 def attention_flags(device, n):
-    """The launcher's flag buffer of the current stream (kernels/vision/launch.py)."""
-    from qwen35_fast.kernels.vision.launch import attention_flags as flags
+    """The launcher's flag buffer of the current stream (kernels/cuda_build.py stream_flags)."""
+    from qwen35_fast.kernels.cuda_build import stream_flags as flags
     return flags(torch.device(device), n)
 
 
@@ -361,7 +361,7 @@ def test_attention_split_blocks_in_a_graph_and_on_another_stream(impl):
     lens = [4096, 1000, 63]
     (q, k, v, cu), got, want, torch_bf16 = attention_against_fp32(impl, (lens, 16, 72), 11, spare=64, ctas=5)
     assert rel(got.float(), want) <= 2 * rel(torch_bf16, want) + 1e-4
-    from qwen35_fast.kernels.vision.launch import _FLAGS
+    from qwen35_fast.kernels.cuda_build import _FLAGS
     kept = dict(_FLAGS)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import aligned16, card_of, get_function, launch, tensor_map
+from ..cuda_build import aligned16, card_of, get_function, launch, stream_flags, tensor_map
 from .reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_positions_ref, vision_rotary_ref
 
 POSITIONS_SRC = Path(__file__).with_name("positions.cu")
@@ -155,23 +155,6 @@ def attention_map(x: torch.Tensor):
     return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, 64))
 
 
-_FLAGS: dict = {}  # (device index, stream) -> the int32 flags attention.cu hands partial blocks on with
-
-
-def attention_flags(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 flags at zero for the launch about to go on the current stream: one buffer per (device, stream),
-    filled with zeros once. The kernel sets each flag once and its one reader sets it back to zero, so launches
-    in stream order always find zeros. A CUDA graph's capture gets flags of its own, filled on every replay:
-    a graph shares no state with the launches around its replays, and nothing of its memory pool is kept here."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    f = _FLAGS.get(key)
-    if f is None or f.numel() < n:
-        f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
-    return f
-
-
 def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                           max_len: int, ctas: Optional[int] = None) -> torch.Tensor:
     """Same contract as reference.vision_attention_ref; max_len: at least the longest segment (a host int).
@@ -187,7 +170,7 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     grid = max(1, min(ctas or card_of(q.device).sms, blocks))
     if blocks > grid:  # more than a wave: CTAs hand partial blocks on
         partials = torch.empty(grid * (hd // 2 + 4) * ATTN_CONSUMER_THREADS, dtype=torch.float32, device=q.device)
-        flags = attention_flags(q.device, grid)
+        flags = stream_flags(q.device, grid)
     else:  # a block a CTA: neither is read
         partials, flags = None, None
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})

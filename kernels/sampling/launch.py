@@ -1,0 +1,42 @@
+"""Launcher of sample.cu: one sampled token (top_k's candidates, softmax, min_p, top_p, the draw) in one launch."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..cuda_build import get_function, launch, stream_flags
+from .reference import sample_ref
+
+SRC = Path(__file__).with_name("sample.cu")
+THREADS, BLOCKS, K_MAX = 512, 64, 64  # as in sample.cu
+
+
+def sample_takes(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether sample.cu runs this pick: fp32 logits [V] contiguous on a CUDA device, 0 < top_k <= 64 and < V."""
+    return (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_contiguous()
+            and 0 < top_k <= K_MAX and top_k < logits.numel() < 2 ** 31 - 1)
+
+
+def sample_cuda(logits: torch.Tensor, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
+                out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as reference.sample_ref; out: an int64 [1] tensor on the logits' device to write the id to
+    (a slot of the caller's history), else a new one. What the kernel does not take runs the reference. top_p 1
+    reaches the kernel as infinity: the reference skips top_p there, and a running mass rounded above 1 must
+    not drop the last candidate."""
+    if not sample_takes(logits, top_k):
+        return sample_ref(logits, top_k, temperature, min_p, top_p, u, out)
+    dev = logits.device
+    if out is None:
+        out = torch.empty(1, dtype=torch.int64, device=dev)
+    part = torch.empty(BLOCKS * K_MAX, dtype=torch.int64, device=dev)
+    weights = torch.empty(top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(top_k, dtype=torch.int64, device=dev)
+    fn = get_function(SRC, "sample_top_k", dev, {"VOCAB": logits.numel()})
+    top_p = top_p if top_p < 1.0 else float("inf")
+    launch(fn, (BLOCKS, 1, 1), (THREADS, 1, 1),
+           (logits, np.int32(top_k), np.float32(temperature), np.float32(min_p), np.float32(top_p), np.float64(u),
+            part, stream_flags(dev, 1), out, weights, ids))
+    return out, weights, ids

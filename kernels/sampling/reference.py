@@ -1,0 +1,65 @@
+"""PyTorch reference of sample.cu: one token drawn from fp32 logits, and the candidates it was drawn from.
+
+Candidates are ordered by logit, the lower id first where logits tie (the order of order_keys): top_k keeps
+exactly k of them whatever ties at the k-th. The draw is the inverse of the kept weights' running sum at
+u * their total, u in [0, 1) given by the caller: the first candidate whose running sum exceeds it. No op
+here reads a value back to the host, so a decode loop can queue its next step behind the pick."""
+from __future__ import annotations
+
+import torch
+
+_LOW = 0xFFFFFFFF
+
+
+def order_keys(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [V] keys, unique, ordered as the candidates are: the logit's fp32 bits in signed order (negatives'
+    magnitude bits flipped; NaN above +inf, as torch.topk ranks it) in the high word, 0xFFFFFFFF - id below."""
+    bits = logits.contiguous().view(torch.int32)
+    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ids = torch.arange(logits.numel(), dtype=torch.int64, device=logits.device)
+    return (hi.to(torch.int64) << 32) | (_LOW - ids)
+
+
+def top_k_ref(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids (int64 [k]) of the k largest logits in candidate order (logit descending, then id ascending)."""
+    keys = torch.topk(order_keys(logits), k).values
+    return _LOW - (keys & _LOW)
+
+
+def candidates_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: float,
+                   top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the draw takes: (weights [C], ids int64 [C] or None for every id in order). The weights are the
+    temperature's softmax probabilities of the candidates (top_k's k, or all), zero where min_p drops one (below
+    min_p times the largest) or top_p does (the probability before it, in candidate order, reaches top_p);
+    not renormalised. Without top_k and top_p the vocabulary stays in id order (no sort)."""
+    v = logits.numel()
+    ids = None
+    if 0 < top_k < v:
+        ids = top_k_ref(logits, top_k)
+    elif top_p < 1.0:  # the whole vocabulary in candidate order: a stable sort keeps tied ids ascending
+        ids = torch.sort(logits, descending=True, stable=True).indices
+    x = logits if ids is None else logits[ids]
+    probs = torch.softmax(x / temperature, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    if top_p < 1.0:
+        probs = probs * (probs.cumsum(0) - probs < top_p)
+    return probs, ids
+
+
+def draw_ref(weights: torch.Tensor, u: float) -> torch.Tensor:
+    """The index (int64 [1]) where the running sum of weights [C] (in fp64) first exceeds u * its total."""
+    run = weights.double().cumsum(0)
+    return torch.searchsorted(run, run[-1:] * u, right=True).clamp_(max=weights.numel() - 1)
+
+
+def sample_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(id int64 [1], weights, ids) for fp32 logits [V]: the candidates of candidates_ref and the one draw_ref
+    takes at u; out: an int64 [1] tensor to write the id to (returned as the id)."""
+    weights, ids = candidates_ref(logits, top_k, temperature, min_p, top_p)
+    j = draw_ref(weights, u)
+    tok = j if ids is None else ids[j]
+    if out is not None:
+        tok = out.copy_(tok)
+    return tok, weights, ids
