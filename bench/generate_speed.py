@@ -1,8 +1,9 @@
 """What generate() itself decodes at: the 9B-shaped model of bench/e2e.py (--model: another dense size; random
 weights, bf16, the kernels backend, the real tokenizer) after a ~1,000-token prompt, 128 new tokens: greedy,
 sampled with top-k 40, top-p and a repetition penalty, and the Generate node's default settings (top_k 20,
-top_p 0.8, temperature 0.7) with the current pick (sample.cu), with the same pick in torch ops, and with the
-former pick over the whole vocabulary (bench/sampling_pick.py); with its streaming callback; tokens/s as Generation reports them (from the first token
+top_p 0.8, temperature 0.7) with the current pick (sample.cu), with the same pick in torch ops, with the former
+pick over the whole vocabulary (bench/sampling_pick.py), and with the presence penalty of 1.5 that Qwen3.5's model
+card recommends; with its streaming callback; tokens/s as Generation reports them (from the first token
 on), median of `reps` rounds taken in turn. bench/e2e.py times the bare graph step; this adds what the loop does
 around it (picking, the host reading each token, the text stream). Writes bench/results/generate-h200.json (or
 --out).
@@ -49,9 +50,11 @@ def main():
     settings = {"greedy": SamplingParams(),
                 "sampled": SamplingParams(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1),
                 "node default": node_default, "node default, pick in torch ops": node_default,
+                "node default, presence_penalty 1.5 (the model card's)": SamplingParams(
+                    do_sample=True, temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5),
                 "node default, pick over the vocabulary (before)": node_default}
-    picks = {"node default, pick in torch ops": lambda logits, p, seed, n, backend, out: sampling_mod.pick(
-        logits, p, seed, n, None, out), "node default, pick over the vocabulary (before)": pick_over_vocab}
+    picks = {"node default, pick in torch ops": lambda logits, p, seed, n, backend, marks: sampling_mod.pick(
+        logits, p, seed, n, None, marks), "node default, pick over the vocabulary (before)": pick_over_vocab}
     runs = {name: [] for name in settings}
     for name, sampling in settings.items():  # warm: the decode graph's modules
         generate(model, pf, max_new_tokens=8, sampling=sampling)

@@ -18,14 +18,14 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
 from qwen35_fast import kernels
-from qwen35_fast.runtime.sampling import SamplingParams, pick
+from qwen35_fast.runtime.sampling import SamplingParams, penalty_marks, pick
 
 _GENERATORS: dict = {}
 
 
-def pick_over_vocab(logits, p, seed, n, backend=None, out=None):
+def pick_over_vocab(logits, p, seed, n, backend=None, marks=None):
     """The pick before the candidates: every step over the whole vocabulary, torch.multinomial drawing with a
-    generator per seed (pick's signature, so that bench/generate_speed.py can put it in generate)."""
+    generator per seed (pick's signature, so that bench/generate_speed.py can put it in generate; no penalties)."""
     generator = _GENERATORS.get((logits.device, seed))
     if generator is None:
         generator = _GENERATORS[(logits.device, seed)] = torch.Generator(logits.device).manual_seed(seed)
@@ -40,13 +40,14 @@ def pick_over_vocab(logits, p, seed, n, backend=None, out=None):
         sorted_p, order = torch.sort(probs, descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-    tok = torch.multinomial(probs / probs.sum(), 1, generator=generator)
-    return tok if out is None else out.copy_(tok)
+    return torch.multinomial(probs / probs.sum(), 1, generator=generator)
 
 
 SETTINGS = {"node default (top_k 20, top_p 0.8, T 0.7)": SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
             "generate_speed's (top_k 40, top_p 0.9, T 0.8)": SamplingParams(do_sample=True, temperature=0.8, top_k=40,
                                                                             top_p=0.9),
+            "node default, presence_penalty 1.5 (the model card's)": SamplingParams(
+                do_sample=True, temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5),
             "top_p only (0.8)": SamplingParams(do_sample=True, temperature=0.7, top_p=0.8),
             "temperature only": SamplingParams(do_sample=True, temperature=0.7)}
 
@@ -90,7 +91,9 @@ def main():
     cuda = kernels.select_backend("cuda", "cuda")
     rows = []
     for name, p in SETTINGS.items():
-        impls = {"kernel": lambda i: pick(logits, p, 1, i, cuda), "torch_ops": lambda i: pick(logits, p, 1, i, None),
+        marks = penalty_marks(list(range(1000)), p, logits.numel(), logits.device)  # a 1,000-token prompt's
+        impls = {"kernel": lambda i: pick(logits, p, 1, i, cuda, marks),
+                 "torch_ops": lambda i: pick(logits, p, 1, i, None, marks),
                  "over_vocab": lambda i: pick_over_vocab(logits, p, 1, i)}
         host = {k: [] for k in impls}
         for _ in range(a.reps):

@@ -155,6 +155,8 @@ from qwen35_fast.kernels.sampling.launch import sample_cuda  # noqa: E402
 sample_cuda(torch.randn(248320, device=dev), 20, 0.7, 0.0, 0.8, 0.4)
 sample_cuda(torch.randn(3000, device=dev).bfloat16().float(), 64, 1.0, 0.05, 0.9, 0.9)
 sample_cuda(torch.zeros(65, device=dev), 64, 1.0, 0.0, 1.0, 0.5)
+sample_cuda(torch.randn(248320, device=dev), 20, 0.7, 0.0, 0.8, 0.4,
+            ((torch.rand(248320, device=dev) < 0.3).to(torch.uint8), 1.1, 1.5))  # with the penalties' marks
 # the decode projections: an odd row count (the last warp's second row past N), K not a multiple of the
 # lanes' 128-piece stride, x staged in shared memory
 from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda  # noqa: E402

@@ -240,20 +240,29 @@ def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):
     return hash_words_ref(words, seeds)
 
 
+def penalty_marks(prompt_ids, vocab: int):
+    """The marks `sample`'s penalties start from: uint8 [vocab] on prompt_ids' device (int64 ids), bit 0 on every
+    id of the prompt."""
+    from .sampling.reference import penalty_marks as marks
+    return marks(prompt_ids, vocab)
+
+
 def sample(logits, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
-           backend: Backend | None = None, out=None):
+           backend: Backend | None = None, penalties=None):
     """One token drawn from fp32 logits [V]: (id int64 [1], weights [C], ids int64 [C] or None for every id in
-    order). The candidates are top_k's k highest logits (all where top_k is 0 or >= V), in order of logit and
-    then of id; their weights the softmax of logits / temperature, zero where min_p or top_p drops one; the id
-    the candidate where the weights' running sum first exceeds u * their total (sampling/reference.py). One
-    kernel on the CUDA backend for fp32 logits and 0 < top_k <= 64, else the torch ops; out: an int64 [1]
-    tensor to write the id to. Nothing is read back to the host. Not an operator: generate runs outside
-    compiled graphs."""
+    order). penalties: (marks uint8 [V], repetition, presence) or None: bit 0 of an id's mark (prompt or answer)
+    divides its logit by `repetition` where positive and multiplies it where not, bit 1 (answer) subtracts
+    `presence`; the drawn id is marked with both (penalty_marks makes a start). The
+    candidates are top_k's k highest logits (all where top_k is 0 or >= V), in order of logit and then of id;
+    their weights the softmax of logits / temperature, zero where min_p or top_p drops one; the id the candidate
+    where the weights' running sum first exceeds u * their total (sampling/reference.py). One kernel on the CUDA
+    backend for fp32 logits and 0 < top_k <= 64, else the torch ops. Nothing is read back to the host. Not an
+    operator: generate runs outside compiled graphs."""
     if backend is not None and backend.use_cuda and logits.is_cuda:
         from .sampling.launch import sample_cuda
-        return sample_cuda(logits, top_k, temperature, min_p, top_p, u, out)
+        return sample_cuda(logits, top_k, temperature, min_p, top_p, u, penalties)
     from .sampling.reference import sample_ref
-    return sample_ref(logits, top_k, temperature, min_p, top_p, u, out)
+    return sample_ref(logits, top_k, temperature, min_p, top_p, u, penalties)
 
 
 def layer_norm(x, weight, bias, eps: float, backend: Backend | None = None):
@@ -272,4 +281,4 @@ __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_de
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",
-           "vision_positions", "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words", "sample"]
+           "vision_positions", "vision_rotary", "vision_attention", "vision_attention_takes", "layer_norm", "add_layer_norm", "hash_words", "penalty_marks", "sample"]

@@ -19,7 +19,7 @@ from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
-from .sampling import SamplingParams, apply_penalties, draw_seed, pick
+from .sampling import SamplingParams, draw_seed, penalty_marks, pick
 
 
 @dataclass(frozen=True)
@@ -276,10 +276,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
     step = graphed_decode(model, cache, most) if budget > 2 else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
-    penalised = sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
-    # prompt and answer ids on the device, written one token at a time (penalties read slices of it)
-    history = torch.empty(pf.n_tokens + budget, dtype=torch.long, device=dev)
-    history[:pf.n_tokens] = torch.tensor(pf.token_ids, dtype=torch.long)
+    marks = penalty_marks(pf.token_ids, sampling, pf.logits.numel(), dev)  # ids the penalties see
     out: list[int] = []
     stream = model.tokenizer.stream_decoder()
     finish = "length"
@@ -288,12 +285,9 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     host = _HostTokens(dev)
 
     def next_token(logits: torch.Tensor, n: int) -> torch.Tensor:
-        """Answer token n from the logits before it, picked and recorded on the device; its id is queued for
-        the host (host.pop)."""
-        at = pf.n_tokens + n
-        if penalised:
-            logits = apply_penalties(logits, history[:at], history[pf.n_tokens:at], sampling)
-        tok = pick(logits, sampling, seed, n, model.backend, out=history[at:at + 1])
+        """Answer token n from the logits before it, picked on the device (and marked for the penalties); its id
+        is queued for the host (host.pop)."""
+        tok = pick(logits, sampling, seed, n, model.backend, marks)
         host.push(tok)
         return tok
 

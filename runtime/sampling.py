@@ -1,4 +1,4 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p / min-p with repetition and presence penalties."""
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p, with repetition and presence penalties."""
 from __future__ import annotations
 
 import hashlib
@@ -55,18 +55,6 @@ def draw_seed(seed: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
-                    p: SamplingParams) -> torch.Tensor:
-    """logits [V] fp32; seen: ids in prompt+answer; generated: ids in the answer so far."""
-    logits = logits.clone()
-    if p.repetition_penalty != 1.0 and seen.numel():
-        picked = logits[seen]
-        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    if p.presence_penalty != 0.0 and generated.numel():
-        logits[generated] -= p.presence_penalty
-    return logits
-
-
 def draw_uniform(seed: int, n: int) -> float:
     """The uniform in [0, 1) that draws answer token n of a generation with 64-bit seed `seed` (draw_seed's):
     the top 53 bits of splitmix64's output at seed + (n + 1) * 0x9E3779B97F4A7C15 (wrapping). A function of the
@@ -77,12 +65,24 @@ def draw_uniform(seed: int, n: int) -> float:
     return ((x ^ (x >> 31)) >> 11) * 2.0 ** -53
 
 
+def penalty_marks(prompt_ids: list[int], p: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """The marks pick's penalties read and update (kernels.sample), the prompt's ids marked; None where the
+    settings penalise nothing."""
+    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0:
+        return None
+    return kernels.penalty_marks(torch.tensor(prompt_ids, dtype=torch.long, device=device), vocab)
+
+
 def pick(logits: torch.Tensor, p: SamplingParams, seed: int, n: int, backend: kernels.Backend | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """Answer token n from penalised fp32 logits [V]: the argmax, or a draw at draw_uniform(seed, n) from the
-    settings' candidates (kernels.sample: one kernel on the CUDA backend for top_k 1 to 64). A long tensor [1]
-    where the logits are (out where given), read by nothing on the host (a decode loop queues the next step
-    behind it)."""
+         marks: torch.Tensor | None = None) -> torch.Tensor:
+    """Answer token n from fp32 logits [V]: the argmax, or a draw at draw_uniform(seed, n) from the settings'
+    candidates; with marks (penalty_marks) the penalties first, and the id marked (kernels.sample: one kernel on
+    the CUDA backend for top_k 1 to 64, greedy with penalties as top_k 1). A long tensor [1] where the logits
+    are, read by nothing on the host (a decode loop queues the next step behind it)."""
+    penalties = None if marks is None else (marks, p.repetition_penalty, p.presence_penalty)
     if not p.do_sample:
-        return torch.argmax(logits, 0, keepdim=True, out=out)
-    return kernels.sample(logits, p.top_k, p.temperature, p.min_p, p.top_p, draw_uniform(seed, n), backend, out)[0]
+        if penalties is None:
+            return torch.argmax(logits, 0, keepdim=True)
+        return kernels.sample(logits, 1, 1.0, 0.0, 1.0, 0.0, backend, penalties)[0]  # argmax: ties to the lower id
+    return kernels.sample(logits, p.top_k, p.temperature, p.min_p, p.top_p, draw_uniform(seed, n), backend,
+                          penalties)[0]

@@ -116,7 +116,7 @@ def test_on_a_cpu_each_token_is_read_before_the_next_step_and_no_step_follows_th
     _, model = pair
     eos = model.tokenizer.token_id("<|im_end|>")
     script = iter([11, 12, 13, eos, 14, 15])
-    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, seed, n, backend, out: out.fill_(next(script)))
+    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, seed, n, backend, marks: torch.tensor([next(script)], device=logits.device))
     events = []
     real = model.forward_decode
     monkeypatch.setattr(model, "forward_decode", lambda ids, cache: events.append("step") or real(ids, cache))

@@ -328,7 +328,7 @@ def _scripted(monkeypatch, model, text):
     gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     end = model.tokenizer.token_id("<|im_end|>")  # then end-of-turn again: the loop picks one token ahead
     script = itertools.chain(model.tokenizer.encode(text), itertools.repeat(end))
-    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, seed, n, backend, out: out.fill_(next(script)))
+    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, seed, n, backend, marks: torch.tensor([next(script)], device=logits.device))
 
 
 def test_literal_think_close_in_an_answer_with_thinking_off(still_works, chat_model, monkeypatch):

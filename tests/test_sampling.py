@@ -5,8 +5,15 @@ import pytest
 import torch
 
 from qwen35_fast import kernels
-from qwen35_fast.kernels.sampling.reference import candidates_ref, draw_ref, order_keys, sample_ref, top_k_ref
-from qwen35_fast.runtime.sampling import SamplingParams, apply_penalties, draw_seed, draw_uniform, pick
+from qwen35_fast.kernels.sampling.reference import (
+    candidates_ref,
+    draw_ref,
+    order_keys,
+    penalise_ref,
+    sample_ref,
+    top_k_ref,
+)
+from qwen35_fast.runtime.sampling import SamplingParams, draw_seed, draw_uniform, penalty_marks, pick
 
 from _models import poison_allocator
 
@@ -26,9 +33,25 @@ def test_sampling_filters():
     assert {int(pick(logits, narrow, 7, n)) for n in range(20)} == {0}
     minp = SamplingParams(do_sample=True, min_p=0.2)  # keeps tokens with p >= 0.2 * p_max: ids 0 and 1
     assert {int(pick(logits, minp, 7, n)) for n in range(200)} == {0, 1}
-    pen = apply_penalties(logits, torch.tensor([0, 3]), torch.tensor([1]),
-                          SamplingParams(repetition_penalty=2.0, presence_penalty=1.5))
-    assert pen.tolist() == [2.5, 2.5, 1.0, -4.0]
+    marks = torch.tensor([1, 2, 0, 1], dtype=torch.uint8)  # ids 0 and 3 seen, id 1 answered
+    assert penalise_ref(logits, marks, 2.0, 1.5).tolist() == [2.5, 2.5, 1.0, -4.0]
+
+
+def test_penalties_mark_what_they_see():
+    """The marks start with the prompt's ids; each pick marks its id as seen and answered; greedy with penalties
+    takes the penalised argmax."""
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)
+    assert penalty_marks([0, 1], SamplingParams(), 4, torch.device("cpu")) is None
+    marks = penalty_marks([3, 1, 3], p, 6, torch.device("cpu"))
+    assert marks.tolist() == [0, 1, 0, 1, 0, 0]
+    logits = torch.tensor([1.0, 3.0, 0.5, 2.5, -1.0, 2.2])
+    assert int(pick(logits, p, 0, 0, None, marks)) == 1  # 3.0 / 1.3 = 2.31 still above 2.2
+    assert marks.tolist() == [0, 3, 0, 1, 0, 0]
+    assert int(pick(logits, p, 0, 1, None, marks)) == 5  # 3.0 / 1.3 - 0.5 = 1.81 below 2.2 once answered
+    assert marks.tolist() == [0, 3, 0, 1, 0, 3]
+    sampled = SamplingParams(do_sample=True, top_k=2, temperature=0.01, presence_penalty=5.0)
+    marks = penalty_marks([], sampled, 6, torch.device("cpu"))
+    assert [int(pick(logits, sampled, 1, n, None, marks)) for n in range(3)] == [1, 3, 5]  # each answered id drops
 
 
 def _distribution_over_the_vocabulary(logits, p):
@@ -196,15 +219,25 @@ def test_kernel_picks_what_the_reference_picks(impl, v, kind):
 
 
 @pytest.mark.gpu
-def test_kernel_writes_only_the_slot_it_is_given(impl):
+@pytest.mark.parametrize("top_k,rep,presence", [(20, 1.3, 0.0), (40, 1.0, 1.5), (1, 1.1, 0.3), (64, 0.8, 2.0)])
+def test_kernel_penalties_and_marks_are_the_reference(impl, top_k, rep, presence):
+    """Marks on a third of the ids (the prompt) and on some answered ones: the kernel penalises as the
+    reference does, draws the same token, and marks it as the reference does."""
     from qwen35_fast.kernels.sampling.launch import sample_cuda
-    logits = torch.randn(VOCAB, device="cuda") * 3
-    history = torch.full((10,), -7, dtype=torch.int64, device="cuda")
-    tok = sample_cuda(logits, 20, 0.7, 0.0, 0.8, 0.3, out=history[4:5])[0]
-    assert tok.data_ptr() == history[4:5].data_ptr()
-    want = torch.full_like(history, -7)
-    want[4] = int(sample_ref(logits, 20, 0.7, 0.0, 0.8, 0.3)[0])
-    assert torch.equal(history, want)
+    g = torch.Generator(device="cuda").manual_seed(top_k)
+    logits = torch.randn(VOCAB, generator=g, device="cuda") * 3
+    marks = (torch.rand(VOCAB, generator=g, device="cuda") < 0.3).to(torch.uint8)
+    marks[torch.topk(logits, 30).indices[::3]] = 3  # answered ids among the top candidates
+    for n in range(6):
+        u = draw_uniform(draw_seed(top_k), n)
+        kernel_marks, ref_marks = marks.clone(), marks.clone()
+        got = sample_cuda(logits, top_k, 0.8, 0.0, 0.9, u, (kernel_marks, rep, presence))
+        want = sample_ref(logits, top_k, 0.8, 0.0, 0.9, u, (ref_marks, rep, presence))
+        assert torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-9)
+        assert int(got[0]) == int(want[0]) and torch.equal(kernel_marks, ref_marks)
+        assert int(kernel_marks[int(got[0])]) == 3
+        marks = kernel_marks
 
 
 @pytest.mark.gpu

@@ -21,22 +21,28 @@ def sample_takes(logits: torch.Tensor, top_k: int) -> bool:
 
 
 def sample_cuda(logits: torch.Tensor, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
-                out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as reference.sample_ref; out: an int64 [1] tensor on the logits' device to write the id to
-    (a slot of the caller's history), else a new one. What the kernel does not take runs the reference. top_p 1
-    reaches the kernel as infinity: the reference skips top_p there, and a running mass rounded above 1 must
-    not drop the last candidate."""
-    if not sample_takes(logits, top_k):
-        return sample_ref(logits, top_k, temperature, min_p, top_p, u, out)
+                penalties: Optional[tuple[torch.Tensor, float, float]] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as reference.sample_ref; what the kernel does not take runs the reference. top_p 1 reaches
+    the kernel as infinity: the reference skips top_p there, and a running mass rounded above 1 must not drop
+    the last candidate."""
+    marks = None if penalties is None else penalties[0]
+    if not sample_takes(logits, top_k) or (marks is not None and not _marks_fit(marks, logits)):
+        return sample_ref(logits, top_k, temperature, min_p, top_p, u, penalties)
+    rep, presence = (1.0, 0.0) if penalties is None else penalties[1:]
     dev = logits.device
-    if out is None:
-        out = torch.empty(1, dtype=torch.int64, device=dev)
+    out = torch.empty(1, dtype=torch.int64, device=dev)
     part = torch.empty(BLOCKS * K_MAX, dtype=torch.int64, device=dev)
     weights = torch.empty(top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(top_k, dtype=torch.int64, device=dev)
     fn = get_function(SRC, "sample_top_k", dev, {"VOCAB": logits.numel()})
     top_p = top_p if top_p < 1.0 else float("inf")
     launch(fn, (BLOCKS, 1, 1), (THREADS, 1, 1),
-           (logits, np.int32(top_k), np.float32(temperature), np.float32(min_p), np.float32(top_p), np.float64(u),
-            part, stream_flags(dev, 1), out, weights, ids))
+           (logits, marks, np.float32(rep), np.float32(presence), np.int32(top_k), np.float32(temperature),
+            np.float32(min_p), np.float32(top_p), np.float64(u), part, stream_flags(dev, 1), out, weights, ids))
     return out, weights, ids
+
+
+def _marks_fit(marks: torch.Tensor, logits: torch.Tensor) -> bool:
+    return (marks.dtype == torch.uint8 and marks.shape == logits.shape and marks.is_contiguous()
+            and marks.device == logits.device)

@@ -1,5 +1,8 @@
 """PyTorch reference of sample.cu: one token drawn from fp32 logits, and the candidates it was drawn from.
 
+The repetition and presence penalties read marks (uint8 [V], one a vocabulary id): bit 0 an id of the prompt or
+the answer so far, bit 1 an id of the answer; the pick marks the id it draws with both bits.
+
 Candidates are ordered by logit, the lower id first where logits tie (the order of order_keys): top_k keeps
 exactly k of them whatever ties at the k-th. The draw is the inverse of the kept weights' running sum at
 u * their total, u in [0, 1) given by the caller: the first candidate whose running sum exceeds it. No op
@@ -9,6 +12,20 @@ from __future__ import annotations
 import torch
 
 _LOW = 0xFFFFFFFF
+
+
+def penalty_marks(prompt_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """uint8 [vocab] marks of a generation's start: bit 0 on every id of the prompt (int64 ids on the device)."""
+    marks = torch.zeros(vocab, dtype=torch.uint8, device=prompt_ids.device)
+    return marks.index_fill_(0, prompt_ids, 1)
+
+
+def penalise_ref(logits: torch.Tensor, marks: torch.Tensor, repetition: float, presence: float) -> torch.Tensor:
+    """fp32 logits [V] with the penalties: an id with bit 0 divided by `repetition` where its logit is positive,
+    multiplied where not; then `presence` subtracted from an id with bit 1."""
+    seen, answered = (marks & 1).bool(), (marks & 2).bool()
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return torch.where(answered, logits - presence, logits)
 
 
 def order_keys(logits: torch.Tensor) -> torch.Tensor:
@@ -54,12 +71,15 @@ def draw_ref(weights: torch.Tensor, u: float) -> torch.Tensor:
 
 
 def sample_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
-               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               penalties: tuple[torch.Tensor, float, float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(id int64 [1], weights, ids) for fp32 logits [V]: the candidates of candidates_ref and the one draw_ref
-    takes at u; out: an int64 [1] tensor to write the id to (returned as the id)."""
+    takes at u; penalties: (marks, repetition, presence) applied first (penalise_ref), the drawn id marked."""
+    if penalties is not None:
+        logits = penalise_ref(logits, *penalties)
     weights, ids = candidates_ref(logits, top_k, temperature, min_p, top_p)
     j = draw_ref(weights, u)
     tok = j if ids is None else ids[j]
-    if out is not None:
-        tok = out.copy_(tok)
+    if penalties is not None:
+        penalties[0].index_fill_(0, tok, 3)
     return tok, weights, ids

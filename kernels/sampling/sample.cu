@@ -1,5 +1,10 @@
-// One sampled token from fp32 logits [VOCAB] in one launch: top_k's k candidates, then the temperature's
-// softmax over them, min_p, top_p and the draw (reference.py sample_ref is the same pick in torch ops).
+// One sampled token from fp32 logits [VOCAB] in one launch: the repetition and presence penalties, top_k's k
+// candidates, then the temperature's softmax over them, min_p, top_p and the draw (reference.py sample_ref is
+// the same pick in torch ops).
+//
+// The penalties read marks (uint8 [VOCAB], or none): bit 0 an id of the prompt or the answer so far, bit 1 an
+// id of the answer. A marked logit l becomes l / rep where positive, l * rep where not (bit 0), then l - presence
+// (bit 1), in that order (reference.py penalise_ref). The launch marks the id it draws with both bits.
 //
 // Candidates are ordered by the 64-bit key (logit, then the lower id first): the high word is the float's
 // bits mapped to an unsigned order (negatives flipped, positives with the sign bit set; NaN above +inf, as
@@ -15,8 +20,9 @@
 // and one thread walks them in order: w_i = exp(l_i / T - l_0 / T), p_i = w_i / sum w, min_p drops p_i <
 // min_p * p_0, top_p keeps p_i while the mass before it is below top_p, and the draw takes the first
 // candidate whose running kept mass (in double) exceeds u * the kept total. It writes the id to out (int64),
-// the kept weights and the ids to weights / ids, and sets the ticket back to zero for the next launch on
-// the stream.
+// the kept weights and the ids to weights / ids, marks the id, and sets the ticket back to zero for the next
+// launch on the stream. (Every block has read its marks before the last one starts: the mark cannot reach a
+// read of this launch.)
 #include "common.cuh"
 
 #define THREADS 512
@@ -109,7 +115,8 @@ __device__ void select_top(const u64 (&keys)[N], int k, Select& s) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-sample_top_k(const float* __restrict__ logits, int k, float temperature, float min_p, float top_p, double u,
+sample_top_k(const float* __restrict__ logits, unsigned char* __restrict__ marks, float rep, float presence,
+             int k, float temperature, float min_p, float top_p, double u,
              u64* __restrict__ part, unsigned* __restrict__ ticket, long long* __restrict__ out,
              float* __restrict__ weights, long long* __restrict__ ids) {
     __shared__ Select s;
@@ -121,7 +128,17 @@ sample_top_k(const float* __restrict__ logits, int k, float temperature, float m
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = j * THREADS + threadIdx.x;
-        keys[j] = i < n ? make_key(__ldg(logits + start + i), (unsigned)(start + i)) : 0;
+        if (i < n) {
+            float l = __ldg(logits + start + i);
+            if (marks != nullptr) {
+                const unsigned m = marks[start + i];
+                if (m & 1u) l = l > 0.f ? l / rep : l * rep;
+                if (m & 2u) l -= presence;
+            }
+            keys[j] = make_key(l, (unsigned)(start + i));
+        } else {
+            keys[j] = 0;
+        }
     }
     u64* mine = part + (size_t)blockIdx.x * K_MAX;
     if (n > k) {
@@ -181,6 +198,7 @@ sample_top_k(const float* __restrict__ logits, int k, float temperature, float m
             if (run > target && w[i] > 0.f) break;
         }
         out[0] = key_id(ranked[pick]);
+        if (marks != nullptr) marks[key_id(ranked[pick])] = 3;
         for (int i = 0; i < k; ++i) {
             weights[i] = w[i];
             ids[i] = key_id(ranked[i]);
