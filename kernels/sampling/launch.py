@@ -1,4 +1,5 @@
-"""Launcher of sample.cu: one sampled token (top_k's candidates, softmax, min_p, top_p, the draw) in one launch."""
+"""Launcher of sample.cu: one sampled token (the penalties, top_k's candidates, softmax, min_p, top_p, the draw) in one
+launch."""
 from __future__ import annotations
 
 from pathlib import Path
