@@ -1,4 +1,5 @@
-"""Decode, conv1d, the norms, the decode projections (gemv) and the vision tower's kernels built as an RTX card gets them: PTX for compute_80 (which the driver finishes
+"""Decode, conv1d, the norms, the decode projections (gemv), the vision tower's kernels and the sampled token built as an
+RTX card gets them: PTX for compute_80 (which the driver finishes
 for the GPU in hand) and no block above the 99 KB of shared memory that sm_86 / sm_89 / sm_120 give one
 block; each against its reference. (The prefill's portable path has its own tests in test_gdn_prefill_cuda.py;
 tests/test_kernels_compile.py compiles every source for sm_80 / 86 / 89 / 120 / 90a without a GPU.)"""
@@ -12,6 +13,8 @@ from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.rms_norm import launch as norm_launch
 from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+from qwen35_fast.kernels.sampling import launch as sample_launch
+from qwen35_fast.kernels.sampling.reference import sample_ref
 from qwen35_fast.kernels.vision import launch as vision_launch
 from qwen35_fast.kernels.vision.reference import add_layer_norm_ref, vision_positions_ref, vision_rotary_ref
 
@@ -28,7 +31,7 @@ def rtx(monkeypatch):
     """Every module these launchers load is built for compute_80, and every launch is checked against the
     99 KB cap; returns the (module, arch, shared memory) of each launch."""
     seen = []
-    for mod in (decode_launch, conv_launch, norm_launch, vision_launch, gemv_launch):
+    for mod in (decode_launch, conv_launch, norm_launch, vision_launch, gemv_launch, sample_launch):
         get, run = mod.get_function, mod.launch
 
         def get_function(src, name, dev, defines=None, get=get):
@@ -144,3 +147,16 @@ def test_gemv(rtx, N, K):
     y = gemv_launch.gemv_cuda(x, w)
     assert not y.isnan().any() and rel(y, x.float() @ w.float().T) < 4e-3
     assert ("get", "gemv") in rtx
+
+
+@pytest.mark.parametrize("top_k", [1, 20, 64])
+def test_sample(rtx, top_k):
+    g = torch.Generator(device=DEV).manual_seed(top_k)
+    logits = (torch.randn(248320, generator=g, device=DEV) * 3).bfloat16().float()  # ties
+    marks = (torch.rand(248320, generator=g, device=DEV) < 0.2).to(torch.uint8)
+    ref_marks = marks.clone()
+    tok, weights, ids = sample_launch.sample_cuda(logits, top_k, 0.7, 0.0, 0.8, 0.37, (marks, 1.2, 1.5))
+    rtok, rweights, rids = sample_ref(logits, top_k, 0.7, 0.0, 0.8, 0.37, (ref_marks, 1.2, 1.5))
+    assert torch.equal(ids, rids) and int(tok) == int(rtok) and torch.equal(marks, ref_marks)
+    torch.testing.assert_close(weights, rweights, rtol=2e-6, atol=1e-9)
+    assert ("get", "sample_top_k") in rtx
