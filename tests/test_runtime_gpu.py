@@ -59,6 +59,27 @@ def test_graphed_decode_gives_what_eager_decode_gives(folder, monkeypatch):
         assert g.token_ids == e.token_ids
 
 
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5),
+    SamplingParams(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3),
+    SamplingParams(repetition_penalty=1.5, presence_penalty=0.5),  # greedy with penalties: the kernel at top_k 1
+], ids=["presence", "repetition", "greedy-penalised"])
+def test_generate_picks_on_the_kernel_what_the_torch_ops_pick(folder, monkeypatch, sampling):
+    """generate() with the sampling kernel (its penalties' marks updated by each launch, the next step queued
+    before the host reads a token) gives the tokens of the same loop with every pick in torch ops."""
+    import importlib
+
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
+    pf = prefill_ids(model, list(range(7000, 7100)) * 2)
+    kernel = generate(model, pf, max_new_tokens=32, sampling=sampling, seed=5).token_ids
+    pick = gen_mod.pick
+    monkeypatch.setattr(gen_mod, "pick", lambda logits, p, seed, n, backend, marks: pick(logits, p, seed, n, None,
+                                                                                          marks))
+    torch_ops = generate(model, pf, max_new_tokens=32, sampling=sampling, seed=5).token_ids
+    assert kernel == torch_ops and len(kernel) > 8
+
+
 def test_a_prefill_moved_to_ram_generates_the_same(folder):
     """ComfyUI unloads the model and parks cached prefills in RAM; generate brings the state back."""
     model = load_model(folder, dtype="bf16", device="cuda")
