@@ -112,6 +112,29 @@ def test_top_k_keeps_k_candidates_where_the_logits_tie():
     assert torch.equal(ids[:500], top_k_ref(logits, 500)) and len(ids) == len(logits)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "flat", "masked", "nan"])
+def test_the_cpu_forms_give_what_the_gpu_forms_give(kind):
+    """The reference's CPU forms (a topk over the logits with the ties fixed; the penalties on the marked ids)
+    give what its GPU forms (a topk over the keys; selects over the vocabulary) give, bit for bit."""
+    from qwen35_fast.kernels.sampling import reference as ref
+    g = torch.Generator().manual_seed(len(kind))
+    x = torch.randn(VOCAB, generator=g) * 4
+    if kind == "bf16":
+        x = x.bfloat16().float()
+    elif kind == "flat":
+        x = torch.zeros(VOCAB)
+    elif kind == "masked":
+        x = x.masked_fill(torch.rand(VOCAB, generator=g) < 0.99, -float("inf"))
+    elif kind == "nan":
+        x[[5, 77, 1000]] = float("nan")
+    for k in (1, 20, 64, 3000):
+        assert torch.equal(ref._top_k_values(x, k), ref._top_k_keys(x, k)), k
+    marks = torch.randint(0, 4, (VOCAB,), generator=g, dtype=torch.uint8)
+    for rep, presence in ((1.3, 0.0), (0.7, 1.5), (1.0, 2.0)):
+        torch.testing.assert_close(ref._penalise_marked(x, marks, rep, presence),
+                                   ref._penalise_selects(x, marks, rep, presence), rtol=0, atol=0, equal_nan=True)
+
+
 def test_order_keys_follow_the_logits_then_the_ids():
     x = torch.tensor([0.0, -0.0, 1.5, -1.5, float("inf"), -float("inf"), 1e-38, -1e-38, 3.0, 3.0, float("nan")])
     keys = order_keys(x)

@@ -22,10 +22,27 @@ def penalty_marks(prompt_ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def penalise_ref(logits: torch.Tensor, marks: torch.Tensor, repetition: float, presence: float) -> torch.Tensor:
     """fp32 logits [V] with the penalties: an id with bit 0 divided by `repetition` where its logit is positive,
-    multiplied where not; then `presence` subtracted from an id with bit 1."""
+    multiplied where not; then `presence` subtracted from an id with bit 1. On a GPU as selects over the
+    vocabulary (nothing read back: a decode loop queues its next step behind the pick); on the CPU on the marked
+    ids alone (the same values)."""
+    return (_penalise_selects if logits.is_cuda else _penalise_marked)(logits, marks, repetition, presence)
+
+
+def _penalise_selects(logits, marks, repetition, presence):
     seen, answered = (marks & 1).bool(), (marks & 2).bool()
     logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
     return torch.where(answered, logits - presence, logits)
+
+
+def _penalise_marked(logits, marks, repetition, presence):
+    marked = marks.nonzero().squeeze(1)
+    bits = marks[marked]
+    seen, answered = marked[(bits & 1).bool()], marked[(bits & 2).bool()]
+    out = logits.clone()
+    x = out[seen]
+    out[seen] = torch.where(x > 0, x / repetition, x * repetition)
+    out[answered] = out[answered] - presence
+    return out
 
 
 def order_keys(logits: torch.Tensor) -> torch.Tensor:
@@ -38,9 +55,26 @@ def order_keys(logits: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_ref(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids (int64 [k]) of the k largest logits in candidate order (logit descending, then id ascending)."""
+    """The ids (int64 [k]) of the k largest logits in candidate order (logit descending, then id ascending). On a
+    GPU a topk over order_keys (nothing read back); on the CPU a topk over the logits, and where the k-th value
+    ties with one past it, the ids tied at it taken lowest first (the same ids)."""
+    return (_top_k_keys if logits.is_cuda else _top_k_values)(logits, k)
+
+
+def _top_k_keys(logits, k):
     keys = torch.topk(order_keys(logits), k).values
     return _LOW - (keys & _LOW)
+
+
+def _top_k_values(logits, k):
+    values, ids = torch.topk(logits, min(k + 1, logits.numel()))
+    if values[0].isnan():  # NaN, which topk ranks first: the keys' order of NaN
+        return _top_k_keys(logits, k)
+    if k < logits.numel() and values[k] == values[k - 1]:  # ids tied at the k-th past the k taken: the lowest
+        above = ids[:k][values[:k] > values[k - 1]]
+        ids = torch.cat([above, (logits == values[k - 1]).nonzero().squeeze(1)[:k - above.numel()]])
+    ids = ids[:k].sort().values
+    return ids[torch.sort(logits[ids], descending=True, stable=True).indices]
 
 
 def candidates_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: float,
