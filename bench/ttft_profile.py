@@ -91,7 +91,7 @@ def main():
 
 
 STAGES = ((multimodal, "_as_inputs"), (multimodal, "build_prompt"), (multimodal, "media_spans"),
-          (multimodal, "layout_positions"), (multimodal, "prefill_reusing"), (multimodal, "_sync"),
+          (multimodal, "layout_positions"), (multimodal, "prefill_reusing"), (multimodal, "synchronize"),
           (multimodal, "preprocess_images"), (media, "to_rgb"), (media, "_normalise"), (media, "_patchify"),
           (multimodal, "content_hash"), (vision_mod.VisionTower, "plan"), (vision_mod.VisionTower, "forward"),
           (model_mod.Qwen35Model, "forward_prefill"), (model_mod.Qwen35Model, "forward_prefill_kept"),

@@ -48,6 +48,8 @@ def cuda_status(device) -> tuple[bool, str]:
         return False, f"CUDA kernels need a CUDA device, not {device}"
     if not torch.cuda.is_available():
         return False, "CUDA kernels need a CUDA device, and torch sees none"
+    if getattr(torch.version, "hip", None):  # ROCm: AMD GPUs are CUDA devices to PyTorch, NVRTC builds nothing for them
+        return False, f"CUDA kernels need an NVIDIA GPU; this PyTorch runs AMD GPUs through ROCm {torch.version.hip}"
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _status:
         return _status[index]

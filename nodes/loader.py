@@ -51,9 +51,11 @@ class Qwen35ModelLoader(io.ComfyNode):
                                tooltip="Checkpoint folders in models/LLM/<name>/ and single .safetensors files "
                                        "in models/LLM or models/text_encoders."),
                 io.Combo.Input("dtype", options=DTYPES, default="auto",
-                               tooltip="Weight precision. auto: bf16 on a GPU that has it, else fp32 on CPU."),
+                               tooltip="Weight precision. auto: bf16 on a GPU that has it, else fp32."),
                 io.Combo.Input("device", options=DEVICES, default="auto",
-                               tooltip="auto: the device ComfyUI runs on (cpu when started with --cpu)."),
+                               tooltip="auto: the device ComfyUI runs on (cpu when started with --cpu). On "
+                                       "Apple (mps), Intel (xpu) and other non-CUDA GPUs the PyTorch path runs "
+                                       "there, checked once on a short prompt; the cpu where it does not."),
                 io.Combo.Input("backend", options=BACKENDS, default="auto", display_name="kernel backend",
                                tooltip="auto: the CUDA kernels when CuPy can compile them for this GPU, "
                                        "else PyTorch. The choice and its reason show on the node."),
@@ -75,7 +77,7 @@ class Qwen35ModelLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True,
                 cache_budget_mb=0) -> io.NodeOutput:
-        from ..runtime import Qwen35Error, load_model
+        from ..runtime import DeviceUnsupported, Qwen35Error, load_model
 
         path = find_model(model)
         if path is None:
@@ -89,7 +91,17 @@ class Qwen35ModelLoader(io.ComfyNode):
             mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
         if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
             raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
-        runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
+        device_note = ""
+        try:
+            runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
+        except DeviceUnsupported as e:
+            if device != "auto":  # ("cuda" and "cpu" never get here)
+                raise
+            # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on: the CPU does it
+            device_note = f"on the cpu: {e}"
+            log.warning("Qwen3.5: loading %s %s", path, device_note)
+            mm.soft_empty_cache()
+            runtime_model = load_model(path, dtype=dtype, device="cpu", backend=backend)
         try:
             store = runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
         except BaseException:
@@ -108,6 +120,8 @@ class Qwen35ModelLoader(io.ComfyNode):
             "cache_mb": round(store.budget_bytes / 2**20, 1),
             "cache_tokens": store.num_blocks * store.block_size,
         }
+        if device_note:
+            info["device_note"] = device_note
         log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
                  info["backend"], info["backend_reason"])
         return io.NodeOutput(managed, ui={"qwen35_model": [info]})

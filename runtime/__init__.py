@@ -11,6 +11,7 @@ No ComfyUI imports here; the nodes are a thin layer over these functions.
 from .conversation import continue_prefill
 from .decode_graph import free_gpu_workspaces
 from .demo_checkpoint import demo_checkpoint
+from .devices import DeviceUnsupported
 from .errors import Qwen35Error
 from .generate import Generation, Prefill, encode_prompt, generate, prefill, prefill_ids
 from .loader import load_model
@@ -18,6 +19,6 @@ from .model import Cache, Qwen35Model
 from .multimodal import prefill_multimodal
 from .sampling import SamplingParams
 
-__all__ = ["Qwen35Error", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
+__all__ = ["Qwen35Error", "DeviceUnsupported", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
            "prefill_multimodal", "continue_prefill", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
            "free_gpu_workspaces"]

@@ -21,8 +21,9 @@ import time
 import torch
 
 from .chat import IM_END, IM_START, THINK_CLOSE
+from .devices import synchronize
 from .errors import Qwen35Error
-from .generate import Prefill, _sync, generation_prompt_ids
+from .generate import Prefill, generation_prompt_ids
 from .host import host_logits, on_model_device
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Qwen35Model
@@ -132,14 +133,14 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
                                    new_positions + (cached + turn.rope_delta)], dim=1)
             delta = turn.rope_delta + new_delta
         clock = TowerClock(dev)
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
         run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
                               positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
                               use_cache=use_cache, needed=[cached + turn_end])
         logits = host_logits(run.logits)
-        _sync(dev)
+        synchronize(dev)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone

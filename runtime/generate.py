@@ -14,6 +14,7 @@ import torch
 
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .decode_graph import graphed_decode
+from .devices import synchronize
 from .errors import Qwen35Error
 from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
@@ -75,11 +76,6 @@ def _token_id(i) -> int:
         return operator.index(i)
     except TypeError:
         raise Qwen35Error(f"token ids must be whole numbers; found {i!r}") from None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
@@ -145,12 +141,12 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     model.select_backend()
     points = [p for p in (system_end(model, ids) if chat_template else None, turn_end) if p]
     try:
-        _sync(model.device)
+        synchronize(model.device)
         t0 = time.perf_counter()
         run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
                               needed=[turn_end] if turn_end else [])
         logits = host_logits(run.logits)
-        _sync(model.device)
+        synchronize(model.device)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone

@@ -11,6 +11,7 @@ import torch
 from .. import kernels
 from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
+from .devices import DeviceUnsupported, bf16_works, check_device, empty_cache, is_other_accelerator, usable
 from .errors import Qwen35Error
 from .memory import is_out_of_memory, loading_out_of_memory
 from .model import Qwen35Model
@@ -28,8 +29,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise Qwen35Error(f"device {str(asked)!r} is not one of auto, cpu, cuda, cuda:N")
+    if device is None:
+        raise Qwen35Error(f"device {str(asked)!r} is not one of auto, cpu, cuda, cuda:N (or another accelerator "
+                          "PyTorch knows: mps, xpu, ...)")
+    if is_other_accelerator(device):
+        why = usable(device)
+        if why is not None:
+            raise DeviceUnsupported(f"device {str(device)!r} asked for, but PyTorch {torch.__version__} cannot use "
+                                    f"it here ({why}); choose device 'cpu' or 'auto'")
+        return device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise Qwen35Error(f"device {str(device)!r} asked for, but PyTorch sees no CUDA GPU "
                           f"(torch {torch.__version__}); choose device 'cpu' or 'auto'")
@@ -42,8 +50,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "auto":  # bf16 on GPUs (other accelerators: where their bf16 matmul runs), fp32 on the CPU
+        if device.type == "cuda" or (is_other_accelerator(device) and bf16_works(device)):
+            return torch.bfloat16
+        return torch.float32
     if dtype not in DTYPES:
         raise Qwen35Error(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -109,8 +119,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                backend: str = "auto") -> Qwen35Model:
     """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
 
-    dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32. device: auto, cuda, cuda:N, cpu.
-    backend: auto, cuda, torch (what runs the GDN math; see kernels.select_backend).
+    dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32. device: auto, cuda, cuda:N, cpu, or another
+    accelerator PyTorch drives (mps, xpu, ...: the PyTorch path, checked there once on a short prompt;
+    DeviceUnsupported where it does not run). backend: auto, cuda, torch (what runs the GDN math; see
+    kernels.select_backend).
     Raises Qwen35Error, naming the file and the fix, for anything wrong with the input; nothing
     stays allocated when it does.
     """
@@ -134,8 +146,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         if not oom:
             del model
             gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            empty_cache(dev)
             raise
     if oom:  # out of the except block: the traceback, and the half-built model it holds, are gone
         model = None
@@ -143,6 +154,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         raise loading_out_of_memory(ckpt.path.name, ckpt.config, dt, dev)
     model.tokenizer = tokenizer
     model.path = ckpt.path
+    if is_other_accelerator(dev):  # the PyTorch path on mps, xpu, ...: every operator it takes must be there
+        try:
+            check_device(model)
+        except DeviceUnsupported:
+            model = None
+            gc.collect()
+            empty_cache(dev)
+            raise
     fp8 = f" ({len(ckpt.fp8)} FP8 weights dequantized)" if ckpt.fp8 else ""
     log.info("Loaded %s: %s, %s%s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
              str(dt).replace("torch.", ""), fp8, dev, time.perf_counter() - t0, model.backend.reason)

@@ -22,8 +22,9 @@ import torch
 
 from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
+from .devices import synchronize
 from .errors import Qwen35Error
-from .generate import Prefill, _sync
+from .generate import Prefill
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
@@ -201,7 +202,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         positions, delta = layout_positions(parts)
         spans = media_spans(ids, ordered, _merge(model), backend=model.backend)
         clock = TowerClock(model.device)
-        _sync(model.device)
+        synchronize(model.device)
         t0 = time.perf_counter()
         system = system_end(model, ids) if use_chat_template else None
         turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
@@ -210,7 +211,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
                               positions, delta, limit=turn_end, use_cache=use_cache,
                               needed=[turn_end] if turn_end else [])
         logits = host_logits(run.logits)
-        _sync(model.device)
+        synchronize(model.device)
         t2 = time.perf_counter()
     except RuntimeError as e:
         if not is_out_of_memory(e):

@@ -520,7 +520,8 @@ def test_memory_estimates(folder):
 @pytest.mark.parametrize("device, message", [
     ("foo", r"device 'foo' is not one of auto, cpu, cuda, cuda:N"),
     ("cuda:x", r"device 'cuda:x' is not one of"),
-    ("meta", r"device 'meta' is not one of"),
+    ("meta", r"device 'meta' asked for, but PyTorch \S+ cannot use it here \(the meta device holds no data\); "
+             r"choose device 'cpu'"),
     ("cuda:99", r"device 'cuda:99' asked for, but PyTorch sees"),
 ])
 def test_device_strings(folder, still_works, device, message):

@@ -243,6 +243,23 @@ def test_device_cuda_on_a_cpu_comfyui(pack, models_dir, comfy, still_works):
                                        keep_loaded=True)
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an Apple GPU")
+def test_auto_on_an_accelerator_the_model_does_not_run_on_loads_on_the_cpu(pack, models_dir, comfy, monkeypatch,
+                                                                          still_works):
+    # ComfyUI on Apple's GPU (mps) where PyTorch cannot use it for the model: "auto" loads on the CPU and says why
+    monkeypatch.setattr(comfy.mm, "get_torch_device", lambda: torch.device("mps"))
+    monkeypatch.setattr(comfy.mm, "free_memory", lambda *a, **k: None)  # (an mps device ComfyUI cannot query here)
+    out = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="auto", backend="auto",
+                                         keep_loaded=True)
+    try:
+        info = out.ui["qwen35_model"][0]
+        assert info["device"] == "cpu" and info["backend"] == "torch"
+        assert info["device_note"].startswith("on the cpu: device 'mps' asked for, but PyTorch")
+        assert isinstance(_generate(pack, _prefill(pack, out[0]), max_new_tokens=3)[0], str)
+    finally:
+        out[0].release()
+
+
 # --- 10 ---------------------------------------------------------------------------------------------
 
 def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, memory_asked, still_works):

@@ -99,8 +99,9 @@ def candidates_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: 
 
 
 def draw_ref(weights: torch.Tensor, u: float) -> torch.Tensor:
-    """The index (int64 [1]) where the running sum of weights [C] (in fp64) first exceeds u * its total."""
-    run = weights.double().cumsum(0)
+    """The index (int64 [1]) where the running sum of weights [C] (in fp64; fp32 on Apple's GPUs, which have no
+    fp64) first exceeds u * its total."""
+    run = weights.to(torch.float32 if weights.device.type == "mps" else torch.float64).cumsum(0)
     return torch.searchsorted(run, run[-1:] * u, right=True).clamp_(max=weights.numel() - 1)
 
 

@@ -1,0 +1,89 @@
+"""Devices the runtime runs on: the CPU, NVIDIA GPUs (the CUDA kernels where they build, else PyTorch), and
+the other accelerators PyTorch drives (Apple's `mps`, Intel's `xpu`, Ascend's `npu`, ...), where the PyTorch
+path runs.
+
+ComfyUI hands the loader the device it runs on. On an accelerator other than CUDA the kernels do not run
+and not every PyTorch operator is there (which depends on the PyTorch and OS versions), so `load_model`
+checks the model there once, on a short prompt through the paths a workflow takes (`check_device`), and
+says what failed and what to choose instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import Qwen35Error
+
+
+class DeviceUnsupported(Qwen35Error):
+    """The model cannot run on the device asked for (an accelerator PyTorch cannot use here, or one that
+    lacks an operator the model needs); the CPU can run it."""
+
+
+def is_other_accelerator(device: torch.device) -> bool:
+    """A device that is neither the CPU nor CUDA (ROCm's GPUs are CUDA devices to PyTorch)."""
+    return device.type not in ("cpu", "cuda")
+
+
+def usable(device: torch.device) -> str | None:
+    """None where PyTorch can make tensors on `device`, else why not (its error)."""
+    if device.type == "meta":
+        return "the meta device holds no data"
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, AttributeError, TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def bf16_works(device: torch.device) -> bool:
+    """Whether a bf16 matmul runs on `device` (Apple's GPUs have bf16 from macOS 14)."""
+    try:
+        a = torch.ones(4, 4, dtype=torch.bfloat16, device=device)
+        return float((a @ a).float().sum().cpu()) == 64.0
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (for timings); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        sync = getattr(module, "synchronize", None)
+        if sync is not None:
+            sync()
+
+
+def empty_cache(device: torch.device) -> None:
+    """Give the allocator's unused cached memory on `device` back."""
+    module = torch.cuda if device.type == "cuda" else getattr(torch, device.type, None)
+    release = getattr(module, "empty_cache", None) if device.type != "cpu" else None
+    if release is not None:
+        release()
+
+
+def check_device(model) -> None:
+    """Run the model once on a short prompt on an accelerator other than CUDA: a prefill, two sampled tokens
+    with a repetition penalty, and, with a vision tower, a small image. Raises DeviceUnsupported naming what
+    failed and the fix."""
+    from .generate import generate, prefill_ids
+    from .sampling import SamplingParams
+
+    dev = model.device
+    try:
+        ids = model.tokenizer.encode("Qwen")[:4] or [0]
+        pf = prefill_ids(model, ids, use_cache=False)
+        generate(model, pf, max_new_tokens=2,
+                 sampling=SamplingParams(do_sample=True, top_k=20, temperature=0.7, repetition_penalty=1.1))
+        if model.vision is not None:
+            from .multimodal import prefill_multimodal
+            image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+            prefill_multimodal(model, "What is it?", images=image, use_cache=False)
+    except Qwen35Error:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DeviceUnsupported(
+            f"the model does not run on {dev} with PyTorch {torch.__version__} ({type(e).__name__}: {what[:300]}); "
+            "load it on the cpu (device 'cpu'), or update PyTorch") from None
