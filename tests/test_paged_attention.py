@@ -9,7 +9,7 @@ import torch
 
 from qwen35_fast.kernels import cuda_build, ops
 from qwen35_fast.kernels.paged_attention import launch as pa_launch
-from qwen35_fast.kernels.paged_attention.reference import gather_kv, paged_attention_ref
+from qwen35_fast.kernels.paged_attention.reference import MAX_RUNS, gather_kv, paged_attention_ref, runs
 
 SRC = pa_launch.SRC
 
@@ -101,6 +101,34 @@ def test_reference_writes_new_kv_into_their_slots():
         assert torch.equal(got, a["k_new"][int(a["cu_q"][n]):int(a["cu_q"][n + 1])])
     assert torch.isnan(a["k_pool"][a["nan_block"]]).all()
 
+
+
+def test_runs_of_consecutive_slots():
+    assert runs([4, 5, 6, 9, 10, 2], 90, 16) == [(64, 48), (144, 32), (32, 10)]
+    assert runs([7], 1, 64) == [(448, 1)]
+    assert runs([3, 4, 5, 6], 64, 16) == [(48, 64)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_reference_reads_the_keys_where_they_lie(shuffle, block_size):
+    """With write_kv the keys are read in the pool (views of each stretch of consecutive slots; gathered past
+    MAX_RUNS stretches): the same attention as gathering the cache and appending the new tokens (write_kv off),
+    within fp32 rounding, and the new K/V stored all the same."""
+    lens = [(37, 5), (0, 9), (700, 1), (129, 16)]
+    a = make_case(7, block_size, lens, H=8, Hkv=2, D=64, shuffle=shuffle)
+    b = make_case(7, block_size, lens, H=8, Hkv=2, D=64, shuffle=shuffle)
+    stretches = [len(runs(a["block_table"][n].tolist(), L + nq, block_size)) for n, (L, nq) in enumerate(lens)]
+    if shuffle and block_size == 16:
+        assert max(stretches) > MAX_RUNS and min(stretches) <= MAX_RUNS  # both forms in one call
+    elif not shuffle:
+        assert stretches == [1] * len(lens)
+    out = _ref(a, write_kv=True)
+    assert torch.isfinite(out).all()
+    assert _rel(out, _ref(b, write_kv=False)) < 2e-3
+    for n, (L, nq) in enumerate(lens):
+        got = gather_kv(a["k_pool"], a["block_table"][n], L + nq)[L:]
+        assert torch.equal(got, a["k_new"][int(a["cu_q"][n]):int(a["cu_q"][n + 1])])
 
 def test_op_reference_path_and_fake():
     a = make_case(4, 16, [(10, 4)], H=4, Hkv=2, D=32)

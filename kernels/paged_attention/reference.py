@@ -1,6 +1,7 @@
 """PyTorch reference of paged_attention.cu: gather each sequence's cached K/V through its block table,
-append the new tokens, and run attention with the lower-right causal mask in fp32. The ground truth
-the kernels are tested against.
+append the new tokens, and run attention with the lower-right causal mask in fp32 (each kv head's product
+over all its q heads at once). The ground truth the kernels are tested against, and what the runtime runs
+where they do not.
 
 Shapes (the pool layout is documented in runtime/kv_pool.py):
     q, gate:        [T, H, D]      the new tokens of all sequences, back to back (cu_q says where)
@@ -15,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 
 def slots(block_table_row: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
@@ -41,32 +41,67 @@ def write_kv_ref(k_pool, v_pool, k_new, v_new, block_table, cache_lens, cu_q) ->
         vf[s] = v_new[a:b].to(v_pool.dtype)
 
 
+def runs(blocks: list[int], length: int, block_size: int) -> list[tuple[int, int]]:
+    """Positions 0 .. length - 1 of a sequence whose blocks are `blocks` as stretches that lie in consecutive pool
+    slots: (first slot, count) each, in position order."""
+    out: list[list[int]] = []
+    for i in range(-(-length // block_size)):
+        n = min(block_size, length - i * block_size)
+        if out and blocks[i] == blocks[i - 1] + 1:
+            out[-1][1] += n
+        else:
+            out.append([blocks[i] * block_size, n])
+    return [(a, n) for a, n in out]
+
+
+MAX_RUNS = 8  # more stretches than this: one gathered copy instead of a product per stretch
+
+
 def paged_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
                         v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
                         cu_q: torch.Tensor, gate: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                         write_kv: bool = True) -> torch.Tensor:
     """out[t, h] = softmax(q K^T * scale) V over the sequence's visible keys (the whole prefix and the
     new tokens up to t), times sigmoid(gate[t, h]) when a gate is given; computed in fp32, rounded once to
-    q.dtype. With write_kv the new K/V are stored in the pool first (in place), as the kernel does."""
+    q.dtype. With write_kv the new K/V are stored in the pool first (in place), as the kernel does, and the
+    keys are read where they lie: each stretch of consecutive pool slots as a view (a sequence's blocks mostly
+    come in order), no copy of the cache per call; else (or past MAX_RUNS stretches) gathered."""
     T, H, D = q.shape
     Hkv = k_new.shape[1]
+    G, bs = H // Hkv, k_pool.shape[1]
     scale = D ** -0.5 if scale is None else scale
     cache_lens, cu_q = cache_lens.tolist(), cu_q.tolist()
+    in_place = write_kv and k_new.dtype == k_pool.dtype and v_new.dtype == v_pool.dtype
+    if in_place:  # the new K/V as the pool holds them: the same values
+        write_kv_ref(k_pool, v_pool, k_new, v_new, torch.as_tensor(block_table), cache_lens, cu_q)
+    kf, vf = (p.view(-1, Hkv, D) for p in (k_pool, v_pool))
     out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     for n in range(block_table.shape[0]):
         a, b, L = cu_q[n], cu_q[n + 1], cache_lens[n]
         if b == a:
             continue
-        k = torch.cat([gather_kv(k_pool, block_table[n], L).float(), k_new[a:b].float()])  # [L + nq, Hkv, D]
-        v = torch.cat([gather_kv(v_pool, block_table[n], L).float(), v_new[a:b].float()])
         nq = b - a
-        visible = torch.arange(L + nq, device=q.device)[None, :] <= L + torch.arange(nq, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k.transpose(0, 1).repeat_interleave(H // Hkv, 0),
-                                           v.transpose(0, 1).repeat_interleave(H // Hkv, 0), attn_mask=visible,
-                                           scale=scale)
-        out[a:b] = o.transpose(0, 1)
+        parts = runs(block_table[n, :-(-(L + nq) // bs)].tolist(), L + nq, bs) if in_place else []
+        if in_place and len(parts) <= MAX_RUNS:
+            keys = [(kf[s:s + c], vf[s:s + c]) for s, c in parts]
+        elif in_place:
+            keys = [(gather_kv(k_pool, block_table[n], L + nq), gather_kv(v_pool, block_table[n], L + nq))]
+        else:
+            keys = [(torch.cat([gather_kv(k_pool, block_table[n], L), k_new[a:b]]),
+                     torch.cat([gather_kv(v_pool, block_table[n], L), v_new[a:b]]))]  # [L + nq, Hkv, D]
+        # each kv head with its G q heads' rows (g, t) as one product, no copy of K / V per q head
+        qh = q[a:b].float().view(nq, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * nq, D) * scale
+        s = torch.cat([qh @ k.float().permute(1, 2, 0) for k, _ in keys], -1)  # [Hkv, G * nq, L + nq]
+        if nq > 1:  # the prefix and, causally, each other (lower right); one new token sees every key
+            hidden = torch.arange(L + nq, device=q.device)[None, :] > L + torch.arange(nq, device=q.device)[:, None]
+            s.view(Hkv, G, nq, L + nq).masked_fill_(hidden, -torch.inf)
+        p, o, at = torch.softmax(s, -1), 0, 0
+        for k, v in keys:
+            o = o + p[..., at:at + k.shape[0]] @ v.float().transpose(0, 1)  # [Hkv, G * nq, D]
+            at += k.shape[0]
+        out[a:b] = o.view(Hkv, G, nq, D).permute(2, 0, 1, 3).reshape(nq, H, D)
     if gate is not None:
         out = out * torch.sigmoid(gate.float())
-    if write_kv:
+    if write_kv and not in_place:
         write_kv_ref(k_pool, v_pool, k_new, v_new, torch.as_tensor(block_table), cache_lens, cu_q)
     return out.to(q.dtype)
