@@ -9,7 +9,13 @@ import torch
 
 from qwen35_fast.kernels import cuda_build, ops
 from qwen35_fast.kernels.paged_attention import launch as pa_launch
-from qwen35_fast.kernels.paged_attention.reference import MAX_RUNS, gather_kv, paged_attention_ref, runs
+from qwen35_fast.kernels.paged_attention.reference import (
+    MAX_RUNS,
+    gather_kv,
+    paged_attention_on_device,
+    paged_attention_ref,
+    runs,
+)
 
 SRC = pa_launch.SRC
 
@@ -129,6 +135,32 @@ def test_reference_reads_the_keys_where_they_lie(shuffle, block_size):
     for n, (L, nq) in enumerate(lens):
         got = gather_kv(a["k_pool"], a["block_table"][n], L + nq)[L:]
         assert torch.equal(got, a["k_new"][int(a["cu_q"][n]):int(a["cu_q"][n + 1])])
+
+
+@pytest.mark.parametrize("write_kv", [True, False])
+@pytest.mark.parametrize("block_size, H, Hkv, D", [(16, 8, 2, 64), (64, 16, 4, 256), (16, 4, 4, 32)])
+def test_the_device_form_reads_nothing_back_and_equals_the_reference(write_kv, block_size, H, Hkv, D, monkeypatch):
+    """The form GPUs run (paged_attention_on_device, here on the CPU): every slot of each table row read, PAD and
+    NaN blocks among them, the same attention as the reference, the same pool writes, and no value read back to
+    the host (what would make a GPU wait, and a CUDA-graph capture fail)."""
+    lens = [(37, 5), (0, 9), (300, 1), (129, 16), (64, 0)]
+    a = make_case(11, block_size, lens, H=H, Hkv=Hkv, D=D)
+    b = make_case(11, block_size, lens, H=H, Hkv=Hkv, D=D)
+    a["block_table"][1, -1] = -1  # a PAD entry (kv_pool.PAD) past a sequence's blocks
+    b["block_table"][1, -1] = -1
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _n=name, _f=real, **k: reads.append(_n) or _f(self, *x, **k))
+    got = paged_attention_on_device(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
+                                    a["cache_lens"], a["cu_q"], a["gate"], write_kv=write_kv)
+    assert reads == []
+    monkeypatch.undo()
+    want = _ref(b, write_kv=write_kv)
+    assert torch.isfinite(got).all() and got.dtype == want.dtype
+    assert _rel(got, want) < 2e-3
+    assert torch.equal(a["k_pool"].nan_to_num(7.0), b["k_pool"].nan_to_num(7.0))
+    assert torch.equal(a["v_pool"].nan_to_num(7.0), b["v_pool"].nan_to_num(7.0))
 
 def test_op_reference_path_and_fake():
     a = make_case(4, 16, [(10, 4)], H=4, Hkv=2, D=32)

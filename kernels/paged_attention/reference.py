@@ -65,7 +65,11 @@ def paged_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     new tokens up to t), times sigmoid(gate[t, h]) when a gate is given; computed in fp32, rounded once to
     q.dtype. With write_kv the new K/V are stored in the pool first (in place), as the kernel does, and the
     keys are read where they lie: each stretch of consecutive pool slots as a view (a sequence's blocks mostly
-    come in order), no copy of the cache per call; else (or past MAX_RUNS stretches) gathered."""
+    come in order), no copy of the cache per call; else (or past MAX_RUNS stretches) gathered. Off the CPU
+    (paged_attention_on_device) nothing is read back to the host."""
+    if q.device.type != "cpu":
+        return paged_attention_on_device(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate,
+                                         scale, write_kv)
     T, H, D = q.shape
     Hkv = k_new.shape[1]
     G, bs = H // Hkv, k_pool.shape[1]
@@ -104,4 +108,51 @@ def paged_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         out = out * torch.sigmoid(gate.float())
     if write_kv and not in_place:
         write_kv_ref(k_pool, v_pool, k_new, v_new, torch.as_tensor(block_table), cache_lens, cu_q)
+    return out.to(q.dtype)
+
+
+def paged_attention_on_device(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                              v_pool: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                              cu_q: torch.Tensor, gate: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                              write_kv: bool = True) -> torch.Tensor:
+    """paged_attention_ref with nothing read back to the host (a GPU's queue never waits on it, and a CUDA graph
+    can capture it): the keys of sequence n are every slot its block-table row names (PAD entries and all), those
+    past its tokens masked, and their values zeroed so that whatever they hold (NaN) reaches no output; the new
+    tokens' K/V are set into the gathered copy. One pass of the whole batch of tokens per sequence (the table's
+    rows, a shape), each token's result taken from its own sequence's pass."""
+    T, H, D = q.shape
+    Hkv = k_new.shape[1]
+    G = H // Hkv
+    nb, bs = k_pool.shape[:2]
+    N, width = block_table.shape
+    C = width * bs
+    scale = D ** -0.5 if scale is None else scale
+    dev = q.device
+    cu, lens = cu_q.long(), cache_lens.long()
+    t = torch.arange(T, device=dev)
+    seq = torch.searchsorted(cu[1:], t, right=True)  # the sequence of each new token
+    pos = lens[seq] + t - cu[seq]  # its position in that sequence
+    table = block_table.long().clamp(0, nb - 1)
+    kf, vf = (p.view(nb * bs, Hkv, D) for p in (k_pool, v_pool))
+    if write_kv:
+        slot = table[seq, pos // bs] * bs + pos % bs
+        kf.index_copy_(0, slot, k_new.to(kf.dtype))
+        vf.index_copy_(0, slot, v_new.to(vf.dtype))
+    slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).view(N, C)
+    k, v = kf[slots].float(), vf[slots].float()  # [N, C, Hkv, D]
+    k[seq, pos] = k_new.float()
+    v[seq, pos] = v_new.float()
+    j = torch.arange(C, device=dev)
+    held = j[None, :] < (lens + cu[1:] - cu[:-1])[:, None]  # [N, C]: the slots that hold a token of the sequence
+    v = torch.where(held[:, :, None, None], v, 0.0)
+    seen = j[None, :] <= pos[:, None]  # [T, C]: causal within the sequence (the cached prefix all seen)
+    qh = q.float().view(T, Hkv, G, D) * scale
+    out = torch.zeros(T, Hkv, G, D, dtype=torch.float32, device=dev)
+    for n in range(N):
+        s = torch.einsum("thgd,chd->hgtc", qh, k[n]).masked_fill(~seen, -torch.inf)
+        o = torch.einsum("hgtc,chd->thgd", torch.softmax(s, -1), v[n])
+        out = torch.where((seq == n)[:, None, None, None], o, out)  # (other sequences' rows: all masked, NaN)
+    out = out.reshape(T, H, D)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
     return out.to(q.dtype)
