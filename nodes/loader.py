@@ -91,14 +91,14 @@ class Qwen35ModelLoader(io.ComfyNode):
             mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
         if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
             raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
-        device_note = ""
+        runtime_model, device_note = None, ""
         try:
             runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
         except DeviceUnsupported as e:
             if device != "auto":  # ("cuda" and "cpu" never get here)
                 raise
-            # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on: the CPU does it
             device_note = f"on the cpu: {e}"
+        if runtime_model is None:  # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on
             log.warning("Qwen3.5: loading %s %s", path, device_note)
             mm.soft_empty_cache()
             runtime_model = load_model(path, dtype=dtype, device="cpu", backend=backend)

@@ -119,7 +119,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                backend: str = "auto") -> Qwen35Model:
     """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
 
-    dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32. device: auto, cuda, cuda:N, cpu, or another
+    dtype: auto (bf16 on CUDA and where another accelerator's bf16 matmul runs, else fp32), bf16, fp16, fp32.
+    device: auto, cuda, cuda:N, cpu, or another
     accelerator PyTorch drives (mps, xpu, ...: the PyTorch path, checked there once on a short prompt;
     DeviceUnsupported where it does not run). backend: auto, cuda, torch (what runs the GDN math; see
     kernels.select_backend).
@@ -155,13 +156,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model.tokenizer = tokenizer
     model.path = ckpt.path
     if is_other_accelerator(dev):  # the PyTorch path on mps, xpu, ...: every operator it takes must be there
+        failed = None
         try:
             check_device(model)
-        except DeviceUnsupported:
+        except DeviceUnsupported as e:
+            failed = DeviceUnsupported(str(e))  # without the traceback, whose frames hold the model
+        if failed is not None:
             model = None
             gc.collect()
             empty_cache(dev)
-            raise
+            raise failed
     fp8 = f" ({len(ckpt.fp8)} FP8 weights dequantized)" if ckpt.fp8 else ""
     log.info("Loaded %s: %s, %s%s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
              str(dt).replace("torch.", ""), fp8, dev, time.perf_counter() - t0, model.backend.reason)
