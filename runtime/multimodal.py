@@ -22,7 +22,7 @@ import torch
 
 from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
-from .devices import synchronize
+from .devices import is_other_accelerator, synchronize
 from .errors import Qwen35Error
 from .generate import Prefill
 from .host import host_logits, on_model_device, upload
@@ -144,20 +144,23 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
 
 def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:
     pp = read_preprocessing(getattr(model, "path", None), max_pixels=max_pixels)
+    # resized on the model's GPU; on another accelerator (mps, xpu, ...) on the CPU, whose resampling is the one
+    # tested against the processor's and is there in every PyTorch
+    where = torch.device("cpu") if is_other_accelerator(model.device) else model.device
     out: list[VisionInput] = []
     if images is not None:
         if isinstance(images, torch.Tensor):
-            out += preprocess_images(images, pp, model.device)
+            out += preprocess_images(images, pp, where)
         else:
             for item in images:
-                out += preprocess_images(item, pp, model.device) if isinstance(item, torch.Tensor) else [item]
+                out += preprocess_images(item, pp, where) if isinstance(item, torch.Tensor) else [item]
     n_images = len(out)
     if video is not None:
         if isinstance(video, VisionInput):
             out.append(video)
         else:
             frames, fps = video
-            out.append(preprocess_video(frames, fps, pp, model.device))
+            out.append(preprocess_video(frames, fps, pp, where))
     return out, n_images
 
 
