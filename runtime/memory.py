@@ -85,9 +85,16 @@ def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> in
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes on `device`: the GPU's as the driver sees them, or the system's available RAM."""
+    """(free, total) bytes on `device`: the GPU's as the driver sees them (Apple's GPUs: what Metal recommends
+    for the process, less what it holds), or the system's available RAM."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
+    if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+        total = torch.mps.recommended_max_memory()
+        return max(0, total - torch.mps.driver_allocated_memory()), total
+    info = getattr(getattr(torch, device.type, None), "mem_get_info", None) if device.type != "cpu" else None
+    if info is not None:  # xpu, ...
+        return info(device)
     try:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page

@@ -96,3 +96,14 @@ def test_rocm_is_told_the_kernels_need_an_nvidia_gpu(monkeypatch):
     be = kernels.select_backend("auto", "cuda", torch.bfloat16)
     assert be.name == "torch" and "ROCm 6.4.1" in be.reason
 
+
+
+def test_free_memory_of_other_accelerators(monkeypatch):
+    from qwen35_fast.runtime.memory import free_bytes
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 48 << 30)
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 10 << 30)
+    assert free_bytes(torch.device("mps")) == (38 << 30, 48 << 30)
+    monkeypatch.setattr(torch.xpu, "mem_get_info", lambda d: (3 << 30, 16 << 30))
+    assert free_bytes(torch.device("xpu", 0)) == (3 << 30, 16 << 30)
+    free, total = free_bytes(torch.device("cpu"))
+    assert 0 < free <= total
