@@ -1,13 +1,16 @@
-"""The PyTorch path on the CPU (what runs without a CUDA GPU, and on an accelerator that is not CUDA): greedy
-decode tokens/s of a 0.8B-shaped model (random weights, fp32, --layers of its 24, every fourth attention) after
-prompts of several lengths, and each prompt's prefill time. With a long context each decoded token reads the
-attention layers' whole K/V cache (kernels/paged_attention/reference.py); the projections read the weights.
-Writes bench/results/cpu-decode.json (or --out).
+"""The PyTorch path on the CPU (what runs without a CUDA GPU, and on an accelerator that is not CUDA) against
+transformers' Qwen3_5ForConditionalGeneration on the same weights: a 0.8B-shaped model (random weights, fp32,
+--layers of its 24, every fourth attention; a tiny vision tower, unused), greedy decode tokens/s after prompts of
+several lengths, and each prompt's prefill time. With a long context each decoded token reads the attention
+layers' whole K/V cache (ours: kernels/paged_attention/reference.py); the projections read the weights.
+transformers: one generate() of 1 + --tokens tokens, each step timed as it ends (a logits processor), on the
+contexts of --hf-contexts (its prefill of 16K tokens takes minutes here). Writes bench/results/cpu-decode.json.
 
-    python3 bench/cpu_decode.py [--layers 8] [--contexts 256 4096 16384] [--tokens 12] [--threads 2] [--out PATH]
+    python3 bench/cpu_decode.py [--layers 8] [--contexts 256 4096 16384] [--hf-contexts 256 4096] [--threads 2]
 """
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,11 +19,73 @@ import torch
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
-from qwen35_fast.runtime import SamplingParams, generate, prefill_ids
-from qwen35_fast.runtime.model import Qwen35Model
-from qwen35_fast.runtime.tokenizer import load_tokenizer
+from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill_ids
+from qwen35_fast.runtime.config import TextConfig
 
-from e2e import random_weights_, shaped
+from e2e import shaped
+
+
+def transformers_model(c: TextConfig):
+    """transformers' model of text config `c` (random weights as its init draws them, the norms and gates moved off
+    their init values), with a tiny vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, layer_types=list(c.layer_types),
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
+                linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
+                linear_value_head_dim=c.linear_value_head_dim, tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=True,
+                        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                           out_hidden_size=c.hidden_size))
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0, 0.1)
+            elif name.endswith("A_log"):
+                p.uniform_(-2, 1)
+    return model
+
+
+def prompt(ctx: int) -> list[int]:
+    return [(i * 7919) % 200_000 + 100 for i in range(ctx)]  # any ids: the weights are random
+
+
+def ours_row(model, ctx: int, tokens: int, reps: int) -> dict:
+    t0 = time.perf_counter()
+    pf = prefill_ids(model, prompt(ctx), use_cache=False)
+    prefill_ms = (time.perf_counter() - t0) * 1000
+    greedy = SamplingParams(do_sample=False)
+    rate = max(generate(model, pf, max_new_tokens=tokens, sampling=greedy).decode_tokens_per_s for _ in range(reps))
+    return {"impl": "ours", "context": ctx, "prefill_ms": round(prefill_ms, 1), "decode_tok_per_s": round(rate, 2)}
+
+
+def transformers_row(model, ctx: int, tokens: int) -> dict:
+    """generate() of 1 + tokens greedy tokens, the time of each step taken by a logits processor (called once a
+    token, after the forward that made its logits): the prefill is the first call's time, the decode rate is
+    the steps between the first call and the last."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    clock = Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt(ctx)]), max_new_tokens=1 + tokens, min_new_tokens=1 + tokens,
+                             do_sample=False, logits_processor=LogitsProcessorList([clock]))
+    assert out.shape[1] == ctx + 1 + tokens and len(clock.times) == 1 + tokens
+    return {"impl": "transformers", "context": ctx, "prefill_ms": round((clock.times[0] - t0) * 1000, 1),
+            "decode_tok_per_s": round(tokens / (clock.times[-1] - clock.times[0]), 2)}
 
 
 def main():
@@ -28,30 +93,36 @@ def main():
     ap.add_argument("--model", default="0.8b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384])
+    ap.add_argument("--hf-contexts", type=int, nargs="*", default=[256, 4096])
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = Qwen35Model(shaped(args.model, args.layers), torch.float32, torch.device("cpu"))
-    random_weights_(model)
-    model.tokenizer, model.path = load_tokenizer(None), None
-    model.set_backend("torch")
-    greedy = SamplingParams(do_sample=False)
+    hf = transformers_model(shaped(args.model, args.layers))
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        from qwen35_fast.runtime import demo_checkpoint  # the real Qwen3.5 tokenizer files beside the weights
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            src = Path(demo_checkpoint()) / f
+            if src.exists():
+                (Path(folder) / f).write_bytes(src.read_bytes())
+        model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
     rows = []
     for ctx in args.contexts:
-        ids = [(i * 7919) % 200_000 + 100 for i in range(ctx)]  # any ids: the weights are random
-        t0 = time.perf_counter()
-        pf = prefill_ids(model, ids, use_cache=False)
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        rates = [generate(model, pf, max_new_tokens=args.tokens, sampling=greedy).decode_tokens_per_s
-                 for _ in range(args.reps)]
-        rows.append({"context": ctx, "prefill_ms": round(prefill_ms, 1), "decode_tok_per_s": round(max(rates), 2)})
+        rows.append(ours_row(model, ctx, args.tokens, args.reps))
         print(rows[-1], flush=True)
-    out = {"model": f"Qwen3.5-{args.model}-shaped, {args.layers} layers, random weights, fp32, PyTorch path",
+    model = None
+    with torch.inference_mode():  # a first call of each of its paths, outside the timing
+        hf.generate(torch.tensor([prompt(16)]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    for ctx in args.hf_contexts:
+        rows.append(transformers_row(hf, ctx, args.tokens))
+        print(rows[-1], flush=True)
+    import transformers
+    out = {"model": f"Qwen3.5-{args.model}-shaped, {args.layers} layers, random weights (the same in both), fp32",
            "threads": args.threads, "decode_tokens": args.tokens, "host_cpu": host_cpu(),
-           "torch": torch.__version__, "rows": rows}
+           "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -17,17 +17,24 @@ def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqle
     seqs = ([(i, 0, T) for i in range(B)] if cu_seqlens is None
             else [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
     y = torch.empty_like(x)
+    wf = weight.float()
     states = []
     for n, (row, s, e) in enumerate(seqs):
-        prev = (torch.zeros(C, W - 1, dtype=x.dtype, device=x.device) if initial_state is None
-                else initial_state[n].to(x.dtype))
-        xs = torch.cat([prev, x[row, s:e].transpose(0, 1)], dim=1)  # [C, W-1+L]
-        states.append(xs[:, xs.shape[1] - (W - 1):])
+        prev = (torch.zeros(W - 1, C, dtype=x.dtype, device=x.device) if initial_state is None
+                else initial_state[n].to(x.dtype).t())
+        xs = torch.cat([prev, x[row, s:e]])  # [W-1+L, C]: the inputs before x, then x, a row a step
+        states.append(xs[xs.shape[0] - (W - 1):].t())
         if e == s:  # an empty sequence keeps its initial state
             continue
-        out = F.conv1d(xs[None].float(), weight.float()[:, None, :], None if bias is None else bias.float(),
-                       groups=C)[0]
-        y[row, s:e] = F.silu(out).transpose(0, 1).to(x.dtype)
+        # y_t = silu(sum_j w[:, j] x_(t-W+1+j)): W passes over the rows as they lie (a conv1d wants the steps
+        # innermost, i.e. the rows transposed there and back, 3-4x the time on a CPU)
+        xf, L = xs.float(), e - s
+        acc = xf[W - 1:] * wf[:, W - 1]
+        for j in range(W - 1):
+            acc.addcmul_(xf[j:j + L], wf[:, j])
+        if bias is not None:
+            acc += bias.float()
+        y[row, s:e] = F.silu(acc, inplace=True).to(x.dtype)
     return y, torch.stack(states)
 
 
