@@ -226,12 +226,16 @@ class KVPool:
 
     @_locked
     def release(self, blocks: Sequence[int]) -> None:
+        freed = []
         for b in blocks:
             if self.refcount[b] <= 0:
                 raise RuntimeError(f"KVPool: block {b} released more often than it was taken")
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
-                self._free.append(b)
+                freed.append(b)
+        # last first onto the stack: the next allocation takes them in their order again, so a sequence's
+        # blocks stay mostly consecutive (the PyTorch path reads each consecutive stretch in place)
+        self._free.extend(reversed(freed))
 
     @_locked
     def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "") -> list[int]:

@@ -115,6 +115,20 @@ def test_allocate_release_and_refcounts():
         pool.retain(b[:1])
 
 
+
+def test_freed_blocks_come_back_in_their_order():
+    """A sequence freed and another one allocated in its place gets the same blocks in the same, ascending, order
+    (not reversed by the free stack): its K/V stay one consecutive stretch of the pool."""
+    pool = KVPool(16, 16)
+    first = pool.allocate(5)
+    assert first == [0, 1, 2, 3, 4]
+    other = pool.allocate(3)
+    seq = SequenceBlocks(first, 80)
+    pool.free(seq)
+    assert pool.allocate(5) == first
+    pool.release(other)
+    assert pool.allocate(3) == other
+
 def test_errors_name_both_numbers():
     pool = KVPool(10, 16)
     with pytest.raises(PromptTooLong, match=r"a 161-token prompt needs 11 K/V blocks \(176 token positions.*"
