@@ -149,7 +149,8 @@ def paged_attention_on_device(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     qh = q.float().view(T, Hkv, G, D) * scale
     out = torch.zeros(T, Hkv, G, D, dtype=torch.float32, device=dev)
     for n in range(N):
-        s = torch.einsum("thgd,chd->hgtc", qh, k[n]).masked_fill(~seen, -torch.inf)
+        s = torch.einsum("thgd,chd->hgtc", qh, k[n])
+        s.masked_fill_(~seen, -torch.inf)
         o = torch.einsum("hgtc,chd->thgd", torch.softmax(s, -1), v[n])
         out = torch.where((seq == n)[:, None, None, None], o, out)  # (other sequences' rows: all masked, NaN)
     out = out.reshape(T, H, D)
