@@ -22,21 +22,14 @@ from _import import host_cpu
 from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill_ids
 from qwen35_fast.runtime.config import TextConfig
 
-from e2e import shaped
+from e2e import hf_text_config, shaped
 
 
 def transformers_model(c: TextConfig):
     """transformers' model of text config `c` (random weights as its init draws them, the norms and gates moved off
     their init values), with a tiny vision tower."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    text = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                num_hidden_layers=c.num_hidden_layers, layer_types=list(c.layer_types),
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
-                linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
-                linear_value_head_dim=c.linear_value_head_dim, tie_word_embeddings=True,
-                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    text = hf_text_config(c, tie_word_embeddings=True)
     cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=True,
                         vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
                                            out_hidden_size=c.hidden_size))

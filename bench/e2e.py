@@ -36,6 +36,19 @@ def shaped(name: str, layers: int | None = None) -> TextConfig:
                       linear_value_head_dim=128)
 
 
+def hf_text_config(c: TextConfig, **more) -> dict:
+    """transformers' Qwen3_5TextConfig arguments for text config `c` (the rotary as every released Qwen3.5 has it),
+    with `more` on top."""
+    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, layer_types=list(c.layer_types),
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
+                linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
+                linear_value_head_dim=c.linear_value_head_dim,
+                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                     mrope_section=[11, 11, 10], mrope_interleaved=True), **more)
+
+
 def nine_b(layers: int) -> TextConfig:
     return shaped("9b", layers)
 

@@ -252,20 +252,15 @@ def transformers_e2e(args, ids, image, c):
 
     from qwen35_fast.runtime.multimodal import IMAGE_PAD
 
+    from e2e import hf_text_config
+
     try:
         import fla  # noqa: F401
         has_fla = True
     except ImportError:
         has_fla = False
     dev = ids.device
-    text = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                num_hidden_layers=c.num_hidden_layers, layer_types=list(c.layer_types),
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
-                linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
-                linear_value_head_dim=c.linear_value_head_dim,
-                rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                                     mrope_section=[11, 11, 10], mrope_interleaved=True))
+    text = hf_text_config(c)
     cfg = Qwen3_5Config(text_config=text, vision_config={**TOWER, "out_hidden_size": OUT_HIDDEN})
     torch.set_default_dtype(torch.bfloat16)
     try:
