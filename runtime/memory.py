@@ -13,6 +13,7 @@ import os
 import torch
 
 from .config import LINEAR, TextConfig, expected_shapes
+from .devices import empty_cache
 from .errors import Qwen35Error
 from .model import Qwen35Model
 
@@ -109,8 +110,7 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 def loading_out_of_memory(name: str, config: TextConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Error:
     """The error for a load that ran out of device memory; call it once the half-built model is gone."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    empty_cache(device)
     weights = dtype.itemsize * sum(math.prod(s) for s in expected_shapes(config).values())
     free, total = free_bytes(device)
     gib = 2 ** 30
@@ -125,8 +125,7 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
     """The error for a run that ran out of device memory (`what`: "reading a prompt of N tokens"); call it
     once the failed run's tensors are gone."""
     dev = model.device
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()  # what the failed run held goes back, so `free` is what a retry would find
+    empty_cache(dev)  # what the failed run held goes back, so `free` is what a retry would find
     free, total = free_bytes(dev)
     gib = 2 ** 30
     return Qwen35Error(

@@ -16,6 +16,7 @@ from torch import nn
 from .. import kernels
 from . import rope
 from .config import LINEAR, TextConfig
+from .devices import empty_cache
 from .errors import Qwen35Error
 from .host import upload
 from .kv_pool import PAD, SequenceBlocks
@@ -377,8 +378,7 @@ class Qwen35Model(nn.Module):
             if not isinstance(e, MemoryError) and not is_out_of_memory(e):
                 raise
         from .memory import free_bytes  # out of the except block: what the failed allocation held is gone
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_cache(self.device)
         free, _ = free_bytes(self.device)
         raise Qwen35Error(f"a K/V cache of {budget / 2**20:.0f} MiB does not fit on {self.device}: "
                           f"{free / 2**20:.0f} MiB is free beside the model's weights. Lower the loader's K/V cache "
