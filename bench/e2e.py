@@ -105,7 +105,7 @@ def main():
         ms = timed(lambda: run(), reps=3)
         lg, cache = run()
         logits[backend] = lg.float()
-        step = GraphedDecode(model, cache.clone(), a.tokens + a.decode + 3) if backend == "cuda" else None
+        step = GraphedDecode(model, cache.clone(), a.tokens + a.decode + 3)
         tok = lg.argmax(-1)
         for _ in range(2):  # warm-up: first calls pay for allocations and lazy initialisation
             tok = model.forward_decode(tok, cache).argmax(-1)
@@ -117,13 +117,13 @@ def main():
         tps = a.decode / (time.perf_counter() - t0)
         row = {"backend": chosen.name, "reason": chosen.reason, "layers": a.layers, "tokens": a.tokens,
                "prefill_ms": round(ms, 2), "decode_tok_per_s": round(tps, 1)}
-        if step is not None:  # the same greedy decode replayed from a CUDA graph, as generate() runs it
-            tok = int(lg.argmax())
-            t0 = time.perf_counter()
-            for _ in range(a.decode):
-                tok = int(step(tok).argmax())
-            row["decode_graph_tok_per_s"] = round(a.decode / (time.perf_counter() - t0), 1)
-            del step
+        # the same greedy decode replayed from a CUDA graph, as generate() runs it (either backend)
+        tok = int(lg.argmax())
+        t0 = time.perf_counter()
+        for _ in range(a.decode):
+            tok = int(step(tok).argmax())
+        row["decode_graph_tok_per_s"] = round(a.decode / (time.perf_counter() - t0), 1)
+        del step
         rows.append(row)
     contexts = decode_at_contexts(model, a.contexts, a.decode)
     fork = generate_start_copy(model, a.fork_tokens)

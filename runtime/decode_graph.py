@@ -99,11 +99,11 @@ class GraphedDecode:
 
 
 def graphed_decode(model: Qwen35Model, cache: Cache, most: int) -> GraphedDecode | None:
-    """A GraphedDecode on CUDA with the kernel backend, or None (the PyTorch path, which no GPU run has captured
-    yet; QWEN35_CUDA_GRAPHS=0; or capture failed: decode runs eagerly)."""
+    """A GraphedDecode on CUDA, with our kernels or with the PyTorch path (whose decode step reads nothing back
+    to the host, so it captures too); None off CUDA, with QWEN35_CUDA_GRAPHS=0, or when capture failed:
+    decode runs eagerly."""
     global _warned
-    if (model.device.type != "cuda" or not model.backend.use_cuda
-            or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0"):
+    if model.device.type != "cuda" or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0":
         return None
     try:
         return GraphedDecode(model, cache, most)

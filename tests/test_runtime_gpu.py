@@ -174,22 +174,24 @@ def test_one_decode_graph_follows_the_growing_cache(folder, monkeypatch):
 
 def test_the_pytorch_path_decode_captures_in_a_graph_and_gives_the_eager_tokens(folder, monkeypatch):
     """The PyTorch path (GPUs without our kernels: AMD, NVIDIA before Ampere) reads nothing back to the host in a
-    decode step (paged_attention_on_device), so a CUDA graph captures it, and generate() on that graph gives the
-    tokens of eager decoding. (generate() asks for graphs only with the kernel backend until this has passed on
-    a GPU; here the graph is made directly.)"""
+    decode step (paged_attention_on_device), so generate() captures it in a CUDA graph, and the graph gives the
+    tokens of eager decoding."""
     import importlib
 
-    from qwen35_fast.runtime.decode_graph import GraphedDecode
     gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     model = load_model(folder, dtype="bf16", device="cuda", backend="torch")
     pf = prefill_ids(model, list(range(7000, 7100)))
     penalised = SamplingParams(repetition_penalty=1.3)  # greedy without an early stop
+    monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
     eager = generate(model, pf, max_new_tokens=40, sampling=penalised)
+    monkeypatch.delenv("QWEN35_CUDA_GRAPHS")
     steps = []
-    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(GraphedDecode(m, c, most)) or steps[-1])
+    real = gen_mod.graphed_decode
+    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
     graphed = generate(model, pf, max_new_tokens=40, sampling=penalised)
-    assert len(steps) == 1 and model.backend.name == "torch"
+    assert len(steps) == 1 and steps[0] is not None and model.backend.name == "torch"
     assert graphed.token_ids == eager.token_ids
+
 
 def test_a_reused_prefix_gives_the_cold_logits_and_tokens(folder):
     """bf16 on the kernels: a prompt that reuses an earlier one's system prompt (paged attention over the
