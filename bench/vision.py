@@ -10,12 +10,13 @@ rotary and the LayerNorms where they run), a fresh plan each call ("ms"), and as
 that repeats ("ms_repeat": the kept plan, a CUDA graph from the second call); "ours-torch" on the PyTorch
 references.
 floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run. Each size's four timings are
-taken in turn, one call of each a round (medians over --reps rounds).
+taken in turn, one call of each a round in a shuffled order (medians over --reps rounds).
 
-    python3 bench/vision.py [--reps 10] [--layers 32] [--no-transformers-e2e] [--out PATH]
+    python3 bench/vision.py [--reps 12] [--layers 32] [--no-transformers-e2e] [--out PATH]
 """
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -57,10 +58,14 @@ def timed(fn, reps):
 def timed_in_turn(fns: dict, reps: int, warmup: int = 2) -> dict:
     """Median ms of each of fns, called one after the other in each of reps rounds (after warmup rounds), the
     GPU idle at each call's start: drift of the clocks or of the host's speed during the run falls on all of
-    them alike, not on whichever ran first."""
+    them alike, not on whichever ran first. Each round calls them in its own order (a seeded shuffle): what
+    runs just before a call (a heavy one holds the clocks down for a while) varies, and does not always
+    favour or burden the same fn."""
     times = {k: [] for k in fns}
+    order, rng = list(fns.items()), random.Random(0)
     for r in range(warmup + reps):
-        for k, fn in fns.items():
+        rng.shuffle(order)
+        for k, fn in order:
             sync()
             t0 = time.perf_counter()
             fn()
@@ -94,7 +99,7 @@ def inputs(scale: int = 1):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=32, help="text layers of the e2e model")
     ap.add_argument("--no-transformers-e2e", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script runs")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import comfy.model_management as mm
 import comfy.utils
@@ -132,10 +133,11 @@ class Qwen35Generate(io.ComfyNode):
         def on_token(delta: str, n_done: int, total: int):
             mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
             bar.update_absolute(n_done, total)
-            _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total})
+            # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
+            _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
 
         model = prefill.model
-        _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens,
+        _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                               "thinking": prefill.prefill.thinking})
         model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
         try:

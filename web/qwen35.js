@@ -3,7 +3,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const STREAM_EVENT = "qwen35.stream"; // sent by nodes/text.py: {node, display_node, delta, n, max, thinking}
+const STREAM_EVENT = "qwen35.stream"; // sent by nodes/text.py: {node, display_node, delta, n, max, t, thinking}
 const THINK_END = "</think>";
 
 const CSS = `

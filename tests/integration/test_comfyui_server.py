@@ -185,16 +185,22 @@ def test_interrupt_ends_a_long_generation_and_the_next_prompt_runs(comfy_server)
         elif msg["type"] == "qwen35.stream":
             state["streamed"] += 1
             if state["streamed"] == 4:
-                await asyncio.to_thread(comfy_server.post, "/interrupt", {})
                 state["at"] = msg["data"]["n"]
+                await asyncio.to_thread(comfy_server.post, "/interrupt", {})
+                state["posted"] = time.time()  # the server has set its interrupt flag by now
 
     def done(msg):
         return msg["type"] in ("execution_interrupted", "execution_success", "execution_error")
 
     messages = run_ws(collect_ws(comfy_server, client, done, on_message=on_message, timeout=600))
     assert messages[-1]["type"] == "execution_interrupted", messages[-1]
-    last_n = max(m["data"]["n"] for m in messages if m["type"] == "qwen35.stream")
-    assert last_n <= state["at"] + 2, f"interrupt at token {state['at']}, generation went on to {last_n}"
+    # A cancel lands within a token of the server's flag: at most the token being checked and the one the GPU
+    # had queued pass the check after it. (Counted by the server's clock in each event, not by the tokens seen
+    # before the /interrupt request: a fast GPU makes tokens faster than the request's round trip.)
+    stream = [m["data"] for m in messages if m["type"] == "qwen35.stream"]
+    late = [d["n"] for d in stream if d["t"] > state["posted"]]
+    assert len(late) <= 2, f"interrupt posted after token {state['at']}; tokens {late} passed the check after it"
+    assert max(d["n"] for d in stream) < 5000
     entry = comfy_server.wait(state["id"])
     assert any(m[0] == "execution_interrupted" for m in entry["status"]["messages"])
     after = comfy_server.wait(comfy_server.queue(simple_prompt(seed=5)))
