@@ -92,3 +92,30 @@ def test_a_grown_store_or_a_moved_model_captures_again(model):
     model.to("cpu")
     assert not model.graphs
     model.to("cuda")
+
+
+def test_the_pytorch_path_replays_short_prefills_from_a_graph_too(tmp_path):
+    """On a GPU without our kernels (AMD, NVIDIA before Ampere: the PyTorch path) a short prompt after a cached
+    prefix takes the graph as well: the padded pass reads nothing back to the host, so it captures, and its
+    replay equals the same pass run eagerly for any length of the bucket; prefix reuse takes it and gives the
+    cold prefill's greedy tokens."""
+    model = kernels_model(tmp_path, seed=9)
+    model.set_backend("torch")
+    base = _prefix(model, 200, seed=4)
+    graphed = PaddedPrefill(model, BUCKETS[0], capture=True)
+    eager = PaddedPrefill(model, BUCKETS[0], capture=False)
+    g = torch.Generator().manual_seed(5)
+    for n in (BUCKETS[0], 3, 29):
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        got, _ = graphed(base.clone(), ids, None, None, [])
+        same, _ = eager(base.clone(), ids, None, None, [])
+        assert graphed.graph is not None and torch.equal(got, same)
+    model.setup_kv()
+    system = "You write prompts for an image model. Keep them short and concrete. " * 8
+    prefill(model, "A harbour at dawn.", system_prompt=system)
+    second = prefill(model, "A forest in the rain, seen from above.", system_prompt=system)
+    assert second.cached_tokens > 0 and model.graphs[("prefill", BUCKETS[0])].graph is not None
+    cold = prefill(model, "A forest in the rain, seen from above.", system_prompt=system, use_cache=False)
+    assert rel(second.logits, cold.logits) <= BF16
+    assert (generate(model, second, max_new_tokens=12, sampling=GREEDY).token_ids
+            == generate(model, cold, max_new_tokens=12, sampling=GREEDY).token_ids)
