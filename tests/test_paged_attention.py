@@ -162,6 +162,28 @@ def test_the_device_form_reads_nothing_back_and_equals_the_reference(write_kv, b
     assert torch.equal(a["k_pool"].nan_to_num(7.0), b["k_pool"].nan_to_num(7.0))
     assert torch.equal(a["v_pool"].nan_to_num(7.0), b["v_pool"].nan_to_num(7.0))
 
+
+@pytest.mark.parametrize("form", ["reference", "device"])
+def test_many_new_tokens_over_a_long_cache_run_in_row_chunks(form, monkeypatch):
+    """Many new tokens over a long cache hold at most SCORE_BYTES of scores at a time (row chunks; the CPU form
+    also leaves out the keys no row of a chunk sees): the attention of the call in one piece, and the same
+    pool writes."""
+    from qwen35_fast.kernels.paged_attention import reference
+    fn = paged_attention_ref if form == "reference" else paged_attention_on_device
+    lens = [(300, 70), (0, 33), (129, 1)]
+    a, b = (make_case(13, 16, lens, H=8, Hkv=2, D=64) for _ in range(2))
+    args = ("q", "k_new", "v_new", "k_pool", "v_pool", "block_table", "cache_lens", "cu_q", "gate")
+    want = fn(*(b[k] for k in args))
+    sizes, real = [], torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, *p, **k: sizes.append(x.numel()) or real(x, *p, **k))
+    monkeypatch.setattr(reference, "SCORE_BYTES", 4 * 8 * 400 * 7)  # 7 rows of 8 heads over 400 keys
+    got = fn(*(a[k] for k in args))
+    monkeypatch.undo()
+    assert len(sizes) > 2 * len(lens) and 4 * max(sizes) <= 4 * 8 * 400 * 7
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-4
+    assert torch.equal(a["k_pool"].nan_to_num(7.0), b["k_pool"].nan_to_num(7.0))
+
+
 def test_op_reference_path_and_fake():
     a = make_case(4, 16, [(10, 4)], H=4, Hkv=2, D=32)
     args = (a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"], a["cache_lens"],

@@ -55,6 +55,14 @@ def runs(blocks: list[int], length: int, block_size: int) -> list[tuple[int, int
 
 
 MAX_RUNS = 8  # more stretches than this: one gathered copy instead of a product per stretch
+# The most fp32 scores (and as many probabilities) a call holds at a time: many new tokens over a long cache
+# (a 4,096-token follow-up over 32K cached tokens, 16 heads: 9.7 GB of scores at once) run in row chunks.
+SCORE_BYTES = 256 << 20
+
+
+def rows_per_chunk(heads: int, keys: int) -> int:
+    """New tokens whose scores over `keys` keys (all `heads` q heads, fp32) fit SCORE_BYTES; at least one."""
+    return max(1, SCORE_BYTES // (4 * heads * max(1, keys)))
 
 
 def paged_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
@@ -93,22 +101,36 @@ def paged_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         else:
             keys = [(torch.cat([gather_kv(k_pool, block_table[n], L), k_new[a:b]]),
                      torch.cat([gather_kv(v_pool, block_table[n], L), v_new[a:b]]))]  # [L + nq, Hkv, D]
-        # each kv head with its G q heads' rows (g, t) as one product, no copy of K / V per q head
-        qh = q[a:b].float().view(nq, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * nq, D) * scale
-        s = torch.cat([qh @ k.float().permute(1, 2, 0) for k, _ in keys], -1)  # [Hkv, G * nq, L + nq]
-        if nq > 1:  # the prefix and, causally, each other (lower right); one new token sees every key
-            hidden = torch.arange(L + nq, device=q.device)[None, :] > L + torch.arange(nq, device=q.device)[:, None]
-            s.view(Hkv, G, nq, L + nq).masked_fill_(hidden, -torch.inf)
-        p, o, at = torch.softmax(s, -1), 0, 0
-        for k, v in keys:
-            o = o + p[..., at:at + k.shape[0]] @ v.float().transpose(0, 1)  # [Hkv, G * nq, D]
-            at += k.shape[0]
-        out[a:b] = o.view(Hkv, G, nq, D).permute(2, 0, 1, 3).reshape(nq, H, D)
+        step = rows_per_chunk(H, L + nq)
+        for r0 in range(0, nq, step):  # new tokens r0 .. r1 - 1 see keys 0 .. L + r1 - 1 at most
+            r1 = min(nq, r0 + step)
+            c, seen = r1 - r0, [(k[:m], v[:m]) for (k, v), m in zip(keys, _upto(keys, L + r1)) if m > 0]
+            # each kv head with its G q heads' rows (g, t) as one product, no copy of K / V per q head
+            qh = q[a + r0:a + r1].float().view(c, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c, D) * scale
+            s = torch.cat([qh @ k.float().permute(1, 2, 0) for k, _ in seen], -1)  # [Hkv, G * c, L + r1]
+            if c > 1:  # the prefix and, causally, each other (lower right); a lone row sees every key kept
+                hidden = (torch.arange(L + r1, device=q.device)[None, :]
+                          > L + torch.arange(r0, r1, device=q.device)[:, None])
+                s.view(Hkv, G, c, L + r1).masked_fill_(hidden, -torch.inf)
+            p, o, at = torch.softmax(s, -1), 0, 0
+            for k, v in seen:
+                o = o + p[..., at:at + k.shape[0]] @ v.float().transpose(0, 1)  # [Hkv, G * c, D]
+                at += k.shape[0]
+            out[a + r0:a + r1] = o.view(Hkv, G, c, D).permute(2, 0, 1, 3).reshape(c, H, D)
     if gate is not None:
         out = out * torch.sigmoid(gate.float())
     if write_kv and not in_place:
         write_kv_ref(k_pool, v_pool, k_new, v_new, torch.as_tensor(block_table), cache_lens, cu_q)
     return out.to(q.dtype)
+
+
+def _upto(keys: list, limit: int) -> list[int]:
+    """How many rows of each of the stretches `keys` (in position order) lie before position `limit`."""
+    out, at = [], 0
+    for k, _ in keys:
+        out.append(max(0, min(k.shape[0], limit - at)))
+        at += k.shape[0]
+    return out
 
 
 def paged_attention_on_device(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
@@ -148,11 +170,15 @@ def paged_attention_on_device(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     seen = j[None, :] <= pos[:, None]  # [T, C]: causal within the sequence (the cached prefix all seen)
     qh = q.float().view(T, Hkv, G, D) * scale
     out = torch.zeros(T, Hkv, G, D, dtype=torch.float32, device=dev)
-    for n in range(N):
-        s = torch.einsum("thgd,chd->hgtc", qh, k[n])
-        s.masked_fill_(~seen, -torch.inf)
-        o = torch.einsum("hgtc,chd->thgd", torch.softmax(s, -1), v[n])
-        out = torch.where((seq == n)[:, None, None, None], o, out)  # (other sequences' rows: all masked, NaN)
+    step = rows_per_chunk(H, C)
+    for r0 in range(0, T, step):  # (T is the tensor's shape: the chunks read nothing back)
+        r1 = min(T, r0 + step)
+        for n in range(N):
+            s = torch.einsum("thgd,chd->hgtc", qh[r0:r1], k[n])
+            s.masked_fill_(~seen[r0:r1], -torch.inf)
+            o = torch.einsum("hgtc,chd->thgd", torch.softmax(s, -1), v[n])
+            # (other sequences' rows: all masked, NaN)
+            out[r0:r1] = torch.where((seq[r0:r1] == n)[:, None, None, None], o, out[r0:r1])
     out = out.reshape(T, H, D)
     if gate is not None:
         out = out * torch.sigmoid(gate.float())
