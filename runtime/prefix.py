@@ -89,13 +89,16 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
         n, origin = start.length, start
     else:
         origin = snap.states if snap is not None else None
+    # a parent made before setup_kv remade the store: it continues on its own (older) store, eagerly, and its
+    # states are no snapshots of this store (their block ids would name other sequences' blocks here)
+    foreign = origin is start and start is not None and start_cache.store is not store
     pos = positions[:, n:] if positions is not None else None
     feats = vision(n) if vision is not None else None
     keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
                   else {p for p in needed if n < p < len(ids)})
     # a short prompt after a cached prefix: one graph launch (prefill_graph.py), which copies the states in
     # itself and needs room for its whole bucket
-    graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 else None
+    graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 and not foreign else None
     capacity, copy = (len(ids), True) if graphed is None else (max(len(ids), n + graphed.bucket), False)
     if origin is None:
         cache = model.new_cache(1, capacity)
@@ -118,7 +121,7 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
             logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
     kept = [k.packed() for k in kept]  # a later graphed prefill from a snapshot copies it in at once
     states.update(zip(keep, kept))
-    if use_cache:
+    if use_cache and not foreign:
         for p, state in zip(keep, kept):
             if p in points:
                 store.pool.save_snapshot(cache.seq, ids, p, state, state.nbytes, media)

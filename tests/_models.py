@@ -80,3 +80,13 @@ def kernels_model(folder: Path, seed: int, **cfg):
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     assert model.backend.name == "cuda"
     return model
+
+
+def spy_graphs(monkeypatch) -> list:
+    """Record what generate()'s graphed_decode returns (None: the capture failed and the step ran eagerly),
+    so that a test of the graphed decode can assert that a graph ran."""
+    import importlib
+    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
+    steps, real = [], gen_mod.graphed_decode
+    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
+    return steps

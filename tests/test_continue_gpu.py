@@ -29,14 +29,16 @@ def test_continued_prefill_equals_one_go_on_the_kernels(model, thinking):
     child = continue_prefill(model, parent, "Now one about mountains.", previous_answer=answer.text,
                              thinking=thinking)
     assert child.cached_tokens == parent.turn.length and child.new_tokens < child.n_tokens
-    one_go = prefill_ids(model, list(child.token_ids), thinking=thinking)
+    # cold: the prefix cache holds the child's own turn-end snapshot, which would make this the child again
+    one_go = prefill_ids(model, list(child.token_ids), thinking=thinking, use_cache=False)
+    assert one_go.cached_tokens == 0
     err = rel(child.logits, one_go.logits)
     assert err < 2e-2, err
     a = generate(model, child, max_new_tokens=16, sampling=GREEDY)
     b = generate(model, one_go, max_new_tokens=16, sampling=GREEDY)
     assert a.token_ids == b.token_ids, f"logits rel err {err:.2e}"
     grandchild = continue_prefill(model, child, "And one about rivers.", previous_answer=a.text)
-    again = prefill_ids(model, list(grandchild.token_ids))
+    again = prefill_ids(model, list(grandchild.token_ids), use_cache=False)
     assert rel(grandchild.logits, again.logits) < 2e-2
     assert generate(model, grandchild, max_new_tokens=16, sampling=GREEDY).token_ids == \
         generate(model, again, max_new_tokens=16, sampling=GREEDY).token_ids
@@ -47,9 +49,12 @@ def test_kernels_and_pytorch_path_agree_on_a_follow_up(model):
     child = continue_prefill(model, parent, "Which is the sweetest?", previous_answer="Apple, pear, fig, kiwi, plum.")
     model.set_backend("torch")
     try:
-        ref = continue_prefill(model, parent, "Which is the sweetest?", previous_answer="Apple, pear, fig, kiwi, plum.")
+        # use_cache off: else the kernels' own snapshot of this turn serves it and the PyTorch path reads 7 tokens
+        ref = continue_prefill(model, parent, "Which is the sweetest?", previous_answer="Apple, pear, fig, kiwi, plum.",
+                               use_cache=False)
     finally:
         model.set_backend("cuda")
+    assert ref.cached_tokens == parent.turn.length == child.cached_tokens
     assert child.token_ids == ref.token_ids and rel(child.logits, ref.logits) < 2e-2
 
 
@@ -79,9 +84,11 @@ def test_a_follow_up_with_an_image_on_the_kernels(model):
     assert child.vision.vision_tokens == image[0].n_tokens() and child.cache.rope_delta < 0
     model.set_backend("torch")
     try:
-        ref = continue_prefill(model, parent, "Here: <image> What is it?", images=image, previous_answer="Go ahead.")
+        ref = continue_prefill(model, parent, "Here: <image> What is it?", images=image, previous_answer="Go ahead.",
+                               use_cache=False)  # (else the kernels' snapshot after the image serves it)
     finally:
         model.set_backend("cuda")
+    assert ref.cached_tokens == parent.turn.length and ref.vision.vision_tokens == image[0].n_tokens()
     assert rel(child.logits, ref.logits) < 2e-2
     # an image in the first turn, then a text follow-up that reuses it (read once, by the first turn)
     first = prefill_multimodal(model, "What is it?", images=image)

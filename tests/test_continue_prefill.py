@@ -12,6 +12,7 @@ from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _hf_logits, _
 
 from qwen35_fast.runtime import Qwen35Error, continue_prefill, generate, prefill, prefill_ids, prefill_multimodal
 from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.prefix import system_end
 from qwen35_fast.runtime.sampling import SamplingParams
 
 from _models import rel
@@ -69,7 +70,9 @@ def test_text_follow_up_equals_the_whole_conversation(template, pair, answer, pa
     assert child.new_tokens == child.n_tokens - child.cached_tokens > 0 and child.ms > 0
     assert child.token_ids[:child.cached_tokens] == parent.token_ids[:child.cached_tokens]
     err_hf = rel(child.logits, _hf_logits(hf, child))
-    err_own = rel(child.logits, prefill_ids(ours, list(child.token_ids)).logits)
+    one_go = prefill_ids(ours, list(child.token_ids), use_cache=False)  # cold: not the child's own snapshot
+    err_own = rel(child.logits, one_go.logits)
+    assert one_go.cached_tokens == 0
     assert err_hf <= TOL and err_own <= TOL, (err_hf, err_own)
     _parent_unchanged(parent, before)
 
@@ -189,6 +192,24 @@ def test_errors_name_the_cause_and_the_fix(pair, tmp_path):
             continue_prefill(ours, parent, "More.")
     finally:
         ours.config = real
+
+
+def test_a_prefill_from_a_store_made_before_continues_on_its_own_store(pair):
+    """setup_kv remakes the model's K/V store; a prefill made before keeps the old one alive. A follow-up of it
+    runs on the old store's blocks and leaves no snapshot in the new store (its block ids would name other
+    sequences' blocks there): asked twice, it gives the cold conversation's logits both times."""
+    _, ours = pair
+    parent = prefill(ours, "Name a colour.", system_prompt=SYSTEM)
+    ours.setup_kv(8 << 20)
+    prefill(ours, "Name a number, any number you like.", system_prompt=SYSTEM)  # the new store's blocks in use
+    got = [continue_prefill(ours, parent, "And then?", previous_answer="Blue.") for _ in range(2)]
+    cold = prefill_ids(ours, list(got[0].token_ids), use_cache=False)
+    for child in got:
+        assert child.cache.store is parent.cache.store is not ours.kv
+        assert child.cached_tokens == parent.turn.length and rel(child.logits, cold.logits) <= TOL
+    snap = ours.kv.pool.match(list(got[0].token_ids))  # at most the other prompt's system prompt
+    assert snap is None or snap.num_tokens <= system_end(ours, got[0].token_ids)
+    ours.setup_kv()
 
 
 @pytest.mark.parametrize("splits", [(1,), (37,), (64,), (65, 66), (20, 90, 91), (127,)])

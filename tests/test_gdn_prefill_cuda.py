@@ -267,10 +267,17 @@ def test_prep_value_heads_per_block(monkeypatch, path, Hk, Hv):
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     inputs = make_inputs(1, sum(lens), Hk, Hv, torch.bfloat16, "model", len(lens), seed=Hv)
     outs = []
-    for hpb in (1, Hv // Hk):
-        monkeypatch.setattr(P, "prep_heads", lambda *a, hpb=hpb: hpb)
-        run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv), **PATHS[path])
-        outs.append(_launcher()(*inputs, cu, **PATHS[path]))
+    try:
+        for hpb in (1, Hv // Hk):
+            asked = []
+            monkeypatch.setattr(P, "prep_heads", lambda *a, hpb=hpb: asked.append(hpb) or hpb)
+            P.plan.cache_clear()  # plan() is memoised: else the first iteration's plan (and its hpb) serves both
+            run_and_check(*inputs, cu_seqlens=cu, ref_key=("hpb", Hk, Hv), **PATHS[path])
+            outs.append(_launcher()(*inputs, cu, **PATHS[path]))
+            assert asked, "the plan did not ask prep_heads: this run did not take the patched value"
+    finally:
+        monkeypatch.undo()
+        P.plan.cache_clear()  # no plan with a patched value outlives the test
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

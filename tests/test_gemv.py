@@ -159,13 +159,14 @@ def test_gemv_replays_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path):
+def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path, monkeypatch):
     """One decode step's logits from the same cache agree to bf16 rounding, and greedy generation (in its CUDA
     graph) gives the same tokens."""
     from qwen35_fast.runtime import generate, prefill
 
-    from _models import kernels_model, rel
+    from _models import kernels_model, rel, spy_graphs
     model = kernels_model(tmp_path, seed=12)
+    steps = spy_graphs(monkeypatch)
     pf = prefill(model, "Describe a lighthouse at dusk in one sentence.")
     ids = torch.tensor([int(pf.logits.argmax())], device="cuda")
     logits, tokens = {}, {}
@@ -176,6 +177,7 @@ def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path):
         assert model._gemv == on
         tokens[on] = generate(model, pf, max_new_tokens=16).token_ids
     assert rel(logits[True], logits[False]) < 1e-2
+    assert len(steps) == 2 and all(g is not None for g in steps)  # both generations in a graph
     assert tokens[True] == tokens[False]
 
 
@@ -294,8 +296,9 @@ def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path
     equal those with each as its own launch (the kernels' public calls replaced by their two launches)."""
     from qwen35_fast.runtime import generate, prefill
 
-    from _models import kernels_model
+    from _models import kernels_model, spy_graphs
     model = kernels_model(tmp_path, seed=13, hidden=256, inter=512)
+    steps = spy_graphs(monkeypatch)
     model.set_decode_gemv(True)
     pf = prefill(model, "Describe a lighthouse at dusk in one sentence.")
     ids = torch.tensor([int(pf.logits.argmax())], device="cuda")
@@ -314,4 +317,5 @@ def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path
         logits[fused] = model.forward_decode(ids, cache).float()
         tokens[fused] = generate(model, pf, max_new_tokens=12).token_ids
     assert torch.equal(logits[True], logits[False])
+    assert len(steps) == 2 and all(g is not None for g in steps)  # both generations in the step's graph
     assert tokens[True] == tokens[False]

@@ -4,7 +4,7 @@ import torch
 
 from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill_ids
 
-from _models import make_hf_model, rel
+from _models import make_hf_model, rel, spy_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +52,9 @@ def test_graphed_decode_gives_what_eager_decode_gives(folder, monkeypatch):
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     pf = prefill_ids(model, list(range(7000, 7100)))
     sampled = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9)
+    steps = spy_graphs(monkeypatch)
     graphed = [generate(model, pf, max_new_tokens=24, sampling=s, seed=3) for s in (SamplingParams(), sampled)]
+    assert len(steps) == 2 and all(g is not None for g in steps)  # (None: the capture failed, eager ran)
     monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
     eager = [generate(model, pf, max_new_tokens=24, sampling=s, seed=3) for s in (SamplingParams(), sampled)]
     for g, e in zip(graphed, eager):
@@ -159,9 +161,7 @@ def test_one_decode_graph_follows_the_growing_cache(folder, monkeypatch):
     gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     pf = prefill_ids(model, list(range(7000, 7100)))
-    steps = []
-    real = gen_mod.graphed_decode
-    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
+    steps = spy_graphs(monkeypatch)
     monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
     penalised = SamplingParams(repetition_penalty=1.3)  # greedy without an early stop
     grown = generate(model, pf, max_new_tokens=120, sampling=penalised)
@@ -176,18 +176,13 @@ def test_the_pytorch_path_decode_captures_in_a_graph_and_gives_the_eager_tokens(
     """The PyTorch path (GPUs without our kernels: AMD, NVIDIA before Ampere) reads nothing back to the host in a
     decode step (paged_attention_on_device), so generate() captures it in a CUDA graph, and the graph gives the
     tokens of eager decoding."""
-    import importlib
-
-    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     model = load_model(folder, dtype="bf16", device="cuda", backend="torch")
     pf = prefill_ids(model, list(range(7000, 7100)))
     penalised = SamplingParams(repetition_penalty=1.3)  # greedy without an early stop
     monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
     eager = generate(model, pf, max_new_tokens=40, sampling=penalised)
     monkeypatch.delenv("QWEN35_CUDA_GRAPHS")
-    steps = []
-    real = gen_mod.graphed_decode
-    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
+    steps = spy_graphs(monkeypatch)
     graphed = generate(model, pf, max_new_tokens=40, sampling=penalised)
     assert len(steps) == 1 and steps[0] is not None and model.backend.name == "torch"
     assert graphed.token_ids == eager.token_ids
@@ -214,10 +209,7 @@ def test_the_decode_graph_is_captured_again_when_the_store_grows(folder, monkeyp
     larger tensors, generate captures its decode step again over them, and the tokens are those of the
     same graphed generation on a store large enough from the start (same table width, so the same key
     splits; eager decoding splits by its own table and may flip a near-tie after many tokens)."""
-    import importlib
-
     from qwen35_fast.runtime import kv_store
-    gen_mod = importlib.import_module("qwen35_fast.runtime.generate")
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     penalised = SamplingParams(repetition_penalty=1.3)
     model.setup_kv(64 << 20)  # fixed, room for everything
@@ -227,9 +219,7 @@ def test_the_decode_graph_is_captured_again_when_the_store_grows(folder, monkeyp
     store = model.setup_kv()
     assert store.growable and store.num_blocks == 2
     pf = prefill_ids(model, list(range(7000, 7100)))
-    steps = []
-    real = gen_mod.graphed_decode
-    monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
+    steps = spy_graphs(monkeypatch)
     graphed = generate(model, pf, max_new_tokens=300, sampling=penalised)
     assert store.version >= 2 and len(steps) >= 2 and steps[-1].version == store.version
     assert graphed.token_ids == want.token_ids and graphed.n_tokens == 300

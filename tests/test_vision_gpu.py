@@ -8,7 +8,7 @@ from qwen35_fast.runtime.media import preprocess_images
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 from qwen35_fast.runtime.vision import VisionTower, _targets, vision_config_from_hf
 
-from _models import make_hf_model, rel
+from _models import make_hf_model, rel, spy_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +105,9 @@ def test_multimodal_prefill_and_decode_on_cuda(tmp_path, monkeypatch):
     b = prefill_multimodal(gpu, "What is this?", images=image.cuda())
     assert a.token_ids == b.token_ids and rel(b.logits, a.logits) < 5e-2
     greedy = SamplingParams(do_sample=False)
+    steps = spy_graphs(monkeypatch)
     graphed = generate(gpu, b, max_new_tokens=8, sampling=greedy)  # the image's rope_delta inside the graph
+    assert len(steps) == 1 and steps[0] is not None
     monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
     eager = generate(gpu, b, max_new_tokens=8, sampling=greedy)
     assert graphed.token_ids == eager.token_ids and len(eager.token_ids) >= 1

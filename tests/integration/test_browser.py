@@ -21,7 +21,6 @@ pytestmark = pytest.mark.comfyui
 CHROMIUM = os.environ.get("QWEN35_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
-OUR_NODES = {"Qwen35ModelLoader", "Qwen35TextPrefill", "Qwen35Generate"}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def test_front_end_reads_every_example_workflow(browser_env, object_info):
                     theirs = await page.evaluate("async () => (await app.graphToPrompt()).output")
                     ours = to_api(workflow, object_info)
                     for nid, node in ours.items():
-                        if node["class_type"] in OUR_NODES:
+                        if node["class_type"].startswith("Qwen35"):  # every node of ours, sockets and all
                             assert theirs[nid]["class_type"] == node["class_type"], path.name
                             assert theirs[nid]["inputs"] == node["inputs"], (path.name, nid)
                 assert not errors, errors
