@@ -51,7 +51,8 @@ class Qwen35ModelLoader(io.ComfyNode):
                                tooltip="Checkpoint folders in models/LLM/<name>/ and single .safetensors files "
                                        "in models/LLM or models/text_encoders."),
                 io.Combo.Input("dtype", options=DTYPES, default="auto",
-                               tooltip="Weight precision. auto: bf16 on a GPU that has it, else fp32."),
+                               tooltip="Weight precision. auto: bf16 on a CUDA GPU (cards before Ampere emulate it), on "
+                                       "other GPUs where a bf16 matmul runs there; else fp32."),
                 io.Combo.Input("device", options=DEVICES, default="auto",
                                tooltip="auto: the device ComfyUI runs on (cpu when started with --cpu). On "
                                        "Apple (mps), Intel (xpu) and other non-CUDA GPUs the PyTorch path runs "

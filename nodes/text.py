@@ -92,7 +92,8 @@ class Qwen35Generate(io.ComfyNode):
                 io.Int.Input("max_new_tokens", default=256, min=1, max=32768,
                              tooltip="Stops after this many tokens if the model has not finished."),
                 io.Boolean.Input("sampling", default=True, label_on="sample", label_off="greedy",
-                                 tooltip="Off: always the most likely token (the settings below are ignored)."),
+                                 tooltip="Off: always the most likely token after the repetition and presence "
+                                         "penalties (temperature, top_k, top_p and min_p are ignored)."),
                 io.Float.Input("temperature", default=0.7, min=0.01, max=2.0, step=0.01),
                 io.Int.Input("top_k", default=20, min=0, max=1000, tooltip="0: no limit."),
                 io.Float.Input("top_p", default=0.8, min=0.01, max=1.0, step=0.01,

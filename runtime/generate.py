@@ -223,17 +223,9 @@ def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[s
         close = tok.token_id(THINK_CLOSE)
         if close in out:
             cut = out.index(close)
-            return tok.decode(out[:cut]).strip(), _text(tok, out[cut + 1:])
+            return tok.decode(out[:cut]).strip(), tok.decode(out[cut + 1:]).strip()
         return tok.decode(out).strip(), ""
-    return "", _text(tok, out)
-
-
-def _text(tok, ids: list[int]) -> str:
-    """Answer text: end-of-turn markers left at its end dropped, surrounding whitespace stripped."""
-    ids = list(ids)
-    while ids and ids[-1] in tok.eos_token_ids:
-        ids.pop()
-    return tok.decode(ids).strip()
+    return "", tok.decode(out).strip()  # (generate stops before an end-of-turn token: `out` holds none)
 
 
 @torch.compiler.disable

@@ -126,6 +126,13 @@ def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = IM
     return h, w
 
 
+def limited_by_max(height: int, width: int, size: tuple[int, int], factor: int, min_pixels: int, frames: int = 1,
+                   temporal_factor: int = 1) -> bool:
+    """Whether max_pixels made `size` (smart_resize's answer for these arguments) smaller than it would be
+    without a limit (the sides' rounding to `factor` alone can take a size past the limit, or keep it under)."""
+    return size != smart_resize(height, width, factor, min_pixels, math.inf, frames, temporal_factor)
+
+
 def _check_images(images) -> tuple[int, int, int, int]:
     """(batch, height, width, channels) of a ComfyUI IMAGE [B, H, W, C] (or one [H, W, C]), or a Qwen35Error
     that names what is wrong with it."""
@@ -277,7 +284,7 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
     b, h, w, c = _check_images(images)
     given = images
     size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
-    scaled = h * w > pp.max_pixels
+    scaled = limited_by_max(h, w, size, pp.factor, pp.min_pixels)
 
     @functools.cache
     def on_device() -> torch.Tensor:  # moved when first needed: a cached image is never copied
@@ -333,8 +340,8 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     grid = (len(index) // tp, size[0] // pp.patch_size, size[1] // pp.patch_size)
     times = [i / fps for i in index]
     stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
-    return VisionInput("video", patches, grid, (h, w), stamps, sampled * h * w > pp.video_max_pixels, chosen,
-                       _recipe(size, pp), (frames, tuple(picked)))
+    scaled = limited_by_max(h, w, size, pp.factor, pp.video_min_pixels, sampled, tp)
+    return VisionInput("video", patches, grid, (h, w), stamps, scaled, chosen, _recipe(size, pp), (frames, tuple(picked)))
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",

@@ -495,7 +495,7 @@ class Qwen35Model(nn.Module):
             h0 = h0.expand(1 + len(cut), *h0.shape[1:])
         o, ht = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0,
                                           cu_seqlens=pc.cu_seqlens, backend=be)
-        cache.ssm[i] = ht[:1]
+        cache.ssm[i] = ht[:1].clone()  # its own: a view would keep every cut's state alive with the prompt's
         for n, (_, state) in enumerate(cut):
             state.conv[i], state.ssm[i] = convs[n], ht[n + 1:n + 2]
         return self._gdn_out(m, o[:, :T], z, be)

@@ -229,9 +229,10 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     vision_ms = clock.ms
     stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-    return Prefill(tuple(ids), logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
-                   id(model), vision=stats, turn=run.states.get(turn_end), cached_tokens=run.cached_tokens,
-                   media=tuple(spans))
+    # (raw text opens no thinking block)
+    return Prefill(tuple(ids), logits, run.cache, (t2 - t0) * 1000, model.backend.name,
+                   thinking and use_chat_template, id(model), vision=stats, turn=run.states.get(turn_end),
+                   cached_tokens=run.cached_tokens, media=tuple(spans))
 
 
 def _count_pads(ids) -> int:

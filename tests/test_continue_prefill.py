@@ -86,6 +86,17 @@ def test_fresh_prefills_report_no_reuse(pair):
     assert raw.turn is None and raw.cached_tokens == 0
 
 
+def test_raw_text_with_an_image_opens_no_thinking_block(pair):
+    """Without the chat template nothing opens <think>: thinking on leaves the whole output the answer, as
+    for a text prompt."""
+    _, ours = pair
+    pf = prefill_multimodal(ours, "Describe <image>.", images=_image(64, 64, 0), thinking=True,
+                            use_chat_template=False)
+    assert not pf.thinking and pf.vision.vision_tokens > 0
+    out = generate(ours, pf, max_new_tokens=4, sampling=SamplingParams(do_sample=False))
+    assert out.thinking == "" and out.n_tokens >= 1
+
+
 def test_earlier_thinking_is_left_out_as_the_template_does(template, pair):  # noqa: F811
     _, ours = pair
     parent = prefill(ours, "Why is the sky blue?", system_prompt=SYSTEM, thinking=True)

@@ -47,7 +47,16 @@ def test_grid_tokens_and_pixels_match_transformers(h, w, pixels):
         assert diff.max() < 1e-6
     else:
         assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
-    assert mine.scaled_down == (h * w > pp.max_pixels)
+    assert mine.scaled_down == (pixels is not None)  # the cases with a limit are the ones it shrinks
+
+
+@pytest.mark.parametrize("h,w,scaled", [(1008, 992, True), (1007, 1000, False), (992, 992, False)])
+def test_scaled_down_means_max_pixels_made_it_smaller(h, w, scaled):
+    """At max_pixels 1,000,000: 1008 x 992 (999,936 pixels) rounds to 1024 x 992, over the limit, and is shrunk
+    to 992 x 992; 1007 x 1000 (1,007,000) rounds to 992 x 992, under it, and is not."""
+    pp = Preprocessing(max_pixels=1_000_000)
+    inp = preprocess_images(torch.rand(1, h, w, 3), pp)[0]
+    assert inp.scaled_down == scaled and inp.grid == (1, 62, 62)
 
 
 def test_grey_and_rgba_become_rgb():

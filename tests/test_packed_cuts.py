@@ -105,6 +105,10 @@ def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monke
     for a, b in zip(packed, parts):
         assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
         assert rel(a.logits, b.logits) <= 1e-5
+        # the prefill (cached by ComfyUI) holds its own states, not the packed call's states of every cut
+        ssm = [t for t in a.cache.ssm if t is not None]
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ssm}
+        assert sum(held.values()) == sum(t.nbytes for t in ssm)
     assert packed[1].cached_tokens > 0  # the second question reused the first one's image
 
 
