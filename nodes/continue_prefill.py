@@ -60,13 +60,13 @@ class Qwen35ContinuePrefill(io.ComfyNode):
     def execute(cls, prefill, prompt="", images=None, previous_answer=None, thinking=False,
                 max_pixels=0) -> io.NodeOutput:
         from ..runtime import continue_prefill
-        from ..runtime.memory import prefill_bytes
 
         model = prefill.model
-        # the earlier turns' cache is copied; the new turn's length is known only once its images are read
-        model.load(memory_required=prefill_bytes(model.model, prefill.prefill.n_tokens))
+        model.load()
+        # room for the new turn (its tokens and images), made once the turn is laid out
         pf = continue_prefill(model.model, prefill.prefill, prompt, images=images, previous_answer=previous_answer,
-                              thinking=thinking, max_pixels=max_pixels or None)
+                              thinking=thinking, max_pixels=max_pixels or None,
+                              reserve=lambda needed: model.load(memory_required=needed))
         log.info("Qwen3.5 continue: %d tokens reused, %d new in %.1f ms (%s)", pf.cached_tokens, pf.new_tokens,
                  pf.ms, pf.backend)
         model.track(pf)

@@ -67,8 +67,8 @@ class Qwen35ModelLoader(io.ComfyNode):
                              optional=True, display_name="K/V cache budget (MiB)",
                              tooltip="Memory for the paged K/V cache that every prefill and generation of this "
                                      "model shares, with the saved states that let a later prompt reuse an "
-                                     "earlier one's system prompt and images. Counted with the model in ComfyUI's "
-                                     "memory management. 0: auto (room for 64K tokens, at most a quarter of the "
+                                     "earlier one's system prompt and images (a quarter, with room for at least 8 "
+                                     "states). Counted with the model in ComfyUI's memory management. 0: auto (room for 64K tokens, at most a quarter of the "
                                      "memory free after loading; it grows when a prompt needs more). A fixed "
                                      "budget never grows: a prompt that does not fit is an error."),
             ],

@@ -17,6 +17,7 @@ continued in turn.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ from .devices import synchronize
 from .errors import Qwen35Error
 from .generate import Prefill, generation_prompt_ids
 from .host import host_logits, on_model_device
-from .memory import is_out_of_memory, out_of_memory, prefill_bytes
+from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .multimodal import (
     TowerClock,
@@ -83,7 +84,8 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
 @on_model_device
 def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", images=None, video=None,
                      previous_answer: str | None = None, thinking: bool = False, max_pixels: int | None = None,
-                     allow_special_tokens: bool = False, use_cache: bool = True) -> Prefill:
+                     allow_special_tokens: bool = False, use_cache: bool = True,
+                     reserve: Callable[[int], None] | None = None) -> Prefill:
     """A follow-up user turn after `parent` (a chat-template prefill of this model), optionally after
     `previous_answer` as the assistant's turn. Runs only the new tokens, from the parent's state at the
     end of its user turn; the result equals a prefill of the whole conversation in one go.
@@ -91,6 +93,8 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     images / video: as prefill_multimodal takes them, for this turn (placed with <image>, <video>).
     A snapshot an identical earlier follow-up left reaches further than the parent's turn end and is used
     instead, unless use_cache is off (prefix.py); this turn's reuse points are kept for later ones.
+    reserve(bytes), when given, is called once the turn is laid out and before any device work, with what
+    the tower and the new tokens will need (as prefill_multimodal's).
     Returns a Prefill with cached_tokens (taken from the parent), new_tokens and `ms` of the new part
     (the copy of the parent's state, the vision tower and the new tokens). `parent` is unchanged.
     """
@@ -118,6 +122,9 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         raise Qwen35Error(f"the conversation would have {total:,} tokens ({cached:,} from the earlier turns and "
                           f"{new:,} new) but the model takes at most {limit:,} positions (prompt and answer "
                           "together); start a new conversation from a fresh prefill, or shorten the follow-up")
+    needed = prefill_bytes(model, new) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
+    if reserve is not None:
+        reserve(needed)
     model.select_backend()
     dev = model.device
     whole = parent.token_ids[:cached] + tuple(ids)  # the conversation: keys of the prefix cache run over all of it
@@ -155,7 +162,6 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
                        id(model), vision=stats, turn=run.states.get(cached + turn_end),
                        cached_tokens=run.cached_tokens, media=media)
     run = None
-    needed = prefill_bytes(model, new)
     raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
 
 

@@ -721,9 +721,10 @@ class Qwen35Model(nn.Module):
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:
-        """Weights (the vision tower's included), the K/V store's pool and the captured passes' buffers (the
-        tower's graph among them)."""
+        """Weights (the vision tower's included), the K/V store's pool and the states of its prefix cache's
+        snapshots, and the captured passes' buffers (the tower's graph among them)."""
         weights = sum(p.numel() * p.element_size() for p in self.parameters())
         graphs = sum(getattr(g, "nbytes", 0) for g in self.graphs.values())
         graphs += self.vision.graph_bytes() if self.vision is not None else 0
-        return weights + (self._kv.nbytes if self._kv is not None else 0) + graphs
+        kv = self._kv.nbytes + self._kv.pool.snapshot_bytes if self._kv is not None else 0
+        return weights + kv + graphs

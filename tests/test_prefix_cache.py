@@ -43,6 +43,15 @@ def test_content_hash_is_of_the_values():
     assert content_hash(torch.zeros(3, dtype=torch.uint8)) != content_hash(torch.zeros(5, dtype=torch.uint8))
 
 
+def test_the_snapshots_count_in_the_model_size(model):
+    """ComfyUI's memory management sees the snapshots' states (on the model's device, beside the pool)."""
+    before, held = model.size_bytes(), model.kv.pool.snapshot_bytes
+    prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    assert model.kv.pool.snapshot_bytes > held and model.size_bytes() - before == model.kv.pool.snapshot_bytes - held
+    model.kv.pool.clear()
+    assert model.size_bytes() == before - held
+
+
 def test_a_second_question_reuses_the_system_prompt(pair, model):
     hf, _ = pair
     first = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)

@@ -142,6 +142,22 @@ def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folde
     assert torch.equal(after.logits, want)  # the model is unchanged
 
 
+def test_a_follow_up_reserves_its_new_turn_and_images(folder):
+    """continue_prefill asks for room for its own new tokens and this turn's images, before any device work."""
+    from qwen35_fast.runtime import continue_prefill
+    from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
+
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    parent = prefill(model, "Hello.")
+    asked = []
+    child = continue_prefill(model, parent, "And <image>?", images=IMAGE, previous_answer="Hi.", reserve=asked.append)
+    n_patches = sum(t * h * w for t, h, w in child.vision.grids)
+    assert asked == [prefill_bytes(model, child.new_tokens) + vision_bytes(model, n_patches)]
+    asked.clear()
+    text = continue_prefill(model, parent, "More.", reserve=asked.append)
+    assert asked == [prefill_bytes(model, text.new_tokens)]
+
+
 def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
     """Images of one size get the plan made for the first (the same tensors); the least recently used of
     PLAN_CACHE goes; a plan above PLAN_CACHE_PATCHES is made every time; a move of the weights drops them,
