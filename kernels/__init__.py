@@ -62,6 +62,13 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
         ok, reason = cuda_impl.cuda_status(device)
     except ImportError as e:  # CuPy or the CUDA headers are missing
         ok, reason = False, f"CUDA kernels unavailable: {e}"
+    if ok and dtype == torch.float16:  # (the paged attention kernel takes bf16; the op's reference runs fp16)
+        note = ("fp16: attention over the K/V cache runs on the PyTorch path, slower in long contexts; "
+                "load the model as bf16 to run it on the kernel")
+        if note not in _warned:
+            _warned.add(note)
+            log.warning("Qwen3.5: %s", note)
+        return Backend("cuda", f"{reason}; {note}")
     if ok:
         return Backend("cuda", reason)
     if requested == "cuda":

@@ -23,6 +23,23 @@ def test_fp32_models_run_the_pytorch_path():
         kernels.select_backend("cuda", "cuda", torch.float32)
 
 
+def test_fp16_models_are_told_where_attention_runs(monkeypatch, caplog):
+    """The kernels run an fp16 model but for the paged attention (bf16 only): the reason says so, logged once."""
+    import sys
+    import types
+    fake = types.ModuleType("qwen35_fast.kernels.cuda_impl")
+    fake.cuda_status = lambda device: (True, "CUDA kernels on a test card")
+    monkeypatch.setitem(sys.modules, "qwen35_fast.kernels.cuda_impl", fake)
+    monkeypatch.setattr(kernels, "cuda_impl", fake, raising=False)
+    monkeypatch.setattr(kernels, "_warned", set())
+    with caplog.at_level("WARNING"):
+        half = [kernels.select_backend("auto", "cuda", torch.float16) for _ in range(2)]
+        bf16 = kernels.select_backend("auto", "cuda", torch.bfloat16)
+    assert half[0].name == "cuda" and "fp16: attention over the K/V cache runs on the PyTorch path" in half[0].reason
+    assert bf16.name == "cuda" and bf16.reason == "CUDA kernels on a test card"
+    assert sum("load the model as bf16" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="'triton' is not one of auto, cuda, torch"):
         kernels.select_backend("triton", "cpu")
