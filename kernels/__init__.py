@@ -194,8 +194,10 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
     k_new, v_new: [T, Hkv, D]; k_pool, v_pool: [num_blocks, block_size, Hkv, D] (updated in place);
     block_table int32 [N, max_blocks]; cache_lens int32 [N]; cu_q int32 [N + 1]; max_q: a host int at
         least the most new tokens of any sequence. Returns [T, H, D]. The CUDA kernel takes bf16 and head dims
-    that are multiples of 16 (every Qwen3.5 size: 256); the reference runs anything else."""
-    use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
+    that are multiples of 32 up to 256 (every Qwen3.5 size: 256; its tiles fit an RTX card's shared memory up
+    to there); the reference runs anything else."""
+    D = q.shape[-1]
+    use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256
     return ops.run(ops.paged_attention_op, q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 

@@ -309,6 +309,12 @@ def _arg(a):
     raise TypeError(f"kernel argument of type {type(a).__name__} is not a tensor, None, int, float or numpy scalar")
 
 
+def _driver_library():
+    """The CUDA driver library (nvcuda.dll on Windows, libcuda.so.1 elsewhere) through ctypes."""
+    import ctypes
+    return ctypes.WinDLL("nvcuda.dll") if os.name == "nt" else ctypes.CDLL("libcuda.so.1")
+
+
 # ----------------------------------------------------------------------------- TMA tensor maps
 _encode_tiled = None
 
@@ -318,7 +324,7 @@ def _tensor_map_encoder():
     global _encode_tiled
     if _encode_tiled is None:
         import ctypes
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        fn = _driver_library().cuTensorMapEncodeTiled
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
@@ -526,8 +532,7 @@ def _driver_launch():
     if _cu_launch is None:
         import ctypes
         try:
-            lib = ctypes.WinDLL("nvcuda.dll") if os.name == "nt" else ctypes.CDLL("libcuda.so.1")
-            f = lib.cuLaunchKernel
+            f = _driver_library().cuLaunchKernel
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             _cu_launch = f

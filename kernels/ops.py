@@ -96,11 +96,11 @@ def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Ten
                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state)
-    return gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state)
+    return gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state).contiguous()
 
 
 def _decode_fake(q, k, v, a, b, A_log, dt_bias, state, use_cuda):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)
 
 
 def _conv_prefill_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -108,12 +108,13 @@ def _conv_prefill_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if use_cuda:
         return _cuda().causal_conv1d_prefill_cuda(x, weight, bias, initial_state, cu_seqlens)
-    return causal_conv1d_prefill_ref(x, weight, bias, initial_state, cu_seqlens)
+    y, final = causal_conv1d_prefill_ref(x, weight, bias, initial_state, cu_seqlens)
+    return y.contiguous(), final.contiguous()
 
 
 def _conv_prefill_fake(x, weight, bias, initial_state, cu_seqlens, use_cuda):
     B, T, C = x.shape
-    return torch.empty_like(x), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[1] - 1)
+    return x.new_empty(B, T, C), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[1] - 1)
 
 
 def _conv_states_impl(x: torch.Tensor, initial_state: Optional[torch.Tensor], ends: torch.Tensor, width: int,
@@ -131,21 +132,21 @@ def _conv_update_impl(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
                       bias: Optional[torch.Tensor], use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().causal_conv1d_update_cuda(x, conv_state, weight, bias)
-    return causal_conv1d_update_ref(x, conv_state, weight, bias)
+    return causal_conv1d_update_ref(x, conv_state, weight, bias).contiguous()
 
 
 def _conv_update_fake(x, conv_state, weight, bias, use_cuda):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().rms_norm_cuda(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    return rms_norm_ref(x, weight, eps).contiguous()
 
 
 def _norm_fake(x, weight, eps, use_cuda):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _norm_rope_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -228,11 +229,11 @@ def _gated_norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, 
                      use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().gated_rms_norm_cuda(x, gate, weight, eps)
-    return gated_rms_norm_ref(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate, weight, eps).contiguous()
 
 
 def _gated_norm_fake(x, gate, weight, eps, use_cuda):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _paged_attention_impl(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,

@@ -146,6 +146,20 @@ def test_varlen(with_h0, dtype, path):
     run_and_check(*inputs, cu_seqlens=cu, **PATHS[path], ref_key=("varlen", with_h0, dtype))
 
 
+@pytest.mark.parametrize("path", MAIN)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_no_tokens_leave_each_state_as_it_came(path, packed, with_h0):
+    """T = 0 (one row, or packed sequences all empty): no output rows, each state the initial one (zeros
+    without one), on every path (the Hopper walk's tensor maps take no empty dimension)."""
+    n = 3 if packed else 1
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, 0, 2, 4, torch.bfloat16, "model", n if with_h0 else None)
+    cu = torch.zeros(n + 1, dtype=torch.int32, device="cuda") if packed else None
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, cu, **PATHS[path])
+    assert o.shape == (1, 0, 4, 128) and ht.shape == (n, 4, 128, 128)
+    assert torch.equal(ht, h0 if with_h0 else torch.zeros_like(ht))
+
+
 @pytest.mark.parametrize("decay", ["weak", "model"])
 @pytest.mark.parametrize("path", MAIN)
 def test_varlen_matches_separate_calls(path, decay):

@@ -282,3 +282,25 @@ def test_norm_ops_pass_opcheck():
     w = torch.rand(128)
     torch.library.opcheck(ops.rms_norm_op, (x, w, 1e-6, False))
     torch.library.opcheck(ops.gated_rms_norm_op, (x, gate, w, 1e-6, False))
+
+
+def test_ops_return_contiguous_outputs_as_their_fakes_say():
+    """The CUDA launchers return contiguous tensors; so do the reference paths and the fakes (torch.compile
+    plans with the fake's strides), for a dense input in another order too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qwen35_fast.kernels import ops
+    x = torch.randn(2, 4, 128).transpose(0, 1)  # dense, not contiguous
+    gate, w = torch.randn(4, 2, 128), torch.rand(128)
+    xc = torch.randn(3, 2, 16).transpose(0, 1)  # [B, T, C] = [2, 3, 16], dense, not contiguous
+    wc = torch.randn(16, 4)
+    cases = [(ops.rms_norm_op, (x, w, 1e-6, False)), (ops.gated_rms_norm_op, (x, gate, w, 1e-6, False)),
+             (ops.causal_conv1d_prefill_op, (xc, wc, None, None, None, False))]
+    for op, args in cases:
+        real = op(*args)
+        real = real[0] if isinstance(real, tuple) else real
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        fake = fake[0] if isinstance(fake, tuple) else fake
+        assert real.is_contiguous() and fake.stride() == real.stride(), op
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

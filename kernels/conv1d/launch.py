@@ -54,7 +54,7 @@ def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seql
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"causal_conv1d_prefill: cu_seqlens needs a batch of 1 packed sequence, got B={B}")
-        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+        cu_seqlens = cu_seqlens.to(x.device, torch.int32).contiguous()  # (the kernel reads it there)
         N = cu_seqlens.shape[0] - 1
     else:
         N = B
@@ -85,6 +85,9 @@ def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seql
     while chunk > MIN_CHUNK and groups * -(-total // chunk) < 4 * _sms(x.device):
         chunk //= 2
     chunks = max(1, -(-total // chunk))
+    if chunks > 65535:  # grid y
+        raise ValueError(f"causal_conv1d_prefill: {B} x {T} tokens make {chunks} chunks of {chunk}; the kernel takes "
+                         f"at most 65,535 (about 4.19 million tokens): run it in smaller pieces")
     defines = {"W": W, "VEC": vec, "UNROLL": UNROLL, "TX": _code(x, "x"), "TW": _code(weight, "weight"),
                "TB": _code(bias, "bias") if bias is not None else 0,
                "HAS_BIAS": int(bias is not None), "HAS_INIT": int(initial_state is not None),
@@ -139,7 +142,7 @@ def causal_conv1d_states_cuda(x, initial_state, ends, width: int):
             raise ValueError(f"causal_conv1d_states: initial_state must be [1, C, W-1] = {(1, C, width - 1)}, "
                              f"got {tuple(initial_state.shape)}")
         initial_state = initial_state.to(x.dtype).contiguous()
-    ends = ends.to(torch.long).contiguous()
+    ends = ends.to(x.device, torch.long).contiguous()
     S = ends.shape[0]
     out = torch.empty(S, C, width - 1, dtype=x.dtype, device=x.device)
     if S == 0 or C == 0:

@@ -63,7 +63,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         if B != 1:
             raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got B={B}")
         N = cu_seqlens.shape[0] - 1
-        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+        cu_seqlens = cu_seqlens.to(q.device, torch.int32).contiguous()  # (the kernel reads it there)
     else:
         N = B
     dev = q.device
@@ -85,6 +85,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
     if N == 0:
         return o, ht
+    if T == 0:  # no tokens: each state as it came in (the walk's tensor maps take no empty dimension)
+        return o, ht.copy_(initial_state) if initial_state is not None else ht.zero_()
     p = plan(B, T, N, Hk, Hv, cu_seqlens is not None, card_of(dev), path, dv_split, segments, arch, fused_out)
     i64 = np.int64
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])

@@ -165,9 +165,9 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         _check_rows(gate, "gate", (T, H, D))
     for t, name, shape in ((block_table, "block_table", (N, max_blocks)), (cache_lens, "cache_lens", (N,)),
                            (cu_q, "cu_q", (N + 1,))):
-        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"paged_attention: {name} must be a contiguous int32 {shape} tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"paged_attention: {name} must be a contiguous int32 {shape} tensor on {q.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out is None:
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous():
