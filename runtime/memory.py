@@ -59,9 +59,24 @@ SNAPSHOTS_PER_PREFILL = 3  # GDN states a prefill keeps besides its own: system 
 
 def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
     """Device memory a prefill of `n_tokens` needs beyond the weights and the K/V store (its K/V go into
-    the store's blocks): its GDN states and the snapshots it keeps, and one layer's activations."""
+    the store's blocks): its GDN states and the snapshots it keeps, one layer's activations, and the larger
+    pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes)."""
     return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + n_tokens * _activation_bytes_per_token(model) \
-        + OVERHEAD
+        + growth_bytes(model, n_tokens) + OVERHEAD
+
+
+def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
+    """The new pool tensors an auto (growable) K/V store allocates, while the old ones are still there, when
+    its free blocks (snapshots' blocks not counted) do not hold `n_tokens` more; 0 otherwise."""
+    from .kv_store import GROWTH
+    store = getattr(model, "_kv", None)
+    if store is None or not store.growable:
+        return 0
+    short = store.pool.blocks_for(n_tokens) - store.pool.num_free
+    if short <= 0:
+        return 0
+    blocks = max(int(store.num_blocks * GROWTH), store.num_blocks + short)
+    return blocks * (store.nbytes // store.num_blocks)
 
 
 def vision_bytes(model: Qwen35Model, n_patches: int) -> int:

@@ -188,7 +188,23 @@ def test_fp8_weights_dequantized_on_the_gpu_equal_the_cpus(folder, tmp_path, for
         assert torch.equal(v, b.vision.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("rows_per_step", [4096, 24, 48])
+def test_dequantize_is_the_blockwise_product_in_any_steps(rows_per_step):
+    """q * scale per 24 x 10 block (the last row block and column block partial), in steps of whole row
+    blocks: the product written out in full."""
+    g = torch.Generator().manual_seed(rows_per_step)
+    q = torch.randn(70, 30, generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 3, generator=g) + 0.5
+    want = q.float() * s.repeat_interleave(24, 0)[:70].repeat_interleave(10, 1)[:, :30]
+    got = dequantize(q, s, (24, 10), torch.float32, rows_per_step=rows_per_step)
+    assert torch.equal(got, want)
+    assert torch.equal(dequantize(q, s[:, :1], (24, 30), torch.float32, rows_per_step=rows_per_step),
+                       q.float() * s[:, :1].repeat_interleave(24, 0)[:70])
+
+
+@pytest.mark.gpu
 def test_dequantize_on_a_device_given_equals_in_place():
     q = torch.randn(70, 30).to(torch.float8_e4m3fn)
     s = torch.rand(3, 1) + 0.5
-    assert torch.equal(dequantize(q, s, (24, 30), torch.float32, device="cpu"), dequantize(q, s, (24, 30), torch.float32))
+    on_gpu = dequantize(q, s, (24, 30), torch.float32, device="cuda")
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), dequantize(q, s, (24, 30), torch.float32))

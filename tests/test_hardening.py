@@ -498,6 +498,28 @@ def test_out_of_memory_while_generating(folder, monkeypatch, still_works):
     assert generate(model, pf, max_new_tokens=6).token_ids == before
 
 
+def test_a_prefill_that_grows_the_auto_store_asks_for_the_new_pool(folder, monkeypatch):
+    """Growing copies the pool into tensors 1.5x (or as many as needed) the size while the old ones live:
+    a prefill whose tokens the free blocks do not hold asks for the new pool on top; a fixed store never."""
+    from qwen35_fast.runtime import kv_store
+    from qwen35_fast.runtime.memory import growth_bytes, prefill_bytes
+    model = load_model(folder, dtype="bf16", device="cpu")
+    monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
+    store = model.setup_kv()
+    per_block = store.nbytes // store.num_blocks
+    fits = store.pool.num_free * store.block_size
+    assert store.growable and growth_bytes(model, fits) == 0
+    assert growth_bytes(model, fits + 1) == int(store.num_blocks * kv_store.GROWTH) * per_block
+    huge = 100 * fits
+    assert growth_bytes(model, huge) == (store.num_blocks + store.pool.blocks_for(huge) - store.pool.num_free) * per_block
+    assert prefill_bytes(model, fits + 1) - prefill_bytes(model, fits) > per_block
+    before = store.nbytes
+    prefill(model, " ".join(["word"] * (fits + 40)))  # more tokens than the free blocks hold: it grows
+    assert store.version == 1 and store.nbytes > before
+    model.setup_kv(store.nbytes)
+    assert growth_bytes(model, huge) == 0
+
+
 def test_memory_estimates(folder):
     from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, prefill_bytes, state_bytes
     model = load_model(folder, dtype="bf16", device="cpu")
