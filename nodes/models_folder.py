@@ -25,8 +25,15 @@ MAX_DEPTH = 3
 
 
 def ensure_llm_folder() -> None:
+    """models/LLM registered with ComfyUI and, where the models folder is writable, created (a place to put
+    checkpoint folders)."""
     if LLM not in folder_paths.folder_names_and_paths:
-        folder_paths.add_model_folder_path(LLM, os.path.join(folder_paths.models_dir, LLM))
+        path = os.path.join(folder_paths.models_dir, LLM)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:  # a read-only models folder: registered all the same, listed when someone makes it
+            pass
+        folder_paths.add_model_folder_path(LLM, path)
 
 
 def _is_checkpoint_dir(path: Path) -> bool:

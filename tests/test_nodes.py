@@ -108,12 +108,13 @@ def test_schemas_validate_and_list_models(pack, models_dir):
     assert pack.Qwen35Generate.GET_SCHEMA().is_output_node
 
 
-def test_llm_folder_registered_when_absent(pack, comfy, monkeypatch):
+def test_llm_folder_created_and_registered_when_absent(pack, comfy, monkeypatch, tmp_path):
     fp = comfy.folder_paths
     monkeypatch.setattr(fp, "folder_names_and_paths", {k: v for k, v in fp.folder_names_and_paths.items()
                                                        if k != "LLM"})
+    monkeypatch.setattr(fp, "models_dir", str(tmp_path / "models"))
     pack.models_folder.ensure_llm_folder()
-    assert fp.get_folder_paths("LLM") == [os.path.join(fp.models_dir, "LLM")]
+    assert fp.get_folder_paths("LLM") == [str(tmp_path / "models" / "LLM")] and (tmp_path / "models" / "LLM").is_dir()
 
 
 def test_single_file_in_text_encoders_loads(pack, models_dir):
