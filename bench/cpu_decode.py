@@ -4,12 +4,16 @@ transformers' Qwen3_5ForConditionalGeneration on the same weights: a 0.8B-shaped
 several lengths, and each prompt's prefill time. With a long context each decoded token reads the attention
 layers' whole K/V cache (ours: kernels/paged_attention/reference.py); the projections read the weights.
 transformers: one generate() of 1 + --tokens tokens, each step timed as it ends (a logits processor), on the
-contexts of --hf-contexts (its prefill of 16K tokens takes minutes here). Writes bench/results/cpu-decode.json.
+contexts of --hf-contexts (its prefill of 16K tokens takes minutes here). The prefills of a context both
+run are timed in turn (ours, then transformers' forward; --prefill-reps rounds, medians): this host's
+speed drifts by up to ~15% within minutes, which timing each one after the other put on whichever ran
+in the slower stretch. Writes bench/results/cpu-decode.json.
 
-    python3 bench/cpu_decode.py [--layers 8] [--contexts 256 4096 16384] [--hf-contexts 256 4096] [--threads 2]
+    python3 bench/cpu_decode.py [--layers 8] [--contexts 256 4096 16384] [--hf-contexts 256 4096] [--prefill-reps 3] [--threads 2]
 """
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -48,19 +52,29 @@ def prompt(ctx: int) -> list[int]:
     return [(i * 7919) % 200_000 + 100 for i in range(ctx)]  # any ids: the weights are random
 
 
-def ours_row(model, ctx: int, tokens: int, reps: int) -> dict:
+def ours_prefill(model, ctx: int):
+    """(prefill, ms) of ours on the context's prompt, nothing reused."""
     t0 = time.perf_counter()
     pf = prefill_ids(model, prompt(ctx), use_cache=False)
-    prefill_ms = (time.perf_counter() - t0) * 1000
+    return pf, (time.perf_counter() - t0) * 1000
+
+
+def ours_decode(model, pf, tokens: int, reps: int) -> float:
     greedy = SamplingParams(do_sample=False)
-    rate = max(generate(model, pf, max_new_tokens=tokens, sampling=greedy).decode_tokens_per_s for _ in range(reps))
-    return {"impl": "ours", "context": ctx, "prefill_ms": round(prefill_ms, 1), "decode_tok_per_s": round(rate, 2)}
+    return max(generate(model, pf, max_new_tokens=tokens, sampling=greedy).decode_tokens_per_s for _ in range(reps))
 
 
-def transformers_row(model, ctx: int, tokens: int) -> dict:
+def hf_prefill_ms(model, ctx: int) -> float:
+    """transformers' forward over the context's prompt (its cache made, the last position's logits), ms."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt(ctx)]), logits_to_keep=1, use_cache=True)
+    return (time.perf_counter() - t0) * 1000
+
+
+def transformers_decode(model, ctx: int, tokens: int) -> float:
     """generate() of 1 + tokens greedy tokens, the time of each step taken by a logits processor (called once a
-    token, after the forward that made its logits): the prefill is the first call's time, the decode rate is
-    the steps between the first call and the last."""
+    token, after the forward that made its logits): tokens/s over the steps between the first call and the last."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class Clock(LogitsProcessor):
@@ -72,13 +86,11 @@ def transformers_row(model, ctx: int, tokens: int) -> dict:
             return scores
 
     clock = Clock()
-    t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt(ctx)]), max_new_tokens=1 + tokens, min_new_tokens=1 + tokens,
                              do_sample=False, logits_processor=LogitsProcessorList([clock]))
     assert out.shape[1] == ctx + 1 + tokens and len(clock.times) == 1 + tokens
-    return {"impl": "transformers", "context": ctx, "prefill_ms": round((clock.times[0] - t0) * 1000, 1),
-            "decode_tok_per_s": round(tokens / (clock.times[-1] - clock.times[0]), 2)}
+    return tokens / (clock.times[-1] - clock.times[0])
 
 
 def main():
@@ -89,6 +101,7 @@ def main():
     ap.add_argument("--hf-contexts", type=int, nargs="*", default=[256, 4096])
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-decode.json"))
     args = ap.parse_args()
@@ -103,19 +116,31 @@ def main():
                 (Path(folder) / f).write_bytes(src.read_bytes())
         model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
     rows = []
-    for ctx in args.contexts:
-        rows.append(ours_row(model, ctx, args.tokens, args.reps))
-        print(rows[-1], flush=True)
-    model = None
-    with torch.inference_mode():  # a first call of each of its paths, outside the timing
+    # a first call of each one's paths, outside the timing
+    generate(model, prefill_ids(model, prompt(16), use_cache=False), max_new_tokens=2)
+    with torch.inference_mode():
         hf.generate(torch.tensor([prompt(16)]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
-    for ctx in args.hf_contexts:
-        rows.append(transformers_row(hf, ctx, args.tokens))
+    for ctx in args.contexts:
+        both = ctx in args.hf_contexts
+        ours_ms, hf_ms = [], []
+        for _ in range(args.prefill_reps if both else 1):  # in turn: the host's drift falls on both alike
+            pf, ms = ours_prefill(model, ctx)
+            ours_ms.append(ms)
+            if both:
+                hf_ms.append(hf_prefill_ms(hf, ctx))
+        rows.append({"impl": "ours", "context": ctx, "prefill_ms": round(statistics.median(ours_ms), 1),
+                     "decode_tok_per_s": round(ours_decode(model, pf, args.tokens, args.reps), 2)})
         print(rows[-1], flush=True)
+        pf = None
+        if both:
+            rows.append({"impl": "transformers", "context": ctx, "prefill_ms": round(statistics.median(hf_ms), 1),
+                         "decode_tok_per_s": round(transformers_decode(hf, ctx, args.tokens), 2)})
+            print(rows[-1], flush=True)
     import transformers
     out = {"model": f"Qwen3.5-{args.model}-shaped, {args.layers} layers, random weights (the same in both), fp32",
            "threads": args.threads, "decode_tokens": args.tokens, "host_cpu": host_cpu(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
+           "prefill_reps": args.prefill_reps, "torch": torch.__version__, "transformers": transformers.__version__,
+           "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
