@@ -64,7 +64,11 @@ class ManagedModel:
         return self.model_size()
 
     def detach(self, unpatch_all=True):
-        """Unloads: the weights go to the offload device (a no-op when both are the CPU)."""
+        """Unloads: the weights go to the offload device (a no-op when both are the CPU). unpatch_all off is
+        ComfyUI taking the entry off its list to put it back (load_models_gpu does so for a model it is asked to
+        load again): as for its own models, the weights stay where they are."""
+        if not unpatch_all:
+            return
         log.info("Qwen3.5: unloading %s from %s to %s", self.model.path, self.current_loaded_device(),
                  self.offload_device)
         if not self._on(self.offload_device):

@@ -201,6 +201,24 @@ def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, models_dir
     model.release()
 
 
+def test_loading_a_loaded_model_again_moves_nothing(pack, models_dir, comfy, monkeypatch):
+    """Every node run asks model management to load the model; for one already loaded ComfyUI takes its entry
+    off the list (detach with unpatch_all off) and puts it back: the weights stay. An unload still moves them
+    (an offload device other than the load device stands in for a GPU's; the move is recorded, not made)."""
+    import torch
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=True)[0]
+    moves = []
+    monkeypatch.setattr(model, "offload_device", torch.device("meta"))
+    monkeypatch.setattr(model.model, "to", lambda device: moves.append(torch.device(device)) or model.model)
+    for _ in range(3):
+        model.load(memory_required=1 << 20)
+        assert any(m.model is model for m in comfy.mm.current_loaded_models)
+    assert moves == []
+    model.release()
+    assert moves == [torch.device("meta")]
+
+
 def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=False)[0]
