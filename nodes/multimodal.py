@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import comfy.model_management as mm
+import comfy.utils
 from comfy_api.latest import io
 
 from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
@@ -82,7 +84,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             raise Qwen35Error("the image batch is empty (0 images); connect an image")
         model.load()
         out, stats = [], []
+        bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
         for batch in batches:
+            mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
             pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
                                     thinking=thinking, max_pixels=max_pixels or None,
                                     reserve=lambda needed: model.load(memory_required=needed))
@@ -98,4 +102,6 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             model.track(pf)
             out.append(ModelPrefill(model, pf))
             stats.append(_stats(pf, note))
+            if bar is not None:
+                bar.update(1)
         return io.NodeOutput(out, ui={"qwen35_prefill": stats})

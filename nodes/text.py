@@ -23,7 +23,9 @@ def _send(event: str, data: dict) -> None:
     except ImportError:  # nodes run outside a ComfyUI server (tests, scripts)
         return
     server = getattr(PromptServer, "instance", None)
-    if server is not None:
+    # a prompt queued without a client id gets no node events from ComfyUI either: sent to nobody (to every open
+    # tab it would stream into whichever node has this id in that tab's workflow)
+    if server is not None and getattr(server, "client_id", None) is not None:
         server.send_sync(event, {**data, "prompt_id": getattr(server, "last_prompt_id", None)},
                          server.client_id)
 

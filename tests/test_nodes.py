@@ -165,6 +165,21 @@ def test_progress_bar_and_stream_per_token(pack, loaded, comfy, monkeypatch):
     assert progress[-1] == (10, 10)
 
 
+def test_stream_goes_to_the_prompt_s_client_only(pack, comfy, monkeypatch):
+    """As ComfyUI's own node events: to the client that queued the prompt, and to nobody for a prompt queued
+    without a client id (not to every open tab)."""
+    import server
+    sent = []
+    fake = type("Server", (), {"client_id": None, "last_prompt_id": "p1",
+                               "send_sync": lambda self, event, data, sid=None: sent.append((event, data, sid))})()
+    monkeypatch.setattr(server.PromptServer, "instance", fake, raising=False)
+    pack.text._send(pack.text.STREAM_EVENT, {"n": 0})
+    assert sent == []
+    fake.client_id = "tab-1"
+    pack.text._send(pack.text.STREAM_EVENT, {"n": 0})
+    assert sent == [(pack.text.STREAM_EVENT, {"n": 0, "prompt_id": "p1"}, "tab-1")]
+
+
 def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
     events = []
     monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))

@@ -59,6 +59,25 @@ def test_one_prompt_per_image_gives_a_list(pack, loaded):
     assert len(both) == 1 and both[0].prefill.vision.vision_tokens == 3 * one.prefill.vision.vision_tokens
 
 
+def test_a_cancel_lands_between_the_prompts_of_a_batch(pack, loaded, comfy, monkeypatch):
+    """One prompt per image: Cancel stops before the next image's prefill (not after the whole batch); the
+    progress bar counts the prompts."""
+    from qwen35_fast import runtime
+    images = torch.rand(4, 64, 64, 3, generator=torch.Generator().manual_seed(2))
+    progress, done = [], []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    real = runtime.prefill_multimodal
+    monkeypatch.setattr(runtime, "prefill_multimodal", lambda *a, **k: done.append(1) or real(*a, **k))
+
+    def interrupt_after_two():  # (model management asks too, while loading)
+        if len(done) == 2:
+            raise comfy.mm.InterruptProcessingException()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_after_two)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        _run(pack, loaded, images=images, mode="one prompt per image")
+    assert len(done) == 2 and progress[0] == (1, 4)  # (ComfyUI's bar sends the first update, then throttles)
+
+
 def test_video_input_and_frames_input(pack, loaded):
     from comfy_api.latest import InputImpl, Types
     frames = torch.rand(12, 64, 80, 3, generator=torch.Generator().manual_seed(1))

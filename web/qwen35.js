@@ -141,15 +141,26 @@ function onStopped(view, why) {
   view.stats.textContent = n ? `${why} after ${n[1]} tokens` : why;
 }
 
+// A list of prefills (one prompt per image) runs the node once per item and joins their results: every
+// answer is shown, numbered, with the stats of each.
+function numbered(items) {
+  return items.length > 1 ? items.map((t, i) => `[${i + 1}/${items.length}] ${t}`).join("\n\n") : (items[0] ?? "");
+}
+
 function onGenerateExecuted(view, output) {
-  const text = output?.text?.[0] ?? "";
-  const thinking = output?.thinking?.[0] ?? "";
-  showAnswer(view, thinking, text, false);
+  const texts = output?.text ?? [];
+  const thinkings = (output?.thinking ?? []).filter((t) => t);
+  showAnswer(view, numbered(thinkings), numbered(texts), false);
   view.thinking.open = false;
-  const s = output?.qwen35_generate?.[0];
-  if (s) {
+  const all = output?.qwen35_generate ?? [];
+  const s = all[0];
+  if (all.length === 1) {
     view.stats.textContent = `first token ${fmt(s.first_token_ms)} ms · ${fmt(s.decode_tokens_per_s)} tok/s decode · ` +
       `${s.n_tokens} tokens (${s.finish_reason})`;
+  } else if (all.length > 1) {  // one line: the answers' count, mean rates and all their tokens
+    const mean = (k) => all.reduce((a, x) => a + x[k], 0) / all.length;
+    view.stats.textContent = `${all.length} answers · first token ${fmt(mean("first_token_ms"))} ms · ` +
+      `${fmt(mean("decode_tokens_per_s"))} tok/s decode (means) · ${all.reduce((a, x) => a + x.n_tokens, 0)} tokens`;
   }
 }
 

@@ -194,6 +194,40 @@ def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
     assert any(s.startswith("stopped after ") for s in state["stats"]), state["stats"]
 
 
+def test_one_caption_per_image_shows_every_answer(browser_env):
+    """A list of prefills runs Generate once per image: the node shows every answer, numbered, and one stats
+    line over them."""
+    from playwright.async_api import async_playwright
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                await _load(page, load_workflow("qwen35_caption_each_image.json"), max_new_tokens=12)
+                # a prompt of its own: the server tests run this workflow too and look for its prefill's output
+                await page.evaluate("""() => { const w = app.graph.nodes.find(n => n.type === 'Qwen35MultimodalPrefill')
+                    .widgets.find(w => w.name === 'prompt'); w.value += ' (browser)'; }""")
+                await page.get_by_test_id("queue-button").click()
+                await page.wait_for_function(
+                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('answers'))",
+                    timeout=300_000)
+                state = await page.evaluate("""() => ({
+                    answer: document.querySelector('.qwen35-answer').textContent,
+                    stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
+                assert not errors, errors
+                return state
+            finally:
+                await ctx.close()
+
+    state = asyncio.run(run())
+    history = browser_env.get("/history?max_items=1")
+    outputs = next(iter(history.values()))["outputs"]
+    texts = next(out for out in outputs.values() if "qwen35_generate" in out)["text"]
+    assert len(texts) == 2
+    assert state["answer"] == "\n\n".join(f"[{i + 1}/2] {t}" for i, t in enumerate(texts))
+    assert any(s.startswith("2 answers · ") for s in state["stats"]), state["stats"]
+
+
 def test_workflow_templates_list_the_examples(comfy_server):
     templates = comfy_server.get("/workflow_templates")
     ours = next(v for k, v in templates.items() if k.startswith("Qwen3.5-Fast"))
