@@ -108,8 +108,12 @@ class KVStore:
         except (PromptTooLong, PoolExhausted) as e:
             if not self.growable:
                 raise Qwen35Error(f"K/V cache: {e}") from None
-            self.grow(max(int(self.num_blocks * GROWTH), self.num_blocks + blocks - self.pool.num_free))
+            self.grow(self.grown_blocks(blocks))
             return call()
+
+    def grown_blocks(self, blocks: int) -> int:
+        """The blocks a growth to take `blocks` more than are free leaves the store with: at least GROWTH times."""
+        return max(int(self.num_blocks * GROWTH), self.num_blocks + blocks - self.pool.num_free)
 
     def grow(self, num_blocks: int) -> None:
         """num_blocks blocks in all (the pools copied into larger tensors; block ids stay)."""

@@ -68,15 +68,13 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
 def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
     """The new pool tensors an auto (growable) K/V store allocates, while the old ones are still there, when
     its free blocks (snapshots' blocks not counted) do not hold `n_tokens` more; 0 otherwise."""
-    from .kv_store import GROWTH
     store = getattr(model, "_kv", None)
     if store is None or not store.growable:
         return 0
-    short = store.pool.blocks_for(n_tokens) - store.pool.num_free
-    if short <= 0:
+    needed = store.pool.blocks_for(n_tokens)
+    if needed <= store.pool.num_free:
         return 0
-    blocks = max(int(store.num_blocks * GROWTH), store.num_blocks + short)
-    return blocks * (store.nbytes // store.num_blocks)
+    return store.grown_blocks(needed) * (store.nbytes // store.num_blocks)
 
 
 def vision_bytes(model: Qwen35Model, n_patches: int) -> int:
