@@ -59,20 +59,25 @@ if [ "$tests" = 1 ]; then
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+if [ -n "$comfy_dir" ]; then
+  # comfy-kitchen (40 MB of kernels that only ComfyUI's JoyImage model calls) is too large to carry: an empty
+  # module stands in, so that comfy.model_base (imported by server.py and model_patcher) imports
+  mkdir -p /tmp/comfy-stubs/comfy_kitchen
+  python3 -c "import comfy_kitchen" 2>/dev/null || : > /tmp/comfy-stubs/comfy_kitchen/__init__.py
+  export PYTHONPATH=$PYTHONPATH:/tmp/comfy-stubs
+fi
 if [ "$comfyui" = 1 ] && [ -n "$comfy_dir" ]; then
   COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py -rs \
     2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$integration" = 1 ] && [ -n "$comfy_dir" ]; then
-  # a ComfyUI server on the GPU, driven through /prompt (tests/integration). The GPU image lacks two large
-  # packages the server's start does not use here: the frontend (the tests speak HTTP; an empty page
-  # stands in through --front-end-root) and comfy-kitchen (40 MB of kernels that only ComfyUI's JoyImage
-  # model calls; an empty module stands in, so that comfy.model_base imports).
-  mkdir -p /tmp/comfy-frontend /tmp/comfy-stubs/comfy_kitchen
+  # a ComfyUI server on the GPU, driven through /prompt (tests/integration). The GPU image lacks the
+  # frontend, which the server's start does not need here: the tests speak HTTP; an empty page stands in
+  # through --front-end-root.
+  mkdir -p /tmp/comfy-frontend
   echo '<!doctype html><title>ComfyUI</title>' > /tmp/comfy-frontend/index.html
-  python3 -c "import comfy_kitchen" 2>/dev/null || : > /tmp/comfy-stubs/comfy_kitchen/__init__.py
-  PYTHONPATH=$PYTHONPATH:/tmp/comfy-stubs COMFYUI_DIR=$comfy_dir COMFYUI_GPU=1 \
+  COMFYUI_DIR=$comfy_dir COMFYUI_GPU=1 \
     COMFYUI_ARGS="--front-end-root /tmp/comfy-frontend" \
     python3 -m pytest -q --tb=short -p no:cacheprovider tests/integration -rs \
     2>&1 | tee "$OUT/pytest-integration-gpu.log" | tail -15

@@ -60,6 +60,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def forced_logits(model, pf, tokens) -> torch.Tensor:
+    """The logits of decoding `tokens` one by one after the prefill pf, [len(tokens), vocab] in float32. Two
+    paths compared this way read the same tokens: with random weights near ties are common, and greedy
+    generations part at the first one the paths' rounding orders differently."""
+    cache = pf.cache.clone(pf.cache.length + len(tokens) + 1, device=model.device)
+    ids = torch.tensor(tokens, device=model.device).view(-1, 1)
+    return torch.stack([model.forward_decode(t, cache)[0].float() for t in ids])
+
+
 def poison_allocator(*shapes_dtypes, device="cuda"):
     """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' own outputs
     (torch.empty inside the launchers) then start as NaN, not as stale good values."""

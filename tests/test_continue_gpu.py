@@ -11,7 +11,7 @@ from qwen35_fast.runtime import (
     prefill_ids,
 )
 
-from _models import kernels_model, rel
+from _models import forced_logits, kernels_model, rel
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(do_sample=False)
@@ -34,14 +34,15 @@ def test_continued_prefill_equals_one_go_on_the_kernels(model, thinking):
     assert one_go.cached_tokens == 0
     err = rel(child.logits, one_go.logits)
     assert err < 2e-2, err
+    # decoding from either reads the same cache contents: the same tokens give the same logits
     a = generate(model, child, max_new_tokens=16, sampling=GREEDY)
-    b = generate(model, one_go, max_new_tokens=16, sampling=GREEDY)
-    assert a.token_ids == b.token_ids, f"logits rel err {err:.2e}"
+    tokens = list(a.token_ids) or [int(child.logits.argmax())]
+    assert rel(forced_logits(model, child, tokens), forced_logits(model, one_go, tokens)) < 2e-2
     grandchild = continue_prefill(model, child, "And one about rivers.", previous_answer=a.text)
     again = prefill_ids(model, list(grandchild.token_ids), use_cache=False)
     assert rel(grandchild.logits, again.logits) < 2e-2
-    assert generate(model, grandchild, max_new_tokens=16, sampling=GREEDY).token_ids == \
-        generate(model, again, max_new_tokens=16, sampling=GREEDY).token_ids
+    tokens = list(generate(model, grandchild, max_new_tokens=16, sampling=GREEDY).token_ids) or [0]
+    assert rel(forced_logits(model, grandchild, tokens), forced_logits(model, again, tokens)) < 2e-2
 
 
 def test_kernels_and_pytorch_path_agree_on_a_follow_up(model):
