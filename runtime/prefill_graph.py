@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -50,7 +51,10 @@ class PaddedPrefill:
 
     def __init__(self, model: Qwen35Model, bucket: int, capture: bool):
         dev, store = model.device, model.kv
-        self.model, self.bucket, self.store, self.version, self.capture = model, bucket, store, store.version, capture
+        # model.graphs keeps this pass: a weak reference back, so that dropping the model frees it at once (a
+        # cycle would hold the weights and the K/V store until Python's next full collection)
+        self._model = weakref.ref(model)
+        self.bucket, self.store, self.version, self.capture = bucket, store, store.version, capture
         # Every per-call input in one device buffer, filled by one copy from a host buffer of the same layout
         # (int64: ids [bucket], positions [3, bucket], n, cut; int32: cache length, a pad, the block table).
         # The table has room for every block of the store: any sequence fits, the launch shape never changes.
@@ -70,6 +74,10 @@ class PaddedPrefill:
         self.conv = self.ssm = self.one_ssm = None  # the GDN states going in: shaped like the first caller's
         self.graph = None
         self.pool_bytes = 0  # device memory the captured graph keeps (its outputs and activations)
+
+    @property
+    def model(self) -> Qwen35Model:
+        return self._model()
 
     @property
     def nbytes(self) -> int:

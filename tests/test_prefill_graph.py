@@ -207,3 +207,27 @@ def test_question_after_a_cached_image_through_the_padded_pass(pair, model, unca
     assert rel(second.logits, _hf_logits(hf, second, [image[0]])) <= 1e-4
     assert (generate(model, second, max_new_tokens=6, sampling=GREEDY).token_ids
             == generate(model, cold, max_new_tokens=6, sampling=GREEDY).token_ids)
+
+
+def test_a_kept_pass_does_not_keep_the_model_alive(tmp_path):
+    """model.graphs holds its passes; a pass pointing back at the model strongly made a cycle, and a dropped
+    model (weights, K/V store) stayed in memory until Python's next full collection (ComfyUI logs that as a
+    potential memory leak)."""
+    import gc
+    import weakref
+
+    from qwen35_fast.runtime import load_model
+
+    from _models import make_hf_model
+    make_hf_model(tmp_path, seed=3)
+    model = load_model(tmp_path, dtype="fp32", device="cpu")
+    base = _prefix(model, 8, seed=6)
+    model.graphs["test"] = PaddedPrefill(model, BUCKETS[0], capture=False)
+    model.graphs["test"](_fork(base), [1, 2, 3], None, None, [])
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model, base
+        assert gone() is None
+    finally:
+        gc.enable()
