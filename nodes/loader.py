@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import weakref
+from pathlib import Path
 
 import comfy.model_management as mm
 import torch
@@ -16,6 +18,18 @@ log = logging.getLogger(__name__)
 DTYPES = ["auto", "bf16", "fp16", "fp32"]
 DEVICES = ["auto", "cuda", "cpu"]
 BACKENDS = ["auto", "cuda", "torch"]
+
+# The runtime models this loader made and that something still holds, by checkpoint files and the settings that
+# shape the weights: a run that changes only keep_loaded or the K/V budget (ComfyUI runs the node again for any
+# changed input) takes the model in memory instead of reading the checkpoint again, and two loaders of one
+# checkpoint share one copy of its weights.
+_loaded: dict[tuple, tuple[weakref.ref, int, str]] = {}
+
+
+def _files_key(path: Path) -> tuple:
+    """The checkpoint's files by name, size and modification time: a file replaced on disk is read again."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return (str(path.resolve()),) + tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])
 
 
 def _pick_device(device: str) -> torch.device:
@@ -78,7 +92,7 @@ class Qwen35ModelLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True,
                 cache_budget_mb=0) -> io.NodeOutput:
-        from ..runtime import DeviceUnsupported, Qwen35Error, load_model
+        from ..runtime import Qwen35Error
 
         path = find_model(model)
         if path is None:
@@ -86,31 +100,35 @@ class Qwen35ModelLoader(io.ComfyNode):
                               "folder in models/LLM/<name>/ (or a .safetensors file in models/text_encoders) "
                               "and refresh the node list")
         target = _pick_device(device)
-        if target.type != "cpu":
-            # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
-            need = weights_bytes(path, 4 if dtype == "fp32" else 2)
-            mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
         if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
             raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
-        runtime_model, device_note = None, ""
-        try:
-            runtime_model = load_model(path, dtype=dtype, device=str(target), backend=backend)
-        except DeviceUnsupported as e:
-            if device != "auto":  # ("cuda" and "cpu" never get here)
+        key = (_files_key(path), dtype, device, str(target), backend)
+        ref, budget_mb, device_note = _loaded.get(key, (lambda: None, None, ""))
+        runtime_model = ref()
+        fresh = runtime_model is None
+        if fresh:
+            runtime_model, device_note = _load(path, dtype, device, target, backend)
+            budget_mb = None  # (not a dropped model's)
+        else:
+            log.info("Qwen3.5: %s is in memory with these settings; not read again", path)
+        load_device = torch.device("cpu") if device_note else target
+        managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device(), keep_loaded)
+        if not fresh:
+            managed.load()  # back on its device first when ComfyUI had unloaded it
+        if budget_mb != cache_budget_mb:  # a new model, or a new budget: a new store (the old one's prefixes go)
+            _loaded[key] = (weakref.ref(runtime_model), None, device_note)
+            try:
+                runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
+            except BaseException:
+                if not fresh:
+                    managed.release()  # off ComfyUI's list: this handle goes with the error
+                del runtime_model, managed  # a new model's weights go with them (the traceback keeps this frame)
+                mm.soft_empty_cache()
                 raise
-            device_note = f"on the cpu: {e}"
-        if runtime_model is None:  # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on
-            log.warning("Qwen3.5: loading %s %s", path, device_note)
-            mm.soft_empty_cache()
-            runtime_model = load_model(path, dtype=dtype, device="cpu", backend=backend)
-        try:
-            store = runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
-        except BaseException:
-            del runtime_model
-            mm.soft_empty_cache()
-            raise
-        managed = ManagedModel(runtime_model, runtime_model.device, mm.text_encoder_offload_device(), keep_loaded)
-        managed.load()
+            _loaded[key] = (weakref.ref(runtime_model), cache_budget_mb, device_note)
+        if fresh:
+            managed.load()
+        store = runtime_model.kv
         info = {
             "path": str(path),
             "backend": runtime_model.backend.name,
@@ -126,3 +144,26 @@ class Qwen35ModelLoader(io.ComfyNode):
         log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
                  info["backend"], info["backend_reason"])
         return io.NodeOutput(managed, ui={"qwen35_model": [info]})
+
+
+def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str):
+    """(the runtime model read from `path`, a note when it went to the cpu instead of `target`)."""
+    from ..runtime import DeviceUnsupported, load_model
+
+    for key in [k for k, (ref, _, _) in _loaded.items() if ref() is None]:
+        del _loaded[key]
+    if target.type != "cpu":
+        # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
+        need = weights_bytes(path, 4 if dtype == "fp32" else 2)
+        mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
+    try:
+        return load_model(path, dtype=dtype, device=str(target), backend=backend), ""
+    except DeviceUnsupported as e:
+        if device != "auto":  # ("cuda" and "cpu" never get here)
+            raise
+        device_note = f"on the cpu: {e}"
+    # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on
+    log.warning("Qwen3.5: loading %s %s", path, device_note)
+    mm.soft_empty_cache()
+    return load_model(path, dtype=dtype, device="cpu", backend=backend), device_note
+

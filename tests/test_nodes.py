@@ -234,6 +234,38 @@ def test_loading_a_loaded_model_again_moves_nothing(pack, models_dir, comfy, mon
     assert moves == [torch.device("meta")]
 
 
+def test_changing_keep_loaded_or_the_cache_budget_does_not_read_the_checkpoint_again(pack, models_dir, comfy,
+                                                                                     monkeypatch):
+    """ComfyUI runs the loader again when any input changes: keep_loaded and the K/V budget take the model in
+    memory (a new budget a new store); the weights' settings, or a model nothing holds any more, read it."""
+    import gc
+
+    import qwen35_fast.runtime as rt
+    reads = []
+    real = rt.load_model
+    monkeypatch.setattr(rt, "load_model", lambda *a, **kw: reads.append(kw["dtype"]) or real(*a, **kw))
+    load = lambda **kw: pack.Qwen35ModelLoader.execute(  # noqa: E731
+        model="qwen35-demo", device="cpu", backend="torch", **{"dtype": "fp32", "keep_loaded": True, **kw})[0]
+    first = load()
+    pf = _prefill(pack, first)
+    second = load(keep_loaded=False)
+    assert second.model is first.model and not second.keep_loaded and reads == ["fp32"]
+    assert second.model.kv.growable  # the auto store, with what it caches, stays
+    third = load(keep_loaded=False, cache_budget_mb=256)
+    assert third.model is first.model and reads == ["fp32"]
+    assert not third.model.kv.growable and third.model.kv.budget_bytes == 256 << 20
+    _generate(pack, pf, max_new_tokens=2)  # a prefill on the old store still generates
+    _generate(pack, _prefill(pack, third), max_new_tokens=2)
+    other = load(dtype="bf16")
+    assert other.model is not first.model and reads == ["fp32", "bf16"]
+    for m in (first, second, third, other):
+        m.release()
+    del first, second, third, other, pf
+    gc.collect()
+    load().release()
+    assert reads == ["fp32", "bf16", "fp32"]
+
+
 def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=False)[0]

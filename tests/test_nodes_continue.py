@@ -98,9 +98,11 @@ def test_bad_input_names_the_cause_and_the_fix(pack, loaded, models_dir):
     pf = _prefill(pack, loaded)
     with pytest.raises(Qwen35Error, match="empty"):
         _continue(pack, pf, prompt="  ")
-    other = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+    # another loader with the same settings shares the model: another backend setting makes another one
+    other = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="auto",
                                            keep_loaded=True)[0]
     try:
+        assert other.model is not loaded.model
         with pytest.raises(Qwen35Error, match="another model"):
             _continue(pack, ModelPrefill(other, pf.prefill))
     finally:

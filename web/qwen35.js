@@ -99,7 +99,13 @@ function setupGenerate(node) {
   node.setSize([Math.max(node.size[0], 380), Math.max(node.size[1], size[1])]);
 }
 
+// The Generate panels showing a stream now, wherever their node is (the root graph or a subgraph): a cancel or
+// an error stops each of them.
+const streamingViews = new Set();
+
 function showAnswer(view, thinking, answer, streaming) {
+  if (streaming) streamingViews.add(view);
+  else streamingViews.delete(view);
   view.thinking.hidden = !thinking;
   view.thinkingText.textContent = thinking;
   view.answer.textContent = answer;
@@ -136,6 +142,7 @@ function onStream(view, d) {
 // The run stopped before this node finished (cancel or error): keep the partial text, say so.
 function onStopped(view, why) {
   if (!view.answer.classList.contains("qwen35-streaming")) return;
+  streamingViews.delete(view);
   view.answer.classList.remove("qwen35-streaming");
   const n = view.stats.textContent.match(/^(\d+) \//);
   view.stats.textContent = n ? `${why} after ${n[1]} tokens` : why;
@@ -231,9 +238,7 @@ app.registerExtension({
       if (node?.qwen35?.answer) onStream(node.qwen35, detail);
     });
     const stopAll = (why) => () => {
-      for (const node of (app.rootGraph ?? app.graph)?.nodes ?? []) {
-        if (node.qwen35?.answer) onStopped(node.qwen35, why);
-      }
+      for (const view of [...streamingViews]) onStopped(view, why);
     };
     api.addEventListener("execution_interrupted", stopAll("stopped"));
     api.addEventListener("execution_error", stopAll("failed"));
