@@ -219,15 +219,17 @@ function onExecuted(node, output) {
   }
 }
 
+// A node's id in a run is a path for a node inside a subgraph: "outer:inner" (one step per subgraph level).
+// Each step is a node of the graph before it; a subgraph node's inner graph is its `subgraph`.
 function findNode(id) {
-  const key = String(id);
-  const root = app.rootGraph ?? app.graph;
-  const node = root?.getNodeById(key) ?? root?.getNodeById(Number(key));
-  if (node) return node;
-  // Inside an open subgraph the id is a path "outer:inner"; the canvas shows the inner graph.
-  const inner = key.split(":").pop();
-  const shown = app.canvas?.graph;
-  return shown?.getNodeById(inner) ?? shown?.getNodeById(Number(inner)) ?? null;
+  let graph = app.rootGraph ?? app.graph;
+  let node = null;
+  for (const step of String(id).split(":")) {
+    node = graph?.getNodeById(step) ?? graph?.getNodeById(Number(step)) ?? null;
+    if (!node) return null;
+    graph = node.subgraph;
+  }
+  return node;
 }
 
 app.registerExtension({

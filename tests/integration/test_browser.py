@@ -46,6 +46,30 @@ async def _open(playwright, url: str, user_dir: str):
     return ctx, page, errors
 
 
+def _in_browser(env, body):
+    """await body(page) on ComfyUI's page in a fresh headless Chromium; its result, once the page has raised
+    no error."""
+    from playwright.async_api import async_playwright
+
+    async def run():
+        async with async_playwright() as p:
+            ctx, page, errors = await _open(p, env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
+            try:
+                out = await body(page)
+                assert not errors, errors
+                return out
+            finally:
+                await ctx.close()
+
+    return asyncio.run(run())
+
+
+async def _set_widget(page, node_type: str, widget: str, expression: str):
+    """The first `node_type` node's widget set to the JavaScript `expression` (of its value `v`)."""
+    await page.evaluate(f"""() => {{ const w = app.graph.nodes.find(n => n.type === '{node_type}')
+        .widgets.find(w => w.name === '{widget}'); const v = w.value; w.value = {expression}; }}""")
+
+
 async def _load(page, workflow: dict, max_new_tokens: int):
     await page.evaluate("wf => app.loadGraphData(wf)", workflow)
     await page.evaluate("""([model, maxNew]) => {
@@ -58,66 +82,51 @@ async def _load(page, workflow: dict, max_new_tokens: int):
 
 
 def test_front_end_reads_every_example_workflow(browser_env, object_info):
-    from playwright.async_api import async_playwright
+    async def body(page):
+        for path in sorted(WORKFLOWS.glob("*.json")):
+            workflow = load_workflow(path.name)
+            await page.evaluate("wf => app.loadGraphData(wf)", workflow)
+            theirs = await page.evaluate("async () => (await app.graphToPrompt()).output")
+            ours = to_api(workflow, object_info)
+            for nid, node in ours.items():
+                if node["class_type"].startswith("Qwen35"):  # every node of ours, sockets and all
+                    assert theirs[nid]["class_type"] == node["class_type"], path.name
+                    assert theirs[nid]["inputs"] == node["inputs"], (path.name, nid)
 
-    async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                for path in sorted(WORKFLOWS.glob("*.json")):
-                    workflow = load_workflow(path.name)
-                    await page.evaluate("wf => app.loadGraphData(wf)", workflow)
-                    theirs = await page.evaluate("async () => (await app.graphToPrompt()).output")
-                    ours = to_api(workflow, object_info)
-                    for nid, node in ours.items():
-                        if node["class_type"].startswith("Qwen35"):  # every node of ours, sockets and all
-                            assert theirs[nid]["class_type"] == node["class_type"], path.name
-                            assert theirs[nid]["inputs"] == node["inputs"], (path.name, nid)
-                assert not errors, errors
-            finally:
-                await ctx.close()
-
-    asyncio.run(run())
+    _in_browser(browser_env, body)
 
 
 def test_answer_streams_onto_the_node_in_the_browser(browser_env):
-    from playwright.async_api import async_playwright
     update = os.environ.get("QWEN35_UPDATE_SCREENSHOT") == "1"
     shot = ROOT / "docs" / "screenshot.png" if update else Path(tempfile.mkdtemp()) / "screenshot.png"
 
-    async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                await _load(page, load_workflow("qwen35_one_prefill_two_seeds.json"), max_new_tokens=48)
-                await page.get_by_test_id("queue-button").click()
-                # text on the node while the cursor still blinks: it arrived token by token
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
-                    ".some(e => e.textContent.trim().length > 60)", timeout=180_000)
-                streaming_text = await page.evaluate(
-                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
-                    ".map(e => e.textContent).find(t => t.trim())")
-                shot.parent.mkdir(parents=True, exist_ok=True)
-                await page.screenshot(path=str(shot))  # mid-answer: the text as it streams in
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-stats')]"
-                    ".filter(e => e.textContent.includes('tok/s decode')).length === 2", timeout=300_000)
-                answers = await page.evaluate("""() => app.graph.nodes
-                    .filter(n => n.type === 'Qwen35Generate')
-                    .map(n => [String(n.id), n.qwen35.answer.textContent])""")
-                prefill_stats = await page.evaluate(
-                    "[...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)")
-                # the copy button puts the answer on the clipboard
-                await page.locator(".qwen35-bar button").first.click()
-                copied = await page.evaluate("navigator.clipboard.readText()")
-                first_answer = await page.evaluate("document.querySelector('.qwen35-answer').textContent")
-                assert not errors, errors
-                return streaming_text, dict(answers), prefill_stats, copied, first_answer
-            finally:
-                await ctx.close()
+    async def body(page):
+        await _load(page, load_workflow("qwen35_one_prefill_two_seeds.json"), max_new_tokens=48)
+        await page.get_by_test_id("queue-button").click()
+        # text on the node while the cursor still blinks: it arrived token by token
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+            ".some(e => e.textContent.trim().length > 60)", timeout=180_000)
+        streaming_text = await page.evaluate(
+            "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+            ".map(e => e.textContent).find(t => t.trim())")
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(path=str(shot))  # mid-answer: the text as it streams in
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-stats')]"
+            ".filter(e => e.textContent.includes('tok/s decode')).length === 2", timeout=300_000)
+        answers = await page.evaluate("""() => app.graph.nodes
+            .filter(n => n.type === 'Qwen35Generate')
+            .map(n => [String(n.id), n.qwen35.answer.textContent])""")
+        prefill_stats = await page.evaluate(
+            "[...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)")
+        # the copy button puts the answer on the clipboard
+        await page.locator(".qwen35-bar button").first.click()
+        copied = await page.evaluate("navigator.clipboard.readText()")
+        first_answer = await page.evaluate("document.querySelector('.qwen35-answer').textContent")
+        return streaming_text, dict(answers), prefill_stats, copied, first_answer
 
-    streaming_text, answers, stats, copied, first_answer = asyncio.run(run())
+    streaming_text, answers, stats, copied, first_answer = _in_browser(browser_env, body)
     assert streaming_text.strip()
     assert any("prompt tokens" in s and "tok/s" in s for s in stats), stats
     assert copied == first_answer
@@ -129,28 +138,19 @@ def test_answer_streams_onto_the_node_in_the_browser(browser_env):
 
 
 def test_thinking_is_folded_away_in_the_browser(browser_env):
-    from playwright.async_api import async_playwright
+    async def body(page):
+        await _load(page, load_workflow("qwen35_thinking.json"), max_new_tokens=24)
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('decode'))",
+            timeout=300_000)
+        return await page.evaluate("""() => {
+            const d = document.querySelector('details.qwen35-thinking');
+            return {hidden: d.hidden, open: d.open,
+                    thinking: d.querySelector('.qwen35-thinking-text').textContent};
+        }""")
 
-    async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                await _load(page, load_workflow("qwen35_thinking.json"), max_new_tokens=24)
-                await page.get_by_test_id("queue-button").click()
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('decode'))",
-                    timeout=300_000)
-                state = await page.evaluate("""() => {
-                    const d = document.querySelector('details.qwen35-thinking');
-                    return {hidden: d.hidden, open: d.open,
-                            thinking: d.querySelector('.qwen35-thinking-text').textContent};
-                }""")
-                assert not errors, errors
-                return state
-            finally:
-                await ctx.close()
-
-    state = asyncio.run(run())
+    state = _in_browser(browser_env, body)
     history = browser_env.get("/history?max_items=1")
     outputs = next(iter(history.values()))["outputs"]
     gen = next(nid for nid, out in outputs.items() if "qwen35_generate" in out)
@@ -160,66 +160,72 @@ def test_thinking_is_folded_away_in_the_browser(browser_env):
 
 
 def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
-    from playwright.async_api import async_playwright
+    async def body(page):
+        workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
+        workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
+        workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
+        await _load(page, workflow, max_new_tokens=5000)
+        await _set_widget(page, "Qwen35Generate", "seed", "4242")
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+            ".some(e => e.textContent.trim().length > 10)", timeout=180_000)
+        await asyncio.to_thread(browser_env.post, "/interrupt", {})
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.startsWith('stopped'))",
+            timeout=60_000)
+        return await page.evaluate("""() => ({
+            streaming: document.querySelectorAll('.qwen35-answer.qwen35-streaming').length,
+            answer: document.querySelector('.qwen35-answer').textContent,
+            stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
 
-    async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
-                workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
-                workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
-                await _load(page, workflow, max_new_tokens=5000)
-                await page.evaluate("""() => { const w = app.graph.nodes.find(n => n.type === 'Qwen35Generate')
-                    .widgets.find(w => w.name === 'seed'); w.value = 4242; }""")
-                await page.get_by_test_id("queue-button").click()
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
-                    ".some(e => e.textContent.trim().length > 10)", timeout=180_000)
-                await asyncio.to_thread(browser_env.post, "/interrupt", {})
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.startsWith('stopped'))",
-                    timeout=60_000)
-                state = await page.evaluate("""() => ({
-                    streaming: document.querySelectorAll('.qwen35-answer.qwen35-streaming').length,
-                    answer: document.querySelector('.qwen35-answer').textContent,
-                    stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
-                assert not errors, errors
-                return state
-            finally:
-                await ctx.close()
-
-    state = asyncio.run(run())
+    state = _in_browser(browser_env, body)
     assert state["streaming"] == 0 and state["answer"].strip()
     assert any(s.startswith("stopped after ") for s in state["stats"]), state["stats"]
+
+
+def test_a_generate_node_inside_a_subgraph_streams_and_stops(browser_env):
+    """A node inside a subgraph runs with a path id ("outer:inner"): its stream reaches it, not a node of the
+    outer graph that happens to have the inner id, and a cancel marks it stopped."""
+    async def body(page):
+        workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
+        workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
+        workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
+        await _load(page, workflow, max_new_tokens=5000)
+        await _set_widget(page, "Qwen35Generate", "seed", "4343")
+        await page.evaluate("""() => app.rootGraph.convertToSubgraph(
+            new Set([app.graph.nodes.find(n => n.type === 'Qwen35Generate')]))""")
+        inner = ("[...app.rootGraph.subgraphs.values()].flatMap(s => s.nodes)"
+                 ".find(n => n.type === 'Qwen35Generate').qwen35")
+        assert await page.evaluate(f"() => !app.graph.nodes.some(n => n.type === 'Qwen35Generate') && !!{inner}")
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(f"() => {inner}.answer.textContent.trim().length > 10", timeout=180_000)
+        await asyncio.to_thread(browser_env.post, "/interrupt", {})
+        await page.wait_for_function(f"() => {inner}.stats.textContent.startsWith('stopped')", timeout=60_000)
+        return await page.evaluate(f"""() => ({{answer: {inner}.answer.textContent,
+            streaming: {inner}.answer.classList.contains('qwen35-streaming'), stats: {inner}.stats.textContent}})""")
+
+    state = _in_browser(browser_env, body)
+    assert state["answer"].strip() and not state["streaming"]
+    assert state["stats"].startswith("stopped after "), state["stats"]
 
 
 def test_one_caption_per_image_shows_every_answer(browser_env):
     """A list of prefills runs Generate once per image: the node shows every answer, numbered, and one stats
     line over them."""
-    from playwright.async_api import async_playwright
+    async def body(page):
+        await _load(page, load_workflow("qwen35_caption_each_image.json"), max_new_tokens=12)
+        # a prompt of its own: the server tests run this workflow too and look for its prefill's output
+        await _set_widget(page, "Qwen35MultimodalPrefill", "prompt", "v + ' (browser)'")
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('answers'))",
+            timeout=300_000)
+        return await page.evaluate("""() => ({
+            answer: document.querySelector('.qwen35-answer').textContent,
+            stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
 
-    async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, browser_env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                await _load(page, load_workflow("qwen35_caption_each_image.json"), max_new_tokens=12)
-                # a prompt of its own: the server tests run this workflow too and look for its prefill's output
-                await page.evaluate("""() => { const w = app.graph.nodes.find(n => n.type === 'Qwen35MultimodalPrefill')
-                    .widgets.find(w => w.name === 'prompt'); w.value += ' (browser)'; }""")
-                await page.get_by_test_id("queue-button").click()
-                await page.wait_for_function(
-                    "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('answers'))",
-                    timeout=300_000)
-                state = await page.evaluate("""() => ({
-                    answer: document.querySelector('.qwen35-answer').textContent,
-                    stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
-                assert not errors, errors
-                return state
-            finally:
-                await ctx.close()
-
-    state = asyncio.run(run())
+    state = _in_browser(browser_env, body)
     history = browser_env.get("/history?max_items=1")
     outputs = next(iter(history.values()))["outputs"]
     texts = next(out for out in outputs.values() if "qwen35_generate" in out)["text"]
