@@ -7,6 +7,7 @@ dequantized as they are read (the model computes in bf16 / fp16 / fp32).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import stat
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from .config import FULL, LINEAR, TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
 from .errors import Qwen35Error
+
+log = logging.getLogger(__name__)
 
 # Where the text model's tensors live in the files people have, most specific first.
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.", "")
@@ -34,12 +37,15 @@ class Fp8Weight:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Where a model's text weights are: tensor name (without prefix) -> (file, name in file)."""
+    """Where a model's text weights are: tensor name (without prefix) -> (file, name in file); and the checked
+    header entries of the other tensors in its files (the vision tower's, MTP's, FP8 scales), name in file -> (file,
+    entry), for the vision loader to take its own from."""
     path: Path
     config: TextConfig
     tensors: dict[str, tuple[Path, str]]
     tokenizer_dir: Path | None
     fp8: dict[str, Fp8Weight] = field(default_factory=dict)  # name in file -> its dequantization
+    others: dict[str, tuple[Path, dict]] = field(default_factory=dict)
 
 
 # Bytes per element of the dtypes a safetensors header can name (to check each tensor's extent).
@@ -235,11 +241,13 @@ def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: in
 
 class WeightReader:
     """Reads a checkpoint's tensors, each file opened once, FP8 weights dequantized to the dtype asked for, on
-    the device asked for (a GPU does it in a fraction of the CPU's time); other tensors come as stored, on the
-    CPU: the caller's copy converts and moves them."""
+    the device asked for (a GPU does it in a fraction of the CPU's time; a device without FP8 conversion in this
+    torch leaves it to the CPU, said once); other tensors come as stored, on the CPU: the caller's copy converts
+    and moves them."""
 
     def __init__(self, fp8: dict[str, Fp8Weight]):
         self.fp8, self._stack, self._handles = fp8, ExitStack(), {}
+        self._on_device = True  # until the device turns out to have no FP8 conversion in this torch
 
     def __enter__(self):
         return self
@@ -262,11 +270,16 @@ class WeightReader:
             import torch
             t = t.view(getattr(torch, how.view))
         scale = None if how.scale is None else self._raw(*how.scale)
-        if device is not None and str(device) != "cpu":
+        if device is not None and str(device) != "cpu" and self._on_device:
             try:
                 return dequantize(t, scale, how.block, dtype, device=device)
-            except (RuntimeError, NotImplementedError):  # no FP8 conversion for this device in this torch
-                pass
+            except (RuntimeError, NotImplementedError) as e:
+                from .memory import is_out_of_memory  # (imported here: like torch, not needed to read headers)
+                if is_out_of_memory(e):
+                    raise
+                self._on_device = False  # no FP8 conversion for this device in this torch: the rest on the CPU too
+                log.warning("Qwen3.5: FP8 weights are dequantized on the CPU, not on %s, which cannot convert FP8 "
+                            "in this PyTorch (%s: %s); loading takes longer", device, type(e).__name__, e)
         return dequantize(t, scale, how.block, dtype)
 
 
@@ -293,7 +306,8 @@ def _text_or_its_fp8(name: str) -> bool:
 
 
 def _collect(files: list[Path], block: tuple[int, int] | None = None):
-    """(tensors, shapes, other names, fp8) of the text model in `files`; block: the config's FP8 block size."""
+    """(tensors, shapes, others, fp8) of the text model in `files`, others: the header entries of the tensors
+    that are not the text model's (name in file -> (file, entry)); block: the config's FP8 block size."""
     entries: dict[str, tuple[Path, dict]] = {}
     for file in files:
         for name, meta in read_header(file).items():
@@ -306,11 +320,11 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
     side, fp8 = set(), {}
     if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
         side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n)}, source, block)
-    tensors, shapes, other, dtypes = {}, {}, [], {}
+    tensors, shapes, other, dtypes = {}, {}, {}, {}
     for name, (file, meta) in entries.items():
         key = None if name in side else _strip(name)
         if key is None:
-            other.append(name)
+            other[name] = (file, meta)
             continue
         tensors[key] = (file, name)
         shapes[key] = tuple(meta["shape"])
@@ -390,8 +404,8 @@ def check_shapes(config: TextConfig, shapes: dict[str, tuple[int, ...]], source:
                               "the weights do not fit the config (wrong config.json or a different model size)")
 
 
-def _all_names(tensors: dict[str, tuple[Path, str]], other: list[str]) -> list[str]:
-    return [name for _, name in tensors.values()] + other
+def _all_names(tensors: dict[str, tuple[Path, str]], other: dict[str, tuple[Path, dict]]) -> list[str]:
+    return [name for _, name in tensors.values()] + list(other)
 
 
 def _infer(shapes: dict[str, tuple[int, ...]], source: Path) -> TextConfig:
@@ -515,7 +529,7 @@ def locate(path: str | Path) -> Checkpoint:
         _check_sizes(config, path)
         check_shapes(config, shapes, path)
         tok_dir = path.parent if (path.parent / "tokenizer.json").exists() else None
-        return Checkpoint(path, config, tensors, tok_dir, fp8)
+        return Checkpoint(path, config, tensors, tok_dir, fp8, other)
 
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -559,4 +573,4 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{cfg_file}: the config has {config.num_hidden_layers} layers but the weights hold "
                           f"{in_files}; the config does not belong to these weights, re-download it")
     check_shapes(config, shapes, path)
-    return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None, fp8)
+    return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None, fp8, other)

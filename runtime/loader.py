@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,6 +50,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise Qwen35Error(f"dtype {dtype} is not one of auto, {', '.join(DTYPES)} (or "
+                              f"{', '.join(map(str, DTYPES.values()))}): the model computes in these; FP8 checkpoints "
+                              "load dequantized to one of them")
         return dtype
     if dtype == "auto":  # bf16 on GPUs (other accelerators: where their bf16 matmul runs), fp32 on the CPU
         if device.type == "cuda" or (is_other_accelerator(device) and bf16_works(device)):
@@ -90,12 +95,14 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
             targets.update({s + "q_proj.weight": (m.qkv, 0), s + "k_proj.weight": (m.qkv, 2 * qd),
                             s + "v_proj.weight": (m.qkv, 2 * qd + kd), s + "o_proj.weight": (m.o_proj, 0),
                             s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
+    # one blocking copy_ into the parameter: from a CPU tensor it converts the dtype on the host, so no weight has
+    # a second, file-dtype copy in device memory (FP8 weights come already dequantized on the device)
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for name, (param, row) in targets.items():
             t = reader.get(*ckpt.tensors[name], param.dtype, param.device)
             if name.endswith("conv1d.weight"):
                 t = t[:, 0]
-            param[row:row + t.shape[0]].copy_(t.to(param.device, non_blocking=False))
+            param[row:row + t.shape[0]].copy_(t)
 
 
 def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
@@ -103,7 +110,7 @@ def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, dev
     reason in model.vision_note (text prompts work either way)."""
     from .vision import load_vision, locate_vision
     try:
-        found = locate_vision(ckpt.path, ckpt.config.hidden_size)
+        found = locate_vision(ckpt)
     except Qwen35Error as e:
         model.vision_note = str(e)
         log.warning("Qwen3.5 vision tower not loaded: %s", e)
@@ -113,6 +120,18 @@ def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, dev
         return
     model.vision = load_vision(found, dtype, device)
     model.vision_note = f"vision tower {found.config.shape_name}"
+
+
+def _clear_frames(error: BaseException) -> None:
+    """Drop the local variables of the finished frames in the tracebacks of `error` and of the errors it was
+    raised from or while handling (traceback.clear_frames leaves the frame still running)."""
+    chain, seen = [error], set()
+    while chain:
+        e = chain.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            chain += [e.__cause__, e.__context__]
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
@@ -145,6 +164,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     except BaseException as e:
         oom = is_out_of_memory(e)
         if not oom:
+            # the traceback's frames (_fill, _attach_vision, select_backend...) hold the model: cleared, the error
+            # keeps its type, message and lines, and the model's memory is freed before the cache is emptied
+            _clear_frames(e)
             del model
             gc.collect()
             empty_cache(dev)

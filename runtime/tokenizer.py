@@ -37,6 +37,15 @@ END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
+# The special tokens the runtime writes or stops on by id, at their Qwen3.5 ids: the end-of-turn ids
+# (config.DEFAULT_EOS), the chat markers, the vision markers multimodal.py writes as numbers, and the thinking
+# markers generate.py looks for. A tokenizer.json that gives any of them another id is another model's.
+QWEN35_TOKEN_IDS = {
+    END_OF_TEXT: 248044, IM_START: 248045, IM_END: 248046,
+    "<|vision_start|>": 248053, "<|vision_end|>": 248054, "<|image_pad|>": 248056, "<|video_pad|>": 248057,
+    "<think>": 248068, "</think>": 248069,
+}
+
 # Added tokens that Qwen3.5 checkpoints mark `"special": false` in tokenizer.json: they are part of
 # the visible answer (thinking and tool-call markup), so decode(skip_special_tokens=True) keeps them.
 NON_SPECIAL_ADDED_TOKENS = frozenset({
@@ -276,6 +285,7 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         raise Qwen35Error(f"{path} holds a {type(hf.model).__name__} tokenizer model; Qwen3.5 checkpoints "
                          f"ship a byte-level BPE one. Is this folder a Qwen3.5 checkpoint?")
 
+    _check_qwen35_ids(path, hf)
     _note_regex_mismatch(path, hf)
     added = {i: t for i, t in hf.get_added_tokens_decoder().items()}
     vocab = hf.get_vocab(with_added_tokens=False)
@@ -311,6 +321,21 @@ def _from_tokenizer_json(path: Path) -> Tokenizer:
         special_token_ids=[i for i, t in added.items() if t.special],
         source=str(path),
     )
+
+
+def _check_qwen35_ids(path: Path, hf) -> None:
+    """A Qwen35Error unless every token of QWEN35_TOKEN_IDS has its Qwen3.5 id in `hf` (another model's
+    tokenizer.json, say Qwen2.5's or Qwen3's, has the chat tokens at other ids)."""
+    fix = (f"{path} is read as the model's tokenizer (the checkpoint folder's, or the one beside a single "
+           ".safetensors file): replace it with the Qwen3.5 checkpoint's own tokenizer.json, or delete it to use "
+           "the built-in Qwen3.5 tokenizer")
+    for token, want in QWEN35_TOKEN_IDS.items():
+        got = hf.token_to_id(token)
+        if got is None:
+            raise Qwen35Error(f"{path}: not Qwen3.5's tokenizer: it has no {token!r} token. {fix}")
+        if got != want:
+            raise Qwen35Error(f"{path}: not Qwen3.5's tokenizer: {token!r} is id {got} in it, {want} in Qwen3.5's "
+                              f"(another model's tokenizer, e.g. Qwen2.5's or Qwen3's). {fix}")
 
 
 def _split_regexes(pre_tokenizer) -> list[str]:

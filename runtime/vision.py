@@ -8,10 +8,12 @@
 Patches arrive in merge-block order (block row, block column, row in block, column in block), as
 transformers' processor and `media.py` lay them out, so the merger's 2x2 groups are four
 consecutive rows. Attention is full (non-causal) inside one image or one 2-frame slice of a video
-and never crosses them: on H100 / H200 one launch of our kernel over every slice (`kernels.vision_attention`,
-through the slices' offsets `cu_seqlens`); on other GPUs slices of one length run as one batched SDPA call
-and slices of several lengths as one variable-length flash attention launch; on the CPU one batched SDPA
-call per distinct length (`groups`).
+and never crosses them: under the CUDA backend in bf16 on H100 / H200, one launch of our kernel over every
+slice (`kernels.vision_attention`, through the slices' offsets `cu_seqlens`); otherwise under the CUDA
+backend (NVIDIA sm80+ with the kernels built, bf16 / fp16: `backend.use_cuda`), slices of several lengths as
+one variable-length flash attention launch where this torch has `varlen_attn`; in every other case (slices of
+one length, ROCm and other accelerators, fp32, the PyTorch backend, the CPU) one batched SDPA call per distinct
+slice length (`groups`).
 
 The patches' positions (the interpolated position grid and the rotary's angles, made from the grids), the
 rotary and the LayerNorms (each after the first fused with the residual add before it) are `kernels`
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .checkpoint import LOADABLE_DTYPES, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_header
+from .checkpoint import LOADABLE_DTYPES, Checkpoint, Fp8Weight, WeightReader, fp8_block_of, fp8_weights
 from .errors import Qwen35Error
 from .host import upload
 
@@ -107,8 +109,17 @@ def infer_vision_config(shapes: dict[str, tuple[int, ...]], source: str) -> Visi
                               "incomplete (text prompts still work)")
         return shapes[name]
 
-    hidden, channels, t, p, _ = shape("patch_embed.proj.weight")
-    depth = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))
+    patch = shape("patch_embed.proj.weight")
+    if len(patch) != 5 or not all(patch):
+        raise Qwen35Error(f"{source}: vision tensor 'patch_embed.proj.weight' has shape {list(patch)}, not the "
+                          "[width, channels, frames, patch, patch] of a Qwen3.5 tower; the vision weights are "
+                          "damaged or another model's (text prompts still work)")
+    hidden, channels, t, p, _ = patch
+    blocks = [int(k.split(".")[1]) for k in shapes if k.startswith("blocks.") and k.split(".")[1].isdigit()]
+    if not blocks:
+        raise Qwen35Error(f"{source}: the vision tower has no blocks (no vision tensor 'blocks.N.*'); the vision "
+                          "tower in this file is incomplete (text prompts still work)")
+    depth = 1 + max(blocks)
     merged_in = shape("merger.linear_fc1.weight")[1]
     return VisionConfig(
         depth=depth, hidden_size=hidden, intermediate_size=shape("blocks.0.mlp.linear_fc1.weight")[0],
@@ -430,15 +441,6 @@ def _targets(tower: VisionTower) -> dict[str, torch.Tensor]:
     return t
 
 
-def _weight_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    return sorted(path.glob("*.safetensors"))
-
-
 @dataclass(frozen=True)
 class VisionCheckpoint:
     config: VisionConfig
@@ -446,14 +448,11 @@ class VisionCheckpoint:
     fp8: dict[str, Fp8Weight] = field(default_factory=dict)  # name in file -> its dequantization
 
 
-def locate_vision(path: str | Path, text_hidden: int) -> VisionCheckpoint | None:
-    """The vision tower's config and tensors in a checkpoint folder or file; None when it has none."""
-    path = Path(path)
-    entries = {}
-    for file in _weight_files(path):
-        for name, meta in read_header(file).items():
-            if name.startswith(VISION_PREFIXES):
-                entries[name] = (file, meta)
+def locate_vision(ckpt: Checkpoint) -> VisionCheckpoint | None:
+    """The vision tower's config and tensors among the files checkpoint.locate found and checked (their header
+    entries, ckpt.others); None when it has none."""
+    path, text_hidden = ckpt.path, ckpt.config.hidden_size
+    entries = {name: entry for name, entry in ckpt.others.items() if name.startswith(VISION_PREFIXES)}
     if not entries:
         return None
     cfg = None
@@ -496,7 +495,7 @@ def load_vision(ck: VisionCheckpoint, dtype: torch.dtype, device: torch.device) 
     with WeightReader(ck.fp8) as reader, torch.no_grad():
         for name, param in _targets(tower).items():
             t = reader.get(*ck.tensors[name], param.dtype, param.device)
-            param.copy_(t.reshape(param.shape).to(param.device))
+            param.copy_(t.reshape(param.shape))  # converted on the host by the copy (loader._fill says why)
     return tower
 
 
