@@ -24,7 +24,7 @@ import torch
 from .chat import IM_END, IM_START, THINK_CLOSE
 from .devices import synchronize
 from .errors import Qwen35Error
-from .generate import Prefill, generation_prompt_ids
+from .generate import Prefill, check_vocabulary, generation_prompt_ids
 from .host import host_logits, on_model_device
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
@@ -34,8 +34,8 @@ from .multimodal import (
     _as_inputs,
     _count_pads,
     _merge,
-    build_prompt,
     media_spans,
+    user_message,
     vision_features,
 )
 from .prefix import prefill_reusing
@@ -66,7 +66,7 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
         head += tok.encode(f"{IM_START}assistant\n") + user(earlier_answer(previous_answer)) + tok.encode(f"{IM_END}\n")
     head += tok.encode(f"{IM_START}user\n")
     if inputs:  # the user message's content as the Multimodal Prefill lays it out
-        body, body_parts, ordered = build_prompt(model, prompt, inputs, n_images, use_chat_template=False,
+        body, body_parts, ordered = user_message(model, prompt, inputs, n_images, trim=True,
                                                  allow_special_tokens=allow_special_tokens)
     else:  # plain text, as the Text Prefill reads it (no placeholders)
         if not (prompt or "").strip():
@@ -115,6 +115,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         else ([], 0)
     ids, parts, ordered, turn_end = follow_up_ids(model, prompt, inputs, n_images, previous_answer, thinking,
                                                   allow_special_tokens)
+    check_vocabulary(model, ids)
     turn = parent.turn
     cached, new = turn.length, len(ids)
     total, limit = cached + new, model.config.max_position_embeddings

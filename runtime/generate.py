@@ -78,6 +78,16 @@ def _token_id(i) -> int:
         raise Qwen35Error(f"token ids must be whole numbers; found {i!r}") from None
 
 
+def check_vocabulary(model: Qwen35Model, ids: list[int]) -> None:
+    """A Qwen35Error for the first id outside the model's embedding (a tokenizer of another model), before the
+    embedding lookup would fail on it (on CUDA a device-side assert that ends the process)."""
+    vocab = model.config.vocab_size
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(i for i in ids if not 0 <= i < vocab)
+        raise Qwen35Error(f"token id {bad} is outside the model's vocabulary of {vocab}; the tokenizer does "
+                          "not belong to this model")
+
+
 def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
                   use_chat_template: bool = True, allow_special_tokens: bool = False) -> list[int]:
     """Prompt ids: the chat template's markers as special tokens, the user's text (prompt and system
@@ -125,12 +135,8 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens but the model takes at most {limit} positions "
                           f"(prompt and answer together); shorten the prompt")
-    vocab = model.config.vocab_size
     ids = [_token_id(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise Qwen35Error(f"token id {bad[0]} is outside the model's vocabulary of {vocab}; the tokenizer does "
-                          "not belong to this model")
+    check_vocabulary(model, ids)
     turn_end = None
     if chat_template:
         tail = generation_prompt_ids(model, thinking)

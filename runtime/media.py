@@ -13,13 +13,14 @@ tokens as transformers' processor gives for it:
 Video: frames are sampled at `fps` (2) between min_frames and max_frames, one pixel budget is spread
 over all frames, frames go in pairs (an odd count repeats the last frame) and each pair becomes one
 slice with the timestamp text `<{t:.1f} seconds>` (mean time of its two frames) before it.
-Resizing runs in fp32 on whatever device the input is on.
+Resizing runs in fp32 on the `device` the caller names (the input's own device when it names none).
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
+import operator
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ VIDEO_MAX_FRAMES = 768
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
 MAX_ASPECT = 200
+PIXEL_LIMITS = (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"))  # (lower, upper)
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,26 @@ class Preprocessing:
         return self.patch_size * self.merge_size
 
 
+def _pixel_limit(name: str, value) -> int:
+    """A pixel limit the caller gave, as an int; a Qwen35Error for 0, negatives, fractions and the rest."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        count = 0
+    if count < 1:
+        raise Qwen35Error(f"{name} must be a whole number of pixels above 0, got {value!r}; leave it unset (None) for "
+                          "the checkpoint's setting")
+    return count
+
+
 def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
     """Preprocessing settings from a checkpoint folder's preprocessor_config.json and
-    video_preprocessor_config.json where present, else Qwen3.5's defaults; `overrides` win."""
+    video_preprocessor_config.json where present, else Qwen3.5's defaults; `overrides` win.
+
+    A max_pixels (video_max_pixels) given below the checkpoint's min_pixels (video_min_pixels) lowers that too:
+    otherwise smart_resize would scale small inputs up to the minimum, past the limit the caller set."""
     values = {}
     folder = Path(folder) if folder else None
     for name, prefix in (("preprocessor_config.json", ""), ("video_preprocessor_config.json", "video_")):
@@ -93,8 +112,17 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
                     values[key] = cfg[key]
         elif cfg.get("image_mean") and cfg.get("image_std"):
             values["mean"], values["std"] = tuple(cfg["image_mean"]), tuple(cfg["image_std"])
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Preprocessing(**values)
+    given = {k: _pixel_limit(k, v) if any(k in pair for pair in PIXEL_LIMITS) else v
+             for k, v in overrides.items() if v is not None}
+    for lo, hi in PIXEL_LIMITS:
+        if hi in given and lo not in given:
+            given[lo] = min(values.get(lo, getattr(Preprocessing, lo)), given[hi])
+    values.update(given)
+    pp = Preprocessing(**values)
+    for lo, hi in PIXEL_LIMITS:
+        if (lo in given or hi in given) and getattr(pp, lo) > getattr(pp, hi):
+            raise Qwen35Error(f"{lo} {getattr(pp, lo)} is above {hi} {getattr(pp, hi)}; give a {lo} at most {hi}")
+    return pp
 
 
 def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = IMAGE_MIN_PIXELS,
@@ -145,7 +173,10 @@ def _check_images(images) -> tuple[int, int, int, int]:
     if h == 0 or w == 0:
         raise Qwen35Error(f"an image is {w}x{h} pixels; both sides must be at least 1")
     if c not in (1, 2, 3, 4):
-        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")
+        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA)")
+    if not images.is_floating_point():  # 0..255 or a 0/1 mask: the scale is not guessed (clamped, 0..255 was white)
+        raise Qwen35Error(f"an image tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float in 0..1: "
+                          "convert 8-bit pixels (0..255) with .float() / 255")
     return b, h, w, c
 
 
@@ -206,7 +237,9 @@ class VisionInput:
     grid: tuple[int, int, int]
     source_size: tuple[int, int]  # (height, width) before resizing
     timestamps: tuple[float, ...] = ()
-    scaled_down: bool = False  # resized below its own size to fit max_pixels
+    # resized below its own size to fit its limit: max_pixels for an image, the pixel budget over all its
+    # sampled frames (video_max_pixels) for a video
+    scaled_down: bool = False
     source: torch.Tensor | Callable[[], torch.Tensor] | None = None
     recipe: str = ""
     origin: tuple[torch.Tensor, object] | None = None
@@ -320,7 +353,8 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     if isinstance(frames, torch.Tensor) and frames.dim() == 4 and frames.shape[0] == 0:
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
     if not isinstance(frames, torch.Tensor) or frames.dim() != 4:
-        raise Qwen35Error("a video must be frames [count, height, width, channels]")
+        got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
     _, h, w, c = _check_images(frames)
     picked = list(index)  # the sampled frames, moved when first needed

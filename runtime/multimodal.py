@@ -12,6 +12,7 @@ the embeddings of the pad tokens, and the text model runs with the positions rop
 """
 from __future__ import annotations
 
+import numbers
 import re
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from .. import kernels
 from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
 from .devices import is_other_accelerator, synchronize
 from .errors import Qwen35Error
-from .generate import Prefill
+from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
 from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
@@ -40,7 +41,8 @@ _SENTINEL = re.compile("\ue000(\\d+)\ue001")  # private-use marks: where input i
 
 def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list[int]]:
     """The prompt with each placeholder replaced by a sentinel for input i (images 0..n-1, the video
-    n), unnamed inputs put in front; returns (text, input indices in order of appearance)."""
+    n), unnamed inputs put in front; returns (text, input indices in order of appearance). The text is
+    as given: user_message trims it for a chat turn."""
     used: list[int] = []
     next_free = [0]
 
@@ -71,9 +73,7 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list
 
     body = PLACEHOLDER.sub(take, prompt)
     front = [i for i in range(n_images + has_video) if i not in used]
-    order = front + used
-    # trimmed as a whole, as the chat template trims the message it joined from its images and text
-    return ("".join(f"\ue000{i}\ue001" for i in front) + body).strip(), order
+    return "".join(f"\ue000{i}\ue001" for i in front) + body, front + used
 
 
 def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], list]:
@@ -91,24 +91,54 @@ def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], 
     return ids, parts
 
 
+def _user_encoder(tok, allow_special_tokens: bool):
+    """How the user's text is encoded: plain text unless allow_special_tokens, as for text prompts
+    (generate.encode_prompt)."""
+    return tok.encode if allow_special_tokens else getattr(tok, "encode_text", tok.encode)
+
+
+def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_images: int, trim: bool,
+                 allow_special_tokens: bool = False):
+    """(token ids, rope parts, inputs in the order the prompt places them) of the prompt with its images and
+    video in place. trim: strip the whole (images and text together) as the chat template strips a message's
+    content; a raw prompt is taken as given."""
+    if prompt is not None and not isinstance(prompt, str):
+        raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
+    body, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
+    if not body.strip():
+        raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
+    tok, merge = model.tokenizer, _merge(model)
+    user = _user_encoder(tok, allow_special_tokens)
+    ids, parts = [], []
+    pieces = _SENTINEL.split(body.strip() if trim else body)  # text, input index, text, input index, ..., text
+    for k, piece in enumerate(pieces):
+        if k % 2 == 1:
+            more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge)
+        elif piece:
+            more_ids = user(piece)
+            more_parts = [TextRun(len(more_ids))]
+        else:
+            continue
+        ids.extend(more_ids)
+        parts.extend(more_parts)
+    return ids, parts, [inputs[i] for i in order]
+
+
 def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_images: int,
                  system_prompt: str = "", thinking: bool = False, use_chat_template: bool = True,
                  allow_special_tokens: bool = False):
     """(token ids, rope parts, inputs in the order the prompt places them).
 
     The chat template's markers are special tokens; the user's text (prompt and system prompt) is
-    plain text unless allow_special_tokens, as for text prompts (generate.encode_prompt).
+    plain text unless allow_special_tokens, as for text prompts (generate.encode_prompt). Without the
+    chat template the text is taken as given (generate.encode_prompt's raw mode).
     """
-    if prompt is not None and not isinstance(prompt, str):
-        raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
-    body, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
-    if not body.strip():
-        raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
+    message_ids, message_parts, ordered = user_message(model, prompt, inputs, n_images, use_chat_template,
+                                                       allow_special_tokens)
     if not isinstance(system_prompt, str):
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
     tok = model.tokenizer
-    user = tok.encode if allow_special_tokens else getattr(tok, "encode_text", tok.encode)
-    merge = model.vision.config.spatial_merge_size if model.vision is not None else 2
+    user = _user_encoder(tok, allow_special_tokens)
     ids, parts = [], []
 
     def add(text: str, encode) -> None:
@@ -117,29 +147,21 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
             ids.extend(enc)
             parts.append(TextRun(len(enc)))
 
-    def add_body() -> None:
-        pieces = _SENTINEL.split(body)  # text, input index, text, input index, ..., text
-        for k, piece in enumerate(pieces):
-            if k % 2 == 0:
-                add(piece, user)
-            else:
-                more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge)
-                ids.extend(more_ids)
-                parts.extend(more_parts)
-
     if not use_chat_template:
         add(system_prompt + "\n\n" if system_prompt else "", user)
-        add_body()
+        ids.extend(message_ids)
+        parts.extend(message_parts)
     else:  # the text format_chat writes, with the vision spans in the user message
         if system_prompt.strip():
             add(f"{IM_START}system\n", tok.encode)
             add(system_prompt.strip(), user)
             add(f"{IM_END}\n", tok.encode)
         add(f"{IM_START}user\n", tok.encode)
-        add_body()
+        ids.extend(message_ids)
+        parts.extend(message_parts)
         add(f"{IM_END}\n", tok.encode)
         add(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING, tok.encode)
-    return ids, parts, [inputs[i] for i in order]
+    return ids, parts, ordered
 
 
 def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:
@@ -159,9 +181,34 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
         if isinstance(video, VisionInput):
             out.append(video)
         else:
-            frames, fps = video
+            frames, fps = _video_pair(video)
             out.append(preprocess_video(frames, fps, pp, where))
     return out, n_images
+
+
+def _video_pair(video) -> tuple[torch.Tensor, float]:
+    """(frames, fps) of a video given as that pair; a Qwen35Error for a bare frames tensor (which unpacking
+    would read as two frames, or fail on) or anything else."""
+    pair = isinstance(video, (tuple, list)) and len(video) == 2
+    if pair and isinstance(video[0], torch.Tensor) and isinstance(video[1], numbers.Real) \
+            and not isinstance(video[1], bool):
+        return video[0], float(video[1])
+    got = f"a tensor {list(video.shape)}" if isinstance(video, torch.Tensor) else \
+        f"({', '.join(type(v).__name__ for v in video)})" if isinstance(video, (tuple, list)) else type(video).__name__
+    raise Qwen35Error(f"a video must be (frames [count, height, width, channels], fps) or a VisionInput from "
+                      f"media.preprocess_video, got {got}; pass the frames with their frame rate, e.g. "
+                      "video=(frames, 24.0)")
+
+
+def _fewer_tokens(inputs: list[VisionInput]) -> str:
+    """What lowers the image / video tokens of these inputs: max_pixels sets images only; a video is held to its
+    own pixel budget over all its frames, so only a shorter or smaller clip needs fewer."""
+    ways = []
+    if any(inp.kind == "image" for inp in inputs):
+        ways.append("lower max_pixels or use fewer images")
+    if any(inp.kind == "video" for inp in inputs):
+        ways.append("use a shorter or lower-resolution video")
+    return ", or ".join(ways) or "shorten the prompt"
 
 
 @torch.compiler.disable
@@ -175,7 +222,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
       a list of such tensors, or VisionInputs from media.preprocess_images; video: (frames [F, H, W, C],
       fps) or a VisionInput from media.preprocess_video. max_pixels overrides the checkpoint's limit
-      per image. reserve(bytes), when given, is called once the prompt is laid out and before any device
+      per image (images only: a video is held to the checkpoint's pixel budget over all its frames).
+      reserve(bytes), when given, is called once the prompt is laid out and before any device
       work, with what the tower and the prefill will need beyond the weights (runtime.memory), so that a
       caller can make room (the nodes ask ComfyUI's model management). A prefix an earlier prompt left in the
       K/V store (the same system prompt and images) is reused, the tower skipping its images, unless
@@ -192,11 +240,12 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     inputs, n_images = _as_inputs(model, images, video, max_pixels)
     ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt, thinking, use_chat_template,
                                        allow_special_tokens)
+    check_vocabulary(model, ids)
     limit = model.config.max_position_embeddings
     n_vision = _count_pads(ids)
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
-                          f"takes at most {limit} positions; lower max_pixels, use fewer frames or images")
+                          f"takes at most {limit} positions; {_fewer_tokens(inputs)}")
     needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
     if reserve is not None:
         reserve(needed)
@@ -225,7 +274,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if oom:
         run = None
         raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
-                                   "tokens; lower max_pixels or use fewer frames or images to need less)", needed)
+                                   f"tokens; {_fewer_tokens(inputs)} to need less)", needed)
     vision_ms = clock.ms
     stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
@@ -270,9 +319,11 @@ def media_spans(ids, ordered: list[VisionInput], merge: int, offset: int = 0,
 class TowerClock:
     """The vision tower's time in one prefill: CUDA events around its launches on a GPU, read once the
     prefill is done (so that timing it holds nothing up: the text layers queue while the tower runs),
-    the host clock on the CPU."""
+    the host clock on the CPU, and on other accelerators (mps, xpu, ...) the host clock read after
+    waiting for the device (their work is queued too: without the wait it would time the queueing)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.spans: list = []
         self._begin = None
@@ -285,6 +336,8 @@ class TowerClock:
 
     def _now(self):
         if self.stream is None:
+            if is_other_accelerator(self.device):
+                synchronize(self.device)
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
         e.record(self.stream)
@@ -323,9 +376,9 @@ class VisionStats:
     text_tokens: int
     vision_ms: float  # the tower (TowerClock: GPU time on a GPU)
     prefill_ms: float  # the rest of the prefill's wall time
-    scaled_down: int  # inputs resized down to fit max_pixels
+    scaled_down: int  # inputs resized below their own size: images to fit max_pixels, a video its pixel budget
     grids: tuple[tuple[int, int, int], ...]
 
 
-__all__ = ["prefill_multimodal", "build_prompt", "place_inputs", "media_spans", "vision_features", "TowerClock",
-           "VisionStats", "VISION_START", "VISION_END", "IMAGE_PAD", "VIDEO_PAD"]
+__all__ = ["prefill_multimodal", "build_prompt", "user_message", "place_inputs", "media_spans", "vision_features",
+           "TowerClock", "VisionStats", "VISION_START", "VISION_END", "IMAGE_PAD", "VIDEO_PAD"]

@@ -144,3 +144,50 @@ def test_video_timestamps_equal_transformers(frames, fps):
     want = Qwen3VLProcessor._calculate_timestamps(None, sample_frames(frames, fps, pp), fps, 2)
     assert [f"<{t:.1f} seconds>" for t in v.timestamps] == [f"<{t:.1f} seconds>" for t in want]
     assert v.timestamps == pytest.approx(want)
+
+
+@pytest.mark.parametrize("max_pixels,scaled", [(16_384, False), (4_096, True)])
+def test_a_max_pixels_below_the_checkpoints_min_pixels_never_makes_an_image_bigger_than_it(max_pixels, scaled):
+    """The checkpoint's min_pixels (65,536) gives way to a smaller max_pixels: a 100 x 100 image is not scaled up
+    past the limit the user set (to 128 x 128 at 16,384; down to 64 x 64 at 4,096)."""
+    pp = read_preprocessing(None, max_pixels=max_pixels)
+    assert pp.min_pixels == max_pixels
+    inp = preprocess_images(torch.rand(1, 100, 100, 3), pp)[0]
+    assert inp.grid[1] * inp.grid[2] * 16 * 16 == max_pixels and inp.scaled_down == scaled
+    video = read_preprocessing(None, video_max_pixels=2_048)
+    assert video.video_min_pixels == 2_048 and video.min_pixels == Preprocessing().min_pixels
+    assert read_preprocessing(None, max_pixels=1_000_000).min_pixels == Preprocessing().min_pixels
+
+
+def test_min_pixels_above_max_pixels_is_refused():
+    with pytest.raises(Qwen35Error, match="min_pixels 5000 is above max_pixels 4096"):
+        read_preprocessing(None, min_pixels=5000, max_pixels=4096)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 1e6, "1000", True])
+def test_pixel_limits_must_be_positive_whole_numbers(value):
+    with pytest.raises(Qwen35Error, match=rf"max_pixels must be a whole number of pixels above 0, got {value!r}"):
+        read_preprocessing(None, max_pixels=value)
+    with pytest.raises(Qwen35Error, match=r"video_max_pixels must be"):
+        read_preprocessing(None, video_max_pixels=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.bool])
+def test_integer_pixels_are_refused_not_clamped_to_white(dtype):
+    pixels = torch.full((1, 32, 32, 3), 1 if dtype == torch.bool else 100, dtype=dtype)
+    with pytest.raises(Qwen35Error, match=rf"dtype {dtype}.*float in 0\.\.1.*\.float\(\) / 255"):
+        preprocess_images(pixels)
+    with pytest.raises(Qwen35Error, match=rf"dtype {dtype}"):
+        preprocess_video(pixels.expand(4, -1, -1, -1), fps=2.0)
+    assert preprocess_images(pixels.float() / 255)[0].grid == (1, 16, 16)  # what the message says works
+
+
+def test_channel_and_video_shape_messages_say_what_is_taken_and_what_came():
+    two = to_rgb(torch.rand(1, 8, 8, 2))  # grey + alpha is taken ...
+    assert two.shape == (1, 3, 8, 8)
+    with pytest.raises(Qwen35Error, match=r"5 channels; expected 1 \(grey\), 2 \(grey \+ alpha\), 3 \(RGB\) or 4"):
+        preprocess_images(torch.rand(1, 8, 8, 5))  # ... and the message says so
+    with pytest.raises(Qwen35Error, match=r"\[count, height, width, channels\], got \[64, 64, 3\]"):
+        preprocess_video(torch.rand(64, 64, 3), fps=2.0)
+    with pytest.raises(Qwen35Error, match=r"got list"):
+        preprocess_video([torch.rand(64, 64, 3)], fps=2.0)

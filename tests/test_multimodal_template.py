@@ -54,3 +54,20 @@ def test_layout_equals_the_chat_template(template, model, case, thinking):  # no
                         "<0.5 seconds><|vision_start|><|video_pad|><|vision_end|>")
     assert ours == want
     assert sum(p.n for p in parts) == len(ids)
+
+
+@pytest.mark.parametrize("prompt", ["  What is this?\n", "\nWhat is <image>?  "])
+def test_a_follow_up_with_an_image_is_trimmed_as_the_template_trims_it(template, model, prompt):  # noqa: F811
+    """A follow-up turn's content is trimmed as a whole (the chat template's rule), while a raw prompt keeps its
+    text as given."""
+    from qwen35_fast.runtime.conversation import follow_up_ids
+    ids, *_ = follow_up_ids(model, prompt, [_input("image")], 1, "Hi.", thinking=False)
+    content = [IMAGE, _text(prompt)] if "<image>" not in prompt else \
+        [_text(prompt.split("<image>")[0]), IMAGE, _text(prompt.split("<image>")[1])]
+    want = template.render(messages=[{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
+                                     {"role": "user", "content": content}], add_generation_prompt=True,
+                           enable_thinking=False)
+    assert want.endswith(model.tokenizer.decode(ids))
+    raw, _, _ = build_prompt(model, prompt, [_input("image")], 1, use_chat_template=False)
+    assert model.tokenizer.decode(raw).replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>") == \
+        (prompt if "<image>" in prompt else "<image>" + prompt)

@@ -1,0 +1,100 @@
+"""What prefill_multimodal and continue_prefill take and say: videos as (frames, fps) pairs, token ids the
+model's vocabulary has, messages that name the setting that helps for the inputs given, raw prompts as given,
+the tower's clock on accelerators other than CUDA."""
+import pytest
+import torch
+
+from qwen35_fast.runtime import multimodal
+from qwen35_fast.runtime.conversation import continue_prefill
+from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+from qwen35_fast.runtime.errors import Qwen35Error
+from qwen35_fast.runtime.generate import prefill
+from qwen35_fast.runtime.loader import load_model
+from qwen35_fast.runtime.multimodal import TowerClock, prefill_multimodal
+
+IMAGE = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(0))
+FRAMES = torch.rand(4, 32, 32, 3, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("hf"), seed=3), dtype="fp32", device="cpu",
+                      backend="torch")
+
+
+@pytest.mark.parametrize("video", [FRAMES, FRAMES[:2], (FRAMES,), (FRAMES, "24"), (FRAMES, True), [FRAMES, FRAMES]],
+                         ids=["tensor", "two-frames", "one-item", "fps-text", "fps-bool", "two-tensors"])
+def test_a_video_is_a_frames_and_fps_pair(model, video):
+    with pytest.raises(Qwen35Error, match=r"a video must be \(frames \[count, height, width, channels\], fps\)"):
+        prefill_multimodal(model, "What happens?", video=video)
+    assert prefill_multimodal(model, "What happens?", video=(FRAMES, 2)).vision.grids == ((2, 2, 2),)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path, model, monkeypatch):
+    """A tokenizer of another model: a Qwen35Error before any device work, not an IndexError (on CUDA a device-side
+    assert that ends the process)."""
+    small = load_model(make_checkpoint(tmp_path, seed=3, text_overrides=dict(vocab_size=1024)), dtype="fp32",
+                       device="cpu", backend="torch")
+    with pytest.raises(Qwen35Error, match=r"token id \d+ is outside the model's vocabulary of 1024"):
+        prefill_multimodal(small, "Hi", images=IMAGE, use_chat_template=False)
+    parent = prefill(model, "Hello.")
+    vocab = model.config.vocab_size
+    with monkeypatch.context() as m:
+        m.setattr(model.tokenizer, "encode_text", lambda text: [vocab + 5])
+        with pytest.raises(Qwen35Error, match=rf"token id {vocab + 5} is outside the model's vocabulary of {vocab}"):
+            continue_prefill(model, parent, "And <image>?", images=IMAGE)
+        with pytest.raises(Qwen35Error, match=rf"token id {vocab + 5} is outside"):
+            continue_prefill(model, parent, "And then?")
+        with pytest.raises(Qwen35Error, match=rf"token id {vocab + 5} is outside"):
+            prefill_multimodal(model, "What is it?", images=IMAGE)
+    assert continue_prefill(model, parent, "And then?").new_tokens > 0  # the model is unchanged
+
+
+@pytest.mark.parametrize("images,video,advice,not_advice", [
+    (IMAGE, None, "lower max_pixels or use fewer images", "video"),
+    (None, (FRAMES, 2.0), "use a shorter or lower-resolution video", "max_pixels"),
+    (IMAGE, (FRAMES, 2.0), "lower max_pixels or use fewer images, or use a shorter or lower-resolution video", None),
+], ids=["image", "video", "both"])
+def test_too_many_tokens_names_what_helps_for_the_inputs_given(tmp_path_factory, images, video, advice, not_advice):
+    """max_pixels sets images only: a prompt with a video alone is not told to lower it."""
+    folder = make_checkpoint(tmp_path_factory.mktemp("short"), seed=3, text_overrides=dict(max_position_embeddings=20))
+    short = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    with pytest.raises(Qwen35Error, match=rf"at most 20 positions; {advice}") as e:
+        prefill_multimodal(short, "Describe.", images=images, video=video)
+    assert not_advice is None or not_advice not in str(e.value).split("positions;")[1]
+
+
+def test_an_out_of_memory_with_a_video_names_what_helps(model, monkeypatch):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model.vision, "forward", oom)
+    with pytest.raises(Qwen35Error, match=r"image / video tokens; use a shorter or lower-resolution video") as e:
+        prefill_multimodal(model, "What happens?", video=(FRAMES, 2.0), use_cache=False)
+    assert "max_pixels" not in str(e.value)
+
+
+def test_a_raw_prompt_with_an_image_keeps_its_text_as_given(model):
+    """Raw mode (no chat template) reads the prompt as written, as prefill does for a text prompt."""
+    tok = model.tokenizer
+    pf = prefill_multimodal(model, "  <image> What is it?\n", images=IMAGE, use_chat_template=False)
+    text = tok.decode(pf.token_ids)
+    assert text.startswith("  <|vision_start|>") and text.endswith("<|vision_end|> What is it?\n")
+    raw = prefill(model, " What is it?\n", use_chat_template=False)
+    assert tok.decode(raw.token_ids) == " What is it?\n"
+
+
+def test_the_tower_clock_waits_for_other_accelerators(monkeypatch):
+    """On mps / xpu / ... the host clock is read once the device has finished the tower's work, not when it was
+    queued; on the CPU nothing is waited for."""
+    waited = []
+    monkeypatch.setattr(multimodal, "synchronize", waited.append)
+    clock = TowerClock(torch.device("mps"))
+    clock.start()
+    clock.stop()
+    assert waited == [torch.device("mps")] * 2 and clock.ms >= 0
+    waited.clear()
+    cpu = TowerClock(torch.device("cpu"))
+    cpu.start()
+    cpu.stop()
+    assert waited == []
