@@ -18,7 +18,7 @@ def _stats(pf) -> dict:
              "ms": round(pf.ms, 2), "tokens_per_s": round(pf.tokens_per_s, 1), "backend": pf.backend,
              "thinking": pf.thinking}
     if v is not None:  # this turn had images
-        note = f"{v.scaled_down} image(s) scaled down to fit max_pixels" if v.scaled_down else ""
+        note = f"{v.scaled_down} input(s) scaled down to fit their pixel limit" if v.scaled_down else ""
         stats.update(vision_tokens=v.vision_tokens, text_tokens=v.text_tokens, vision_ms=round(v.vision_ms, 2),
                      prefill_ms=round(v.prefill_ms, 2), note=note)
     return stats

@@ -92,8 +92,10 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                                     reserve=lambda needed: model.load(memory_required=needed))
             note = ""
             if pf.vision is not None and pf.vision.scaled_down:
-                limit = max_pixels or "the checkpoint's max_pixels"
-                note = (f"{pf.vision.scaled_down} input(s) larger than {limit} pixels were scaled down to fit "
+                per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
+                limits = ([per_image] if batch is not None else []) \
+                    + (["the checkpoint's pixel budget over a video's frames"] if clip is not None else [])
+                note = (f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
                         f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
                 log.info("Qwen3.5 multimodal prefill: %s", note)
             log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",
