@@ -241,11 +241,15 @@ def test_changing_keep_loaded_or_the_cache_budget_does_not_read_the_checkpoint_a
     import gc
 
     import qwen35_fast.runtime as rt
+    # a checkpoint folder of its own: a model another test left for the garbage collector is not shared here
+    shutil.copytree(models_dir / "LLM" / "qwen35-demo", models_dir / "LLM" / "qwen35-demo-reloaded")
+    comfy.folder_paths.filename_list_cache.clear()
     reads = []
     real = rt.load_model
     monkeypatch.setattr(rt, "load_model", lambda *a, **kw: reads.append(kw["dtype"]) or real(*a, **kw))
     load = lambda **kw: pack.Qwen35ModelLoader.execute(  # noqa: E731
-        model="qwen35-demo", device="cpu", backend="torch", **{"dtype": "fp32", "keep_loaded": True, **kw})[0]
+        model="qwen35-demo-reloaded", device="cpu", backend="torch",
+        **{"dtype": "fp32", "keep_loaded": True, **kw})[0]
     first = load()
     pf = _prefill(pack, first)
     second = load(keep_loaded=False)
