@@ -64,6 +64,14 @@ def _in_browser(env, body):
     return asyncio.run(run())
 
 
+def _one_long_answer() -> dict:
+    """The two-seeds example with one Generate: an answer long enough to cancel while it streams."""
+    workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
+    workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]
+    workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
+    return workflow
+
+
 async def _set_widget(page, node_type: str, widget: str, expression: str):
     """The first `node_type` node's widget set to the JavaScript `expression` (of its value `v`)."""
     await page.evaluate(f"""() => {{ const w = app.graph.nodes.find(n => n.type === '{node_type}')
@@ -161,10 +169,7 @@ def test_thinking_is_folded_away_in_the_browser(browser_env):
 
 def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
     async def body(page):
-        workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
-        workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
-        workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
-        await _load(page, workflow, max_new_tokens=5000)
+        await _load(page, _one_long_answer(), max_new_tokens=5000)
         await _set_widget(page, "Qwen35Generate", "seed", "4242")
         await page.get_by_test_id("queue-button").click()
         await page.wait_for_function(
@@ -188,10 +193,7 @@ def test_a_generate_node_inside_a_subgraph_streams_and_stops(browser_env):
     """A node inside a subgraph runs with a path id ("outer:inner"): its stream reaches it, not a node of the
     outer graph that happens to have the inner id, and a cancel marks it stopped."""
     async def body(page):
-        workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
-        workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] != 4]  # one Generate is enough
-        workflow["links"] = [link for link in workflow["links"] if link[3] != 4]
-        await _load(page, workflow, max_new_tokens=5000)
+        await _load(page, _one_long_answer(), max_new_tokens=5000)
         await _set_widget(page, "Qwen35Generate", "seed", "4343")
         await page.evaluate("""() => app.rootGraph.convertToSubgraph(
             new Set([app.graph.nodes.find(n => n.type === 'Qwen35Generate')]))""")
