@@ -53,7 +53,10 @@ def synchronize(device: torch.device) -> None:
         module = getattr(torch, device.type, None)
         sync = getattr(module, "synchronize", None)
         if sync is not None:
-            sync()
+            try:
+                sync(device)  # xpu and others: that device, not the current one
+            except TypeError:  # mps: one device, no argument
+                sync()
 
 
 def empty_cache(device: torch.device) -> None:

@@ -20,7 +20,7 @@ from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
-from .sampling import SamplingParams, draw_seed, penalty_marks, pick
+from .sampling import SamplingParams, draw_seed, penalty_marks, pick, whole_number
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,10 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     this prompt's reuse points are kept for later ones.
     """
     limit = model.config.max_position_embeddings
+    shape = getattr(ids, "shape", None)
+    if shape is not None and len(shape) != 1:  # a batch [1, T] as transformers takes it, say
+        raise Qwen35Error(f"token ids must be one sequence (1-D), got a {type(ids).__name__} of shape "
+                          f"{list(shape)}; pass ids[0] for a batch of one")
     ids = list(ids)  # a list, tuple, 1-D tensor or array
     if not ids:
         raise Qwen35Error("the prompt is empty; write a prompt")
@@ -176,15 +180,15 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
 
 
 OnToken = Callable[[str, int, int], None]
-KV_BLOCK = 256  # the attention cache grows in whole blocks of positions
+KV_STEP = 256  # a generation reserves K/V room in multiples of this many positions (four 64-position store blocks)
 
 
 def kv_capacity(needed: int, current: int, most: int) -> int:
-    """Positions to reserve for `needed` tokens when `current` are full: whole blocks, a quarter more than
+    """Positions to reserve for `needed` tokens when `current` are full: multiples of KV_STEP, a quarter more than
     `current` at least (so a long answer re-allocates a few times, not per block), never above `most`.
     generate reserves for the tokens it has, not for max_new_tokens: a short answer costs a short cache."""
     want = max(needed, current + current // 4)
-    return min(-(-want // KV_BLOCK) * KV_BLOCK, most)
+    return min(-(-want // KV_STEP) * KV_STEP, most)
 
 
 class _HostTokens:
@@ -257,8 +261,9 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
               seed: int, on_token: OnToken | None) -> Generation:
     sampling = sampling or SamplingParams()
     sampling.check()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if whole_number(max_new_tokens) is None or max_new_tokens < 1:
         raise Qwen35Error(f"max_new_tokens is {max_new_tokens!r}; it must be a whole number, at least 1")
+    max_new_tokens = whole_number(max_new_tokens)
     seed = draw_seed(seed)  # checked before any work
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
@@ -267,11 +272,18 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
     most = pf.n_tokens + budget  # the cache never needs more positions than this
-    cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
+    def no_room(e: Qwen35Error) -> Qwen35Error:
+        return Qwen35Error(f"{e}. The answer had {len(out):,} tokens after a prompt of {pf.n_tokens:,}: lower "
+                           f"max_new_tokens ({max_new_tokens:,}) or raise the K/V cache budget")
+
+    out: list[int] = []
+    try:
+        cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
+    except Qwen35Error as e:
+        raise no_room(e) from None
     step = graphed_decode(model, cache, most) if budget > 2 else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     marks = penalty_marks(pf.token_ids, sampling, pf.logits.numel(), dev)  # ids the penalties see
-    out: list[int] = []
     stream = model.tokenizer.stream_decoder()
     finish = "length"
     t0 = time.perf_counter()
@@ -296,7 +308,10 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         """Decode the token before answer token n into the cache and pick token n (tok)."""
         nonlocal step, tok
         if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
-            cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
+            try:
+                cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
+            except Qwen35Error as e:
+                raise no_room(e) from None
             if step is not None and step.version != cache.store.version:  # the store grew: new tensors
                 step = None  # the old graph goes before the new one is captured
                 host.drain()  # and nothing of it is in flight
@@ -322,7 +337,11 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
             on_token(stream.feed(done), n + 1, max_new_tokens)
         if not ahead and n + 1 < budget:
             queue_step(n + 1)
-    decode_s = time.perf_counter() - t_decode if out else 0.0
+    decode_s = time.perf_counter() - t_decode
+    rest = stream.flush()  # the end of a character the length limit cut (U+FFFD, as the answer's text has it)
+    if rest and on_token is not None:
+        on_token(rest, len(out), max_new_tokens)
     thinking, answer = _split_answer(model, out, pf.thinking)
-    return Generation(answer, thinking, tuple(out), first_ms,
-                      (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0, finish)
+    steps = len(out) + (finish == "stop") - 1  # the tokens decoded after the first, an end-of-turn token too
+    return Generation(answer, thinking, tuple(out), first_ms, steps / decode_s if steps > 0 and decode_s > 0 else 0.0,
+                      finish)

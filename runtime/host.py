@@ -40,7 +40,8 @@ def upload(data, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
 def host_logits(logits: torch.Tensor) -> torch.Tensor:
     """A prefill's logits [1, vocab] copied to the host, queued behind the prefill's kernels into pinned memory
     (torch pins the result of a non-blocking copy from CUDA): valid once the caller has synchronised, and no
-    pageable copy after it (1 MB, ~0.1-0.2 ms of a reused prompt's ~9). Elsewhere the tensor itself."""
+    pageable copy after it (1 MB, ~0.1-0.2 ms of a reused prompt's ~9). On the CPU the tensor itself; from other
+    accelerators a blocking copy."""
     return logits.to("cpu", non_blocking=logits.is_cuda)
 
 

@@ -91,11 +91,13 @@ def vision_bytes(model: Qwen35Model, n_patches: int) -> int:
 
 
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
-    """Device memory a generation needs at its start beyond the weights and the K/V store: its copy of the
-    GDN states (the K/V blocks are shared with the prefill), the prompt and answer ids, one token's
-    activations, the logits. The same for any max_new_tokens: the answer's K/V go into the store."""
+    """Device memory a generation needs beyond the weights and the K/V store: its copy of the GDN states (the
+    K/V blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits,
+    and the larger pool an auto store grows to when its free blocks do not hold the answer's K/V
+    (growth_bytes; a fixed store holds them or the generation stops with an error)."""
+    answer = max(0, min(max_new_tokens, model.config.max_position_embeddings - n_prompt))
     return (state_bytes(model) + 8 * (n_prompt + 1) + 8 * model.config.vocab_size * 4
-            + _activation_bytes_per_token(model) + OVERHEAD)
+            + _activation_bytes_per_token(model) + growth_bytes(model, answer) + OVERHEAD)
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:
@@ -111,9 +113,23 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
         return info(device)
     try:
         page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        free = os.sysconf("SC_AVPHYS_PAGES") * page  # unused pages only: the page cache not counted
     except (OSError, ValueError, AttributeError):
         return 0, 0
+    return max(free, _mem_available()), total
+
+
+def _mem_available() -> int:
+    """Linux's MemAvailable (free pages plus the page cache and buffers it can drop), 0 where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from qwen35_fast import kernels
-from qwen35_fast.runtime import SamplingParams, generate, load_model, prefill, prefill_ids
+from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill, prefill_ids
 
 from _models import make_hf_model, rel
 
@@ -124,3 +124,54 @@ def test_on_a_cpu_each_token_is_read_before_the_next_step_and_no_step_follows_th
                    on_token=lambda text, n, most: events.append(n))
     assert out.token_ids == (11, 12, 13) and out.finish_reason == "stop"
     assert events == [1, "step", 2, "step", 3, "step"]
+
+
+def _scripted(monkeypatch, tokens):
+    """generate picks `tokens` in turn, whatever the logits say."""
+    import sys
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None: torch.tensor([tokens[n]]))
+    return gen
+
+
+def test_a_character_cut_by_the_length_limit_streams_as_the_text_has_it(pair, monkeypatch):
+    _, model = pair
+    tok = model.tokenizer
+    ids = tok.encode("ok") + tok.encode("\U00013000")[:1]  # the last: the first byte(s) of a 4-byte character
+    assert tok.decode(ids).endswith("\ufffd")
+    _scripted(monkeypatch, ids)
+    deltas = []
+    out = generate(model, prefill_ids(model, list(range(5000, 5010))), max_new_tokens=len(ids),
+                   on_token=lambda d, n, total: deltas.append(d))
+    assert out.finish_reason == "length" and "".join(deltas) == out.text == tok.decode(ids).strip()
+
+
+def test_the_decode_rate_counts_the_end_of_turn_step(pair, monkeypatch):
+    """Each step a second on a stand-in clock: four tokens after the first, the end-of-turn one among them, in
+    four seconds is one a second (three over four before)."""
+    import types
+    _, model = pair
+    eos = model.tokenizer.eos_token_ids[0]
+    gen = _scripted(monkeypatch, [100, 101, 102, 103, eos])
+    now = [0.0]
+    monkeypatch.setattr(gen, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    real = model.forward_decode
+    monkeypatch.setattr(model, "forward_decode", lambda ids, cache: now.__setitem__(0, now[0] + 1) or real(ids, cache))
+    out = generate(model, prefill_ids(model, list(range(5000, 5010))), max_new_tokens=50)
+    assert out.token_ids == (100, 101, 102, 103) and out.finish_reason == "stop"
+    assert out.decode_tokens_per_s == 1.0
+
+
+def test_numpy_integers_are_whole_numbers(pair):
+    import numpy as np
+    _, model = pair
+    pf = prefill_ids(model, np.array([5000, 5001, 5002]))
+    np_args = generate(model, pf, np.int64(6), SamplingParams(do_sample=True, top_k=np.int64(3)), seed=np.int64(3))
+    py_args = generate(model, pf, 6, SamplingParams(do_sample=True, top_k=3), seed=3)
+    assert np_args.token_ids == py_args.token_ids
+
+
+def test_a_batch_of_ids_is_refused_by_its_shape(pair):
+    _, model = pair
+    with pytest.raises(Qwen35Error, match=r"one sequence \(1-D\), got a Tensor of shape \[1, 3\]; pass ids\[0\]"):
+        prefill_ids(model, torch.tensor([[5000, 5001, 5002]]))

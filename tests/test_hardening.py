@@ -423,7 +423,7 @@ def test_kv_cache_follows_the_tokens_and_the_text_stays(folder, monkeypatch, sti
         return real(ids, cache)
 
     monkeypatch.setattr(model, "forward_decode", spy)
-    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    monkeypatch.setattr(gen_mod, "KV_STEP", 16)
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     greedy_no_stop = SamplingParams(repetition_penalty=1.3)  # penalised greedy: a long answer, same each time
 
@@ -443,7 +443,7 @@ def test_kv_cache_follows_the_tokens_and_the_text_stays(folder, monkeypatch, sti
     assert max(cap for _, cap in grown) < pf.n_tokens + 200 + bs
     seen.clear()
     growing = run(100)
-    monkeypatch.setattr(gen_mod, "KV_BLOCK", 1 << 20)  # blocks for the whole budget at the first growth
+    monkeypatch.setattr(gen_mod, "KV_STEP", 1 << 20)  # blocks for the whole budget at the first growth
     seen.clear()
     upfront = run(100)
     assert max(cap for _, cap in seen) == -(-(pf.n_tokens + 100) // bs) * bs
@@ -520,8 +520,9 @@ def test_a_prefill_that_grows_the_auto_store_asks_for_the_new_pool(folder, monke
     assert growth_bytes(model, huge) == 0
 
 
-def test_memory_estimates(folder):
-    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, prefill_bytes, state_bytes
+def test_memory_estimates(folder, monkeypatch):
+    from qwen35_fast.runtime import kv_store
+    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, growth_bytes, prefill_bytes, state_bytes
     model = load_model(folder, dtype="bf16", device="cpu")
     c = model.config
     kv_per_token = 2 * c.num_key_value_heads * c.head_dim * 2 * 1  # one attention layer, bf16
@@ -533,8 +534,16 @@ def test_memory_estimates(folder):
     assert blocks == -(-pf.n_tokens // model.kv.block_size)  # its K/V: just the blocks it needs, in the store
     assert model.size_bytes() >= model.kv.nbytes + sum(p.numel() * 2 for p in model.parameters())
     assert prefill_bytes(model, 32768) > prefill_bytes(model, 4096) > state_bytes(model)
-    # a generation's K/V go into the store: it asks for its states, whatever max_new_tokens is
+    # a generation's K/V go into the store: it asks for its states, whatever max_new_tokens is ...
     assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 10)
+    # ... unless an auto store must grow for them: then also for the larger pool, made while the old one is held
+    monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
+    store = model.setup_kv()
+    pf = prefill(model, PROMPT)
+    grown = generate_bytes(model, pf.n_tokens, 400) - generate_bytes(model, pf.n_tokens, 1)
+    assert grown == growth_bytes(model, 400) >= store.nbytes * kv_store.GROWTH
+    out = generate(model, pf, max_new_tokens=400, sampling=SamplingParams(do_sample=True), seed=3)
+    assert out.finish_reason == "length" and store.version > 0  # it did grow
 
 
 # --- found as a hostile user ------------------------------------------------------------------------
@@ -670,7 +679,7 @@ def test_the_graph_step_follows_the_growing_cache(folder, monkeypatch, still_wor
         steps.append(SlotDecode(m, cache, most))
         return steps[-1]
 
-    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    monkeypatch.setattr(gen_mod, "KV_STEP", 16)
     penalised = SamplingParams(repetition_penalty=1.3)
     eager = generate(model, pf, max_new_tokens=90, sampling=penalised)
     monkeypatch.setattr(gen_mod, "graphed_decode", graphed)
@@ -732,3 +741,26 @@ def test_cli_checks_settings_before_loading(tmp_path, args, message):
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and f"error: {message}" in out.stderr  # not "does not exist": nothing was loaded
     assert "--- answer" not in out.stdout
+
+
+def test_an_answer_that_outgrows_a_fixed_cache_names_max_new_tokens(folder):
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    model = load_model(folder, dtype="fp32", device="cpu")
+    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
+    store = model.setup_kv(4 * block * 4 // 3 + 1)  # four blocks of K/V: 256 positions
+    assert store.num_blocks == 4 and not store.growable
+    pf = prefill(model, PROMPT)
+    with pytest.raises(Qwen35Error, match=r"are free.*\. The answer had \d+ tokens after a prompt of \d+: lower "
+                                          r"max_new_tokens \(1,000\) or raise the K/V cache budget"):
+        generate(model, pf, max_new_tokens=1000, sampling=SamplingParams(do_sample=True), seed=1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
+def test_free_memory_on_the_cpu_counts_what_the_system_can_give(folder):
+    """Out-of-memory and loading messages quote it: the free pages alone (sysconf's AVPHYS) leave out the page
+    cache the system drops on demand, often half the memory."""
+    from qwen35_fast.runtime.memory import free_bytes
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    free, total = free_bytes(torch.device("cpu"))
+    assert abs(free - available) < max(available // 20, 64 << 20) and free <= total

@@ -162,7 +162,7 @@ def test_one_decode_graph_follows_the_growing_cache(folder, monkeypatch):
     model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
     pf = prefill_ids(model, list(range(7000, 7100)))
     steps = spy_graphs(monkeypatch)
-    monkeypatch.setattr(gen_mod, "KV_BLOCK", 16)
+    monkeypatch.setattr(gen_mod, "KV_STEP", 16)
     penalised = SamplingParams(repetition_penalty=1.3)  # greedy without an early stop
     grown = generate(model, pf, max_new_tokens=120, sampling=penalised)
     assert len(steps) == 1 and steps[0].cache.capacity >= 220 > model.kv.block_size * 2
