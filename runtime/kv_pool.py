@@ -268,6 +268,33 @@ class KVPool:
             seq.blocks += self.allocate(need, what=what)
 
     @_locked
+    def try_reserve(self, seq: SequenceBlocks, num_tokens: int, keep: Optional[Snapshot] = None) -> bool:
+        """reserve for room a caller can do without (a padded prefill's filler): True once it is there, taken
+        from free blocks or by evicting snapshots (never `keep`) as allocate does; False, with nothing
+        evicted, when even evicting every snapshot but `keep` would leave too few blocks."""
+        need = self.blocks_for(num_tokens) - len(seq.blocks)
+        if need <= 0:
+            return True
+        held = {}  # block -> how many snapshots (but keep) list it
+        for snap in self._snapshots.values():
+            if snap is not keep:
+                for b in snap.blocks:
+                    held[b] = held.get(b, 0) + 1
+        reclaimable = sum(1 for b, n in held.items() if self.refcount[b] == n)  # freed by evicting them all
+        if need > len(self._free) + reclaimable:
+            return False
+        seq.blocks += self.allocate(need, keep=keep)
+        return True
+
+    @_locked
+    def trim(self, seq: SequenceBlocks) -> None:
+        """Give back seq's blocks past its last token (room reserved but not written): each loses seq's
+        reference."""
+        keep = self.blocks_for(seq.num_tokens)
+        self.release(seq.blocks[keep:])
+        del seq.blocks[keep:]
+
+    @_locked
     def free(self, seq: SequenceBlocks) -> None:
         """Drop a sequence: its blocks lose one reference each (snapshots keep theirs)."""
         self.release(seq.blocks)
@@ -358,7 +385,7 @@ class KVPool:
 
     @_locked
     def clear(self) -> None:
-        """Drop every snapshot (model unload); live sequences keep their blocks."""
+        """Drop every snapshot (the prefix cache starts empty); live sequences keep their blocks."""
         for snap in list(self._snapshots.values()):
             self._drop(snap)
 

@@ -24,14 +24,15 @@ BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json has 64 and
 KV_FRACTION = 0.25  # auto budget: at most this share of the device memory free when the store is made
 AUTO_TOKENS = 65_536  # and at most what this many tokens need; an auto store grows when a prompt needs more
 SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; the rest is K/V blocks
-CPU_DEFAULT_BYTES = 1 << 30  # the auto budget's cap on the CPU (no free-memory query there)
+CPU_DEFAULT_BYTES = 1 << 30  # the auto budget's cap off CUDA (no free-memory query is used there); QWEN35_CPU_KV_BYTES
 GROWTH = 1.5  # an auto store grows to at least this many times its blocks
 MIN_SNAPSHOTS = 8  # the snapshots' budget holds at least this many, whatever the budget's share gives
 
 
 def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
     """The auto budget: what AUTO_TOKENS tokens need (with the snapshots' share), at most KV_FRACTION of
-    the free device memory (CUDA) or CPU_DEFAULT_BYTES, and at least one block."""
+    the free device memory on CUDA, elsewhere (CPU, mps, xpu) at most QWEN35_CPU_KV_BYTES bytes (default
+    CPU_DEFAULT_BYTES), and at least one block."""
     sizes = model_sizes(config, BLOCK_SIZE, dtype.itemsize)
     tokens = min(AUTO_TOKENS, config.max_position_embeddings)
     want = int(-(-tokens // BLOCK_SIZE) * sizes["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
@@ -39,9 +40,24 @@ def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torc
         free, _ = torch.cuda.mem_get_info(device)
         cap = int(free * KV_FRACTION)
     else:
-        cap = int(os.environ.get("QWEN35_CPU_KV_BYTES", CPU_DEFAULT_BYTES))
+        cap = _cap_bytes("QWEN35_CPU_KV_BYTES", CPU_DEFAULT_BYTES)
     least = int(sizes["kv_block_bytes"] / (1 - SNAPSHOT_SHARE)) + 1
     return max(min(want, cap), least)
+
+
+def _cap_bytes(name: str, default: int) -> int:
+    """The environment variable `name` as a whole number of bytes above 0 (default when unset or empty)."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    try:
+        cap = int(value)
+    except ValueError:
+        cap = 0
+    if cap <= 0:
+        raise Qwen35Error(f"{name}={value!r} is not a budget: it takes a whole number of bytes above 0 (e.g. "
+                          f"{default} for {default / 2**30:g} GiB), or leave it unset for that default")
+    return cap
 
 
 class KVStore:

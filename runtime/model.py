@@ -692,10 +692,11 @@ class Qwen35Model(nn.Module):
         """forward_prefill of the first pad.n of ids [1, T] (the rest is filler) with nothing read from the
         host, so that a CUDA graph can capture it for every n <= T (prefill_graph.py). The caller gives
         the paged attention's inputs (kv: lens = cache.length, cu_q = [0, T], a table with room for
-        cache.length + T: the filler's K/V land after the prompt's, where later tokens overwrite them) and
-        the rotary positions [3, T]. The cache's GDN states become those after the n tokens; its length
-        is left to the caller. Returns the fp32 logits of token n - 1 [1, vocab] and the GDN states after
-        the first pad.cut tokens (a GDNState whose length and rope_delta the caller sets)."""
+        cache.length + T: the filler's K/V land after the prompt's, in the rest of its last block, where the
+        next tokens' K/V are written before anything reads them, and in blocks the caller gives back after
+        the pass) and the rotary positions [3, T]. The cache's GDN states become those after the n tokens;
+        its length is left to the caller. Returns the fp32 logits of token n - 1 [1, vocab] and the GDN
+        states after the first pad.cut tokens (a GDNState whose length and rope_delta the caller sets)."""
         n = len(cache.conv)
         kept = GDNState([None] * n, [None] * n, 0)
         h = self._layers(F.embedding(ids, self.embed), cache, False, kv, positions=positions, pad=(pad, kept))

@@ -5,9 +5,10 @@ on the GPU but ~30 ms to launch from Python (bench/ttft_profile.py before the gr
 runs as one graph launch. Its token count is padded up to a bucket (BUCKETS), one graph per bucket,
 captured the first time the bucket is used and replayed for any prompt that fits it: the real count,
 the cached length, the block table, the rotary positions and the incoming GDN states live in device
-buffers the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). A graph
-reads the weights' and the K/V store's addresses: a move of the model or a new or grown store drops
-it (Qwen35Model.graphs, KVStore.version).
+buffers the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). The
+filler's K/V need room up to the bucket's end, which the pass gives back once it has run. A graph reads
+the weights' and the K/V store's addresses: a move of the model drops it, and so does the next lookup
+after a new or grown store (Qwen35Model.graphs, KVStore.version).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .model import (
 
 log = logging.getLogger(__name__)
 BUCKETS = (64, 256)  # new tokens: a question with its generation prompt, a longer follow-up turn
+CAPTURE_FAILED = "capture failed"  # model.graphs' entry for a bucket whose capture failed: it runs eagerly
 _warned = False
 
 
@@ -143,7 +145,8 @@ class PaddedPrefill:
         """Model.forward_prefill_kept's contract for at most `bucket` ids (a list) and at most one keep_at:
         prefill them into `cache` after its cache.length tokens (positions [3, len(ids)]: their rotary
         ids, None for text). Returns the fp32 logits of the last token [1, vocab] and the GDN states
-        after each keep_at."""
+        after each keep_at. The cache needs room for the whole bucket during the pass (reserved here when
+        it lacks it); afterwards it keeps only the blocks its tokens fill (KVPool.trim)."""
         n, start, dev = len(ids), cache.length, self.ids.device
         if not 0 < n <= self.bucket or len(keep_at) > 1:
             raise ValueError(f"PaddedPrefill: {n} tokens and cuts {keep_at} do not fit a bucket of {self.bucket}")
@@ -172,6 +175,7 @@ class PaddedPrefill:
             except RuntimeError as e:  # any other capture failure leaves the pass itself, which always works
                 self.capture = False
                 _warn(e)
+                self._forget()
         if self.graph is not None:
             self.graph.replay()
             logits, conv, ssm, cut_conv, cut_ssm = self.out
@@ -183,7 +187,17 @@ class PaddedPrefill:
             cache.rope_delta = rope_delta
         if keep_at:
             kept.conv, kept.ssm = _unpack(cut_conv, self.conv), _unpack(cut_ssm, self.one_ssm)
+        # the filler's blocks back to the pool: nothing reads them, and the stream writes any later use of them
+        # after this pass
+        self.store.pool.trim(cache.seq)
         return logits.clone(), [kept] if keep_at else []
+
+    def _forget(self) -> None:
+        """After a failed capture: this pass's entry in model.graphs becomes CAPTURE_FAILED, so that its buffers
+        go once this call is done and padded_prefill answers None for the bucket."""
+        graphs = self.model.graphs
+        for key in [k for k, g in graphs.items() if g is self]:
+            graphs[key] = CAPTURE_FAILED
 
 
 def _unpack(flat: torch.Tensor, like: list) -> list:
@@ -199,19 +213,29 @@ def _warn(e: Exception) -> None:
         log.warning("Qwen3.5 short prefills run without CUDA graphs (capture failed: %s)", e)
 
 
+def drop_stale(model: Qwen35Model) -> None:
+    """Drops from model.graphs every pass made for another store or before the store grew: it can never run
+    again, and its buffers and graph memory would stay counted in the model's size."""
+    store = model.kv
+    for key in [k for k, g in model.graphs.items()
+                if isinstance(g, PaddedPrefill) and (g.store is not store or g.version != store.version)]:
+        del model.graphs[key]
+
+
 def padded_prefill(model: Qwen35Model, cached: int, n: int) -> PaddedPrefill | None:
     """The graphed pass for n new tokens after `cached` ones (captured on its first call), or None: not
     on CUDA, QWEN35_CUDA_GRAPHS=0, more than the largest bucket, nothing cached before, or a capture of
-    this bucket failed before."""
+    this bucket failed since the model last moved or its store was made. Drops the stale passes first."""
+    drop_stale(model)
     b = bucket_for(n)
     if (b is None or cached == 0 or model.device.type != "cuda"
             or os.environ.get("QWEN35_CUDA_GRAPHS", "1") == "0"):
         return None
     key = ("prefill", b)
     g = model.graphs.get(key)
-    if g is None or g.version != model.kv.version or g.store is not model.kv:
+    if g is None:
         g = model.graphs[key] = PaddedPrefill(model, b, capture=True)
-    return g if g.capture else None
+    return g if isinstance(g, PaddedPrefill) else None
 
 
-__all__ = ["BUCKETS", "bucket_for", "PaddedPrefill", "padded_prefill"]
+__all__ = ["BUCKETS", "CAPTURE_FAILED", "bucket_for", "PaddedPrefill", "drop_stale", "padded_prefill"]

@@ -21,7 +21,7 @@ from .chat import IM_END, IM_START
 from .host import upload
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
-from .prefill_graph import padded_prefill
+from .prefill_graph import PaddedPrefill, padded_prefill
 
 _MASK = (1 << 64) - 1
 _SEEDS = (0x51ED27, 0x2545F491)
@@ -72,7 +72,8 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
                     limit: int | None = None, use_cache: bool = True, needed: Sequence[int] = ()) -> Reuse:
     """Prefill `ids` from the longest cached prefix (a snapshot in the model's store), keeping the states
     at `points` (token counts; those inside the cached prefix are skipped) as snapshots for later prompts.
-    With use_cache off nothing is reused or kept but the states at `needed` (e.g. the turn end).
+    With use_cache off no snapshot is looked up or saved: only a given `start` is continued from, and only
+    the states at `needed` (e.g. the turn end) are kept.
 
     vision(n): the (slot index, features) of the vision tokens at or after token n, indices counted from
     n, or None (the tower runs only for images past the reused prefix). positions [3, len(ids)]: rotary
@@ -80,7 +81,8 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     start.length ids (a follow-up turn's parent), whose K/V are start_cache's; used when no snapshot
     reaches further. limit: reuse at most this many tokens (default: all but the last). A short rest after
     a cached prefix (at most 256 tokens, no image among them) runs as one CUDA-graph launch on CUDA
-    (prefill_graph.py), the same computation as the eager pass.
+    (prefill_graph.py), the same computation as the eager pass; the cache keeps the blocks of its tokens
+    either way.
     """
     store = model.kv
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
@@ -97,19 +99,17 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     keep = sorted({p for p in (*points, *needed) if n < p < len(ids)} if use_cache
                   else {p for p in needed if n < p < len(ids)})
     # a short prompt after a cached prefix: one graph launch (prefill_graph.py), which copies the states in
-    # itself and needs room for its whole bucket
+    # itself (a prefill only reads the incoming states, so the eager pass may run on them uncopied too)
     graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 and not foreign else None
-    capacity, copy = (len(ids), True) if graphed is None else (max(len(ids), n + graphed.bucket), False)
+    copy = graphed is None
     if origin is None:
-        cache = model.new_cache(1, capacity)
+        cache = model.new_cache(1, len(ids))
     elif origin is start:
-        cache = start_cache.restart(start, capacity, device=model.device, copy=copy)
+        cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
     else:
-        cache = Cache.resume(store, snap.blocks, snap.states, capacity, model.device, copy=copy, snapshot=snap)
-    if graphed is not None and graphed.version != store.version:
-        # making room grew the store (its tensors moved): the graph for the grown store. Without one the
-        # eager pass runs on the uncopied states, which a prefill only reads.
-        graphed = padded_prefill(model, n, len(ids) - n)
+        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy, snapshot=snap)
+    if graphed is not None:
+        graphed = _with_filler_room(model, cache, graphed, snap if origin is not start else None)
     states = {n: origin} if origin is not None else {}
     if graphed is not None:
         logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
@@ -126,6 +126,19 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
             if p in points:
                 store.pool.save_snapshot(cache.seq, ids, p, state, state.nbytes, media)
     return Reuse(cache, logits[0], states, n)
+
+
+def _with_filler_room(model: Qwen35Model, cache: Cache, graphed: PaddedPrefill, keep) -> PaddedPrefill | None:
+    """The graphed pass to run once `cache` has room for its bucket (the filler's K/V go after the prompt's
+    until the pass gives that room back), or None (the eager pass) where the store cannot give it: not
+    free, and not to be had by evicting snapshots (never `keep`, the one this prompt resumes from). The
+    store does not grow for it, but room for the prompt itself may have grown it (its tensors moved):
+    then the pass for the grown store."""
+    if not cache.store.pool.try_reserve(cache.seq, cache.length + graphed.bucket, keep):
+        return None
+    if graphed.version != model.kv.version:
+        return padded_prefill(model, cache.length, graphed.bucket)
+    return graphed
 
 
 __all__ = ["content_hash", "system_end", "prefill_reusing", "Reuse"]

@@ -116,6 +116,52 @@ def test_allocate_release_and_refcounts():
 
 
 
+def test_trim_gives_back_the_room_past_the_tokens():
+    """A sequence that reserved more room than its tokens took (a padded prefill's filler) gives back the blocks
+    past its last token; a block someone else also holds only loses this sequence's reference."""
+    pool = KVPool(10, 16)
+    seq = SequenceBlocks()
+    pool.reserve(seq, 70)  # 5 blocks
+    seq.num_tokens = 20  # 2 blocks written
+    other = seq.blocks[4]
+    pool.retain([other])  # also held elsewhere
+    pool.trim(seq)
+    assert len(seq.blocks) == 2 and pool.refcount[other] == 1 and pool.num_free == 10 - 3
+    _check_refcounts(pool, [seq, SequenceBlocks([other])])
+    pool.trim(seq)  # nothing past its tokens: unchanged
+    assert len(seq.blocks) == 2
+    seq.num_tokens = 0
+    pool.trim(seq)
+    assert seq.blocks == [] and pool.num_free == 9
+
+
+def test_try_reserve_evicts_only_when_that_makes_room():
+    """Room a caller can do without (a padded prefill's filler): taken from free blocks or by evicting
+    snapshots (never `keep`), but when even evicting every other snapshot leaves too few, nothing is evicted
+    and the answer is False."""
+    pool = KVPool(8, 16)
+    t = _toks(32, 5)
+    live = _admit(pool, t)[0]  # 2 blocks, live
+    live.num_tokens = 32
+    shared = pool.save_snapshot(live, t, 32, "shared", 1)  # its blocks are the live sequence's too
+    u = _toks(32, 6)
+    gone = _admit(pool, u)[0]
+    gone.num_tokens = 32
+    only = pool.save_snapshot(gone, u, 32, "only", 1)
+    pool.free(gone)  # only the snapshot holds these 2 blocks
+    assert pool.num_free == 4
+    seq = SequenceBlocks()
+    assert not pool.try_reserve(seq, 7 * 16)  # 4 free + 2 reclaimable < 7
+    assert seq.blocks == [] and pool.snapshots == [shared, only] and pool.num_free == 4
+    assert not pool.try_reserve(seq, 5 * 16, keep=only)  # `only` may not go: 4 free + 0 < 5
+    assert pool.snapshots == [shared, only]
+    assert pool.try_reserve(seq, 6 * 16)  # 4 free + 2 reclaimable: fits, by eviction
+    assert len(seq.blocks) == 6 and only not in pool.snapshots
+    _check_refcounts(pool, [live, seq])
+    assert pool.try_reserve(seq, 6 * 16)  # already there
+    assert len(seq.blocks) == 6
+
+
 def test_freed_blocks_come_back_in_their_order():
     """A sequence freed and another one allocated in its place gets the same blocks in the same, ascending, order
     (not reversed by the free stack): its K/V stay one consecutive stretch of the pool."""

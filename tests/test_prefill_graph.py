@@ -8,10 +8,13 @@ import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import generate, prefill, prefill_multimodal
+from qwen35_fast.runtime import prefill_graph as prefill_graph_mod
 from qwen35_fast.runtime import prefix as prefix_mod
+from qwen35_fast.runtime.kv_pool import model_sizes
 from qwen35_fast.runtime.media import preprocess_images
 from qwen35_fast.runtime.model import Cache
-from qwen35_fast.runtime.prefill_graph import BUCKETS, PaddedPrefill, bucket_for
+from qwen35_fast.runtime.prefill_graph import BUCKETS, CAPTURE_FAILED, PaddedPrefill, bucket_for, padded_prefill
+from qwen35_fast.runtime.prefix import system_end
 from qwen35_fast.runtime.sampling import SamplingParams
 
 from _models import rel
@@ -168,6 +171,83 @@ def test_a_kept_pass_counts_in_the_model_size(model):
     assert model.size_bytes() - before == run.nbytes >= states
     model.to("cpu")  # a move drops the passes (they read the weights' addresses)
     assert not model.graphs and model.size_bytes() == before
+
+
+def test_a_padded_prefill_keeps_only_the_blocks_its_tokens_need(model, uncaptured):
+    """The filler's room (up to the bucket's end) goes back after the pass: a cached prefill holds the blocks
+    of its tokens, as the eager pass leaves it, not those of its bucket."""
+    prefill(model, "Describe a red circle.", system_prompt=SYSTEM * 2)
+    second = prefill(model, "Describe a blue square.", system_prompt=SYSTEM * 2)
+    pool = model.kv.pool
+    assert second.cached_tokens > 0 and uncaptured[BUCKETS[0]].conv is not None  # the padded pass ran
+    assert pool.blocks_for(second.cached_tokens + BUCKETS[0]) > pool.blocks_for(second.n_tokens)  # filler past it
+    assert len(second.cache.seq.blocks) == pool.blocks_for(second.n_tokens)
+    cold = prefill(model, "Describe a blue square.", system_prompt=SYSTEM * 2, use_cache=False)
+    assert rel(second.logits, cold.logits) <= 1e-4
+
+
+def test_a_prompt_without_room_for_the_filler_runs_eagerly(model, uncaptured):
+    """On a fixed budget a reused prompt that fits as it is, but not with its bucket's filler, runs eagerly
+    instead of being refused, and evicts no snapshot for it."""
+    prompt, system = "Describe a blue square.", SYSTEM * 5  # a cached system prompt of 64+ tokens
+    cold = prefill(model, prompt, system_prompt=system, use_cache=False)
+    block = model_sizes(model.config, 64, model.dtype.itemsize)["kv_block_bytes"]
+    store = model.setup_kv(int(3 * block / 0.75) + 10)  # three blocks of 64 positions
+    assert store.num_blocks == 3 and not store.growable
+    first = prefill(model, "Describe a red circle.", system_prompt=system)
+    assert 64 < first.n_tokens <= 2 * 64 and store.pool.num_free == 1
+    head = store.pool.match(first.token_ids, max_tokens=system_end(model, first.token_ids))
+    states = [t.clone() for t in head.states.conv + head.states.ssm if t is not None]
+    second = prefill(model, prompt, system_prompt=system)
+    assert 0 < second.cached_tokens and store.pool.blocks_for(second.cached_tokens + BUCKETS[0]) == 3
+    assert uncaptured[BUCKETS[0]].conv is None and rel(second.logits, cold.logits) <= 1e-4  # the eager pass ran
+    # the system prompt's snapshot (the one the hit came from) was not evicted looking for the filler's room, nor
+    # changed by the eager pass, which ran on its states uncopied (the graphed pass would have copied them)
+    assert store.pool.match(cold.token_ids, max_tokens=second.cached_tokens) is head
+    assert second.cached_tokens == head.num_tokens
+    assert all(torch.equal(a, b) for a, b in zip(states, [t for t in head.states.conv + head.states.ssm if t is not None]))
+
+
+def test_stale_passes_are_dropped_when_a_pass_is_looked_up(model):
+    """A pass made for an older store (before it grew, or another store) can never run again: looking up any
+    pass drops every such one, so its buffers are freed and no longer counted in the model's size."""
+    base = _prefix(model, 8, seed=7)
+    before = model.size_bytes()
+    old = model.graphs[("prefill", BUCKETS[1])] = PaddedPrefill(model, BUCKETS[1], capture=False)
+    old(_fork(base), [1, 2, 3], None, None, [])
+    assert model.size_bytes() - before == old.nbytes > 0
+    model.kv.grow(model.kv.num_blocks + 4)
+    grown = model.size_bytes()
+    current = model.graphs[("prefill", BUCKETS[0])] = PaddedPrefill(model, BUCKETS[0], capture=False)
+    current(_fork(base), [1, 2, 3], None, None, [])
+    padded_prefill(model, 8, 3)  # the lookup of another bucket (on the CPU it answers None)
+    assert model.graphs == {("prefill", BUCKETS[0]): current}
+    assert model.size_bytes() == grown - old.nbytes + current.nbytes
+    model.setup_kv()  # a new store: the rest goes too
+    padded_prefill(model, 8, 3)
+    assert not model.graphs
+
+
+def test_a_failed_capture_keeps_only_a_marker(model, monkeypatch):
+    """A capture that fails (not for memory) leaves the pass to finish this call uncaptured, and in
+    model.graphs only a marker that the bucket failed: no buffers kept or counted; a later lookup keeps it."""
+    def fail(dev, run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(prefill_graph_mod, "capture_graph", fail)
+    monkeypatch.setattr(prefill_graph_mod, "_warned", True)  # no warning in the log
+    base = _prefix(model, 8, seed=8)
+    before = model.size_bytes()
+    key = ("prefill", BUCKETS[0])
+    run = model.graphs[key] = PaddedPrefill(model, BUCKETS[0], capture=True)
+    ids = [5, 6, 7, 8]
+    got, _ = run(_fork(base), ids, None, None, [])
+    want = model.forward_prefill(torch.tensor([ids]), _fork(base))
+    assert rel(got, want) <= 1e-5
+    assert model.graphs == {key: CAPTURE_FAILED} and model.size_bytes() == before
+    model.kv.grow(model.kv.num_blocks + 2)
+    padded_prefill(model, 8, 3)
+    assert model.graphs == {key: CAPTURE_FAILED}
 
 
 def test_prefill_refuses_what_does_not_fit(model):

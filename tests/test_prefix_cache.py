@@ -207,6 +207,23 @@ def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model
     assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
 
 
+@pytest.mark.parametrize("value", ["1G", "-5", "0", "2.5e9"])
+def test_a_bad_cpu_kv_budget_names_the_variable(model, monkeypatch, value):
+    """QWEN35_CPU_KV_BYTES caps the auto budget off CUDA: a value that is no whole number of bytes above 0 is
+    an error naming the variable, the value and what it takes; empty is unset."""
+    from qwen35_fast.runtime.kv_store import default_budget_bytes
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", value)
+    with pytest.raises(Qwen35Error, match=rf"QWEN35_CPU_KV_BYTES='{value}'.*whole number of bytes above 0"):
+        default_budget_bytes(model.config, torch.device("cpu"))
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", str(10 ** 15))
+    want = default_budget_bytes(model.config, torch.device("cpu"))  # what AUTO_TOKENS need: no cap
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", f" {want // 2} ")
+    assert default_budget_bytes(model.config, torch.device("cpu")) == want // 2
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", "")  # empty: the default cap
+    monkeypatch.setattr("qwen35_fast.runtime.kv_store.CPU_DEFAULT_BYTES", want // 3)
+    assert default_budget_bytes(model.config, torch.device("cpu")) == want // 3
+
+
 def test_the_auto_store_grows_for_a_long_prompt_and_answer(model, monkeypatch):
     """The auto budget starts small here (a few blocks) and grows when a prompt or an answer needs more:
     block ids stay, so prefills made before keep their K/V; a fixed budget names the shortage instead."""
