@@ -136,7 +136,8 @@ class Qwen35ModelLoader(io.ComfyNode):
             "device": str(runtime_model.device),
             "dtype": str(runtime_model.dtype).removeprefix("torch."),
             "size_mb": round(runtime_model.size_bytes() / 2**20, 1),
-            "cache_mb": round(store.budget_bytes / 2**20, 1),
+            # the most it holds: the K/V blocks and the snapshots' room (at least 8 states, past a small budget)
+            "cache_mb": round((store.nbytes + store.pool.snapshot_budget_bytes) / 2**20, 1),
             "cache_tokens": store.num_blocks * store.block_size,
         }
         if device_note:
