@@ -12,9 +12,10 @@ import os
 
 import torch
 
-from .config import LINEAR, TextConfig, expected_shapes
+from .config import TextConfig, expected_shapes
 from .devices import empty_cache
 from .errors import Qwen35Error
+from .kv_pool import model_sizes
 from .model import Qwen35Model
 
 OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and allocator rounding
@@ -23,14 +24,8 @@ OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and alloca
 def cache_bytes(model: Qwen35Model, positions: int) -> int:
     """What a sequence of `positions` tokens holds: attention K/V per position (in the model's K/V store,
     allocated with it) and its GDN states once (state_bytes, allocated per sequence)."""
-    c = model.config
-    b = model.dtype.itemsize
-    n_lin = sum(t == LINEAR for t in c.layer_types)
-    n_att = c.num_hidden_layers - n_lin
-    kv = 2 * c.num_key_value_heads * c.head_dim * b * positions * n_att
-    gdn = n_lin * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-                   + c.conv_dim * (c.linear_conv_kernel_dim - 1) * b)
-    return kv + gdn
+    sizes = model_sizes(model.config, 1, model.dtype.itemsize)
+    return positions * sizes["kv_bytes_per_token"] + sizes["snapshot_bytes"]
 
 
 def state_bytes(model: Qwen35Model) -> int:
