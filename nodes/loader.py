@@ -23,7 +23,7 @@ BACKENDS = ["auto", "cuda", "torch"]
 # shape the weights: a run that changes only keep_loaded or the K/V budget (ComfyUI runs the node again for any
 # changed input) takes the model in memory instead of reading the checkpoint again, and two loaders of one
 # checkpoint share one copy of its weights.
-_loaded: dict[tuple, tuple[weakref.ref, int, str]] = {}
+_loaded: dict[tuple, tuple[weakref.ref, int | None, str]] = {}  # key -> (model, its K/V budget in MiB, device note)
 
 
 def _files_key(path: Path) -> tuple:
