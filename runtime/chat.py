@@ -22,6 +22,20 @@ GENERATION_PROMPT_THINKING = f"{IM_START}assistant\n{THINK_OPEN}\n"
 GENERATION_PROMPT_NO_THINKING = f"{IM_START}assistant\n{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
 
+def chat_layout(system_prompt: str, thinking: bool) -> list[tuple[str, str]]:
+    """The template's prompt for one user turn as pieces in order: ("markup", text) for its own text (special
+    tokens), ("system", text) for the stripped system prompt, ("user", "") where the user's message goes
+    (stripped by its writer: the text, or the text with its images). The one place the template's layout is
+    written: format_chat, generate.encode_prompt and multimodal.build_prompt fill it in."""
+    pieces = []
+    system = system_prompt.strip()
+    if system:
+        pieces += [("markup", f"{IM_START}system\n"), ("system", system), ("markup", f"{IM_END}\n")]
+    pieces += [("markup", f"{IM_START}user\n"), ("user", ""), ("markup", f"{IM_END}\n"),
+               ("markup", GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)]
+    return pieces
+
+
 def format_chat(prompt: str, system_prompt: str = "", thinking: bool = False) -> str:
     """The prompt text for one user turn, ending where the assistant's answer begins.
 
@@ -30,10 +44,4 @@ def format_chat(prompt: str, system_prompt: str = "", thinking: bool = False) ->
     starts with the model's reasoning and contains `</think>` before the answer (generate splits the
     answer there, at the `</think>` token).
     """
-    parts = []
-    system = system_prompt.strip()
-    if system:
-        parts.append(f"{IM_START}system\n{system}{IM_END}\n")
-    parts.append(f"{IM_START}user\n{prompt.strip()}{IM_END}\n")
-    parts.append(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
-    return "".join(parts)
+    return "".join(prompt.strip() if kind == "user" else text for kind, text in chat_layout(system_prompt, thinking))

@@ -12,7 +12,13 @@ from typing import Callable
 
 import torch
 
-from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
+from .chat import (
+    GENERATION_PROMPT_NO_THINKING,
+    GENERATION_PROMPT_THINKING,
+    THINK_CLOSE,
+    THINK_OPEN,
+    chat_layout,
+)
 from .decode_graph import graphed_decode
 from .devices import synchronize
 from .errors import Qwen35Error
@@ -103,12 +109,11 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     user = tok.encode if allow_special_tokens else tok.encode_text
     if not use_chat_template:
         return user((system_prompt + "\n\n" if system_prompt else "") + prompt)
-    # the same text as format_chat(prompt, system_prompt, thinking), encoded piece by piece
+    # the text format_chat writes, encoded piece by piece
     ids = []
-    if system_prompt.strip():
-        ids += tok.encode(f"{IM_START}system\n") + user(system_prompt.strip()) + tok.encode(f"{IM_END}\n")
-    ids += tok.encode(f"{IM_START}user\n") + user(prompt.strip()) + tok.encode(f"{IM_END}\n")
-    return ids + tok.encode(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING)
+    for kind, text in chat_layout(system_prompt, thinking):
+        ids += tok.encode(text) if kind == "markup" else user(prompt.strip() if kind == "user" else text)
+    return ids
 
 
 def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:

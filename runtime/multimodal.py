@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from .chat import GENERATION_PROMPT_NO_THINKING, GENERATION_PROMPT_THINKING, IM_END, IM_START
+from .chat import chat_layout
 from .devices import is_other_accelerator, synchronize
 from .errors import Qwen35Error
 from .generate import Prefill, check_vocabulary
@@ -152,15 +152,12 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
         ids.extend(message_ids)
         parts.extend(message_parts)
     else:  # the text format_chat writes, with the vision spans in the user message
-        if system_prompt.strip():
-            add(f"{IM_START}system\n", tok.encode)
-            add(system_prompt.strip(), user)
-            add(f"{IM_END}\n", tok.encode)
-        add(f"{IM_START}user\n", tok.encode)
-        ids.extend(message_ids)
-        parts.extend(message_parts)
-        add(f"{IM_END}\n", tok.encode)
-        add(GENERATION_PROMPT_THINKING if thinking else GENERATION_PROMPT_NO_THINKING, tok.encode)
+        for kind, text in chat_layout(system_prompt, thinking):
+            if kind == "user":
+                ids.extend(message_ids)
+                parts.extend(message_parts)
+            else:
+                add(text, tok.encode if kind == "markup" else user)
     return ids, parts, ordered
 
 
