@@ -19,12 +19,12 @@ DTYPES = ["auto", "bf16", "fp16", "fp32"]
 DEVICES = ["auto", "cuda", "cpu"]
 BACKENDS = ["auto", "cuda", "torch"]
 
-# The runtime models this loader made and that something still holds, by checkpoint files and the settings that
-# shape the weights: a run that changes only keep_loaded or the K/V budget (ComfyUI runs the node again for any
-# changed input) takes the model in memory instead of reading the checkpoint again, and two loaders of one
-# checkpoint share one copy of its weights.
-_loaded: dict[tuple, tuple[weakref.ref, int | None, str]] = {}  # key -> (model, its K/V budget in MiB, device note)
-
+# The models this loader made and that something still holds, by checkpoint files and every setting but
+# keep_loaded: a run that changes only keep_loaded (ComfyUI runs the node again for any changed input) takes the
+# model in memory, through the same handle (ComfyUI's model management sees one entry per model), instead of
+# reading the checkpoint again. Two loaders of one checkpoint with the same settings share it, and the last one
+# to run sets its keep_loaded.
+_loaded: dict[tuple, weakref.ref] = {}  # key -> its ManagedModel
 
 def _files_key(path: Path) -> tuple:
     """The checkpoint's files by name, size and modification time: a file replaced on disk is read again."""
@@ -102,32 +102,27 @@ class Qwen35ModelLoader(io.ComfyNode):
         target = _pick_device(device)
         if isinstance(cache_budget_mb, bool) or not isinstance(cache_budget_mb, int) or cache_budget_mb < 0:
             raise Qwen35Error(f"cache_budget_mb is {cache_budget_mb!r}; it must be a whole number of MiB, 0 for auto")
-        key = (_files_key(path), dtype, device, str(target), backend)
-        ref, budget_mb, device_note = _loaded.get(key, (lambda: None, None, ""))
-        runtime_model = ref()
-        fresh = runtime_model is None
-        if fresh:
-            runtime_model, device_note = _load(path, dtype, device, target, backend)
-            budget_mb = None  # (not a dropped model's)
-        else:
+        key = (_files_key(path), dtype, device, str(target), backend, cache_budget_mb)
+        managed = _loaded.get(key, lambda: None)()
+        if managed is not None:
             log.info("Qwen3.5: %s is in memory with these settings; not read again", path)
-        load_device = torch.device("cpu") if device_note else target
-        managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device(), keep_loaded)
-        if not fresh:
+            managed.keep_loaded = keep_loaded
             managed.load()  # back on its device first when ComfyUI had unloaded it
-        if budget_mb != cache_budget_mb:  # a new model, or a new budget: a new store (the old one's prefixes go)
-            _loaded[key] = (weakref.ref(runtime_model), None, device_note)
+            runtime_model = managed.model
+        else:
+            runtime_model, device_note = _load(path, dtype, device, target, backend)
             try:
                 runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
             except BaseException:
-                if not fresh:
-                    managed.release()  # off ComfyUI's list: this handle goes with the error
-                del runtime_model, managed  # a new model's weights go with them (the traceback keeps this frame)
+                del runtime_model  # a new model's weights go with it (the traceback keeps this frame)
                 mm.soft_empty_cache()
                 raise
-            _loaded[key] = (weakref.ref(runtime_model), cache_budget_mb, device_note)
-        if fresh:
+            load_device = torch.device("cpu") if device_note else target
+            managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device(), keep_loaded)
+            managed.device_note = device_note
             managed.load()
+            _loaded[key] = weakref.ref(managed)
+        device_note = managed.device_note
         store = runtime_model.kv
         info = {
             "path": str(path),
@@ -151,7 +146,7 @@ def _load(path: Path, dtype: str, device: str, target: torch.device, backend: st
     """(the runtime model read from `path`, a note when it went to the cpu instead of `target`)."""
     from ..runtime import DeviceUnsupported, load_model
 
-    for key in [k for k, (ref, _, _) in _loaded.items() if ref() is None]:
+    for key in [k for k, ref in _loaded.items() if ref() is None]:
         del _loaded[key]
     if target.type != "cpu":
         # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.

@@ -22,6 +22,7 @@ class ManagedModel:
     """A runtime `Model` plus where it runs and where it waits, in ModelPatcher's terms."""
 
     parent = None  # no clone chain: one handle per loaded model
+    device_note = ""  # why the model runs on the cpu and not on the device asked for, when it does
 
     def __init__(self, model, load_device: torch.device, offload_device: torch.device, keep_loaded: bool):
         self.model = model

@@ -68,8 +68,8 @@ def _is_qwen35_file(path: Path) -> bool:
             from ..runtime.checkpoint import is_qwen35_file
             _header_verdicts[key] = is_qwen35_file(path)
         except Exception:  # noqa: BLE001 - a listing never raises; loading the file will say what is wrong
-            log.exception("Qwen3.5: cannot check %s", path)
-            return True
+            log.exception("Qwen3.5: cannot check %s", path)  # once per file version: listed, as if it passed
+            _header_verdicts[key] = True
     return _header_verdicts[key]
 
 

@@ -142,8 +142,8 @@ class Qwen35Generate(io.ComfyNode):
         model = prefill.model
         _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                               "thinking": prefill.prefill.thinking})
-        model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
         try:
+            model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
             result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
                               seed=seed, on_token=on_token)
         finally:

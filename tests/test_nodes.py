@@ -234,10 +234,10 @@ def test_loading_a_loaded_model_again_moves_nothing(pack, models_dir, comfy, mon
     assert moves == [torch.device("meta")]
 
 
-def test_changing_keep_loaded_or_the_cache_budget_does_not_read_the_checkpoint_again(pack, models_dir, comfy,
-                                                                                     monkeypatch):
-    """ComfyUI runs the loader again when any input changes: keep_loaded and the K/V budget take the model in
-    memory (a new budget a new store); the weights' settings, or a model nothing holds any more, read it."""
+def test_changing_keep_loaded_does_not_read_the_checkpoint_again(pack, models_dir, comfy, monkeypatch):
+    """ComfyUI runs the loader again when any input changes: keep_loaded takes the model in memory through the
+    same handle (one entry in model management, one set of tracked prefills); the other settings, or a model
+    nothing holds any more, read it."""
     import gc
 
     import qwen35_fast.runtime as rt
@@ -253,21 +253,21 @@ def test_changing_keep_loaded_or_the_cache_budget_does_not_read_the_checkpoint_a
     first = load()
     pf = _prefill(pack, first)
     second = load(keep_loaded=False)
-    assert second.model is first.model and not second.keep_loaded and reads == ["fp32"]
-    assert second.model.kv.growable  # the auto store, with what it caches, stays
-    third = load(keep_loaded=False, cache_budget_mb=256)
-    assert third.model is first.model and reads == ["fp32"]
-    assert not third.model.kv.growable and third.model.kv.budget_bytes == 256 << 20
-    _generate(pack, pf, max_new_tokens=2)  # a prefill on the old store still generates
-    _generate(pack, _prefill(pack, third), max_new_tokens=2)
-    other = load(dtype="bf16")
-    assert other.model is not first.model and reads == ["fp32", "bf16"]
-    for m in (first, second, third, other):
+    assert second is first and not first.keep_loaded and reads == ["fp32"]
+    assert sum(m.model is first for m in comfy.mm.current_loaded_models) == 1
+    _generate(pack, pf, max_new_tokens=2)  # the earlier prefill still generates, and the run releases the model
+    assert not any(m.model is first for m in comfy.mm.current_loaded_models)
+    other_budget = load(cache_budget_mb=256)
+    assert other_budget.model is not first.model and reads == ["fp32", "fp32"]
+    assert not other_budget.model.kv.growable and first.model.kv.growable  # each its own store
+    other_dtype = load(dtype="bf16")
+    assert other_dtype.model is not first.model and reads == ["fp32", "fp32", "bf16"]
+    for m in (first, other_budget, other_dtype):
         m.release()
-    del first, second, third, other, pf
+    del first, second, other_budget, other_dtype, pf
     gc.collect()
     load().release()
-    assert reads == ["fp32", "bf16", "fp32"]
+    assert reads == ["fp32", "fp32", "bf16", "fp32"]
 
 
 def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
@@ -355,3 +355,21 @@ def test_weights_bytes_counts_numbers_not_file_bytes(pack, tmp_path):
     assert pack.models_folder.weights_bytes(tmp_path) == 2 * (64 * 32 + 1) + 2 * 64 * 32  # a folder: every file
     (tmp_path / "bad.safetensors").write_bytes(b"\x00")
     assert pack.models_folder.weights_bytes(tmp_path / "bad.safetensors") == 0
+
+
+def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, models_dir, monkeypatch):
+    from qwen35_fast.runtime import Qwen35Error
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    pf = _prefill(pack, model)
+    released = []
+    real_release = model.release
+    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+
+    def no_room(memory_required=0):
+        raise Qwen35Error("not enough memory")
+
+    monkeypatch.setattr(model, "load", no_room)
+    with pytest.raises(Qwen35Error, match="not enough memory"):
+        _generate(pack, pf, max_new_tokens=2)
+    assert released == [1]

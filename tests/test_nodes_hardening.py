@@ -279,8 +279,10 @@ def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, memory_
 
 def test_a_failing_header_check_does_not_break_the_listing(pack, models_dir, monkeypatch, still_works):
     import qwen35_fast.runtime.checkpoint as checkpoint
+    calls = []
 
     def broken(path):
+        calls.append(path)
         raise RuntimeError("something unexpected")
 
     monkeypatch.setattr(checkpoint, "is_qwen35_file", broken)
@@ -289,6 +291,8 @@ def test_a_failing_header_check_does_not_break_the_listing(pack, models_dir, mon
     assert "qwen35-demo" in listed
     if (models_dir / "text_encoders" / "qwen35_demo_single.safetensors").exists():
         assert "qwen35_demo_single.safetensors" in listed  # listed: loading it will say what is wrong
+    checked = len(calls)
+    assert _listed(pack) == listed and len(calls) == checked  # each file version checked (and logged) once
 
 
 def test_bad_settings_do_not_bring_the_weights_back(pack, models_dir, comfy, still_works):
