@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
+from contextlib import contextmanager
 
 import comfy.model_management as mm
 import torch
@@ -110,6 +111,17 @@ class ManagedModel:
         """Brings the weights to the load device, freeing other models' VRAM first so that the weights and
         `memory_required` more bytes (a run's estimate: runtime.memory) fit, as ComfyUI's own nodes ask."""
         mm.load_models_gpu([self], memory_required=int(memory_required))
+
+    @contextmanager
+    def released_on_error(self):
+        """A node's work on this model: with keep_loaded off, an error (out of memory, a bad prompt, a cancel)
+        gives the VRAM back as a finished Generate does, rather than leaving the weights there."""
+        try:
+            yield
+        except BaseException:
+            if not self.keep_loaded:
+                self.release()
+            raise
 
     def release(self):
         """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""

@@ -82,28 +82,30 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
         batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]
         if mode == PER_IMAGE and not batches:
             raise Qwen35Error("the image batch is empty (0 images); connect an image")
-        model.load()
-        out, stats = [], []
-        bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
-        for batch in batches:
-            mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
-            pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
-                                    thinking=thinking, max_pixels=max_pixels or None,
-                                    reserve=lambda needed: model.load(memory_required=needed))
-            note = ""
-            if pf.vision is not None and pf.vision.scaled_down:
-                per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
-                limits = ([per_image] if batch is not None else []) \
-                    + (["the checkpoint's pixel budget over a video's frames"] if clip is not None else [])
-                note = (f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
-                        f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
-                log.info("Qwen3.5 multimodal prefill: %s", note)
-            log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",
-                     pf.vision.vision_tokens if pf.vision else 0, pf.vision.text_tokens if pf.vision else pf.n_tokens,
-                     pf.vision.vision_ms if pf.vision else 0.0, pf.vision.prefill_ms if pf.vision else pf.ms)
-            model.track(pf)
-            out.append(ModelPrefill(model, pf))
-            stats.append(_stats(pf, note))
-            if bar is not None:
-                bar.update(1)
+        with model.released_on_error():
+            model.load()
+            out, stats = [], []
+            bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
+            for batch in batches:
+                mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
+                pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
+                                        thinking=thinking, max_pixels=max_pixels or None,
+                                        reserve=lambda needed: model.load(memory_required=needed))
+                note = ""
+                if pf.vision is not None and pf.vision.scaled_down:
+                    per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
+                    limits = ([per_image] if batch is not None else []) \
+                        + (["the checkpoint's pixel budget over a video's frames"] if clip is not None else [])
+                    note = (f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
+                            f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
+                    log.info("Qwen3.5 multimodal prefill: %s", note)
+                v = pf.vision
+                log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",
+                         v.vision_tokens if v else 0, v.text_tokens if v else pf.n_tokens,
+                         v.vision_ms if v else 0.0, v.prefill_ms if v else pf.ms)
+                model.track(pf)
+                out.append(ModelPrefill(model, pf))
+                stats.append(_stats(pf, note))
+                if bar is not None:
+                    bar.update(1)
         return io.NodeOutput(out, ui={"qwen35_prefill": stats})

@@ -66,9 +66,10 @@ class Qwen35TextPrefill(io.ComfyNode):
 
         ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
                             use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
-        model.load(memory_required=prefill_bytes(model.model, len(ids)))
-        result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
-                             chat_template=use_chat_template)
+        with model.released_on_error():
+            model.load(memory_required=prefill_bytes(model.model, len(ids)))
+            result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
+                                 chat_template=use_chat_template)
         stats = {"n_tokens": result.n_tokens, "cached_tokens": result.cached_tokens,
                  "new_tokens": result.new_tokens, "ms": round(result.ms, 2),
                  "tokens_per_s": round(result.tokens_per_s, 1), "backend": result.backend,

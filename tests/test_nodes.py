@@ -373,3 +373,17 @@ def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, mode
     with pytest.raises(Qwen35Error, match="not enough memory"):
         _generate(pack, pf, max_new_tokens=2)
     assert released == [1]
+
+
+def test_keep_loaded_off_gives_the_memory_back_when_a_prefill_fails(pack, models_dir, monkeypatch):
+    from qwen35_fast.runtime import Qwen35Error
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    released = []
+    real_release = model.release
+    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    import dataclasses  # any prompt is too long for this config
+    monkeypatch.setattr(model.model, "config", dataclasses.replace(model.model.config, max_position_embeddings=8))
+    with pytest.raises(Qwen35Error, match="at most 8 positions"):
+        _prefill(pack, model)
+    assert released == [1]
