@@ -5,7 +5,6 @@ a copy, so one prefill can feed many generations (ComfyUI caches node outputs an
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,12 +20,12 @@ from .chat import (
 )
 from .decode_graph import graphed_decode
 from .devices import synchronize
-from .errors import Qwen35Error
+from .errors import Qwen35Error, whole_number
 from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
-from .sampling import SamplingParams, draw_seed, penalty_marks, pick, whole_number
+from .sampling import SamplingParams, draw_seed, penalty_marks, pick
 
 
 @dataclass(frozen=True)
@@ -76,12 +75,10 @@ class Generation:
 
 def _token_id(i) -> int:
     """A Python, numpy or 0-d torch integer as an int; a Qwen35Error for floats, booleans and the rest."""
-    try:
-        if isinstance(i, bool):
-            raise TypeError
-        return operator.index(i)
-    except TypeError:
-        raise Qwen35Error(f"token ids must be whole numbers; found {i!r}") from None
+    whole = whole_number(i)
+    if whole is None:
+        raise Qwen35Error(f"token ids must be whole numbers; found {i!r}")
+    return whole
 
 
 def check_vocabulary(model: Qwen35Model, ids: list[int]) -> None:
@@ -266,9 +263,10 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
               seed: int, on_token: OnToken | None) -> Generation:
     sampling = sampling or SamplingParams()
     sampling.check()
-    if whole_number(max_new_tokens) is None or max_new_tokens < 1:
+    whole = whole_number(max_new_tokens)
+    if whole is None or whole < 1:
         raise Qwen35Error(f"max_new_tokens is {max_new_tokens!r}; it must be a whole number, at least 1")
-    max_new_tokens = whole_number(max_new_tokens)
+    max_new_tokens = whole
     seed = draw_seed(seed)  # checked before any work
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")

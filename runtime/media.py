@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import operator
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import Qwen35Error
+from .errors import Qwen35Error, whole_number
 from .host import upload
 
 # Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
@@ -69,13 +68,8 @@ class Preprocessing:
 
 def _pixel_limit(name: str, value) -> int:
     """A pixel limit the caller gave, as an int; a Qwen35Error for 0, negatives, fractions and the rest."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        count = operator.index(value)
-    except TypeError:
-        count = 0
-    if count < 1:
+    count = whole_number(value)
+    if count is None or count < 1:
         raise Qwen35Error(f"{name} must be a whole number of pixels above 0, got {value!r}; leave it unset (None) for "
                           "the checkpoint's setting")
     return count

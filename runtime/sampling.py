@@ -3,27 +3,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
 from .. import kernels
-from .errors import Qwen35Error
+from .errors import Qwen35Error, whole_number
 
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
 _M64 = (1 << 64) - 1
-
-
-def whole_number(value) -> int | None:
-    """`value` as an int when it is a whole number of an integer type (Python's, numpy's, a 0-d tensor; not a
-    bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -44,10 +32,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise Qwen35Error(f"{name} is {value!r}; it must be a finite number")
-        if whole_number(self.top_k) is None:
+        top_k = whole_number(self.top_k)
+        if top_k is None:
             raise Qwen35Error(f"top_k is {self.top_k!r} ({type(self.top_k).__name__}); it must be a whole number "
                               "(0 turns it off)")
-        object.__setattr__(self, "top_k", whole_number(self.top_k))  # numpy's integers as Python's
+        object.__setattr__(self, "top_k", top_k)  # numpy's integers as Python's
         if self.do_sample and not self.temperature >= MIN_TEMPERATURE:
             raise Qwen35Error(f"temperature {self.temperature} must be at least {MIN_TEMPERATURE} when sampling "
                               "(smaller ones overflow the logits); turn sampling off for greedy decoding")
@@ -64,10 +53,10 @@ class SamplingParams:
 def draw_seed(seed: int) -> int:
     """The 64-bit seed of a generation's draws (draw_uniform) for a user's seed of any size or sign, hashed
     from its full value: seeds s and s + 2**64 give different text."""
-    if whole_number(seed) is None:
+    whole = whole_number(seed)
+    if whole is None:
         raise Qwen35Error(f"seed is {seed!r} ({type(seed).__name__}); it must be a whole number")
-    seed = whole_number(seed)
-    data = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+    data = whole.to_bytes((whole.bit_length() + 8) // 8, "little", signed=True)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
