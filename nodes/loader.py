@@ -122,7 +122,6 @@ class Qwen35ModelLoader(io.ComfyNode):
             managed.device_note = device_note
             managed.load()
             _loaded[key] = weakref.ref(managed)
-        device_note = managed.device_note
         store = runtime_model.kv
         info = {
             "path": str(path),
@@ -135,8 +134,8 @@ class Qwen35ModelLoader(io.ComfyNode):
             "cache_mb": round((store.nbytes + store.pool.snapshot_budget_bytes) / 2**20, 1),
             "cache_tokens": store.num_blocks * store.block_size,
         }
-        if device_note:
-            info["device_note"] = device_note
+        if managed.device_note:
+            info["device_note"] = managed.device_note
         log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
                  info["backend"], info["backend_reason"])
         return io.NodeOutput(managed, ui={"qwen35_model": [info]})
