@@ -77,6 +77,7 @@ xs = torch.randn(2, 37, 3, 256, device=dev, dtype=torch.bfloat16)
 rms_norm_cuda(xs, torch.randn(256, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4096, device=dev), 1e-6)
 rms_norm_cuda(torch.randn(37, 2560, device=dev, dtype=torch.bfloat16), torch.randn(2560, device=dev), 1e-6)
+rms_norm_cuda(torch.randn(37, 4096, device=dev, dtype=torch.bfloat16), torch.randn(4097, device=dev)[1:], 1e-6)  # unaligned
 gated_rms_norm_cuda(xs[..., :128], xs[..., 128:], torch.rand(128, device=dev, dtype=torch.bfloat16), 1e-6)
 # q / k with the rotary (strided q, 37 tokens: a partly filled last block), the residual add + norm, silu * mul
 cs = torch.rand(37, 64, device=dev, dtype=torch.bfloat16)

@@ -25,24 +25,30 @@ def side_stream(dev: torch.device) -> torch.cuda.Stream:
     return _side_streams[key]
 
 
-def capture_graph(dev: torch.device, run):
-    """run() once on the side stream (warm-up: kernel modules, library plans and workspaces), then captured
-    there: (the graph, what the captured run returned, the device memory its pool holds). The pool is measured
-    from the reserved memory after the allocator's unused cache is given back, as torch.cuda.graph does on
-    entering a capture."""
+def capture_graph(dev: torch.device, run, restore=None, measure: bool = True):
+    """run() once on the side stream (warm-up: kernel modules, library plans and workspaces), restore() after it
+    where the warm-up changed state the captured run reads, then run() captured there: (the graph, what the
+    captured run returned, the device memory its pool holds, or None without `measure`). The pool is measured
+    from the reserved memory after the allocator's unused cache is given back, as torch.cuda.graph does again on
+    entering the capture (a decode graph, captured once a generation, skips the measure and its second full
+    garbage collection)."""
     side = side_stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream(dev).wait_stream(side)
+    if restore is not None:
+        restore()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize(dev)
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved(dev)
+    before = None
+    if measure:
+        torch.cuda.synchronize(dev)
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(dev)
     with torch.cuda.graph(graph, stream=side):
         out = run()
-    return graph, out, torch.cuda.memory_reserved(dev) - before
+    return graph, out, None if before is None else torch.cuda.memory_reserved(dev) - before
 
 
 def free_gpu_workspaces() -> None:
@@ -74,16 +80,13 @@ class GraphedDecode:
         states = [t for t in cache.conv + cache.ssm if t is not None]
         saved = [t.clone() for t in states]
         self.slot.set(cache.length)
-        side = side_stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: loads kernel modules and library workspaces before capture
-            model.forward_decode_at(self.ids, self.slot, cache)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        for t, s in zip(states, saved):  # the warm-up stepped the GDN states: put them back
-            t.copy_(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
-            self.logits = model.forward_decode_at(self.ids, self.slot, cache)
+
+        def restore():  # the warm-up stepped the GDN states: put them back
+            for t, s in zip(states, saved):
+                t.copy_(s)
+
+        self.graph, self.logits, _ = capture_graph(
+            dev, lambda: model.forward_decode_at(self.ids, self.slot, cache), restore, measure=False)
 
     def __call__(self, token: int | torch.Tensor) -> torch.Tensor:
         """Append `token` (an int, or a long tensor [1] on the device, copied there without a synchronisation)

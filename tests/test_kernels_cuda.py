@@ -305,6 +305,24 @@ def test_norms_take_strided_views_as_the_model_has_them(impl):
     assert rel(y, gated_rms_norm_ref(o, z, wn, 1e-6)) < NORM_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_norms_take_weights_not_16_byte_aligned(impl, wdtype):
+    """The kernel reads the weight in 16-byte loads: a weight view that starts one element into its storage
+    (a slice of a packed tensor) gives what the same weight in a storage of its own gives."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    D = 1024
+    x = torch.randn(37, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    z = torch.randn(37, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    packed = (torch.randn(D + 1, generator=g, device=DEV) * 0.3).to(wdtype)
+    w = packed[1:]
+    assert w.data_ptr() % 16 != 0
+    assert torch.equal(impl.rms_norm_cuda(x, w, 1e-6), impl.rms_norm_cuda(x, w.clone(), 1e-6))
+    assert torch.equal(impl.gated_rms_norm_cuda(x, z, w, 1e-6), impl.gated_rms_norm_cuda(x, z, w.clone(), 1e-6))
+    s, y = impl.add_rms_norm_cuda(z, x, w, 1e-6)
+    assert torch.equal(y, impl.add_rms_norm_cuda(z, x, w.clone(), 1e-6)[1])
+    assert rel(y, rms_norm_ref(s, w, 1e-6)) < NORM_TOL[torch.bfloat16]
+
+
 def _rope_tables(T, rd, dtype, g):
     angles = torch.rand(T, rd // 2, generator=g, device=DEV) * 100
     emb = torch.cat([angles, angles], dim=-1)

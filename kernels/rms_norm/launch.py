@@ -62,7 +62,7 @@ def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, e
     D = x.shape[-1]
     xv = _rows(x)
     gv = _rows(gate) if gate is not None else xv
-    w = weight.contiguous()
+    w = aligned16(weight)  # read in 16-byte loads
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if res is not None else None
     rows = xv.shape[0] * xv.shape[1]
