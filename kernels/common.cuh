@@ -27,6 +27,20 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 
+// Eight consecutive weights w[0..7] as fp32 from 16-byte loads (w 16-byte aligned): an fp32 weight in two, one
+// of a 16-bit type in one. The norms' weights (rms_norm.cu, gemv.cu's fused norm): element by element they were
+// eight loads a vector, each warp's spread over eight cache lines (kernels/rms_norm/NOTES.md).
+__device__ __forceinline__ void load8_f32(const float* __restrict__ w, float* f) {
+    const float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(w + 4);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+template <typename T> __device__ __forceinline__ void load8_f32(const T* __restrict__ w, float* f) {
+    union { uint4 u; T e[8]; } v;
+    v.u = *reinterpret_cast<const uint4*>(w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = to_f(v.e[e]);
+}
+
 // Sum of v over the `tpr` consecutive threads of the block that hold one row (tpr a power of two up to 32,
 // or a multiple of 32): a butterfly over the row's lanes, then, for tpr > 32, the warps' partial sums
 // through part (one float per warp of the block), added in warp order. Every lane ends with the same

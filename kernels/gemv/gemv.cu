@@ -96,8 +96,10 @@ __device__ __forceinline__ void stage_norm(uint4* xs, const elem* __restrict__ x
     for (int k = 0; k < VPL; ++k) {
         const int col = (k * TPR + li) * 8;
         Vec8 out;
+        float wk[8];
+        load8_f32(nw + col, wk);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) out.e[e] = from_f<elem>(to_f(v[k].e[e]) * rr * (1.f + to_f(nw[col + e])));
+        for (int e = 0; e < 8; ++e) out.e[e] = from_f<elem>(to_f(v[k].e[e]) * rr * (1.f + wk[e]));
         if (first) xs[k * TPR + li] = out.u;
     }
 }

@@ -123,7 +123,7 @@ def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: to
     y = torch.empty(*res.shape[:-1], weight.shape[0], dtype=res.dtype, device=res.device)
     # the row formed with the threads of rms_norm.cu's one-row launch: the same sums, bit for bit
     defines = {"PRO": 1, "DIM": K, "W_T": _CODE.get(norm_w.dtype, 0), "TPR": norm_threads_per_row(K)}  # W_T 0: fp32
-    _launch(weight, None if x is None else _aligned_row(x, K), y, K, defines, _aligned_row(res, K), norm_w.contiguous(),
+    _launch(weight, None if x is None else _aligned_row(x, K), y, K, defines, _aligned_row(res, K), _aligned_row(norm_w, K),
             None if x is None else s, eps)
     return s, y
 

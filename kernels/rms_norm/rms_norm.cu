@@ -61,18 +61,6 @@ union Vec8 {
     elem e[8];
 };
 
-// the weights of features col .. col + 7 as fp32, in 16-byte loads (the launcher passes w 16-byte aligned)
-__device__ __forceinline__ void weight8(const float* __restrict__ w, float* f) {
-    const float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(w + 4);
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void weight8(const elem* __restrict__ w, float* f) {
-    Vec8 v;
-    v.u = *reinterpret_cast<const uint4*>(w);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = to_f(v.e[e]);
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wtype* __restrict__ w,
              elem* __restrict__ y, long long rows, int H, long long xs0, long long xs1, long long gs0,
@@ -123,7 +111,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
 #endif
         Vec8 out;
         float wk[8];
-        weight8(w + col, wk);
+        load8_f32(w + col, wk);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float xf = to_f(v[k].e[e]), wf = wk[e];
