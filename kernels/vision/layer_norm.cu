@@ -34,13 +34,6 @@ union Vec8 {
     elem e[8];
 };
 
-__device__ __forceinline__ void load8(const elem* p, float* o) {
-    Vec8 v;
-    v.u = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = to_f(v.e[e]);
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const elem* __restrict__ w,
                const elem* __restrict__ b, elem* __restrict__ sum, elem* __restrict__ out, long long rows,
@@ -88,8 +81,8 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
         const int c = k * TPR + li;
         if (c < NV) {
             float wf[8], bf[8];
-            load8(w + c * 8, wf);
-            load8(b + c * 8, bf);
+            load8_f32(w + c * 8, wf);
+            load8_f32(b + c * 8, bf);
             Vec8 o;
 #pragma unroll
             for (int e = 0; e < 8; ++e) o.e[e] = from_f<elem>(fmaf(wf[e], rstd * (to_f(v[k].e[e]) - mean), bf[e]));
