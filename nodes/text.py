@@ -12,8 +12,10 @@ from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
 
 log = logging.getLogger(__name__)
 
-# The front end (web/qwen35.js) listens for this: {node, display_node, prompt_id, delta, n, max}.
-# n == 0 starts a new answer on that node and says whether thinking text comes first.
+# The front end (web/qwen35.js) listens for this: {node, display_node, prompt_id, delta, n, max, t}.
+# n == 0 starts a new answer on that node and says (`thinking`) whether thinking text comes first. prompt_id names
+# the workflow tab the text belongs to: the page writes it into the node of the workflow that queued that prompt,
+# not into the shown tab's node of the same id.
 STREAM_EVENT = "qwen35.stream"
 
 

@@ -3,7 +3,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const STREAM_EVENT = "qwen35.stream"; // sent by nodes/text.py: {node, display_node, delta, n, max, t, thinking}
+// sent by nodes/text.py: {node, display_node, prompt_id, delta, n, max, t} (and `thinking` when n is 0)
+const STREAM_EVENT = "qwen35.stream";
 const THINK_END = "</think>";
 
 const CSS = `
@@ -58,22 +59,25 @@ async function copyText(text) {
   }
 }
 
-function addPanel(node, name, minHeight) {
+// A view is a panel's elements and state, made apart from any node: a workflow that is not shown has no nodes,
+// and its runs write into the views it had (see viewFor).
+function addPanel(node, name, minHeight, view) {
   addStyle();
-  const root = el("div", "qwen35-panel");
-  const widget = node.addDOMWidget(name, "qwen35_panel", root, {
+  const widget = node.addDOMWidget(name, "qwen35_panel", view.root, {
     serialize: false,
     getMinHeight: () => minHeight,
   });
   widget.serialize = false; // never part of widgets_values: workflows load with or without this script
   widget.options.serialize = false;
-  return root;
+  node.qwen35 = view;
 }
 
 // --- Generate: streamed answer, folded thinking, copy button, decode stats ---
-function setupGenerate(node) {
-  const root = addPanel(node, "qwen35_answer", 140);
+function makeGenerateView() {
+  const root = el("div", "qwen35-panel");
   const view = {
+    kind: "generate",
+    root,
     stats: el("div", "qwen35-stats", root),
     thinking: el("details", "qwen35-thinking", root),
     answer: el("div", "qwen35-answer", root),
@@ -94,13 +98,17 @@ function setupGenerate(node) {
     copy.textContent = ok ? "Copied" : "Copy failed";
     setTimeout(() => (copy.textContent = "Copy"), 1200);
   });
-  node.qwen35 = view;
+  return view;
+}
+
+function setupGenerate(node) {
+  addPanel(node, "qwen35_answer", 140, makeGenerateView());
   const size = node.computeSize();
   node.setSize([Math.max(node.size[0], 380), Math.max(node.size[1], size[1])]);
 }
 
-// The Generate panels showing a stream now, wherever their node is (the root graph or a subgraph): a cancel or
-// an error stops each of them.
+// The Generate views showing a stream now, wherever their node is (the root graph, a subgraph, a workflow not
+// shown): a cancel or an error of their run stops each of them.
 const streamingViews = new Set();
 
 function showAnswer(view, thinking, answer, streaming) {
@@ -114,6 +122,7 @@ function showAnswer(view, thinking, answer, streaming) {
 
 function onStream(view, d) {
   if (d.n === 0) {
+    view.promptId = d.prompt_id; // a cancel or an error of this run stops it
     view.raw = "";
     view.sawEnd = false;
     view.expectThinking = !!d.thinking;
@@ -172,10 +181,9 @@ function onGenerateExecuted(view, output) {
 }
 
 // --- Prefill and Loader: one line of what they measured ---
-function setupStats(node, name) {
-  const root = addPanel(node, name, 24);
-  node.qwen35 = { stats: el("div", "qwen35-stats", root) };
-  node.qwen35.stats.textContent = "";
+function makeStatsView() {
+  const root = el("div", "qwen35-panel");
+  return { kind: "stats", root, stats: el("div", "qwen35-stats", root) };
 }
 
 // "12 reused + 30 new · ": tokens taken from the K/V cache (an earlier prompt's system prompt and images, or
@@ -202,16 +210,20 @@ function loaderLine(s) {
 
 const SETUP = {
   Qwen35Generate: (node) => setupGenerate(node),
-  Qwen35TextPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
-  Qwen35MultimodalPrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
-  Qwen35ContinuePrefill: (node) => setupStats(node, "qwen35_prefill_stats"),
-  Qwen35ModelLoader: (node) => setupStats(node, "qwen35_model_info"),
+  Qwen35TextPrefill: (node) => addPanel(node, "qwen35_prefill_stats", 24, makeStatsView()),
+  Qwen35MultimodalPrefill: (node) => addPanel(node, "qwen35_prefill_stats", 24, makeStatsView()),
+  Qwen35ContinuePrefill: (node) => addPanel(node, "qwen35_prefill_stats", 24, makeStatsView()),
+  Qwen35ModelLoader: (node) => addPanel(node, "qwen35_model_info", 24, makeStatsView()),
 };
 
-function onExecuted(node, output) {
-  const view = node.qwen35;
-  if (!view) return;
-  if (node.comfyClass === "Qwen35Generate") onGenerateExecuted(view, output);
+// The view that shows a node's output, made apart from a node: null for an output of another node type.
+function makeViewFor(output) {
+  if (output?.qwen35_generate) return makeGenerateView();
+  return output?.qwen35_prefill || output?.qwen35_model ? makeStatsView() : null;
+}
+
+function showOutput(view, output) {
+  if (view.kind === "generate") onGenerateExecuted(view, output);
   else if (output?.qwen35_prefill?.[0]) view.stats.textContent = output.qwen35_prefill.map(prefillLine).join("\n");
   else if (output?.qwen35_model?.[0]) {
     view.stats.textContent = loaderLine(output.qwen35_model[0]);
@@ -232,18 +244,94 @@ function findNode(id) {
   return node;
 }
 
+// --- Which workflow a run writes into ---
+// The front end shows one of several workflow tabs and makes a tab's graph again from its saved state each time it
+// is shown, while ComfyUI's events name a node by its id alone: a run must find its node in the workflow that
+// queued it, not in whichever tab is shown. As the front end does for its own outputs, a prompt id is tied to the
+// workflow shown when it was queued. A prompt this page did not queue (or a front end without a workflow store)
+// writes into the shown graph's node, as ComfyUI's own `executed` handler does.
+const queuedBy = new Map(); // prompt_id -> the workflow (the front end's object) that queued it, until it ends
+const kept = new WeakMap(); // workflow -> Map(node execution id -> view): its panels while other tabs are shown
+let running = null; // the prompt_id of the run going on: onExecuted is not told which run its output is from
+
+function shownWorkflow() {
+  return app.extensionManager?.workflow?.activeWorkflow ?? null;
+}
+
+function tieRunsToWorkflows() {
+  const queuePrompt = api.queuePrompt;
+  api.queuePrompt = async function (...args) {
+    const workflow = shownWorkflow(); // before the request: a tab switch while it is out must not count
+    const res = await queuePrompt.apply(this, args);
+    if (workflow && res?.prompt_id) queuedBy.set(res.prompt_id, workflow);
+    return res;
+  };
+}
+
+// A shown workflow's graph was made again: its kept view's elements and state move into the new node's panel.
+function adopt(node, view) {
+  if (node.qwen35 === view || node.qwen35?.kind !== view.kind) return;
+  node.qwen35.root.replaceChildren(...view.root.childNodes);
+  view.root = node.qwen35.root;
+  node.qwen35 = view;
+}
+
+function adoptKept() {
+  for (const [id, view] of kept.get(shownWorkflow()) ?? []) {
+    const node = findNode(id);
+    if (node) adopt(node, view);
+  }
+}
+
+// The view a run of `promptId` writes for node `id` (an execution id): the node's own when its workflow is shown,
+// else the one kept for that workflow (made by `make` if there is none yet); null when there is no such node.
+function viewFor(promptId, id, make) {
+  const workflow = queuedBy.get(promptId);
+  if (!workflow) return findNode(id)?.qwen35 ?? null;
+  if (!kept.has(workflow)) kept.set(workflow, new Map());
+  const views = kept.get(workflow);
+  let view = views.get(String(id));
+  if (workflow === shownWorkflow()) {
+    const node = findNode(id);
+    if (!node?.qwen35) return null;
+    if (view) adopt(node, view);
+    view = node.qwen35;
+  } else {
+    view ??= make();
+  }
+  if (view) views.set(String(id), view);
+  return view;
+}
+
 app.registerExtension({
   name: "qwen35.fast",
   async setup() {
+    tieRunsToWorkflows();
+    api.addEventListener("execution_start", ({ detail }) => (running = detail.prompt_id));
     api.addEventListener(STREAM_EVENT, ({ detail }) => {
-      const node = findNode(detail.display_node ?? detail.node);
-      if (node?.qwen35?.answer) onStream(node.qwen35, detail);
+      const view = viewFor(detail.prompt_id, detail.display_node ?? detail.node, makeGenerateView);
+      if (view?.kind === "generate") onStream(view, detail);
     });
-    const stopAll = (why) => () => {
-      for (const view of [...streamingViews]) onStopped(view, why);
+    // ComfyUI's handler has called onExecuted on the shown graph's node with this id; a run tied to a workflow
+    // writes here instead (onExecuted skips it), into that workflow's node.
+    api.addEventListener("executed", ({ detail }) => {
+      if (!queuedBy.has(detail.prompt_id)) return;
+      const view = viewFor(detail.prompt_id, detail.display_node || detail.node, () => makeViewFor(detail.output));
+      if (view) showOutput(view, detail.output);
+    });
+    // a run ended; a cancel or an error stops its streaming panels (in every tab), keeping their text
+    const ended = (why) => ({ detail }) => {
+      const ofRun = (view) => !detail?.prompt_id || !view.promptId || view.promptId === detail.prompt_id;
+      if (why) for (const view of [...streamingViews].filter(ofRun)) onStopped(view, why);
+      queuedBy.delete(detail?.prompt_id);
     };
-    api.addEventListener("execution_interrupted", stopAll("stopped"));
-    api.addEventListener("execution_error", stopAll("failed"));
+    api.addEventListener("execution_interrupted", ended("stopped"));
+    api.addEventListener("execution_error", ended("failed"));
+    api.addEventListener("execution_success", ended(null));
+  },
+  // Called when a tab is shown again (the front end restores its outputs): its panels come back as they were.
+  onNodeOutputsUpdated() {
+    adoptKept();
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const setup = SETUP[nodeData.name];
@@ -257,7 +345,7 @@ app.registerExtension({
     const executed = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       executed?.apply(this, arguments);
-      onExecuted(this, output);
+      if (this.qwen35 && !queuedBy.has(running)) showOutput(this.qwen35, output);
     };
   },
 });

@@ -212,6 +212,108 @@ def test_a_generate_node_inside_a_subgraph_streams_and_stops(browser_env):
     assert state["stats"].startswith("stopped after "), state["stats"]
 
 
+GENERATE_VIEW = "app.graph.nodes.find(n => n.type === 'Qwen35Generate').qwen35"
+
+
+async def _open_tab(page, max_new_tokens: int, seed: int) -> str:
+    """A new workflow tab with the one-Generate workflow (the same node ids in every such tab); its path."""
+    await page.wait_for_function("() => app.extensionManager.workflow.activeWorkflow")  # the first tab is open
+    await _load(page, _one_long_answer(), max_new_tokens=max_new_tokens)
+    await _set_widget(page, "Qwen35Generate", "seed", str(seed))
+    return await page.evaluate("() => app.extensionManager.workflow.activeWorkflow.path")
+
+
+async def _show(page, path: str):
+    """A click on the tab of the open workflow `path`: its graph is made again from its saved state."""
+    label = path.removeprefix("workflows/").removesuffix(".json")
+    await page.locator(".workflow-tab .workflow-label").get_by_text(label, exact=True).click()
+    await page.wait_for_function("path => app.extensionManager.workflow.activeWorkflow.path === path", arg=path)
+    await page.wait_for_timeout(200)  # the rest of the switch (outputs restored) is not awaited by the click
+
+
+async def _watch_runs(page):
+    """Every stream event the page gets, with the workflow shown when it came; window.qwen35Done once the
+    run ends."""
+    await page.evaluate("""() => {
+        window.qwen35Seen = []; window.qwen35Done = false;
+        app.api.addEventListener('qwen35.stream', ({detail}) => window.qwen35Seen.push(
+            {...detail, shown: app.extensionManager.workflow.activeWorkflow.path}));
+        for (const e of ['execution_success', 'execution_interrupted', 'execution_error'])
+            app.api.addEventListener(e, () => { window.qwen35Done = true; });
+    }""")
+
+
+async def _panel(page) -> dict:
+    return await page.evaluate(f"""() => {{ const v = {GENERATE_VIEW};
+        return {{answer: v.answer.textContent, stats: v.stats.textContent,
+                 streaming: v.answer.classList.contains('qwen35-streaming')}}; }}""")
+
+
+def test_a_stream_stays_in_the_workflow_that_queued_it(browser_env):
+    """Two workflow tabs with the same nodes: A's answer streams into A's Generate only, not into B's node of the
+    same id while B is shown, and A's panel has the whole answer so far (and goes on) when A is shown again."""
+    async def body(page):
+        a = await _open_tab(page, max_new_tokens=5000, seed=4545)
+        b = await _open_tab(page, max_new_tokens=5000, seed=4646)
+        await _show(page, a)
+        await _watch_runs(page)
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(f"() => {GENERATE_VIEW}.answer.textContent.trim().length > 10",
+                                     timeout=180_000)
+        await _show(page, b)
+        await page.wait_for_function(
+            f"() => window.qwen35Seen.filter(e => e.shown === {b!r}).length >= 20", timeout=120_000)
+        b_while_a_streams = await _panel(page)
+        await _show(page, a)
+        shown_on_return = (await _panel(page))["answer"]
+        await page.wait_for_function(
+            f"n => {GENERATE_VIEW}.answer.textContent.length > n", arg=len(shown_on_return), timeout=60_000)
+        await asyncio.to_thread(browser_env.post, "/interrupt", {})
+        await page.wait_for_function(f"() => {GENERATE_VIEW}.stats.textContent.startsWith('stopped')",
+                                     timeout=60_000)
+        a_stopped = await _panel(page)
+        streamed = await page.evaluate("() => window.qwen35Seen.map(e => e.delta).join('')")
+        await _show(page, b)
+        return b_while_a_streams, shown_on_return, a_stopped, streamed, await _panel(page)
+
+    b_while, shown_on_return, a_stopped, streamed, b_after = _in_browser(browser_env, body)
+    empty = {"answer": "", "stats": "", "streaming": False}
+    assert b_while == empty, "A's stream reached B's node of the same id"
+    assert b_after == empty
+    assert len(shown_on_return.strip()) > 10, "A's answer so far is gone once A is shown again"
+    assert streamed.startswith(shown_on_return)
+    assert a_stopped["answer"] == streamed and not a_stopped["streaming"]
+    assert a_stopped["stats"].startswith("stopped after "), a_stopped["stats"]
+
+
+def test_an_answer_finished_in_a_hidden_workflow_shows_on_return(browser_env):
+    """A's run ends while B is shown: B's node never shows A's answer, and A's node shows it (as /history has it)
+    when A is shown again."""
+    async def body(page):
+        a = await _open_tab(page, max_new_tokens=64, seed=4747)
+        b = await _open_tab(page, max_new_tokens=64, seed=4848)
+        await _show(page, a)
+        await _watch_runs(page)
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function("() => window.qwen35Seen.length > 0", timeout=180_000)
+        await _show(page, b)
+        await page.wait_for_function("() => window.qwen35Done", timeout=300_000)
+        b_after_run = await _panel(page)
+        await _show(page, a)
+        a_back = await _panel(page)
+        await _show(page, b)
+        return b_after_run, a_back, await _panel(page)
+
+    b_after_run, a_back, b_again = _in_browser(browser_env, body)
+    history = browser_env.get("/history?max_items=1")
+    outputs = next(iter(history.values()))["outputs"]
+    text = next(out for out in outputs.values() if "qwen35_generate" in out)["text"][0]
+    empty = {"answer": "", "stats": "", "streaming": False}
+    assert b_after_run == empty and b_again == empty, "A's answer reached B's node of the same id"
+    assert a_back["answer"] == text and not a_back["streaming"]
+    assert "tok/s decode" in a_back["stats"], a_back["stats"]
+
+
 def test_one_caption_per_image_shows_every_answer(browser_env):
     """A list of prefills runs Generate once per image: the node shows every answer, numbered, and one stats
     line over them."""
@@ -240,3 +342,4 @@ def test_workflow_templates_list_the_examples(comfy_server):
     templates = comfy_server.get("/workflow_templates")
     ours = next(v for k, v in templates.items() if k.startswith("Qwen3.5-Fast"))
     assert sorted(ours) == sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+
