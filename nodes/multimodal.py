@@ -9,17 +9,12 @@ import comfy.utils
 from comfy_api.latest import io
 
 from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
+from .video import video_clip
 
 log = logging.getLogger(__name__)
 
 ALL_IN_ONE = "all images in one prompt"
 PER_IMAGE = "one prompt per image"
-
-
-def _video_frames(video):
-    """(frames [F, H, W, C], fps) from a ComfyUI VIDEO."""
-    parts = video.get_components()
-    return parts.images, float(parts.frame_rate)
 
 
 def _stats(pf, scaled_note: str) -> dict:
@@ -76,7 +71,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
 
         if video is not None and frames is not None:
             raise Qwen35Error("both a video and frames are connected; connect one of them")
-        clip = _video_frames(video) if video is not None else (frames, frame_rate) if frames is not None else None
+        clip = video_clip(video) if video is not None else (frames, frame_rate) if frames is not None else None
         if mode == PER_IMAGE and images is None:
             raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
         batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]

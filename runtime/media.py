@@ -24,7 +24,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -350,9 +350,47 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
-    _, h, w, c = _check_images(frames)
-    picked = list(index)  # the sampled frames, moved when first needed
-    chosen = functools.cache(lambda: frames[picked].to(device) if device is not None else frames[picked])
+    _check_images(frames)
+    chosen = functools.cache(lambda: frames[index].to(device) if device is not None else frames[index])
+    return _sampled_video(chosen, frames.shape[1:], index, fps, pp, (frames, tuple(index)))
+
+
+@runtime_checkable
+class VideoSource(Protocol):
+    """A video that decodes only the frames asked of it (a file), so that a long clip is never in memory whole.
+
+    fps: its frame rate. read(choose): choose(frame count) returns the indices wanted (sample_frames' rule);
+    read returns those frames [n, H, W, C] in 0..1, in that order, and the indices. A reader whose frame count
+    known up front (container metadata) proves wrong once decoded asks choose again with the true count, so
+    that the frames are the ones the whole video's tensor would give."""
+    fps: float
+
+    def read(self, choose: Callable[[int], list[int]]) -> tuple[torch.Tensor, list[int]]: ...
+
+
+def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None, device=None) -> VisionInput:
+    """A VideoSource -> the VisionInput preprocess_video gives for all of its frames (the same patches, grid,
+    timestamps and content key), with only the sampled frames ever read. Those frames stay at source size
+    until resized: at most pp.max_frames (768) of H x W x 3 fp32, e.g. 25 MB each at 1080p, 3 GB for a
+    one-minute clip (120 frames at 2 a second), 19 GB at the cap (a clip over 6.4 minutes)."""
+    pp = pp or Preprocessing()
+    fps = float(source.fps)
+    frames, index = source.read(lambda total: sample_frames(total, fps, pp))
+    index = list(index)
+    if not isinstance(frames, torch.Tensor) or frames.dim() != 4 or frames.shape[0] != len(index):
+        got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise Qwen35Error(f"a video reader ({type(source).__name__}) gave {got} for {len(index)} frame indices; it "
+                          "must return frames [count, height, width, channels], one per index")
+    _check_images(frames)
+    chosen = functools.cache(lambda: frames.to(device) if device is not None else frames)
+    return _sampled_video(chosen, frames.shape[1:], index, fps, pp, None)
+
+
+def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], fps: float, pp: Preprocessing,
+                   origin) -> VisionInput:
+    """The VisionInput of a video's sampled frames: chosen() gives them [n, H, W, C] (on the resizing device),
+    `index` their places in the video (the timestamps), `origin` the caller's tensor and the part sampled."""
+    h, w, _ = shape
     tp, sampled = pp.temporal_patch_size, len(index)
     fill = -len(index) % tp  # pairs of frames: the last one fills the gap
     index = index + [index[-1]] * fill
@@ -369,8 +407,8 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     times = [i / fps for i in index]
     stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
     scaled = limited_by_max(h, w, size, pp.factor, pp.video_min_pixels, sampled, tp)
-    return VisionInput("video", patches, grid, (h, w), stamps, scaled, chosen, _recipe(size, pp), (frames, tuple(picked)))
+    return VisionInput("video", patches, grid, (h, w), stamps, scaled, chosen, _recipe(size, pp), origin)
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",
-           "preprocess_video", "sample_frames"]
+           "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]

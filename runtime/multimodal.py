@@ -28,7 +28,14 @@ from .errors import Qwen35Error
 from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
-from .media import VisionInput, preprocess_images, preprocess_video, read_preprocessing
+from .media import (
+    VideoSource,
+    VisionInput,
+    preprocess_images,
+    preprocess_video,
+    preprocess_video_source,
+    read_preprocessing,
+)
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .prefix import content_hash, prefill_reusing, system_end
@@ -177,6 +184,8 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
     if video is not None:
         if isinstance(video, VisionInput):
             out.append(video)
+        elif isinstance(video, VideoSource):
+            out.append(preprocess_video_source(video, pp, where))
         else:
             frames, fps = _video_pair(video)
             out.append(preprocess_video(frames, fps, pp, where))
@@ -192,9 +201,9 @@ def _video_pair(video) -> tuple[torch.Tensor, float]:
         return video[0], float(video[1])
     got = f"a tensor {list(video.shape)}" if isinstance(video, torch.Tensor) else \
         f"({', '.join(type(v).__name__ for v in video)})" if isinstance(video, (tuple, list)) else type(video).__name__
-    raise Qwen35Error(f"a video must be (frames [count, height, width, channels], fps) or a VisionInput from "
-                      f"media.preprocess_video, got {got}; pass the frames with their frame rate, e.g. "
-                      "video=(frames, 24.0)")
+    raise Qwen35Error(f"a video must be (frames [count, height, width, channels], fps), a media.VideoSource or a "
+                      f"VisionInput from media.preprocess_video, got {got}; pass the frames with their frame rate, "
+                      "e.g. video=(frames, 24.0)")
 
 
 def _fewer_tokens(inputs: list[VisionInput]) -> str:
@@ -218,7 +227,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
 
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
       a list of such tensors, or VisionInputs from media.preprocess_images; video: (frames [F, H, W, C],
-      fps) or a VisionInput from media.preprocess_video. max_pixels overrides the checkpoint's limit
+      fps), a media.VideoSource (a file decoded for its sampled frames only) or a VisionInput from
+      media.preprocess_video. max_pixels overrides the checkpoint's limit
       per image (images only: a video is held to the checkpoint's pixel budget over all its frames).
       reserve(bytes), when given, is called once the prompt is laid out and before any device
       work, with what the tower and the prefill will need beyond the weights (runtime.memory), so that a

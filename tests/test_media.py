@@ -191,3 +191,56 @@ def test_channel_and_video_shape_messages_say_what_is_taken_and_what_came():
         preprocess_video(torch.rand(64, 64, 3), fps=2.0)
     with pytest.raises(Qwen35Error, match=r"got list"):
         preprocess_video([torch.rand(64, 64, 3)], fps=2.0)
+
+
+class TensorSource:
+    """A VideoSource over frames already in memory: what a file decoder hands the runtime, and the indices it
+    was asked for (to check that only those frames are read)."""
+
+    def __init__(self, frames: torch.Tensor, fps: float):
+        self.frames, self.fps, self.asked = frames, fps, []
+
+    def read(self, choose):
+        index = choose(self.frames.shape[0])
+        self.asked.append(index)
+        return self.frames[index], index
+
+
+@pytest.mark.parametrize("frames,fps", [(1, 24.0), (3, 30.0), (5, 1.0), (7, 0.5), (9, 2.0), (90, 30.0),
+                                        (121, 24.0), (301, 29.97), (40, 3.0)])
+def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps):
+    """preprocess_video_source reads only the sampled frames and gives the same patches, grid, timestamps and
+    content key as preprocess_video over all of them (fps below 2, odd counts, min_frames and pair padding)."""
+    from qwen35_fast.runtime.media import preprocess_video_source
+    from qwen35_fast.runtime.prefix import content_hash
+    pp = Preprocessing()
+    video = torch.rand(frames, 40, 56, 3)
+    want = preprocess_video(video, fps, pp)
+    source = TensorSource(video, fps)
+    got = preprocess_video_source(source, pp)
+    assert source.asked == [sample_frames(frames, fps, pp)]
+    assert torch.equal(got.pixels, want.pixels)
+    assert (got.kind, got.grid, got.timestamps, got.source_size, got.scaled_down, got.recipe) == \
+        (want.kind, want.grid, want.timestamps, want.source_size, want.scaled_down, want.recipe)
+    assert got.content_key(content_hash) == want.content_key(content_hash)
+    other = video.clone()
+    other[sample_frames(frames, fps, pp)[-1], 0, 0, 0] += 0.5
+    assert preprocess_video_source(TensorSource(other, fps), pp).content_key(content_hash) != \
+        want.content_key(content_hash)
+
+
+def test_a_video_source_keeps_the_runtime_messages():
+    from qwen35_fast.runtime.media import preprocess_video_source
+    with pytest.raises(Qwen35Error, match="0 frames"):
+        preprocess_video_source(TensorSource(torch.rand(0, 64, 64, 3), 24.0))
+    with pytest.raises(Qwen35Error, match="frame rate is 0.0"):
+        preprocess_video_source(TensorSource(torch.rand(4, 64, 64, 3), 0.0))
+    with pytest.raises(Qwen35Error, match=r"dtype torch.uint8"):
+        preprocess_video_source(TensorSource(torch.zeros(4, 64, 64, 3, dtype=torch.uint8), 2.0))
+
+    class Short(TensorSource):  # a reader that gives fewer frames than it was asked for
+        def read(self, choose):
+            index = choose(self.frames.shape[0])
+            return self.frames[index[:-1]], index
+    with pytest.raises(Qwen35Error, match=r"\(Short\) gave \[3, 64, 64, 3\] for 4 frame indices"):
+        preprocess_video_source(Short(torch.rand(4, 64, 64, 3), 2.0))

@@ -30,6 +30,24 @@ def test_a_video_is_a_frames_and_fps_pair(model, video):
     assert prefill_multimodal(model, "What happens?", video=(FRAMES, 2)).vision.grids == ((2, 2, 2),)
 
 
+def test_a_video_source_prefills_as_its_frames_do(model):
+    """A VideoSource (a file read frame by frame) gives the prompt its (frames, fps) pair gives, and the same
+    prefix-cache key: the second of the two reads the video from the cache."""
+    frames = torch.rand(45, 32, 48, 3, generator=torch.Generator().manual_seed(2))
+    model.kv.pool.clear()
+
+    class Source:
+        fps = 15.0
+
+        def read(self, choose):
+            index = choose(frames.shape[0])
+            return frames[index], index
+    a = prefill_multimodal(model, "<video> What happens?", video=Source())
+    b = prefill_multimodal(model, "<video> What happens?", video=(frames, 15.0))
+    assert a.token_ids == b.token_ids and a.vision.grids == b.vision.grids and a.vision.grids[0][0] == 3
+    assert a.media == b.media and a.cached_tokens == 0 and b.cached_tokens >= a.media[-1].end
+
+
 def test_token_ids_outside_the_vocabulary_are_named(tmp_path, model, monkeypatch):
     """A tokenizer of another model: a Qwen35Error before any device work, not an IndexError (on CUDA a device-side
     assert that ends the process)."""

@@ -1,0 +1,172 @@
+"""A VIDEO from a file reaches the prefill with only its sampled frames decoded to tensors, and gives what the full
+decode (ComfyUI's get_components, every frame) gave: the same pixels, grid, timestamps, token ids and cache key.
+
+Needs ComfyUI (COMFYUI_DIR) and PyAV, a ComfyUI dependency; skipped otherwise. The videos are made here: frame i
+writes i in binary as black and white blocks along its top, over a grey that grows with i.
+"""
+# ruff: noqa: F811  (the fixtures imported from test_nodes are parameters of the tests)
+import io
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from test_nodes import comfy, loaded, models_dir, pack  # noqa: F401  (fixtures)
+
+av = pytest.importorskip("av")
+pytestmark = pytest.mark.comfyui
+
+
+def write_video(path, count: int, fps: int, width: int = 64, height: int = 48, codec: str = "h264",
+                pix_fmt: str = "yuv420p"):
+    """`count` frames; frame i: a grey of level 40 + 2 i, and i in binary as 8 x 8 blocks (white for a 1) in
+    the top row, lowest bit first."""
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        for i in range(count):
+            img = np.full((height, width, 3), 40 + 2 * i, np.uint8)
+            for bit in range(width // 8):
+                img[:8, 8 * bit:8 * bit + 8] = 255 if i >> bit & 1 else 0
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def _number(frame: torch.Tensor) -> int:
+    """Which frame of write_video this is, read from its blocks."""
+    blocks = frame[:8, :frame.shape[1] // 8 * 8].mean(dim=(0, 2)).view(-1, 8).mean(dim=1)
+    return sum(1 << bit for bit, level in enumerate(blocks.tolist()) if level > 0.5)
+
+
+def _run(pack, model, **kw):
+    args = dict(model=model, prompt="<video> What changes?", images=None, video=None, frames=None, frame_rate=24.0,
+                mode="all images in one prompt", system_prompt="", thinking=False, max_pixels=0)
+    args.update(kw)
+    return pack.Qwen35MultimodalPrefill.execute(**args)[0][0].prefill
+
+
+@pytest.fixture
+def videos(comfy, tmp_path):
+    from comfy_api.latest import InputImpl
+    made = {
+        "64x48 30 fps": write_video(tmp_path / "a.mp4", 90, 30),
+        "80x48 24 fps (width not a multiple of 32)": write_video(tmp_path / "b.mp4", 37, 24, width=80),
+        "mjpeg 1 fps (full-range 8-bit)": write_video(tmp_path / "c.avi", 7, 1, codec="mjpeg", pix_fmt="yuvj420p"),
+    }
+    out = {name: InputImpl.VideoFromFile(str(path)) for name, path in made.items()}
+    out["bytes"] = InputImpl.VideoFromFile(io.BytesIO(made["64x48 30 fps"].read_bytes()))
+    out["trimmed"] = InputImpl.VideoFromFile(str(made["64x48 30 fps"]), start_time=0.5, duration=1.7)
+    return out
+
+
+def test_the_sampled_frames_equal_those_of_the_full_decode(videos):
+    from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source, sample_frames
+    from qwen35_fast.runtime.prefix import content_hash
+    pp = Preprocessing()
+    for name, video in videos.items():
+        parts = video.get_components()
+        want = preprocess_video(parts.images, float(parts.frame_rate), pp)
+        got = preprocess_video_source(video_clip(video), pp)
+        assert torch.equal(got.pixels, want.pixels), name
+        assert (got.grid, got.timestamps, got.scaled_down) == (want.grid, want.timestamps, want.scaled_down), name
+        assert got.content_key(content_hash) == want.content_key(content_hash), name
+    taken = preprocess_video_source(video_clip(videos["64x48 30 fps"]), pp).source_pixels
+    assert [_number(f) for f in taken] == sample_frames(90, 30.0, pp) == [0, 18, 36, 53, 71, 89]
+
+
+def test_the_node_decodes_only_the_sampled_frames(pack, loaded, videos, monkeypatch):
+    """The prefill equals the one from all frames (get_components, then the frames input), which then reads the
+    video from the prefix cache; get_components is never called and only the 6 sampled frames of 90 (3 s at
+    2 frames a second) are converted."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes import video as decode
+    video = videos["64x48 30 fps"]
+    parts = video.get_components()
+    converted = []
+    real = decode.to_tensor
+    monkeypatch.setattr(decode, "to_tensor", lambda frame, how: converted.append(round(frame.time * 30)) or
+                        real(frame, how))
+
+    def no_full_decode(self):
+        raise AssertionError("get_components decoded every frame")
+    monkeypatch.setattr(InputImpl.VideoFromFile, "get_components", no_full_decode)
+    loaded.model.kv.pool.clear()
+    a = _run(pack, loaded, video=video)
+    assert converted == [0, 18, 36, 53, 71, 89]
+    b = _run(pack, loaded, frames=parts.images, frame_rate=float(parts.frame_rate))
+    assert a.token_ids == b.token_ids and a.media == b.media and b.cached_tokens >= a.media[-1].end
+    loaded.model.kv.pool.clear()
+    cold = _run(pack, loaded, frames=parts.images, frame_rate=float(parts.frame_rate))
+    assert cold.cached_tokens == 0 and torch.equal(a.logits, cold.logits)
+    text = loaded.model.tokenizer.decode(a.token_ids)
+    # frames 0, 18, 36, 53, 71, 89 of 90 at 30 fps: pairs at 0.3, 1.5 and 2.7 s
+    assert all(f"<{t} seconds><|vision_start|>" in text for t in ("0.3", "1.5", "2.7"))
+
+
+def test_the_frames_taken_are_the_sampled_ones_even_when_the_frame_count_is_off(videos, monkeypatch):
+    """A container whose frame count (metadata) is wrong: the frames are sampled from the count decoded."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import video_clip
+    video = videos["64x48 30 fps"]
+    for wrong in (60, 120):
+        monkeypatch.setattr(InputImpl.VideoFromFile, "get_frame_count", lambda self: wrong)
+        asked = []
+        frames, index = video_clip(video).read(lambda total: asked.append(total) or [0, total // 2, total - 1])
+        assert asked == [wrong, 90] and index == [0, 45, 89]
+        assert [_number(f) for f in frames] == index
+    def no_count(self):
+        raise ValueError("Could not determine frame count")
+    monkeypatch.setattr(InputImpl.VideoFromFile, "get_frame_count", no_count)  # then the decode counts
+    assert video_clip(video).read(lambda total: [total - 1])[1] == [89]
+
+
+def test_a_trimmed_video_keeps_its_window(videos):
+    from qwen35_fast.nodes.video import video_clip
+    frames, index = video_clip(videos["trimmed"]).read(lambda total: list(range(total)))
+    full = videos["trimmed"].get_components().images
+    assert torch.equal(frames, full) and _number(frames[0]) == 15  # 0.5 s at 30 fps
+
+
+def test_a_video_in_memory_is_indexed_not_encoded(comfy, pack, loaded, monkeypatch):
+    from comfy_api.latest import InputImpl, Types
+
+    from qwen35_fast.nodes.video import video_clip
+    frames = torch.rand(12, 64, 80, 3, generator=torch.Generator().manual_seed(1))
+    video = InputImpl.VideoFromComponents(Types.VideoComponents(images=frames, frame_rate=Fraction(6)))
+    monkeypatch.setattr(InputImpl.VideoFromComponents, "save_to", lambda *a, **k: 1 / 0)  # (its stream source)
+    clip = video_clip(video)
+    assert clip[0] is frames and clip[1] == 6.0
+    assert _run(pack, loaded, video=video).vision.grids == _run(pack, loaded, frames=frames, frame_rate=6.0).vision.grids
+
+
+def test_empty_and_broken_files_say_so(comfy, pack, loaded, tmp_path):
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.runtime import Qwen35Error
+    empty = tmp_path / "empty.avi"
+    with av.open(str(empty), "w") as out:
+        stream = out.add_stream("mjpeg", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p"
+        out.start_encoding()
+    assert InputImpl.VideoFromFile(str(empty)).get_components().images.shape[0] == 0  # what ComfyUI reads in it
+    with pytest.raises(Qwen35Error, match="the video has 0 frames; connect a video with at least one frame"):
+        _run(pack, loaded, video=InputImpl.VideoFromFile(str(empty)))
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video" * 100)
+    with pytest.raises(Qwen35Error, match=r"could not read the video .*broken\.mp4.*Invalid data.*re-encode it"):
+        _run(pack, loaded, video=InputImpl.VideoFromFile(str(broken)))
+    audio = tmp_path / "audio.wav"
+    with av.open(str(audio), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            out.mux(packet)
+    with pytest.raises(Qwen35Error, match=r"could not read the video .*audio\.wav.*(?i:no video stream)"):
+        _run(pack, loaded, video=InputImpl.VideoFromFile(str(audio)))
