@@ -1,10 +1,11 @@
 """A ComfyUI VIDEO -> the video runtime.prefill_multimodal reads, without decoding every frame to a tensor.
 
 ComfyUI's get_components() turns every frame of a file into a float32 [H, W, 3] tensor (a minute of 1080p at
-30 fps is 45 GB), while the prefill keeps about 2 frames a second. A file is therefore read by FileVideo, a
-runtime.media.VideoSource: PyAV decodes the frames in order and only those the runtime samples are converted,
-the way get_components converts them (so the prefill and its cache key are the same as before). A video held
-in memory (VideoFromComponents) is given as its frames tensor, which the runtime indexes.
+30 fps is 45 GB), while the prefill keeps about 2 frames a second, resized to a small pixel budget. A file is
+therefore read by FileVideo, a runtime.media.VideoSource: PyAV decodes the frames in order, and only those the
+runtime samples are converted, the way get_components converts them (so the prefill and its cache key are the
+same as before), each handed to the runtime, which resizes it, before the next is decoded. A video held in
+memory (VideoFromComponents) is given as its frames tensor, which the runtime indexes.
 """
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def to_tensor(frame, how: Conversion) -> torch.Tensor:
 
 class FileVideo:
     """A VIDEO read from its stream source (a path or bytes) as a runtime.media.VideoSource: each read decodes
-    the file once, in order, and keeps only the frames asked for, so memory holds those frames and no others
-    (at most the checkpoint's max_frames: media.preprocess_video_source states the bound)."""
+    the file once, in order, and hands only the frames asked for to keep, one at a time, so memory holds one
+    frame at source size and no more (media.preprocess_video_source states the bound)."""
 
     def __init__(self, video):
         self.video = video
@@ -86,26 +87,22 @@ class FileVideo:
             self.fps = float(video.get_frame_rate())
         self.start, self.duration = video.get_active_trim_window()
 
-    def read(self, choose):
+    def read(self, choose, keep) -> None:
         with _readable(self.name):
             try:
                 guess = int(self.video.get_frame_count())  # container metadata: a guess that the decode checks
             except (ValueError, OSError):  # (av's errors are these too)
                 guess = 0
-            index = choose(guess) if guess > 0 else None
-            frames, total = self._decode(index or [])
-            if index is None or total != guess:  # no count or a wrong one: sample from the frames there are
-                index, wrong = choose(total), index  # (0 frames: the runtime's message)
-                if index != wrong:
-                    frames, _ = self._decode(index)
-            return frames, index
+            total = self._decode(choose(guess) if guess > 0 else [], keep)
+            if guess <= 0 or total != guess:  # no count or a wrong one: choose again (which starts over) from the
+                self._decode(choose(total), keep)  # frames there are (0 frames: the runtime's message)
 
-    def _decode(self, index: list[int]) -> tuple[torch.Tensor | None, int]:
-        """(the frames at `index` [len(index), H, W, 3], how many frames the trim window has)."""
-        slots: dict[int, list[int]] = {}
-        for k, i in enumerate(index):
-            slots.setdefault(i, []).append(k)
-        out, n, how = None, 0, None
+    def _decode(self, index: list[int], keep) -> int:
+        """Calls keep with the frames at `index` (ascending), in order; returns how many frames the trim window has."""
+        wanted: dict[int, int] = {}
+        for i in index:
+            wanted[i] = wanted.get(i, 0) + 1
+        n, how, shape = 0, None, None
         with av.open(self.video.get_stream_source(), mode="r") as container:
             if not container.streams.video:
                 raise Qwen35Error(f"could not read the video {self.name}: the file has no video stream; connect a "
@@ -126,21 +123,21 @@ class FileVideo:
                     if frame.pts is not None and frame.pts < start:
                         continue
                     if end is not None and frame.pts is not None and frame.pts >= end:
-                        return out, n
+                        return n
                     if how is None:
                         how = conversion(frame, stream.time_base)
-                    if n in slots:
+                    if n in wanted:
                         pixels = to_tensor(frame, how)
-                        if out is None:
-                            out = torch.empty(len(index), *pixels.shape)
-                        if pixels.shape != out.shape[1:]:
-                            raise Qwen35Error(f"the video {self.name} changes size at frame {n} ({out.shape[2]}x"
-                                              f"{out.shape[1]} to {pixels.shape[1]}x{pixels.shape[0]}); re-encode "
+                        shape = shape or pixels.shape
+                        if pixels.shape != shape:
+                            raise Qwen35Error(f"the video {self.name} changes size at frame {n} ({shape[1]}x"
+                                              f"{shape[0]} to {pixels.shape[1]}x{pixels.shape[0]}); re-encode "
                                               "it at one size")
-                        for k in slots[n]:
-                            out[k] = pixels
+                        for _ in range(wanted[n]):
+                            keep(pixels)
+                        del pixels  # before the next frame is decoded
                     n += 1
-        return out, n
+        return n
 
 
 @contextlib.contextmanager

@@ -24,13 +24,15 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .errors import Qwen35Error, whole_number
 from .host import upload
+from .prefix import _MASK, _SEEDS
 
 # Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
 IMAGE_MIN_PIXELS = 65_536
@@ -225,7 +227,9 @@ class VisionInput:
     there, called once) and `recipe` the settings that make them (size, normalisation), so that the prefix
     cache's key of the input can come from its source (content_key), the same for the same pixels and
     settings, without making the patches. `origin` (the caller's tensor and which part of it the input is)
-    lets a tensor seen before skip even that (SeenTensors)."""
+    lets a tensor seen before skip even that (SeenTensors). `source_hash` stands for the source's fingerprint
+    where the source is not kept: a VideoSource's sampled frames, hashed one by one as they were read
+    (prefix.content_hash of them stacked, so the key is the one their tensor would have)."""
     kind: str  # "image" | "video"
     patches: torch.Tensor | Callable[[], torch.Tensor]
     grid: tuple[int, int, int]
@@ -237,6 +241,7 @@ class VisionInput:
     source: torch.Tensor | Callable[[], torch.Tensor] | None = None
     recipe: str = ""
     origin: tuple[torch.Tensor, object] | None = None
+    source_hash: str = ""
 
     @functools.cached_property
     def pixels(self) -> torch.Tensor:
@@ -256,8 +261,10 @@ class VisionInput:
 
     def content_key(self, fingerprint: Callable[[torch.Tensor], str]) -> str:
         """What the prefix cache knows this input by: its kind, grid and `fingerprint` (a content hash) of its
-        source and recipe, or of its patches when it came without a source."""
+        source (or its source_hash) and recipe, or of its patches when it came without a source."""
         grid = "x".join(map(str, self.grid))
+        if self.source_hash:
+            return f"{self.kind}:{grid}:{self.recipe}:{self.source_hash}"
         if self.source is None:
             return f"{self.kind}:{grid}:{fingerprint(self.pixels)}"
         if self.origin is None:
@@ -359,31 +366,145 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
 class VideoSource(Protocol):
     """A video that decodes only the frames asked of it (a file), so that a long clip is never in memory whole.
 
-    fps: its frame rate. read(choose): choose(frame count) returns the indices wanted (sample_frames' rule);
-    read returns those frames [n, H, W, C] in 0..1, in that order, and the indices. A reader whose frame count
-    known up front (container metadata) proves wrong once decoded asks choose again with the true count, so
-    that the frames are the ones the whole video's tensor would give."""
+    fps: its frame rate. read(choose, keep): choose(frame count) returns the indices wanted (sample_frames' rule,
+    ascending); read then calls keep(frame) with each of those frames [H, W, C] in 0..1, in that order, and drops
+    the frame: keep resizes it and stores what the runtime needs. A reader whose frame count, known up front
+    (container metadata), proves wrong once decoded calls choose again with the true count, which starts over,
+    so that the frames are the ones the whole video's tensor would give."""
     fps: float
 
-    def read(self, choose: Callable[[int], list[int]]) -> tuple[torch.Tensor, list[int]]: ...
+    def read(self, choose: Callable[[int], list[int]], keep: Callable[[torch.Tensor], None]) -> None: ...
 
 
 def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None, device=None) -> VisionInput:
     """A VideoSource -> the VisionInput preprocess_video gives for all of its frames (the same patches, grid,
-    timestamps and content key), with only the sampled frames ever read. Those frames stay at source size
-    until resized: at most pp.max_frames (768) of H x W x 3 fp32, e.g. 25 MB each at 1080p, 3 GB for a
-    one-minute clip (120 frames at 2 a second), 19 GB at the cap (a clip over 6.4 minutes)."""
+    timestamps and content key), with only the sampled frames ever read, each resized as it comes.
+
+    Memory: one source frame at a time (as the reader gives it, its copy on `device` and to_rgb's temporaries
+    of its size), plus the resized frames on `device`, which the pixel budget bounds whatever the clip's length
+    or resolution: video_max_pixels (25,165,824) x 3 fp32, about 300 MB, and one frame more for an odd count.
+    (Before the frames were resized one by one, the sampled frames were held at source size: 25 MB each at
+    1080p, up to 19 GB at the 768-frame cap.)"""
     pp = pp or Preprocessing()
-    fps = float(source.fps)
-    frames, index = source.read(lambda total: sample_frames(total, fps, pp))
-    index = list(index)
-    if not isinstance(frames, torch.Tensor) or frames.dim() != 4 or frames.shape[0] != len(index):
-        got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
-        raise Qwen35Error(f"a video reader ({type(source).__name__}) gave {got} for {len(index)} frame indices; it "
-                          "must return frames [count, height, width, channels], one per index")
-    _check_images(frames)
-    chosen = functools.cache(lambda: frames.to(device) if device is not None else frames)
-    return _sampled_video(chosen, frames.shape[1:], index, fps, pp, None)
+    frames = _StreamedFrames(float(source.fps), pp, device)
+    source.read(frames.choose, frames.keep)
+    return frames.finish(type(source).__name__)
+
+
+class _VideoLayout(NamedTuple):
+    """How a video's sampled frames become patches: the size each is resized to, how many copies of the last
+    fill the final pair, the grid, each slice's timestamp, and whether the pixel budget scaled it down."""
+    size: tuple[int, int]
+    fill: int
+    grid: tuple[int, int, int]
+    timestamps: tuple[float, ...]
+    scaled_down: bool
+
+
+def _video_layout(h: int, w: int, index: list[int], fps: float, pp: Preprocessing) -> _VideoLayout:
+    """The layout of a video of h x w frames sampled at `index`: one pixel budget over all the sampled frames,
+    frames in pairs (an odd count repeats the last), a slice's timestamp the mean time of its two frames."""
+    tp, sampled = pp.temporal_patch_size, len(index)
+    fill = -sampled % tp
+    index = index + [index[-1]] * fill
+    size = smart_resize(h, w, pp.factor, pp.video_min_pixels, pp.video_max_pixels, frames=sampled,
+                        temporal_factor=tp)
+    grid = (len(index) // tp, size[0] // pp.patch_size, size[1] // pp.patch_size)
+    times = [i / fps for i in index]
+    stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
+    scaled = limited_by_max(h, w, size, pp.factor, pp.video_min_pixels, sampled, tp)
+    return _VideoLayout(size, fill, grid, stamps, scaled)
+
+
+class _StreamedHash:
+    """prefix.content_hash of equal tensors stacked on a new first dimension, taken one tensor at a time so that
+    they are never in memory together. content_hash sums a scramble of each 64-bit word with its index, so the
+    words of one part hashed with the seeds moved on by the index of its first word add up to the whole's lanes;
+    the bytes of a part that ends inside a word are carried over to the next."""
+
+    def __init__(self):
+        self.lanes: torch.Tensor | None = None  # int64 [2], summed where the parts lie: one read back at the end
+        self.words = 0
+        self.tail: torch.Tensor | None = None  # uint8, fewer than 8 bytes
+        self.count = 0
+
+    def add(self, part: torch.Tensor) -> None:
+        raw = part.detach().contiguous().view(-1).view(torch.uint8)
+        if self.tail is not None or raw.storage_offset() % 8:  # words must be whole and aligned: a copy of the part
+            raw = raw.clone() if self.tail is None else torch.cat([self.tail, raw])
+        whole = raw.numel() // 8 * 8
+        self._hash(raw[:whole])
+        self.tail = raw[whole:].clone() if whole < raw.numel() else None
+        self.count += 1
+
+    def _hash(self, raw: torch.Tensor) -> None:
+        if raw.numel():
+            lanes = kernels.hash_words(raw.view(torch.int64), tuple(s + self.words for s in _SEEDS))
+            self.lanes = lanes if self.lanes is None else self.lanes + lanes  # int64: wraps, as the sum does
+            self.words += raw.numel() // 8
+
+    def digest(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+        """The hash of the parts stacked, each of `shape` and `dtype` (content_hash's text)."""
+        if self.tail is not None:
+            self._hash(torch.cat([self.tail, self.tail.new_zeros(8 - self.tail.numel())]))
+            self.tail = None
+        lanes = [x & _MASK for x in self.lanes.tolist()]
+        return f"{lanes[0]:016x}{lanes[1]:016x}-{str(dtype)[6:]}-{'x'.join(map(str, (self.count, *shape)))}"
+
+
+class _StreamedFrames:
+    """The choose and keep preprocess_video_source reads a VideoSource with. choose(count) samples the indices and
+    starts over; keep(frame) adds the source frame to the content hash and stores it converted to RGB and resized
+    on `device`, to the size set at the first frame (from its size and the number of frames sampled). Each frame
+    goes through to_rgb and _resize alone: both act on each frame of a batch by itself, so the result is the
+    batch's bit for bit (tests/test_media.py checks it over sizes, channels and counts)."""
+
+    def __init__(self, fps: float, pp: Preprocessing, device):
+        self.fps, self.pp, self.device = fps, pp, device
+        self.index: list[int] | None = None
+
+    def choose(self, total: int) -> list[int]:
+        self.index = sample_frames(total, self.fps, self.pp)
+        self.hash, self.layout, self.frames, self.kept = _StreamedHash(), None, None, 0
+        return list(self.index)
+
+    def keep(self, frame: torch.Tensor) -> None:
+        if self.index is None or self.kept == len(self.index):
+            asked = "before asking for frames (choose)" if self.index is None else \
+                f"more often than the {len(self.index)} frame indices it asked for"
+            raise Qwen35Error(f"a video reader called keep {asked}; it must call keep once per index, in order")
+        if not isinstance(frame, torch.Tensor) or frame.dim() != 3:
+            got = list(frame.shape) if isinstance(frame, torch.Tensor) else type(frame).__name__
+            raise Qwen35Error(f"a video reader gave a frame {got}; keep takes one frame [height, width, channels]")
+        _check_images(frame)
+        if self.layout is None:
+            self.shape, self.dtype = tuple(frame.shape), frame.dtype
+            self.layout = _video_layout(frame.shape[0], frame.shape[1], self.index, self.fps, self.pp)
+        elif (tuple(frame.shape), frame.dtype) != (self.shape, self.dtype):
+            raise Qwen35Error(f"a video changes from {list(self.shape)} {self.dtype} frames to {list(frame.shape)} "
+                              f"{frame.dtype} at its sampled frame {self.kept}; re-encode it at one size")
+        x = frame.to(self.device) if self.device is not None else frame
+        self.hash.add(x)
+        small = _resize(to_rgb(x[None]), self.layout.size)[0]
+        if self.frames is None:  # all of them, the odd count's fill included: [F, 3, h, w]
+            self.frames = small.new_empty(len(self.index) + self.layout.fill, *small.shape)
+        self.frames[self.kept] = small
+        self.kept += 1
+
+    def finish(self, reader: str) -> VisionInput:
+        """The VisionInput of the frames kept (after the reader's last choose)."""
+        if self.index is None or self.kept != len(self.index):
+            got = "asked for no frames" if self.index is None else \
+                f"kept {self.kept} frames for {len(self.index)} frame indices"
+            raise Qwen35Error(f"a video reader ({reader}) {got}; it must call choose, then keep once per index")
+        frames, layout, pp = self.frames, self.layout, self.pp
+        frames[self.kept:] = frames[self.kept - 1]
+
+        def patches() -> torch.Tensor:
+            return _patchify(_normalise(frames, pp), pp)[0]
+
+        return VisionInput("video", patches, layout.grid, self.shape[:2], layout.timestamps, layout.scaled_down,
+                           recipe=_recipe(layout.size, pp), source_hash=self.hash.digest(self.shape, self.dtype))
 
 
 def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], fps: float, pp: Preprocessing,
@@ -391,23 +512,16 @@ def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], 
     """The VisionInput of a video's sampled frames: chosen() gives them [n, H, W, C] (on the resizing device),
     `index` their places in the video (the timestamps), `origin` the caller's tensor and the part sampled."""
     h, w, _ = shape
-    tp, sampled = pp.temporal_patch_size, len(index)
-    fill = -len(index) % tp  # pairs of frames: the last one fills the gap
-    index = index + [index[-1]] * fill
-    size = smart_resize(h, w, pp.factor, pp.video_min_pixels, pp.video_max_pixels, frames=sampled,
-                        temporal_factor=tp)
+    layout = _video_layout(h, w, index, fps, pp)
 
     def patches() -> torch.Tensor:
         rgb = to_rgb(chosen())
-        if fill:
-            rgb = torch.cat([rgb, rgb[-1:].expand(fill, -1, -1, -1)])
-        return _patchify(_normalise(_resize(rgb, size), pp), pp)[0]
+        if layout.fill:
+            rgb = torch.cat([rgb, rgb[-1:].expand(layout.fill, -1, -1, -1)])
+        return _patchify(_normalise(_resize(rgb, layout.size), pp), pp)[0]
 
-    grid = (len(index) // tp, size[0] // pp.patch_size, size[1] // pp.patch_size)
-    times = [i / fps for i in index]
-    stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))
-    scaled = limited_by_max(h, w, size, pp.factor, pp.video_min_pixels, sampled, tp)
-    return VisionInput("video", patches, grid, (h, w), stamps, scaled, chosen, _recipe(size, pp), origin)
+    return VisionInput("video", patches, layout.grid, (h, w), layout.timestamps, layout.scaled_down, chosen,
+                       _recipe(layout.size, pp), origin)
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",

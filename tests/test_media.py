@@ -1,4 +1,7 @@
 """Preprocessing of ComfyUI IMAGE / VIDEO tensors against transformers' Qwen2-VL image processor (PIL)."""
+import math
+import weakref
+
 import pytest
 import torch
 
@@ -7,6 +10,7 @@ from qwen35_fast.runtime.media import (
     Preprocessing,
     preprocess_images,
     preprocess_video,
+    preprocess_video_source,
     read_preprocessing,
     sample_frames,
     smart_resize,
@@ -194,43 +198,92 @@ def test_channel_and_video_shape_messages_say_what_is_taken_and_what_came():
 
 
 class TensorSource:
-    """A VideoSource over frames already in memory: what a file decoder hands the runtime, and the indices it
-    was asked for (to check that only those frames are read)."""
+    """A VideoSource over frames already in memory: what a file decoder hands the runtime, the indices it was asked
+    for (to check that only those frames are read), and how many frames it gave were alive at once at most (each
+    frame is a fresh copy, as a decoder's is, dropped after keep: one that the runtime kept would stay alive)."""
 
     def __init__(self, frames: torch.Tensor, fps: float):
         self.frames, self.fps, self.asked = frames, fps, []
+        self.alive = self.most_alive = 0
 
-    def read(self, choose):
+    def read(self, choose, keep):
         index = choose(self.frames.shape[0])
         self.asked.append(index)
-        return self.frames[index], index
+        for i in index:
+            frame = self.frames[i].clone()
+            self.alive += 1
+            self.most_alive = max(self.most_alive, self.alive)
+            weakref.finalize(frame, self._released)
+            keep(frame)
+            del frame
+
+    def _released(self):
+        self.alive -= 1
 
 
-@pytest.mark.parametrize("frames,fps", [(1, 24.0), (3, 30.0), (5, 1.0), (7, 0.5), (9, 2.0), (90, 30.0),
-                                        (121, 24.0), (301, 29.97), (40, 3.0)])
-def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps):
-    """preprocess_video_source reads only the sampled frames and gives the same patches, grid, timestamps and
-    content key as preprocess_video over all of them (fps below 2, odd counts, min_frames and pair padding)."""
-    from qwen35_fast.runtime.media import preprocess_video_source
+VIDEOS = [(1, 24.0, 40, 56, 3), (3, 30.0, 40, 56, 3), (5, 1.0, 40, 56, 3), (7, 0.5, 40, 56, 3), (9, 2.0, 40, 56, 3),
+          (90, 30.0, 40, 56, 3), (121, 24.0, 40, 56, 3), (301, 29.97, 40, 56, 3), (40, 3.0, 40, 56, 3),
+          (9, 2.0, 33, 47, 3), (5, 1.0, 31, 17, 1), (7, 1.0, 48, 64, 4), (9, 2.0, 21, 90, 2), (3, 1.0, 64, 64, 3),
+          (13, 2.0, 181, 323, 3), (11, 1.0, 720, 1280, 3), (9, 1.0, 1080, 1920, 4)]
+
+
+@pytest.mark.parametrize("frames,fps,h,w,c", VIDEOS)
+def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
+    """preprocess_video_source reads only the sampled frames, one at a time (none kept at source size: each is
+    resized as it comes), and gives the same patches (bit for bit), grid, timestamps and content key as
+    preprocess_video over all of them: fps below 2, odd counts (the pair's fill), min_frames, sizes the budget
+    shrinks or leaves, odd byte counts (the streamed hash's carry), grey, grey + alpha, RGBA."""
     from qwen35_fast.runtime.prefix import content_hash
-    pp = Preprocessing()
-    video = torch.rand(frames, 40, 56, 3)
+    pp = Preprocessing(video_max_pixels=4_000_000) if h >= 720 else Preprocessing()  # (resized, not kept whole)
+    video = torch.rand(frames, h, w, c, generator=torch.Generator().manual_seed(frames * h + c))
     want = preprocess_video(video, fps, pp)
     source = TensorSource(video, fps)
     got = preprocess_video_source(source, pp)
-    assert source.asked == [sample_frames(frames, fps, pp)]
+    assert source.asked == [sample_frames(frames, fps, pp)] and source.most_alive == 1
     assert torch.equal(got.pixels, want.pixels)
     assert (got.kind, got.grid, got.timestamps, got.source_size, got.scaled_down, got.recipe) == \
         (want.kind, want.grid, want.timestamps, want.source_size, want.scaled_down, want.recipe)
     assert got.content_key(content_hash) == want.content_key(content_hash)
     other = video.clone()
-    other[sample_frames(frames, fps, pp)[-1], 0, 0, 0] += 0.5
+    other[sample_frames(frames, fps, pp)[-1], -1, -1, -1] += 0.5
     assert preprocess_video_source(TensorSource(other, fps), pp).content_key(content_hash) != \
         want.content_key(content_hash)
 
 
+def test_each_frame_is_resized_before_the_next_is_read(monkeypatch):
+    """keep resizes the frame it is given at once: the reader's k-th frame has been resized when it gives the next,
+    so only the small frames pile up (to the pixel budget), never the source-size ones."""
+    from qwen35_fast.runtime import media
+    resized = []
+    real = media._resize
+    monkeypatch.setattr(media, "_resize", lambda x, size: resized.append(tuple(x.shape)) or real(x, size))
+
+    class Checked(TensorSource):
+        def read(self, choose, keep):
+            for k, i in enumerate(choose(self.frames.shape[0])):
+                assert len(resized) == k
+                keep(self.frames[i].clone())
+    video = torch.rand(60, 270, 480, 3)
+    got = preprocess_video_source(Checked(video, 6.0), Preprocessing(video_max_pixels=1_000_000))  # 20 frames
+    assert resized == [(1, 3, 270, 480)] * 20 and got.grid == (10, 10, 18)  # 20 x 160 x 288 pixels
+
+
+@pytest.mark.parametrize("shape,dtype", [((4, 6, 10, 3), torch.float32), ((5, 3, 7, 3), torch.float32),
+                                         ((3, 5, 5, 1), torch.float16), ((6, 3, 3, 3), torch.bfloat16),
+                                         ((2, 1, 1, 1), torch.float16), ((3, 9, 11, 2), torch.float64)])
+def test_the_streamed_hash_is_content_hash_of_the_frames_stacked(shape, dtype):
+    """Frames whose bytes end inside a 64-bit word (the carry), views that start inside a word."""
+    from qwen35_fast.runtime.media import _StreamedHash
+    from qwen35_fast.runtime.prefix import content_hash
+    for skip in (0, 1):
+        frames = torch.rand(math.prod(shape) + skip).to(dtype)[skip:].view(shape)
+        stream = _StreamedHash()
+        for frame in frames:
+            stream.add(frame)
+        assert stream.digest(tuple(shape[1:]), dtype) == content_hash(frames)
+
+
 def test_a_video_source_keeps_the_runtime_messages():
-    from qwen35_fast.runtime.media import preprocess_video_source
     with pytest.raises(Qwen35Error, match="0 frames"):
         preprocess_video_source(TensorSource(torch.rand(0, 64, 64, 3), 24.0))
     with pytest.raises(Qwen35Error, match="frame rate is 0.0"):
@@ -239,8 +292,33 @@ def test_a_video_source_keeps_the_runtime_messages():
         preprocess_video_source(TensorSource(torch.zeros(4, 64, 64, 3, dtype=torch.uint8), 2.0))
 
     class Short(TensorSource):  # a reader that gives fewer frames than it was asked for
-        def read(self, choose):
-            index = choose(self.frames.shape[0])
-            return self.frames[index[:-1]], index
-    with pytest.raises(Qwen35Error, match=r"\(Short\) gave \[3, 64, 64, 3\] for 4 frame indices"):
+        def read(self, choose, keep):
+            for i in choose(self.frames.shape[0])[:-1]:
+                keep(self.frames[i])
+    with pytest.raises(Qwen35Error, match=r"\(Short\) kept 3 frames for 4 frame indices"):
         preprocess_video_source(Short(torch.rand(4, 64, 64, 3), 2.0))
+
+    class Growing(TensorSource):  # frames that change size
+        def read(self, choose, keep):
+            for i in choose(self.frames.shape[0]):
+                keep(self.frames[i, :32 + i])
+    with pytest.raises(Qwen35Error, match=r"changes from \[32, 64, 3\] torch.float32 frames to \[33, 64, 3\]"):
+        preprocess_video_source(Growing(torch.rand(4, 64, 64, 3), 2.0))
+
+    class Silent(TensorSource):  # never asks
+        def read(self, choose, keep):
+            pass
+    with pytest.raises(Qwen35Error, match=r"\(Silent\) asked for no frames"):
+        preprocess_video_source(Silent(torch.rand(4, 64, 64, 3), 2.0))
+
+
+def test_choosing_again_starts_over():
+    """A reader whose first frame count was wrong chooses again: what it kept before is dropped."""
+    video = torch.rand(30, 40, 56, 3)
+
+    class Miscounted(TensorSource):
+        def read(self, choose, keep):
+            for i in choose(20):
+                keep(self.frames[i].clone())
+            super().read(choose, keep)
+    assert torch.equal(preprocess_video_source(Miscounted(video, 10.0)).pixels, preprocess_video(video, 10.0).pixels)

@@ -39,9 +39,9 @@ def test_a_video_source_prefills_as_its_frames_do(model):
     class Source:
         fps = 15.0
 
-        def read(self, choose):
-            index = choose(frames.shape[0])
-            return frames[index], index
+        def read(self, choose, keep):
+            for i in choose(frames.shape[0]):
+                keep(frames[i])
     a = prefill_multimodal(model, "<video> What happens?", video=Source())
     b = prefill_multimodal(model, "<video> What happens?", video=(frames, 15.0))
     assert a.token_ids == b.token_ids and a.vision.grids == b.vision.grids and a.vision.grids[0][0] == 3

@@ -74,8 +74,20 @@ def test_the_sampled_frames_equal_those_of_the_full_decode(videos):
         assert torch.equal(got.pixels, want.pixels), name
         assert (got.grid, got.timestamps, got.scaled_down) == (want.grid, want.timestamps, want.scaled_down), name
         assert got.content_key(content_hash) == want.content_key(content_hash), name
-    taken = preprocess_video_source(video_clip(videos["64x48 30 fps"]), pp).source_pixels
+    taken = _read(video_clip(videos["64x48 30 fps"]), lambda total: sample_frames(total, 30.0, pp))[1]
     assert [_number(f) for f in taken] == sample_frames(90, 30.0, pp) == [0, 18, 36, 53, 71, 89]
+
+
+def _read(clip, choose):
+    """(the indices of the last choose, the frames kept after it) of a FileVideo's read."""
+    asked, kept = [], []
+
+    def ask(total):
+        asked.append(choose(total))
+        kept.clear()  # (choosing again starts over)
+        return asked[-1]
+    clip.read(ask, kept.append)
+    return asked[-1], kept
 
 
 def test_the_node_decodes_only_the_sampled_frames(pack, loaded, videos, monkeypatch):
@@ -108,6 +120,26 @@ def test_the_node_decodes_only_the_sampled_frames(pack, loaded, videos, monkeypa
     assert all(f"<{t} seconds><|vision_start|>" in text for t in ("0.3", "1.5", "2.7"))
 
 
+def test_a_file_video_holds_one_frame_at_a_time(videos, monkeypatch):
+    """FileVideo drops each converted frame after keep, before the next is converted: with a keep that stores
+    nothing, no two of them are ever alive together."""
+    import weakref
+
+    from qwen35_fast.nodes import video as decode
+    alive, most = [0], [0]
+    real = decode.to_tensor
+
+    def to_tensor(frame, how):
+        pixels = real(frame, how)
+        alive[0] += 1
+        most[0] = max(most[0], alive[0])
+        weakref.finalize(pixels, lambda: alive.__setitem__(0, alive[0] - 1))
+        return pixels
+    monkeypatch.setattr(decode, "to_tensor", to_tensor)
+    decode.video_clip(videos["64x48 30 fps"]).read(lambda total: list(range(total)), lambda frame: None)
+    assert most[0] == 1 and alive[0] == 0
+
+
 def test_the_frames_taken_are_the_sampled_ones_even_when_the_frame_count_is_off(videos, monkeypatch):
     """A container whose frame count (metadata) is wrong: the frames are sampled from the count decoded."""
     from comfy_api.latest import InputImpl
@@ -117,18 +149,19 @@ def test_the_frames_taken_are_the_sampled_ones_even_when_the_frame_count_is_off(
     for wrong in (60, 120):
         monkeypatch.setattr(InputImpl.VideoFromFile, "get_frame_count", lambda self: wrong)
         asked = []
-        frames, index = video_clip(video).read(lambda total: asked.append(total) or [0, total // 2, total - 1])
+        index, frames = _read(video_clip(video), lambda total: asked.append(total) or [0, total // 2, total - 1])
         assert asked == [wrong, 90] and index == [0, 45, 89]
         assert [_number(f) for f in frames] == index
     def no_count(self):
         raise ValueError("Could not determine frame count")
     monkeypatch.setattr(InputImpl.VideoFromFile, "get_frame_count", no_count)  # then the decode counts
-    assert video_clip(video).read(lambda total: [total - 1])[1] == [89]
+    index, frames = _read(video_clip(video), lambda total: [total - 1])
+    assert index == [89] and [_number(f) for f in frames] == [89]
 
 
 def test_a_trimmed_video_keeps_its_window(videos):
     from qwen35_fast.nodes.video import video_clip
-    frames, index = video_clip(videos["trimmed"]).read(lambda total: list(range(total)))
+    frames = torch.stack(_read(video_clip(videos["trimmed"]), lambda total: list(range(total)))[1])
     full = videos["trimmed"].get_components().images
     assert torch.equal(frames, full) and _number(frames[0]) == 15  # 0.5 s at 30 fps
 
