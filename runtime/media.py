@@ -29,10 +29,9 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from .errors import Qwen35Error, whole_number
+from .fingerprint import StreamedHash
 from .host import upload
-from .prefix import _MASK, _SEEDS
 
 # Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
 IMAGE_MIN_PIXELS = 65_536
@@ -229,7 +228,7 @@ class VisionInput:
     settings, without making the patches. `origin` (the caller's tensor and which part of it the input is)
     lets a tensor seen before skip even that (SeenTensors). `source_hash` stands for the source's fingerprint
     where the source is not kept: a VideoSource's sampled frames, hashed one by one as they were read
-    (prefix.content_hash of them stacked, so the key is the one their tensor would have)."""
+    (fingerprint.content_hash of them stacked, so the key is the one their tensor would have)."""
     kind: str  # "image" | "video"
     patches: torch.Tensor | Callable[[], torch.Tensor]
     grid: tuple[int, int, int]
@@ -416,42 +415,6 @@ def _video_layout(h: int, w: int, index: list[int], fps: float, pp: Preprocessin
     return _VideoLayout(size, fill, grid, stamps, scaled)
 
 
-class _StreamedHash:
-    """prefix.content_hash of equal tensors stacked on a new first dimension, taken one tensor at a time so that
-    they are never in memory together. content_hash sums a scramble of each 64-bit word with its index, so the
-    words of one part hashed with the seeds moved on by the index of its first word add up to the whole's lanes;
-    the bytes of a part that ends inside a word are carried over to the next."""
-
-    def __init__(self):
-        self.lanes: torch.Tensor | None = None  # int64 [2], summed where the parts lie: one read back at the end
-        self.words = 0
-        self.tail: torch.Tensor | None = None  # uint8, fewer than 8 bytes
-        self.count = 0
-
-    def add(self, part: torch.Tensor) -> None:
-        raw = part.detach().contiguous().view(-1).view(torch.uint8)
-        if self.tail is not None or raw.storage_offset() % 8:  # words must be whole and aligned: a copy of the part
-            raw = raw.clone() if self.tail is None else torch.cat([self.tail, raw])
-        whole = raw.numel() // 8 * 8
-        self._hash(raw[:whole])
-        self.tail = raw[whole:].clone() if whole < raw.numel() else None
-        self.count += 1
-
-    def _hash(self, raw: torch.Tensor) -> None:
-        if raw.numel():
-            lanes = kernels.hash_words(raw.view(torch.int64), tuple(s + self.words for s in _SEEDS))
-            self.lanes = lanes if self.lanes is None else self.lanes + lanes  # int64: wraps, as the sum does
-            self.words += raw.numel() // 8
-
-    def digest(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
-        """The hash of the parts stacked, each of `shape` and `dtype` (content_hash's text)."""
-        if self.tail is not None:
-            self._hash(torch.cat([self.tail, self.tail.new_zeros(8 - self.tail.numel())]))
-            self.tail = None
-        lanes = [x & _MASK for x in self.lanes.tolist()]
-        return f"{lanes[0]:016x}{lanes[1]:016x}-{str(dtype)[6:]}-{'x'.join(map(str, (self.count, *shape)))}"
-
-
 class _StreamedFrames:
     """The choose and keep preprocess_video_source reads a VideoSource with. choose(count) samples the indices and
     starts over; keep(frame) adds the source frame to the content hash and stores it converted to RGB and resized
@@ -465,7 +428,7 @@ class _StreamedFrames:
 
     def choose(self, total: int) -> list[int]:
         self.index = sample_frames(total, self.fps, self.pp)
-        self.hash, self.layout, self.frames, self.kept = _StreamedHash(), None, None, 0
+        self.hash, self.layout, self.frames, self.kept = StreamedHash(), None, None, 0
         return list(self.index)
 
     def keep(self, frame: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from .. import kernels
 from .chat import chat_layout
 from .devices import is_other_accelerator, synchronize
 from .errors import Qwen35Error
+from .fingerprint import content_hash
 from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
@@ -38,7 +39,7 @@ from .media import (
 )
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
-from .prefix import content_hash, prefill_reusing, system_end
+from .prefix import prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057

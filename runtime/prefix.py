@@ -16,29 +16,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import kernels
 from .chat import IM_END, IM_START
 from .host import upload
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
 from .prefill_graph import PaddedPrefill, padded_prefill
-
-_MASK = (1 << 64) - 1
-_SEEDS = (0x51ED27, 0x2545F491)
-
-
-def content_hash(t: torch.Tensor, backend: kernels.Backend | None = None) -> str:
-    """A 128-bit fingerprint of a tensor's values (its dtype and shape included), computed where the
-    tensor lies: each 64-bit word is scrambled with its index and summed (wrapping), in two independent
-    lanes (kernels.hash_words: one kernel on the CUDA backend, the same bits as the torch expression). The
-    same pixels give the same hash; a collision of two different images is as likely as one of two random
-    128-bit numbers."""
-    raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    pad = (-raw.numel()) % 8
-    if pad or raw.storage_offset() % 8:  # whole, aligned int64 words
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    lanes = [x & _MASK for x in kernels.hash_words(raw.view(torch.int64), _SEEDS, backend).tolist()]  # one read back
-    return f"{lanes[0]:016x}{lanes[1]:016x}-{str(t.dtype)[6:]}-{'x'.join(map(str, t.shape))}"
 
 
 def system_end(model: Qwen35Model, ids: Sequence[int]) -> int | None:
@@ -141,4 +123,4 @@ def _with_filler_room(model: Qwen35Model, cache: Cache, graphed: PaddedPrefill, 
     return graphed
 
 
-__all__ = ["content_hash", "system_end", "prefill_reusing", "Reuse"]
+__all__ = ["system_end", "prefill_reusing", "Reuse"]

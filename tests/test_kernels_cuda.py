@@ -495,7 +495,7 @@ def test_hash_words_is_the_reference_bit_for_bit(impl, n):
 def test_content_hash_is_the_same_on_the_kernel_and_on_the_cpu(impl):
     """An image's key does not depend on where it was hashed: the kernel, torch on the GPU, torch on the CPU;
     a change of one pixel changes it."""
-    from qwen35_fast.runtime.prefix import content_hash
+    from qwen35_fast.runtime.fingerprint import content_hash
     be = kernels.select_backend("cuda", "cuda", torch.bfloat16)
     for t in (torch.rand(4096, 1536, device="cuda"), torch.randint(0, 255, (3, 1001), dtype=torch.uint8, device="cuda")):
         key = content_hash(t, be)

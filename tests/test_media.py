@@ -233,7 +233,7 @@ def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
     resized as it comes), and gives the same patches (bit for bit), grid, timestamps and content key as
     preprocess_video over all of them: fps below 2, odd counts (the pair's fill), min_frames, sizes the budget
     shrinks or leaves, odd byte counts (the streamed hash's carry), grey, grey + alpha, RGBA."""
-    from qwen35_fast.runtime.prefix import content_hash
+    from qwen35_fast.runtime.fingerprint import content_hash
     pp = Preprocessing(video_max_pixels=4_000_000) if h >= 720 else Preprocessing()  # (resized, not kept whole)
     video = torch.rand(frames, h, w, c, generator=torch.Generator().manual_seed(frames * h + c))
     want = preprocess_video(video, fps, pp)
@@ -273,11 +273,10 @@ def test_each_frame_is_resized_before_the_next_is_read(monkeypatch):
                                          ((2, 1, 1, 1), torch.float16), ((3, 9, 11, 2), torch.float64)])
 def test_the_streamed_hash_is_content_hash_of_the_frames_stacked(shape, dtype):
     """Frames whose bytes end inside a 64-bit word (the carry), views that start inside a word."""
-    from qwen35_fast.runtime.media import _StreamedHash
-    from qwen35_fast.runtime.prefix import content_hash
+    from qwen35_fast.runtime.fingerprint import StreamedHash, content_hash
     for skip in (0, 1):
         frames = torch.rand(math.prod(shape) + skip).to(dtype)[skip:].view(shape)
-        stream = _StreamedHash()
+        stream = StreamedHash()
         for frame in frames:
             stream.add(frame)
         assert stream.digest(tuple(shape[1:]), dtype) == content_hash(frames)

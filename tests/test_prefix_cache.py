@@ -7,10 +7,11 @@ import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
 from qwen35_fast.runtime import Qwen35Error, generate, prefill, prefill_multimodal
+from qwen35_fast.runtime.fingerprint import content_hash
 from qwen35_fast.runtime.generate import generation_prompt_ids
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
 from qwen35_fast.runtime.multimodal import VIDEO_PAD, VISION_END
-from qwen35_fast.runtime.prefix import content_hash, system_end
+from qwen35_fast.runtime.prefix import system_end
 
 from _models import rel
 

@@ -64,8 +64,8 @@ def videos(comfy, tmp_path):
 
 def test_the_sampled_frames_equal_those_of_the_full_decode(videos):
     from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime.fingerprint import content_hash
     from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source, sample_frames
-    from qwen35_fast.runtime.prefix import content_hash
     pp = Preprocessing()
     for name, video in videos.items():
         parts = video.get_components()
