@@ -5,8 +5,8 @@
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
-# The nodes' tests (tests/test_nodes*.py, the VRAM test among them) run against a real ComfyUI when
-# .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
+# The nodes' tests (tests/test_nodes*.py, the VRAM test among them; tests/test_video_decode.py) run against a real
+# ComfyUI when .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
 # the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them); with them, the
 # real-ComfyUI integration tests (tests/integration) run a ComfyUI server on the GPU.
 #   bash bench/run_gpu.sh [--no-tests] [--no-comfyui] [--no-integration] [--no-sanitizer] [--no-e2e] [--no-vision] [--no-bench] [--no-peers]
@@ -67,7 +67,7 @@ if [ -n "$comfy_dir" ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/comfy-stubs
 fi
 if [ "$comfyui" = 1 ] && [ -n "$comfy_dir" ]; then
-  COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py -rs \
+  COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py tests/test_video_decode.py -rs \
     2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

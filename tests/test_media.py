@@ -250,6 +250,19 @@ def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
         want.content_key(content_hash)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("frames,fps,h,w,c", VIDEOS[::3] + VIDEOS[-2:])
+def test_a_video_source_resized_on_the_gpu_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
+    """The model's device resizes: frame by frame there equals the batch bit for bit too (the patches, the key)."""
+    from qwen35_fast.runtime.fingerprint import content_hash
+    pp = Preprocessing(video_max_pixels=4_000_000) if h >= 720 else Preprocessing()
+    video = torch.rand(frames, h, w, c, generator=torch.Generator().manual_seed(frames * h + c))
+    want = preprocess_video(video, fps, pp, "cuda")
+    got = preprocess_video_source(TensorSource(video, fps), pp, "cuda")
+    assert got.pixels.is_cuda and torch.equal(got.pixels, want.pixels) and got.grid == want.grid
+    assert got.content_key(content_hash) == want.content_key(content_hash)
+
+
 def test_each_frame_is_resized_before_the_next_is_read(monkeypatch):
     """keep resizes the frame it is given at once: the reader's k-th frame has been resized when it gives the next,
     so only the small frames pile up (to the pixel budget), never the source-size ones."""
