@@ -467,7 +467,7 @@ class _StreamedFrames:
             return _patchify(_normalise(frames, pp), pp)[0]
 
         return VisionInput("video", patches, layout.grid, self.shape[:2], layout.timestamps, layout.scaled_down,
-                           recipe=_recipe(layout.size, pp), source_hash=self.hash.digest(self.shape, self.dtype))
+                           recipe=_recipe(layout.size, pp), source_hash=self.hash.digest((self.kept, *self.shape), self.dtype))
 
 
 def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], fps: float, pp: Preprocessing,
