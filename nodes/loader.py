@@ -90,6 +90,14 @@ class Qwen35ModelLoader(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, model, **_):
+        """The checkpoint's files by size and modification time: a file replaced on disk under the same name
+        makes ComfyUI run the loader again (its cached output would hold the old weights, or fail to read
+        them again after letting them go)."""
+        path = find_model(model)
+        return _files_key(path) if path is not None else model
+
+    @classmethod
     def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True,
                 cache_budget_mb=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error

@@ -5,6 +5,11 @@ unload (on "Unload models", POST /free, or when another model needs room). Those
 ModelPatcher objects; `ManagedModel` answers the same questions for one runtime model, so ours goes
 when ComfyUI needs the memory and comes back on the next run. It moves the whole model: the
 runtime has no per-layer offload, so a partial unload frees everything.
+
+Unloaded to system RAM, the weights would be anonymous memory that ComfyUI's RAM-pressure cache does not
+see (it counts CPU tensors and ModelPatchers in node outputs, and this handle is neither). So where moving
+them would leave less free RAM than ComfyUI keeps free, they are let go instead and read again from the
+checkpoint on the next run; the K/V store and the prefills' states (small beside them) still move to RAM.
 """
 from __future__ import annotations
 
@@ -17,6 +22,23 @@ import comfy.model_management as mm
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def ram_short_by(nbytes: int) -> int:
+    """How many bytes short of the free RAM ComfyUI keeps (its RAM cache's headroom; without one, 10% of the
+    RAM, 2 to 10 GiB, as its default) the system would be after `nbytes` more were taken (<= 0: not short; 0
+    when psutil cannot say)."""
+    try:
+        import psutil
+        vm = psutil.virtual_memory()
+    except Exception:  # noqa: BLE001 - no psutil, or no answer from it: keep the weights as before
+        return 0
+    try:
+        from comfy.memory_management import RAM_CACHE_HEADROOM as headroom  # set while a prompt runs
+    except ImportError:  # a ComfyUI before the RAM-pressure cache
+        headroom = 0
+    keep = int(headroom or min(10 << 30, max(2 << 30, vm.total // 10)))
+    return keep - (int(vm.available) - int(nbytes))
 
 
 class ManagedModel:
@@ -42,6 +64,8 @@ class ManagedModel:
         return self.model.size_bytes()
 
     def current_loaded_device(self) -> torch.device:
+        if self.model.weights_dropped:  # let go on an unload: as unloaded as the offload device
+            return self.offload_device
         return torch.device(self.model.device)
 
     def loaded_size(self) -> int:
@@ -54,8 +78,13 @@ class ManagedModel:
         """Moves the model to `device`; returns the bytes that moved there."""
         if self._on(device):
             return 0
-        log.info("Qwen3.5: moving %s to %s (%.0f MiB)", self.model.path, device, self.model_size() / 2**20)
-        self.model.to(torch.device(device))
+        if self.model.weights_dropped:
+            log.info("Qwen3.5: reading %s onto %s again (%.0f MiB)", self.model.path, device,
+                     self.model_size() / 2**20)
+            self.model.reload_weights(torch.device(device))
+        else:
+            log.info("Qwen3.5: moving %s to %s (%.0f MiB)", self.model.path, device, self.model_size() / 2**20)
+            self.model.to(torch.device(device))
         return self.model_size()
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
@@ -75,7 +104,15 @@ class ManagedModel:
                  self.offload_device)
         if not self._on(self.offload_device):
             left = self.current_loaded_device()
-            self.model.to(self.offload_device)
+            weights = self.model.weight_bytes()
+            short = self.offload_device.type == "cpu" and ram_short_by(weights + self.model.kv_bytes())
+            if short > 0 and getattr(self.model, "checkpoint", None) is not None:
+                log.info("Qwen3.5: letting the weights of %s go (%.0f MiB) instead of moving them to RAM, which "
+                         "would leave %.0f MiB less free than ComfyUI keeps free; they are read again from the "
+                         "checkpoint on the next run", self.model.path, weights / 2**20, short / 2**20)
+                self.model.drop_weights(self.offload_device)
+            else:
+                self.model.to(self.offload_device)
             for cache in list(self._prefill_caches):  # generate copies them back to the model's device
                 cache.to(self.offload_device)
             if left.type == "cuda":

@@ -105,6 +105,38 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
             param[row:row + t.shape[0]].copy_(t)
 
 
+def refill(model: Qwen35Model) -> None:
+    """Reads the weights of `model` (text and vision tower) again from the checkpoint load_model read them from,
+    into its parameters where they are now (Qwen35Model.reload_weights)."""
+    ckpt = model.checkpoint
+    _fill(model, ckpt)
+    if model.vision is not None:
+        from .vision import fill_vision, locate_vision
+        fill_vision(model.vision, locate_vision(ckpt))
+
+
+def file_stamp(ckpt: Checkpoint) -> tuple:
+    """(file, size, modification time) of every file the checkpoint's weights come from."""
+    files = sorted({f for f, _ in ckpt.tensors.values()} | {f for f, _ in ckpt.others.values()})
+    return tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [Path(f).stat()])
+
+
+def check_unchanged(ckpt: Checkpoint, stamp: tuple) -> None:
+    """Raises Qwen35Error naming the file when a checkpoint file changed or went away since `stamp` was taken."""
+    for name, size, mtime in stamp:
+        f = Path(name)
+        try:
+            st = f.stat()
+        except OSError:
+            raise Qwen35Error(f"{f} is gone since {ckpt.path.name} was loaded, and the model's weights had been let "
+                              "go from memory (RAM was short when ComfyUI unloaded it), so they cannot be read "
+                              "again; put the file back, or load the model anew") from None
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise Qwen35Error(f"{f} changed on disk since {ckpt.path.name} was loaded, and the model's weights had "
+                              "been let go from memory (RAM was short when ComfyUI unloaded it): they are not read "
+                              "again from another file; load the model anew (run the loader again)")
+
+
 def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
     """Loads the checkpoint's vision tower into model.vision; a missing or broken one leaves None and the
     reason in model.vision_note (text prompts work either way)."""
@@ -177,6 +209,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         raise loading_out_of_memory(ckpt.path.name, ckpt.config, dt, dev)
     model.tokenizer = tokenizer
     model.path = ckpt.path
+    model.checkpoint, model.checkpoint_stamp = ckpt, file_stamp(ckpt)  # where reload_weights reads them again
     if is_other_accelerator(dev):  # the PyTorch path on mps, xpu, ...: every operator it takes must be there
         failed = None
         try:

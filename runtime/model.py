@@ -395,6 +395,37 @@ class Qwen35Model(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    # --- the weights let go and read again (a model unloaded where RAM is short) ------------
+    @property
+    def weights_dropped(self) -> bool:
+        """The weights were let go (drop_weights) and are not back yet (reload_weights)."""
+        return self.embed.is_meta
+
+    def drop_weights(self, park: torch.device | str) -> None:
+        """Lets the weights go: each parameter becomes a meta tensor of its shape (no memory anywhere); the
+        K/V store and the buffers move to `park`, so the prefills made before stay usable. reload_weights
+        reads the weights again from the checkpoint they were loaded from (load_model keeps where that is)."""
+        if getattr(self, "checkpoint", None) is None:
+            raise Qwen35Error("drop_weights: this model was not loaded from a checkpoint (load_model), so its "
+                              "weights could not be read again")
+        park = torch.device(park)
+        self._apply(lambda t: torch.empty_like(t, device="meta") if isinstance(t, nn.Parameter) else t.to(park))
+
+    def reload_weights(self, device: torch.device | str) -> None:
+        """Reads the weights let go by drop_weights from the checkpoint straight onto `device` (the K/V store
+        and the buffers move there too). Raises Qwen35Error when a checkpoint file changed or went away since
+        load_model read it."""
+        from .loader import check_unchanged, refill  # loader.py imports this module
+        check_unchanged(self.checkpoint, self.checkpoint_stamp)
+        device = torch.device(device)
+        park = self._kv.device if self._kv is not None else self.inv_freq.device
+        self._apply(lambda t: torch.empty_like(t, device=device) if isinstance(t, nn.Parameter) else t.to(device))
+        try:
+            refill(self)
+        except BaseException:  # out of memory, a read error: no half-read weights stay, nothing moved
+            self.drop_weights(park)
+            raise
+
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
         if self._backend_device != self.device:
@@ -724,8 +755,14 @@ class Qwen35Model(nn.Module):
     def size_bytes(self) -> int:
         """Weights (the vision tower's included), the K/V store's pool and the states of its prefix cache's
         snapshots, and the captured passes' buffers (the tower's graph among them)."""
-        weights = sum(p.numel() * p.element_size() for p in self.parameters())
         graphs = sum(getattr(g, "nbytes", 0) for g in self.graphs.values())
         graphs += self.vision.graph_bytes() if self.vision is not None else 0
-        kv = self._kv.nbytes + self._kv.pool.snapshot_bytes if self._kv is not None else 0
-        return weights + kv + graphs
+        return self.weight_bytes() + self.kv_bytes() + graphs
+
+    def weight_bytes(self) -> int:
+        """The weights, the vision tower's included (what they take when loaded, also while let go)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def kv_bytes(self) -> int:
+        """The K/V store's pool and the states of its prefix cache's snapshots."""
+        return self._kv.nbytes + self._kv.pool.snapshot_bytes if self._kv is not None else 0

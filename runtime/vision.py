@@ -492,12 +492,17 @@ def locate_vision(ckpt: Checkpoint) -> VisionCheckpoint | None:
 def load_vision(ck: VisionCheckpoint, dtype: torch.dtype, device: torch.device) -> VisionTower:
     """The tower with its weights read once, straight onto `device` in `dtype`."""
     tower = VisionTower(ck.config, dtype, device)
+    fill_vision(tower, ck)
+    return tower
+
+
+def fill_vision(tower: VisionTower, ck: VisionCheckpoint) -> None:
+    """Reads the checkpoint's tower weights into `tower`'s parameters where they are."""
     with WeightReader(ck.fp8) as reader, torch.no_grad():
         for name, param in _targets(tower).items():
             t = reader.get(*ck.tensors[name], param.dtype, param.device)
             param.copy_(t.reshape(param.shape))  # converted on the host by the copy (loader._fill says why)
-    return tower
 
 
 __all__ = ["VisionConfig", "VisionTower", "VisionPlan", "VisionCheckpoint", "plan", "locate_vision",
-           "load_vision", "vision_config_from_hf", "infer_vision_config", "expected_vision_shapes"]
+           "load_vision", "fill_vision", "vision_config_from_hf", "infer_vision_config", "expected_vision_shapes"]

@@ -324,6 +324,70 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     assert held <= 4 * 2**20, f"{held} bytes still on the GPU after a run with keep_loaded off: {_cuda_tensors()}"
 
 
+def test_ram_short_by_keeps_comfyuis_headroom(pack, comfy, monkeypatch):
+    """How far below the free RAM ComfyUI keeps an unload to RAM would leave the system: its RAM cache's
+    headroom while a prompt runs, else its default (10% of the RAM, 2 to 10 GiB)."""
+    import comfy.memory_management as cmm
+    import psutil
+    gib = 1 << 30
+    vm = type("VM", (), {"total": 32 * gib, "available": 12 * gib})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm)
+    monkeypatch.setattr(cmm, "RAM_CACHE_HEADROOM", 0)
+    short = pack.memory.ram_short_by
+    assert short(6 * gib) == 32 * gib // 10 - 6 * gib < 0  # 6 GiB free after, 3.2 kept: room
+    assert short(10 * gib) == 32 * gib // 10 - 2 * gib > 0
+    monkeypatch.setattr(cmm, "RAM_CACHE_HEADROOM", 8 * gib)  # a prompt running with --cache-ram 8
+    assert short(6 * gib) == 2 * gib
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: (_ for _ in ()).throw(OSError("no /proc")))
+    assert short(100 * gib) == 0  # no answer: kept in RAM as before
+
+
+def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, comfy):
+    """The loader's fingerprint is its files' sizes and times: ComfyUI runs it again (and it reads the new
+    file) when a checkpoint is replaced under the same name, not when nothing changed."""
+    import os
+    import shutil
+    shutil.copy(models_dir / "text_encoders" / "qwen35_demo_single.safetensors",
+                models_dir / "text_encoders" / "qwen35_demo_replaced.safetensors")
+    comfy.folder_paths.filename_list_cache.clear()
+    fp = lambda: pack.Qwen35ModelLoader.fingerprint_inputs(  # noqa: E731
+        model="qwen35_demo_replaced.safetensors", dtype="fp32", device="cpu", backend="torch", keep_loaded=True)
+    first = fp()
+    assert fp() == first
+    f = models_dir / "text_encoders" / "qwen35_demo_replaced.safetensors"
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert fp() != first
+    assert pack.Qwen35ModelLoader.fingerprint_inputs(model="no-such-model") == "no-such-model"
+
+
+@pytest.mark.gpu
+def test_an_unload_where_ram_is_short_lets_the_weights_go_and_reads_them_again(pack, models_dir, comfy,
+                                                                                monkeypatch):
+    """Unloaded where RAM is short, the weights are let go rather than put in RAM (which ComfyUI's RAM cache
+    does not see); the next run reads them from the checkpoint onto the GPU, and the prefill made before the
+    unload writes the same text."""
+    import torch
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="bf16", device="cuda", backend="auto",
+                                           keep_loaded=True)[0]
+    pf = _prefill(pack, model)
+    text = _generate(pack, pf, seed=7)[0]
+    asked = []
+    monkeypatch.setattr(pack.memory, "ram_short_by", lambda n: asked.append(n) or 1 << 30)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    comfy.mm.unload_all_models()
+    assert asked == [model.model.weight_bytes() + model.model.kv_bytes()]
+    assert model.model.weights_dropped and model.current_loaded_device() == model.offload_device
+    assert all(p.is_meta for p in model.model.parameters())  # in neither VRAM nor RAM
+    assert model.model.kv.device.type == "cpu"  # the K/V store (the prefill's blocks) waits in RAM
+    assert torch.cuda.memory_allocated() <= base - model.model.weight_bytes()
+    assert model.loaded_size() == 0 and model.model_size() > model.model.weight_bytes()
+    assert _generate(pack, pf, seed=7)[0] == text  # read again onto the GPU by the run itself
+    assert not model.model.weights_dropped and model.current_loaded_device() == model.load_device
+    model.release()
+
+
 def _cuda_tensors(top=8):
     """The largest live CUDA tensors by shape, for a failure message."""
     import gc
