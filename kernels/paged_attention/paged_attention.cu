@@ -115,6 +115,7 @@ paged_attention_fwd(PAGED_PARAMS) {
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     // last visible key position of each row (rows past the tile's end act as its last token)
     const int limA = L + min(rA, rows - 1) / GROUP, limB = L + min(rB, rows - 1) / GROUP;
+    const int lim0 = L + r0 / GROUP;  // the block's first row's: every row sees keys 0 .. lim0
 
     load_kv(j0, 0);  // Q's copies join this first group
     for (int j = j0; j < j1; ++j) {
@@ -145,8 +146,8 @@ paged_attention_fwd(PAGED_PARAMS) {
             }
         }
 
-        // mask (causal, and past the sequence), scale into the log2 domain, online softmax
-        online_softmax<BN, HEAD_DIM / 8>(s, o, m, l, j, lane, limA, limB, scale_log2);
+        // mask (causal, and past the sequence) where the tile needs it, online softmax in the log2 domain
+        online_softmax<BN, HEAD_DIM / 8>(s, o, m, l, j, lane, limA, limB, lim0, scale_log2);
 
         // O += P V: the S accumulators are, pairwise, the A fragments of P
 #pragma unroll

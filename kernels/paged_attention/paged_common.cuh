@@ -106,52 +106,64 @@ __device__ __forceinline__ void empty_share(const int (&r)[2], int rows, int t, 
         if (r[half] < rows) lse_part[(long long)blockIdx.z * total_q * H + row_index(r[half], q0, kvh, H)] = NEG_INF;
 }
 
-// One key tile of a thread's two rows (rows A and B of its mma fragments): S masked to -inf past the last
-// visible key position of each row (limA, limB: causal, and past the sequence), scaled into the log2 domain,
-// and the online softmax step: s becomes P, the running max m and sum l advance, and the thread's NO output
-// fragments o are rescaled. j: the tile's index (keys j bn ..).
+// One key tile of a thread's two rows (rows A and B of its mma fragments), S unscaled: keys past the last
+// visible position of each row (limA, limB: causal, and past the sequence) masked to -inf, but only in tiles
+// that reach lim0, the block's first row's limit (the others are visible to every row of the block: a branch
+// all its threads take alike); then the online softmax step in the log2 domain: s becomes
+// P = 2^(s scale_log2 - m), the running max m (scaled) and sum l advance, and the thread's NO output fragments o
+// are rescaled, only when a row maximum of the warp moved (once the maxima settle, rarely).
+// j: the tile's index (keys j bn ..). ex2.approx.ftz: no range fix-up around each exponential.
 template <int bn, int NO>
 __device__ __forceinline__ void online_softmax(float (&s)[bn / 8][4], float (&o)[NO][4], float (&m)[2], float (&l)[2],
-                                               int j, int lane, int limA, int limB, float scale_log2) {
-    float mx[2] = {m[0], m[1]};
+                                               int j, int lane, int limA, int limB, int lim0, float scale_log2) {
+    if ((j + 1) * bn - 1 > lim0) {
+#pragma unroll
+        for (int i = 0; i < bn / 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = j * bn + i * 8 + 2 * (lane & 3) + e;
+                if (p > limA) s[i][e] = NEG_INF;
+                if (p > limB) s[i][2 + e] = NEG_INF;
+            }
+        }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int i = 0; i < bn / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int p = j * bn + i * 8 + 2 * (lane & 3) + e;
-            s[i][e] = p <= limA ? s[i][e] * scale_log2 : NEG_INF;
-            s[i][2 + e] = p <= limB ? s[i][2 + e] * scale_log2 : NEG_INF;
-            mx[0] = fmaxf(mx[0], s[i][e]);
-            mx[1] = fmaxf(mx[1], s[i][2 + e]);
-        }
+        mx[0] = fmaxf(mx[0], fmaxf(s[i][0], s[i][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[i][2], s[i][3]));
     }
     float mu[2], alpha[2], rs[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        mu[h] = mx[h] == NEG_INF ? 0.f : mx[h];  // a row with nothing visible yet keeps p = 0
-        alpha[h] = exp2f(m[h] - mu[h]);
-        m[h] = mx[h];
+        const float mh = fmaxf(m[h], mx[h] * scale_log2);  // the scale is positive; -inf stays -inf
+        mu[h] = mh == NEG_INF ? 0.f : mh;  // a row with nothing visible yet keeps p = 0
+        alpha[h] = ex2_ftz(m[h] - mu[h]);  // 0 while m = -inf
+        l[h] *= alpha[h];
+        m[h] = mh;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int d = 0; d < NO; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
     }
 #pragma unroll
     for (int i = 0; i < bn / 8; ++i) {
-        s[i][0] = exp2f(s[i][0] - mu[0]);
-        s[i][1] = exp2f(s[i][1] - mu[0]);
-        s[i][2] = exp2f(s[i][2] - mu[1]);
-        s[i][3] = exp2f(s[i][3] - mu[1]);
+        s[i][0] = ex2_ftz(fmaf(s[i][0], scale_log2, -mu[0]));
+        s[i][1] = ex2_ftz(fmaf(s[i][1], scale_log2, -mu[0]));
+        s[i][2] = ex2_ftz(fmaf(s[i][2], scale_log2, -mu[1]));
+        s[i][3] = ex2_ftz(fmaf(s[i][3], scale_log2, -mu[1]));
         rs[0] += s[i][0] + s[i][1];
         rs[1] += s[i][2] + s[i][3];
     }
-    l[0] = l[0] * alpha[0] + rs[0];
-    l[1] = l[1] * alpha[1] + rs[1];
-#pragma unroll
-    for (int d = 0; d < NO; ++d) {
-        o[d][0] *= alpha[0];
-        o[d][1] *= alpha[0];
-        o[d][2] *= alpha[1];
-        o[d][3] *= alpha[1];
-    }
+    l[0] += rs[0];
+    l[1] += rs[1];
 }
 
 // The end of row r (< rows) with running max m and sum l: out = o / l * sigmoid(gate), or with SPLIT the

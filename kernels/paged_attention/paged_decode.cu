@@ -115,6 +115,7 @@ paged_attention_decode(PAGED_PARAMS) {
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     // last visible key position of each row (rows past the tile's end act as its last token)
     const int limA = L + min(rA, rows - 1) / GROUP, limB = L + min(rB, rows - 1) / GROUP;
+    const int lim0 = L + r0 / GROUP;  // the block's first row's: every row sees keys 0 .. lim0
 
     for (int j = j0; j < j1; ++j) {
         const int st = (j - j0) & 1;
@@ -153,8 +154,8 @@ paged_attention_decode(PAGED_PARAMS) {
             s[i][0] = acc.x; s[i][1] = acc.y; s[i][2] = acc.z; s[i][3] = acc.w;
         }
 
-        // mask (causal, and past the sequence), scale into the log2 domain, online softmax
-        online_softmax<BN, DW / 8>(s, o, m, l, j, lane, limA, limB, scale_log2);
+        // mask (causal, and past the sequence) where the tile needs it, online softmax in the log2 domain
+        online_softmax<BN, DW / 8>(s, o, m, l, j, lane, limA, limB, lim0, scale_log2);
 
         // O[:, warp DW ..] += P V: the S accumulators are, pairwise, the A fragments of P
 #pragma unroll
