@@ -5,12 +5,13 @@ gemv_silu_mul, forced everywhere) and with each as its own launch (those two cal
 here), in turn over several rounds; and whether the first step's logits are the same bit for bit. With
 --b-src FILE (another gemv.cu beside it), the fused step on gemv.cu against the fused step on that file
 instead; with --b-unsplit, against the fused step with every projection's row groups on one warp (gemv.cu's
-SPLIT 1, as before warps shared the short projections' rows). --mixed adds the step with only the norms
+SPLIT 1, as before warps shared the short projections' rows); with --b-plain, the step as the model runs it
+(the launcher choosing) against the same step with every kernel launched without programmatic serialization. --mixed adds the step with only the norms
 apart, the step with only the MLP gates apart, and the step as the model runs it (the launcher choosing per
 shape, gemv.launch.fuses).
 
     python3 bench/decode_fused_ab.py [--model 9b] [--contexts 4096 32768] [--steps 64] [--rounds 3]
-                                     [--b-src F | --b-unsplit | --mixed] [--out PATH]
+                                     [--b-src F | --b-unsplit | --b-plain | --mixed] [--out PATH]
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ import torch
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
 from qwen35_fast import kernels
+from qwen35_fast.kernels import cuda_build
 from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.runtime.model import Qwen35Model
 
@@ -57,10 +59,11 @@ APART = {"gemv_add_rms_norm": _add_norm_apart, "gemv_silu_mul": _silu_mul_apart}
 SPLIT_OF = gemv_launch.split_of
 
 
-def use(model: Qwen35Model, fns: dict, src, split: bool = True) -> None:
+def use(model: Qwen35Model, fns: dict, src, split: bool = True, programmatic: bool = True) -> None:
     for name, fn in fns.items():
         setattr(kernels, name, fn)
     gemv_launch.SRC = src
+    cuda_build.PROGRAMMATIC = programmatic
     gemv_launch.split_of = SPLIT_OF if split else (lambda *a: 1)
     model.set_decode_gemv(True)  # the captured passes are made again
 
@@ -82,6 +85,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--b-src", default="", help="a gemv.cu to run the fused step on, against gemv.cu")
     ap.add_argument("--b-unsplit", action="store_true", help="B: every projection's row groups on one warp")
+    ap.add_argument("--b-plain", action="store_true",
+                    help="B: the step as the model runs it, every kernel launched without programmatic serialization")
     ap.add_argument("--mixed", action="store_true",
                     help="also each fusion alone: the norm's (PRO 1) apart, and the MLP gate's (PRO 2) apart")
     ap.add_argument("--out", default="")
@@ -89,6 +94,7 @@ def main():
     src = gemv_launch.SRC
     variants = ((("fused", FUSED, src, True), ("unsplit", FUSED, src, False)) if a.b_unsplit
                 else (("fused", FUSED, src, True), ("fused_b", FUSED, a.b_src, True)) if a.b_src
+                else (("fused", MODEL, src, True), ("plain", MODEL, src, True, False)) if a.b_plain
                 else (("fused", FUSED, src, True), ("apart", APART, src, True)))
     if a.mixed:
         variants += (("norm_apart", {**FUSED, "gemv_add_rms_norm": APART["gemv_add_rms_norm"]}, src, True),
@@ -102,8 +108,8 @@ def main():
     for n in a.contexts:
         tps, first = {name: [] for name, *_ in variants}, {}
         for _ in range(a.rounds):
-            for name, fns, s, split in variants:
-                use(model, fns, s, split)
+            for name, fns, s, split, *pdl in variants:
+                use(model, fns, s, split, *pdl)
                 t, first[name] = tok_per_s(model, n, a.steps)
                 tps[name].append(round(t, 1))
         use(model, MODEL, src)
@@ -120,7 +126,9 @@ def main():
                        "model": f"Qwen3.5-{a.model.upper()}-shaped, random weights, bf16",
                        "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "gdn_value_heads"),
                                          SHAPES[a.model])),
-                       "b": f"fused on {a.b_src}" if a.b_src else "fused, SPLIT 1 everywhere" if a.b_unsplit else b,
+                       "b": f"fused on {a.b_src}" if a.b_src else "fused, SPLIT 1 everywhere" if a.b_unsplit
+                       else "the model's step, every launch without programmatic serialization" if a.b_plain
+                       else b,
                        "rows": rows}, f, indent=1)
 
 

@@ -23,6 +23,26 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// Programmatic dependent launch (compute capability 9.0 and newer; nothing on older targets). A kernel the
+// launcher starts with programmatic serialization (cuda_build.launch(..., programmatic=True)) may begin while
+// the grid before it in the stream is still running: before grid_wait() it may only read what no earlier
+// kernel writes (weights) and must write nothing; grid_wait() returns once that grid has completed and its
+// writes are visible. Such a kernel calls grid_wait() on every path, so that a kernel after it, waiting for it
+// to complete, waits for the one before it too; and it reads what earlier kernels wrote with coherent loads
+// (__ldcg), not the read-only path (__ldg, or a plain load through a const __restrict__ pointer, which the
+// compiler makes one): that data changed while the grid was already resident. grid_launch_dependents() lets the
+// next grid (if launched so) start early; without it, the next starts as this one's blocks exit.
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // torch.nn.functional.softplus (beta 1, threshold 20) and silu, in fp32.
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }

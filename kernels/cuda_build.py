@@ -14,6 +14,7 @@ the target itself and cannot build arch-specific targets such as sm_90a.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -412,6 +413,12 @@ class Card:
         """Whether the card runs the warpgroup-mma (wgmma, TMA) kernels: sm_90a, the H100 / H200."""
         return self.arch == "sm_90a"
 
+    @property
+    def programmatic(self) -> bool:
+        """Whether kernels built for the card take programmatic dependent launch (common.cuh grid_wait): a
+        target of compute capability 9.0 or newer (Hopper, Blackwell)."""
+        return int(re.sub(r"\D", "", self.arch)) >= 90
+
 
 _cards: dict = {}
 
@@ -447,6 +454,7 @@ _SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "8x"}  # str
 _NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
 _tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
 _cu_launch = None
+_cu_launch_ex = None
 
 
 def _param(a) -> tuple[str, object]:
@@ -541,6 +549,47 @@ def _driver_launch():
     return _cu_launch or None
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: the id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+# launch(..., programmatic=True) launches so where the card takes it; False: every launch waits for the one
+# before it to complete (bench/decode_fused_ab.py --b-plain measures the difference)
+PROGRAMMATIC = True
+
+
+def _driver_launch_ex():
+    """cuLaunchKernelEx (CUDA 12+) from the driver library, or None where it is not there."""
+    global _cu_launch_ex
+    if _cu_launch_ex is None:
+        try:
+            f = _driver_library().cuLaunchKernelEx
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            _cu_launch_ex = f
+        except (OSError, AttributeError):
+            _cu_launch_ex = False
+    return _cu_launch_ex or None
+
+
+def _programmatic_config(grid, block, shared_mem, stream_ptr) -> _LaunchConfig:
+    """The launch configuration with programmatic stream serialization allowed (one per thread, refilled)."""
+    cfg = getattr(_tls, "pdl", None)
+    if cfg is None:
+        attr = _LaunchAttr(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        cfg = _tls.pdl = (_LaunchConfig(), attr)
+        cfg[0].attrs, cfg[0].num_attrs = ctypes.pointer(attr), 1
+    c = cfg[0]
+    c.grid[:], c.block[:], c.shared_mem, c.stream = grid, block, shared_mem, stream_ptr
+    return c
+
+
 def aligned16(t):
     """t contiguous with a 16-byte aligned start, for kernels that read it in 16-byte vectors (a copy only when
     it is not already)."""
@@ -548,9 +597,12 @@ def aligned16(t):
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, programmatic: bool = False) -> None:
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
-    Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises."""
+    Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises.
+    programmatic: the kernel may start while the one before it still runs (programmatic dependent launch,
+    where the card takes it: Card.programmatic); only for kernels that call grid_wait() (common.cuh) before
+    they read another kernel's output or write anything."""
     dev, stream = _current_stream()
     if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get((id(fn), dev), 0):
         fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
@@ -565,7 +617,11 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> N
     p = pack_params(args)
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    rc = cu(kern.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream.ptr, p.ptrs, None)
+    ex = _driver_launch_ex() if programmatic and PROGRAMMATIC and card_of(dev).programmatic else None
+    if ex is not None:
+        rc = ex(_programmatic_config((gx, gy, gz), (bx, by, bz), shared_mem, stream.ptr), kern.ptr, p.ptrs, None)
+    else:
+        rc = cu(kern.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream.ptr, p.ptrs, None)
     if rc == 201:  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet; CuPy makes it so
         kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
     elif rc != 0:

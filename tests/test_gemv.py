@@ -159,6 +159,54 @@ def test_gemv_replays_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True])
+def test_programmatic_launches_wait_for_the_products_they_read(graphed, monkeypatch):
+    """Each product launched programmatically starts while the one before it still runs and reads that one's
+    output: a chain of dependent products (the fused norm, the gate and split row groups among them; outputs
+    NaN until written), eager and replayed in a CUDA graph, equals the same chain launched plainly, bit for bit,
+    for a new input each time (a product that read its input before the one writing it was done would read
+    the last input's values, or NaN)."""
+    from qwen35_fast.kernels import cuda_build
+    from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda
+    g = torch.Generator(device="cuda").manual_seed(12)
+    K, N1, I = 4096, 12352, 12288
+    ws = [(torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
+          for n, k in ((N1, K), (K, N1 // 2), (2 * I, K), (K, I), (K, K))]
+    nw = torch.randn(K, generator=g, device="cuda") * 0.1
+    outs = [((1, n), torch.bfloat16) for n in (N1, K, 2 * I, K)]
+
+    def chain(x):
+        h = gemv_cuda(x, ws[0])  # in_proj
+        h = gemv_cuda(h[..., : N1 // 2], ws[1])  # out_proj (row groups split between warps) of its output
+        s, n = gemv_add_rms_norm_cuda(x, h, nw, 1e-6, ws[2], fuse=True)  # residual add + norm as x is staged
+        h = gemv_silu_mul_cuda(n, ws[3], fuse=True)  # the MLP gate as x is staged
+        return gemv_cuda(h + s, ws[4])  # a torch op between two products
+
+    def fresh(seed):
+        return torch.randn(1, K, generator=g.manual_seed(seed), device="cuda").bfloat16()
+
+    assert cuda_build.card_of("cuda").programmatic == (torch.cuda.get_device_capability()[0] >= 9)
+    x = fresh(0)
+    if graphed:
+        chain(x)  # the modules load outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = chain(x)
+    for seed in range(1, 11):
+        monkeypatch.setattr(cuda_build, "PROGRAMMATIC", False)
+        want = chain(fresh(seed))
+        monkeypatch.setattr(cuda_build, "PROGRAMMATIC", True)
+        poison_allocator(*outs)
+        if graphed:
+            x.copy_(fresh(seed))
+            y.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(y, want), seed
+        else:
+            assert torch.equal(chain(fresh(seed)), want), seed
+
+
+@pytest.mark.gpu
 def test_a_model_decodes_the_same_with_gemv_as_with_cublas(tmp_path, monkeypatch):
     """One decode step's logits from the same cache agree to bf16 rounding, and greedy generation (in its CUDA
     graph) gives the same tokens."""

@@ -56,3 +56,21 @@ def test_bad_arguments_are_refused_by_name():
         cb.pack_params(("x",))
     with pytest.raises(TypeError, match="int16"):
         cb.pack_params((np.int16(1),))
+
+
+def test_programmatic_launch_config_has_the_drivers_layout():
+    """cuLaunchKernelEx's CUlaunchConfig (seven uint32, the stream at 32, the attributes at 40, their count at
+    48; 56 bytes) and CUlaunchAttribute (the id, 4 bytes of padding, a 64-byte value: 72 bytes), with the one
+    attribute programmatic stream serialization (id 6) set to 1; Card.programmatic from the build target."""
+    assert ctypes.sizeof(cb._LaunchConfig) == 56 and ctypes.sizeof(cb._LaunchAttr) == 72
+    assert (cb._LaunchConfig.stream.offset, cb._LaunchConfig.attrs.offset, cb._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    assert cb._LaunchAttr.value.offset == 8
+    c = cb._programmatic_config((3, 2, 1), (128, 1, 1), 4096, 0xABC0)
+    raw = ctypes.string_at(ctypes.addressof(c), 28)
+    assert np.frombuffer(raw, np.uint32).tolist() == [3, 2, 1, 128, 1, 1, 4096]
+    assert c.stream == 0xABC0 and c.num_attrs == 1
+    attr = ctypes.string_at(ctypes.addressof(c.attrs.contents), 72)
+    assert attr[:4] == (6).to_bytes(4, "little") and attr[8:12] == (1).to_bytes(4, "little") and not any(attr[12:])
+    assert cb._programmatic_config((1, 1, 1), (32, 1, 1), 0, 1) is c  # one per thread, refilled
+    assert [cb.Card(a, 1, 1, 1).programmatic for a in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_100")] \
+        == [False, False, False, True, True, True]

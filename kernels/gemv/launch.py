@@ -90,7 +90,7 @@ def _launch(weight: torch.Tensor, x, y: torch.Tensor, K: int, defines: dict, res
     fn = get_function(SRC, "gemv", y.device, {"IN_T": _CODE[y.dtype], "SPLIT": split, **defines})
     launch(fn, (grid_blocks(N, card_of(y.device).sms, split), 1, 1), (THREADS, 1, 1),
            (weight, x, y, np.int32(N), np.int32(K), np.int64(weight.stride(0)), res, norm_w, s, np.float32(eps)),
-           shared_mem=K * y.element_size() + (WARPS * ROWS * 4 if split > 1 else 0))
+           shared_mem=K * y.element_size() + (WARPS * ROWS * 4 if split > 1 else 0), programmatic=True)
 
 
 def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -> torch.Tensor:
