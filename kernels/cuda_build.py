@@ -453,8 +453,7 @@ def card_of(device) -> Card:
 _SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "8x"}  # struct codes of the parameter kinds
 _NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
 _tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
-_cu_launch = None
-_cu_launch_ex = None
+_driver_fns: dict = {}  # name -> ctypes function, or False where it is not there
 
 
 def _param(a) -> tuple[str, object]:
@@ -534,19 +533,26 @@ def pack_params(args: tuple) -> _Packed:
     return p
 
 
-def _driver_launch():
-    """cuLaunchKernel from the CUDA driver library through ctypes, or None where it cannot be loaded."""
-    global _cu_launch
-    if _cu_launch is None:
-        import ctypes
+def _driver_function(name: str, argtypes: tuple):
+    """A CUDA driver function (int result) through ctypes, or None where the library or the function is not
+    there (kept after the first lookup)."""
+    f = _driver_fns.get(name)
+    if f is None:
         try:
-            f = _driver_library().cuLaunchKernel
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            _cu_launch = f
+            f = getattr(_driver_library(), name)
+            f.restype, f.argtypes = ctypes.c_int, argtypes
         except (OSError, AttributeError):
-            _cu_launch = False
-    return _cu_launch or None
+            f = False
+        _driver_fns[name] = f
+    return f or None
+
+
+_LAUNCH_ARGTYPES = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,) * 3
+
+
+def _driver_launch():
+    """cuLaunchKernel, or None where it cannot be loaded."""
+    return _driver_function("cuLaunchKernel", _LAUNCH_ARGTYPES)
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: the id, padding, a 64-byte value union
@@ -564,18 +570,12 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 PROGRAMMATIC = True
 
 
+_LAUNCH_EX_ARGTYPES = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
 def _driver_launch_ex():
-    """cuLaunchKernelEx (CUDA 12+) from the driver library, or None where it is not there."""
-    global _cu_launch_ex
-    if _cu_launch_ex is None:
-        try:
-            f = _driver_library().cuLaunchKernelEx
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            _cu_launch_ex = f
-        except (OSError, AttributeError):
-            _cu_launch_ex = False
-    return _cu_launch_ex or None
+    """cuLaunchKernelEx (CUDA 12+), or None where it is not there."""
+    return _driver_function("cuLaunchKernelEx", _LAUNCH_EX_ARGTYPES)
 
 
 def _programmatic_config(grid, block, shared_mem, stream_ptr) -> _LaunchConfig:

@@ -74,3 +74,19 @@ def test_programmatic_launch_config_has_the_drivers_layout():
     assert cb._programmatic_config((1, 1, 1), (32, 1, 1), 0, 1) is c  # one per thread, refilled
     assert [cb.Card(a, 1, 1, 1).programmatic for a in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_100")] \
         == [False, False, False, True, True, True]
+
+
+def test_driver_functions_are_looked_up_once_with_their_types(monkeypatch):
+    """_driver_function: the library's function with an int result and the argument types given, kept after
+    the first lookup; None (kept too) where the library or the function is missing. (The C library's labs
+    stands in for the driver here: the same ctypes calls.)"""
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    opened = []
+    monkeypatch.setattr(cb, "_driver_library", lambda: opened.append(1) or libc)
+    monkeypatch.setattr(cb, "_driver_fns", {})
+    f = cb._driver_function("labs", (ctypes.c_long,))
+    assert f(-7) == 7 and f.argtypes == (ctypes.c_long,) and f.restype is ctypes.c_int  # as for a CUresult
+    assert cb._driver_function("labs", (ctypes.c_long,)) is f and opened == [1]
+    assert cb._driver_function("no_such_function_here", ()) is None
+    assert cb._driver_function("no_such_function_here", ()) is None and len(opened) == 2
