@@ -15,8 +15,9 @@ DISTRIBUTIONS = {"safetensors": "safetensors", "numpy": "numpy", "tokenizers": "
 # Present where the pack runs without being asked for: ComfyUI's own modules and its torch; CuPy is
 # chosen by install.py for torch's CUDA version (and optional: without it the pack runs on PyTorch);
 # Pillow is in ComfyUI's requirements (only the command line's --image reads files with it), and so is PyAV
-# (nodes/video.py decodes a VIDEO input's file with it, as ComfyUI does).
-PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends", "PIL", "av"}
+# (nodes/video.py decodes a VIDEO input's file with it, as ComfyUI does), and so is psutil (nodes/memory.py asks it
+# for the free RAM, as ComfyUI's model management does; without an answer the weights go to RAM as before).
+PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends", "PIL", "av", "psutil"}
 
 
 def runtime_imports() -> dict[str, list[str]]:
