@@ -454,6 +454,7 @@ _SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "8x"}  # str
 _NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
 _tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
 _driver_fns: dict = {}  # name -> ctypes function, or False where it is not there
+_plain_only: set = set()  # devices whose driver refused a programmatic launch
 
 
 def _param(a) -> tuple[str, object]:
@@ -617,9 +618,14 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, prog
     p = pack_params(args)
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    ex = _driver_launch_ex() if programmatic and PROGRAMMATIC and card_of(dev).programmatic else None
+    ex = (_driver_launch_ex() if programmatic and PROGRAMMATIC and dev not in _plain_only and card_of(dev).programmatic
+          else None)
     if ex is not None:
         rc = ex(_programmatic_config((gx, gy, gz), (bx, by, bz), shared_mem, stream.ptr), kern.ptr, p.ptrs, None)
+        if rc not in (0, 201):
+            rc = cu(kern.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream.ptr, p.ptrs, None)
+            if rc == 0:  # the driver refuses only the attribute: plain launches on this device from now on
+                _plain_only.add(dev)
     else:
         rc = cu(kern.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream.ptr, p.ptrs, None)
     if rc == 201:  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet; CuPy makes it so

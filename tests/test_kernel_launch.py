@@ -90,3 +90,46 @@ def test_driver_functions_are_looked_up_once_with_their_types(monkeypatch):
     assert cb._driver_function("labs", (ctypes.c_long,)) is f and opened == [1]
     assert cb._driver_function("no_such_function_here", ()) is None
     assert cb._driver_function("no_such_function_here", ()) is None and len(opened) == 2
+
+
+def test_a_driver_that_refuses_programmatic_launches_gets_plain_ones(monkeypatch):
+    """launch(..., programmatic=True) goes through cuLaunchKernelEx on a card that takes it; where the driver
+    refuses that launch and a plain one works, the device gets plain launches from then on; a launch that fails
+    either way raises and changes nothing; a card without it, or programmatic off, launches plainly."""
+    calls = []
+    answers = {"ex": [], "plain": []}
+
+    def fake(kind):
+        def f(*a):
+            calls.append(kind)
+            return answers[kind].pop(0) if answers[kind] else 0
+        return f
+    stream = type("S", (), {"ptr": 7})()
+    kern = type("K", (), {"ptr": 9})()
+    fn = type("F", (), {"kernel": kern})()
+    monkeypatch.setattr(cb, "_current_stream", lambda: (0, stream))
+    monkeypatch.setattr(cb, "_driver_launch", lambda: fake("plain"))
+    monkeypatch.setattr(cb, "_driver_launch_ex", lambda: fake("ex"))
+    monkeypatch.setattr(cb, "_plain_only", set())
+    card = {"arch": "sm_90a"}
+    monkeypatch.setattr(cb, "card_of", lambda dev: cb.Card(card["arch"], 132, 1, 1))
+
+    def go(programmatic=True):
+        calls.clear()
+        cb.launch(fn, (1,), (32,), (np.int32(1),), programmatic=programmatic)
+        return list(calls)
+
+    assert go() == ["ex"] and go(False) == ["plain"]
+    monkeypatch.setattr(cb, "PROGRAMMATIC", False)
+    assert go() == ["plain"]
+    monkeypatch.setattr(cb, "PROGRAMMATIC", True)
+    answers["ex"], answers["plain"] = [1], [700]  # both fail: an error, programmatic launches kept
+    with pytest.raises(RuntimeError, match="CUresult 700"):
+        go()
+    assert cb._plain_only == set() and go() == ["ex"]
+    answers["ex"] = [1]  # only the programmatic one fails: plain launches from now on
+    assert go() == ["ex", "plain"] and cb._plain_only == {0}
+    assert go() == ["plain"]
+    cb._plain_only.clear()
+    card["arch"] = "sm_86"
+    assert go() == ["plain"]
