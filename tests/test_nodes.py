@@ -342,6 +342,64 @@ def test_ram_short_by_keeps_comfyuis_headroom(pack, comfy, monkeypatch):
     assert short(100 * gib) == 0  # no answer: kept in RAM as before
 
 
+def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatch):
+    """ManagedModel's choices with a stand-in runtime model on a GPU: an unload to the CPU moves the weights
+    when RAM has room, lets them go when it is short (and the model came from a checkpoint), moves them when
+    the offload device is not the CPU; a dropped model counts as unloaded and comes back by being read
+    again, a moved one by being moved."""
+    import torch
+
+    class Stand:
+        path = "stand-in"
+
+        def __init__(self):
+            self.device, self.dropped, self.calls, self.checkpoint = torch.device("cuda", 0), False, [], object()
+
+        weights_dropped = property(lambda self: self.dropped)
+
+        def weight_bytes(self):
+            return 3 << 30
+
+        def kv_bytes(self):
+            return 1 << 30
+
+        def size_bytes(self):
+            return 4 << 30
+
+        def to(self, device):
+            self.calls.append(("to", torch.device(device).type))
+            self.device = torch.device(device)
+
+        def drop_weights(self, park):
+            self.calls.append(("drop", torch.device(park).type))
+            self.dropped = True
+
+        def reload_weights(self, device):
+            self.calls.append(("reload", torch.device(device).type))
+            self.device, self.dropped = torch.device(device), False
+
+    asked, short = [], {"by": -1}
+    monkeypatch.setattr(pack.memory, "ram_short_by", lambda n: asked.append(n) or short["by"])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    m = pack.memory.ManagedModel(Stand(), cuda, cpu, keep_loaded=True)
+    m.detach()  # room in RAM: moved
+    assert m.model.calls == [("to", "cpu")] and asked == [4 << 30] and m.current_loaded_device() == cpu
+    assert m.partially_load(cuda) == 4 << 30 and m.model.calls[-1] == ("to", "cuda")
+    short["by"] = 1
+    m.detach()  # short: let go, counted as unloaded
+    assert m.model.calls[-1] == ("drop", "cpu") and m.current_loaded_device() == cpu and m.loaded_size() == 0
+    assert m.partially_unload(cpu) == 0  # nothing more to free
+    assert m.partially_load(cuda) == 4 << 30 and m.model.calls[-1] == ("reload", "cuda")
+    assert m.current_loaded_device() == cuda and m.loaded_size() == 4 << 30
+    m.model.checkpoint = None  # not read from a checkpoint: moved even when short
+    m.detach()
+    assert m.model.calls[-1] == ("to", "cpu")
+    other = pack.memory.ManagedModel(Stand(), cuda, torch.device("cuda", 1), keep_loaded=True)
+    asked.clear()
+    other.detach()  # an offload device that is not the CPU: RAM is not asked
+    assert other.model.calls == [("to", "cuda")] and asked == []
+
+
 def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, comfy):
     """The loader's fingerprint is its files' sizes and times: ComfyUI runs it again (and it reads the new
     file) when a checkpoint is replaced under the same name, not when nothing changed."""
