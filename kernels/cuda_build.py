@@ -15,6 +15,7 @@ the target itself and cannot build arch-specific targets such as sm_90a.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -413,7 +414,7 @@ class Card:
         """Whether the card runs the warpgroup-mma (wgmma, TMA) kernels: sm_90a, the H100 / H200."""
         return self.arch == "sm_90a"
 
-    @property
+    @functools.cached_property  # asked on every programmatic launch
     def programmatic(self) -> bool:
         """Whether kernels built for the card take programmatic dependent launch (common.cuh grid_wait): a
         target of compute capability 9.0 or newer (Hopper, Blackwell)."""
