@@ -243,6 +243,17 @@ async def _watch_runs(page):
     }""")
 
 
+async def _queue_in_first_of_two_tabs(page, max_new_tokens: int, seeds: tuple[int, int]) -> tuple[str, str]:
+    """Two workflow tabs with the same nodes (each Generate's max_new_tokens, seeds A's and B's); A shown, the
+    runs watched (_watch_runs) and A queued. Returns the two tabs' paths."""
+    a = await _open_tab(page, max_new_tokens=max_new_tokens, seed=seeds[0])
+    b = await _open_tab(page, max_new_tokens=max_new_tokens, seed=seeds[1])
+    await _show(page, a)
+    await _watch_runs(page)
+    await page.get_by_test_id("queue-button").click()
+    return a, b
+
+
 async def _panel(page) -> dict:
     return await page.evaluate(f"""() => {{ const v = {GENERATE_VIEW};
         return {{answer: v.answer.textContent, stats: v.stats.textContent,
@@ -253,11 +264,7 @@ def test_a_stream_stays_in_the_workflow_that_queued_it(browser_env):
     """Two workflow tabs with the same nodes: A's answer streams into A's Generate only, not into B's node of the
     same id while B is shown, and A's panel has the whole answer so far (and goes on) when A is shown again."""
     async def body(page):
-        a = await _open_tab(page, max_new_tokens=5000, seed=4545)
-        b = await _open_tab(page, max_new_tokens=5000, seed=4646)
-        await _show(page, a)
-        await _watch_runs(page)
-        await page.get_by_test_id("queue-button").click()
+        a, b = await _queue_in_first_of_two_tabs(page, 5000, (4545, 4646))
         await page.wait_for_function(f"() => {GENERATE_VIEW}.answer.textContent.trim().length > 10",
                                      timeout=180_000)
         await _show(page, b)
@@ -290,11 +297,7 @@ def test_an_answer_finished_in_a_hidden_workflow_shows_on_return(browser_env):
     """A's run ends while B is shown: B's node never shows A's answer, and A's node shows it (as /history has it)
     when A is shown again."""
     async def body(page):
-        a = await _open_tab(page, max_new_tokens=64, seed=4747)
-        b = await _open_tab(page, max_new_tokens=64, seed=4848)
-        await _show(page, a)
-        await _watch_runs(page)
-        await page.get_by_test_id("queue-button").click()
+        a, b = await _queue_in_first_of_two_tabs(page, 64, (4747, 4848))
         await page.wait_for_function("() => window.qwen35Seen.length > 0", timeout=180_000)
         await _show(page, b)
         await page.wait_for_function("() => window.qwen35Done", timeout=300_000)
