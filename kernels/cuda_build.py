@@ -15,7 +15,6 @@ the target itself and cannot build arch-specific targets such as sm_90a.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import re
@@ -264,12 +263,15 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
                     fn = cupy.RawModule(path=str(path)).get_function(name)
                     fn.kernel  # load the module now, not inside a CUDA-graph capture
                 _functions[key] = fn
+                _targets[id(fn)] = arch
             _by_path[fast] = fn
     return fn
 
 
 _streams: dict = {}
-_kernels: dict = {}  # (id(RawKernel), device) -> its loaded cupy Function, skipping RawKernel's own lookup
+_targets: dict = {}  # id(RawKernel) -> the NVRTC target get_function built it for (kept: _functions holds it)
+_kernels: dict = {}  # (id(RawKernel), device) -> (its loaded cupy Function, skipping RawKernel's own lookup;
+#                       whether it may be launched programmatically there)
 _smem_limit: dict = {}  # (id(RawKernel), device) -> dynamic shared memory the kernel is allowed
 
 
@@ -414,11 +416,17 @@ class Card:
         """Whether the card runs the warpgroup-mma (wgmma, TMA) kernels: sm_90a, the H100 / H200."""
         return self.arch == "sm_90a"
 
-    @functools.cached_property  # asked on every programmatic launch
+    @property
     def programmatic(self) -> bool:
-        """Whether kernels built for the card take programmatic dependent launch (common.cuh grid_wait): a
-        target of compute capability 9.0 or newer (Hopper, Blackwell)."""
-        return int(re.sub(r"\D", "", self.arch)) >= 90
+        """Whether kernels built for the card take programmatic dependent launch (programmatic_target)."""
+        return programmatic_target(self.arch)
+
+
+def programmatic_target(arch: str) -> bool:
+    """Whether code built for the NVRTC target `arch` waits in common.cuh's grid_wait: compute capability 9.0
+    or newer (Hopper, Blackwell). Built for an older target (compute_80 PTX on any card), grid_wait is empty,
+    so such a kernel must never start early."""
+    return int(re.sub(r"\D", "", arch)) >= 90
 
 
 _cards: dict = {}
@@ -603,15 +611,17 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, prog
     """Launch `fn` on torch's current stream. Tensors become device pointers (None a null pointer),
     Python ints int32 and floats float32; numpy scalars pass as they are. Never synchronises.
     programmatic: the kernel may start while the one before it still runs (programmatic dependent launch,
-    where the card takes it: Card.programmatic); only for kernels that call grid_wait() (common.cuh) before
-    they read another kernel's output or write anything."""
+    where the kernel's build target takes it: programmatic_target); only for kernels that call grid_wait()
+    (common.cuh) before they read another kernel's output or write anything."""
     dev, stream = _current_stream()
     if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get((id(fn), dev), 0):
         fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
         _smem_limit[(id(fn), dev)] = shared_mem
-    kern = _kernels.get((id(fn), dev))
-    if kern is None:
-        kern = _kernels[(id(fn), dev)] = fn.kernel
+    known = _kernels.get((id(fn), dev))
+    if known is None:  # a kernel not from get_function counts as built for the card
+        target = _targets.get(id(fn))
+        known = _kernels[(id(fn), dev)] = (fn.kernel, programmatic_target(target) if target else None)
+    kern, built_to_wait = known
     cu = _driver_launch()
     if cu is None:
         kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
@@ -619,8 +629,8 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, prog
     p = pack_params(args)
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    ex = (_driver_launch_ex() if programmatic and PROGRAMMATIC and dev not in _plain_only and card_of(dev).programmatic
-          else None)
+    ex = (_driver_launch_ex() if programmatic and PROGRAMMATIC and dev not in _plain_only
+          and (card_of(dev).programmatic if built_to_wait is None else built_to_wait) else None)
     if ex is not None:
         rc = ex(_programmatic_config((gx, gy, gz), (bx, by, bz), shared_mem, stream.ptr), kern.ptr, p.ptrs, None)
         if rc not in (0, 201):

@@ -95,7 +95,8 @@ def test_driver_functions_are_looked_up_once_with_their_types(monkeypatch):
 def test_a_driver_that_refuses_programmatic_launches_gets_plain_ones(monkeypatch):
     """launch(..., programmatic=True) goes through cuLaunchKernelEx on a card that takes it; where the driver
     refuses that launch and a plain one works, the device gets plain launches from then on; a launch that fails
-    either way raises and changes nothing; a card without it, or programmatic off, launches plainly."""
+    either way raises and changes nothing; a card without it, programmatic off, or a kernel built for an older
+    target than 9.0 (whose grid_wait is empty) launches plainly."""
     calls = []
     answers = {"ex": [], "plain": []}
 
@@ -111,6 +112,7 @@ def test_a_driver_that_refuses_programmatic_launches_gets_plain_ones(monkeypatch
     monkeypatch.setattr(cb, "_driver_launch", lambda: fake("plain"))
     monkeypatch.setattr(cb, "_driver_launch_ex", lambda: fake("ex"))
     monkeypatch.setattr(cb, "_plain_only", set())
+    monkeypatch.setattr(cb, "_kernels", {})
     card = {"arch": "sm_90a"}
     monkeypatch.setattr(cb, "card_of", lambda dev: cb.Card(card["arch"], 132, 1, 1))
 
@@ -133,3 +135,9 @@ def test_a_driver_that_refuses_programmatic_launches_gets_plain_ones(monkeypatch
     cb._plain_only.clear()
     card["arch"] = "sm_86"
     assert go() == ["plain"]
+    card["arch"] = "sm_90a"  # a kernel built for compute_80 (its grid_wait empty) on a card that takes them
+    old = type("F", (), {"kernel": kern})()
+    monkeypatch.setitem(cb._targets, id(old), "compute_80")
+    calls.clear()
+    cb.launch(old, (1,), (32,), (np.int32(1),), programmatic=True)
+    assert calls == ["plain"] and go() == ["ex"]

@@ -39,10 +39,10 @@ def rtx(monkeypatch):
             seen.append(("get", name))
             return fn
 
-        def launch(fn, grid, block, args, shared_mem=0, run=run):
+        def launch(fn, grid, block, args, shared_mem=0, run=run, **kw):
             assert shared_mem <= RTX_SMEM, f"a launch asks for {shared_mem} bytes of shared memory"
             seen.append(("launch", shared_mem))
-            return run(fn, grid, block, args, shared_mem=shared_mem)
+            return run(fn, grid, block, args, shared_mem=shared_mem, **kw)
 
         monkeypatch.setattr(mod, "get_function", get_function)
         monkeypatch.setattr(mod, "launch", launch)
