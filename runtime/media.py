@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .errors import Qwen35Error, whole_number
 from .fingerprint import StreamedHash
 from .host import upload
@@ -375,7 +376,8 @@ class VideoSource(Protocol):
     def read(self, choose: Callable[[int], list[int]], keep: Callable[[torch.Tensor], None]) -> None: ...
 
 
-def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None, device=None) -> VisionInput:
+def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None, device=None,
+                            backend: kernels.Backend | None = None) -> VisionInput:
     """A VideoSource -> the VisionInput preprocess_video gives for all of its frames (the same patches, grid,
     timestamps and content key), with only the sampled frames ever read, each resized as it comes.
 
@@ -383,9 +385,10 @@ def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None
     of its size), plus the resized frames on `device`, which the pixel budget bounds whatever the clip's length
     or resolution: video_max_pixels (25,165,824) x 3 fp32, about 300 MB, and one frame more for an odd count.
     (Before the frames were resized one by one, the sampled frames were held at source size: 25 MB each at
-    1080p, up to 19 GB at the 768-frame cap.)"""
+    1080p, up to 19 GB at the 768-frame cap.) `backend`: the one that hashes the frames where they lie (one
+    kernel a frame on the CUDA backend; the torch expression without one), the same key either way."""
     pp = pp or Preprocessing()
-    frames = _StreamedFrames(float(source.fps), pp, device)
+    frames = _StreamedFrames(float(source.fps), pp, device, backend)
     source.read(frames.choose, frames.keep)
     return frames.finish(type(source).__name__)
 
@@ -422,13 +425,13 @@ class _StreamedFrames:
     goes through to_rgb and _resize alone: both act on each frame of a batch by itself, so the result is the
     batch's bit for bit (tests/test_media.py checks it over sizes, channels and counts)."""
 
-    def __init__(self, fps: float, pp: Preprocessing, device):
-        self.fps, self.pp, self.device = fps, pp, device
+    def __init__(self, fps: float, pp: Preprocessing, device, backend: kernels.Backend | None = None):
+        self.fps, self.pp, self.device, self.backend = fps, pp, device, backend
         self.index: list[int] | None = None
 
     def choose(self, total: int) -> list[int]:
         self.index = sample_frames(total, self.fps, self.pp)
-        self.hash, self.layout, self.frames, self.kept = StreamedHash(), None, None, 0
+        self.hash, self.layout, self.frames, self.kept = StreamedHash(self.backend), None, None, 0
         return list(self.index)
 
     def keep(self, frame: torch.Tensor) -> None:

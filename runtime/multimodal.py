@@ -186,7 +186,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
         if isinstance(video, VisionInput):
             out.append(video)
         elif isinstance(video, VideoSource):
-            out.append(preprocess_video_source(video, pp, where))
+            out.append(preprocess_video_source(video, pp, where, model.select_backend()))  # hashes on its kernel
         else:
             frames, fps = _video_pair(video)
             out.append(preprocess_video(frames, fps, pp, where))

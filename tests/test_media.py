@@ -253,7 +253,9 @@ def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("frames,fps,h,w,c", VIDEOS[::3] + VIDEOS[-2:])
 def test_a_video_source_resized_on_the_gpu_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
-    """The model's device resizes: frame by frame there equals the batch bit for bit too (the patches, the key)."""
+    """The model's device resizes: frame by frame there equals the batch bit for bit too (the patches, the key,
+    with the frames hashed by the torch expression or by the CUDA backend's kernel)."""
+    from qwen35_fast import kernels
     from qwen35_fast.runtime.fingerprint import content_hash
     pp = Preprocessing(video_max_pixels=4_000_000) if h >= 720 else Preprocessing()
     video = torch.rand(frames, h, w, c, generator=torch.Generator().manual_seed(frames * h + c))
@@ -261,6 +263,9 @@ def test_a_video_source_resized_on_the_gpu_gives_what_the_whole_tensor_gives(fra
     got = preprocess_video_source(TensorSource(video, fps), pp, "cuda")
     assert got.pixels.is_cuda and torch.equal(got.pixels, want.pixels) and got.grid == want.grid
     assert got.content_key(content_hash) == want.content_key(content_hash)
+    cuda = kernels.select_backend("cuda", "cuda", torch.bfloat16)  # (the frames stay fp32: it hashes bytes)
+    hashed = preprocess_video_source(TensorSource(video, fps), pp, "cuda", cuda)
+    assert hashed.content_key(content_hash) == want.content_key(content_hash)
 
 
 def test_each_frame_is_resized_before_the_next_is_read(monkeypatch):
