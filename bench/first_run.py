@@ -1,10 +1,13 @@
 """What a user's first run costs in kernel compiles: a 9B-shaped model with its 27 x 1152 tower (random weights,
 bf16; --layers of the text model, the kernels' variants do not depend on the count) runs what the nodes run: a
 text prompt and an answer, then an image prompt and an answer, each twice; every NVRTC compile on the way is
-timed (source, defines, seconds). With --cache DIR the kernel caches are DIR (a second run with the same DIR is
-the run after a restart: the cubins on disk, only their loads); without it, empty folders (the first run ever).
+timed (source, defines, seconds; compiles on cuda_build.compile_ahead's worker threads overlap, so their sum
+can exceed the wall time). With --cache DIR the kernel caches are DIR (a second run with the same DIR is the run
+after a restart: the cubins on disk, only their loads); without it, empty folders (the first run ever).
+--drop-cubins deletes DIR's cubins first and keeps its lists of the modules loaded: the first run after an
+update of the pack's kernels, which compile_ahead compiles in parallel from those lists.
 
-    python3 bench/first_run.py [--cache DIR] [--layers 4] [--out PATH]
+    python3 bench/first_run.py [--cache DIR [--drop-cubins]] [--layers 4] [--out PATH]
 """
 import argparse
 import json
@@ -12,6 +15,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def main():
@@ -19,9 +23,14 @@ def main():
     ap.add_argument("--cache", default="", help="the kernel caches' folder (default: new, empty ones)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16, help="tokens generated per answer")
+    ap.add_argument("--drop-cubins", action="store_true", help="delete the cache's cubins, keep its module lists")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cache = a.cache or tempfile.mkdtemp()
+    if a.drop_cubins:
+        for f in Path(cache, "cupy").glob("*/*"):
+            if f.suffix in (".cubin", ".ptx"):
+                f.unlink()
     os.environ["CUPY_CACHE_DIR"] = os.path.join(cache, "cupy")  # before cuda_build reads them
     os.environ["XDG_CACHE_HOME"] = os.path.join(cache, "xdg")
 
@@ -47,6 +56,9 @@ def main():
                          "s": round(time.perf_counter() - t, 3)})
         return out
     cuda_build._compile = timed_compile
+    ahead = []
+    real_ahead = cuda_build.compile_ahead
+    cuda_build.compile_ahead = lambda arch, workers=None: ahead.append(real_ahead(arch, workers)) or ahead[-1]
 
     t0 = time.perf_counter()
     model, system, questions, image = build(a.layers, False)
@@ -75,7 +87,8 @@ def main():
         phase(f"text prompt + answer, {round_}", text_turn)
         phase(f"image prompt + answer, {round_}", image_turn)
     result = {"device": torch.cuda.get_device_name(), "host_cpu": host_cpu(), "cpus": os.cpu_count(),
-              "cache": "given" if a.cache else "empty", "layers": a.layers, "tokens": a.tokens,
+              "cache": ("cubins dropped" if a.drop_cubins else "given") if a.cache else "empty",
+              "compiled_ahead": sum(ahead), "layers": a.layers, "tokens": a.tokens,
               "compile_s": round(sum(c["s"] for c in compiles), 3), "compiles": len(compiles),
               "phases": phases, "modules": sorted(compiles, key=lambda c: -c["s"])}
     print(json.dumps({k: v for k, v in result.items() if k != "modules"}, indent=1))

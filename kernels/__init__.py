@@ -62,6 +62,8 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
         ok, reason = cuda_impl.cuda_status(device)
     except ImportError as e:  # CuPy or the CUDA headers are missing
         ok, reason = False, f"CUDA kernels unavailable: {e}"
+    if ok:
+        compile_ahead(device)
     if ok and dtype == torch.float16:  # (the paged attention kernel takes bf16; the op's reference runs fp16)
         note = ("fp16: attention over the K/V cache runs on the PyTorch path, slower in long contexts; "
                 "load the model as bf16 to run it on the kernel")
@@ -236,6 +238,23 @@ def vision_attention(q, k, v, cu_seqlens, max_len: int, backend: Backend | None 
     [segments + 1] (the segments' starts and N); max_len: a host int at least the longest segment. Returns
     [N, H, hd] contiguous."""
     return ops.run(ops.vision_attention_op, q, k, v, cu_seqlens, int(max_len), bool(backend and backend.use_cuda))
+
+
+def compile_ahead(device) -> int:
+    """Starts compiling, on worker threads, the kernel modules earlier runs on this kind of GPU loaded whose
+    cubins are missing (after an update of the pack or of NVRTC; cuda_build.compile_ahead), so that the first
+    run waits for the slowest of them rather than for each in turn. Returns how many it started: 0 where
+    there is nothing to do, the list was done before in this process, or the kernels cannot build here (the
+    first kernel then says why)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    try:
+        from . import cuda_build
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cuda_build.compile_ahead(cuda_build.arch_for_capability(*torch.cuda.get_device_capability(index)))
+    except (ImportError, RuntimeError, OSError, AssertionError):  # no CuPy, NVRTC or headers; an old card
+        return 0
 
 
 def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):

@@ -8,7 +8,8 @@ tests); `get_function` builds for the device in hand and loads the result with C
 through the same NVRTC options, so what CI compiles is what users run.
 
 Caches: in memory per (source text, defines, arch); on disk as cubins under CuPy's kernel cache
-folder (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache), so a second process compiles nothing.
+folder (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache), so a second process compiles nothing. Beside
+them, a list of the modules loaded per target: compile_ahead compiles the missing ones in parallel.
 We compile with NVRTC ourselves rather than through RawModule(code=...) because RawModule picks
 the target itself and cannot build arch-specific targets such as sm_90a.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,20 +225,121 @@ _functions: dict = {}  # (source, headers, defines, arch, name, device) -> RawKe
 _by_path: dict = {}  # (path, name, defines, device) -> RawKernel: no file read per launch
 
 
+def _cubin_path(source: str, src_path: Path, arch: str, opts: list[str]) -> Path:
+    ext = ".ptx" if arch.startswith("compute_") else ".cubin"
+    return _cubin_cache_dir() / f"{src_path.stem}-{arch}-{_cache_key(source, src_path, arch, opts)}{ext}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # concurrent processes never read half a file
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _build_file(path: Path, source: str, src_path: Path, arch: str, opts: list[str]) -> Path:
+    binary = _compile(source, src_path, arch, opts)
+    _write_atomic(path, binary if isinstance(binary, bytes) else binary.encode())
+    return path
+
+
 def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | None) -> Path:
     opts = _options(src_path, arch, defines)
-    key = _cache_key(source, src_path, arch, opts)
-    ext = ".ptx" if arch.startswith("compute_") else ".cubin"
-    path = _cubin_cache_dir() / f"{src_path.stem}-{arch}-{key}{ext}"
+    path = _cubin_path(source, src_path, arch, opts)
+    ahead = _building.pop(path, None)
+    if ahead is not None:  # compile_ahead's worker has it: wait for that compile
+        try:
+            ahead.result()
+        except Exception:  # noqa: BLE001 - compiled again below, so that its error is raised here
+            pass
     if path.is_file() and path.stat().st_size > 0:
         return path
-    binary = _compile(source, src_path, arch, opts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # atomic: concurrent processes never read half a file
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(binary if isinstance(binary, bytes) else binary.encode())
-    os.replace(tmp, path)
-    return path
+    return _build_file(path, source, src_path, arch, opts)
+
+
+# ----------------------------------------------------------------------------- compiling ahead
+# get_function notes each module it loads for the device's own target (a source under kernels/ and its
+# defines) in a list per target beside the cubins. compile_ahead compiles the listed modules whose cubin is
+# missing on worker threads (NVRTC compiles programs concurrently): the run after the pack's kernels or NVRTC
+# changed (every cache key new) then waits about as long as the slowest module, not for all of them in turn.
+AHEAD_DAYS = 30  # a module no process has loaded for this many days leaves the list
+_building: dict = {}  # cubin path -> the Future of the worker compiling it
+_noted: set = set()  # (source, defines, target) this process has noted
+_ahead: set = set()  # targets compile_ahead has run for in this process
+
+
+def _wanted_path(arch: str) -> Path:
+    return _cubin_cache_dir() / f"wanted-{arch}.json"
+
+
+def _read_wanted(arch: str) -> list[dict]:
+    try:
+        entries = json.loads(_wanted_path(arch).read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: nothing to compile ahead
+        return []
+    ok = lambda e: (isinstance(e, dict) and isinstance(e.get("source"), str)  # noqa: E731
+                    and isinstance(e.get("defines"), dict) and isinstance(e.get("day"), int))
+    return [e for e in entries if ok(e)] if isinstance(entries, list) else []
+
+
+def _note_wanted(src_path: Path, arch: str, defines: dict | None) -> None:
+    """Adds the module to the target's list (or marks it used today); sources outside kernels/ are not listed."""
+    try:
+        rel = Path(src_path).resolve().relative_to(KERNELS_DIR).as_posix()
+    except ValueError:  # a benchmark's experiment
+        return
+    d = {k: int(v) for k, v in sorted((defines or {}).items())}
+    key = (rel, tuple(d.items()), arch)
+    if key in _noted:
+        return
+    _noted.add(key)
+    today = int(time.time() // 86400)
+    entries = _read_wanted(arch)
+    for e in entries:
+        if e["source"] == rel and e["defines"] == d:
+            if e["day"] == today:
+                return
+            e["day"] = today
+            break
+    else:
+        entries.append({"source": rel, "defines": d, "day": today})
+    entries = [e for e in entries if today - e["day"] <= AHEAD_DAYS]
+    try:
+        _write_atomic(_wanted_path(arch), json.dumps(entries, indent=0).encode())
+    except OSError:  # a read-only cache folder: the list is only a head start
+        pass
+
+
+def compile_ahead(arch: str, workers: int | None = None) -> int:
+    """Starts compiling, on `workers` threads (default: the CPUs less one, at most 8), the modules of the list
+    for `arch` whose cubin is missing; get_function waits for a module's worker instead of compiling it again.
+    Once per target and process; returns how many compiles it started."""
+    with _lock:
+        if arch in _ahead:
+            return 0
+        _ahead.add(arch)
+    jobs = []
+    for e in _read_wanted(arch):
+        src = KERNELS_DIR / e["source"]
+        try:
+            source = src.read_text()
+            opts = _options(src, arch, e["defines"])
+        except (OSError, ValueError):  # a source the pack no longer has, a define name it would not take
+            continue
+        path = _cubin_path(source, src, arch, opts)
+        if not path.is_file() and path not in _building:
+            jobs.append((path, source, src, arch, opts))
+    if not jobs:
+        return 0
+    _nvrtc()  # loaded once, before the threads
+    from concurrent.futures import ThreadPoolExecutor
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1))
+    pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="qwen35-nvrtc")
+    for job in jobs:
+        _building[job[0]] = pool.submit(_build_file, *job)
+    pool.shutdown(wait=False)  # the workers end with their queue
+    return len(jobs)
 
 
 def get_function(src_path, name: str, device, defines: dict | None = None, arch: str | None = None):
@@ -252,6 +356,7 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
     if fn is None:
         src_path = Path(src_path)
         source = src_path.read_text()
+        own = arch is None  # the device's own target: listed for compile_ahead
         arch = arch or arch_for_capability(*torch.cuda.get_device_capability(index))
         key = (source, _local_headers(src_path), dkey, arch, name, index)
         with _lock:
@@ -264,6 +369,8 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
                     fn.kernel  # load the module now, not inside a CUDA-graph capture
                 _functions[key] = fn
                 _targets[id(fn)] = arch
+                if own:
+                    _note_wanted(src_path, arch, defines)
             _by_path[fast] = fn
     return fn
 

@@ -186,6 +186,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     dt = resolve_dtype(dtype, dev)
     from .tokenizer import load_tokenizer
     tokenizer = load_tokenizer(ckpt.tokenizer_dir)
+    if backend != "torch":
+        kernels.compile_ahead(dev)  # on worker threads, while the weights are read
     model, oom = None, False
     try:
         model = Qwen35Model(ckpt.config, dt, dev)

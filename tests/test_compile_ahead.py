@@ -1,0 +1,123 @@
+"""Compiling ahead (cuda_build.compile_ahead): get_function lists the modules it loads per target beside the
+cubins; compile_ahead compiles the listed ones whose cubin is missing on worker threads, and the caller's
+get_function waits for that worker instead of compiling again. CPU tests with NVRTC faked; one GPU test end to
+end."""
+import threading
+import time
+
+import pytest
+import torch
+
+from qwen35_fast.kernels import cuda_build as cb
+
+NORM = cb.KERNELS_DIR / "rms_norm" / "rms_norm.cu"
+CONV = cb.KERNELS_DIR / "conv1d" / "conv1d.cu"
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """An empty cache folder, this process's notes and compile_ahead's targets cleared, and NVRTC faked: each
+    compile takes 50 ms and is recorded with the thread that ran it; a source named in `fail` fails."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cb, "_noted", set())
+    monkeypatch.setattr(cb, "_ahead", set())
+    monkeypatch.setattr(cb, "_building", {})
+    monkeypatch.setattr(cb, "cuda_include_dir", lambda: tmp_path)
+    monkeypatch.setattr(cb, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(cb, "_nvrtc", lambda: None)
+    state = {"compiled": [], "fail": set()}
+
+    def compile_(source, src_path, arch, opts):
+        time.sleep(0.05)
+        state["compiled"].append((src_path.name, tuple(o for o in opts if o.startswith("-D")),
+                                  threading.current_thread().name))
+        if src_path.name in state["fail"]:
+            raise cb.KernelBuildError(f"NVRTC failed to compile {src_path.name}")
+        return b"cubin of " + " ".join(opts).encode()
+    monkeypatch.setattr(cb, "_compile", compile_)
+    return state
+
+
+def _path(src, arch, defines):
+    return cb._cubin_path(src.read_text(), src, arch, cb._options(src, arch, defines))
+
+
+def test_loaded_modules_are_listed_per_target_once_a_day(fake, monkeypatch):
+    cb._note_wanted(NORM, "sm_90a", {"DIM": 4096, "IN_T": 2})
+    cb._note_wanted(NORM, "sm_90a", {"IN_T": 2, "DIM": 4096})  # the same module: noted once
+    cb._note_wanted(CONV, "sm_90a", {})
+    cb._note_wanted(CONV, "sm_86", {"TX": 0})
+    cb._note_wanted(cb.KERNELS_DIR.parent / "bench" / "experiments" / "x.cu", "sm_90a", {})  # not the pack's
+    assert cb._read_wanted("sm_90a") == [
+        {"source": "rms_norm/rms_norm.cu", "defines": {"DIM": 4096, "IN_T": 2}, "day": int(time.time() // 86400)},
+        {"source": "conv1d/conv1d.cu", "defines": {}, "day": int(time.time() // 86400)}]
+    assert [e["defines"] for e in cb._read_wanted("sm_86")] == [{"TX": 0}]
+    # a later process, days later: the module used again is marked today, one unused for AHEAD_DAYS leaves
+    today = int(time.time() // 86400)
+    monkeypatch.setattr(cb, "_noted", set())
+    monkeypatch.setattr(cb.time, "time", lambda: (today + cb.AHEAD_DAYS + 1) * 86400.0)
+    cb._note_wanted(CONV, "sm_90a", {})
+    assert cb._read_wanted("sm_90a") == [{"source": "conv1d/conv1d.cu", "defines": {}, "day": today + cb.AHEAD_DAYS + 1}]
+    cb._wanted_path("sm_80").write_text("{not json")  # a damaged list is an empty one, and is written anew
+    assert cb._read_wanted("sm_80") == []
+    cb._note_wanted(CONV, "sm_80", {})
+    assert len(cb._read_wanted("sm_80")) == 1
+
+
+def test_listed_modules_compile_on_workers_and_the_caller_waits_for_them(fake):
+    mods = [(NORM, {"DIM": d, "IN_T": 2}) for d in (128, 256, 4096)] + [(CONV, {"TX": 0})]
+    for src, d in mods:
+        cb._note_wanted(src, "sm_90a", d)
+    cb._wanted_path("sm_90a").write_text(cb._wanted_path("sm_90a").read_text()[:-1]
+                                         + ', {"source": "gone/gone.cu", "defines": {}, "day": 1}]')  # no such file
+    cb._write_atomic(_path(NORM, "sm_90a", mods[0][1]), b"cached")  # on disk already: not compiled again
+    assert cb.compile_ahead("sm_90a", workers=3) == 3
+    assert cb.compile_ahead("sm_90a") == 0  # once per target and process
+    src, d = mods[3]
+    got = cb._load_or_compile(src.read_text(), src, "sm_90a", d)  # waits for its worker
+    assert got.read_bytes().startswith(b"cubin of ")
+    for f in list(cb._building.values()):
+        f.result()
+    assert len(fake["compiled"]) == 3 and all(t.startswith("qwen35-nvrtc") for *_, t in fake["compiled"])
+    for src, d in mods[1:3]:  # compiled by the workers: loading them compiles nothing more
+        assert cb._load_or_compile(src.read_text(), src, "sm_90a", d).is_file()
+    assert len(fake["compiled"]) == 3 and cb._load_or_compile(NORM.read_text(), NORM, "sm_90a", mods[0][1]).read_bytes() == b"cached"
+
+
+def test_a_module_that_failed_ahead_is_compiled_again_and_raises_for_the_caller(fake):
+    cb._note_wanted(CONV, "sm_90a", {"TX": 0})
+    fake["fail"].add("conv1d.cu")
+    assert cb.compile_ahead("sm_90a", workers=1) == 1
+    with pytest.raises(cb.KernelBuildError, match="conv1d.cu"):
+        cb._load_or_compile(CONV.read_text(), CONV, "sm_90a", {"TX": 0})
+    assert [n for n, _, t in fake["compiled"]] == ["conv1d.cu", "conv1d.cu"]  # the worker's, then the caller's
+    assert fake["compiled"][1][2] == threading.current_thread().name and not cb._building
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_listed_module_is_compiled_ahead_and_runs(monkeypatch, tmp_path):
+    """get_function lists what it loads; with its cubin gone (an update) and this process's caches cleared,
+    compile_ahead rebuilds it on a worker and the kernel it gives then computes the norm."""
+    from qwen35_fast import kernels
+    from qwen35_fast.kernels.rms_norm.launch import rms_norm_cuda
+    from qwen35_fast.kernels.rms_norm.reference import rms_norm_ref
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    for name in ("_noted", "_ahead"):
+        monkeypatch.setattr(cb, name, set())
+    for name in ("_building", "_functions", "_by_path"):
+        monkeypatch.setattr(cb, name, {})
+    x = torch.randn(5, 4096, device="cuda").bfloat16()
+    w = torch.randn(4096, device="cuda").bfloat16()
+    want = rms_norm_cuda(x, w, 1e-6)
+    arch = cb.card_of("cuda").arch
+    listed = cb._read_wanted(arch)
+    assert any(e["source"] == "rms_norm/rms_norm.cu" for e in listed)
+    for f in tmp_path.glob("qwen35_fast/*.cubin"):
+        f.unlink()
+    monkeypatch.setattr(cb, "_functions", {})
+    monkeypatch.setattr(cb, "_by_path", {})
+    assert kernels.compile_ahead("cuda") == len(listed)
+    got = rms_norm_cuda(x, w, 1e-6)
+    assert torch.equal(got, want) and (got.float() - rms_norm_ref(x, w, 1e-6).float()).abs().max() < 0.1
+    assert not cb._building and len(list(tmp_path.glob("qwen35_fast/*.cubin"))) == len(listed)
