@@ -111,9 +111,14 @@ def test_on_the_gpu_a_listed_module_is_compiled_ahead_and_runs(monkeypatch, tmp_
     w = torch.randn(4096, device="cuda").bfloat16()
     want = rms_norm_cuda(x, w, 1e-6)
     arch = cb.card_of("cuda").arch
+    probe = cb.KERNELS_DIR / "probe.cu"
+    cb.get_function(probe, "probe_scale", "cuda", {"X": 1}, arch=arch)  # the device's own target, named: listed
+    cb.get_function(probe, "probe_scale", "cuda", {"X": 2}, arch="compute_80")  # another target: not listed
     listed = cb._read_wanted(arch)
     assert any(e["source"] == "rms_norm/rms_norm.cu" for e in listed)
-    for f in tmp_path.glob("qwen35_fast/*.cubin"):
+    assert [e["defines"] for e in listed if e["source"] == "probe.cu"] == [{"X": 1}]
+    assert cb._read_wanted("compute_80") == []
+    for f in [*tmp_path.glob("qwen35_fast/*.cubin"), *tmp_path.glob("qwen35_fast/*.ptx")]:
         f.unlink()
     monkeypatch.setattr(cb, "_functions", {})
     monkeypatch.setattr(cb, "_by_path", {})
