@@ -7,8 +7,8 @@ whether the two give the same output bit for bit.
         [--rounds 4] [--kernel mma] [--out ab.json]
 
 B must sit beside A (the kernels include their neighbours by relative path) and replaces the source of its
-kind: paged_attention.cu (the mma.sync kernel and the merge of the shares), paged_decode.cu,
-paged_attention_wg.cu. --kernel forces one kernel ("mma", "dec", "wg") instead of the plan's, e.g. the
+kind: paged_attention.cu (the mma.sync kernel), paged_decode.cu, paged_attention_wg.cu, paged_combine.cu (the
+merge of the shares). --kernel forces one kernel ("mma", "dec", "wg") instead of the plan's, e.g. the
 mma.sync kernel that cards without wgmma run.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from qwen35_fast.kernels.paged_attention import launch as pa_launch
 
 from paged_attention import DEV, HKV, L2_DEFEAT_BYTES, D, H, graph_ms, paged_setup
 
-ATTR = {"paged_attention.cu": "SRC", "paged_decode.cu": "SRC_DEC", "paged_attention_wg.cu": "SRC_WG"}
+ATTR = {"paged_attention.cu": "SRC", "paged_decode.cu": "SRC_DEC", "paged_attention_wg.cu": "SRC_WG",
+        "paged_combine.cu": "SRC_COMBINE"}
 CASES = "1x1024,1x16384,1x65536,16x1024,16x16384,16x65536,256x1024,256x16384"
 
 

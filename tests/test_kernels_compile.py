@@ -67,6 +67,7 @@ VARIANTS = {
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],
     "paged_attention_wg.cu": [{"BLOCK_SIZE": b, "SPLIT": s} for b in (16, 64) for s in (0, 1)],
+    "paged_combine.cu": [{"HEAD_DIM": d, "GATE": g} for d in (128, 256) for g in (0, 1)],
     "paged_decode.cu": [{"BLOCK_SIZE": b, "SPLIT": s, "GATE": g} for b in (16, 64) for s in (0, 1) for g in (0, 1)],
     # vision/launch.py: the released towers' heads (12 x 64, 16 x 64, 16 x 72) and other multiples of 8; row
     # lengths over every threads-per-row choice of layer_norm.cu (1 / 2 / 4 / 8 warps), plain and fused

@@ -358,7 +358,7 @@ def test_paged_attention_vs_reference(case, forced_splits, kernel):
 
 
 def test_combine_shape_stays_inside_the_kernels_arrays():
-    """paged_attention.cu's combine holds rows x splits weights (128), one float4 per thread (256 threads) and
+    """paged_combine.cu holds rows x splits weights (128), one float4 per thread (256 threads) and
     one sum per 8 threads for the groups' sums; every group count and column width the launcher can give stays
     inside them."""
     for D in (32, 64, 96, 128, 160, 256):

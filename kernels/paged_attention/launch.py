@@ -19,6 +19,7 @@ import torch
 from ..cuda_build import card_of, get_function, launch
 
 SRC = Path(__file__).with_name("paged_attention.cu")
+SRC_COMBINE = Path(__file__).with_name("paged_combine.cu")
 SRC_WG = Path(__file__).with_name("paged_attention_wg.cu")
 SRC_DEC = Path(__file__).with_name("paged_decode.cu")
 BN = 32  # keys per tile, as in paged_attention.cu
@@ -29,7 +30,7 @@ THREADS_DEC = 128  # paged_decode.cu: four warps on one 16-row tile
 # at GQA 4: 1,024 keys 11.1 / 11.4 / 12.7 / 14.5 against 15.6 / 16.1 / 16.3 / 16.8; 4,096 keys 16.7 / 16.9 against
 # 17.0 / 17.6, but 20.2 / 25.3 against 18.4 / 19.2; bench/results/paged-decode-tiles-h200.log)
 DEC_KEY_ROWS = 8192
-MAX_SPLITS = 128  # paged_attention.cu's COMBINE_MAX_SPLITS
+MAX_SPLITS = 128  # paged_combine.cu's COMBINE_MAX_SPLITS
 MIN_KEYS_PER_SPLIT = 128  # mma.sync kernel: below that the combine costs more than the split saves
 
 
@@ -186,7 +187,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          f"kernel unset")
     p = plan(max_q, N, Hkv, group, max_blocks * bs, sms, splits, wgmma and D % 64 == 0, kernel, D, card.smem_per_sm)
     if not 1 <= p.splits <= MAX_SPLITS:
-        raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_attention.cu's "
+        raise ValueError(f"paged_attention: splits must be in 1 .. {MAX_SPLITS} (paged_combine.cu's "
                          f"COMBINE_MAX_SPLITS), got {p.splits}")
     defines = {"HEAD_DIM": D, "GROUP": group, "BLOCK_SIZE": bs, "SPLIT": int(p.splits > 1),
                "GATE": int(gate is not None)}
@@ -214,7 +215,7 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
             np.int32(Hkv), np.int32(T), np.float32(scale * math.log2(math.e)), np.int32(bool(write_kv))),
            shared_mem=smem)
     if p.splits > 1:
-        comb = get_function(SRC, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
+        comb = get_function(SRC_COMBINE, "paged_attention_combine", q.device, {"HEAD_DIM": D, "GATE": int(gate is not None)})
         cols, groups, rows = combine_shape(D, p.splits)
         launch(comb, (math.ceil(T * H / rows), D // cols, 1), (groups * cols // 4, rows, 1),
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),

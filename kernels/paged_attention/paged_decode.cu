@@ -1,6 +1,6 @@
 // Paged attention for decode steps: at most 16 rows ((new token, q head of the group) pairs: one to four new
 // tokens at GQA 4) of one (sequence, kv head) against its cached context, one key share per block (SPLIT).
-// Layout, causal rule, K/V append and shares as in paged_attention.cu, whose combine kernel merges the shares.
+// Layout, causal rule, K/V append and shares as in paged_attention.cu; paged_combine.cu merges the shares.
 //
 // Why a kernel of its own: paged_attention.cu gives these rows one warp per block (16 rows are one mma
 // tile), three such blocks per H200 SM (one per RTX SM). A warp alone on its scheduler waits out the latency
