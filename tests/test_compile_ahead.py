@@ -10,6 +10,8 @@ import torch
 
 from qwen35_fast.kernels import cuda_build as cb
 
+from _models import rel
+
 NORM = cb.KERNELS_DIR / "rms_norm" / "rms_norm.cu"
 CONV = cb.KERNELS_DIR / "conv1d" / "conv1d.cu"
 
@@ -124,5 +126,6 @@ def test_on_the_gpu_a_listed_module_is_compiled_ahead_and_runs(monkeypatch, tmp_
     monkeypatch.setattr(cb, "_by_path", {})
     assert kernels.compile_ahead("cuda") == len(listed)
     got = rms_norm_cuda(x, w, 1e-6)
-    assert torch.equal(got, want) and (got.float() - rms_norm_ref(x, w, 1e-6).float()).abs().max() < 0.1
+    assert torch.equal(got, want) and rel(got, rms_norm_ref(x, w, 1e-6)) < 4e-3
+    cb.get_function(probe, "probe_scale", "cuda", {"X": 1})  # waits for its worker: none is left
     assert not cb._building and len(list(tmp_path.glob("qwen35_fast/*.cubin"))) == len(listed)
