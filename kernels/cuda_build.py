@@ -267,6 +267,7 @@ AHEAD_DAYS = 30  # a module no process has loaded for this many days leaves the 
 _building: dict = {}  # cubin path -> the Future of the worker compiling it
 _noted: set = set()  # (source, defines, target) this process has noted
 _ahead: set = set()  # targets compile_ahead has run for in this process
+_list_lock = threading.Lock()  # the lists' read-modify-writes (the caller's thread and the workers)
 
 
 def _wanted_path(arch: str) -> Path:
@@ -295,20 +296,35 @@ def _note_wanted(src_path: Path, arch: str, defines: dict | None) -> None:
         return
     _noted.add(key)
     today = int(time.time() // 86400)
-    entries = _read_wanted(arch)
-    for e in entries:
-        if e["source"] == rel and e["defines"] == d:
-            if e["day"] == today:
-                return
-            e["day"] = today
-            break
-    else:
-        entries.append({"source": rel, "defines": d, "day": today})
-    entries = [e for e in entries if today - e["day"] <= AHEAD_DAYS]
+    with _list_lock:
+        entries = _read_wanted(arch)
+        for e in entries:
+            if e["source"] == rel and e["defines"] == d:
+                if e["day"] == today:
+                    return
+                e["day"] = today
+                break
+        else:
+            entries.append({"source": rel, "defines": d, "day": today})
+        _write_wanted(arch, [e for e in entries if today - e["day"] <= AHEAD_DAYS])
+
+
+def _write_wanted(arch: str, entries: list[dict]) -> None:
     try:
         _write_atomic(_wanted_path(arch), json.dumps(entries, indent=0).encode())
     except OSError:  # a read-only cache folder: the list is only a head start
         pass
+
+
+def _build_ahead(path: Path, source: str, src_path: Path, arch: str, opts: list[str], entry: dict) -> Path:
+    """A worker's compile; a module that no longer compiles (defines an older version of the pack took) leaves
+    the list, so that later starts do not try it again."""
+    try:
+        return _build_file(path, source, src_path, arch, opts)
+    except KernelBuildError:
+        with _list_lock:
+            _write_wanted(arch, [e for e in _read_wanted(arch) if (e["source"], e["defines"]) != (entry["source"], entry["defines"])])
+        raise
 
 
 def compile_ahead(arch: str, workers: int | None = None) -> int:
@@ -329,7 +345,7 @@ def compile_ahead(arch: str, workers: int | None = None) -> int:
             continue
         path = _cubin_path(source, src, arch, opts)
         if not path.is_file() and path not in _building:
-            jobs.append((path, source, src, arch, opts))
+            jobs.append((path, source, src, arch, opts, e))
     if not jobs:
         return 0
     _nvrtc()  # loaded once, before the threads
@@ -337,7 +353,7 @@ def compile_ahead(arch: str, workers: int | None = None) -> int:
     workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1))
     pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="qwen35-nvrtc")
     for job in jobs:
-        _building[job[0]] = pool.submit(_build_file, *job)
+        _building[job[0]] = pool.submit(_build_ahead, *job)
     pool.shutdown(wait=False)  # the workers end with their queue
     return len(jobs)
 

@@ -86,14 +86,21 @@ def test_listed_modules_compile_on_workers_and_the_caller_waits_for_them(fake):
     assert len(fake["compiled"]) == 3 and cb._load_or_compile(NORM.read_text(), NORM, "sm_90a", mods[0][1]).read_bytes() == b"cached"
 
 
-def test_a_module_that_failed_ahead_is_compiled_again_and_raises_for_the_caller(fake):
+def test_a_module_that_failed_ahead_leaves_the_list_and_raises_for_its_caller(fake):
+    """A listed module that no longer compiles (defines an older version took) is dropped from the list, the
+    others stay; a caller that does ask for it compiles it again and gets the error."""
     cb._note_wanted(CONV, "sm_90a", {"TX": 0})
+    cb._note_wanted(NORM, "sm_90a", {"DIM": 128})
     fake["fail"].add("conv1d.cu")
-    assert cb.compile_ahead("sm_90a", workers=1) == 1
+    assert cb.compile_ahead("sm_90a", workers=1) == 2
+    for f in list(cb._building.values()):
+        f.exception()
+    assert [e["source"] for e in cb._read_wanted("sm_90a")] == ["rms_norm/rms_norm.cu"]
+    fake["compiled"].clear()
     with pytest.raises(cb.KernelBuildError, match="conv1d.cu"):
         cb._load_or_compile(CONV.read_text(), CONV, "sm_90a", {"TX": 0})
-    assert [n for n, _, t in fake["compiled"]] == ["conv1d.cu", "conv1d.cu"]  # the worker's, then the caller's
-    assert fake["compiled"][1][2] == threading.current_thread().name and not cb._building
+    assert [(n, t) for n, _, t in fake["compiled"]] == [("conv1d.cu", threading.current_thread().name)]
+    assert list(cb._building) == [_path(NORM, "sm_90a", {"DIM": 128})]  # compiled, not yet asked for
 
 
 @pytest.mark.gpu
