@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).resolve().parent
 HEADER = "cuda_bf16.h"
 _lock = threading.Lock()
@@ -255,7 +257,14 @@ def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | Non
             pass
     if path.is_file() and path.stat().st_size > 0:
         return path
+    if not _told:
+        _told.append(path)
+        log.info("Qwen3.5: compiling the CUDA kernels for this GPU (%s) as they are first used; the first prompts "
+                 "wait for them once, later runs load them from %s", arch, path.parent)
     return _build_file(path, source, src_path, arch, opts)
+
+
+_told: list = []  # the compile note is logged once a process
 
 
 # ----------------------------------------------------------------------------- compiling ahead

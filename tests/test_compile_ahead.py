@@ -24,6 +24,7 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(cb, "_noted", set())
     monkeypatch.setattr(cb, "_ahead", set())
     monkeypatch.setattr(cb, "_building", {})
+    monkeypatch.setattr(cb, "_told", [])
     monkeypatch.setattr(cb, "cuda_include_dir", lambda: tmp_path)
     monkeypatch.setattr(cb, "nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(cb, "_nvrtc", lambda: None)
@@ -136,3 +137,15 @@ def test_on_the_gpu_a_listed_module_is_compiled_ahead_and_runs(monkeypatch, tmp_
     assert torch.equal(got, want) and rel(got, rms_norm_ref(x, w, 1e-6)) < 4e-3
     cb.get_function(probe, "probe_scale", "cuda", {"X": 1})  # waits for its worker: none is left
     assert not cb._building and len(list(tmp_path.glob("qwen35_fast/*.cubin"))) == len(listed)
+
+
+def test_the_first_compile_of_a_process_says_so_once(fake, caplog):
+    """Compiling on the caller's thread (a cache miss) logs once a process what the wait is and where the cubins
+    go; loading a cached one says nothing."""
+    with caplog.at_level("INFO", logger="qwen35_fast.kernels.cuda_build"):
+        cb._load_or_compile(NORM.read_text(), NORM, "sm_90a", {"DIM": 128})
+        cb._load_or_compile(NORM.read_text(), NORM, "sm_90a", {"DIM": 256})
+        cb._load_or_compile(NORM.read_text(), NORM, "sm_90a", {"DIM": 128})
+    said = [r.getMessage() for r in caplog.records if "compiling the CUDA kernels" in r.getMessage()]
+    assert len(said) == 1 and "sm_90a" in said[0] and str(cb._cubin_cache_dir()) in said[0]
+    assert len(fake["compiled"]) == 2
