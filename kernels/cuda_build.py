@@ -246,6 +246,9 @@ def _build_file(path: Path, source: str, src_path: Path, arch: str, opts: list[s
     return path
 
 
+_told: list = []  # the note that kernels are being compiled is logged once a process
+
+
 def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | None) -> Path:
     opts = _options(src_path, arch, defines)
     path = _cubin_path(source, src_path, arch, opts)
@@ -262,9 +265,6 @@ def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | Non
         log.info("Qwen3.5: compiling the CUDA kernels for this GPU (%s) as they are first used; the first prompts "
                  "wait for them once, later runs load them from %s", arch, path.parent)
     return _build_file(path, source, src_path, arch, opts)
-
-
-_told: list = []  # the compile note is logged once a process
 
 
 # ----------------------------------------------------------------------------- compiling ahead
@@ -331,8 +331,9 @@ def _build_ahead(path: Path, source: str, src_path: Path, arch: str, opts: list[
     try:
         return _build_file(path, source, src_path, arch, opts)
     except KernelBuildError:
+        gone = (entry["source"], entry["defines"])
         with _list_lock:
-            _write_wanted(arch, [e for e in _read_wanted(arch) if (e["source"], e["defines"]) != (entry["source"], entry["defines"])])
+            _write_wanted(arch, [e for e in _read_wanted(arch) if (e["source"], e["defines"]) != gone])
         raise
 
 
