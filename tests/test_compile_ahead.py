@@ -149,3 +149,13 @@ def test_the_first_compile_of_a_process_says_so_once(fake, caplog):
     said = [r.getMessage() for r in caplog.records if "compiling the CUDA kernels" in r.getMessage()]
     assert len(said) == 1 and "sm_90a" in said[0] and str(cb._cubin_cache_dir()) in said[0]
     assert len(fake["compiled"]) == 2
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_the_list_only(fake, monkeypatch, tmp_path):
+    """Where the list cannot be written (the cache path is a file here), noting a module and compiling ahead do
+    nothing and raise nothing: the list is a head start, not a need."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked))
+    cb._note_wanted(NORM, "sm_90a", {"DIM": 128})
+    assert cb._read_wanted("sm_90a") == [] and cb.compile_ahead("sm_90a") == 0 and not fake["compiled"]
