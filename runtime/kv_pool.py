@@ -239,20 +239,26 @@ class KVPool:
 
     @_locked
     def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "") -> list[int]:
-        """n fresh blocks (reference count 1), evicting least recently used snapshots (never `keep`) as
-        needed. Raises PromptTooLong / PoolExhausted naming the numbers when they cannot be had."""
+        """n fresh blocks (reference count 1), evicting snapshots (never `keep`) as needed: least recently
+        used first among those whose eviction frees a block, and none at all when evicting every one would
+        still leave too few (the prefix cache stays whole for a store that grows instead). Raises
+        PromptTooLong / PoolExhausted naming the numbers when the blocks cannot be had."""
         if n > self.num_blocks:
             raise PromptTooLong(
                 f"{what or 'this request'} needs {n} K/V blocks ({n * self.block_size} token positions at block "
                 f"size {self.block_size}) but the whole pool holds {self.num_blocks} blocks "
                 f"({self.num_blocks * self.block_size} positions); raise the loader's cache budget or shorten the prompt")
-        while len(self._free) < n and self._evict_one(keep):
-            pass
         if len(self._free) < n:
-            raise PoolExhausted(
-                f"{what or 'this request'} needs {n} K/V blocks but only {len(self._free)} of the pool's "
-                f"{self.num_blocks} are free; the other {self.num_blocks - len(self._free)} are held by live "
-                f"prefills / generations. Free some (delete their nodes' outputs) or raise the cache budget")
+            cached = self._reclaimable(keep)
+            have = len(self._free) + len(cached)
+            if have < n:
+                note = f" ({len(cached)} of them held by the prefix cache alone, which gives them up)" if cached else ""
+                raise PoolExhausted(
+                    f"{what or 'this request'} needs {n} K/V blocks but only {have} of the pool's "
+                    f"{self.num_blocks} are free{note}; the other {self.num_blocks - have} are held by live "
+                    f"prefills / generations. Free some (delete their nodes' outputs) or raise the cache budget")
+            while len(self._free) < n:
+                self._drop(self._costliest_kept(keep, cached))
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
@@ -275,13 +281,7 @@ class KVPool:
         need = self.blocks_for(num_tokens) - len(seq.blocks)
         if need <= 0:
             return True
-        held = {}  # block -> how many snapshots (but keep) list it
-        for snap in self._snapshots.values():
-            if snap is not keep:
-                for b in snap.blocks:
-                    held[b] = held.get(b, 0) + 1
-        reclaimable = sum(1 for b, n in held.items() if self.refcount[b] == n)  # freed by evicting them all
-        if need > len(self._free) + reclaimable:
+        if need > len(self._free) + len(self._reclaimable(keep)):
             return False
         seq.blocks += self.allocate(need, keep=keep)
         return True
@@ -375,6 +375,22 @@ class KVPool:
             del self._snapshot_lengths[snap.num_tokens]
         self.snapshot_bytes -= snap.nbytes
         self.release(snap.blocks)
+
+    def _reclaimable(self, keep: Optional[Snapshot]) -> set:
+        """The blocks that evicting every snapshot but `keep` would free: held by those snapshots alone."""
+        held = {}  # block -> how many snapshots (but keep) list it
+        for snap in self._snapshots.values():
+            if snap is not keep:
+                for b in snap.blocks:
+                    held[b] = held.get(b, 0) + 1
+        return {b for b, n in held.items() if self.refcount[b] == n}
+
+    def _costliest_kept(self, keep: Optional[Snapshot], cached: set) -> Snapshot:
+        """The snapshot allocate evicts next: the least recently used one that frees a block by itself, else
+        (blocks shared by snapshots alone) the least recently used one holding such blocks; never one whose
+        blocks live sequences hold too, which would free nothing."""
+        useful = [s for s in self._snapshots.values() if s is not keep and any(b in cached for b in s.blocks)]
+        return next((s for s in useful if any(self.refcount[b] == 1 for b in s.blocks)), useful[0])
 
     def _evict_one(self, keep: Optional[Snapshot]) -> bool:
         for snap in self._snapshots.values():

@@ -187,6 +187,36 @@ def test_errors_name_both_numbers():
     _admit(pool, _toks(60, 2))
 
 
+
+def test_eviction_drops_only_snapshots_that_free_blocks():
+    """Snapshots whose blocks a live prefill holds free nothing when dropped: a request that cannot be met
+    anyway evicts none of them (a growing store keeps its prefix cache whole), and one that can is met by
+    evicting only what frees blocks, least recently used first; snapshots that share blocks held by nothing
+    else are evicted together when their blocks are needed."""
+    pool = KVPool(4, 16)
+    a = _toks(40)
+    live = SequenceBlocks()
+    pool.reserve(live, 40)  # a live prefill: 3 blocks
+    live.num_tokens = 40
+    pool.save_snapshot(live, a, 20, "A@20", 1)
+    pool.save_snapshot(live, a, 39, "A@39", 1)
+    with pytest.raises(PoolExhausted, match=r"needs 2 K/V blocks but only 1 of the pool's 4 are free; the other 3"):
+        pool.allocate(2)
+    assert [s.states for s in pool.snapshots] == ["A@20", "A@39"] and pool.match(a + [7]).states == "A@39"
+    gone = SequenceBlocks()
+    pool.reserve(gone, 16)
+    gone.num_tokens = 16
+    pool.save_snapshot(gone, _toks(16, 1), 15, "B@15", 1)
+    pool.free(gone)  # held by its snapshot alone
+    _check_refcounts(pool, [live])
+    assert pool.allocate(1) and [s.states for s in pool.snapshots] == ["A@20", "A@39"]  # older, but free nothing
+    pool.free(live)  # now A@20 and A@39 share blocks 0-1 with nothing else; A@39 alone holds block 2
+    with pytest.raises(PoolExhausted, match=r"only 3 of the pool's 4 are free \(3 of them held by the prefix cache alone, which gives them up\)"):
+        pool.allocate(4)
+    assert len(pool.snapshots) == 2
+    got = pool.allocate(3)
+    assert sorted(got) == [0, 1, 2] and pool.snapshots == [] and pool.num_free == 0
+
 def test_snapshot_reuse_shares_blocks_and_copies_the_partial_one():
     pool = KVPool(64, 16)
     system = _toks(200, 1)  # 12 full blocks + 8 tokens

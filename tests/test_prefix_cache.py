@@ -208,6 +208,21 @@ def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model
     assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
 
 
+def test_a_store_that_grows_keeps_its_prefix_cache(model, monkeypatch):
+    """An auto store too small for a prompt grows; the snapshots of live prefills' system prompt, which could
+    free no block, are kept, so the next question with that system prompt still reuses it."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    block = model_sizes(model.config, 64, model.dtype.itemsize)["kv_block_bytes"]
+    monkeypatch.setenv("QWEN35_CPU_KV_BYTES", str(int(4 * block / 0.75) + 1))  # an auto store of 4 blocks
+    store = model.setup_kv()
+    a = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+    b = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
+    assert store.num_blocks == 4 and b.cached_tokens > 0
+    big = prefill(model, "Describe, in order, " + ", ".join(f"shape {i}" for i in range(30)) + ".", use_cache=False)
+    assert store.num_blocks > 4 and store.pool.blocks_for(big.n_tokens) > store.pool.num_free
+    c = prefill(model, "Describe a green triangle.", system_prompt=SYSTEM)
+    assert c.cached_tokens == b.cached_tokens and a.n_tokens > 0
+
 @pytest.mark.parametrize("value", ["1G", "-5", "0", "2.5e9"])
 def test_a_bad_cpu_kv_budget_names_the_variable(model, monkeypatch, value):
     """QWEN35_CPU_KV_BYTES caps the auto budget off CUDA: a value that is no whole number of bytes above 0 is
