@@ -64,9 +64,12 @@ class ManagedModel:
         return self.model.size_bytes()
 
     def current_loaded_device(self) -> torch.device:
+        """Where the weights are, named as ComfyUI named the load or offload device when it is that one:
+        ComfyUI compares devices with ==, and a model on "mps:0" is on its "mps"."""
         if self.model.weights_dropped:  # let go on an unload: as unloaded as the offload device
             return self.offload_device
-        return torch.device(self.model.device)
+        here = torch.device(self.model.device)
+        return next((d for d in (self.load_device, self.offload_device) if _same(here, d)), here)
 
     def loaded_size(self) -> int:
         return self.model_size() if self._on(self.load_device) else 0
@@ -170,5 +173,9 @@ class ManagedModel:
         mm.soft_empty_cache()
 
     def _on(self, device) -> bool:
-        here, there = self.current_loaded_device(), torch.device(device)
-        return here.type == there.type and (there.index is None or here.index in (None, there.index))
+        return _same(self.current_loaded_device(), torch.device(device))
+
+
+def _same(here: torch.device, there: torch.device) -> bool:
+    """Whether a tensor on `here` is on `there` (a device without an index: its type's current one)."""
+    return here.type == there.type and (there.index is None or here.index in (None, there.index))

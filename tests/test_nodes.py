@@ -398,6 +398,11 @@ def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatc
     asked.clear()
     other.detach()  # an offload device that is not the CPU: RAM is not asked
     assert other.model.calls == [("to", "cuda")] and asked == []
+    apple = Stand()
+    apple.device = torch.device("mps", 0)  # where an Apple GPU's tensors are; ComfyUI's device is "mps"
+    m = pack.memory.ManagedModel(apple, torch.device("mps"), cpu, keep_loaded=True)
+    assert m.current_loaded_device() == torch.device("mps") and m.loaded_size() == 4 << 30  # loaded: == holds
+    assert m.partially_load(torch.device("mps")) == 0 and apple.calls == []
 
 
 def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, comfy):
