@@ -422,6 +422,14 @@ def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, c
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert fp() != first
     assert pack.Qwen35ModelLoader.fingerprint_inputs(model="no-such-model") == "no-such-model"
+    (models_dir / "text_encoders" / "alone").mkdir()  # a single file whose folder gets a tokenizer.json
+    shutil.move(f, models_dir / "text_encoders" / "alone" / f.name)
+    comfy.folder_paths.filename_list_cache.clear()
+    fp = lambda: pack.Qwen35ModelLoader.fingerprint_inputs(  # noqa: E731
+        model=f"alone/{f.name}", dtype="fp32", device="cpu", backend="torch", keep_loaded=True)
+    first = fp()
+    (models_dir / "text_encoders" / "alone" / "tokenizer.json").write_text("{}")
+    assert fp() != first
 
 
 @pytest.mark.gpu
