@@ -29,8 +29,10 @@ _loaded: dict[tuple, weakref.ref] = {}  # key -> its ManagedModel
 def _files_key(path: Path) -> tuple:
     """The checkpoint's files by name, size and modification time: a file replaced on disk is read again (for a
     single file, the tokenizer.json beside it too, which the runtime reads when it is there)."""
-    beside = [path.parent / "tokenizer.json"] if path.is_file() else []
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] + [p for p in beside if p.is_file()]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+    else:
+        files = [path] + [p for p in [path.parent / "tokenizer.json"] if p.is_file()]
     return (str(path.resolve()),) + tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])
 
 

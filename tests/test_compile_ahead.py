@@ -60,7 +60,8 @@ def test_loaded_modules_are_listed_per_target_once_a_day(fake, monkeypatch):
     monkeypatch.setattr(cb, "_noted", set())
     monkeypatch.setattr(cb.time, "time", lambda: (today + cb.AHEAD_DAYS + 1) * 86400.0)
     cb._note_wanted(CONV, "sm_90a", {})
-    assert cb._read_wanted("sm_90a") == [{"source": "conv1d/conv1d.cu", "defines": {}, "day": today + cb.AHEAD_DAYS + 1}]
+    later = today + cb.AHEAD_DAYS + 1
+    assert cb._read_wanted("sm_90a") == [{"source": "conv1d/conv1d.cu", "defines": {}, "day": later}]
     cb._wanted_path("sm_80").write_text("{not json")  # a damaged list is an empty one, and is written anew
     assert cb._read_wanted("sm_80") == []
     cb._note_wanted(CONV, "sm_80", {})

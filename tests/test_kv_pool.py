@@ -211,7 +211,8 @@ def test_eviction_drops_only_snapshots_that_free_blocks():
     _check_refcounts(pool, [live])
     assert pool.allocate(1) and [s.states for s in pool.snapshots] == ["A@20", "A@39"]  # older, but free nothing
     pool.free(live)  # now A@20 and A@39 share blocks 0-1 with nothing else; A@39 alone holds block 2
-    with pytest.raises(PoolExhausted, match=r"only 3 of the pool's 4 are free \(3 of them held by the prefix cache alone, which gives them up\)"):
+    with pytest.raises(PoolExhausted, match=r"only 3 of the pool's 4 are free \(3 of them held by the prefix cache "
+                                            r"alone, which gives them up\)"):
         pool.allocate(4)
     assert len(pool.snapshots) == 2
     got = pool.allocate(3)
