@@ -158,15 +158,17 @@ function onStopped(view, why) {
 }
 
 // A list of prefills (one prompt per image) runs the node once per item and joins their results: every
-// answer is shown, numbered, with the stats of each.
-function numbered(items) {
-  return items.length > 1 ? items.map((t, i) => `[${i + 1}/${items.length}] ${t}`).join("\n\n") : (items[0] ?? "");
+// answer is shown, numbered, with the stats of each. skipEmpty leaves out empty items (thinking that an answer
+// did not have) and keeps the others' numbers: each stays its image's.
+function numbered(items, skipEmpty = false) {
+  if (items.length <= 1) return items[0] ?? "";
+  return items.map((t, i) => (skipEmpty && !t ? null : `[${i + 1}/${items.length}] ${t}`))
+    .filter((t) => t !== null).join("\n\n");
 }
 
 function onGenerateExecuted(view, output) {
   const texts = output?.text ?? [];
-  const thinkings = (output?.thinking ?? []).filter((t) => t);
-  showAnswer(view, numbered(thinkings), numbered(texts), false);
+  showAnswer(view, numbered(output?.thinking ?? [], true), numbered(texts), false);
   view.thinking.open = false;
   const all = output?.qwen35_generate ?? [];
   const s = all[0];
