@@ -197,7 +197,9 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
     block_table int32 [N, max_blocks]; cache_lens int32 [N]; cu_q int32 [N + 1]; max_q: a host int at
         least the most new tokens of any sequence. Returns [T, H, D]. The CUDA kernel takes bf16 and head dims
     that are multiples of 32 up to 256 (every Qwen3.5 size: 256; its tiles fit an RTX card's shared memory up
-    to there); the reference runs anything else."""
+    to there); the reference runs other dtypes and head dims. Given those, the kernel's launcher refuses
+    (ValueError / TypeError, naming the input) what the format rules out: pools that are not contiguous
+    bf16, a block size that is not a power of two, q / k / v / gate rows that are not 16-byte aligned."""
     D = q.shape[-1]
     use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256
     return ops.run(ops.paged_attention_op, q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),

@@ -114,7 +114,7 @@ def _conv_prefill_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 def _conv_prefill_fake(x, weight, bias, initial_state, cu_seqlens, use_cuda):
     B, T, C = x.shape
-    return x.new_empty(B, T, C), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[1] - 1)
+    return x.new_empty(B, T, C), x.new_empty(_num_seqs(B, cu_seqlens), C, weight.shape[-1] - 1)  # [C, W] or [C, 1, W]
 
 
 def _conv_states_impl(x: torch.Tensor, initial_state: Optional[torch.Tensor], ends: torch.Tensor, width: int,

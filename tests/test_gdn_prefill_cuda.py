@@ -366,3 +366,17 @@ def test_outputs_formed_by_the_state_kernel_equal_the_output_kernels(T, B, packe
     assert torch.isfinite(o1).all()
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
     torch.testing.assert_close(h1, h2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", MAIN)
+def test_an_initial_state_at_an_odd_offset_gives_the_same_result(path):
+    """An fp32 initial state viewed 8 bytes into its storage (contiguous, not 16-byte aligned: the walk reads
+    it in 8-byte pairs from an aligned start) gives what the same values at an aligned start give."""
+    q, k, v, a, b, A_log, dt_bias, h0 = make_inputs(1, 100, 2, 4, torch.bfloat16, "model", 1, seed=5)
+    flat = torch.empty(h0.numel() + 2, dtype=torch.float32, device="cuda")
+    odd = flat[2:].view(h0.shape)
+    odd.copy_(h0)
+    assert odd.data_ptr() % 16 == 8
+    o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, **PATHS[path])
+    o2, ht2 = _launcher()(q, k, v, a, b, A_log, dt_bias, odd, **PATHS[path])
+    assert torch.equal(o, o2) and torch.equal(ht, ht2) and torch.equal(odd, h0)

@@ -362,6 +362,35 @@ def test_rms_norm_rope_falls_back_where_the_kernel_does_not_apply(impl):
         assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin), rms_norm_rope_ref(x, w, 1e-6, cos, sin))
 
 
+def test_rms_norm_rope_takes_cos_sin_at_an_odd_offset(impl):
+    """cos / sin viewed 8 bytes into their storage (contiguous, not 16-byte aligned; the kernel reads them in
+    16-byte vectors) give what aligned copies give."""
+    g = torch.Generator(device=DEV).manual_seed(8)
+    x = torch.randn(1, 7, 4, 128, generator=g, device=DEV).bfloat16()
+    w = torch.randn(128, generator=g, device=DEV) * 0.3
+    cos, sin = _rope_tables(7, 32, torch.bfloat16, g)
+    odd = [torch.empty(t.numel() + 4, dtype=t.dtype, device=DEV)[4:].view(t.shape).copy_(t) for t in (cos, sin)]
+    assert all(t.data_ptr() % 16 == 8 for t in odd)
+    assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, *odd), impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin))
+
+
+def test_decode_refuses_a_state_it_cannot_update_in_place(impl):
+    """The decode step updates its fp32 state in place in 16-byte vectors: a state viewed 8 bytes into its
+    storage is refused by name (a copy would not be the caller's state), and nothing is written."""
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(2, 2, 4, 128, 128, torch.bfloat16, torch.bfloat16,
+                                                         torch.float32, 4)
+    odd = torch.empty(state.numel() + 2, device=DEV)[2:].view(state.shape).copy_(state)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        impl.gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, odd)
+    assert torch.equal(odd, state)
+
+
+def test_conv_prefill_of_no_channels_launches_nothing(impl):
+    """C = 0 (no channels): empty outputs of the right shapes, no grid of 0 blocks."""
+    x = torch.empty(1, 5, 0, device=DEV, dtype=torch.bfloat16)
+    y, final = impl.causal_conv1d_prefill_cuda(x, torch.empty(0, 4, device=DEV, dtype=torch.bfloat16))
+    assert y.shape == (1, 5, 0) and final.shape == (1, 0, 3)
+
 @pytest.mark.parametrize("D", [1024, 2048, 4096, 5120])
 @pytest.mark.parametrize("rows", [1, 37, 1000])
 @pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)])

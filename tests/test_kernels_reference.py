@@ -304,3 +304,30 @@ def test_ops_return_contiguous_outputs_as_their_fakes_say():
         fake = fake[0] if isinstance(fake, tuple) else fake
         assert real.is_contiguous() and fake.stride() == real.stride(), op
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_conv_prefill_takes_conv1d_weights_and_its_fake_agrees():
+    """nn.Conv1d's [C, 1, W] weight, which the CUDA launcher takes, gives the [C, W] weight's result in the
+    reference too, and the op's fake (what torch.compile traces) has the real state's shape for both."""
+    from qwen35_fast.kernels import ops
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, 9, 6, generator=g), torch.randn(6, 4, generator=g)
+    y, st = causal_conv1d_prefill_ref(x, w)
+    y3, st3 = causal_conv1d_prefill_ref(x, w[:, None])
+    assert torch.equal(y, y3) and torch.equal(st, st3) and st.shape == (1, 6, 3)
+    for weight in (w, w[:, None]):
+        _, fake_state = ops._conv_prefill_fake(x, weight, None, None, None, False)
+        assert fake_state.shape == st.shape
+
+
+def test_the_residual_adds_return_the_sum_in_the_activations_dtype():
+    """add_rms_norm_ref / add_layer_norm_ref: s = res + x rounded to x's dtype (as the kernels and the ops'
+    fakes give it), whatever dtype the residual has."""
+    from qwen35_fast.kernels.rms_norm.reference import add_rms_norm_ref
+    from qwen35_fast.kernels.vision.reference import add_layer_norm_ref
+    g = torch.Generator().manual_seed(3)
+    res, x = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g).bfloat16()
+    s, y = add_rms_norm_ref(res, x, torch.zeros(64), 1e-6)
+    assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s, (res + x.float()).bfloat16())
+    s, y = add_layer_norm_ref(x, res, torch.ones(64).bfloat16(), torch.zeros(64).bfloat16(), 1e-6)
+    assert s.dtype == y.dtype == torch.bfloat16

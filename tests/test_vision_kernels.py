@@ -386,7 +386,7 @@ def test_attention_split_blocks_in_a_graph_and_on_another_stream(impl):
 @gpu
 def test_attention_backend_and_fallbacks(impl):
     """Through the backend, and the reference exactly where the kernel does not take the call: fp16, fp32,
-    head dim 80, K with its heads not packed."""
+    head dim 80, K with its heads not packed, the segment starts on the CPU (the kernel reads them on the GPU)."""
     from qwen35_fast.kernels.vision.launch import attention_takes
     q, k, v, cu = attention_inputs([300, 77], 4, 72, 9)
     be = kernels.select_backend("cuda", DEV, torch.bfloat16)
@@ -399,6 +399,8 @@ def test_attention_backend_and_fallbacks(impl):
                  tuple(torch.randn(377, 4, 80, device=DEV, dtype=torch.bfloat16) for _ in range(3)), (q, wide, v)]:
         assert not attention_takes(*args, cu)
         assert torch.equal(impl.vision_attention_cuda(*args, cu, 300), vision_attention_ref(*args, cu))
+    assert not attention_takes(q, k, v, cu.cpu())
+    assert torch.equal(impl.vision_attention_cuda(q, k, v, cu.cpu(), 300), vision_attention_ref(q, k, v, cu.cpu()))
 
 
 # ----------------------------------------------------------------------------- the tower (GPU)

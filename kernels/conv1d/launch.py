@@ -46,7 +46,7 @@ def _weight(weight: torch.Tensor, C: int) -> torch.Tensor:
 
 def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seqlens=None):
     """x: [B, T, C]; weight: [C, W]; bias: [C] or None; initial_state: [N, C, W-1] or None;
-    cu_seqlens: int32 [N + 1] with B == 1, else None (N = B).
+    cu_seqlens: int32 [N + 1] with B == 1, from 0 to T (not checked: that would wait for the GPU), else None (N = B).
     Returns y: [B, T, C] (x.dtype) and the final state [N, C, W-1] (x.dtype)."""
     B, T, C = x.shape
     weight = _weight(weight, C)
@@ -69,7 +69,7 @@ def causal_conv1d_prefill_cuda(x, weight, bias=None, initial_state=None, cu_seql
         bias = bias.contiguous()
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     final = torch.empty(N, C, W - 1, dtype=x.dtype, device=x.device)
-    if N == 0:
+    if N == 0 or C == 0:  # nothing to compute (and no grid of 0 blocks)
         return y, final
 
     es = x.element_size()

@@ -13,6 +13,8 @@ def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqle
     Returns y: [B, T, C] in x.dtype and the final state [N, C, W-1] in x.dtype.
     """
     B, T, C = x.shape
+    if weight.dim() == 3 and weight.shape[1] == 1:  # nn.Conv1d's [C, 1, W], as the kernel's launcher takes it
+        weight = weight[:, 0]
     W = weight.shape[1]
     seqs = ([(i, 0, T) for i in range(B)] if cu_seqlens is None
             else [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])

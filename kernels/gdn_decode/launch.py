@@ -58,6 +58,9 @@ def gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state):
     if state.dtype != torch.float32 or state.shape != (N, Hv, D, Dv) or not state.is_contiguous():
         raise ValueError(f"gdn_decode_step: state must be a contiguous float32 [N, Hv, D, Dv] = {(N, Hv, D, Dv)} "
                          f"tensor, got {state.dtype} {tuple(state.shape)} contiguous={state.is_contiguous()}")
+    if state.data_ptr() % 16:  # read and written in place in 16-byte vectors; a copy would not be updated
+        raise ValueError(f"gdn_decode_step: state must start on a 16-byte boundary (it starts at byte "
+                         f"{state.data_ptr() % 16} of one: a view at an offset); pass a tensor of its own")
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
     if b.dtype != a.dtype:

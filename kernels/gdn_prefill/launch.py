@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import TensorMap, card_of, get_function, launch, tensor_map
+from ..cuda_build import TensorMap, aligned16, card_of, get_function, launch, tensor_map
 from .plan import PORTABLE_OUT_THREADS, D, Plan, out_ranks, plan
 
 HERE = Path(__file__).resolve().parent
@@ -79,7 +79,7 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if initial_state is not None:
         if initial_state.shape != (N, Hv, D, D):
             raise ValueError(f"initial_state must be [{N}, {Hv}, 128, 128], got {tuple(initial_state.shape)}")
-        initial_state = initial_state.to(torch.float32).contiguous()
+        initial_state = aligned16(initial_state.to(torch.float32))  # read in 8-byte pairs
 
     o = torch.empty(B, T, Hv, D, dtype=v.dtype, device=dev)
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)

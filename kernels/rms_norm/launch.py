@@ -118,7 +118,7 @@ def rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: t
           and rope_supported(x.shape[-1], cos.shape[1]))
     if not ok:
         return rms_norm_rope_ref(x, weight, eps, cos, sin)
-    return _norm(x, None, weight, eps, (cos.contiguous(), sin.contiguous()))
+    return _norm(x, None, weight, eps, (aligned16(cos), aligned16(sin)))  # read in 16-byte vectors
 
 
 def add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

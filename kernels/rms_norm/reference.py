@@ -40,5 +40,5 @@ def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
 def add_rms_norm_ref(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's add and the norm after it: (s, rms_norm(s)), s = res + x in x.dtype."""
-    s = res + x
+    s = (res + x).to(x.dtype)
     return s, rms_norm_ref(s, weight, eps)

@@ -138,7 +138,7 @@ def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         if (x.shape != q.shape or x.dtype != q.dtype or x.device != q.device or x.stride(2) != 1
                 or x.stride(1) != hd or x.stride(0) * x.element_size() % 16):
             return False
-    return cu_seqlens.dtype == torch.int32 and card_of(q.device).wgmma
+    return cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device and card_of(q.device).wgmma
 
 
 def attention_smem(head_dim: int) -> int:

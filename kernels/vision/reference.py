@@ -80,7 +80,7 @@ def add_layer_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, b
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the LayerNorm after it: (s, LayerNorm(s)) with s = x + y in x.dtype.
     x, y: [..., D]; weight, bias: [D]."""
-    s = x + y
+    s = (x + y).to(x.dtype)
     return s, F.layer_norm(s, s.shape[-1:], weight, bias, eps)
 
 
