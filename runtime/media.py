@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -344,7 +345,8 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
         raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be above 0 frames per second")
     n = int(total / source_fps * pp.fps)
     n = min(max(n, pp.min_frames), pp.max_frames, total)
-    return torch.linspace(0, total - 1, n).round().long().tolist()
+    # in float64, as the processor's numpy: torch's float32 linspace rounds some indices (and .5 ties) otherwise
+    return [round(x) for x in np.linspace(0, total - 1, n).round().tolist()]
 
 
 def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None, device=None) -> VisionInput:

@@ -2,6 +2,7 @@
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,7 +90,7 @@ def test_image_patches_are_in_merge_block_order():
 
 def test_video_frames_timestamps_and_budget():
     pp = Preprocessing()
-    assert sample_frames(10 * 30, 30.0, pp) == torch.linspace(0, 299, 20).round().long().tolist()
+    assert sample_frames(10 * 30, 30.0, pp) == np.linspace(0, 299, 20).round().astype(int).tolist()
     assert len(sample_frames(3, 30.0, pp)) == 3  # never more frames than the video has
     assert len(sample_frames(30, 30.0, pp)) == 4  # at least min_frames
     v = preprocess_video(torch.rand(9, 48, 64, 3), fps=2.0, pp=pp)  # 4.5 s at 2 fps -> 9 frames -> 10 (pairs)
@@ -140,7 +141,18 @@ def test_video_resize_and_sampling_equal_transformers(frames, h, w):
         assert sample_frames(frames, fps, pp) == want
 
 
-@pytest.mark.parametrize("frames,fps", [(8, 2.0), (9, 2.0), (30, 30.0), (121, 24.0), (5, 1.0)])
+def test_frame_sampling_equals_transformers_on_ties_and_long_clips():
+    """The processor samples with numpy's float64 linspace: clips whose float32 spacing lands on a .5 tie or
+    drifts (225 / 236 frames, 1,384 at 24 fps, an hour at 30 fps) pick the same frames as it does."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    proc, pp = Qwen3VLVideoProcessor(), Preprocessing()
+    for frames, fps in [(226, 2.0), (236, 29.97), (1384, 24.0), (108_000, 30.0), (3_000, 25.0)]:
+        want = proc.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps), fps=2).tolist()
+        assert sample_frames(frames, fps, pp) == want, (frames, fps)
+
+
+@pytest.mark.parametrize("frames,fps", [(8, 2.0), (9, 2.0), (30, 30.0), (121, 24.0), (5, 1.0), (236, 29.97)])
 def test_video_timestamps_equal_transformers(frames, fps):
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     pp = Preprocessing()
