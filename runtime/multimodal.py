@@ -84,16 +84,19 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list
     return "".join(f"\ue000{i}\ue001" for i in front) + body, front + used
 
 
-def _vision_tokens(inp: VisionInput, tokenizer, merge: int) -> tuple[list[int], list]:
-    """Token ids and rope parts of one input."""
+def _vision_tokens(inp: VisionInput, tokenizer, merge: int, lead: str = "",
+                   encode=None) -> tuple[list[int], list]:
+    """Token ids and rope parts of one input. A video's first timestamp is text that runs on from the text before
+    it (`lead`, encoded with `encode`): the processor tokenises them as one string (": <0.5" is ":", " <", ...)."""
     t, h, w = inp.grid
     hm, wm = h // merge, w // merge
     if inp.kind == "image":
         return [VISION_START] + [IMAGE_PAD] * (t * hm * wm) + [VISION_END], [TextRun(1), VisionSpan(hm, wm),
                                                                            TextRun(1)]
     ids, parts = [], []
-    for stamp in inp.timestamps:
-        text = tokenizer.encode(f"<{stamp:.1f} seconds>")
+    for i, stamp in enumerate(inp.timestamps):
+        stamp = f"<{stamp:.1f} seconds>"
+        text = encode(lead + stamp) if i == 0 and lead else tokenizer.encode(stamp)
         ids += text + [VISION_START] + [VIDEO_PAD] * (hm * wm) + [VISION_END]
         parts += [TextRun(len(text) + 1), VisionSpan(hm, wm), TextRun(1)]
     return ids, parts
@@ -121,8 +124,9 @@ def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     pieces = _SENTINEL.split(body.strip() if trim else body)  # text, input index, text, input index, ..., text
     for k, piece in enumerate(pieces):
         if k % 2 == 1:
-            more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge)
-        elif piece:
+            lead = pieces[k - 1] if inputs[int(piece)].kind == "video" else ""  # encoded with its first timestamp
+            more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge, lead, user)
+        elif piece and not (k + 1 < len(pieces) and inputs[int(pieces[k + 1])].kind == "video"):
             more_ids = user(piece)
             more_parts = [TextRun(len(more_ids))]
         else:

@@ -32,6 +32,10 @@ CASES = [
     ("What happens?", 0, True, [VIDEO, _text("What happens?")]),
     ("Does <image> appear in the clip?", 1, True, [VIDEO, _text("Does "), IMAGE, _text(" appear in the clip?")]),
     ("  What is this?\n", 1, False, [IMAGE, _text("  What is this?\n")]),
+    # text that runs into a video's first timestamp: tokenised with it (": <0.5" is ":", " <", "0", ...)
+    ("Describe this video: <video>", 0, True, [_text("Describe this video: "), VIDEO]),
+    ("Watch:<video> what happens?", 0, True, [_text("Watch:"), VIDEO, _text(" what happens?")]),
+    ("<image>, then:<video>", 1, True, [IMAGE, _text(", then:"), VIDEO]),
 ]
 
 
@@ -53,6 +57,7 @@ def test_layout_equals_the_chat_template(template, model, case, thinking):  # no
     want = want.replace("<|vision_start|><|video_pad|><|vision_end|>",
                         "<0.5 seconds><|vision_start|><|video_pad|><|vision_end|>")
     assert ours == want
+    assert ids == model.tokenizer.encode(want)  # the ids too: the whole text tokenised at once, as the processor does
     assert sum(p.n for p in parts) == len(ids)
 
 
@@ -71,3 +76,13 @@ def test_a_follow_up_with_an_image_is_trimmed_as_the_template_trims_it(template,
     raw, _, _ = build_prompt(model, prompt, [_input("image")], 1, use_chat_template=False)
     assert model.tokenizer.decode(raw).replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>") == \
         (prompt if "<image>" in prompt else "<image>" + prompt)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_ids_are_the_rendered_text_tokenised_at_once(model, case):
+    """Without the template file: a prompt's ids equal its own text tokenised whole, as the processor tokenises
+    the rendered chat (text that runs into a video's first timestamp is one string with it)."""
+    prompt, n_images, video, _ = CASES[case]
+    inputs = [_input("image") for _ in range(n_images)] + ([_input("video")] if video else [])
+    ids, _, _ = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.")
+    assert ids == model.tokenizer.encode(model.tokenizer.decode(ids))
