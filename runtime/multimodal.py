@@ -44,17 +44,16 @@ from .rope import TextRun, VisionSpan, layout_positions
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
 PLACEHOLDER = re.compile(r"<image(?:\s*(\d+))?>|<video>")
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")  # private-use marks: where input i goes in the chat text
 
 
-def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list[int]]:
-    """The prompt with each placeholder replaced by a sentinel for input i (images 0..n-1, the video
-    n), unnamed inputs put in front; returns (text, input indices in order of appearance). The text is
-    as given: user_message trims it for a chat turn."""
+def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, list[int]]:
+    """The prompt cut at its placeholders, [text, input, text, input, ..., text] with input i an index (images
+    0..n-1, the video n), the unnamed inputs in front (each after an empty text); and the input indices in order
+    of appearance. The text is as given: user_message trims it for a chat turn."""
     used: list[int] = []
     next_free = [0]
 
-    def take(match: re.Match) -> str:
+    def take(match: re.Match) -> int:
         if match.group(0) == "<video>":
             if not has_video:
                 raise Qwen35Error("the prompt names <video> but no video is connected; connect one or remove "
@@ -77,11 +76,15 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[str, list
             name = "<video>" if i == n_images else f"image {i + 1}"
             raise Qwen35Error(f"the prompt places {name} twice; name each image or video once")
         used.append(i)
-        return f"\ue000{i}\ue001"
+        return i
 
-    body = PLACEHOLDER.sub(take, prompt)
+    pieces, last = [], 0
+    for match in PLACEHOLDER.finditer(prompt):
+        pieces += [prompt[last:match.start()], take(match)]
+        last = match.end()
+    pieces.append(prompt[last:])
     front = [i for i in range(n_images + has_video) if i not in used]
-    return "".join(f"\ue000{i}\ue001" for i in front) + body, front + used
+    return [x for i in front for x in ("", i)] + pieces, front + used
 
 
 def _vision_tokens(inp: VisionInput, tokenizer, merge: int, lead: str = "",
@@ -115,18 +118,20 @@ def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     content; a raw prompt is taken as given."""
     if prompt is not None and not isinstance(prompt, str):
         raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
-    body, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
-    if not body.strip():
+    pieces, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
+    if not order and not pieces[0].strip():
         raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
+    if trim:  # the whole message's ends: the first text's start, the last text's end (one text: both)
+        pieces[0] = pieces[0].lstrip()
+        pieces[-1] = pieces[-1].rstrip()
     tok, merge = model.tokenizer, _merge(model)
     user = _user_encoder(tok, allow_special_tokens)
     ids, parts = [], []
-    pieces = _SENTINEL.split(body.strip() if trim else body)  # text, input index, text, input index, ..., text
-    for k, piece in enumerate(pieces):
+    for k, piece in enumerate(pieces):  # text, input index, text, input index, ..., text
         if k % 2 == 1:
-            lead = pieces[k - 1] if inputs[int(piece)].kind == "video" else ""  # encoded with its first timestamp
-            more_ids, more_parts = _vision_tokens(inputs[int(piece)], tok, merge, lead, user)
-        elif piece and not (k + 1 < len(pieces) and inputs[int(pieces[k + 1])].kind == "video"):
+            lead = pieces[k - 1] if inputs[piece].kind == "video" else ""  # encoded with its first timestamp
+            more_ids, more_parts = _vision_tokens(inputs[piece], tok, merge, lead, user)
+        elif piece and not (k + 1 < len(pieces) and inputs[pieces[k + 1]].kind == "video"):
             more_ids = user(piece)
             more_parts = [TextRun(len(more_ids))]
         else:

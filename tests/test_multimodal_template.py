@@ -86,3 +86,13 @@ def test_the_ids_are_the_rendered_text_tokenised_at_once(model, case):
     inputs = [_input("image") for _ in range(n_images)] + ([_input("video")] if video else [])
     ids, _, _ = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.")
     assert ids == model.tokenizer.encode(model.tokenizer.decode(ids))
+
+
+def test_private_use_characters_in_the_prompt_stay_text(model):
+    """Text with private-use characters (the marks an earlier version put where the inputs go) stays text: one
+    image's tokens, no IndexError."""
+    from qwen35_fast.runtime.multimodal import IMAGE_PAD
+    for prompt in ["Icon \ue0000\ue001 here", "Icon \ue0003\ue001 here"]:
+        ids, _, ordered = build_prompt(model, prompt, [_input("image")], 1)
+        assert ids.count(IMAGE_PAD) == 1 and len(ordered) == 1
+        assert "\ue000" in model.tokenizer.decode(ids)
