@@ -22,7 +22,7 @@ from .errors import Qwen35Error
 log = logging.getLogger(__name__)
 
 # Where the text model's tensors live in the files people have, most specific first.
-TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.", "")
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "language_model.", "model.", "")
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
@@ -256,10 +256,14 @@ class WeightReader:
         self._stack.close()
 
     def _raw(self, file: Path, name: str):
-        if file not in self._handles:
-            from safetensors import safe_open
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-        return self._handles[file].get_tensor(name)
+        from safetensors import SafetensorError, safe_open
+        try:
+            if file not in self._handles:
+                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return self._handles[file].get_tensor(name)
+        except SafetensorError as e:  # what the header check passes and safetensors refuses (trailing bytes, ...)
+            raise Qwen35Error(f"{file}: safetensors cannot read it ({e}); the file is damaged or was written by "
+                              "another tool: re-download it") from None
 
     def get(self, file: Path, name: str, dtype, device=None):
         t = self._raw(file, name)
@@ -287,8 +291,8 @@ def _strip(name: str) -> str | None:
     """Text-model name of a tensor, or None for tensors the text model does not use."""
     if name.startswith(IGNORED_PREFIXES):
         return None
-    if name == "lm_head.weight":
-        return name
+    if name.endswith("lm_head.weight") and name[:-len("lm_head.weight")] in TEXT_PREFIXES:
+        return "lm_head.weight"  # beside the text model's prefix (ComfyUI's own name: model.lm_head.weight)
     for p in TEXT_PREFIXES:
         if name.startswith(p) and name[len(p):].split(".")[0] in ("embed_tokens", "layers", "norm"):
             return name[len(p):]
@@ -446,7 +450,9 @@ def _check_sizes(config: TextConfig, source: Path) -> None:
                           f"{LINEAR!r} and {FULL!r} layers. Re-download config.json")
 
 
-def _read_config(cfg_file: Path) -> dict:
+def read_config(cfg_file: Path) -> dict:
+    """A checkpoint's config.json as a dict, read as UTF-8 whatever the locale; a Qwen35Error naming the file when
+    it cannot be read, is not JSON or holds no object."""
     try:
         cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
     except OSError as e:
@@ -541,7 +547,7 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{path}: no config.json, so this is not a Hugging Face checkpoint folder "
                           f"(found: {found}); point the loader at the folder that holds config.json and "
                           "model*.safetensors")
-    cfg = _read_config(cfg_file)
+    cfg = read_config(cfg_file)
     block = fp8_block_of(cfg, cfg_file)
     try:
         config = from_hf_dict(cfg, str(cfg_file))

@@ -103,6 +103,9 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
                           "the file looks incomplete, re-download the checkpoint's config.json") from None
 
 
+UNTIED_WIDTHS = {4096: "9B", 5120: "27B"}  # the released sizes whose lm_head is not the embedding (0.8B to 4B tie them)
+
+
 def infer_from_shapes(shapes: dict[str, tuple[int, ...]], source: str) -> TextConfig:
     """TextConfig from text-model tensor shapes keyed without prefix ('layers.0.linear_attn.A_log', ...)."""
     def shape(name):
@@ -112,6 +115,10 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], source: str) -> TextCo
         return shapes[name]
 
     vocab, hidden = shape("embed_tokens.weight")
+    if hidden in UNTIED_WIDTHS and "lm_head.weight" not in shapes:
+        raise Qwen35Error(f"{source}: a {hidden}-wide Qwen3.5 model ({UNTIED_WIDTHS[hidden]}) without lm_head.weight: "
+                          "that size has an output layer of its own, so this file holds only the part that reads "
+                          "text (a text-encoder export) and cannot write any; load the full checkpoint")
     n_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("layers."))
     layer_types = []
     for i in range(n_layers):

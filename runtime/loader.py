@@ -118,6 +118,8 @@ def refill(model: Qwen35Model) -> None:
 def file_stamp(ckpt: Checkpoint) -> tuple:
     """(file, size, modification time) of every file the checkpoint's weights come from."""
     files = sorted({f for f, _ in ckpt.tensors.values()} | {f for f, _ in ckpt.others.values()})
+    if ckpt.path.is_dir() and (ckpt.path / "config.json").is_file():  # read again with the vision tower's weights
+        files.append(ckpt.path / "config.json")
     return tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [Path(f).stat()])
 
 

@@ -25,7 +25,6 @@ file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .checkpoint import LOADABLE_DTYPES, Checkpoint, Fp8Weight, WeightReader, fp8_block_of, fp8_weights
+from .checkpoint import LOADABLE_DTYPES, Checkpoint, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_config
 from .errors import Qwen35Error
 from .host import upload
 
@@ -457,7 +456,7 @@ def locate_vision(ckpt: Checkpoint) -> VisionCheckpoint | None:
         return None
     cfg = None
     if path.is_dir() and (path / "config.json").exists():
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_config(path / "config.json")  # UTF-8 whatever the locale; a bad file named
     side, fp8 = fp8_weights(entries, path, fp8_block_of(cfg, path / "config.json") if cfg else None)
     tensors, shapes = {}, {}
     for name, (file, meta) in entries.items():

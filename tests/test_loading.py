@@ -42,6 +42,44 @@ def test_single_file_round_trips_to_the_same_logits(folder, model, tmp_path):
     assert rel(prefill_ids(other, ids).logits, prefill_ids(model, ids).logits) == 0.0
 
 
+@pytest.mark.parametrize("text,head", [("language_model.", "language_model.lm_head.weight"),
+                                       ("model.language_model.", "model.lm_head.weight")])
+def test_other_key_layouts_load_with_their_own_output_layer(folder, model, tmp_path, text, head):
+    """transformers' base-model layout (language_model.*) and ComfyUI's name for the output layer
+    (model.lm_head.weight) load as the same model: the lm_head beside a text prefix is the model's own, not
+    dropped for the tied embedding (which gave other logits)."""
+    from safetensors import safe_open
+    tensors = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if k.startswith("model.language_model."):
+                    tensors[text + k[len("model.language_model."):]] = h.get_tensor(k)
+                elif k == "lm_head.weight":
+                    tensors[head] = h.get_tensor(k)
+    save_file(tensors, str(tmp_path / "renamed.safetensors"))
+    other = load_model(tmp_path / "renamed.safetensors", dtype="fp32", device="cpu")
+    assert not other.config.tie_word_embeddings
+    ids = list(range(1000, 1040))
+    assert rel(prefill_ids(other, ids).logits, prefill_ids(model, ids).logits) == 0.0
+
+
+def test_a_nine_b_wide_file_without_its_output_layer_is_named(tmp_path):
+    """A 4096-wide (9B) or 5120-wide (27B) file without lm_head.weight is a text-encoder export: those sizes have
+    an output layer of their own, so it is refused by name instead of tying the embedding (gibberish)."""
+    from qwen35_fast.runtime.config import infer_from_shapes
+    with pytest.raises(Qwen35Error, match=r"4096-wide Qwen3.5 model \(9B\) without lm_head.weight.*text-encoder"):
+        infer_from_shapes({"embed_tokens.weight": (248320, 4096)}, "qwen_3.5_9b_te.safetensors")
+
+def test_a_file_safetensors_refuses_after_the_header_check_is_named(folder, tmp_path):
+    """Bytes after the last tensor pass the header check, and safetensors refuses the file when the weights are
+    read: the error names the file (it was safetensors' own, without a name)."""
+    single = write_single_file(folder, tmp_path / "tail.safetensors")
+    with open(single, "ab") as f:
+        f.write(b"\0" * 64)
+    with pytest.raises(Qwen35Error, match=r"tail.safetensors: safetensors cannot read it .*re-download"):
+        load_model(single, dtype="fp32", device="cpu")
+
 def test_missing_path():
     with pytest.raises(Qwen35Error, match=r"'/no/such/model' does not exist"):
         load_model("/no/such/model")

@@ -73,6 +73,20 @@ def test_a_changed_checkpoint_file_is_not_read_in_their_place(folder, tmp_path):
     assert pf.cache is not None  # the prefill is untouched either way
 
 
+def test_a_changed_config_is_not_read_in_its_place(folder, tmp_path):
+    """config.json is read again with the vision tower's weights: a config changed since the load is refused by
+    name like a changed weight file (it was read raw: a JSON error, or another tower's settings)."""
+    import shutil
+    copy = tmp_path / "ck"
+    shutil.copytree(folder, copy)
+    model = load_model(copy, dtype="fp32", device="cpu", backend="torch")
+    model.drop_weights("cpu")
+    cfg = copy / "config.json"
+    cfg.write_text(cfg.read_text()[:-5])
+    with pytest.raises(Qwen35Error, match="config.json changed on disk"):
+        model.reload_weights("cpu")
+
+
 def test_a_failed_read_leaves_the_weights_let_go(folder, monkeypatch):
     from qwen35_fast.runtime import loader
     model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
