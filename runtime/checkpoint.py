@@ -470,13 +470,29 @@ def read_config(cfg_file: Path) -> dict:
         raise Qwen35Error(f"{cfg_file}: text_config is {cfg['text_config']!r}, not an object of settings; "
                           "re-download it")
     if "quantization_config" in cfg:
-        method = (cfg["quantization_config"] or {}).get("quant_method", "?") \
-            if isinstance(cfg["quantization_config"], dict) else "?"
-        if method != "fp8":
-            raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {method}); of the "
-                              "quantized formats only FP8 loads (dequantized at load), not GPTQ, AWQ or "
-                              "bitsandbytes: use the bf16 or FP8 release of this model")
+        what = _unloadable_quantization(cfg["quantization_config"])
+        if what:
+            raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {what}); of the quantized "
+                              "formats only FP8 weights load (Hugging Face fp8, or compressed-tensors FP8 with one "
+                              "scale per tensor or per row; dequantized at load), not GPTQ, AWQ or bitsandbytes: use "
+                              "the bf16 or FP8 release of this model")
     return cfg
+
+
+def _unloadable_quantization(q) -> str:
+    """'' when the loader dequantizes the weights of this quantization_config (FP8 with the scales FP8_SCALES
+    describes), else what it is."""
+    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    if method == "fp8":
+        return ""
+    if method == "compressed-tensors":  # llm-compressor's FP8: F8_E4M3 weights, weight_scale per tensor or row
+        groups = q.get("config_groups")
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        if weights and all(isinstance(w, dict) and w.get("num_bits") == 8 and w.get("type") == "float"
+                           and w.get("strategy") in ("tensor", "channel") for w in weights):
+            return ""
+        return "compressed-tensors, not 8-bit float weights with one scale per tensor or per row"
+    return str(method)
 
 
 def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:

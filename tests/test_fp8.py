@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen35_fast.runtime import load_model, prefill_ids
+from qwen35_fast.runtime import Qwen35Error, load_model, prefill_ids
 from qwen35_fast.runtime.checkpoint import dequantize
 
 from _models import make_hf_model
@@ -136,6 +136,26 @@ def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, for
     if layout == "folder":
         assert not torch.equal(c.vision.blocks[0].qkv_w, a.vision.blocks[0].qkv_w)
 
+
+@pytest.mark.parametrize("strategy,loads", [("channel", True), ("tensor", True), ("block", False)])
+def test_compressed_tensors_fp8_loads_as_its_dequantized_weights(folder, tmp_path, strategy, loads):
+    """llm-compressor's FP8 (quant_method compressed-tensors: F8_E4M3 weights, a weight_scale per row or tensor)
+    loads as its dequantized weights; another of its schemes is refused by name."""
+    fp8, ref = _quantize(_tensors(folder), "per_row")
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    path = _write(folder, tmp_path / "ct", fp8, quant)
+    if not loads:
+        with pytest.raises(Qwen35Error, match=r"compressed-tensors, not 8-bit float weights with one scale per "
+                                              r"tensor or per row"):
+            load_model(path, dtype="fp32", device="cpu")
+        return
+    a = load_model(path, dtype="fp32", device="cpu")
+    b = load_model(_write(folder, tmp_path / "ref", ref), dtype="fp32", device="cpu")
+    ids = [5, 77, 300, 12, 9]
+    assert torch.equal(prefill_ids(a, ids).logits, prefill_ids(b, ids).logits)
 
 def test_a_single_fp8_file_takes_128_x_128_blocks(tmp_path):
     """Without a config, block scales are taken as the fine-grained FP8 releases make them (128 x 128)."""

@@ -157,7 +157,7 @@ def test_index_cannot_point_outside_the_folder(folder, tmp_path, still_works, ta
 
 @pytest.mark.parametrize("quant, message", [
     ({"quant_method": "gptq", "bits": 4}, r"quantized checkpoint \(quantization_config: gptq\); of the quantized "
-                                          r"formats only FP8 loads"),
+                                          r"formats only FP8 weights load"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size is \[128\]; it must be two whole"),
 ])
 def test_quantization_config_is_refused(folder, tmp_path, still_works, quant, message):
