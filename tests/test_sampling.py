@@ -112,7 +112,7 @@ def test_top_k_keeps_k_candidates_where_the_logits_tie():
     assert torch.equal(ids[:500], top_k_ref(logits, 500)) and len(ids) == len(logits)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "flat", "masked", "nan"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "flat", "masked", "nan", "signed_zeros"])
 def test_the_cpu_forms_give_what_the_gpu_forms_give(kind):
     """The reference's CPU forms (a topk over the logits with the ties fixed; the penalties on the marked ids)
     give what its GPU forms (a topk over the keys; selects over the vocabulary) give, bit for bit."""
@@ -127,7 +127,10 @@ def test_the_cpu_forms_give_what_the_gpu_forms_give(kind):
         x = x.masked_fill(torch.rand(VOCAB, generator=g) < 0.99, -float("inf"))
     elif kind == "nan":
         x[[5, 77, 1000]] = float("nan")
-    for k in (1, 20, 64, 3000):
+    elif kind == "signed_zeros":  # -0.0 before +0.0 by id; the keys (and the kernel) rank +0.0 first
+        x = torch.full((VOCAB,), -5.0)
+        x[[2, 9, 40]], x[[5, 30]] = -0.0, 0.0
+    for k in (1, 2, 20, 64, 3000):
         assert torch.equal(ref._top_k_values(x, k), ref._top_k_keys(x, k)), k
     marks = torch.randint(0, 4, (VOCAB,), generator=g, dtype=torch.uint8)
     for rep, presence in ((1.3, 0.0), (0.7, 1.5), (1.0, 2.0)):

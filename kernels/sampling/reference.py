@@ -70,6 +70,10 @@ def _top_k_values(logits, k):
     values, ids = torch.topk(logits, min(k + 1, logits.numel()))
     if values[0].isnan():  # NaN, which topk ranks first: the keys' order of NaN
         return _top_k_keys(logits, k)
+    if (values == 0).any():  # -0.0 and +0.0 are equal here and not in the keys (+0.0 first): their order
+        zeros = torch.signbit(logits[logits == 0])
+        if zeros.any() and not zeros.all():
+            return _top_k_keys(logits, k)
     if k < logits.numel() and values[k] == values[k - 1]:  # ids tied at the k-th past the k taken: the lowest
         above = ids[:k][values[:k] > values[k - 1]]
         ids = torch.cat([above, (logits == values[k - 1]).nonzero().squeeze(1)[:k - above.numel()]])
