@@ -25,7 +25,6 @@ import tempfile
 log = logging.getLogger("qwen35-fast install")
 
 CUPY_FOR_CUDA_MAJOR = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
-ALL_CUPY = ("cupy", "cupy-cuda11x", "cupy-cuda12x", "cupy-cuda13x")
 PIP_TIMEOUT_S = 900
 
 
@@ -36,13 +35,27 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def torch_cuda() -> tuple[str | None, str | None]:
-    """(torch version, CUDA version torch was built with); None where absent."""
+def cupy_distributions() -> list[str]:
+    """Every installed distribution that provides the `cupy` package (cupy, cupy-cuda12x, the older cupy-cuda117,
+    cupy-rocm-*, ...), by name as pip knows it."""
+    try:
+        names = metadata.packages_distributions().get("cupy", [])
+    except Exception:  # noqa: BLE001 - a damaged distribution's metadata: fall back to the names
+        names = []
+    names += [d.metadata["Name"] for d in metadata.distributions()
+              if (d.metadata["Name"] or "").lower().startswith("cupy")]
+    return sorted({n.lower() for n in names if n})
+
+
+def torch_cuda() -> tuple[str | None, str | None, str]:
+    """(torch version, CUDA version torch was built with, why torch could not be imported); None where absent."""
     try:
         import torch
     except ImportError:
-        return None, None
-    return torch.__version__, torch.version.cuda
+        return None, None, ""
+    except Exception as e:  # noqa: BLE001 - a broken install (a DLL that does not load: OSError on Windows)
+        return None, None, f"{type(e).__name__}: {e}"
+    return torch.__version__, torch.version.cuda, ""
 
 
 def installer() -> list[str] | None:
@@ -57,7 +70,9 @@ def installer() -> list[str] | None:
 
 def plan() -> tuple[str | None, str]:
     """(package to install or None, what to tell the user)."""
-    torch_version, cuda = torch_cuda()
+    torch_version, cuda, broken = torch_cuda()
+    if broken:
+        return None, f"PyTorch could not be imported ({broken}); repair ComfyUI's PyTorch first. Nothing done."
     if torch_version is None:
         return None, "PyTorch is not installed in this Python; install ComfyUI's requirements first. Nothing done."
     if not cuda:
@@ -69,14 +84,18 @@ def plan() -> tuple[str | None, str]:
         return None, (f"PyTorch {torch_version} is built for CUDA {cuda}, for which there is no CuPy package "
                       f"here (known: {', '.join(CUPY_FOR_CUDA_MAJOR.values())}); the pack runs on PyTorch.")
     have = installed_version(want)
+    others = [f"{d} {installed_version(d)}" for d in cupy_distributions() if d != want]
+    if have and others:  # checked first: two CuPy packages break `import cupy` even when one is the right one
+        return None, (f"{want} {have} is installed for CUDA {cuda} (PyTorch {torch_version}), and so is "
+                      f"{', '.join(others)}: two CuPy packages cannot live side by side (import cupy fails, and the "
+                      f"pack runs on PyTorch). Remove the other: pip uninstall {' '.join(o.split()[0] for o in others)}")
     if have:
         return None, f"{want} {have} is already installed for CUDA {cuda} (PyTorch {torch_version}). Nothing to do."
-    others = [f"{d} {installed_version(d)}" for d in ALL_CUPY if d != want and installed_version(d)]
     if others:
         return None, (f"PyTorch {torch_version} is built for CUDA {cuda}, which needs {want}, but "
                       f"{', '.join(others)} is installed. Two CuPy packages cannot live side by side, so this "
-                      f"script leaves it alone; to switch: pip uninstall {others[0].split()[0]} && "
-                      f"pip install {want}. Until then the pack runs on PyTorch.")
+                      f"script leaves it alone; to switch: pip uninstall {' '.join(o.split()[0] for o in others)} "
+                      f"&& pip install {want}. Until then the pack runs on PyTorch.")
     return want, f"PyTorch {torch_version} is built for CUDA {cuda}: installing {want}."
 
 

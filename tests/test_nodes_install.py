@@ -22,8 +22,9 @@ def install():
 def fake_env(install, monkeypatch, cuda, installed, pip_ok=True):
     """torch built for `cuda`, the packages in `installed` {dist: version}; pip calls are recorded."""
     calls = []
-    monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", cuda))
+    monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", cuda, ""))
     monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
+    monkeypatch.setattr(install, "cupy_distributions", lambda: sorted(d for d in installed if d.startswith("cupy")))
     monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
 
     def run(cmd, **kwargs):
@@ -72,6 +73,45 @@ def test_a_mismatched_cupy_is_reported_not_replaced(install, monkeypatch, capsys
     assert not calls
     out = capsys.readouterr().out
     assert "cupy-cuda12x 13.6.0" in out and "pip uninstall cupy-cuda12x" in out
+
+
+def test_a_second_cupy_beside_the_right_one_is_reported(install, monkeypatch, capsys):
+    """The right CuPy with another one beside it (another pack's requirements): import cupy fails, so the
+    script says which to remove instead of 'nothing to do'."""
+    calls = fake_env(install, monkeypatch, "13.0", {"cupy-cuda13x": "14.2.0", "cupy-cuda12x": "13.6.0"})
+    assert install.main([]) == 0
+    out = capsys.readouterr().out
+    assert not calls and "Nothing to do" not in out and "pip uninstall cupy-cuda12x" in out
+
+
+def test_any_cupy_distribution_counts_as_one(install, monkeypatch, capsys):
+    """An older CuPy name (cupy-cuda117) is a CuPy too: no second one is installed beside it."""
+    calls = fake_env(install, monkeypatch, "12.4", {"cupy-cuda117": "10.6.0"})
+    assert install.main([]) == 0
+    assert not calls and "pip uninstall cupy-cuda117" in capsys.readouterr().out
+
+
+def test_cupy_distributions_finds_what_provides_cupy(install, monkeypatch):
+    class Dist:
+        def __init__(self, name):
+            self.metadata = {"Name": name}
+    monkeypatch.setattr(install.metadata, "packages_distributions", lambda: {"cupy": ["cupy-rocm-5-0"]})
+    monkeypatch.setattr(install.metadata, "distributions", lambda: [Dist("CuPy-CUDA117"), Dist("numpy"), Dist(None)])
+    assert install.cupy_distributions() == ["cupy-cuda117", "cupy-rocm-5-0"]
+
+
+def test_a_torch_that_fails_to_import_is_named_and_exits_0(install, monkeypatch, capsys):
+    """A broken PyTorch (a DLL that does not load on Windows raises OSError, not ImportError): said, exit 0."""
+    import builtins
+    real = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name == "torch":
+            raise OSError('[WinError 126] Error loading "c10.dll"')
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert install.main(["--dry-run"]) == 0
+    assert "PyTorch could not be imported (OSError: [WinError 126]" in capsys.readouterr().out
 
 
 def test_failed_install_says_how_to_retry_and_exits_0(install, monkeypatch, capsys):
