@@ -87,7 +87,11 @@ class ManagedModel:
             self.model.reload_weights(torch.device(device))
         else:
             log.info("Qwen3.5: moving %s to %s (%.0f MiB)", self.model.path, device, self.model_size() / 2**20)
-            self.model.to(torch.device(device))
+            try:
+                self.model.to(torch.device(device))
+            except BaseException:  # out of memory part-way: all of it back where it waited, so that it counts as
+                self.model.to(self.offload_device)  # unloaded (not half on the GPU, where nothing would free it)
+                raise
         return self.model_size()
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:

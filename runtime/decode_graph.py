@@ -34,11 +34,13 @@ def capture_graph(dev: torch.device, run, restore=None, measure: bool = True):
     garbage collection)."""
     side = side_stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    if restore is not None:
-        restore()
+    try:
+        with torch.cuda.stream(side):
+            run()
+    finally:  # a warm-up that failed part-way (out of memory) changed state too: the caller goes on without a graph
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if restore is not None:
+            restore()
     graph = torch.cuda.CUDAGraph()
     before = None
     if measure:

@@ -128,8 +128,14 @@ def _mem_available() -> int:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so."""
-    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError that says so ("can't allocate
+    memory"), Apple's MPS one that says "out of memory"; CuPy's driver calls CUDA_ERROR_OUT_OF_MEMORY, and a kernel
+    launch that fails for it CUresult 2."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError)  # CuPy's CUDADriverError is one
+                                                     and any(s in str(e) for s in OOM_TEXTS))
+
+
+OOM_TEXTS = ("can't allocate memory", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "(CUresult 2)")
 
 
 def loading_out_of_memory(name: str, config: TextConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Error:

@@ -599,6 +599,47 @@ def test_cpu_allocator_failure_is_out_of_memory_and_other_errors_pass(folder, mo
             prefill(model, PROMPT)
 
 
+def test_the_out_of_memory_errors_of_other_devices_and_of_cupy_are_recognised():
+    """Apple's MPS allocator, CuPy's driver calls and a kernel launch refused for memory raise RuntimeErrors
+    that say so in their own words: all are out of memory (the clear message, the model kept); others are not."""
+    from qwen35_fast.runtime.memory import is_out_of_memory
+
+    class CUDADriverError(RuntimeError):  # CuPy's, as cupy_backends defines it
+        pass
+    for e in [RuntimeError("MPS backend out of memory (MPS allocated: 17.5 GB, other allocations: 1.2 GB, max "
+                           "allowed: 18.1 GB). Tried to allocate 1.5 GB on private pool."),
+              CUDADriverError("CUDA_ERROR_OUT_OF_MEMORY: out of memory"),
+              RuntimeError("cuLaunchKernel failed (CUresult 2) for grid (4, 1, 1), block (128, 1, 1), 0 bytes of "
+                           "shared memory"), torch.OutOfMemoryError("CUDA out of memory.")]:
+        assert is_out_of_memory(e), e
+    for e in [RuntimeError("shape mismatch"), RuntimeError("cuLaunchKernel failed (CUresult 700)"), ValueError("x")]:
+        assert not is_out_of_memory(e), e
+
+
+def test_a_decode_graph_warm_up_that_fails_puts_the_states_back(monkeypatch):
+    """capture_graph's warm-up steps the GDN states in place; when it fails part-way (out of memory), restore
+    still runs, so the eager decode that takes over starts from the states it was given."""
+    import contextlib
+
+    from qwen35_fast.runtime import decode_graph
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(decode_graph, "side_stream", lambda dev: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    state = torch.zeros(4)
+    saved = state.clone()
+
+    def run():
+        state.add_(1.0)  # the step's first layers
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(torch.OutOfMemoryError):
+        decode_graph.capture_graph(torch.device("cuda", 0), run, lambda: state.copy_(saved), measure=False)
+    assert torch.equal(state, saved)
+
+
 def test_unreadable_tokenizer_json(folder, tmp_path, still_works):
     ck = _copy(folder, tmp_path)
     (ck / "tokenizer.json").write_text('{"model": {"type": "BPE"')

@@ -398,6 +398,20 @@ def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatc
     asked.clear()
     other.detach()  # an offload device that is not the CPU: RAM is not asked
     assert other.model.calls == [("to", "cuda")] and asked == []
+    half = Stand()
+    half.device = cpu
+    moves = half.to
+
+    def fails_on_the_gpu(device):  # the weights moved, then the K/V store ran out of memory
+        moves(device)
+        if torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    half.to = fails_on_the_gpu
+    m = pack.memory.ManagedModel(half, cuda, cpu, keep_loaded=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        m.partially_load(cuda)
+    assert half.calls == [("to", "cuda"), ("to", "cpu")] and m.current_loaded_device() == cpu
+    assert m.loaded_size() == 0  # unloaded, not half loaded: the next load moves it again
     apple = Stand()
     apple.device = torch.device("mps", 0)  # where an Apple GPU's tensors are; ComfyUI's device is "mps"
     m = pack.memory.ManagedModel(apple, torch.device("mps"), cpu, keep_loaded=True)
