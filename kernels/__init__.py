@@ -189,6 +189,11 @@ def gated_rms_norm(x, gate, weight, eps: float, backend: Backend | None = None):
     return ops.run(ops.gated_rms_norm_op, x, gate, weight, float(eps), bool(backend and backend.use_cuda))
 
 
+def paged_attention_on_kernel(backend: Backend | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_attention runs the CUDA kernel (else the PyTorch form, which gathers the keys and values)."""
+    return bool(backend and backend.use_cuda) and dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+
+
 def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate=None, *, max_q: int,
                     scale: float | None = None, write_kv: bool = True, backend: Backend | None = None):
     """Attention of new tokens over the paged K/V pool (format: runtime/kv_pool.py), their K/V stored in
@@ -200,8 +205,7 @@ def paged_attention(q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu
     to there); the reference runs other dtypes and head dims. Given those, the kernel's launcher refuses
     (ValueError / TypeError, naming the input) what the format rules out: pools that are not contiguous
     bf16, a block size that is not a power of two, q / k / v / gate rows that are not 16-byte aligned."""
-    D = q.shape[-1]
-    use_cuda = bool(backend and backend.use_cuda) and q.dtype == torch.bfloat16 and D % 32 == 0 and D <= 256
+    use_cuda = paged_attention_on_kernel(backend, q.dtype, q.shape[-1])
     return ops.run(ops.paged_attention_op, q, k_new, v_new, k_pool, v_pool, block_table, cache_lens, cu_q, gate, int(max_q),
                                   float(q.shape[-1] ** -0.5 if scale is None else scale), bool(write_kv), use_cuda)
 

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from .. import kernels
+from ..kernels.paged_attention.reference import SCORE_BYTES
 from .config import TextConfig, expected_shapes
 from .devices import empty_cache
 from .errors import Qwen35Error
@@ -52,12 +54,26 @@ def _activation_bytes_per_token(model: Qwen35Model) -> int:
 SNAPSHOTS_PER_PREFILL = 3  # GDN states a prefill keeps besides its own: system prompt, media, turn end
 
 
-def prefill_bytes(model: Qwen35Model, n_tokens: int) -> int:
+def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None) -> int:
     """Device memory a prefill of `n_tokens` needs beyond the weights and the K/V store (its K/V go into
-    the store's blocks): its GDN states and the snapshots it keeps, one layer's activations, and the larger
-    pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes)."""
+    the store's blocks): its GDN states and the snapshots it keeps, one layer's activations, the larger
+    pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
+    attention runs in PyTorch, what it gathers over the `context` positions (default: n_tokens; a follow-up
+    turn's cached ones count too)."""
     return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + n_tokens * _activation_bytes_per_token(model) \
-        + growth_bytes(model, n_tokens) + OVERHEAD
+        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, n_tokens) + OVERHEAD
+
+
+def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) -> int:
+    """What the PyTorch form of the paged attention (where its kernel does not run: kernels.paged_attention_on_kernel)
+    allocates for `new` tokens over `context` positions: the keys and values gathered from the pool and in fp32,
+    the values masked (a third fp32 copy), and one chunk of fp32 scores with its softmax; 0 where the kernel runs."""
+    c = model.config
+    if kernels.paged_attention_on_kernel(model.backend, model.dtype, c.head_dim):
+        return 0
+    per_position = c.num_key_value_heads * c.head_dim * (3 * 4 + 2 * model.dtype.itemsize)
+    scores = min(SCORE_BYTES, 4 * c.num_attention_heads * max(1, context) * max(1, new))
+    return max(1, context) * per_position + 2 * scores
 
 
 def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
@@ -89,10 +105,12 @@ def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> in
     """Device memory a generation needs beyond the weights and the K/V store: its copy of the GDN states (the
     K/V blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits,
     and the larger pool an auto store grows to when its free blocks do not hold the answer's K/V
-    (growth_bytes; a fixed store holds them or the generation stops with an error)."""
+    (growth_bytes; a fixed store holds them or the generation stops with an error); where the attention runs
+    in PyTorch, what it gathers over the whole context (reference_attention_bytes)."""
     answer = max(0, min(max_new_tokens, model.config.max_position_embeddings - n_prompt))
     return (state_bytes(model) + 8 * (n_prompt + 1) + 8 * model.config.vocab_size * 4
-            + _activation_bytes_per_token(model) + growth_bytes(model, answer) + OVERHEAD)
+            + _activation_bytes_per_token(model) + growth_bytes(model, answer)
+            + reference_attention_bytes(model, n_prompt + answer) + OVERHEAD)
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:

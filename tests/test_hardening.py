@@ -534,14 +534,25 @@ def test_memory_estimates(folder, monkeypatch):
     assert blocks == -(-pf.n_tokens // model.kv.block_size)  # its K/V: just the blocks it needs, in the store
     assert model.size_bytes() >= model.kv.nbytes + sum(p.numel() * 2 for p in model.parameters())
     assert prefill_bytes(model, 32768) > prefill_bytes(model, 4096) > state_bytes(model)
-    # a generation's K/V go into the store: it asks for its states, whatever max_new_tokens is ...
+    # a generation's K/V go into the store: it asks for its states, whatever max_new_tokens is, and where the
+    # attention runs in PyTorch (here) for what it gathers over the whole context ...
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime.memory import reference_attention_bytes
+    context = 100 + min(32768, c.max_position_embeddings - 100)
+    assert generate_bytes(model, 100, 32768) - generate_bytes(model, 100, 10) \
+        == reference_attention_bytes(model, context) - reference_attention_bytes(model, 110) \
+        > (context - 110) * kv_per_token * 3  # K, V gathered, both in fp32, V masked
+    monkeypatch.setattr(model, "backend", kernels.Backend("cuda", "a stand-in: the kernel reads the blocks in place"))
+    assert reference_attention_bytes(model, 32868) == 0
     assert generate_bytes(model, 100, 32768) == generate_bytes(model, 100, 10)
+    monkeypatch.undo()
     # ... unless an auto store must grow for them: then also for the larger pool, made while the old one is held
     monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
     store = model.setup_kv()
     pf = prefill(model, PROMPT)
     grown = generate_bytes(model, pf.n_tokens, 400) - generate_bytes(model, pf.n_tokens, 1)
-    assert grown == growth_bytes(model, 400) >= store.nbytes * kv_store.GROWTH
+    gathered = reference_attention_bytes(model, pf.n_tokens + 400) - reference_attention_bytes(model, pf.n_tokens + 1)
+    assert grown - gathered == growth_bytes(model, 400) >= store.nbytes * kv_store.GROWTH
     out = generate(model, pf, max_new_tokens=400, sampling=SamplingParams(do_sample=True), seed=3)
     assert out.finish_reason == "length" and store.version > 0  # it did grow
 

@@ -152,10 +152,11 @@ def test_a_follow_up_reserves_its_new_turn_and_images(folder):
     asked = []
     child = continue_prefill(model, parent, "And <image>?", images=IMAGE, previous_answer="Hi.", reserve=asked.append)
     n_patches = sum(t * h * w for t, h, w in child.vision.grids)
-    assert asked == [prefill_bytes(model, child.new_tokens) + vision_bytes(model, n_patches)]
+    # the new tokens' activations, and where the attention runs in PyTorch what it gathers over the whole turn
+    assert asked == [prefill_bytes(model, child.new_tokens, child.n_tokens) + vision_bytes(model, n_patches)]
     asked.clear()
     text = continue_prefill(model, parent, "More.", reserve=asked.append)
-    assert asked == [prefill_bytes(model, text.new_tokens)]
+    assert asked == [prefill_bytes(model, text.new_tokens, text.n_tokens)]
 
 
 def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
