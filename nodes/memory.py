@@ -90,7 +90,11 @@ class ManagedModel:
             try:
                 self.model.to(torch.device(device))
             except BaseException:  # out of memory part-way: all of it back where it waited, so that it counts as
-                self.model.to(self.offload_device)  # unloaded (not half on the GPU, where nothing would free it)
+                try:  # unloaded (not half on the GPU, where nothing would free it)
+                    self.model.to(self.offload_device)
+                except Exception as e:  # noqa: BLE001 - the first error is the one to report
+                    log.warning("Qwen3.5: could not move %s back to %s after a failed load: %s", self.model.path,
+                                self.offload_device, e)
                 raise
         return self.model_size()
 
