@@ -257,8 +257,7 @@ def compile_ahead(device) -> int:
         return 0
     try:
         from . import cuda_build
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return cuda_build.compile_ahead(cuda_build.arch_for_capability(*torch.cuda.get_device_capability(index)))
+        return cuda_build.compile_ahead(cuda_build.card_of(device).arch)
     except (ImportError, RuntimeError, OSError, AssertionError):  # no CuPy, NVRTC or headers; an old card
         return 0
 

@@ -382,7 +382,7 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
     if fn is None:
         src_path = Path(src_path)
         source = src_path.read_text()
-        own = arch_for_capability(*torch.cuda.get_device_capability(index))
+        own = card_of(torch.device("cuda", index)).arch
         arch, own = arch or own, arch in (None, own)  # built for the device's own target: listed for compile_ahead
         key = (source, _local_headers(src_path), dkey, arch, name, index)
         with _lock:
