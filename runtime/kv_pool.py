@@ -258,7 +258,7 @@ class KVPool:
                     f"{self.num_blocks} are free{note}; the other {self.num_blocks - have} are held by live "
                     f"prefills / generations. Free some (delete their nodes' outputs) or raise the cache budget")
             while len(self._free) < n:
-                self._drop(self._costliest_kept(keep, cached))
+                self._drop(self._next_to_evict(keep, cached))
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
@@ -385,7 +385,7 @@ class KVPool:
                     held[b] = held.get(b, 0) + 1
         return {b for b, n in held.items() if self.refcount[b] == n}
 
-    def _costliest_kept(self, keep: Optional[Snapshot], cached: set) -> Snapshot:
+    def _next_to_evict(self, keep: Optional[Snapshot], cached: set) -> Snapshot:
         """The snapshot allocate evicts next: the least recently used one that frees a block by itself, else
         (blocks shared by snapshots alone) the least recently used one holding such blocks; never one whose
         blocks live sequences hold too, which would free nothing."""
