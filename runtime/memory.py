@@ -13,6 +13,7 @@ import os
 import torch
 
 from .. import kernels
+from ..kernels.gdn_prefill.reference import segment_bytes
 from ..kernels.paged_attention.reference import SCORE_BYTES
 from .config import TextConfig, expected_shapes
 from .devices import empty_cache
@@ -59,9 +60,20 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None)
     the store's blocks): its GDN states and the snapshots it keeps, one layer's activations, the larger
     pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
     attention runs in PyTorch, what it gathers over the `context` positions (default: n_tokens; a follow-up
-    turn's cached ones count too)."""
+    turn's cached ones count too), and where the GDN layers run in PyTorch, its working set (reference_gdn_bytes)."""
     return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + n_tokens * _activation_bytes_per_token(model) \
-        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, n_tokens) + OVERHEAD
+        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, n_tokens) \
+        + reference_gdn_bytes(model) + OVERHEAD
+
+
+def reference_gdn_bytes(model: Qwen35Model) -> int:
+    """What the PyTorch form of the GDN prefill (where its kernel does not run) holds at once beyond its inputs and
+    output: one segment's fp32 working set (it walks the sequences of a call one after another), the same whatever
+    the prompt's length; 0 where the kernel runs."""
+    if model.backend is not None and model.backend.use_cuda:
+        return 0
+    c = model.config
+    return segment_bytes(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) -> int:

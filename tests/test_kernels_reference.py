@@ -18,7 +18,12 @@ from qwen35_fast.kernels.conv1d.reference import (
     causal_conv1d_update_ref,
 )
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
-from qwen35_fast.kernels.gdn_prefill.reference import gate_and_beta, gdn_prefill_chunked, gdn_prefill_recurrent_f64
+from qwen35_fast.kernels.gdn_prefill.reference import (
+    gate_and_beta,
+    gdn_prefill_chunked,
+    gdn_prefill_recurrent_f64,
+    segment_bytes,
+)
 
 from _models import rel
 
@@ -85,6 +90,46 @@ def test_chunked_varlen_matches_f64_recurrence(lens, with_state):
         o1, S1 = gdn_prefill_recurrent_f64(q[:, s:e], k[:, s:e], v[:, s:e], a[:, s:e], b[:, s:e], A_log, dt_bias,
                                            None if h0 is None else h0[n:n + 1])
         assert torch.allclose(o_ref[:, s:e], o1) and torch.allclose(S_ref[n], S1[0])
+
+
+@pytest.mark.parametrize("segment", [64, 128])
+def test_chunked_walks_segments_as_one(segment):
+    """Walked a few chunks at a time (the segments' boundaries inside sequences, between them and at a
+    sequence's end), the result is the recurrence's, and the output comes back contiguous."""
+    lens = [5, 130, 0, 64, 257]
+    Hk, Hv, D, Dv = 2, 4, 16, 32
+    T = sum(lens)
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(1, T, Hk, Hv, D, Dv, "weak", seed=segment)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    h0 = torch.randn(len(lens), Hv, D, Dv) * 0.5
+    o, S = gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, h0, cu, segment=segment)
+    o_ref, S_ref = gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, h0, cu)
+    assert o.is_contiguous() and rel(o, o_ref) < 2e-5 and rel(S, S_ref) < 2e-5
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, h0, cu, segment=96)
+
+
+def _peak_bytes(fn) -> int:
+    """The most CPU memory fn() held at once (the profiler's allocations and frees, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        fn()
+    now = peak = 0
+    for e in sorted((e for e in p.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        now += e.self_cpu_memory_usage
+        peak = max(peak, now)
+    return peak
+
+
+def test_chunked_working_set_does_not_grow_with_the_prompt():
+    """What the PyTorch path holds beyond its output stays under segment_bytes (what runtime.memory counts for
+    it) at any length, instead of ~1.5K fp32 values per token and head for the whole prompt."""
+    Hk, Hv, D, Dv, segment = 2, 8, 32, 32, 128
+    for T in (256, 2048):
+        inputs = gdn_inputs(1, T, Hk, Hv, D, Dv, "mid", dtype=torch.bfloat16, seed=T)
+        peak = _peak_bytes(lambda: gdn_prefill_chunked(*inputs, segment=segment))
+        output = T * Hv * Dv * 2 + Hv * D * Dv * 4
+        assert peak - output <= segment_bytes(Hv, D, Dv, segment), (T, peak, output)
 
 
 def test_chunked_bf16_inputs():

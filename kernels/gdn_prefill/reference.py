@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+SEGMENT = 4 * CHUNK  # tokens a sequence is walked at a time (gdn_prefill_chunked)
 L2_EPS = 1e-6
 
 
@@ -108,24 +109,40 @@ def _chunked_one(Q, K, V, G, Beta, S):
     return out.reshape(H, n * CHUNK, -1)[:, :T], S
 
 
-def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None):
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, segment=None):
     """Chunked gated delta rule in fp32 (PyTorch path).
 
     q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv] raw gate projections;
     A_log, dt_bias: [Hv]; initial_state: [N, Hv, D, Dv] fp32 or None;
     cu_seqlens: int32 [N + 1] with B == 1 for packed sequences, else None (N = B).
-    Returns o: [B, T, Hv, Dv] in v.dtype, final state: [N, Hv, D, Dv] fp32.
+    Returns o: [B, T, Hv, Dv] in v.dtype (contiguous), final state: [N, Hv, D, Dv] fp32.
+
+    Each sequence is walked `segment` tokens at a time (a multiple of CHUNK; default SEGMENT): the fp32
+    working set (segment_bytes) stays that of one segment whatever the prompt's length.
     """
+    segment = segment or SEGMENT
+    if segment % CHUNK:
+        raise ValueError(f"segment must be a multiple of {CHUNK} tokens, got {segment}")
     B, T, _, D = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    Q, K, V, G, Beta = _prepare(q, k, v, a, b, A_log, dt_bias, torch.float32)
-    o = torch.empty(B, Hv, T, Dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, T, Hv, Dv, dtype=v.dtype, device=q.device)
     states = []
     for n, (row, s, e) in enumerate(_split(cu_seqlens, B, T)):
         S = (torch.zeros(Hv, D, Dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state[n].to(torch.float32))
-        if e > s:
-            o[row, :, s:e], S = _chunked_one(Q[row, :, s:e], K[row, :, s:e], V[row, :, s:e],
-                                             G[row, :, s:e], Beta[row, :, s:e], S)
+        for lo in range(s, e, segment):
+            hi = min(lo + segment, e)
+            Q, K, V, G, Beta = _prepare(*(x[row:row + 1, lo:hi] for x in (q, k, v, a, b)), A_log, dt_bias,
+                                        torch.float32)
+            out, S = _chunked_one(Q[0], K[0], V[0], G[0], Beta[0], S)
+            o[row, lo:hi] = out.transpose(0, 1)
         states.append(S)
-    return o.transpose(1, 2).to(v.dtype), torch.stack(states)
+    return o, torch.stack(states)
+
+
+def segment_bytes(Hv: int, D: int, Dv: int, segment: int = 0) -> int:
+    """The most gdn_prefill_chunked holds at once beyond its inputs and output, for Hv value heads: one
+    segment's fp32 tensors (per token and head: q, k, v expanded and normalised, their padded copies, the two
+    WY solves, the decayed q and k and the output, 5 chunk-wide matrices), the state and its next value."""
+    t = segment or SEGMENT
+    return 4 * Hv * (t * (3 * D + 3 * Dv + 2 * (D + Dv) + D + Dv + Dv + 5 * CHUNK) + 2 * D * Dv)
