@@ -63,7 +63,8 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
     user = tok.encode if allow_special_tokens else tok.encode_text
     head: list[int] = []
     if previous_answer is not None:
-        head += tok.encode(f"{IM_START}assistant\n") + user(earlier_answer(previous_answer)) + tok.encode(f"{IM_END}\n")
+        # "assistant\n" read with the answer, as in the rendered text: a newline joins the whitespace after it
+        head += tok.encode(IM_START) + user(f"assistant\n{earlier_answer(previous_answer)}") + tok.encode(f"{IM_END}\n")
     head += tok.encode(f"{IM_START}user\n")
     if inputs:  # the user message's content as the Multimodal Prefill lays it out
         body, body_parts, ordered = user_message(model, prompt, inputs, n_images, trim=True,

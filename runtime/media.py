@@ -341,8 +341,8 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
     and at most every frame; spread evenly from the first frame to the last."""
     if total <= 0:
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
-    if not source_fps or source_fps <= 0:
-        raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be above 0 frames per second")
+    if source_fps is None or not math.isfinite(source_fps) or source_fps <= 0:
+        raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be a number of frames per second above 0")
     n = int(total / source_fps * pp.fps)
     n = min(max(n, pp.min_frames), pp.max_frames, total)
     # in float64, as the processor's numpy: torch's float32 linspace rounds some indices (and .5 ties) otherwise

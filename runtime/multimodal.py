@@ -188,8 +188,14 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
         if isinstance(images, torch.Tensor):
             out += preprocess_images(images, pp, where)
         else:
-            for item in images:
-                out += preprocess_images(item, pp, where) if isinstance(item, torch.Tensor) else [item]
+            for item in images if isinstance(images, (list, tuple)) else [images]:
+                if isinstance(item, torch.Tensor):
+                    out += preprocess_images(item, pp, where)
+                elif isinstance(item, VisionInput) and item.kind == "image":
+                    out.append(item)
+                else:
+                    raise Qwen35Error(f"images must be an IMAGE tensor [batch, height, width, channels], a list of "
+                                      f"them, or images from media.preprocess_images; got {_what(item)}")
     n_images = len(out)
     if video is not None:
         if isinstance(video, VisionInput):
@@ -200,6 +206,12 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
             frames, fps = _video_pair(video)
             out.append(preprocess_video(frames, fps, pp, where))
     return out, n_images
+
+
+def _what(x) -> str:
+    """A bad input named for a message: its shape where it has one, else its type."""
+    shape = getattr(x, "shape", None)
+    return f"a {type(x).__name__} of shape {list(shape)}" if shape is not None else type(x).__name__
 
 
 def _video_pair(video) -> tuple[torch.Tensor, float]:

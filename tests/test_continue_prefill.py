@@ -97,15 +97,20 @@ def test_raw_text_with_an_image_opens_no_thinking_block(pair):
     assert out.thinking == "" and out.n_tokens >= 1
 
 
-def test_earlier_thinking_is_left_out_as_the_template_does(template, pair):  # noqa: F811
+@pytest.mark.parametrize("raw_answer", ["<think>\nLight scatters.\n</think>\n\n  Rayleigh scattering.  ",
+                                        "<think>\nLight scatters.\n</think>\n \nRayleigh.",
+                                        "<think>Light scatters.</think>\n\n\t\nRayleigh."])
+def test_earlier_thinking_is_left_out_as_the_template_does(template, pair, raw_answer):  # noqa: F811
+    """The same text and the same ids as the rendered conversation: whitespace left after the thinking joins
+    the newline after "assistant" as the tokenizer reads the whole string."""
     _, ours = pair
     parent = prefill(ours, "Why is the sky blue?", system_prompt=SYSTEM, thinking=True)
-    raw_answer = "<think>\nLight scatters.\n</think>\n\n  Rayleigh scattering.  "
     child = continue_prefill(ours, parent, "Say more.", previous_answer=raw_answer)
     want = _render(template, [{"role": "user", "content": "Why is the sky blue?"},
                               {"role": "assistant", "content": raw_answer},
                               {"role": "user", "content": "Say more."}], False)
-    assert ours.tokenizer.decode(child.token_ids) == want and "Light scatters" not in want
+    assert ours.tokenizer.decode(child.token_ids) == want and "scatters" not in want
+    assert list(child.token_ids) == ours.tokenizer.encode(want)
 
 
 def test_three_turns_and_siblings(template, pair):  # noqa: F811

@@ -1,6 +1,8 @@
 """What prefill_multimodal and continue_prefill take and say: videos as (frames, fps) pairs, token ids the
 model's vocabulary has, messages that name the setting that helps for the inputs given, raw prompts as given,
 the tower's clock on accelerators other than CUDA."""
+import re
+
 import pytest
 import torch
 
@@ -28,6 +30,25 @@ def test_a_video_is_a_frames_and_fps_pair(model, video):
     with pytest.raises(Qwen35Error, match=r"a video must be \(frames \[count, height, width, channels\], fps\)"):
         prefill_multimodal(model, "What happens?", video=video)
     assert prefill_multimodal(model, "What happens?", video=(FRAMES, 2)).vision.grids == ((2, 2, 2),)
+
+
+@pytest.mark.parametrize("images, got", [(IMAGE.numpy(), "ndarray of shape [1, 64, 96, 3]"),
+                                          ([IMAGE, IMAGE[0].numpy()], "ndarray of shape [64, 96, 3]"),
+                                          ([None], "NoneType"), ("cat.png", "str")],
+                         ids=["numpy-batch", "numpy-in-list", "none-in-list", "path"])
+def test_images_that_are_not_tensors_are_named(model, images, got):
+    with pytest.raises(Qwen35Error, match=rf"images must be an IMAGE tensor .*; got (a )?{re.escape(got)}"):
+        prefill_multimodal(model, "What is it?", images=images)
+    parent = prefill(model, "Hello.")
+    with pytest.raises(Qwen35Error, match="images must be an IMAGE tensor"):
+        continue_prefill(model, parent, "And this?", images=images)
+    assert prefill_multimodal(model, "What is it?", images=[IMAGE, IMAGE[0]]).vision.grids == ((1, 14, 20),) * 2
+
+
+@pytest.mark.parametrize("fps", [float("nan"), float("inf"), -1.0])
+def test_a_frame_rate_that_is_no_positive_number_is_named(model, fps):
+    with pytest.raises(Qwen35Error, match=f"frame rate is {fps}; it must be a number of frames per second above 0"):
+        prefill_multimodal(model, "What happens?", video=(FRAMES, fps))
 
 
 def test_a_video_source_prefills_as_its_frames_do(model):
