@@ -3,7 +3,7 @@ many rows, with each of several threads per row (default 128, the 9B's, and 256,
 launcher takes for at most FEW_ROWS rows): CUDA-graph us per launch, and how many outputs equal the first
 variant's bit for bit (the sum must equal all). Development only; how kernels/rms_norm/launch.py FEW_ROWS was
 set (results/norm-rows-h200.json) and the 4B's 64 threads a row (--dim 2560 --tprs 32 64,
-results/norm-rows-2560-h200.json).
+results/norm-rows-2560-h200.jsonl).
 
     python3 bench/norm_rows.py [--dim 4096] [--tprs 128 256] [--rows 64 128 256 1294]
 """
