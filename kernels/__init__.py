@@ -258,7 +258,7 @@ def compile_ahead(device) -> int:
     try:
         from . import cuda_build
         return cuda_build.compile_ahead(cuda_build.card_of(device).arch)
-    except (ImportError, RuntimeError, OSError, AssertionError):  # no CuPy, NVRTC or headers; an old card
+    except Exception:  # noqa: BLE001 - no CuPy, NVRTC or headers; an old card; a damaged list: only a head start
         return 0
 
 

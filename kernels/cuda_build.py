@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,11 +155,14 @@ def arch_for_capability(major: int, minor: int) -> str:
     return f"compute_{max(older)}"
 
 
+DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _options(src_path: Path, arch: str, defines: dict | None) -> list[str]:
     opts = ["-std=c++17", f"--gpu-architecture={arch}", "-lineinfo",
             f"-I{cuda_include_dir()}", f"-I{src_path.parent}", f"-I{KERNELS_DIR}"]
     for name, value in sorted((defines or {}).items()):
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        if not DEFINE_NAME.fullmatch(name):
             raise ValueError(f"bad define name {name!r} for {src_path.name}")
         opts.append(f"-D{name}={int(value)}")
     return opts
@@ -217,7 +221,7 @@ def _compile(source: str, src_path: Path, arch: str, opts: list[str]) -> bytes:
 def compile_cubin(src_path, arch: str, defines: dict | None = None) -> bytes:
     """Compile `src_path` for `arch` ('sm_80', 'sm_90a', ...) without a GPU. Returns the cubin
     (PTX text for a 'compute_XY' target). Raises KernelBuildError naming the log file on failure."""
-    src_path = Path(src_path)
+    src_path = Path(src_path).resolve()
     return _compile(src_path.read_text(), src_path, arch, _options(src_path, arch, defines))
 
 
@@ -233,17 +237,55 @@ def _cubin_path(source: str, src_path: Path, arch: str, opts: list[str]) -> Path
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """path holds data or what it held before, never part of it (concurrent processes, a crash, a full disk)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # concurrent processes never read half a file
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+_private: list = []  # the process's own folder for cubins where the cache folder cannot be written
+_private_lock = threading.Lock()
 
 
 def _build_file(path: Path, source: str, src_path: Path, arch: str, opts: list[str]) -> Path:
+    """Compiles the module into `path`; where the cache folder cannot be written (read-only, a file in the way,
+    a full disk), into a folder of this process's own, with a warning once. Returns where the module is."""
     binary = _compile(source, src_path, arch, opts)
-    _write_atomic(path, binary if isinstance(binary, bytes) else binary.encode())
-    return path
+    data = binary if isinstance(binary, bytes) else binary.encode()
+    try:
+        _write_atomic(path, data)
+        return path
+    except OSError as e:
+        with _private_lock:
+            if not _private:
+                _private.append(Path(tempfile.mkdtemp(prefix="qwen35_fast-kernels-")))
+                log.warning("Qwen3.5: the kernel cache folder %s cannot be written (%s); compiled kernels are kept "
+                            "in %s for this process only, so every start compiles them again. Set CUPY_CACHE_DIR "
+                            "to a writable folder", path.parent, e, _private[0])
+        own = _private[0] / path.name
+        own.write_bytes(data)
+        return own
+
+
+def _intact(path: Path) -> bool:
+    """A cached module that can be loaded as far as its bytes show: a cubin an ELF file, PTX text."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError:
+        return False
+    return head == b"\x7fELF" if path.suffix == ".cubin" else bool(head) and b"\0" not in head
 
 
 _told: list = []  # the note that kernels are being compiled is logged once a process
@@ -258,8 +300,11 @@ def _load_or_compile(source: str, src_path: Path, arch: str, defines: dict | Non
             ahead.result()
         except Exception:  # noqa: BLE001 - compiled again below, so that its error is raised here
             pass
-    if path.is_file() and path.stat().st_size > 0:
+    if path.is_file() and _intact(path):
         return path
+    private = _private[0] / path.name if _private else None
+    if private is not None and private.is_file():
+        return private
     if not _told:
         _told.append(path)
         log.info("Qwen3.5: compiling the CUDA kernels for this GPU (%s) as they are first used; the first prompts "
@@ -283,14 +328,65 @@ def _wanted_path(arch: str) -> Path:
     return _cubin_cache_dir() / f"wanted-{arch}.json"
 
 
+def _today() -> int:
+    return int(time.time() // 86400)
+
+
+def _entry_ok(e) -> bool:
+    """An entry as _note_wanted writes it: a source path, int defines under C names, the day it was last used."""
+    return (isinstance(e, dict) and isinstance(e.get("source"), str) and type(e.get("day")) is int
+            and isinstance(e.get("defines"), dict)
+            and all(isinstance(k, str) and DEFINE_NAME.fullmatch(k) and type(v) is int
+                    for k, v in e["defines"].items()))
+
+
 def _read_wanted(arch: str) -> list[dict]:
+    """The target's list: entries used within AHEAD_DAYS; anything unreadable or malformed in it, and a day
+    ahead of the clock (noted while it was set wrong: it would never age out), is left out (the list is only a
+    head start)."""
     try:
         entries = json.loads(_wanted_path(arch).read_text())
     except (OSError, ValueError):  # none yet, or unreadable: nothing to compile ahead
         return []
-    ok = lambda e: (isinstance(e, dict) and isinstance(e.get("source"), str)  # noqa: E731
-                    and isinstance(e.get("defines"), dict) and isinstance(e.get("day"), int))
-    return [e for e in entries if ok(e)] if isinstance(entries, list) else []
+    today = _today()
+    kept = []
+    for e in entries if isinstance(entries, list) else []:
+        if _entry_ok(e) and 0 <= today - e["day"] <= AHEAD_DAYS:
+            kept.append(e)
+    return kept
+
+
+@contextmanager
+def _wanted_lock(arch: str):
+    """The list's read-modify-write, between this process's threads and between processes (an advisory lock on a
+    file beside it, where the platform and the folder allow one)."""
+    with _list_lock:
+        try:
+            path = _wanted_path(arch).with_suffix(".lock")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(path, "a+b")
+        except OSError:  # a read-only folder: nothing will be written either
+            yield
+            return
+        try:
+            _lock_file(fh, True)
+            yield
+        finally:
+            _lock_file(fh, False)
+            fh.close()
+
+
+def _lock_file(fh, on: bool) -> None:
+    try:
+        if os.name == "nt":
+            import msvcrt
+            fh.seek(0)
+            msvcrt.locking(fh.fileno(), msvcrt.LK_LOCK if on else msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if on else fcntl.LOCK_UN)
+    except OSError:  # a file system without locks: the threads' lock still holds
+        pass
 
 
 def _note_wanted(src_path: Path, arch: str, defines: dict | None) -> None:
@@ -304,8 +400,8 @@ def _note_wanted(src_path: Path, arch: str, defines: dict | None) -> None:
     if key in _noted:
         return
     _noted.add(key)
-    today = int(time.time() // 86400)
-    with _list_lock:
+    today = _today()
+    with _wanted_lock(arch):
         entries = _read_wanted(arch)
         for e in entries:
             if e["source"] == rel and e["defines"] == d:
@@ -315,7 +411,7 @@ def _note_wanted(src_path: Path, arch: str, defines: dict | None) -> None:
                 break
         else:
             entries.append({"source": rel, "defines": d, "day": today})
-        _write_wanted(arch, [e for e in entries if today - e["day"] <= AHEAD_DAYS])
+        _write_wanted(arch, entries)
 
 
 def _write_wanted(arch: str, entries: list[dict]) -> None:
@@ -332,7 +428,7 @@ def _build_ahead(path: Path, source: str, src_path: Path, arch: str, opts: list[
         return _build_file(path, source, src_path, arch, opts)
     except KernelBuildError:
         gone = (entry["source"], entry["defines"])
-        with _list_lock:
+        with _wanted_lock(arch):
             _write_wanted(arch, [e for e in _read_wanted(arch) if (e["source"], e["defines"]) != gone])
         raise
 
@@ -351,7 +447,7 @@ def compile_ahead(arch: str, workers: int | None = None) -> int:
         try:
             source = src.read_text()
             opts = _options(src, arch, e["defines"])
-        except (OSError, ValueError):  # a source the pack no longer has, a define name it would not take
+        except Exception:  # noqa: BLE001 - a source the pack no longer has, defines it would not take: skipped
             continue
         path = _cubin_path(source, src, arch, opts)
         if not path.is_file() and path not in _building:
@@ -380,7 +476,7 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
     fast = (str(src_path), name, dkey, index, arch)
     fn = _by_path.get(fast)
     if fn is None:
-        src_path = Path(src_path)
+        src_path = Path(src_path).resolve()  # one cache key however the pack's folder is reached (a symlink)
         source = src_path.read_text()
         own = card_of(torch.device("cuda", index)).arch
         arch, own = arch or own, arch in (None, own)  # built for the device's own target: listed for compile_ahead
@@ -388,17 +484,41 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                import cupy
-                path = _load_or_compile(source, src_path, arch, defines)
-                with cupy.cuda.Device(index):
-                    fn = cupy.RawModule(path=str(path)).get_function(name)
-                    fn.kernel  # load the module now, not inside a CUDA-graph capture
+                fn = _load_function(source, src_path, arch, defines, name, index)
                 _functions[key] = fn
                 _targets[id(fn)] = arch
                 if own:
                     _note_wanted(src_path, arch, defines)
             _by_path[fast] = fn
     return fn
+
+
+def _load_function(source: str, src_path: Path, arch: str, defines: dict | None, name: str, index: int):
+    """The kernel loaded on device `index`; a cached module the driver refuses (a file damaged on disk) is
+    compiled again once, and a refusal of that one names the file."""
+    import cupy
+
+    def load(path: Path):
+        with cupy.cuda.Device(index):
+            fn = cupy.RawModule(path=str(path)).get_function(name)
+            fn.kernel  # load the module now, not inside a CUDA-graph capture
+        return fn
+
+    path = _load_or_compile(source, src_path, arch, defines)
+    try:
+        return load(path)
+    except RuntimeError as e:  # CuPy's CUDADriverError is one
+        if "OUT_OF_MEMORY" in str(e):
+            raise
+        log.warning("Qwen3.5: the cached kernel module %s could not be loaded (%s); compiling it again", path, e)
+        path.unlink(missing_ok=True)
+    path = _load_or_compile(source, src_path, arch, defines)
+    try:
+        return load(path)
+    except RuntimeError as e:
+        if "OUT_OF_MEMORY" in str(e):
+            raise
+        raise KernelBuildError(f"the CUDA driver refused the kernel module {path}, compiled just now ({e})") from e
 
 
 _streams: dict = {}
