@@ -13,7 +13,7 @@ import os
 import stat
 import struct
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import FULL, LINEAR, TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
@@ -450,6 +450,17 @@ def _check_sizes(config: TextConfig, source: Path) -> None:
                           f"{LINEAR!r} and {FULL!r} layers. Re-download config.json")
 
 
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """The end ids generation_config.json lists (transformers stops on them too: a fine-tune may add one there
+    only); none where the file is absent or unreadable, which costs only those extra stops."""
+    try:
+        eos = json.loads(path.read_bytes().decode("utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if type(i) is int and i >= 0)
+
+
 def read_config(cfg_file: Path) -> dict:
     """A checkpoint's config.json as a dict, read as UTF-8 whatever the locale; a Qwen35Error naming the file when
     it cannot be read, is not JSON or holds no object."""
@@ -573,6 +584,9 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{cfg_file}: a setting has the wrong type or value ({type(e).__name__}: {e}); "
                           "re-download config.json") from None
     _check_sizes(config, cfg_file)
+    extra = set(generation_eos(path / "generation_config.json")) - set(config.eos_token_ids)
+    if extra:
+        config = replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | extra)))
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = _index_files(path, index)

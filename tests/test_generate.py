@@ -162,6 +162,25 @@ def test_the_decode_rate_counts_the_end_of_turn_step(pair, monkeypatch):
     assert out.decode_tokens_per_s == 1.0
 
 
+@pytest.mark.parametrize("listed", [[248046, 248044, 248045], 248045])
+def test_an_end_id_only_generation_config_lists_stops_the_answer(tmp_path, monkeypatch, listed):
+    """transformers stops on generation_config.json's end ids too (a fine-tune may add one there only); a file
+    that cannot be read adds none."""
+    import json
+
+    from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+    folder = make_checkpoint(tmp_path / "ck", text_overrides={"num_hidden_layers": 2,
+                                                           "layer_types": ["linear_attention", "full_attention"]})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+    model = load_model(folder, dtype="fp32", device="cpu")
+    assert 248045 in model.config.eos_token_ids
+    _scripted(monkeypatch, [100, 101, 248045, 102])
+    out = generate(model, prefill_ids(model, list(range(5000, 5010))), max_new_tokens=4)
+    assert out.token_ids == (100, 101) and out.finish_reason == "stop"
+    (folder / "generation_config.json").write_text("{not json")
+    assert 248045 not in load_model(folder, dtype="fp32", device="cpu").config.eos_token_ids
+
+
 def test_numpy_integers_are_whole_numbers(pair):
     import numpy as np
     _, model = pair
