@@ -53,8 +53,8 @@ def build(layers: int, smoke: bool):
     random_weights_(model)
     tower = VisionTower(VisionConfig(**tower_shape, out_hidden_size=out_hidden), dtype, dev)
     with torch.no_grad():
-        for p in tower.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(0.0)
+        for name, p in tower.named_parameters():  # LayerNorm scales 1 (0 would make every image's tokens zeros)
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "norm" in name and name.endswith("_w") else 0.0)
     model.vision, model.path = tower, None
     model.tokenizer = load_tokenizer(None)
     model.set_backend("auto")
