@@ -164,7 +164,7 @@ def _add_norm_impl(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps
                    use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if use_cuda:
         return _cuda().add_rms_norm_cuda(res, x, weight, eps)
-    return add_rms_norm_ref(res, x, weight, eps)
+    return tuple(t.contiguous() for t in add_rms_norm_ref(res, x, weight, eps))  # as the fake says
 
 
 def _add_norm_fake(res, x, weight, eps, use_cuda):
@@ -175,7 +175,7 @@ def _add_norm_fake(res, x, weight, eps, use_cuda):
 def _silu_mul_impl(gu: torch.Tensor, use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().silu_mul_cuda(gu)
-    return silu_mul_ref(gu)
+    return silu_mul_ref(gu).contiguous()
 
 
 def _silu_mul_fake(gu, use_cuda):
@@ -257,7 +257,7 @@ def _vision_positions_impl(x: torch.Tensor, pos_embed: torch.Tensor, table: torc
                            use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_cuda:
         return _cuda().vision_positions_cuda(x, pos_embed, table, grids, inv_freq, merge)
-    return vision_positions_ref(x, pos_embed, grids, inv_freq, merge)
+    return tuple(t.contiguous() for t in vision_positions_ref(x, pos_embed, grids, inv_freq, merge))
 
 
 def _vision_positions_fake(x, pos_embed, table, grids, inv_freq, merge, use_cuda):
@@ -304,7 +304,7 @@ def _add_layer_norm_impl(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                          use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if use_cuda:
         return _cuda().add_layer_norm_cuda(x, y, weight, bias, eps)
-    return add_layer_norm_ref(x, y, weight, bias, eps)
+    return tuple(t.contiguous() for t in add_layer_norm_ref(x, y, weight, bias, eps))
 
 
 def _add_layer_norm_fake(x, y, weight, bias, eps, use_cuda):

@@ -409,7 +409,7 @@ class KVPool:
 def block_table_tensor(seqs: Sequence[SequenceBlocks], max_blocks: Optional[int] = None, device=None):
     """The int32 [N, max_blocks] block table of `seqs` (PAD after each sequence's last block)."""
     import torch
-    width = max((len(s.blocks) for s in seqs), default=0) if max_blocks is None else max_blocks
+    width = max([0, *(len(s.blocks) for s in seqs)]) if max_blocks is None else max_blocks  # dynamo takes no default=
     rows = []
     for s in seqs:
         if len(s.blocks) > width:

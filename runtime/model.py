@@ -129,6 +129,7 @@ class Cache:
     def capacity(self) -> int:
         return self.seq.capacity(self.store.block_size)
 
+    @torch.compiler.disable  # host bookkeeping under a lock; and dynamo fails on the message's format spec
     def reserve(self, capacity: int) -> None:
         """Room for `capacity` positions: blocks appended (KVStore.reserve: an auto store grows, a fixed one
         names the shortage)."""

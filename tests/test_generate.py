@@ -90,6 +90,42 @@ def test_prefill_inside_torch_compile_gives_the_same_logits(pair):
     assert rel(wrapped(torch.tensor(1.0)), eager) == 0.0
 
 
+def test_a_compiled_decode_step_runs_step_after_step_as_eager(pair):
+    """torch.compile of the decode step with its default (automatic dynamic) shapes: the recompile for the next
+    position traces the cache's bookkeeping too (it failed on the second token on a message's format spec)."""
+    _, model = pair
+    torch._dynamo.reset()
+    ids = torch.tensor([[3000, 3001, 3002, 3003, 3004, 3005, 3006]])
+    caches = model.new_cache(1, 64), model.new_cache(1, 64)
+    for cache in caches:
+        model.forward_prefill(ids, cache)
+    compiled = torch.compile(model.forward_decode, backend="aot_eager")
+    for token in (11, 500, 9000, 12):
+        tok = torch.tensor([token])
+        assert torch.equal(compiled(tok, caches[1]), model.forward_decode(tok, caches[0]))
+
+
+def test_ops_on_strided_inputs_return_what_their_fakes_say():
+    """Outputs are contiguous, as the fakes that torch.compile plans with say, for transposed inputs too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qwen35_fast.kernels import ops
+
+    def strided(*shape):
+        return torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))
+    x, y, w, b = strided(6, 16), strided(6, 16), torch.randn(16), torch.randn(16)
+    cases = [(ops.add_rms_norm_op, (x, y, w, 1e-6, False)), (ops.silu_mul_op, (strided(6, 32), False)),
+             (ops.add_layer_norm_op, (x, y, w, b, 1e-6, False)),
+             (ops.vision_positions_op, (strided(16, 8), torch.randn(9, 8), torch.zeros(1, 4, dtype=torch.int32),
+                                        [1, 4, 4], torch.randn(2), 2, False))]
+    for op, args in cases:
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f in zip(*(t if isinstance(t, tuple) else (t,) for t in (real, fake))):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), op
+
+
 def test_kernel_ops_trace_into_a_full_graph():
     """The custom ops have fake implementations: a fullgraph compile traces through them, no break."""
     q, k = torch.randn(1, 70, 2, 32), torch.randn(1, 70, 2, 32)
