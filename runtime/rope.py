@@ -86,9 +86,4 @@ def layout_positions(parts) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(positions), delta
 
 
-def text_positions(start: int, n: int, device=None) -> torch.Tensor:
-    """[3, n]: text tokens at start .. start + n - 1."""
-    return torch.arange(start, start + n, device=device).expand(3, -1)
-
-
-__all__ = ["inv_freq", "section_index", "cos_sin", "TextRun", "VisionSpan", "layout_positions", "text_positions"]
+__all__ = ["inv_freq", "section_index", "cos_sin", "TextRun", "VisionSpan", "layout_positions"]
