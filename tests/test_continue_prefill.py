@@ -181,6 +181,17 @@ def test_greedy_generation_after_a_follow_up_with_an_image_equals_transformers(p
         out = hf.generate(**_hf_inputs(child, img1 + img2), max_new_tokens=len(mine.token_ids), do_sample=False,
                           eos_token_id=None, pad_token_id=0, min_new_tokens=len(mine.token_ids))
     assert list(mine.token_ids) == out[0, child.n_tokens:].tolist()
+    # the offset itself, and decode steps' logits (greedy tokens of a tiny random model barely see positions)
+    with torch.no_grad():
+        out = hf(**_hf_inputs(child, img1 + img2), use_cache=True, logits_to_keep=1)
+    assert child.cache.rope_delta == int(hf.model.rope_deltas.flatten()[0]) < parent.cache.rope_delta
+    cache, past = child.cache.clone(child.n_tokens + 4), out.past_key_values
+    for tok in (11, 500, 9000, 12):
+        mine = ours.forward_decode(torch.tensor([tok]), cache)[0]
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        assert rel(mine, out.logits[0, -1]) <= TOL
 
 
 def test_errors_name_the_cause_and_the_fix(pair, tmp_path):
