@@ -536,3 +536,30 @@ def test_keep_loaded_off_gives_the_memory_back_when_a_prefill_fails(pack, models
     with pytest.raises(Qwen35Error, match="at most 8 positions"):
         _prefill(pack, model)
     assert released == [1]
+
+
+def test_generate_hands_every_setting_to_the_runtime(pack, loaded, monkeypatch):
+    import qwen35_fast.runtime as rt
+    seen = {}
+    real = rt.generate
+
+    def spy(model, pf, max_new_tokens, sampling, seed, on_token):
+        seen.update(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        return real(model, pf, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_token=on_token)
+    monkeypatch.setattr(rt, "generate", spy)
+    out = pack.Qwen35Generate.execute(prefill=_prefill(pack, loaded), max_new_tokens=5, sampling=True,
+                                      temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                                      presence_penalty=0.4, seed=99)
+    want = rt.SamplingParams(do_sample=True, temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                             presence_penalty=0.4)
+    assert seen == dict(max_new_tokens=5, sampling=want, seed=99) and isinstance(out[0], str)
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_text_prefill_thinks_only_through_the_chat_template(pack, loaded, template):
+    """Thinking opens <think> in the chat template's generation prompt; a raw prompt has none, so its whole answer
+    is the answer (Generate would otherwise put it all under thinking)."""
+    out = pack.Qwen35TextPrefill.execute(model=loaded, prompt="Hello", system_prompt="", thinking=True,
+                                         use_chat_template=template)
+    assert out[0].prefill.thinking is template
+    assert loaded.model.tokenizer.decode(out[0].prefill.token_ids).endswith("<think>\n") is template

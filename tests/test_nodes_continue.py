@@ -143,3 +143,20 @@ def test_continue_after_unload_models_on_the_gpu(pack, models_dir, comfy):
         assert rel(after.prefill.logits, before) < 1e-3
     finally:
         model.release()
+
+
+def test_every_input_reaches_the_runtime(pack, loaded, monkeypatch):
+    import qwen35_fast.runtime as rt
+    seen = {}
+    real = rt.continue_prefill
+
+    def spy(model, parent, prompt, **kw):
+        seen.update(prompt=prompt, **{k: v for k, v in kw.items() if k != "reserve"})
+        return real(model, parent, prompt, **kw)
+    monkeypatch.setattr(rt, "continue_prefill", spy)
+    image = torch.rand(1, 40, 48, 3, generator=torch.Generator().manual_seed(3))
+    out = _continue(pack, _prefill(pack, loaded), "And <image>?", images=image, previous_answer="Red.",
+                    thinking=True, max_pixels=4096)
+    assert seen["prompt"] == "And <image>?" and seen["images"] is image and seen["previous_answer"] == "Red."
+    assert seen["thinking"] is True and seen["max_pixels"] == 4096
+    assert out[0].prefill.thinking and loaded.model.tokenizer.decode(out[0].prefill.token_ids).endswith("<think>\n")
