@@ -173,7 +173,7 @@ def _local_headers(src_path: Path) -> str:
     parts = []
     for d in dict.fromkeys((src_path.parent, KERNELS_DIR)):
         for h in sorted(d.glob("*.cuh")):
-            parts.append(h.name + "\0" + h.read_text())
+            parts.append(h.name + "\0" + h.read_text(encoding="utf-8"))
     return "\0".join(parts)
 
 
@@ -207,7 +207,7 @@ def _compile(source: str, src_path: Path, arch: str, opts: list[str]) -> bytes:
             try:
                 log_dir.mkdir(parents=True, exist_ok=True)
                 log_path = log_dir / f"{src_path.stem}-{arch}-{_cache_key(source, src_path, arch, opts)[:12]}.log"
-                log_path.write_text(f"source: {src_path}\noptions: {' '.join(opts)}\n\n{log}")
+                log_path.write_text(f"source: {src_path}\noptions: {' '.join(opts)}\n\n{log}", encoding="utf-8")
                 where = f"the compiler log is in {log_path}"
             except OSError:
                 where = f"compiler log:\n{log}"
@@ -222,7 +222,7 @@ def compile_cubin(src_path, arch: str, defines: dict | None = None) -> bytes:
     """Compile `src_path` for `arch` ('sm_80', 'sm_90a', ...) without a GPU. Returns the cubin
     (PTX text for a 'compute_XY' target). Raises KernelBuildError naming the log file on failure."""
     src_path = Path(src_path).resolve()
-    return _compile(src_path.read_text(), src_path, arch, _options(src_path, arch, defines))
+    return _compile(src_path.read_text(encoding="utf-8"), src_path, arch, _options(src_path, arch, defines))
 
 
 # ----------------------------------------------------------------------------- loading and launching
@@ -345,7 +345,7 @@ def _read_wanted(arch: str) -> list[dict]:
     ahead of the clock (noted while it was set wrong: it would never age out), is left out (the list is only a
     head start)."""
     try:
-        entries = json.loads(_wanted_path(arch).read_text())
+        entries = json.loads(_wanted_path(arch).read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none yet, or unreadable: nothing to compile ahead
         return []
     today = _today()
@@ -445,7 +445,7 @@ def compile_ahead(arch: str, workers: int | None = None) -> int:
     for e in _read_wanted(arch):
         src = KERNELS_DIR / e["source"]
         try:
-            source = src.read_text()
+            source = src.read_text(encoding="utf-8")
             opts = _options(src, arch, e["defines"])
         except Exception:  # noqa: BLE001 - a source the pack no longer has, defines it would not take: skipped
             continue
@@ -477,7 +477,7 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
     fn = _by_path.get(fast)
     if fn is None:
         src_path = Path(src_path).resolve()  # one cache key however the pack's folder is reached (a symlink)
-        source = src_path.read_text()
+        source = src_path.read_text(encoding="utf-8")
         own = card_of(torch.device("cuda", index)).arch
         arch, own = arch or own, arch in (None, own)  # built for the device's own target: listed for compile_ahead
         key = (source, _local_headers(src_path), dkey, arch, name, index)

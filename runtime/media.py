@@ -90,7 +90,7 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
         if folder is None or not (folder / name).is_file():
             continue
         try:
-            cfg = json.loads((folder / name).read_text())
+            cfg = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise Qwen35Error(f"{folder / name}: not valid JSON ({e}); re-download it") from None
         size = cfg.get("size") or {}
