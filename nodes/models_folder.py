@@ -131,9 +131,8 @@ def find_model(name: str) -> Path | None:
     listed = available_models()
     if name in listed:
         return listed[name]
-    if not isinstance(name, str) or not name or "\0" in name:
-        return None
-    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
+    from ..runtime.checkpoint import name_inside
+    if not isinstance(name, str) or not name_inside(name):
         return None  # by name, not by where links lead: a model folder may link to another disk
     for base in folder_paths.get_folder_paths(LLM):
         path = Path(base) / name
@@ -153,7 +152,8 @@ def weights_bytes(path: Path, element_bytes: int = 2) -> int:
     from ..runtime.checkpoint import read_header
     from ..runtime.errors import Qwen35Error
     try:
-        files = [path] if path.is_file() else sorted(p for p in path.glob("*.safetensors") if p.is_file())
+        from ..runtime.checkpoint import weight_files
+        files = [path] if path.is_file() else [p for p in weight_files(path) if p.is_file()]
         return element_bytes * sum(math.prod(t["shape"]) for f in files for t in read_header(f).values())
     except (OSError, Qwen35Error):
         return 0

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import stat
 import struct
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .config import FULL, LINEAR, TextConfig, expected_shapes, from_hf_dict, infer_from_shapes
 from .errors import Qwen35Error
@@ -277,7 +276,7 @@ class WeightReader:
         if device is not None and str(device) != "cpu" and self._on_device:
             try:
                 return dequantize(t, scale, how.block, dtype, device=device)
-            except (RuntimeError, NotImplementedError) as e:
+            except (RuntimeError, NotImplementedError, TypeError) as e:  # MPS: TypeError
                 from .memory import is_out_of_memory  # (imported here: like torch, not needed to read headers)
                 if is_out_of_memory(e):
                     raise
@@ -534,12 +533,25 @@ def _index_files(path: Path, index: Path) -> list[Path]:
     for name in weight_map.values():
         file = path / name
         # by name, not by where links lead: a Hugging Face cache links its shards to blobs elsewhere
-        inside = not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".." and "\0" not in name
-        if not inside or not name.endswith(".safetensors"):
+        if not name_inside(name) or not name.endswith(".safetensors"):
             raise Qwen35Error(f"{index}: names {name!r}, which is not a .safetensors file inside {path}; an index "
                               "may only point to weight files in its own folder")
         files.add(file)
     return sorted(files)
+
+
+def name_inside(name: str) -> bool:
+    """Whether a relative file name stays inside the folder it is joined to, by the rules of every platform: no
+    root or drive (Windows' "C:x" and "\\x" too), no "..", no NUL."""
+    if not name or "\0" in name:
+        return False
+    return not any(p.drive or p.root or ".." in p.parts for p in (PurePosixPath(name), PureWindowsPath(name)))
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The *.safetensors files of a folder, without the "._" companions macOS writes beside files it copies to
+    drives of other file systems (and other dot files)."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
 
 
 def locate(path: str | Path) -> Checkpoint:
@@ -595,7 +607,7 @@ def locate(path: str | Path) -> Checkpoint:
             raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}, which is missing; the download "
                               "is incomplete")
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = weight_files(path)
     if not files:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""

@@ -59,6 +59,8 @@ def _read_image(path: str):
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(sys.stdout, "reconfigure"):  # redirected on Windows, stdout takes the code page: no crash on the rest
+        sys.stdout.reconfigure(errors="replace")
     a = _args(argv)
     from . import SamplingParams, continue_prefill, demo_checkpoint, generate, load_model, prefill
     try:

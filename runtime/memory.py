@@ -136,12 +136,19 @@ def free_bytes(device: torch.device) -> tuple[int, int]:
     info = getattr(getattr(torch, device.type, None), "mem_get_info", None) if device.type != "cpu" else None
     if info is not None:  # xpu, ...
         return info(device)
+    try:  # ComfyUI's own dependency, and the one answer on Windows (no sysconf) and macOS (no SC_AVPHYS_PAGES)
+        import psutil
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except (ImportError, OSError, AttributeError):
+        pass
+    free = total = 0
     try:
         page = os.sysconf("SC_PAGE_SIZE")
         total = os.sysconf("SC_PHYS_PAGES") * page
         free = os.sysconf("SC_AVPHYS_PAGES") * page  # unused pages only: the page cache not counted
     except (OSError, ValueError, AttributeError):
-        return 0, 0
+        pass
     return max(free, _mem_available()), total
 
 
