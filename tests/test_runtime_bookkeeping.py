@@ -1,0 +1,142 @@
+"""The runtime's bookkeeping that other tests only pass through: blocks going back with dropped prefills, the
+prefix cache's states moving with the model, the checkpoint stamp covering every file, the raw prompt keeping its
+system prompt, the vocabulary's last id, the first token's time, long texts with multi-word added tokens, FP8 files
+with 64 x 64 blocks, out of memory while a device is checked, and the estimate of a follow-up over a long context.
+Each was a one-line change no test saw (mutation runs)."""
+import gc
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwen35_fast.runtime import Qwen35Error, generate, load_model, prefill, prefill_ids
+from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ck"), with_tokenizer=True)
+
+
+@pytest.fixture
+def model(folder):
+    return load_model(folder, dtype="fp32", device="cpu", backend="torch")
+
+
+def test_dropped_prefills_give_their_blocks_back(model):
+    model.setup_kv(8 << 20)
+    pool = model.kv.pool
+    start = pool.num_free
+    for i in range(12):
+        pf = prefill(model, "word " * 300 + str(i), use_cache=False)
+        assert pool.num_free < start
+        del pf
+        gc.collect()
+        assert pool.num_free == start
+
+
+def test_a_model_move_moves_the_prefix_caches_states(model):
+    """Module._apply (what .to() and ComfyUI's offload call) replaces every snapshot's conv and recurrent state:
+    none is left on the device the model left."""
+    prefill(model, "Describe a red circle.", system_prompt="You describe pictures.")
+    snaps = model.kv.pool.snapshots
+    before = [t for s in snaps for t in s.states.conv + s.states.ssm if t is not None]  # held: no id reused
+    assert snaps and before
+    model._apply(lambda t: t.clone())
+    after = [t for s in snaps for t in s.states.conv + s.states.ssm if t is not None]
+    assert len(after) == len(before) and not {id(t) for t in after} & {id(t) for t in before}
+
+
+def test_a_shard_holding_only_the_vision_weights_is_stamped(folder, tmp_path):
+    from qwen35_fast.runtime.checkpoint import locate
+    from qwen35_fast.runtime.loader import check_unchanged, file_stamp
+    d = tmp_path / "two-shards"
+    shutil.copytree(folder, d)
+    (d / "model.safetensors").unlink()
+    w = load_file(folder / "model.safetensors")
+    vis = {k: v for k, v in w.items() if k.startswith("model.visual")}
+    names = {k: "model-00002-of-00002.safetensors" if k in vis else "model-00001-of-00002.safetensors" for k in w}
+    save_file({k: v for k, v in w.items() if k not in vis}, d / "model-00001-of-00002.safetensors")
+    save_file(vis, d / "model-00002-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    ck = locate(d)
+    stamp = file_stamp(ck)
+    save_file({k: v * 2 for k, v in vis.items()}, d / "model-00002-of-00002.safetensors")
+    with pytest.raises(Qwen35Error, match="changed"):
+        check_unchanged(ck, stamp)
+
+
+def test_a_raw_prompt_keeps_its_system_prompt(model):
+    from qwen35_fast.runtime.generate import encode_prompt
+    ids = encode_prompt(model, "Continue the story.", system_prompt="You are a pirate.", use_chat_template=False)
+    assert model.tokenizer.decode(ids) == "You are a pirate.\n\nContinue the story."
+
+
+def test_the_id_one_past_the_vocabulary_is_refused_by_name(model):
+    v = model.config.vocab_size
+    prefill_ids(model, [1, 2, v - 1], use_cache=False)
+    with pytest.raises(Qwen35Error, match=str(v)):
+        prefill_ids(model, [1, 2, v], use_cache=False)
+
+
+def test_the_first_tokens_time_counts_the_prefill(model):
+    pf = prefill(model, "Hello there.", use_cache=False)
+    pf = type(pf)(**{**pf.__dict__, "ms": 5000.0})  # a prefill that took 5 s
+    out = generate(model, pf, max_new_tokens=2)
+    assert out.first_token_ms >= 5000.0
+
+
+def test_long_texts_keep_added_tokens_that_hold_a_space(tmp_path, folder):
+    """A long text is encoded in pieces cut at spaces; not where an added token ("red apple") holds one."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from qwen35_fast.runtime.tokenizer import load_tokenizer
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_tokens([AddedToken("red apple", special=False, normalized=False)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    text = "a" * 4096 + "red apple" + " more words" * 500
+    ids = tok.encode(text)
+    assert ids == Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert tok.token_id("red apple") in ids
+
+
+def test_fp8_blocks_of_64_are_found_without_weight_block_size(tmp_path):
+    from qwen35_fast.runtime.checkpoint import _fp8_block
+    assert _fp8_block("w", [256, 256], "w_scale_inv", [4, 4], None, tmp_path / "m.safetensors") == (64, 64)
+    assert _fp8_block("w", [256, 256], "w_scale_inv", [2, 2], None, tmp_path / "m.safetensors") == (128, 128)
+
+
+def test_out_of_memory_while_a_device_is_checked_stays_out_of_memory(model, monkeypatch):
+    """An accelerator merely short of memory is not one the model does not run on (the loader's auto would take
+    the CPU for it)."""
+    import sys
+
+    from qwen35_fast.runtime.devices import DeviceUnsupported, check_device
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+
+    def oom(*a, **k):
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)")
+    monkeypatch.setattr(gen, "generate", oom)
+    with pytest.raises(RuntimeError, match="out of memory") as e:
+        check_device(model)
+    assert not isinstance(e.value, DeviceUnsupported)
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("aten::x")))
+    with pytest.raises(DeviceUnsupported, match="aten::x"):
+        check_device(model)
+
+
+def test_a_follow_up_over_a_long_context_counts_the_context(model):
+    """Where the attention runs in PyTorch it gathers every cached position: 20 new tokens after 60,000 cached
+    ones need more than a 20-token prompt."""
+    from qwen35_fast.runtime.memory import prefill_bytes, reference_attention_bytes
+    assert prefill_bytes(model, 20, 60_020) - prefill_bytes(model, 20) \
+        == reference_attention_bytes(model, 60_020, 20) - reference_attention_bytes(model, 20, 20) > 0
+
+
+def test_bf16_works_runs_the_product():
+    from qwen35_fast.runtime import devices
+    assert devices.bf16_works(torch.device("cpu"))
+    assert not devices.bf16_works(torch.device("meta"))  # no values to read back: as a device without bf16
