@@ -563,3 +563,25 @@ def test_text_prefill_thinks_only_through_the_chat_template(pack, loaded, templa
                                          use_chat_template=template)
     assert out[0].prefill.thinking is template
     assert loaded.model.tokenizer.decode(out[0].prefill.token_ids).endswith("<think>\n") is template
+
+
+def test_the_nodes_show_what_the_runtime_did(pack, models_dir):
+    """The numbers on the nodes are the runtime's: the loader's cache size and tokens, a prefill's reused tokens,
+    why a generation ended."""
+    out = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                         keep_loaded=True)
+    managed = out[0]
+    try:
+        store, info = managed.model.kv, out.ui["qwen35_model"][0]
+        assert info["cache_tokens"] == store.num_blocks * store.block_size
+        assert info["cache_mb"] == round((store.nbytes + store.pool.snapshot_budget_bytes) / 2**20, 1)
+        first = pack.Qwen35TextPrefill.execute(model=managed, prompt="Name a colour.", system_prompt="Be brief. " * 8,
+                                               thinking=False, use_chat_template=True)
+        again = pack.Qwen35TextPrefill.execute(model=managed, prompt="Name a fruit.", system_prompt="Be brief. " * 8,
+                                               thinking=False, use_chat_template=True)
+        assert first.ui["qwen35_prefill"][0]["cached_tokens"] == 0
+        assert again.ui["qwen35_prefill"][0]["cached_tokens"] == again[0].prefill.cached_tokens > 0
+        done = _generate(pack, again[0], max_new_tokens=1, sampling=False).ui["qwen35_generate"][0]
+        assert done["n_tokens"] == 1 and done["finish_reason"] == "length"
+    finally:
+        managed.release()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_nodes import _generate, _prefill, comfy, loaded, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, _prefill, comfy, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
 
 from _models import rel
 
@@ -160,3 +160,13 @@ def test_every_input_reaches_the_runtime(pack, loaded, monkeypatch):
     assert seen["prompt"] == "And <image>?" and seen["images"] is image and seen["previous_answer"] == "Red."
     assert seen["thinking"] is True and seen["max_pixels"] == 4096
     assert out[0].prefill.thinking and loaded.model.tokenizer.decode(out[0].prefill.token_ids).endswith("<think>\n")
+
+
+def test_a_follow_up_with_an_image_asks_model_management_for_its_memory(pack, loaded, memory_asked):
+    from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
+    image = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(6))
+    parent = _prefill(pack, loaded)
+    memory_asked.clear()
+    child = _continue(pack, parent, "And <image>?", images=image)[0].prefill
+    n_patches = sum(t * h * w for t, h, w in child.vision.grids)
+    assert max(memory_asked) >= prefill_bytes(loaded.model, child.new_tokens) + vision_bytes(loaded.model, n_patches)

@@ -149,3 +149,17 @@ def test_without_network_for_real_it_exits_0(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "installing cupy-cuda12x" in done.stdout
     assert "could not install cupy-cuda12x" in done.stdout and "runs on PyTorch" in done.stdout
+
+
+def test_a_pip_that_hangs_is_given_up_after_the_timeout(install, monkeypatch, capsys):
+    """A network that never answers must not hang ComfyUI-Manager's install: pip runs under PIP_TIMEOUT_S."""
+    fake_env(install, monkeypatch, "13.0", {})
+    seen = {}
+
+    def hang(cmd, **kwargs):
+        seen.update(kwargs)
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+    monkeypatch.setattr(install.subprocess, "run", hang)
+    assert install.main([]) == 0
+    assert seen["timeout"] == install.PIP_TIMEOUT_S > 0
+    assert f"took over {install.PIP_TIMEOUT_S} s" in capsys.readouterr().out

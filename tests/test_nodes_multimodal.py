@@ -131,3 +131,11 @@ def test_the_node_asks_model_management_for_the_run_memory(pack, loaded, memory_
     pf = out[0][0].prefill
     n_patches = sum(t * h * w for t, h, w in pf.vision.grids)
     assert memory_asked[-1] == prefill_bytes(loaded.model, pf.n_tokens) + vision_bytes(loaded.model, n_patches) > 0
+
+
+def test_a_second_question_about_the_same_image_shows_its_reused_tokens(pack, loaded):
+    image = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(5))
+    first = _run(pack, loaded, images=image, prompt="What is it?", system_prompt="Be brief.")
+    again = _run(pack, loaded, images=image, prompt="Which colour?", system_prompt="Be brief.")
+    assert first.ui["qwen35_prefill"][0]["cached_tokens"] == 0
+    assert again.ui["qwen35_prefill"][0]["cached_tokens"] == again[0][0].prefill.cached_tokens > 0
