@@ -315,7 +315,7 @@ class KVPool:
             return SequenceBlocks(list(held), seq.num_tokens), []
         try:
             dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
-        except Exception:
+        except BaseException:  # a Ctrl+C too: the held blocks go back
             self.release(held)
             raise
         self.release(held[nfull:])  # the partly filled block: only its copy is the child's

@@ -139,8 +139,8 @@ class KVStore:
         k = torch.empty((self.k.shape[0], num_blocks, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
         v = torch.empty_like(k)
         k[:, :old], v[:, :old] = self.k, self.v
+        self.pool.grow(num_blocks)  # first: if it fails, tensors and pool still agree on the old count
         self.k, self.v = k, v
-        self.pool.grow(num_blocks)
         self.budget_bytes += int((num_blocks - old) * self.nbytes / num_blocks)
         self.version += 1
 

@@ -430,3 +430,38 @@ def test_blocks_given_back_from_another_thread():
     other.join()
     assert pool.num_free == pool.num_blocks and sorted(pool._free) == list(range(pool.num_blocks))
     assert all(r == 0 for r in pool.refcount)
+
+
+@pytest.mark.parametrize("stop", [RuntimeError("no room"), KeyboardInterrupt()])
+def test_a_fork_stopped_while_it_allocates_holds_nothing(stop, monkeypatch):
+    """The parent's blocks held for the fork go back whatever stops it (a Ctrl+C too)."""
+    pool = KVPool(8, 16)
+    parent = SequenceBlocks(pool.allocate(2), 20)  # a partly filled last block: the fork allocates its copy
+
+    def fail(*a, **k):
+        raise stop
+    monkeypatch.setattr(pool, "allocate", fail)
+    with pytest.raises(type(stop)):
+        pool.fork(parent)
+    assert pool.refcount[:2] == [1, 1]
+    pool.release(parent.blocks)
+    assert pool.num_free == 8
+
+
+def test_a_growth_stopped_in_the_pool_leaves_tensors_and_pool_agreeing(monkeypatch):
+    from qwen35_fast.runtime.config import from_hf_dict
+    from qwen35_fast.runtime.demo_checkpoint import tiny_qwen35_config
+    from qwen35_fast.runtime.kv_store import KVStore
+    store = KVStore(from_hf_dict(tiny_qwen35_config()), 4 << 20, torch.float32, torch.device("cpu"), growable=True)
+    before = store.num_blocks
+    real = store.pool.grow
+
+    def stopped(n):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(store.pool, "grow", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        store.grow(2 * before)
+    assert store.k.shape[1] == store.pool.num_blocks == before
+    monkeypatch.setattr(store.pool, "grow", real)
+    store.grow(2 * before)
+    assert store.k.shape[1] == store.v.shape[1] == store.pool.num_blocks == 2 * before
