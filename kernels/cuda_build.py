@@ -366,6 +366,8 @@ def _wanted_lock(arch: str):
             path.parent.mkdir(parents=True, exist_ok=True)
             fh = open(path, "a+b")
         except OSError:  # a read-only folder: nothing will be written either
+            fh = None
+        if fh is None:
             yield
             return
         try:
