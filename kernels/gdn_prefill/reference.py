@@ -109,7 +109,7 @@ def _chunked_one(Q, K, V, G, Beta, S):
     return out.reshape(H, n * CHUNK, -1)[:, :T], S
 
 
-def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, segment=None):
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, segment=SEGMENT):
     """Chunked gated delta rule in fp32 (PyTorch path).
 
     q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv] raw gate projections;
@@ -117,12 +117,11 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_se
     cu_seqlens: int32 [N + 1] with B == 1 for packed sequences, else None (N = B).
     Returns o: [B, T, Hv, Dv] in v.dtype (contiguous), final state: [N, Hv, D, Dv] fp32.
 
-    Each sequence is walked `segment` tokens at a time (a multiple of CHUNK; default SEGMENT): the fp32
+    Each sequence is walked `segment` tokens at a time (a multiple of CHUNK): the fp32
     working set (segment_bytes) stays that of one segment whatever the prompt's length.
     """
-    segment = segment or SEGMENT
-    if segment % CHUNK:
-        raise ValueError(f"segment must be a multiple of {CHUNK} tokens, got {segment}")
+    if segment <= 0 or segment % CHUNK:
+        raise ValueError(f"segment must be a positive multiple of {CHUNK} tokens, got {segment}")
     B, T, _, D = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     o = torch.empty(B, T, Hv, Dv, dtype=v.dtype, device=q.device)
@@ -140,9 +139,8 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_se
     return o, torch.stack(states)
 
 
-def segment_bytes(Hv: int, D: int, Dv: int, segment: int = 0) -> int:
+def segment_bytes(Hv: int, D: int, Dv: int, segment: int = SEGMENT) -> int:
     """The most gdn_prefill_chunked holds at once beyond its inputs and output, for Hv value heads: one
     segment's fp32 tensors (per token and head: q, k, v expanded and normalised, their padded copies, the two
     WY solves, the decayed q and k and the output, 5 chunk-wide matrices), the state and its next value."""
-    t = segment or SEGMENT
-    return 4 * Hv * (t * (3 * D + 3 * Dv + 2 * (D + Dv) + D + Dv + Dv + 5 * CHUNK) + 2 * D * Dv)
+    return 4 * Hv * (segment * (3 * D + 3 * Dv + 2 * (D + Dv) + D + Dv + Dv + 5 * CHUNK) + 2 * D * Dv)
