@@ -9,7 +9,8 @@ question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --
 rotary and the LayerNorms where they run), a fresh plan each call ("ms"), and as the runtime runs a size
 that repeats ("ms_repeat": the kept plan, a CUDA graph from the second call); "ours-torch" on the PyTorch
 references.
-floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run. Each size's four timings are
+floor = the tower's matmul FLOPs / the bf16 matmul rate measured in the same run (ours-e2e: the tower's and
+the whole prompt's text-model FLOPs, Qwen35Model.flops). Each size's four timings are
 taken in turn, one call of each a round in a shuffled order (medians over --reps rounds).
 
     python3 bench/vision.py [--reps 12] [--layers 32] [--no-transformers-e2e] [--out PATH]
@@ -236,7 +237,9 @@ def e2e(args, tower: VisionTower, rate: float):
 
     ms = timed(ttft, args.reps)
     pf = prefill_multimodal(model, question, images=image, use_cache=False)
-    rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "prompt_tokens": pf.n_tokens,
+    flop = tower.flops(pf.vision.grids) + model.flops(pf.n_tokens)  # the image's tower, the whole prompt's LM
+    rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "floor_ms": round(flop / rate * 1000, 2),
+             "tflop": round(flop / 1e12, 2), "prompt_tokens": pf.n_tokens,
              "image_tokens": sum(1 for t in pf.token_ids if t == IMAGE_PAD), "question_tokens": n_q,
              "vision_ms": round(pf.vision.vision_ms, 2), "prefill_ms": round(pf.vision.prefill_ms, 2),
              "backend": model.backend.name}]

@@ -427,6 +427,18 @@ class Qwen35Model(nn.Module):
             self.drop_weights(park)
             raise
 
+    def flops(self, tokens: int, logits: int = 1) -> float:
+        """Matmul FLOPs of a cold prefill of `tokens` tokens that keeps `logits` positions' logits: the layers'
+        projections and MLPs, the full-attention layers' causal scores and values, the LM head. The GDN
+        recurrence is not counted (a few % of a 1K-token prompt on 9B shapes): a floor, not an estimate."""
+        c = self.config
+        weights = sum(p.numel() for b in self.blocks for p in (b.gate_up, b.down, *(
+            (b.mixer.in_proj, b.mixer.out_proj) if b.kind == LINEAR else (b.mixer.qkv, b.mixer.o_proj))))
+        pairs = tokens * (tokens + 1) // 2  # causal (query, key) pairs
+        full = sum(1 for b in self.blocks if b.kind != LINEAR)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return 2 * tokens * weights + full * 4 * c.num_attention_heads * c.head_dim * pairs + 2 * logits * head.numel()
+
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
         if self._backend_device != self.device:

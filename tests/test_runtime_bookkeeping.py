@@ -140,3 +140,24 @@ def test_bf16_works_runs_the_product():
     from qwen35_fast.runtime import devices
     assert devices.bf16_works(torch.device("cpu"))
     assert not devices.bf16_works(torch.device("meta"))  # no values to read back: as a device without bf16
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_prefill_flop_floor_counts_what_the_prefill_multiplies(tmp_path, tie):
+    """Qwen35Model.flops (the first token's floor in bench/vision.py): its projection, MLP and LM-head part is
+    the weight matmuls' FLOPs a prefill runs (torch's FLOP counter over a prefill on the PyTorch path, which
+    keeps the last position's logits), its attention part the causal pairs of each full-attention layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from _models import make_hf_model
+    make_hf_model(tmp_path, tie=tie)
+    m = load_model(tmp_path, dtype="fp32", device="cpu", backend="torch")
+    c = m.config
+    full = sum(1 for t in c.layer_types if t == "full_attention")
+    for T in (1, 16, 200):
+        with FlopCounterMode(display=False) as fc:
+            prefill_ids(m, list(range(3, 3 + T)))
+        mm = fc.get_flop_counts()["Global"][torch.ops.aten.mm]
+        attention = full * 4 * c.num_attention_heads * c.head_dim * T * (T + 1) // 2
+        assert m.flops(T) - attention == mm, T
+    assert m.flops(16, logits=3) - m.flops(16) == 2 * 2 * c.vocab_size * c.hidden_size
