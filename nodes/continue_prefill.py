@@ -59,8 +59,11 @@ class Qwen35ContinuePrefill(io.ComfyNode):
     @classmethod
     def execute(cls, prefill, prompt="", images=None, previous_answer=None, thinking=False,
                 max_pixels=0) -> io.NodeOutput:
-        from ..runtime import continue_prefill
+        from ..runtime import Qwen35Error, continue_prefill
 
+        if images is not None and "<video>" in (prompt or ""):  # with images the prompt's placeholders are read
+            raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from the "
+                              "prompt, or read the video in a Qwen3.5 Multimodal Prefill and continue from it")
         model = prefill.model
         with model.released_on_error():
             model.load()

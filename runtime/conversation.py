@@ -40,6 +40,7 @@ from .multimodal import (
 )
 from .prefix import prefill_reusing
 from .rope import TextRun, layout_positions
+from .tokenizer import check_text
 
 
 def earlier_answer(answer: str) -> str:
@@ -59,6 +60,8 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
     if previous_answer is not None and not isinstance(previous_answer, str):
         raise Qwen35Error(f"previous_answer must be text (a Generate node's text output), got "
                           f"{type(previous_answer).__name__}")
+    check_text(prompt or "", "the follow-up prompt")
+    check_text(previous_answer or "", "previous_answer")
     tok = model.tokenizer
     user = tok.encode if allow_special_tokens else tok.encode_text
     head: list[int] = []

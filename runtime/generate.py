@@ -26,6 +26,7 @@ from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_byt
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .sampling import SamplingParams, draw_seed, penalty_marks, pick
+from .tokenizer import check_text
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,12 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
         raise Qwen35Error("the prompt is empty; write a prompt")
     if not isinstance(system_prompt, str):
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
+    check_text(prompt, "the prompt")
+    check_text(system_prompt, "the system prompt")
     tok = model.tokenizer
     user = tok.encode if allow_special_tokens else tok.encode_text
-    if not use_chat_template:
-        return user((system_prompt + "\n\n" if system_prompt else "") + prompt)
+    if not use_chat_template:  # a blank system prompt is no system prompt, as with the template
+        return user((system_prompt + "\n\n" if system_prompt.strip() else "") + prompt)
     # the text format_chat writes, encoded piece by piece
     ids = []
     for kind, text in chat_layout(system_prompt, thinking):

@@ -41,6 +41,7 @@ from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
+from .tokenizer import check_text
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
 PLACEHOLDER = re.compile(r"<image(?:\s*(\d+))?>|<video>")
@@ -118,6 +119,7 @@ def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     content; a raw prompt is taken as given."""
     if prompt is not None and not isinstance(prompt, str):
         raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
+    check_text(prompt or "", "the prompt")
     pieces, order = place_inputs(prompt or "", n_images, len(inputs) > n_images)
     if not order and not pieces[0].strip():
         raise Qwen35Error("the prompt is empty and no image or video is connected; write a prompt")
@@ -154,6 +156,7 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
                                                        allow_special_tokens)
     if not isinstance(system_prompt, str):
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
+    check_text(system_prompt, "the system prompt")
     tok = model.tokenizer
     user = _user_encoder(tok, allow_special_tokens)
     ids, parts = [], []
@@ -165,7 +168,7 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
             parts.append(TextRun(len(enc)))
 
     if not use_chat_template:
-        add(system_prompt + "\n\n" if system_prompt else "", user)
+        add(system_prompt + "\n\n" if system_prompt.strip() else "", user)  # blank: none, as with the template
         ids.extend(message_ids)
         parts.extend(message_parts)
     else:  # the text format_chat writes, with the vision spans in the user message

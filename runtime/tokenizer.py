@@ -199,18 +199,25 @@ class _Memo:
         return list(self._memo(text)) if len(text) <= self.MAX_CHARS else self._fn(text)
 
 
-def _checked(text: str) -> str:
-    """`text`, when it can be written as UTF-8; a Qwen35Error naming the place where it cannot."""
-    if not isinstance(text, str):
-        raise Qwen35Error(f"text to encode must be a string, got {type(text).__name__}")
+def check_text(text: str, what: str = "the text") -> str:
+    """`text`, when it can be written as UTF-8; else a Qwen35Error naming `what` (e.g. "the system prompt") and
+    the character's place in it. The prompt builders check the user's own strings with it before they cut or
+    join them, so that the place is the one the user sees."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise Qwen35Error(f"the text holds {text[e.start]!r} at character {e.start}, a lone surrogate that is not "
+        raise Qwen35Error(f"{what} holds {text[e.start]!r} at character {e.start}, a lone surrogate that is not "
                           f"a character (near {text[max(0, e.start - 20):e.start]!r}): it comes from bytes that "
                           "were not UTF-8 (a file or command-line argument in another encoding); save the text "
                           "as UTF-8 or remove that character") from None
     return text
+
+
+def _checked(text: str) -> str:
+    """`text`, when it can be written as UTF-8 (check_text); a Qwen35Error naming the place where it cannot."""
+    if not isinstance(text, str):
+        raise Qwen35Error(f"text to encode must be a string, got {type(text).__name__}")
+    return check_text(text)
 
 
 def load_tokenizer(folder: Path | str | None = None) -> Tokenizer:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill
+from qwen35_fast.runtime import Qwen35Error, SamplingParams, encode_prompt, generate, load_model, prefill
 from qwen35_fast.runtime.checkpoint import is_qwen35_file
 
 from _models import make_hf_model, write_single_file
@@ -352,6 +352,40 @@ def test_lone_surrogates_are_named(chat_model, still_works):
         prefill(chat_model, "hi", system_prompt="\udcff")
     with pytest.raises(Qwen35Error, match="lone surrogate"):
         prefill(chat_model, "hi \udcff", use_chat_template=False, allow_special_tokens=True)
+
+
+def test_a_lone_surrogate_is_placed_in_the_field_the_user_typed(chat_model, still_works):
+    """The place is counted in the user's own text (not in the stripped or joined text the prompt builders
+    encode) and the message names the field."""
+    from qwen35_fast.runtime.conversation import follow_up_ids
+    from qwen35_fast.runtime.media import VisionInput
+    from qwen35_fast.runtime.multimodal import build_prompt
+
+    text = "   \n\n   Hello there \ud800 world"  # at character 20
+    image = VisionInput("image", torch.zeros(4, 1536), (1, 2, 2), (32, 32))
+    for call, field in [(lambda: encode_prompt(chat_model, text), "the prompt"),
+                        (lambda: encode_prompt(chat_model, "hi", system_prompt=text), "the system prompt"),
+                        (lambda: encode_prompt(chat_model, text, use_chat_template=False), "the prompt"),
+                        (lambda: build_prompt(chat_model, text + " <image>", [image], 1), "the prompt"),
+                        (lambda: build_prompt(chat_model, "<image>", [image], 1, system_prompt=text),
+                         "the system prompt"),
+                        (lambda: follow_up_ids(chat_model, "next?", [], 0, text, False), "previous_answer"),
+                        (lambda: follow_up_ids(chat_model, text, [], 0, None, False), "the follow-up prompt")]:
+        with pytest.raises(Qwen35Error, match=rf"^{field} holds '\\ud800' at character 20, a lone surrogate"):
+            call()
+
+
+@pytest.mark.parametrize("system", ["   ", "\n", " \t\n "])
+def test_a_blank_system_prompt_adds_nothing_to_a_raw_prompt(chat_model, system):
+    """Raw mode (no chat template): a blank system prompt is no system prompt, as with the template."""
+    from qwen35_fast.runtime.multimodal import build_prompt
+
+    plain = encode_prompt(chat_model, "Once upon a time", use_chat_template=False)
+    assert encode_prompt(chat_model, "Once upon a time", system_prompt=system, use_chat_template=False) == plain
+    ids = build_prompt(chat_model, "Once upon a time", [], 0, use_chat_template=False, system_prompt=system)[0]
+    assert ids == plain
+    assert encode_prompt(chat_model, "Once", system_prompt="Be brief.", use_chat_template=False) \
+        == chat_model.tokenizer.encode_text("Be brief.\n\nOnce")
 
 
 def test_cli_with_a_non_utf8_argument(folder):

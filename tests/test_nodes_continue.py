@@ -98,6 +98,12 @@ def test_bad_input_names_the_cause_and_the_fix(pack, loaded, models_dir):
     pf = _prefill(pack, loaded)
     with pytest.raises(Qwen35Error, match="empty"):
         _continue(pack, pf, prompt="  ")
+    image = torch.rand(1, 64, 64, 3)
+    with pytest.raises(Qwen35Error, match=r"names <video>, but this node takes images only; remove <video> .*"
+                                          r"Multimodal Prefill"):  # (the node has no video input to connect)
+        _continue(pack, pf, prompt="Is this <image> the frame the <video> tag shows?", images=image)
+    s = _continue(pack, pf, prompt="What does a <video> tag do?").ui["qwen35_prefill"][0]  # no images: plain text
+    assert "vision_tokens" not in s and s["new_tokens"] > 0
     # another loader with the same settings shares the model: another backend setting makes another one
     other = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="auto",
                                            keep_loaded=True)[0]
