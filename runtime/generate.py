@@ -243,6 +243,15 @@ def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[s
     return "", tok.decode(out).strip()  # (generate stops before an end-of-turn token: `out` holds none)
 
 
+def not_finite(model: Qwen35Model, where: str) -> Qwen35Error:
+    """The error for logits that hold NaN or inf (`where`: whose logits), with the likely cause: in fp16 the
+    activations leaving its range (the residual stream of some checkpoints passes 65,504), else the weights."""
+    cause = ("the model's activations left fp16's range (65,504 at most); load the model as bf16 (or fp32)"
+             if model.dtype == torch.float16 else
+             "the weights hold NaN or inf values; download the checkpoint again")
+    return Qwen35Error(f"the model's logits {where} are not finite numbers (NaN or inf): {cause}")
+
+
 @torch.compiler.disable
 @on_model_device
 def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
@@ -273,6 +282,8 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     seed = draw_seed(seed)  # checked before any work
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
+    if not bool(torch.isfinite(pf.logits).all()):  # (on the host: a prefill's logits are copied there)
+        raise not_finite(model, f"after the prompt of {pf.n_tokens:,} tokens")
     model.select_backend()
     limit = model.config.max_position_embeddings
     budget = min(max_new_tokens, limit - pf.n_tokens)
@@ -310,9 +321,11 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     # turn would cost its whole time, so the next step comes after the host has read the token.
     ahead = host.cuda
 
+    last = pf.logits  # the newest logits queued: NaN or inf once they reach the cache or the GDN state
+
     def queue_step(n: int) -> None:
         """Decode the token before answer token n into the cache and pick token n (tok)."""
-        nonlocal step, tok
+        nonlocal step, tok, last
         if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
             try:
                 cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
@@ -324,8 +337,8 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
                 step = graphed_decode(model, cache, most)
             elif step is not None:
                 step.slot.set_blocks(cache.seq.blocks)
-        logits = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
-        tok = next_token(logits, n)
+        last = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
+        tok = next_token(last, n)
 
     tok = next_token(pf.logits.to(dev), 0)
     for n in range(budget):
@@ -344,6 +357,10 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         if not ahead and n + 1 < budget:
             queue_step(n + 1)
     decode_s = time.perf_counter() - t_decode
+    # checked once at the end (an overflow poisons every later step through the cache and the GDN state): the
+    # answer is an error, not a run of one repeated token; no step waits for the check
+    if not bool(torch.isfinite(last).all()):
+        raise not_finite(model, f"while answering (found after {len(out):,} tokens)")
     rest = stream.flush()  # the end of a character the length limit cut (U+FFFD, as the answer's text has it)
     if rest and on_token is not None:
         on_token(rest, len(out), max_new_tokens)

@@ -230,3 +230,50 @@ def test_a_batch_of_ids_is_refused_by_its_shape(pair):
     _, model = pair
     with pytest.raises(Qwen35Error, match=r"one sequence \(1-D\), got a Tensor of shape \[1, 3\]; pass ids\[0\]"):
         prefill_ids(model, torch.tensor([[5000, 5001, 5002]]))
+
+
+def test_logits_that_leave_fp16s_range_are_an_error_not_a_run_of_one_token(tmp_path, pair):
+    """One residual channel of a checkpoint past 65,504 (finite in fp32 and bf16): in fp16 the prompt's logits
+    are NaN, and greedy would answer token 0 again and again (a draw: some other token again and again). Generate
+    says so and what to do; the same file in bf16 answers. A step that turns NaN while answering (the cache or
+    the state poisoned) is caught at the end."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ck"
+    make_hf_model(folder, seed=3)
+    path = folder / "model.safetensors"
+    t = load_file(str(path))
+    down, up = "model.language_model.layers.0.mlp.down_proj.weight", "model.language_model.layers.0.mlp.up_proj.weight"
+    t[down] = t[down].clone()
+    t[down][5] *= 6000
+    t[up] = t[up] * 6000
+    save_file(t, str(path), metadata={"format": "pt"})
+    ids = list(range(10, 30))
+    half = load_model(folder, dtype="fp16", device="cpu", backend="torch")
+    pf = prefill_ids(half, ids)
+    assert not torch.isfinite(pf.logits).all()
+    for sampling in (SamplingParams(), SAMPLED):
+        with pytest.raises(Qwen35Error, match=r"^the model's logits after the prompt of 20 tokens are not finite "
+                                              r"numbers \(NaN or inf\): the model's activations left fp16's range "
+                                              r".*load the model as bf16"):
+            generate(half, pf, max_new_tokens=4, sampling=sampling)
+    bf16 = load_model(folder, dtype="bf16", device="cpu", backend="torch")
+    assert len(generate(bf16, prefill_ids(bf16, ids), max_new_tokens=2).token_ids) >= 1
+
+    _, model = pair  # fp32: a step's NaN is blamed on the weights
+    good = prefill_ids(model, ids)
+    real = model.forward_decode
+    calls = []
+
+    def poisoned(tok, cache):
+        calls.append(1)
+        logits = real(tok, cache)
+        return torch.full_like(logits, float("nan")) if len(calls) >= 2 else logits
+    model.forward_decode = poisoned
+    try:
+        with pytest.raises(Qwen35Error, match=r"^the model's logits while answering \(found after \d+ tokens\) are "
+                                              r"not finite .*weights hold NaN or inf"):
+            generate(model, good, max_new_tokens=6, sampling=SamplingParams())
+    finally:
+        del model.forward_decode
+    assert generate(model, good, max_new_tokens=3).token_ids  # and the model answers after it
