@@ -77,3 +77,38 @@ def test_decode_at_a_device_position_matches_decode(pair):
         slot.advance()
         b.length += 1
         assert rel(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_errs_as_transformers_does_in_it(tmp_path, dtype):
+    """bf16 / fp16 against transformers in fp32 on the same weights (a 600-token prompt, so the rotary's angles
+    reach positions where computing them in the model's dtype would scramble them, then 12 decode steps): our
+    error at most 1.5x transformers' own error in that dtype. fp32 alone would not see a step computed in the
+    wrong precision."""
+    import copy
+
+    from qwen35_fast.runtime import load_model
+    hf = make_hf_model(tmp_path, seed=3)
+    half = copy.deepcopy(hf).to(torch.bfloat16 if dtype == "bf16" else torch.float16)
+    ours = load_model(tmp_path, dtype=dtype, device="cpu", backend="torch")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (1, 600), generator=g)
+    steps = torch.randint(0, 512, (12,), generator=g).tolist()
+
+    def theirs(model):
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            logits, past = [out.logits[0, -1].float()], out.past_key_values
+            for t in steps:
+                out = model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+                past = out.past_key_values
+        return logits
+
+    cache = ours.new_cache(1, ids.shape[1] + len(steps) + 1)
+    mine = [ours.forward_prefill(ids, cache)[0].float()]
+    mine += [ours.forward_decode(torch.tensor([t]), cache)[0].float() for t in steps]
+    ref, same_dtype = theirs(hf), theirs(half)
+    err = max(rel(a, b) for a, b in zip(mine, ref))
+    their_err = max(rel(a, b) for a, b in zip(same_dtype, ref))
+    assert err <= 1.5 * their_err, (err, their_err)
