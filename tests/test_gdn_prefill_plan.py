@@ -83,6 +83,10 @@ def test_forced_choices_and_their_errors():
         P.plan(1, 4096, 1, Hk, Hv, False, a100, segments=17)
     with pytest.raises(ValueError, match="path must be"):
         P.plan(1, 4096, 1, Hk, Hv, False, a100, path="fused")
+    small = P.Card("sm_86", 40, 65536, 102400)  # a card whose blocks get 64 KB: a forced 64-column walk needs more
+    with pytest.raises(ValueError, match="dv_split 64 needs 100352 bytes of shared memory per block, this GPU "
+                                         "allows 65536"):
+        P.plan(1, 4096, 1, Hk, Hv, False, small, dv_split=64)
 
 
 def test_packed_slots_and_the_one_launch_limit():
@@ -90,6 +94,7 @@ def test_packed_slots_and_the_one_launch_limit():
     assert P.prep_slots(1, 1000, 3, True) == 16 + 3 + 1  # packed: one spare slot per sequence
     with pytest.raises(ValueError, match="prefill in smaller pieces"):
         P.prep_slots(1, 64 * 65536, 1, False)
+    assert P.prep_slots(1, 64 * P.MAX_SLOTS, 1, False) == P.MAX_SLOTS == 65535  # the grid's y limit itself runs
     p = P.plan(1, 1000, 3, Hk, Hv, True, CARDS["RTX 4090"])
     assert p.slots == 20 and p.grid(Hv, 3)[1:] == (Hv, 3)
 
@@ -138,6 +143,9 @@ def test_out_ranks_cover_every_chunk_with_at_most_a_short_segments_padding():
         ns = P.seg_count(nseg, chunks)  # what the plan hands the launcher
         ranks = P.out_ranks(B, T, False, ns, B * chunks)
         assert B * chunks <= ranks < B * (chunks + ns)
+        # portable.cu reads a rank as (row, segment, chunk of the segment), ceil(chunks / segments) of them a
+        # segment: fewer ranks would leave the last segments' chunks unwritten
+        assert ranks == B * ns * -(-chunks // ns)
 
 
 def test_a_forced_split_of_short_sequences_is_one_segment_in_the_plan_of_an_unpacked_call():

@@ -329,6 +329,34 @@ def test_norm_ops_pass_opcheck():
     torch.library.opcheck(ops.gated_rms_norm_op, (x, gate, w, 1e-6, False))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gdn_and_conv_ops_pass_opcheck(packed):
+    """The GDN and conv ops' fakes (what torch.compile plans with) say the real outputs' shapes and dtypes: a
+    bf16 prefill's state is fp32, a packed call has one state per sequence (cu_seqlens' length less one)."""
+    from qwen35_fast.kernels import ops
+    g = torch.Generator().manual_seed(7)
+    B, T, Hk, Hv, D, C, W = (1, 12, 1, 2, 16, 24, 4) if packed else (2, 12, 1, 2, 16, 24, 4)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32) if packed else None
+    N = 2
+    bf = dict(dtype=torch.bfloat16)
+    q, k = torch.randn(B, T, Hk, D, generator=g).to(**bf), torch.randn(B, T, Hk, D, generator=g).to(**bf)
+    v, a, b = (torch.randn(B, T, Hv, D, generator=g).to(**bf), torch.randn(B, T, Hv, generator=g).to(**bf),
+               torch.randn(B, T, Hv, generator=g).to(**bf))
+    A_log, dt_bias = torch.rand(Hv, generator=g), torch.rand(Hv, generator=g)
+    h0 = torch.randn(N, Hv, D, D, generator=g)
+    x, w = torch.randn(B, T, C, generator=g).to(**bf), torch.randn(C, W, generator=g).to(**bf)
+    conv0 = torch.randn(N, C, W - 1, generator=g).to(**bf)
+    utils = ("test_schema", "test_faketensor")
+    for h in (None, h0):
+        torch.library.opcheck(ops.gdn_chunk_prefill_op, (q, k, v, a, b, A_log, dt_bias, h, cu, False), test_utils=utils)
+    for init in (None, conv0):
+        torch.library.opcheck(ops.causal_conv1d_prefill_op, (x, w, None, init, cu, False), test_utils=utils)
+    torch.library.opcheck(ops.gdn_decode_step_op, (q[:1, 0], k[:1, 0], v[:1, 0], a[:1, 0], b[:1, 0], A_log,
+                                                   dt_bias, h0[:1].clone(), False), test_utils=utils)
+    torch.library.opcheck(ops.causal_conv1d_update_op, (x[:1, 0], conv0[:1].clone(), w, None, False),
+                          test_utils=utils)
+
+
 def test_ops_return_contiguous_outputs_as_their_fakes_say():
     """The CUDA launchers return contiguous tensors; so do the reference paths and the fakes (torch.compile
     plans with the fake's strides), for a dense input in another order too."""

@@ -202,6 +202,14 @@ def test_public_wrapper_runs_the_reference_off_cuda():
     out = kernels.paged_attention(a["q"], a["k_new"], a["v_new"], a["k_pool"], a["v_pool"], a["block_table"],
                                   a["cache_lens"], a["cu_q"], a["gate"], max_q=a["max_q"], backend=be)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # write_kv=False: the same attention, the pool left as it was (its new slots still NaN)
+    b = make_case(5, 16, [(20, 6), (3, 2)], H=8, Hkv=2, D=64)
+    pools = b["k_pool"].clone(), b["v_pool"].clone()
+    out = kernels.paged_attention(b["q"], b["k_new"], b["v_new"], b["k_pool"], b["v_pool"], b["block_table"],
+                                  b["cache_lens"], b["cu_q"], b["gate"], max_q=b["max_q"], write_kv=False, backend=be)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for got, want in zip((b["k_pool"], b["v_pool"]), pools):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_plan_is_fixed_by_shapes():

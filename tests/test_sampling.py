@@ -324,3 +324,12 @@ def test_pick_on_the_cuda_backend_takes_the_kernel_and_else_the_reference(impl, 
 def launch_get(*a, **k):
     from qwen35_fast.kernels.cuda_build import get_function
     return get_function(*a, **k)
+
+
+def test_greedy_decoding_takes_any_temperature():
+    """The temperature only matters when sampling: greedy with 0 (what other tools write for greedy) is fine, and
+    sampling with it is refused with the way out."""
+    from qwen35_fast.runtime import Qwen35Error, SamplingParams
+    SamplingParams(do_sample=False, temperature=0.0).check()
+    with pytest.raises(Qwen35Error, match="temperature 0.0 must be at least .* turn sampling off for greedy"):
+        SamplingParams(do_sample=True, temperature=0.0).check()

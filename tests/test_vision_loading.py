@@ -234,3 +234,22 @@ def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkey
     for _ in range(4):
         call(A)
     assert made == [A, B, "refused"] and tower._graph is None  # tried once, eager since
+
+
+def test_a_tower_of_another_width_is_left_out_by_name(tmp_path):
+    """A tower whose merger writes another width than the text model's is not loaded (an image prompt would fail
+    deep inside the prefill): the note names both widths, and image prompts say the tower is missing."""
+    folder = make_checkpoint(tmp_path, seed=3, vision_overrides=dict(out_hidden_size=48))
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    assert model.vision is None
+    assert "writes width 48 but the text model's width is 128" in model.vision_note
+    with pytest.raises(Qwen35Error, match="no usable vision tower"):
+        prefill_multimodal(model, "What is it?", images=IMAGE)
+
+
+@pytest.mark.parametrize("grid", [(1, 5, 6), (1, 6, 5), (1, 1, 2), (0, 2, 2)])
+def test_a_grid_that_is_no_whole_number_of_merged_blocks_is_refused(folder, grid):
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    with pytest.raises(Qwen35Error, match=rf"vision grid \({grid[0]}, {grid[1]}, {grid[2]}\) is not a whole number "
+                                          r"of 2x2 patch blocks"):
+        model.vision.plan([(1, 4, 4), grid])

@@ -8,7 +8,7 @@ from qwen35_fast.runtime.loader import load_model
 from qwen35_fast.runtime.media import Preprocessing, VisionInput, preprocess_images, preprocess_video
 from qwen35_fast.runtime.multimodal import IMAGE_PAD, VIDEO_PAD, prefill_multimodal
 from qwen35_fast.runtime.sampling import SamplingParams
-from qwen35_fast.runtime.vision import VisionTower, _targets, vision_config_from_hf
+from qwen35_fast.runtime.vision import VisionTower, _targets, infer_vision_config, vision_config_from_hf
 
 from _models import rel, tiny_config
 
@@ -207,6 +207,8 @@ def test_real_tower_shapes_load_and_run(tmp_path, name):
     ref = Qwen3_5VisionModel(cfg).float().eval()
     vc = vision_config_from_hf({"vision_config": cfg.to_dict()})
     assert vc.shape_name == name
+    # a single file has no config: the sizes (heads from the width) come from the weights' shapes alone
+    assert infer_vision_config({k: tuple(t.shape) for k, t in ref.state_dict().items()}, "file") == vc
     tower = VisionTower(vc, torch.float32, torch.device("cpu"))
     sd = ref.state_dict()
     with torch.no_grad():
@@ -217,3 +219,24 @@ def test_real_tower_shapes_load_and_run(tmp_path, name):
         want = ref(img.pixels, grid_thw=torch.tensor([img.grid])).pooler_output
     got = tower(img.pixels, tower.plan([img.grid]))
     assert rel(got, want) <= TOL
+
+
+def test_the_vision_rotarys_theta_is_the_configs():
+    """A config's vision rope_theta (rope_parameters) sets the tower's rotary as it does transformers'."""
+    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    cfg = Qwen3_5VisionConfig(**TOWERS["d1w64h4"], out_hidden_size=64,
+                              rope_parameters={"rope_type": "axial", "rope_theta": 50_000.0})
+    torch.manual_seed(0)
+    ref = Qwen3_5VisionModel(cfg).float().eval()
+    vc = vision_config_from_hf({"vision_config": cfg.to_dict()})
+    assert vc.rope_theta == 50_000.0
+    tower = VisionTower(vc, torch.float32, torch.device("cpu"))
+    sd = ref.state_dict()
+    with torch.no_grad():
+        for k, p in _targets(tower).items():
+            p.copy_(sd[k].reshape(p.shape))
+    img = preprocess_images(_image(96, 64, 14), SMALL)[0]
+    with torch.no_grad():
+        want = ref(img.pixels, grid_thw=torch.tensor([img.grid])).pooler_output
+    assert rel(tower(img.pixels, tower.plan([img.grid])), want) <= 2e-6
