@@ -90,13 +90,18 @@ def _chunked_one(Q, K, V, G, Beta, S):
     diff = Gc[..., :, None] - Gc[..., None, :]
     lower = idx[:, None] >= idx[None, :]
     decay = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()  # exp(G_i - G_j), j <= i
-    strict = decay * (idx[:, None] > idx[None, :])
-    # (I + diag(beta) (K K^T o strict)) u = diag(beta) (V - diag(exp G) K S0)  =>  u = Wv - Wk S0
-    Lmat = Beta[..., None] * (K @ K.transpose(-1, -2)) * strict
+    del diff
+    # (I + L) u = diag(beta) (V - diag(exp G) K S0), L = diag(beta) (K K^T o strictly lower decay)  =>  u = Wv - Wk S0.
+    # (I + L)^-1 is formed once (a solve against the identity: 64 right-hand sides) and applied to both right-hand
+    # sides as products: on a 2-core CPU a 1,024-token prefill of 0.8B shapes took 16% less than with a solve for
+    # each side (128 right-hand sides apiece, LAPACK's batched triangular solve is slow per column).
+    Lmat = Beta[..., None] * (K @ K.transpose(-1, -2)) * (decay * (idx[:, None] > idx[None, :]))
     eye = torch.eye(CHUNK, dtype=Q.dtype, device=Q.device)
-    Wv = torch.linalg.solve_triangular(eye + Lmat, Beta[..., None] * V, upper=False, unitriangular=True)
-    Wk = torch.linalg.solve_triangular(eye + Lmat, (Beta * Gc.exp())[..., None] * K, upper=False,
-                                       unitriangular=True)
+    inv = torch.linalg.solve_triangular(eye + Lmat, eye.expand_as(Lmat), upper=False, unitriangular=True)
+    del Lmat
+    Wv = inv @ (Beta[..., None] * V)
+    Wk = inv @ ((Beta * Gc.exp())[..., None] * K)
+    del inv
     P = (Q @ K.transpose(-1, -2)) * decay
     Qg = Q * Gc.exp()[..., None]
     Kend = K * (Gc[..., -1:] - Gc).exp()[..., None]
