@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
-from .memory import ManagedModel
+from .memory import ManagedModel, ModelHandle
 from .models_folder import available_models, find_model, weights_bytes
 from .types import Qwen35Model
 
@@ -21,9 +21,9 @@ BACKENDS = ["auto", "cuda", "torch"]
 
 # The models this loader made and that something still holds, by checkpoint files and every setting but
 # keep_loaded: a run that changes only keep_loaded (ComfyUI runs the node again for any changed input) takes the
-# model in memory, through the same handle (ComfyUI's model management sees one entry per model), instead of
-# reading the checkpoint again. Two loaders of one checkpoint with the same settings share it, and the last one
-# to run sets its keep_loaded.
+# model in memory, through the same ManagedModel (ComfyUI's model management sees one entry per model), instead
+# of reading the checkpoint again. Two loaders of one checkpoint with the same settings share it; each output
+# (a ModelHandle) carries its own node's keep_loaded.
 _loaded: dict[tuple, weakref.ref] = {}  # key -> its ManagedModel
 
 def _files_key(path: Path) -> tuple:
@@ -118,7 +118,6 @@ class Qwen35ModelLoader(io.ComfyNode):
         managed = _loaded.get(key, lambda: None)()
         if managed is not None:
             log.info("Qwen3.5: %s is in memory with these settings; not read again", path)
-            managed.keep_loaded = keep_loaded
             managed.load()  # back on its device first when ComfyUI had unloaded it
             runtime_model = managed.model
         else:
@@ -130,7 +129,7 @@ class Qwen35ModelLoader(io.ComfyNode):
                 mm.soft_empty_cache()
                 raise
             load_device = torch.device("cpu") if device_note else target
-            managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device(), keep_loaded)
+            managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device())
             managed.device_note = device_note
             managed.load()
             _loaded[key] = weakref.ref(managed)
@@ -150,7 +149,7 @@ class Qwen35ModelLoader(io.ComfyNode):
             info["device_note"] = managed.device_note
         log.info("Qwen3.5: loaded %s on %s (%s), backend %s: %s", path, info["device"], info["dtype"],
                  info["backend"], info["backend_reason"])
-        return io.NodeOutput(managed, ui={"qwen35_model": [info]})
+        return io.NodeOutput(ModelHandle(managed, keep_loaded), ui={"qwen35_model": [info]})
 
 
 def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str):

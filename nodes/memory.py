@@ -47,11 +47,10 @@ class ManagedModel:
     parent = None  # no clone chain: one handle per loaded model
     device_note = ""  # why the model runs on the cpu and not on the device asked for, when it does
 
-    def __init__(self, model, load_device: torch.device, offload_device: torch.device, keep_loaded: bool):
+    def __init__(self, model, load_device: torch.device, offload_device: torch.device):
         self.model = model
         self.load_device = torch.device(load_device)
         self.offload_device = torch.device(offload_device)
-        self.keep_loaded = keep_loaded
         self.clone_base_uuid = uuid.uuid4()
         self._prefill_caches = weakref.WeakSet()  # states of the prefills ComfyUI still caches
 
@@ -160,17 +159,6 @@ class ManagedModel:
         `memory_required` more bytes (a run's estimate: runtime.memory) fit, as ComfyUI's own nodes ask."""
         mm.load_models_gpu([self], memory_required=int(memory_required))
 
-    @contextmanager
-    def released_on_error(self):
-        """A node's work on this model: with keep_loaded off, an error (out of memory, a bad prompt, a cancel)
-        gives the VRAM back as a finished Generate does, rather than leaving the weights there."""
-        try:
-            yield
-        except BaseException:
-            if not self.keep_loaded:
-                self.release()
-            raise
-
     def release(self):
         """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""
         listed = [i for i, loaded in enumerate(mm.current_loaded_models) if loaded.model is self]
@@ -182,6 +170,45 @@ class ManagedModel:
 
     def _on(self, device) -> bool:
         return _same(self.current_loaded_device(), torch.device(device))
+
+
+class ModelHandle:
+    """What one loader node outputs: the ManagedModel it loaded or shares (one per model in memory: ComfyUI's
+    model management holds that one) and this node's keep_loaded. ComfyUI's caches can hand a later run the
+    output of an earlier one (--cache-lru keeps many): the keep_loaded the node showed then comes with it, not
+    the one another run of a loader of the same model set last."""
+
+    def __init__(self, managed: ManagedModel, keep_loaded: bool):
+        self.managed = managed
+        self.keep_loaded = bool(keep_loaded)
+
+    def __repr__(self):
+        return f"ModelHandle({self.managed!r}, keep_loaded={self.keep_loaded})"
+
+    @property
+    def model(self):
+        """The runtime model."""
+        return self.managed.model
+
+    def load(self, memory_required: int = 0):
+        self.managed.load(memory_required)
+
+    def track(self, prefill) -> None:
+        self.managed.track(prefill)
+
+    def release(self):
+        self.managed.release()
+
+    @contextmanager
+    def released_on_error(self):
+        """A node's work on this model: with keep_loaded off, an error (out of memory, a bad prompt, a cancel)
+        gives the VRAM back as a finished Generate does, rather than leaving the weights there."""
+        try:
+            yield
+        except BaseException:
+            if not self.keep_loaded:
+                self.release()
+            raise
 
 
 def _same(here: torch.device, there: torch.device) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from .memory import ManagedModel
+from .memory import ModelHandle
 
 Qwen35Model = io.Custom("QWEN35_MODEL")
 Qwen35Prefill = io.Custom("QWEN35_PREFILL")
@@ -16,5 +16,5 @@ Qwen35Prefill = io.Custom("QWEN35_PREFILL")
 class ModelPrefill:
     """A runtime Prefill and the model it belongs to. ComfyUI caches it and may hand it to many
     Generate nodes; the runtime never changes a Prefill, so each run starts from the same state."""
-    model: ManagedModel
+    model: ModelHandle
     prefill: Any

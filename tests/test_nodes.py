@@ -128,7 +128,7 @@ def test_single_file_in_text_encoders_loads(pack, models_dir):
 
 
 def test_loader_reports_backend_and_registers_with_model_management(loaded, comfy):
-    assert any(m.model is loaded for m in comfy.mm.current_loaded_models)
+    assert any(m.model is loaded.managed for m in comfy.mm.current_loaded_models)
     assert loaded.model.backend.name == "torch"
 
 
@@ -208,11 +208,11 @@ def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, models_dir
                                            keep_loaded=True)[0]
     pf = _prefill(pack, model)
     comfy.mm.unload_all_models()  # what "Unload models" and POST /free {"unload_models": true} do
-    assert not any(m.model is model for m in comfy.mm.current_loaded_models)
-    assert model.current_loaded_device() == model.offload_device
+    assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
+    assert model.managed.current_loaded_device() == model.managed.offload_device
     _generate(pack, pf, max_new_tokens=3)
-    assert any(m.model is model for m in comfy.mm.current_loaded_models)
-    assert model.current_loaded_device() == model.load_device
+    assert any(m.model is model.managed for m in comfy.mm.current_loaded_models)
+    assert model.managed.current_loaded_device() == model.managed.load_device
     model.release()
 
 
@@ -224,11 +224,11 @@ def test_loading_a_loaded_model_again_moves_nothing(pack, models_dir, comfy, mon
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=True)[0]
     moves = []
-    monkeypatch.setattr(model, "offload_device", torch.device("meta"))
+    monkeypatch.setattr(model.managed, "offload_device", torch.device("meta"))
     monkeypatch.setattr(model.model, "to", lambda device: moves.append(torch.device(device)) or model.model)
     for _ in range(3):
         model.load(memory_required=1 << 20)
-        assert any(m.model is model for m in comfy.mm.current_loaded_models)
+        assert any(m.model is model.managed for m in comfy.mm.current_loaded_models)
     assert moves == []
     model.release()
     assert moves == [torch.device("meta")]
@@ -236,8 +236,9 @@ def test_loading_a_loaded_model_again_moves_nothing(pack, models_dir, comfy, mon
 
 def test_changing_keep_loaded_does_not_read_the_checkpoint_again(pack, models_dir, comfy, monkeypatch):
     """ComfyUI runs the loader again when any input changes: keep_loaded takes the model in memory through the
-    same handle (one entry in model management, one set of tracked prefills); the other settings, or a model
-    nothing holds any more, read it."""
+    same ManagedModel (one entry in model management, one set of tracked prefills), each output with its own
+    keep_loaded (ComfyUI's caches may hand a later run an earlier output); the other settings, or a model nothing
+    holds any more, read it."""
     import gc
 
     import qwen35_fast.runtime as rt
@@ -253,10 +254,13 @@ def test_changing_keep_loaded_does_not_read_the_checkpoint_again(pack, models_di
     first = load()
     pf = _prefill(pack, first)
     second = load(keep_loaded=False)
-    assert second is first and not first.keep_loaded and reads == ["fp32"]
-    assert sum(m.model is first for m in comfy.mm.current_loaded_models) == 1
-    _generate(pack, pf, max_new_tokens=2)  # the earlier prefill still generates, and the run releases the model
-    assert not any(m.model is first for m in comfy.mm.current_loaded_models)
+    assert second.managed is first.managed and reads == ["fp32"]
+    assert first.keep_loaded and not second.keep_loaded  # each output keeps its node's setting
+    assert sum(m.model is first.managed for m in comfy.mm.current_loaded_models) == 1
+    _generate(pack, pf, max_new_tokens=2)  # the earlier prefill still generates; its loader keeps the model
+    assert any(m.model is first.managed for m in comfy.mm.current_loaded_models)
+    _generate(pack, _prefill(pack, second), max_new_tokens=2)  # through the second output: released after
+    assert not any(m.model is first.managed for m in comfy.mm.current_loaded_models)
     other_budget = load(cache_budget_mb=256)
     assert other_budget.model is not first.model and reads == ["fp32", "fp32"]
     assert not other_budget.model.kv.growable and first.model.kv.growable  # each its own store
@@ -274,16 +278,17 @@ def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=False)[0]
     pf = _prefill(pack, model)
-    assert any(m.model is model for m in comfy.mm.current_loaded_models)
+    assert any(m.model is model.managed for m in comfy.mm.current_loaded_models)
     _generate(pack, pf, max_new_tokens=3)
-    assert not any(m.model is model for m in comfy.mm.current_loaded_models)
+    assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
 
 
 def test_managed_model_answers_model_management(pack, loaded):
-    size = loaded.model_size()
+    size = loaded.managed.model_size()
     assert size == loaded.model.size_bytes() > 0
-    assert loaded.loaded_size() == size  # on its load device (the CPU here)
-    assert loaded.is_clone(loaded) and not loaded.is_dynamic() and loaded.model_patches_models() == []
+    assert loaded.managed.loaded_size() == size  # on its load device (the CPU here)
+    managed = loaded.managed
+    assert managed.is_clone(managed) and not managed.is_dynamic() and managed.model_patches_models() == []
 
 
 def test_errors_reach_comfyui_with_the_runtime_message(pack, loaded, models_dir):
@@ -304,7 +309,7 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     base = torch.cuda.memory_allocated()
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="bf16", device="cuda", backend="auto",
                                            keep_loaded=True)[0]
-    size = model.model_size()
+    size = model.managed.model_size()
     assert torch.cuda.memory_allocated() - base >= size
     pf = _prefill(pack, model)
     comfy.mm.unload_all_models()  # "Unload models" / POST /free
@@ -318,7 +323,7 @@ def test_vram_comes_back_on_release_and_unload_and_returns_on_the_next_run(pack,
     assert torch.cuda.memory_allocated() - base >= size
     model.keep_loaded = False
     _generate(pack, pf, max_new_tokens=4)  # keep_loaded off: weights leave after the run
-    assert model.current_loaded_device().type == "cpu"
+    assert model.managed.current_loaded_device().type == "cpu"
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base  # weights, parked prefill state, graph pools, cuBLAS workspaces
     assert held <= 4 * 2**20, f"{held} bytes still on the GPU after a run with keep_loaded off: {_cuda_tensors()}"
@@ -381,7 +386,7 @@ def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatc
     asked, short = [], {"by": -1}
     monkeypatch.setattr(pack.memory, "ram_short_by", lambda n: asked.append(n) or short["by"])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    m = pack.memory.ManagedModel(Stand(), cuda, cpu, keep_loaded=True)
+    m = pack.memory.ManagedModel(Stand(), cuda, cpu)
     m.detach()  # room in RAM: moved
     assert m.model.calls == [("to", "cpu")] and asked == [4 << 30] and m.current_loaded_device() == cpu
     assert m.partially_load(cuda) == 4 << 30 and m.model.calls[-1] == ("to", "cuda")
@@ -394,7 +399,7 @@ def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatc
     m.model.checkpoint = None  # not read from a checkpoint: moved even when short
     m.detach()
     assert m.model.calls[-1] == ("to", "cpu")
-    other = pack.memory.ManagedModel(Stand(), cuda, torch.device("cuda", 1), keep_loaded=True)
+    other = pack.memory.ManagedModel(Stand(), cuda, torch.device("cuda", 1))
     asked.clear()
     other.detach()  # an offload device that is not the CPU: RAM is not asked
     assert other.model.calls == [("to", "cuda")] and asked == []
@@ -407,14 +412,14 @@ def test_an_unload_moves_or_lets_go_as_the_free_ram_says(pack, comfy, monkeypatc
         if torch.device(device).type == "cuda":
             raise torch.OutOfMemoryError("CUDA out of memory.")
     half.to = fails_on_the_gpu
-    m = pack.memory.ManagedModel(half, cuda, cpu, keep_loaded=True)
+    m = pack.memory.ManagedModel(half, cuda, cpu)
     with pytest.raises(torch.OutOfMemoryError):
         m.partially_load(cuda)
     assert half.calls == [("to", "cuda"), ("to", "cpu")] and m.current_loaded_device() == cpu
     assert m.loaded_size() == 0  # unloaded, not half loaded: the next load moves it again
     apple = Stand()
     apple.device = torch.device("mps", 0)  # where an Apple GPU's tensors are; ComfyUI's device is "mps"
-    m = pack.memory.ManagedModel(apple, torch.device("mps"), cpu, keep_loaded=True)
+    m = pack.memory.ManagedModel(apple, torch.device("mps"), cpu)
     assert m.current_loaded_device() == torch.device("mps") and m.loaded_size() == 4 << 30  # loaded: == holds
     assert m.partially_load(torch.device("mps")) == 0 and apple.calls == []
 
@@ -428,7 +433,7 @@ def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, c
                 models_dir / "text_encoders" / "qwen35_demo_replaced.safetensors")
     comfy.folder_paths.filename_list_cache.clear()
     fp = lambda: pack.Qwen35ModelLoader.fingerprint_inputs(  # noqa: E731
-        model="qwen35_demo_replaced.safetensors", dtype="fp32", device="cpu", backend="torch", keep_loaded=True)
+        model="qwen35_demo_replaced.safetensors", dtype="fp32", device="cpu", backend="torch")
     first = fp()
     assert fp() == first
     f = models_dir / "text_encoders" / "qwen35_demo_replaced.safetensors"
@@ -440,7 +445,7 @@ def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, c
     shutil.move(f, models_dir / "text_encoders" / "alone" / f.name)
     comfy.folder_paths.filename_list_cache.clear()
     fp = lambda: pack.Qwen35ModelLoader.fingerprint_inputs(  # noqa: E731
-        model=f"alone/{f.name}", dtype="fp32", device="cpu", backend="torch", keep_loaded=True)
+        model=f"alone/{f.name}", dtype="fp32", device="cpu", backend="torch")
     first = fp()
     (models_dir / "text_encoders" / "alone" / "tokenizer.json").write_text("{}")
     assert fp() != first
@@ -463,13 +468,13 @@ def test_an_unload_where_ram_is_short_lets_the_weights_go_and_reads_them_again(p
     base = torch.cuda.memory_allocated()
     comfy.mm.unload_all_models()
     assert asked == [model.model.weight_bytes() + model.model.kv_bytes()]
-    assert model.model.weights_dropped and model.current_loaded_device() == model.offload_device
+    assert model.model.weights_dropped and model.managed.current_loaded_device() == model.managed.offload_device
     assert all(p.is_meta for p in model.model.parameters())  # in neither VRAM nor RAM
     assert model.model.kv.device.type == "cpu"  # the K/V store (the prefill's blocks) waits in RAM
     assert torch.cuda.memory_allocated() <= base - model.model.weight_bytes()
-    assert model.loaded_size() == 0 and model.model_size() > model.model.weight_bytes()
+    assert model.managed.loaded_size() == 0 and model.managed.model_size() > model.model.weight_bytes()
     assert _generate(pack, pf, seed=7)[0] == text  # read again onto the GPU by the run itself
-    assert not model.model.weights_dropped and model.current_loaded_device() == model.load_device
+    assert not model.model.weights_dropped and model.managed.current_loaded_device() == model.managed.load_device
     model.release()
 
 

@@ -128,7 +128,7 @@ def test_turn_states_are_parked_with_the_weights(pack, loaded):
     """The state a follow-up restarts from is tracked like the prefill's cache (moved to RAM on unload)."""
     pf = _prefill(pack, loaded)
     child = _continue(pack, pf, previous_answer="Red.")[0]
-    tracked = list(loaded._prefill_caches)
+    tracked = list(loaded.managed._prefill_caches)
     for p in (pf.prefill, child.prefill):
         assert any(t is p.turn for t in tracked) and any(t is p.cache for t in tracked)
 
@@ -145,7 +145,7 @@ def test_continue_after_unload_models_on_the_gpu(pack, models_dir, comfy):
         assert all(t is None or t.device.type == "cpu" for t in turn.conv + turn.ssm)
         model.model.kv.pool.clear()  # else `before`'s own turn-end snapshot serves it (another split of the work)
         after = _continue(pack, pf, previous_answer="Red.")[0]  # loads the weights back by itself
-        assert model.current_loaded_device().type == "cuda"
+        assert model.managed.current_loaded_device().type == "cuda"
         assert rel(after.prefill.logits, before) < 1e-3
     finally:
         model.release()

@@ -305,6 +305,6 @@ def test_bad_settings_do_not_bring_the_weights_back(pack, models_dir, comfy, sti
         with pytest.raises(Qwen35Error, match="top_p 0.0"):
             pack.Qwen35Generate.execute(prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50,
                                         top_p=0.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)
-        assert not any(m.model is model for m in comfy.mm.current_loaded_models)
+        assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
     finally:
         model.release()
