@@ -294,10 +294,9 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
                            f"max_new_tokens ({max_new_tokens:,}) or raise the K/V cache budget")
 
     out: list[int] = []
-    try:
-        cache = pf.cache.clone(pf.n_tokens + 1, device=dev)  # shares the prefill's K/V blocks
-    except Qwen35Error as e:
-        raise no_room(e) from None
+    # shares the prefill's K/V blocks (one block copied: the prefill's last, partly filled one); when even that
+    # is not free, the store's message says why (the answer's length plays no part in it)
+    cache = pf.cache.clone(pf.n_tokens + 1, device=dev)
     step = graphed_decode(model, cache, most) if budget > 2 else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     marks = penalty_marks(pf.token_ids, sampling, pf.logits.numel(), dev)  # ids the penalties see

@@ -255,8 +255,10 @@ class KVPool:
                 note = f" ({len(cached)} of them held by the prefix cache alone, which gives them up)" if cached else ""
                 raise PoolExhausted(
                     f"{what or 'this request'} needs {n} K/V blocks but only {have} of the pool's "
-                    f"{self.num_blocks} are free{note}; the other {self.num_blocks - have} are held by live "
-                    f"prefills / generations. Free some (delete their nodes' outputs) or raise the cache budget")
+                    f"{self.num_blocks} are free{note}; the other {self.num_blocks - have} are held by prefills "
+                    "and generations still alive (in ComfyUI, the prefills of earlier runs that its cache keeps, "
+                    "many with --cache-lru, hold theirs until it lets them go: 'Free model and node cache'). "
+                    "Let go of some, or raise the loader's cache budget (0 grows the cache as needed)")
             while len(self._free) < n:
                 self._drop(self._next_to_evict(keep, cached))
         out = [self._free.pop() for _ in range(n)]

@@ -3,6 +3,7 @@ same process then still loads a good model and generates the same text as before
 import itertools
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -839,6 +840,29 @@ def test_an_answer_that_outgrows_a_fixed_cache_names_max_new_tokens(folder):
     with pytest.raises(Qwen35Error, match=r"are free.*\. The answer had \d+ tokens after a prompt of \d+: lower "
                                           r"max_new_tokens \(1,000\) or raise the K/V cache budget"):
         generate(model, pf, max_new_tokens=1000, sampling=SamplingParams(do_sample=True), seed=1)
+
+
+def test_a_fixed_cache_full_of_earlier_prefills_says_what_holds_it(folder):
+    """Prefills that something still holds (in ComfyUI: earlier runs' outputs its cache keeps) fill a fixed
+    cache: the next Generate cannot even start its answer. The message says what holds the blocks and what lets
+    them go, and blames no max_new_tokens (the answer had no token yet); once they are let go it answers."""
+    import gc
+
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    model = load_model(folder, dtype="fp32", device="cpu")
+    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
+    model.setup_kv(4 * block * 4 // 3 + 1)  # four blocks of K/V
+    held = [prefill(model, f"Question {i}: " + "word " * 20, use_cache=False) for i in range(4)]  # a block each
+    with pytest.raises(Qwen35Error) as e:
+        generate(model, held[-1], max_new_tokens=2)
+    text = str(e.value)
+    assert re.search(r"needs 1 K/V blocks but only 0 of the pool's 4 are free; the other 4 are held by prefills and "
+                     r"generations still alive \(in ComfyUI, the prefills of earlier runs .*'Free model and node "
+                     r"cache'\)\. Let go of some, or raise the loader's cache budget", text), text
+    assert "max_new_tokens" not in text
+    del held[:3]
+    gc.collect()
+    assert generate(model, held[0], max_new_tokens=2).token_ids
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
