@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Prefill
+from .types import ModelPrefill, Qwen35Prefill, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Qwen35ContinuePrefill",
+            **shown_again(),
             display_name="Qwen3.5 Continue",
             category="Qwen3.5",
             description="Adds a follow-up turn to a prefill: optionally the previous answer (a Generate node's "

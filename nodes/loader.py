@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from .memory import ManagedModel, ModelHandle
 from .models_folder import available_models, find_model, weights_bytes
-from .types import Qwen35Model
+from .types import Qwen35Model, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class Qwen35ModelLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Qwen35ModelLoader",
+            **shown_again(),
             display_name="Qwen3.5 Model Loader",
             category="Qwen3.5",
             description="Loads a Qwen3.5 checkpoint: a folder in models/LLM or one .safetensors file in "

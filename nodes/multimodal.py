@@ -8,7 +8,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, shown_again
 from .video import video_clip
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Qwen35MultimodalPrefill",
+            **shown_again(),
             display_name="Qwen3.5 Multimodal Prefill",
             category="Qwen3.5",
             description="Reads images and / or a video with the prompt into the model once (the vision tower of the "

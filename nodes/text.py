@@ -8,15 +8,27 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, shown_again
 
 log = logging.getLogger(__name__)
 
-# The front end (web/qwen35.js) listens for this: {node, display_node, prompt_id, delta, n, max, t}.
-# n == 0 starts a new answer on that node and says (`thinking`) whether thinking text comes first. prompt_id names
-# the workflow tab the text belongs to: the page writes it into the node of the workflow that queued that prompt,
-# not into the shown tab's node of the same id.
+# The front end (web/qwen35.js) listens for this: {node, display_node, item, prompt_id, delta, n, max, t}.
+# n == 0 starts a new answer on that node and says (`thinking`) whether thinking text comes first; item is the
+# answer's place in a list of prefills (ComfyUI runs the node once per item: the one-prompt-per-image mode), so that
+# the page keeps the earlier answers of the list while the next one streams. prompt_id names the workflow tab the
+# text belongs to: the page writes it into the node of the workflow that queued that prompt, not into the shown
+# tab's node of the same id.
 STREAM_EVENT = "qwen35.stream"
+
+
+def _list_item() -> int:
+    """Which item of a list input this run of the node takes (0 outside a list, and outside a ComfyUI run)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return 0
+    context = get_executing_context()
+    return int(context.list_index or 0) if context is not None else 0
 
 
 def _send(event: str, data: dict) -> None:
@@ -37,6 +49,7 @@ class Qwen35TextPrefill(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Qwen35TextPrefill",
+            **shown_again(),
             display_name="Qwen3.5 Text Prefill",
             category="Qwen3.5",
             description="Reads the prompt into the model once. ComfyUI caches the result, so any number of "
@@ -134,7 +147,7 @@ class Qwen35Generate(io.ComfyNode):
                                 presence_penalty=presence_penalty)
         params.check()  # before the weights are moved back to the GPU for nothing
         bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
-        event = {"node": node_id, "display_node": display_node}
+        event = {"node": node_id, "display_node": display_node, "item": _list_item()}
 
         def on_token(delta: str, n_done: int, total: int):
             mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token

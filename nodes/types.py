@@ -18,3 +18,12 @@ class ModelPrefill:
     Generate nodes; the runtime never changes a Prefill, so each run starts from the same state."""
     model: ModelHandle
     prefill: Any
+
+
+def shown_again() -> dict:
+    """Schema flags for a node whose panel shows its `ui` (the loader's and the prefills' stats): ComfyUI sends
+    a node's `ui` again when its output comes from the cache (a new tab, a reloaded page, another workflow) only
+    for output nodes and for nodes with has_intermediate_output, which ComfyUI has had since 2026-03; an older one
+    takes the node without it (its panel then stays blank when the output is cached)."""
+    fields = getattr(io.Schema, "__dataclass_fields__", {})
+    return {"has_intermediate_output": True} if "has_intermediate_output" in fields else {}

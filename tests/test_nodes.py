@@ -106,6 +106,11 @@ def test_schemas_validate_and_list_models(pack, models_dir):
     assert set(gen) == {"prefill", "max_new_tokens", "sampling", "temperature", "top_k", "top_p", "min_p",
                         "repetition_penalty", "presence_penalty", "seed"}
     assert pack.Qwen35Generate.GET_SCHEMA().is_output_node
+    # the panels of the loader and the prefills show again when ComfyUI takes their output from its cache
+    for node in (pack.Qwen35ModelLoader, pack.Qwen35TextPrefill, pack.Qwen35MultimodalPrefill,
+                 pack.Qwen35ContinuePrefill):
+        schema = node.GET_SCHEMA()
+        assert schema.has_intermediate_output and not schema.is_output_node, node
 
 
 def test_llm_folder_created_and_registered_when_absent(pack, comfy, monkeypatch, tmp_path):
@@ -163,6 +168,24 @@ def test_progress_bar_and_stream_per_token(pack, loaded, comfy, monkeypatch):
     assert [d["n"] for _, d in events[1:]] == list(range(1, n + 1))
     assert "".join(d["delta"] for _, d in events).strip() == out[0]
     assert progress[-1] == (10, 10)
+    assert {d["item"] for _, d in events} == {0}
+
+
+def test_each_answer_of_a_list_streams_with_its_place(pack, loaded, monkeypatch):
+    """ComfyUI runs Generate once per prefill of a list (one prompt per image): each answer's events say which
+    item it is, so that the page keeps the earlier answers while the next one streams."""
+    from comfy_execution.utils import CurrentNodeContext
+    events = []
+    monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
+    pf = _prefill(pack, loaded)
+    for item in range(3):
+        with CurrentNodeContext("prompt-1", "7", item):
+            _generate(pack, pf, max_new_tokens=2)
+    assert [d["item"] for d in events if d["n"] == 0] == [0, 1, 2]
+    item = None
+    for d in events:  # every token event names the item its answer started with
+        item = d["item"] if d["n"] == 0 else item
+        assert d["item"] == item
 
 
 def test_stream_goes_to_the_prompt_s_client_only(pack, comfy, monkeypatch):

@@ -3,7 +3,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-// sent by nodes/text.py: {node, display_node, prompt_id, delta, n, max, t} (and `thinking` when n is 0)
+// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t} (and `thinking` when n is 0)
 const STREAM_EVENT = "qwen35.stream";
 const THINK_END = "</think>";
 
@@ -13,6 +13,7 @@ const CSS = `
   overflow: hidden; }
 .qwen35-stats { opacity: 0.75; font-size: 11px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .qwen35-stats:empty { display: none; }
+.qwen35-stats.qwen35-lines { white-space: pre-line; overflow-y: auto; text-overflow: clip; }
 .qwen35-thinking { border-left: 2px solid #666; padding-left: 6px; opacity: 0.8; }
 .qwen35-thinking summary { cursor: pointer; font-size: 11px; user-select: none; }
 .qwen35-thinking-text, .qwen35-answer { white-space: pre-wrap; word-break: break-word; overflow-y: auto;
@@ -65,11 +66,22 @@ function addPanel(node, name, minHeight, view) {
   addStyle();
   const widget = node.addDOMWidget(name, "qwen35_panel", view.root, {
     serialize: false,
-    getMinHeight: () => minHeight,
+    // a stats panel is as tall as its lines (a list of prefills shows one line each)
+    getMinHeight: () => Math.max(minHeight, 8 + 16 * (node.qwen35?.lines ?? 1)),
   });
   widget.serialize = false; // never part of widgets_values: workflows load with or without this script
   widget.options.serialize = false;
   node.qwen35 = view;
+  view.node = node;
+}
+
+// A node grows to show what its panel now holds (it never shrinks under the user's size).
+function fit(view) {
+  const node = view.node;
+  if (!node?.computeSize || node.qwen35 !== view) return;
+  const want = node.computeSize();
+  if (want[1] > node.size[1]) node.setSize([node.size[0], want[1]]);
+  node.setDirtyCanvas?.(true, true);
 }
 
 // --- Generate: streamed answer, folded thinking, copy button, decode stats ---
@@ -83,6 +95,7 @@ function makeGenerateView() {
     answer: el("div", "qwen35-answer", root),
     bar: el("div", "qwen35-bar", root),
     raw: "",
+    done: [], // the finished answers of a list of prefills, before the one streaming (item > 0)
     expectThinking: false,
   };
   view.answer.dataset.qwen35 = "answer";
@@ -120,32 +133,43 @@ function showAnswer(view, thinking, answer, streaming) {
   view.answer.classList.toggle("qwen35-streaming", streaming);
 }
 
+// The streamed text so far as (thinking, answer).
+function streamed(view) {
+  if (!view.expectThinking) return ["", view.raw];
+  const raw = view.raw.replace(/^\s*<think>/, "");
+  const end = raw.indexOf(THINK_END);
+  if (end < 0) return [raw.trim(), ""];
+  return [raw.slice(0, end).trim(), raw.slice(end + THINK_END.length).trimStart()];
+}
+
+// The answer being streamed after the finished ones of its list, each numbered by its place ([2] ...).
+function withEarlier(view, answer) {
+  if (!view.done.length) return answer;
+  return [...view.done, answer].map((t, i) => `[${i + 1}] ${t}`).join("\n\n");
+}
+
 function onStream(view, d) {
   if (d.n === 0) {
+    // the next answer of a list of prefills keeps the finished ones; a new run starts afresh
+    if ((d.item ?? 0) > 0 && view.promptId === d.prompt_id) view.done.push(streamed(view)[1].trim());
+    else view.done = [];
     view.promptId = d.prompt_id; // a cancel or an error of this run stops it
     view.raw = "";
     view.sawEnd = false;
     view.expectThinking = !!d.thinking;
     view.stats.textContent = `generating (max ${d.max} tokens)…`;
     view.thinking.open = view.expectThinking; // watch the thinking while it is written; fold it after
-    showAnswer(view, "", "", true);
+    showAnswer(view, "", withEarlier(view, ""), true);
     return;
   }
   view.raw += d.delta;
   view.stats.textContent = `${d.n} / ${d.max} tokens`;
-  if (!view.expectThinking) {
-    showAnswer(view, "", view.raw, true);
-    return;
-  }
-  const raw = view.raw.replace(/^\s*<think>/, "");
-  const end = raw.indexOf(THINK_END);
-  if (end < 0) {
-    showAnswer(view, raw.trim(), "", true);
-  } else {
-    if (!view.sawEnd) view.thinking.open = false; // thinking done: fold it, show the answer
+  if (view.expectThinking && !view.sawEnd && view.raw.includes(THINK_END)) {
+    view.thinking.open = false; // thinking done: fold it, show the answer
     view.sawEnd = true;
-    showAnswer(view, raw.slice(0, end).trim(), raw.slice(end + THINK_END.length).trimStart(), true);
   }
+  const [thinking, answer] = streamed(view);
+  showAnswer(view, thinking, withEarlier(view, answer), true);
 }
 
 // The run stopped before this node finished (cancel or error): keep the partial text, say so.
@@ -154,7 +178,8 @@ function onStopped(view, why) {
   streamingViews.delete(view);
   view.answer.classList.remove("qwen35-streaming");
   const n = view.stats.textContent.match(/^(\d+) \//);
-  view.stats.textContent = n ? `${why} after ${n[1]} tokens` : why;
+  const of = view.done.length ? ` of answer ${view.done.length + 1}` : "";
+  view.stats.textContent = n ? `${why} after ${n[1]} tokens${of}` : why + of;
 }
 
 // A list of prefills (one prompt per image) runs the node once per item and joins their results: every
@@ -225,12 +250,19 @@ function makeViewFor(output) {
 }
 
 function showOutput(view, output) {
-  if (view.kind === "generate") onGenerateExecuted(view, output);
-  else if (output?.qwen35_prefill?.[0]) view.stats.textContent = output.qwen35_prefill.map(prefillLine).join("\n");
-  else if (output?.qwen35_model?.[0]) {
-    view.stats.textContent = loaderLine(output.qwen35_model[0]);
-    view.stats.title = view.stats.textContent;
+  if (view.kind === "generate") {
+    view.done = [];
+    onGenerateExecuted(view, output);
+    return;
   }
+  const lines = output?.qwen35_prefill?.[0] ? output.qwen35_prefill.map(prefillLine)
+    : output?.qwen35_model?.[0] ? [loaderLine(output.qwen35_model[0])] : null;
+  if (!lines) return;
+  view.stats.textContent = lines.join("\n");
+  view.stats.title = view.stats.textContent; // the whole text where the panel is narrower than a line
+  view.stats.classList.toggle("qwen35-lines", lines.length > 1);
+  view.lines = lines.length;
+  fit(view);
 }
 
 // A node's id in a run is a path for a node inside a subgraph: "outer:inner" (one step per subgraph level).
@@ -276,6 +308,8 @@ function adopt(node, view) {
   node.qwen35.root.replaceChildren(...view.root.childNodes);
   view.root = node.qwen35.root;
   node.qwen35 = view;
+  view.node = node;
+  fit(view);
 }
 
 function adoptKept() {
