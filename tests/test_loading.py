@@ -198,3 +198,32 @@ def test_a_cache_budget_that_does_not_fit_says_so(folder):
         model.setup_kv(1 << 50)
     model.setup_kv()
     assert prefill_ids(model, [1, 2, 3]).logits.isfinite().all()
+
+
+def test_config_values_other_than_the_defaults_are_read():
+    """Every text setting a config can carry, read from transformers' own config dict with values other than the
+    defaults (so a default in place of a read would show): norm eps, conv width, rotary theta / fraction /
+    sections, the layer pattern, tied embeddings; a config without layer_types takes full_attention_interval
+    (default 4, as transformers)."""
+    from transformers import Qwen3_5Config
+
+    from qwen35_fast.runtime.config import FULL, LINEAR, from_hf_dict
+    rope = dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5, mrope_section=[12, 10, 10],
+                mrope_interleaved=True)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=32, linear_value_head_dim=32, rms_norm_eps=1e-5, linear_conv_kernel_dim=3,
+                max_position_embeddings=4096, rope_parameters=rope,
+                layer_types=["full_attention", "linear_attention"] * 3)
+    cfg = Qwen3_5Config(text_config=text, tie_word_embeddings=True).to_dict()
+    c = from_hf_dict(cfg)
+    assert (c.rms_norm_eps, c.linear_conv_kernel_dim, c.rope_theta, c.partial_rotary_factor, c.mrope_section,
+            c.max_position_embeddings, c.tie_word_embeddings) == (1e-5, 3, 5e6, 0.5, (12, 10, 10), 4096, True)
+    assert c.layer_types == (FULL, LINEAR) * 3
+    assert not from_hf_dict(Qwen3_5Config(text_config=text, tie_word_embeddings=False).to_dict()).tie_word_embeddings
+    bare = {k: v for k, v in cfg["text_config"].items() if k != "layer_types"}
+    every = lambda n: tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(6))  # noqa: E731
+    assert from_hf_dict({**cfg, "text_config": {**bare, "full_attention_interval": 3}}).layer_types == every(3)
+    assert from_hf_dict({**cfg, "text_config": bare}).layer_types == every(4)
+    text_only = from_hf_dict({**bare, "model_type": "qwen3_5_text", "tie_word_embeddings": True})
+    assert text_only.tie_word_embeddings and text_only.rope_theta == 5e6
