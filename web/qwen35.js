@@ -13,7 +13,7 @@ const CSS = `
   overflow: hidden; }
 .qwen35-stats { opacity: 0.75; font-size: 11px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .qwen35-stats:empty { display: none; }
-.qwen35-stats.qwen35-lines { white-space: pre-line; overflow-y: auto; text-overflow: clip; }
+.qwen35-stats.qwen35-lines { white-space: pre-line; text-overflow: clip; }
 .qwen35-thinking { border-left: 2px solid #666; padding-left: 6px; opacity: 0.8; }
 .qwen35-thinking summary { cursor: pointer; font-size: 11px; user-select: none; }
 .qwen35-thinking-text, .qwen35-answer { white-space: pre-wrap; word-break: break-word; overflow-y: auto;
@@ -66,8 +66,11 @@ function addPanel(node, name, minHeight, view) {
   addStyle();
   const widget = node.addDOMWidget(name, "qwen35_panel", view.root, {
     serialize: false,
-    // a stats panel is as tall as its lines (a list of prefills shows one line each)
-    getMinHeight: () => Math.max(minHeight, 8 + 16 * (node.qwen35?.lines ?? 1)),
+    // a list of prefills' stats (one line each, wrapped at the node's width) as tall as they are drawn
+    getMinHeight: () => {
+      const stats = node.qwen35?.stats;
+      return stats?.classList.contains("qwen35-lines") ? Math.max(minHeight, stats.scrollHeight + 10) : minHeight;
+    },
   });
   widget.serialize = false; // never part of widgets_values: workflows load with or without this script
   widget.options.serialize = false;
@@ -261,7 +264,6 @@ function showOutput(view, output) {
   view.stats.textContent = lines.join("\n");
   view.stats.title = view.stats.textContent; // the whole text where the panel is narrower than a line
   view.stats.classList.toggle("qwen35-lines", lines.length > 1);
-  view.lines = lines.length;
   fit(view);
 }
 
