@@ -318,27 +318,62 @@ def test_an_answer_finished_in_a_hidden_workflow_shows_on_return(browser_env):
 
 
 def test_one_caption_per_image_shows_every_answer(browser_env):
-    """A list of prefills runs Generate once per image: the node shows every answer, numbered, and one stats
-    line over them."""
+    """A list of prefills runs Generate once per image: while the second answer streams the first stays on the
+    node ([1] ..., [2] ...); at the end the node shows every answer, numbered, and one stats line over them. The
+    prefill's stats are one line per prefill, drawn whole (the panel as tall as its wrapped lines), the whole
+    text in its tooltip."""
     async def body(page):
         await _load(page, load_workflow("qwen35_caption_each_image.json"), max_new_tokens=12)
         # a prompt of its own: the server tests run this workflow too and look for its prefill's output
         await _set_widget(page, "Qwen35MultimodalPrefill", "prompt", "v + ' (browser)'")
         await page.get_by_test_id("queue-button").click()
         await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-answer.qwen35-streaming')]"
+            ".some(e => e.textContent.includes('\\n\\n[2] '))", timeout=300_000)
+        streaming = await page.evaluate(
+            "() => document.querySelector('.qwen35-answer.qwen35-streaming').textContent")
+        await page.wait_for_function(
             "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.includes('answers'))",
             timeout=300_000)
-        return await page.evaluate("""() => ({
+        return await page.evaluate("""(streaming) => ({
+            streaming,
             answer: document.querySelector('.qwen35-answer').textContent,
-            stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent)})""")
+            stats: [...document.querySelectorAll('.qwen35-stats')].map(e => e.textContent),
+            prefill: (() => { const e = app.graph.nodes.find(n => n.type === 'Qwen35MultimodalPrefill').qwen35.stats;
+                return {text: e.textContent, title: e.title, hidden: e.scrollHeight - e.clientHeight}; })()})""",
+            streaming)
 
     state = _in_browser(browser_env, body)
     history = browser_env.get("/history?max_items=1")
     outputs = next(iter(history.values()))["outputs"]
     texts = next(out for out in outputs.values() if "qwen35_generate" in out)["text"]
     assert len(texts) == 2
+    assert state["streaming"].startswith(f"[1] {texts[0]}\n\n[2] "), state["streaming"]
     assert state["answer"] == "\n\n".join(f"[{i + 1}/2] {t}" for i, t in enumerate(texts))
     assert any(s.startswith("2 answers · ") for s in state["stats"]), state["stats"]
+    prefill = state["prefill"]
+    assert len(prefill["text"].split("\n")) == 2 and prefill["title"] == prefill["text"] and prefill["hidden"] <= 1
+
+
+def test_cached_outputs_show_on_the_loader_and_prefill_in_a_new_page(browser_env):
+    """A run whose every node comes from ComfyUI's cache, queued from a page that never saw the first run: the
+    loader's and the prefill's panels show their stats too (ComfyUI sends their ui again), not only Generate's."""
+    workflow = _one_long_answer()
+
+    async def run(page):
+        await _load(page, workflow, max_new_tokens=6)
+        await _set_widget(page, "Qwen35Generate", "seed", "777")
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(
+            "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.startsWith('first token'))",
+            timeout=300_000)
+        return await page.evaluate("""() => Object.fromEntries(app.graph.nodes.filter(n => n.qwen35)
+            .map(n => [n.type, n.qwen35.stats.textContent]))""")
+
+    _in_browser(browser_env, run)  # the first run, in one page
+    panels = _in_browser(browser_env, run)  # the same prompt from a new page: every output cached
+    assert panels["Qwen35ModelLoader"].startswith("torch on cpu"), panels
+    assert " prompt tokens · " in panels["Qwen35TextPrefill"], panels
 
 
 def test_workflow_templates_list_the_examples(comfy_server):
