@@ -329,6 +329,27 @@ def test_norm_ops_pass_opcheck():
     torch.library.opcheck(ops.gated_rms_norm_op, (x, gate, w, 1e-6, False))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norms_are_transformers_norms_bit_for_bit(dtype):
+    """The model's RMSNorm and the GDN output's gated norm equal transformers' Qwen3_5RMSNorm /
+    Qwen3_5RMSNormGated bit for bit in each dtype (where each rounds to the activations' dtype matters in bf16),
+    with a non-default eps."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    from qwen35_fast.kernels.rms_norm.reference import gated_rms_norm_ref, rms_norm_ref
+    g = torch.Generator().manual_seed(3)
+    x, gate = (torch.randn(64, 128, generator=g) * 3).to(dtype), torch.randn(64, 128, generator=g).to(dtype)
+    eps = 0.5  # large beside the rows' mean square: a dropped eps shows
+    norm, gated = Qwen3_5RMSNorm(128, eps=eps), Qwen3_5RMSNormGated(128, eps=eps)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3, generator=g)
+        gated.weight.normal_(1, 0.3, generator=g)
+        assert torch.equal(rms_norm_ref(x, norm.weight, eps), norm(x))
+        w = gated.weight.to(dtype)  # the model keeps the gated norm's weight in its dtype
+        gated.weight.data = w.float() if dtype == torch.float32 else w
+        assert torch.equal(gated_rms_norm_ref(x, gate, w, eps), gated(x, gate))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_gdn_and_conv_ops_pass_opcheck(packed):
     """The GDN and conv ops' fakes (what torch.compile plans with) say the real outputs' shapes and dtypes: a

@@ -227,3 +227,20 @@ def test_config_values_other_than_the_defaults_are_read():
     assert from_hf_dict({**cfg, "text_config": bare}).layer_types == every(4)
     text_only = from_hf_dict({**bare, "model_type": "qwen3_5_text", "tie_word_embeddings": True})
     assert text_only.tie_word_embeddings and text_only.rope_theta == 5e6
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers is 0; Qwen3.5 models have 1 to 1024 layers"),
+    ({"num_hidden_layers": True}, "num_hidden_layers is True; Qwen3.5 models have 1 to 1024 layers"),
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers is 4.0; Qwen3.5 models have 1 to 1024 layers"),
+])
+def test_a_layer_count_that_is_no_whole_positive_number_is_refused(change, message):
+    from qwen35_fast.runtime.config import from_hf_dict
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=32, linear_value_head_dim=32)
+    assert len(from_hf_dict({"model_type": "qwen3_5", "text_config": text}).layer_types) == 4
+    with pytest.raises(Qwen35Error, match=message):
+        from_hf_dict({"model_type": "qwen3_5", "text_config": {**text, **change}})
+    with pytest.raises(Qwen35Error, match="model_type is 'qwen3_5_moe', not a Qwen3.5 dense model"):
+        from_hf_dict({"model_type": "qwen3_5_moe", "text_config": text})

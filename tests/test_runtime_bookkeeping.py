@@ -142,6 +142,23 @@ def test_bf16_works_runs_the_product():
     assert not devices.bf16_works(torch.device("meta"))  # no values to read back: as a device without bf16
 
 
+def test_the_content_hash_sees_every_byte():
+    """The prefix cache keys images by content_hash: tensors that differ only in their last bytes (an odd
+    number of 4-byte values, a 3 x 3 image's last channel) hash apart; a tensor hashed in parts of odd sizes
+    hashes as the whole."""
+    from qwen35_fast.runtime.fingerprint import StreamedHash, content_hash
+    assert content_hash(torch.tensor([1.0, 2.0, 3.0])) != content_hash(torch.tensor([1.0, 2.0, 4.0]))
+    a = torch.zeros(1, 3, 3, 3)
+    b = a.clone()
+    b[0, 2, 2, 2] = 1.0
+    assert content_hash(a) != content_hash(b)
+    x = torch.arange(37, dtype=torch.uint8)
+    h = StreamedHash()
+    for lo, hi in ((0, 3), (3, 20), (20, 37)):
+        h.add(x[lo:hi])
+    assert h.digest(tuple(x.shape), x.dtype) == content_hash(x)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_the_prefill_flop_floor_counts_what_the_prefill_multiplies(tmp_path, tie):
     """Qwen35Model.flops (the first token's floor in bench/vision.py): its projection, MLP and LM-head part is

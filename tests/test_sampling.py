@@ -156,6 +156,15 @@ def test_draw_uniform_is_uniform_and_a_function_of_seed_and_step():
     assert draw_uniform(draw_seed(3), 0) != draw_uniform(draw_seed(4), 0)
 
 
+def test_draw_uniform_is_splitmix64():
+    """Token n of seed s draws splitmix64's (n + 1)th output from state s (its top 53 bits): the generator's
+    published outputs, so a draw moved to another step or stream shows (the same seed would still repeat)."""
+    vectors = {0: [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4],
+               1234567: [6457827717110365317, 3203168211198807973, 9817491932198370423]}
+    for seed, outputs in vectors.items():
+        assert [draw_uniform(seed, n) for n in range(len(outputs))] == [(w >> 11) * 2.0 ** -53 for w in outputs]
+
+
 def test_draw_takes_the_first_candidate_past_u():
     w = torch.tensor([0.5, 0.0, 0.25, 0.25, 0.0])
     assert [int(draw_ref(w, u)) for u in (0.0, 0.49, 0.5, 0.74, 0.75, 1 - 2 ** -53)] == [0, 0, 2, 2, 3, 3]
