@@ -203,3 +203,106 @@ def test_empty_and_broken_files_say_so(comfy, pack, loaded, tmp_path):
             out.mux(packet)
     with pytest.raises(Qwen35Error, match=r"could not read the video .*audio\.wav.*(?i:no video stream)"):
         _run(pack, loaded, video=InputImpl.VideoFromFile(str(audio)))
+
+
+def _rotated(path, matrix):
+    """The MP4 at `path` with the rotation part of its track's display matrix set to `matrix` (a, b, u, c, d, v),
+    as a phone writes it for a portrait video."""
+    import struct
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tkhd") + 4 + 4 + 4 * 5 + 8 + 8  # version 0 box: the matrix after the volume
+    data[at:at + 36] = struct.pack(">9i", *matrix, 0, 0, 1 << 30)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_phone_video_is_turned_as_comfyui_turns_it(comfy, tmp_path):
+    """A portrait phone video is stored landscape with a rotation: the frames come out standing, turned the way
+    ComfyUI's get_components turns them (the same pixels), not mirrored or upside down."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import video_clip
+    path = _rotated(write_video(tmp_path / "phone.mp4", 5, 10), (0, 1 << 16, 0, -(1 << 16), 0, 0))
+    video = InputImpl.VideoFromFile(str(path))
+    with av.open(str(path)) as container:
+        assert abs(next(container.decode(video=0)).rotation) == 90
+    full = video.get_components().images
+    frames = torch.stack(_read(video_clip(video), lambda total: list(range(total)))[1])
+    assert full.shape == (5, 64, 48, 3) and frames.shape == full.shape
+    assert torch.equal(frames, full)
+
+
+def test_a_video_with_alpha_gives_its_colour_channels(comfy, tmp_path):
+    """A video with an alpha channel (PNG frames in a MOV, as exported for compositing): the frames are the
+    3 colour channels get_components gives, and the prefill reads them as it reads the full decode."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source
+    path = tmp_path / "alpha.mov"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("png", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "rgba"
+        for i in range(6):
+            img = np.zeros((48, 64, 4), np.uint8)
+            img[..., 0], img[..., 1], img[..., 2], img[..., 3] = 30 * i, 100, 200, 128
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgba")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    video = InputImpl.VideoFromFile(str(path))
+    full = video.get_components().images
+    frames = torch.stack(_read(video_clip(video), lambda total: list(range(total)))[1])
+    assert frames.shape == full.shape == (6, 48, 64, 3) and torch.equal(frames, full)
+    assert torch.allclose(frames[3, 0, 0], torch.tensor([90, 100, 200]) / 255)
+    pp = Preprocessing()
+    got, want = preprocess_video_source(video_clip(video), pp), preprocess_video(full, 4.0, pp)
+    assert torch.equal(got.pixels, want.pixels) and got.grid == want.grid
+
+
+@pytest.mark.parametrize("count", ["unknown", 0])
+def test_a_file_without_a_frame_count_is_sampled_from_its_decode(videos, monkeypatch, count):
+    """A container that gives no frame count (ComfyUI raises, or says 0): the runtime's sampler picks from the
+    frames the decode counts, and the prefill equals the one from the full decode."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source
+    video = videos["64x48 30 fps"]
+    parts = video.get_components()
+
+    def frame_count(self):
+        if count == "unknown":
+            raise ValueError("Could not determine frame count")
+        return count
+    monkeypatch.setattr(InputImpl.VideoFromFile, "get_frame_count", frame_count)
+    pp = Preprocessing()
+    got = preprocess_video_source(video_clip(video), pp)
+    want = preprocess_video(parts.images, float(parts.frame_rate), pp)
+    assert torch.equal(got.pixels, want.pixels) and (got.grid, got.timestamps) == (want.grid, want.timestamps)
+
+
+def test_a_video_that_changes_size_is_refused(comfy, pack, loaded, tmp_path):
+    """A file whose frames change size part way (two recordings joined): the node says so and how to fix it,
+    rather than sampling frames of two sizes."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.runtime import Qwen35Error
+
+    def part(width, height):
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mpegts") as out:
+            stream = out.add_stream("mpeg2video", rate=8)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for i in range(8):
+                frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 60 + 10 * i, np.uint8), format="rgb24")
+                for packet in stream.encode(frame):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+        return buf.getvalue()
+    joined = tmp_path / "joined.ts"
+    joined.write_bytes(part(64, 48) + part(96, 64))
+    with pytest.raises(Qwen35Error, match=r"the video .*joined\.ts.* changes size at frame \d+ \(64x48 to 96x64\); "
+                                          r"re-encode it at one size"):
+        _run(pack, loaded, video=InputImpl.VideoFromFile(str(joined)))
