@@ -12,6 +12,7 @@ from test_vision_vs_transformers import SMALL, TOWERS, _hf_inputs, _hf_logits, _
 
 from qwen35_fast.runtime import Qwen35Error, continue_prefill, generate, prefill, prefill_ids, prefill_multimodal
 from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.multimodal import IMAGE_PAD, VISION_END
 from qwen35_fast.runtime.prefix import system_end
 from qwen35_fast.runtime.sampling import SamplingParams
 
@@ -99,7 +100,8 @@ def test_raw_text_with_an_image_opens_no_thinking_block(pair):
 
 @pytest.mark.parametrize("raw_answer", ["<think>\nLight scatters.\n</think>\n\n  Rayleigh scattering.  ",
                                         "<think>\nLight scatters.\n</think>\n \nRayleigh.",
-                                        "<think>Light scatters.</think>\n\n\t\nRayleigh."])
+                                        "<think>Light scatters.</think>\n\n\t\nRayleigh.",
+                                        "<think>\nLight scatters.\n</think>\nIt scatters more.</think>\n\nRayleigh."])
 def test_earlier_thinking_is_left_out_as_the_template_does(template, pair, raw_answer):  # noqa: F811
     """The same text and the same ids as the rendered conversation: whitespace left after the thinking joins
     the newline after "assistant" as the tokenizer reads the whole string."""
@@ -169,6 +171,56 @@ def test_images_and_positions_continue(template, pair, where):  # noqa: F811
     _parent_unchanged(parent, before)
 
 
+def test_an_empty_previous_answer_is_still_an_assistant_turn(template, pair):  # noqa: F811
+    """previous_answer="" (a Generate node that answered nothing) is an empty assistant turn, as the template
+    writes it; only None leaves the assistant turn out."""
+    hf, ours = pair
+    parent = prefill(ours, "Say nothing.", system_prompt=SYSTEM)
+    child = continue_prefill(ours, parent, "Now say something.", previous_answer="")
+    want = _render(template, [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""},
+                              {"role": "user", "content": "Now say something."}], False)
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nNow say something." in want
+    assert ours.tokenizer.decode(child.token_ids) == want
+    assert list(child.token_ids) == ours.tokenizer.encode(want)
+    assert rel(child.logits, _hf_logits(hf, child)) <= TOL
+
+
+def test_follow_ups_of_parents_with_different_images_are_not_mixed_up(pair):
+    """Two conversations whose first turns hold different images, then the same follow-up text: the token ids
+    are the same, but the second follow-up must not resume at the first one's snapshot."""
+    _, ours = pair
+    ours.kv.pool.clear()
+    first = prefill_multimodal(ours, "What is this?", images=_image(64, 64, 41))
+    a = continue_prefill(ours, first, "And the colour?")
+    second = prefill_multimodal(ours, "What is this?", images=_image(64, 64, 42))
+    b = continue_prefill(ours, second, "And the colour?")
+    cold = continue_prefill(ours, second, "And the colour?", use_cache=False)
+    assert a.token_ids == b.token_ids == cold.token_ids
+    assert b.cached_tokens == second.turn.length == cold.cached_tokens
+    assert rel(b.logits, cold.logits) <= TOL and rel(a.logits, b.logits) > TOL
+
+
+def test_a_second_question_about_a_follow_ups_image_reuses_its_tokens(pair, monkeypatch):
+    """Two follow-ups of one parent with the same new image and different text: the second resumes after the
+    image (its <|vision_end|>: the tower does not run again) and gives its cold logits."""
+    _, ours = pair
+    ours.kv.pool.clear()
+    im = _image(64, 64, 43)
+    parent = prefill(ours, "Hello.")
+    first = continue_prefill(ours, parent, "<image> What is it?", images=im)
+    calls = []
+    forward = ours.vision.forward
+    monkeypatch.setattr(ours.vision, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    second = continue_prefill(ours, parent, "<image> Which colour?", images=im)
+    ids = list(second.token_ids)
+    after_image = ids.index(VISION_END, len(ids) - ids[::-1].index(IMAGE_PAD)) + 1  # up to its <|vision_end|>
+    assert ids[:after_image] == list(first.token_ids[:after_image]) and after_image > parent.turn.length + 4
+    assert second.cached_tokens == after_image and calls == []
+    monkeypatch.undo()
+    cold = continue_prefill(ours, parent, "<image> Which colour?", images=im, use_cache=False)
+    assert cold.cached_tokens == parent.turn.length and rel(second.logits, cold.logits) <= TOL
+
+
 def test_greedy_generation_after_a_follow_up_with_an_image_equals_transformers(pair):
     """Decoding after a follow-up continues the rotary positions the images left (rope_delta)."""
     hf, ours = pair
@@ -208,6 +260,13 @@ def test_errors_name_the_cause_and_the_fix(pair, tmp_path):
     other = _make(tmp_path, TOWERS["d2w32h2"], seed=22)[1]
     with pytest.raises(Qwen35Error, match="another model"):
         continue_prefill(other, parent, "More.")
+    tower, ours.vision = ours.vision, None
+    try:
+        for media in (dict(video=(torch.rand(4, 64, 64, 3), 4.0)), dict(images=_image(64, 64, 0))):
+            with pytest.raises(Qwen35Error, match="no usable vision tower .*cannot read images or video"):
+                continue_prefill(ours, parent, "What happens?", **media)
+    finally:
+        ours.vision = tower
     real = ours.config
     ours.config = dataclasses.replace(real, max_position_embeddings=parent.n_tokens + 3)
     try:

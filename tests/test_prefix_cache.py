@@ -70,6 +70,18 @@ def test_a_second_question_reuses_the_system_prompt(pair, model):
     assert rel(again.logits, cold.logits) <= TOL
 
 
+def test_the_system_prompts_snapshot_ends_after_its_newline(model):
+    """The system turn as the template writes it, "<|im_start|>system\\n...<|im_end|>\\n", newline included, is
+    what a question with another user prompt reuses."""
+    tok = model.tokenizer
+    system_turn = tok.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    prefill(model, "Name a colour.", system_prompt=SYSTEM)
+    second = prefill(model, "Name an animal.", system_prompt=SYSTEM)
+    assert list(second.token_ids[:len(system_turn)]) == system_turn
+    assert second.cached_tokens == len(system_turn)
+    assert tok.decode(list(second.token_ids[:second.cached_tokens])).endswith(f"{SYSTEM}<|im_end|>\n")
+
+
 def test_another_system_prompt_reuses_nothing(model):
     prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
     other = prefill(model, "Describe a red circle.", system_prompt=SYSTEM + " Be formal.")

@@ -161,6 +161,16 @@ def test_image_and_video_together(pair):
     assert err <= TOL, err
 
 
+def test_a_video_before_an_image(pair):
+    """The image's patches come after all of the video's frames' patches in the tower's input."""
+    hf, ours = pair
+    video = preprocess_video(torch.rand(4, 64, 64, 3, generator=torch.Generator().manual_seed(9)), 4.0, SMALL)
+    img = preprocess_images(_image(64, 96, 10), SMALL)[0]
+    assert video.grid[0] > 1
+    err, pf = _check(hf, ours, "Does <video> end on the picture <image>?", [img], video, order=[video, img], steps=2)
+    assert pf.token_ids.index(VIDEO_PAD) < pf.token_ids.index(IMAGE_PAD) and err <= TOL, err
+
+
 def test_transformers_pixel_values_give_the_same_logits():
     """Fed with the pixel_values of transformers' own image processor (PIL), ours equals transformers."""
     pytest.importorskip("PIL")
