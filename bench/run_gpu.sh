@@ -5,7 +5,7 @@
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
-# The nodes' tests (tests/test_nodes*.py, the VRAM test among them; tests/test_video_decode.py) run against a real
+# The nodes' tests (tests/test_nodes*.py, the VRAM test among them; test_video_decode.py, test_models_folder.py) run against a real
 # ComfyUI when .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
 # the ComfyUI packages the GPU image lacks beside it (bench/README.md lists them); with them, the
 # real-ComfyUI integration tests (tests/integration) run a ComfyUI server on the GPU.
@@ -67,7 +67,7 @@ if [ -n "$comfy_dir" ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/comfy-stubs
 fi
 if [ "$comfyui" = 1 ] && [ -n "$comfy_dir" ]; then
-  COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py tests/test_video_decode.py -rs \
+  COMFYUI_DIR=$comfy_dir python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_nodes*.py tests/test_video_decode.py tests/test_models_folder.py -rs \
     2>&1 | tee "$OUT/pytest-comfyui.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
