@@ -320,11 +320,13 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     # turn would cost its whole time, so the next step comes after the host has read the token.
     ahead = host.cuda
 
-    last = pf.logits  # the newest logits queued: NaN or inf once they reach the cache or the GDN state
+    # the newest logits queued and the ones before them (NaN or inf once an overflow reaches the cache or the GDN
+    # state): the end-of-answer check reads those of the last token the host read
+    before = last = pf.logits
 
     def queue_step(n: int) -> None:
         """Decode the token before answer token n into the cache and pick token n (tok)."""
-        nonlocal step, tok, last
+        nonlocal step, tok, before, last
         if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
             try:
                 cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
@@ -336,7 +338,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
                 step = graphed_decode(model, cache, most)
             elif step is not None:
                 step.slot.set_blocks(cache.seq.blocks)
-        last = (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
+        before, last = last, (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
         tok = next_token(last, n)
 
     tok = next_token(pf.logits.to(dev), 0)
@@ -357,8 +359,14 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
             queue_step(n + 1)
     decode_s = time.perf_counter() - t_decode
     # checked once at the end (an overflow poisons every later step through the cache and the GDN state): the
-    # answer is an error, not a run of one repeated token; no step waits for the check
-    if not bool(torch.isfinite(last).all()):
+    # answer is an error, not a run of one repeated token; no step waits for the check. Ahead of the host, a step
+    # was queued behind the end-of-turn token (len(out) + 1 < budget): it is no part of the answer, so the logits
+    # before it are read, where they are still there (a captured step writes every output into one buffer, and a
+    # poisoned run does not reach an end-of-turn token: NaN logits pick id 0, or one id again and again)
+    read = last
+    if ahead and finish == "stop" and len(out) + 1 < budget:
+        read = before if before.data_ptr() != last.data_ptr() else None
+    if read is not None and not bool(torch.isfinite(read).all()):
         raise not_finite(model, f"while answering (found after {len(out):,} tokens)")
     rest = stream.flush()  # the end of a character the length limit cut (U+FFFD, as the answer's text has it)
     if rest and on_token is not None:

@@ -277,3 +277,44 @@ def test_logits_that_leave_fp16s_range_are_an_error_not_a_run_of_one_token(tmp_p
     finally:
         del model.forward_decode
     assert generate(model, good, max_new_tokens=3).token_ids  # and the model answers after it
+
+
+def test_the_step_after_the_end_of_turn_token_is_no_part_of_the_check(pair, monkeypatch):
+    """On CUDA the loop queues a step behind each token before the host reads it: after the end-of-turn token
+    that step is never read. Non-finite logits there (the end-of-turn token fed back, an fp16 overflow on it) do
+    not turn a finished answer into an error; non-finite logits that picked a token of the answer still do. The
+    one-step-ahead order is emulated on the CPU (the host's token queue told it runs on CUDA)."""
+    import importlib
+    gen = importlib.import_module("qwen35_fast.runtime.generate")
+    _, model = pair
+    eos = model.tokenizer.token_id("<|im_end|>")
+    pf = prefill_ids(model, list(range(5000, 5020)))
+
+    class Ahead(gen._HostTokens):
+        def __init__(self, dev):
+            super().__init__(dev)
+            self.cuda = True  # the loop's order on a GPU; the copies stay the CPU's
+
+        def push(self, tok):
+            self.slots[self.pushed % 2].copy_(tok.view(1))
+            self.pushed += 1
+
+        def pop(self):
+            self.popped += 1
+            return int(self.slots[(self.popped - 1) % 2][0])
+
+    monkeypatch.setattr(gen, "_HostTokens", Ahead)
+    script = {0: 11, 1: 12, 2: 13, 3: eos}
+    monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend, marks: torch.tensor([script.get(n, 14)]))
+    real = model.forward_decode
+    poison = {eos}
+
+    def decode(tok, cache):
+        logits = real(tok, cache)
+        return torch.full_like(logits, float("nan")) if int(tok.view(-1)[0]) in poison else logits
+    monkeypatch.setattr(model, "forward_decode", decode)
+    out = generate(model, pf, max_new_tokens=8)
+    assert out.token_ids == (11, 12, 13) and out.finish_reason == "stop"
+    poison = {13}  # the logits that picked the end-of-turn token are not finite: the answer is refused
+    with pytest.raises(Qwen35Error, match=r"logits while answering \(found after 3 tokens\) are not finite"):
+        generate(model, pf, max_new_tokens=8)
