@@ -1,10 +1,11 @@
 """The vision tower's rotary and residual add + LayerNorm kernels at the 27 x 1152 tower's shapes (one 1024 x 1024
 image: 4,096 patches; 32 frames of 720 x 1280: 46,080), against the copy floor of the bytes each must move:
-the shipped rotary (one 16-byte vector a thread) and bench/experiments/vision_rotary_vecs.cu at each VECS
-(vectors a thread), every one checked bit for bit against the reference. CUDA-graph replays, median ms.
-Writes JSON.
+the shipped rotary at each HG (q / k heads a thread, one read of cos / sin for them; "shipped": the launcher's
+choice) and bench/experiments/vision_rotary_vecs.cu at each VECS (vectors a thread, one head each, cos / sin read
+for every head: VECS 1 is the kernel before HG), every one checked bit for bit against the reference.
+CUDA-graph replays, median ms. Writes JSON.
 
-    python3 bench/vision_elementwise.py [--vecs 1,2,4,8] [--out bench/results/vision-rotary-vecs-h200.json]
+    python3 bench/vision_elementwise.py [--vecs 1,2,4,8] [--heads 1,2,4,8] [--out bench/results/vision-rotary-vecs-h200.json]
 """
 import argparse
 import json
@@ -41,28 +42,46 @@ def rotary_at(qkv, cos, sin, vecs):
     return run
 
 
+def rotary_heads_at(qkv, cos, sin, hg):
+    """The shipped rotary with HG = hg heads a thread."""
+    n = qkv.shape[0]
+    out = torch.empty(2, n, H, HD, dtype=qkv.dtype, device=qkv.device)
+    total = n * (2 * H // hg) * (HD // 8)
+    fn = get_function(vl.ROTARY_SRC, "vision_rotary", qkv.device, {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, "HG": hg})
+
+    def run():
+        launch(fn, ((total + vl.ROTARY_THREADS - 1) // vl.ROTARY_THREADS, 1, 1), (vl.ROTARY_THREADS, 1, 1),
+               (qkv, cos, sin, out, np.int64(n)))
+        return out
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vecs", default="1,2,4,8")
+    ap.add_argument("--heads", default="1,2,4,8")
     ap.add_argument("--out", default="bench/results/vision-rotary-vecs-h200.json")
     a = ap.parse_args()
     bw, _ = ceilings()
     rows = []
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    for name, n in (("1x1024x1024", 4096), ("video 32x720x1280", 46080)):
+    for name, n in (("1x1024x1024", 4096), ("4x1024x1024", 16384), ("video 32x720x1280", 46080)):
         g = torch.Generator(device=DEV).manual_seed(n)
         qkv = torch.randn(n, 3, H, HD, device=DEV, dtype=torch.bfloat16, generator=g)
         ang = torch.rand(n, HD, device=DEV, generator=g) * 6.28
         cos, sin = ang.cos(), ang.sin()
         want = vision_rotary_ref(qkv, cos, sin)
         floor = (2 * 2 * n * H * HD * 2 + 2 * n * HD * 4) / bw * 1e3  # q, k in and out (bf16), cos / sin
-        for vecs in ["shipped"] + [int(v) for v in a.vecs.split(",")]:
-            run = (lambda: vl.vision_rotary_cuda(qkv, cos, sin)) if vecs == "shipped" else rotary_at(qkv, cos, sin, vecs)
-            exact = bool(torch.equal(run(), want))
+        variants = [("shipped", None, lambda: vl.vision_rotary_cuda(qkv, cos, sin))]
+        variants += [("vecs", int(v), rotary_at(qkv, cos, sin, int(v))) for v in a.vecs.split(",") if v]
+        variants += [("heads", int(v), rotary_heads_at(qkv, cos, sin, int(v))) for v in a.heads.split(",") if v]
+        for kind, k, run in variants:
+            out = run()
+            exact = bool(torch.equal(out, want))
             ms = bench_ms(graph_of(run).replay)
-            rows.append({"kernel": "rotary", "input": name, "tokens": n, "vecs": vecs, "ms": round(ms, 5),
+            rows.append({"kernel": "rotary", "input": name, "tokens": n, "variant": kind, "per_thread": k, "ms": round(ms, 5),
                          "floor_ms": round(floor, 5), "bit_exact": exact})
-            print(f"rotary {name} {vecs}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
+            print(f"rotary {name} {kind} {k}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
                   f"({floor / ms:.0%}), bit exact {exact}")
         x, y = (torch.randn(n, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))
         w, b = (torch.randn(D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))
