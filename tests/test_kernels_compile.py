@@ -12,7 +12,7 @@ import pytest
 from qwen35_fast.kernels import cuda_build
 from qwen35_fast.kernels.gdn_prefill import plan as _P
 from qwen35_fast.kernels.rms_norm.launch import _tpr
-from qwen35_fast.kernels.vision.launch import rotary_heads_a_thread
+from qwen35_fast.kernels.vision.launch import ROTARY_HG
 
 KERNELS = Path(cuda_build.__file__).resolve().parent
 SOURCES = sorted(KERNELS.rglob("*.cu"))
@@ -76,7 +76,7 @@ VARIANTS = {
     "positions.cu": [{"DIM": d, "HEAD_DIM": hd, "SIDE": s, "MERGE": m, "IN_T": i}
                      for d, hd, s, m in ((768, 64, 48, 2), (1024, 64, 48, 2), (1152, 72, 48, 2), (40, 8, 7, 3),
                                          (8, 4, 1, 1)) for i in (2, 1)],
-    "rotary.cu": [{"HEAD_DIM": d, "HEADS": h, "IN_T": i, "HG": rotary_heads_a_thread(h)}
+    "rotary.cu": [{"HEAD_DIM": d, "HEADS": h, "IN_T": i, "HG": ROTARY_HG}
                   for d, h in ((64, 12), (64, 16), (72, 16), (80, 3), (8, 1)) for i in (2, 1)],
     "layer_norm.cu": [{"DIM": d, "IN_T": i, "HAS_Y": y} for d in (768, 1024, 1152, 2056, 5120, 8, 10240)
                       for i in (2, 1) for y in (1, 0)],

@@ -25,6 +25,8 @@ ATTN_SRC = Path(__file__).with_name("attention.cu")
 _CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POSITIONS_THREADS = 128  # THREADS of positions.cu
 ROTARY_THREADS = 256  # THREADS of rotary.cu
+ROTARY_HG = 2  # HG of rotary.cu: q / k heads a thread rotates with one read of its cos / sin (divides 2 x any
+#                head count; 4 and 8 hold too many loads a thread: kernels/vision/NOTES.md)
 NORM_THREADS = 256  # WARPS * 32 of layer_norm.cu
 MAX_D = 10240  # layer_norm.cu holds a row in registers, at most 5 vectors of 8 per thread over up to 256 threads
 ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_CONSUMER_THREADS = 192, 128, 512, 384  # BM, BN, THREADS, CT of attention.cu
@@ -70,24 +72,17 @@ def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> boo
     return hd % 8 == 0 and all(t.dtype == torch.float32 and t.shape == (n, hd) for t in (cos, sin))
 
 
-def rotary_heads_a_thread(heads: int) -> int:
-    """HG of rotary.cu: the q / k heads one thread rotates with one read of its features' cos / sin. 2 for any
-    head count (kernels/vision/NOTES.md: 4 and 8 hold too many loads in flight a thread)."""
-    return 2
-
-
 def vision_rotary_cuda(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Same contract as reference.vision_rotary_ref: qkv [N, 3, H, hd] -> q, k as one [2, N, H, hd]."""
     if not rotary_takes(qkv, cos, sin):
         return vision_rotary_ref(qkv, cos, sin)
     n, _, h, hd = qkv.shape
     out = torch.empty(2, n, h, hd, dtype=qkv.dtype, device=qkv.device)
-    hg = rotary_heads_a_thread(h)
-    total = n * (2 * h // hg) * (hd // 8)  # threads: one per 8 output features of hg heads
+    total = n * (2 * h // ROTARY_HG) * (hd // 8)  # threads: one per 8 output features of ROTARY_HG heads
     if total == 0:
         return out
     fn = get_function(ROTARY_SRC, "vision_rotary", qkv.device,
-                      {"HEAD_DIM": hd, "HEADS": h, "IN_T": _CODE[qkv.dtype], "HG": hg})
+                      {"HEAD_DIM": hd, "HEADS": h, "IN_T": _CODE[qkv.dtype], "HG": ROTARY_HG})
     launch(fn, ((total + ROTARY_THREADS - 1) // ROTARY_THREADS, 1, 1), (ROTARY_THREADS, 1, 1),
            (aligned16(qkv), aligned16(cos), aligned16(sin), out, np.int64(n)))
     return out
