@@ -26,14 +26,15 @@ MAX_DEPTH = 3
 
 def ensure_llm_folder() -> None:
     """models/LLM registered with ComfyUI and, where the models folder is writable, created (a place to put
-    checkpoint folders)."""
-    if LLM not in folder_paths.folder_names_and_paths:
-        path = os.path.join(folder_paths.models_dir, LLM)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:  # a read-only models folder: registered all the same, listed when someone makes it
-            pass
-        folder_paths.add_model_folder_path(LLM, path)
+    checkpoint folders). Also where an `LLM:` key of extra_model_paths.yaml registered the name first (ComfyUI
+    reads that file before it loads the pack): then models/LLM comes after those folders, as ComfyUI appends a
+    yaml's folders to its own, and a name in both loads from the yaml's."""
+    path = os.path.join(folder_paths.models_dir, LLM)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # a read-only models folder: registered all the same, listed when someone makes it
+        pass
+    folder_paths.add_model_folder_path(LLM, path)  # nothing where it is listed already
 
 
 def _is_checkpoint_dir(path: Path) -> bool:

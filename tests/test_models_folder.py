@@ -23,6 +23,7 @@ def folders(comfy, pack, tmp_path, monkeypatch):
     llm, extra, te = tmp_path / "LLM", tmp_path / "extra_LLM", tmp_path / "text_encoders"
     for folder in (llm, extra, te):
         folder.mkdir()
+    monkeypatch.setattr(fp, "models_dir", str(tmp_path))  # models/LLM is `llm`
     monkeypatch.setitem(fp.folder_names_and_paths, "LLM", ([str(llm), str(extra)], set()))
     monkeypatch.setitem(fp.folder_names_and_paths, "text_encoders", ([str(te)], {".safetensors"}))
     monkeypatch.setattr(fp, "filename_list_cache", {})
@@ -48,6 +49,20 @@ def _qwen_file(path: Path) -> Path:
 
 def _listed(pack):
     return pack.Qwen35ModelLoader.INPUT_TYPES()["required"]["model"][1]["options"]
+
+
+def test_models_llm_is_listed_beside_an_extra_model_paths_llm_key(pack, comfy, folders, monkeypatch):
+    """extra_model_paths.yaml with an `LLM:` key registers the name before the pack loads: models/LLM is listed
+    after the yaml's folder all the same (it was left out, and its checkpoints with it)."""
+    fp = comfy.folder_paths
+    monkeypatch.setitem(fp.folder_names_and_paths, "LLM", ([str(folders.extra)], set()))  # as the yaml leaves it
+    _checkpoint_folder(folders.llm / "Qwen3.5-in-models")
+    _checkpoint_folder(folders.extra / "Qwen3.5-in-extra")
+    assert _listed(pack) == ["Qwen3.5-in-extra", "Qwen3.5-in-models"]
+    assert fp.get_folder_paths("LLM") == [str(folders.extra), str(folders.llm)]
+    assert pack.models_folder.find_model("Qwen3.5-in-models") == folders.llm / "Qwen3.5-in-models"
+    pack.models_folder.ensure_llm_folder()  # once more: listed once
+    assert fp.get_folder_paths("LLM") == [str(folders.extra), str(folders.llm)]
 
 
 def test_hidden_folders_are_not_listed(pack, folders):

@@ -55,6 +55,7 @@ def models_dir(comfy, tmp_path_factory):
     if len(weights) == 1:
         shutil.copy(weights[0], root / "text_encoders" / "qwen35_demo_single.safetensors")
     fp = comfy.folder_paths
+    fp.models_dir = str(root)  # models/LLM is root/LLM (the loader adds models/LLM to the folders it lists)
     fp.folder_names_and_paths.pop("LLM", None)
     fp.add_model_folder_path("LLM", str(root / "LLM"))
     fp.add_model_folder_path("text_encoders", str(root / "text_encoders"), is_default=True)
