@@ -4,6 +4,8 @@ CuPy must match the CUDA major version PyTorch was built with (cupy-cuda12x or c
 cannot be a plain requirement. This script:
 - never installs, upgrades or removes torch (the versions of torch and numpy are held as they are);
 - does nothing when the right CuPy is already there (a second run changes nothing);
+- where that CuPy is there but cannot load NVRTC (the run-time compiler the kernels are built with: CUDA's
+  libnvrtc, which CuPy finds in a CUDA toolkit or in NVIDIA's pip package), installs that package;
 - without CUDA, without a network, or with an unknown CUDA version, says so and exits 0: the pack
   then runs its GDN math on PyTorch instead of its CUDA kernels.
 
@@ -25,6 +27,7 @@ import tempfile
 log = logging.getLogger("qwen35-fast install")
 
 CUPY_FOR_CUDA_MAJOR = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
+NVRTC_FOR_CUDA_MAJOR = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}
 PIP_TIMEOUT_S = 900
 
 
@@ -56,6 +59,20 @@ def torch_cuda() -> tuple[str | None, str | None, str]:
     except Exception as e:  # noqa: BLE001 - a broken install (a DLL that does not load: OSError on Windows)
         return None, None, f"{type(e).__name__}: {e}"
     return torch.__version__, torch.version.cuda, ""
+
+
+def nvrtc_problem() -> str | None:
+    """Why CuPy cannot load NVRTC here (its last line of error), asked of a fresh Python so that a CuPy installed
+    just now is the one imported; None where it loads."""
+    code = "from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
 
 
 def installer() -> list[str] | None:
@@ -90,7 +107,17 @@ def plan() -> tuple[str | None, str]:
                       f"{', '.join(others)}: two CuPy packages cannot live side by side (import cupy fails, and the "
                       f"pack runs on PyTorch). Remove the other: pip uninstall {' '.join(o.split()[0] for o in others)}")
     if have:
-        return None, f"{want} {have} is already installed for CUDA {cuda} (PyTorch {torch_version}). Nothing to do."
+        problem = nvrtc_problem()
+        if problem is None:
+            return None, f"{want} {have} is already installed for CUDA {cuda} (PyTorch {torch_version}). Nothing to do."
+        nvrtc = NVRTC_FOR_CUDA_MAJOR[major]
+        pin = f"{nvrtc}=={major}.*" if major >= 13 else nvrtc
+        if installed_version(nvrtc) is None:
+            return pin, (f"{want} {have} is installed for CUDA {cuda}, but it cannot load NVRTC ({problem}): "
+                         f"installing {pin}.")
+        return None, (f"{want} {have} and {nvrtc} {installed_version(nvrtc)} are installed for CUDA {cuda}, but "
+                      f"CuPy cannot load NVRTC ({problem}). Install a CUDA {major} toolkit (its NVRTC on the "
+                      f"library path), then restart ComfyUI; until then the pack runs on PyTorch.")
     if others:
         return None, (f"PyTorch {torch_version} is built for CUDA {cuda}, which needs {want}, but "
                       f"{', '.join(others)} is installed. Two CuPy packages cannot live side by side, so this "
@@ -131,7 +158,8 @@ def install(package: str) -> bool:
                     "PyTorch; install it later with: pip install %s", package, tail, package)
         return False
     importlib.invalidate_caches()
-    log.info("installed %s %s", package, installed_version(package))
+    name = package.split("==")[0]
+    log.info("installed %s %s", name, installed_version(name))
     return True
 
 
@@ -144,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
-    package, message = plan()
-    log.info("%s", message)
-    if package and not args.dry_run:
-        install(package)
+    for _ in range(3):  # CuPy, then (asked again once it is there) the NVRTC it may lack, then a last look
+        package, message = plan()
+        log.info("%s", message)
+        if not package or args.dry_run or not install(package):
+            break
     return 0  # never fail the pack's install: without CuPy it runs on PyTorch
 
 

@@ -19,18 +19,20 @@ def install():
     return module
 
 
-def fake_env(install, monkeypatch, cuda, installed, pip_ok=True):
-    """torch built for `cuda`, the packages in `installed` {dist: version}; pip calls are recorded."""
+def fake_env(install, monkeypatch, cuda, installed, pip_ok=True, nvrtc_loads=lambda installed: True):
+    """torch built for `cuda`, the packages in `installed` {dist: version}; pip calls are recorded; CuPy loads
+    NVRTC where nvrtc_loads(installed)."""
     calls = []
     monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", cuda, ""))
     monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
     monkeypatch.setattr(install, "cupy_distributions", lambda: sorted(d for d in installed if d.startswith("cupy")))
     monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
+    monkeypatch.setattr(install, "nvrtc_problem", lambda: None if nvrtc_loads(installed) else "libnvrtc not found")
 
     def run(cmd, **kwargs):
         calls.append((cmd, Path(cmd[cmd.index("--constraint") + 1]).read_text()))
         if pip_ok:
-            installed[cmd[-1]] = "14.2.0"
+            installed[cmd[-1].split("==")[0]] = "14.2.0"
         return subprocess.CompletedProcess(cmd, 0 if pip_ok else 1, "", "ERROR: No matching distribution")
 
     monkeypatch.setattr(install.subprocess, "run", run)
@@ -52,6 +54,53 @@ def test_picks_the_cupy_for_torchs_cuda_and_does_nothing_the_second_time(install
     assert len(calls) == 1, "the second run installed again"
     out = capsys.readouterr().out
     assert f"installing {package}" in out and "Nothing to do" in out
+
+
+@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc==13.*"),
+                                                ("12.8", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc-cu12")])
+def test_a_cupy_without_nvrtc_gets_nvidias_nvrtc_package(install, monkeypatch, capsys, cuda, package, pin):
+    """CuPy there but NVRTC not loading (what the kernels' "NVRTC is not available" error says to fix): the NVRTC
+    package of torch's CUDA major version is installed, once; where it is there and NVRTC still does not load,
+    the script says to install a CUDA toolkit instead of "Nothing to do"."""
+    cupy = "cupy-cuda13x" if cuda.startswith("13") else "cupy-cuda12x"
+    installed = {"torch": "2.14.1", "numpy": "2.2.0", cupy: "14.2.0"}
+    calls = fake_env(install, monkeypatch, cuda, installed, nvrtc_loads=lambda inst: package in inst)
+    assert install.main([]) == 0
+    assert [c[0][-1] for c in calls] == [pin]
+    out = capsys.readouterr().out
+    assert f"cannot load NVRTC (libnvrtc not found): installing {pin}" in out and "Nothing to do" in out
+    assert install.main([]) == 0 and len(calls) == 1  # loads now: nothing more
+    capsys.readouterr()
+    # the package there, NVRTC still not loading: no second install, the toolkit named
+    calls = fake_env(install, monkeypatch, cuda, dict(installed), nvrtc_loads=lambda inst: False)
+    assert install.main([]) == 0 and calls == []
+    out = capsys.readouterr().out
+    assert "CuPy cannot load NVRTC (libnvrtc not found)" in out and f"CUDA {cuda.split('.')[0]} toolkit" in out
+    assert "Nothing to do" not in out
+
+
+def test_a_fresh_cupy_is_asked_for_nvrtc_in_the_same_run(install, monkeypatch, capsys):
+    installed = {"torch": "2.14.1", "numpy": "2.2.0"}
+    calls = fake_env(install, monkeypatch, "13.0", installed, nvrtc_loads=lambda inst: "nvidia-cuda-nvrtc" in inst)
+    assert install.main([]) == 0
+    assert [c[0][-1] for c in calls] == ["cupy-cuda13x", "nvidia-cuda-nvrtc==13.*"]
+    assert "Nothing to do" in capsys.readouterr().out
+
+
+def test_nvrtc_problem_asks_a_fresh_python(install, monkeypatch):
+    """The check runs in a new interpreter (a CuPy installed by this run is the one imported) and reports its
+    error's last line."""
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        ok = "nvrtc.getVersion()" in cmd[-1] and cmd[0] == sys.executable
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: libnvrtc.so.13: cannot open" if ok
+                                           else "wrong command")
+    monkeypatch.setattr(install.subprocess, "run", run)
+    assert install.nvrtc_problem() == "RuntimeError: libnvrtc.so.13: cannot open"
+    monkeypatch.setattr(install.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert install.nvrtc_problem() is None
 
 
 def test_without_cuda_says_so_and_exits_0(install, monkeypatch, capsys):
