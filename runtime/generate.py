@@ -330,8 +330,11 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
             try:
                 cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
-            except Qwen35Error as e:
-                raise no_room(e) from None
+            except Qwen35Error:  # a fixed store short of the rounded room: the one block the next token needs
+                try:
+                    cache.reserve(cache.length + 1)
+                except Qwen35Error as e:
+                    raise no_room(e) from None
             if step is not None and step.version != cache.store.version:  # the store grew: new tensors
                 step = None  # the old graph goes before the new one is captured
                 host.drain()  # and nothing of it is in flight

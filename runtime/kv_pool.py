@@ -237,26 +237,34 @@ class KVPool:
         # blocks stay mostly consecutive (the PyTorch path reads each consecutive stretch in place)
         self._free.extend(reversed(freed))
 
-    @_locked
-    def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "") -> list[int]:
-        """n fresh blocks (reference count 1), evicting snapshots (never `keep`) as needed: least recently
-        used first among those whose eviction frees a block, and none at all when evicting every one would
-        still leave too few (the prefix cache stays whole for a store that grows instead). Raises
-        PromptTooLong / PoolExhausted naming the numbers when the blocks cannot be had."""
+    def _check_fits(self, n: int, what: str) -> None:
+        """PromptTooLong where n blocks are more than the whole pool."""
         if n > self.num_blocks:
             raise PromptTooLong(
                 f"{what or 'this request'} needs {n} K/V blocks ({n * self.block_size} token positions at block "
                 f"size {self.block_size}) but the whole pool holds {self.num_blocks} blocks "
                 f"({self.num_blocks * self.block_size} positions); raise the loader's cache budget or shorten the prompt")
+
+    @_locked
+    def allocate(self, n: int, keep: Optional[Snapshot] = None, what: str = "", own: int = 0) -> list[int]:
+        """n fresh blocks (reference count 1), evicting snapshots (never `keep`) as needed: least recently
+        used first among those whose eviction frees a block, and none at all when evicting every one would
+        still leave too few (the prefix cache stays whole for a store that grows instead). Raises
+        PromptTooLong / PoolExhausted naming the numbers when the blocks cannot be had; `own`: blocks the
+        requesting sequence holds already (not counted as others' in the message)."""
+        self._check_fits(n, what)
         if len(self._free) < n:
             cached = self._reclaimable(keep)
             have = len(self._free) + len(cached)
             if have < n:
                 note = f" ({len(cached)} of them held by the prefix cache alone, which gives them up)" if cached else ""
+                held = self.num_blocks - have
+                who = (f": {own} by this sequence itself, {held - own} by other prefills and "
+                       "generations still alive" if own else " by prefills and generations still alive")
                 raise PoolExhausted(
-                    f"{what or 'this request'} needs {n} K/V blocks but only {have} of the pool's "
-                    f"{self.num_blocks} are free{note}; the other {self.num_blocks - have} are held by prefills "
-                    "and generations still alive (in ComfyUI, the prefills of earlier runs that its cache keeps, "
+                    f"{what or 'this request'} needs {n} {'more ' if own else ''}K/V blocks but only {have} of the "
+                    f"pool's {self.num_blocks} are free{note}; the other {held} are held{who} (in ComfyUI, the "
+                    "prefills of earlier runs that its cache keeps, "
                     "many with --cache-lru, hold theirs until it lets them go: 'Free model and node cache'). "
                     "Let go of some, or raise the loader's cache budget (0 grows the cache as needed)")
             while len(self._free) < n:
@@ -271,9 +279,10 @@ class KVPool:
     def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
         """Make room in `seq` for positions up to num_tokens (blocks appended; num_tokens itself is the
         caller's to advance once the K/V are written)."""
+        self._check_fits(self.blocks_for(num_tokens), what)  # the whole sequence, its shared prefix included
         need = self.blocks_for(num_tokens) - len(seq.blocks)
         if need > 0:
-            seq.blocks += self.allocate(need, what=what)
+            seq.blocks += self.allocate(need, what=what, own=len(seq.blocks))
 
     @_locked
     def try_reserve(self, seq: SequenceBlocks, num_tokens: int, keep: Optional[Snapshot] = None) -> bool:

@@ -133,7 +133,7 @@ class Cache:
     def reserve(self, capacity: int) -> None:
         """Room for `capacity` positions: blocks appended (KVStore.reserve: an auto store grows, a fixed one
         names the shortage)."""
-        self.store.reserve(self.seq, capacity, f"a sequence of {capacity:,} tokens")
+        self.store.reserve(self.seq, capacity, f"room for {capacity:,} tokens")
 
     def clone(self, capacity: int | None = None, device: torch.device | None = None) -> "Cache":
         """A fork: the same K/V blocks, shared (a partly filled last block copied, since the fork writes

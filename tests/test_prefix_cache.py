@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
 
-from qwen35_fast.runtime import Qwen35Error, generate, prefill, prefill_multimodal
+from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, prefill, prefill_multimodal
 from qwen35_fast.runtime.fingerprint import content_hash
 from qwen35_fast.runtime.generate import generation_prompt_ids
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
@@ -218,6 +218,59 @@ def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model
     with pytest.raises(Qwen35Error, match=r"K/V cache: .* needs \d+ K/V blocks .* the whole pool holds 16 blocks"):
         prefill(model, "word " * (16 * store.block_size + 10))
     assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
+
+
+def _fixed_store(model, blocks: int):
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    kv_block = model_sizes(model.config, model.kv.block_size, model.dtype.itemsize)["kv_block_bytes"]
+    model.setup_kv(int(blocks * kv_block / 0.75) + 1)  # `blocks` blocks of K/V, a budget that does not grow
+    assert model.kv.num_blocks == blocks and not model.kv.growable
+    return model.kv
+
+
+def test_a_prompt_longer_than_the_pool_is_named_so_with_its_prefix_cached(model):
+    """A prompt that cannot fit the whole pool says so, also once its system prompt is cached: it was blamed on
+    prefills still alive (there were none; the block it counted was the prompt's own copy of its prefix's last
+    block) with the advice to free ComfyUI's node cache, and its need under-counted."""
+    store = _fixed_store(model, 8)
+    import gc
+    pf = prefill(model, "Hello there.", system_prompt=SYSTEM)
+    del pf
+    gc.collect()
+    assert store.pool.snapshots  # the system prompt is cached
+    blocks = -(-len(prefill_ids_of(model, "word " * (8 * store.block_size), SYSTEM)) // store.block_size)
+    with pytest.raises(Qwen35Error, match=rf"needs {blocks} K/V blocks .* the whole pool holds 8 blocks") as e:
+        prefill(model, "word " * (8 * store.block_size), system_prompt=SYSTEM)
+    assert "alive" not in str(e.value)
+    assert store.pool.num_free + sum(1 for r in store.pool.refcount if r) == 8  # nothing lost
+    assert prefill(model, "Describe a red circle.", system_prompt=SYSTEM).cached_tokens > 0  # and reuse works
+
+
+def prefill_ids_of(model, prompt, system_prompt):
+    from qwen35_fast.runtime import encode_prompt
+    return encode_prompt(model, prompt, system_prompt=system_prompt)
+
+
+def test_an_answer_that_fits_a_fixed_pool_is_not_refused_for_the_rounded_room(model, monkeypatch):
+    """generate reserves room in steps of KV_STEP positions, capped at max_new_tokens; on a fixed pool short of
+    a whole step it takes the one block the next token needs (a long max_new_tokens failed an answer that fit:
+    an error at the first block boundary instead of the answer)."""
+    import dataclasses
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, eos_token_ids=()))  # answers run on
+    monkeypatch.setattr(model.tokenizer, "eos_token_ids", ())
+    store = _fixed_store(model, 4)
+    pf = prefill(model, "Describe a lighthouse at dusk.", use_chat_template=False, use_cache=False)
+    # positions the pool has for the answer: the prefill's full blocks shared, its partly filled one copied, the
+    # free ones (the last token's K/V is never written: room + 1 tokens fit)
+    room = (pf.n_tokens // store.block_size + store.pool.num_free) * store.block_size - pf.n_tokens
+    assert room > 64
+    greedy = SamplingParams(do_sample=False)
+    fits = generate(model, pf, max_new_tokens=room + 1, sampling=greedy)
+    assert fits.n_tokens == room + 1
+    seen = []
+    with pytest.raises(Qwen35Error, match=rf"K/V cache: .*The answer had {room + 1} tokens"):
+        generate(model, pf, max_new_tokens=room + 400, sampling=greedy, on_token=lambda t, n, m: seen.append(n))
+    assert len(seen) == room + 1  # refused only where the pool ends: the same tokens streamed first
 
 
 def test_a_store_that_grows_keeps_its_prefix_cache(model, monkeypatch):
