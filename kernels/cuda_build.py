@@ -15,6 +15,7 @@ the target itself and cannot build arch-specific targets such as sm_90a.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import json
@@ -270,6 +271,8 @@ def _build_file(path: Path, source: str, src_path: Path, arch: str, opts: list[s
         with _private_lock:
             if not _private:
                 _private.append(Path(tempfile.mkdtemp(prefix="qwen35_fast-kernels-")))
+                # removed at exit: the driver has read each module by then (a load reads the whole file)
+                atexit.register(shutil.rmtree, _private[0], True)
                 log.warning("Qwen3.5: the kernel cache folder %s cannot be written (%s); compiled kernels are kept "
                             "in %s for this process only, so every start compiles them again. Set CUPY_CACHE_DIR "
                             "to a writable folder", path.parent, e, _private[0])

@@ -4,8 +4,12 @@ get_function waits for that worker instead of compiling again. CPU tests with NV
 end."""
 import contextlib
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +221,25 @@ def test_a_cache_folder_that_cannot_be_written_keeps_the_modules_for_the_process
     assert got[0] == got[2] != got[1] and got[0].read_bytes().startswith(ELF) and len(fake["compiled"]) == 2
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and str(blocked / "qwen35_fast") in said[0] and "CUPY_CACHE_DIR" in said[0]
+
+
+def test_the_process_own_kernel_folder_is_removed_at_exit(fake, tmp_path):
+    """A process whose cache folder cannot be written leaves no folder of its own behind (one a start before)."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    code = textwrap.dedent(f"""
+        import os
+        os.environ["CUPY_CACHE_DIR"] = {str(blocked)!r}
+        import qwen35_fast.kernels.cuda_build as cb
+        cb._compile = lambda source, src_path, arch, opts: b"\\x7fELF module"
+        path = cb._build_file(cb.Path({str(blocked / "x.cubin")!r}), "", cb.Path("x.cu"), "sm_90a", [])
+        print(path.parent)
+        assert path.is_file()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    own = Path(done.stdout.strip().splitlines()[-1])
+    assert own.name.startswith("qwen35_fast-kernels-") and not own.exists()
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
