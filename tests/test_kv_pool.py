@@ -465,3 +465,42 @@ def test_a_growth_stopped_in_the_pool_leaves_tensors_and_pool_agreeing(monkeypat
     monkeypatch.setattr(store.pool, "grow", real)
     store.grow(2 * before)
     assert store.k.shape[1] == store.v.shape[1] == store.pool.num_blocks == 2 * before
+
+
+def test_a_growing_sequence_short_of_blocks_counts_its_own_apart():
+    """A sequence that holds blocks and asks for more: the error says how many more, and tells its own blocks
+    from those of other live sequences and of the prefix cache; one longer than the whole pool is counted whole."""
+    pool = KVPool(5, 16)
+    other = SequenceBlocks()
+    pool.reserve(other, 16)  # 1 block another live sequence holds
+    other.num_tokens = 16
+    gone = SequenceBlocks()
+    pool.reserve(gone, 16)
+    gone.num_tokens = 16
+    pool.save_snapshot(gone, list(range(16)), 15, "S", 1)
+    pool.free(gone)  # 1 block held by the prefix cache alone
+    seq = SequenceBlocks()
+    pool.reserve(seq, 32)  # 2 blocks of its own
+    seq.num_tokens = 32
+    with pytest.raises(PoolExhausted) as e:
+        pool.reserve(seq, 80, "room for 80 tokens")  # 5 blocks in all: 3 more, 2 to be had
+    assert ("room for 80 tokens needs 3 more K/V blocks but only 2 of the pool's 5 are free (1 of them held by "
+            "the prefix cache alone, which gives them up); the other 3 are held: 2 by this sequence itself, "
+            "1 by other prefills and generations still alive") in str(e.value), str(e.value)
+    with pytest.raises(PromptTooLong, match=r"needs 6 K/V blocks"):  # the whole sequence counted
+        pool.reserve(seq, 96)
+
+
+def test_cache_reserve_names_the_room_it_asks_for():
+    """Cache.reserve's errors speak of the positions asked for (a generation's room), not of a sequence's tokens."""
+    from qwen35_fast.runtime.model import Cache
+    seen = []
+
+    class Store:
+        block_size = 16
+
+        def reserve(self, seq, n, what):
+            seen.append((n, what))
+
+    Cache([], [], Store(), SequenceBlocks()).reserve(1234)
+    assert seen == [(1234, "room for 1,234 tokens")]

@@ -65,6 +65,18 @@ def test_models_llm_is_listed_beside_an_extra_model_paths_llm_key(pack, comfy, f
     assert fp.get_folder_paths("LLM") == [str(folders.extra), str(folders.llm)]
 
 
+def test_llm_is_registered_where_models_cannot_hold_it(pack, comfy, tmp_path, monkeypatch):
+    """A models folder where models/LLM cannot be made (read-only; here a file) still gets the name registered:
+    listing and loading by name do not fail on a missing key."""
+    fp = comfy.folder_paths
+    monkeypatch.setattr(fp, "folder_names_and_paths", {k: v for k, v in fp.folder_names_and_paths.items()
+                                                       if k != "LLM"})
+    (tmp_path / "models").write_text("")  # makedirs of models/LLM fails (NotADirectoryError)
+    monkeypatch.setattr(fp, "models_dir", str(tmp_path / "models"))
+    pack.models_folder.ensure_llm_folder()
+    assert fp.get_folder_paths("LLM") == [str(tmp_path / "models" / "LLM")]
+
+
 def test_hidden_folders_are_not_listed(pack, folders):
     """A download tool's .cache or a .trash holding a checkpoint is not offered as a model."""
     _checkpoint_folder(folders.llm / "Qwen3.5-4B")

@@ -103,6 +103,30 @@ def test_nvrtc_problem_asks_a_fresh_python(install, monkeypatch):
     assert install.nvrtc_problem() is None
 
 
+def test_the_installed_nvrtc_is_logged_with_its_version(install, monkeypatch, capsys):
+    installed = {}
+    monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
+    monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
+
+    def run(cmd, **kw):
+        installed[cmd[-1].split("==")[0]] = "13.0.48"
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(install.subprocess, "run", run)
+    install.main(["--dry-run"])  # the script's log handler, nothing done
+    assert install.install("nvidia-cuda-nvrtc==13.*")
+    assert "installed nvidia-cuda-nvrtc 13.0.48" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error", [subprocess.TimeoutExpired(["python"], 120), OSError(8, "Exec format error")])
+def test_nvrtc_problem_when_the_check_cannot_run(install, monkeypatch, error):
+    """A check that hangs or cannot start is a problem named, not NVRTC loading (nor a crash of the script)."""
+    def run(cmd, **kw):
+        raise error
+    monkeypatch.setattr(install.subprocess, "run", run)
+    problem = install.nvrtc_problem()
+    assert problem is not None and problem.startswith(type(error).__name__)
+
+
 def test_without_cuda_says_so_and_exits_0(install, monkeypatch, capsys):
     calls = fake_env(install, monkeypatch, None, {})
     assert install.main([]) == 0

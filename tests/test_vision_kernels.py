@@ -208,6 +208,23 @@ def test_rotary_matches_reference(impl, case, dtype):
     assert torch.equal(got, want)  # the same fp32 products and sum, rounded once
 
 
+def test_rotary_launch_covers_every_output_with_the_kernels_hg(monkeypatch):
+    """The launcher's grid has one thread per 8 features of HG heads, HG as the module is built with (on the CPU:
+    the launch recorded, not run)."""
+    from qwen35_fast.kernels.vision import launch as L
+    got = {}
+    monkeypatch.setattr(L, "rotary_takes", lambda *a: True)
+    monkeypatch.setattr(L, "aligned16", lambda t: t)
+    monkeypatch.setattr(L, "get_function", lambda src, name, dev, defines: got.setdefault("defines", defines))
+    monkeypatch.setattr(L, "launch", lambda fn, grid, block, args: got.update(grid=grid, block=block))
+    n, h, hd = 37, 3, 72
+    L.vision_rotary_cuda(torch.zeros(n, 3, h, hd), torch.zeros(n, hd), torch.zeros(n, hd))
+    hg = got["defines"].get("HG", 2)  # rotary.cu's default
+    threads = got["grid"][0] * got["block"][0]
+    need = n * (2 * h // hg) * (hd // 8)
+    assert need <= threads < need + got["block"][0]
+
+
 @gpu
 def test_rotary_through_the_backend_and_fallback(impl):
     qkv, cos, sin = rotary_inputs(100, 4, 72, torch.bfloat16, DEV, 7)
