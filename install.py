@@ -63,8 +63,9 @@ def torch_cuda() -> tuple[str | None, str | None, str]:
 
 def nvrtc_problem() -> str | None:
     """Why CuPy cannot load NVRTC here (its last line of error), asked of a fresh Python so that a CuPy installed
-    just now is the one imported; None where it loads."""
-    code = "from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()"
+    just now is the one imported, with torch imported first as the pack runs (torch's CUDA libraries loaded);
+    None where it loads."""
+    code = "import torch; from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -94,7 +94,7 @@ def test_nvrtc_problem_asks_a_fresh_python(install, monkeypatch):
 
     def run(cmd, **kwargs):
         seen.append(cmd)
-        ok = "nvrtc.getVersion()" in cmd[-1] and cmd[0] == sys.executable
+        ok = cmd[-1].startswith("import torch;") and "nvrtc.getVersion()" in cmd[-1] and cmd[0] == sys.executable
         return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: libnvrtc.so.13: cannot open" if ok
                                            else "wrong command")
     monkeypatch.setattr(install.subprocess, "run", run)
