@@ -27,33 +27,30 @@ H, HD, D = 16, 72, 1152
 SRC_VECS = Path(__file__).parent / "experiments" / "vision_rotary_vecs.cu"
 
 
-def rotary_at(qkv, cos, sin, vecs):
-    """The experiment's rotary with VECS = vecs, launched as the shipped one is."""
+def _rotary_run(qkv, cos, sin, src, name, defines, units, per_block):
+    """A call of a rotary kernel built from `src` with `defines` besides the tower's shape, launched as the shipped
+    one is: (units + per_block - 1) // per_block blocks of ROTARY_THREADS."""
     n = qkv.shape[0]
     out = torch.empty(2, n, H, HD, dtype=qkv.dtype, device=qkv.device)
-    total = n * 2 * H * (HD // 8)
-    fn = get_function(SRC_VECS, "vision_rotary_vecs", qkv.device, {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, "VECS": vecs})
-    per_block = vl.ROTARY_THREADS * vecs
+    fn = get_function(src, name, qkv.device, {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, **defines})
 
     def run():
-        launch(fn, ((total + per_block - 1) // per_block, 1, 1), (vl.ROTARY_THREADS, 1, 1),
+        launch(fn, ((units + per_block - 1) // per_block, 1, 1), (vl.ROTARY_THREADS, 1, 1),
                (qkv, cos, sin, out, np.int64(n)))
         return out
     return run
+
+
+def rotary_at(qkv, cos, sin, vecs):
+    """The experiment's rotary with VECS = vecs vectors a thread."""
+    return _rotary_run(qkv, cos, sin, SRC_VECS, "vision_rotary_vecs", {"VECS": vecs},
+                       qkv.shape[0] * 2 * H * (HD // 8), vl.ROTARY_THREADS * vecs)
 
 
 def rotary_heads_at(qkv, cos, sin, hg):
     """The shipped rotary with HG = hg heads a thread."""
-    n = qkv.shape[0]
-    out = torch.empty(2, n, H, HD, dtype=qkv.dtype, device=qkv.device)
-    total = n * (2 * H // hg) * (HD // 8)
-    fn = get_function(vl.ROTARY_SRC, "vision_rotary", qkv.device, {"HEAD_DIM": HD, "HEADS": H, "IN_T": 2, "HG": hg})
-
-    def run():
-        launch(fn, ((total + vl.ROTARY_THREADS - 1) // vl.ROTARY_THREADS, 1, 1), (vl.ROTARY_THREADS, 1, 1),
-               (qkv, cos, sin, out, np.int64(n)))
-        return out
-    return run
+    return _rotary_run(qkv, cos, sin, vl.ROTARY_SRC, "vision_rotary", {"HG": hg},
+                       qkv.shape[0] * (2 * H // hg) * (HD // 8), vl.ROTARY_THREADS)
 
 
 def main():

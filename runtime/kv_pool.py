@@ -279,8 +279,9 @@ class KVPool:
     def reserve(self, seq: SequenceBlocks, num_tokens: int, what: str = "") -> None:
         """Make room in `seq` for positions up to num_tokens (blocks appended; num_tokens itself is the
         caller's to advance once the K/V are written)."""
-        self._check_fits(self.blocks_for(num_tokens), what)  # the whole sequence, its shared prefix included
-        need = self.blocks_for(num_tokens) - len(seq.blocks)
+        total = self.blocks_for(num_tokens)
+        self._check_fits(total, what)  # the whole sequence, its shared prefix included
+        need = total - len(seq.blocks)
         if need > 0:
             seq.blocks += self.allocate(need, what=what, own=len(seq.blocks))
 
