@@ -127,7 +127,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         raise Qwen35Error(f"the conversation would have {total:,} tokens ({cached:,} from the earlier turns and "
                           f"{new:,} new) but the model takes at most {limit:,} positions (prompt and answer "
                           "together); start a new conversation from a fresh prefill, or shorten the follow-up")
-    needed = prefill_bytes(model, new, total) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
+    needed = prefill_bytes(model, new, total) + vision_bytes(model, [inp.grid for inp in ordered])
     if reserve is not None:
         reserve(needed)
     model.select_backend()

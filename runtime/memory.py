@@ -19,7 +19,8 @@ from .config import TextConfig, expected_shapes
 from .devices import empty_cache
 from .errors import Qwen35Error
 from .kv_pool import model_sizes
-from .model import Qwen35Model
+from .model import PREFILL_PIECE, Qwen35Model
+from .vision import tower_passes
 
 OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and allocator rounding
 
@@ -57,12 +58,15 @@ SNAPSHOTS_PER_PREFILL = 3  # GDN states a prefill keeps besides its own: system 
 
 def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None) -> int:
     """Device memory a prefill of `n_tokens` needs beyond the weights and the K/V store (its K/V go into
-    the store's blocks): its GDN states and the snapshots it keeps, one layer's activations, the larger
+    the store's blocks): its GDN states and the snapshots it keeps, the embedded prompt, one layer's activations
+    for at most PREFILL_PIECE tokens (the pieces a long prompt is read in), the larger
     pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
     attention runs in PyTorch, what it gathers over the `context` positions (default: n_tokens; a follow-up
     turn's cached ones count too), and where the GDN layers run in PyTorch, its working set (reference_gdn_bytes)."""
-    return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + n_tokens * _activation_bytes_per_token(model) \
-        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, n_tokens) \
+    embedded = n_tokens * model.config.hidden_size * model.dtype.itemsize  # the prompt's input, read piece by piece
+    piece = min(n_tokens, PREFILL_PIECE)
+    return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + embedded + piece * _activation_bytes_per_token(model) \
+        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, piece) \
         + reference_gdn_bytes(model) + OVERHEAD
 
 
@@ -100,17 +104,20 @@ def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
     return store.grown_blocks(needed) * (store.nbytes // store.num_blocks)
 
 
-def vision_bytes(model: Qwen35Model, n_patches: int) -> int:
-    """Device memory the vision tower needs for `n_patches` patches beyond its weights: the fp32 pixels, the
-    widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU) and the
-    merged tokens; attention as SDPA's fused kernels run it. 0 for a model without a tower."""
+def vision_bytes(model: Qwen35Model, grids) -> int:
+    """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the
+    fp32 pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes)
+    the widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU);
+    attention as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
+    n_patches = sum(t * h * w for t, h, w in grids)
     if model.vision is None or n_patches <= 0:
         return 0
     vc = model.vision.config
     b = model.dtype.itemsize
     d, i = vc.hidden_size, vc.intermediate_size
-    per_patch = 4 * vc.patch_dim + b * (5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d + b * vc.out_hidden_size
-    return n_patches * per_patch + OVERHEAD
+    widest = max(sum(t * h * w for t, h, w in part) for part in tower_passes(grids))
+    per_pass_patch = b * (5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d
+    return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD
 
 
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:

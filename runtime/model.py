@@ -35,6 +35,14 @@ from .kv_store import KVStore, default_budget_bytes
 # prompt is GPU-bound, the host's calls hide under its GEMMs, and the parts run.
 PACKED_CUT_TOKENS = 5120
 
+# A prompt longer than PREFILL_PIECE tokens is read in pieces of that many, each attending to the K/V the
+# pieces before it left in the cache and starting from their GDN states: what a layer holds at once is one
+# piece's activations, not the whole prompt's (9B, by runtime/memory.py's estimate: ~200 KB a token, 1.6 GiB a
+# piece, where a 24,000-token video prompt in one pass takes 4.6 GiB), and the GEMMs of 8,192 rows run at the
+# full rate. The same computation as one pass, up to the rounding of where the recurrence and the attention's
+# blocks are cut.
+PREFILL_PIECE = 8192
+
 
 @dataclass(frozen=True)
 class PackedCuts:
@@ -711,21 +719,28 @@ class Qwen35Model(nn.Module):
     @torch.inference_mode()
     def _prefill(self, ids, cache: Cache, vision, positions, rope_delta, keep_at):
         start, T = cache.length, ids.shape[1]
-        if ids.shape[0] != 1:
-            raise ValueError(f"forward_prefill: one sequence per call, got {ids.shape[0]}")
-        kept = []
-        for k in keep_at:
-            n = len(cache.conv)
-            kept.append((k, GDNState([None] * n, [None] * n, start + k, rope_delta_after(cache, positions, k))))
-        kv = self._kv_step(cache, start, T)
+        if ids.shape[0] != 1 or T == 0:
+            raise ValueError(f"forward_prefill: one sequence of at least one token per call, got ids of shape "
+                             f"{list(ids.shape)}")
+        n = len(cache.conv)
+        kept = [(k, GDNState([None] * n, [None] * n, start + k, rope_delta_after(cache, positions, k)))
+                for k in keep_at]
+        cache.reserve(start + T)  # the whole prompt's blocks before any work: a shortage fails here, not midway
         if positions is not None:
             positions = upload(positions, device=self.device)
-        h = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.embed)
         if vision is not None:
             index, features = vision
-            h[0].index_copy_(0, index, features.to(h.dtype))
-        h = self._layers(h, cache, False, kv, positions=positions, cut=kept)
-        cache.length = start + T
+            x[0].index_copy_(0, index, features.to(x.dtype))
+        for lo in range(0, T, PREFILL_PIECE):
+            hi = min(T, lo + PREFILL_PIECE)
+            kv = self._kv_step(cache, start + lo, hi - lo)
+            pos = None if positions is None else positions[:, lo:hi]
+            h = self._layers(x[:, lo:hi], cache, False, kv, positions=pos, cut=[(k - lo, s) for k, s in kept if lo < k < hi])
+            cache.length = start + hi
+            for k, s in kept:
+                if k == hi:  # a point at a piece's end: the cache's states there (the next piece replaces them)
+                    s.conv[:], s.ssm[:] = list(cache.conv), list(cache.ssm)
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         return self.logits(h[:, -1]), [state for _, state in kept]

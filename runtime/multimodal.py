@@ -278,7 +278,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if len(ids) >= limit:
         raise Qwen35Error(f"the prompt has {len(ids)} tokens, {n_vision} of them image / video tokens, but the model "
                           f"takes at most {limit} positions; {_fewer_tokens(inputs)}")
-    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, sum(inp.n_patches for inp in ordered))
+    needed = prefill_bytes(model, len(ids)) + vision_bytes(model, [inp.grid for inp in ordered])
     if reserve is not None:
         reserve(needed)
     model.select_backend()

@@ -205,6 +205,44 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
                       max(lengths))
 
 
+# A call over more than TOWER_PASS_PATCHES patches runs the tower in passes of whole images and 2-frame video
+# slices, as equal as those allow. The tower's attention never crosses an image or a slice, and every other
+# operator works patch by patch, so the tokens are those of one pass; what a layer holds at once is one pass's
+# activations: on the 27 x 1152 tower, by runtime/memory.py's estimate, ~45 KB a patch, 4.1 GiB for a video at
+# the default pixel budget (98,304 patches) in one pass, 1.4 GiB in passes of 32,768, which keep the GEMMs at
+# their full rate.
+TOWER_PASS_PATCHES = 32768
+
+
+def tower_passes(grids, limit: int | None = None) -> list[tuple[tuple[int, int, int], ...]]:
+    """The grids (t, h, w) of the tower's passes over these inputs, in order: all in one pass when their patches
+    add up to at most `limit` (default TOWER_PASS_PATCHES), else consecutive runs of at most `limit` (an image or a slice above it alone), a
+    video's grid split between its temporal slices; the passes' patches, one after another, are the inputs'."""
+    limit = TOWER_PASS_PATCHES if limit is None else limit
+    grids = [(int(t), int(h), int(w)) for t, h, w in grids]
+    total = sum(t * h * w for t, h, w in grids)
+    if total <= limit:
+        return [tuple(grids)]
+    target = -(-total // -(-total // limit))  # the patches of a pass when the fewest passes split them evenly
+    passes, part, size = [], [], 0
+    for i, (t, h, w) in enumerate(grids):
+        for _ in range(t):
+            if part and size + h * w > limit:
+                passes.append(part)
+                part, size = [], 0
+            if part and part[-1][0] == i:
+                part[-1] = (i, part[-1][1] + 1)
+            else:
+                part.append((i, 1))
+            size += h * w
+            if size >= target:
+                passes.append(part)
+                part, size = [], 0
+    if part:
+        passes.append(part)
+    return [tuple((n, grids[i][1], grids[i][2]) for i, n in p) for p in passes]
+
+
 # --- weights and forward ------------------------------------------------------------------------
 
 # The tower keeps the plans of its last PLAN_CACHE calls of at most PLAN_CACHE_PATCHES patches (a few hundred
@@ -322,7 +360,16 @@ class VisionTower(nn.Module):
     def run(self, pixels: torch.Tensor, grids, backend: kernels.Backend | None = None) -> torch.Tensor:
         """forward over `pixels` of these grids with the kept plan; on a GPU with the kernels, the second call
         in a row with the same grids captures a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with
-        them replay. The same kernels run either way: the output is the same."""
+        them replay. The same kernels run either way: the output is the same. Over more than TOWER_PASS_PATCHES
+        patches it runs eagerly in passes (tower_passes), each taking its pixels to the device itself."""
+        passes = tower_passes(grids)
+        if len(passes) > 1:
+            self._last, out, lo = None, [], 0
+            for part in passes:
+                p = self.plan(part)
+                out.append(self(pixels[lo:lo + p.n_patches].to(self.device, self.dtype), p, backend=backend))
+                lo += p.n_patches
+            return torch.cat(out)
         p = self.plan(grids)
         x = pixels.to(self.device, self.dtype)
         key = (p.grids, backend.name if backend is not None else None)

@@ -133,6 +133,28 @@ def test_estimate_covers_a_long_prefill(folder):
     del pf
 
 
+def test_a_prompt_read_in_pieces_gives_the_one_pass_logits_and_holds_less(folder, monkeypatch):
+    """Pieces on the kernels (the first through SDPA, the others through the paged kernel over the pieces before):
+    the logits of one pass within bf16's tolerance, and a lower peak for a long prompt."""
+    from qwen35_fast.runtime import model as model_mod
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
+    ids = torch.randint(0, 248000, (16384,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefill_ids(model, ids[:64], use_cache=False)
+    peaks, logits = {}, {}
+    for piece in (16384, 3000):
+        monkeypatch.setattr(model_mod, "PREFILL_PIECE", piece)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        pf = prefill_ids(model, ids, use_cache=False)
+        torch.cuda.synchronize()
+        peaks[piece], logits[piece] = torch.cuda.max_memory_allocated() - base, pf.logits
+        del pf
+    print(f"peak MiB: one pass {peaks[16384] / 2**20:.0f}, pieces of 3000 {peaks[3000] / 2**20:.0f}")
+    assert rel(logits[3000], logits[16384]) < 2e-2
+    assert peaks[3000] < peaks[16384]
+
+
 def test_out_of_memory_says_what_to_change_and_the_model_still_works(folder):
     """Issue 12 item 10: a 128k-token prefill with ~0.5 GiB free (another model holding the rest)."""
     model = load_model(folder, dtype="bf16", device="cuda")

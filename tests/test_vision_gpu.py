@@ -38,6 +38,38 @@ def test_bf16_tower_matches_transformers_on_two_images():
     assert rel(got.float(), want.float()) < 2e-2
 
 
+def test_the_tower_in_passes_gives_one_passs_tokens_and_holds_less(monkeypatch):
+    """A video and an image over TOWER_PASS_PATCHES run in passes on the kernels (bf16, 27 x 1152 widths, 4
+    layers): one pass's tokens within bf16 rounding, and a lower peak."""
+    from qwen35_fast import kernels
+    from qwen35_fast.runtime import vision as vision_mod
+    from qwen35_fast.runtime.media import preprocess_video
+    from qwen35_fast.runtime.vision import VisionConfig, tower_passes
+    vc = VisionConfig(depth=4, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
+    tower = VisionTower(vc, torch.bfloat16, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(12)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=g) * (0.03 if p.dim() > 1 else 0.5))
+    inputs = [preprocess_video(torch.rand(16, 360, 640, 3, device="cuda"), 2.0),
+              *preprocess_images(torch.rand(1, 512, 512, 3, device="cuda"))]
+    pixels, grids = torch.cat([i.pixels for i in inputs]).to(torch.bfloat16), [i.grid for i in inputs]
+    be = kernels.select_backend("auto", torch.device("cuda"), torch.bfloat16)
+    out, peak = {}, {}
+    for limit in (10**9, 4096):
+        monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", limit)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            out[limit] = tower.run(pixels, grids, backend=be)
+        torch.cuda.synchronize()
+        peak[limit] = torch.cuda.max_memory_allocated() - base
+    assert len(tower_passes(grids, 4096)) > 2
+    assert out[4096].shape == out[10**9].shape and rel(out[4096].float(), out[10**9].float()) < 1e-2
+    assert peak[4096] < peak[10**9]
+
+
 def test_tower_mlp_takes_the_gelu_in_the_gemm_epilogue_at_least_as_exactly():
     """The tower's MLP on CUDA (fc1's bias and tanh GELU in cuBLASLt's epilogue): within bf16 rounding of the
     fp32 MLP, and no further from it than the unfused bf16 GEMM, round, GELU."""

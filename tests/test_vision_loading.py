@@ -121,9 +121,9 @@ def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folde
     model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
     asked = []
     before = prefill_multimodal(model, "Caption this.", images=IMAGE, reserve=asked.append)
-    n_patches = sum(t * h * w for t, h, w in before.vision.grids)  # after the resize to the pixel limits
-    assert asked == [prefill_bytes(model, before.n_tokens) + vision_bytes(model, n_patches)]
-    assert vision_bytes(model, n_patches) > vision_bytes(model, 0) == 0
+    grids = before.vision.grids  # after the resize to the pixel limits
+    assert asked == [prefill_bytes(model, before.n_tokens) + vision_bytes(model, grids)]
+    assert vision_bytes(model, grids) > vision_bytes(model, []) == 0
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -151,9 +151,8 @@ def test_a_follow_up_reserves_its_new_turn_and_images(folder):
     parent = prefill(model, "Hello.")
     asked = []
     child = continue_prefill(model, parent, "And <image>?", images=IMAGE, previous_answer="Hi.", reserve=asked.append)
-    n_patches = sum(t * h * w for t, h, w in child.vision.grids)
     # the new tokens' activations, and where the attention runs in PyTorch what it gathers over the whole turn
-    assert asked == [prefill_bytes(model, child.new_tokens, child.n_tokens) + vision_bytes(model, n_patches)]
+    assert asked == [prefill_bytes(model, child.new_tokens, child.n_tokens) + vision_bytes(model, child.vision.grids)]
     asked.clear()
     text = continue_prefill(model, parent, "More.", reserve=asked.append)
     assert asked == [prefill_bytes(model, text.new_tokens, text.n_tokens)]

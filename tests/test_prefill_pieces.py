@@ -1,0 +1,227 @@
+"""A prompt longer than PREFILL_PIECE tokens is read in pieces (runtime/model.py), and images and video of
+more than TOWER_PASS_PATCHES patches go through the vision tower in passes (runtime/vision.py): the same
+logits, K/V, GDN states, kept states and vision tokens as one pass (fp32, random weights), against
+transformers with images and video cut by the pieces and passes, and the estimates count one piece's and one
+pass's activations."""
+import pytest
+import torch
+from test_vision_vs_transformers import SMALL, TOWERS, _check, _image, _make
+
+from qwen35_fast.runtime import load_model, memory, prefill, prefill_ids
+from qwen35_fast.runtime import model as model_mod
+from qwen35_fast.runtime import vision as vision_mod
+from qwen35_fast.runtime.media import preprocess_images, preprocess_video
+from qwen35_fast.runtime.vision import tower_passes
+
+from _models import make_hf_model, rel
+
+TOL = 1e-5  # fp32: pieces and one pass differ only in where the recurrence and the attention are cut
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pieces")
+    make_hf_model(folder, seed=5, layers=4)
+    return load_model(folder, dtype="fp32", device="cpu", backend="torch")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("pieces-mm"), TOWERS["d2w32h2"], seed=9)
+
+
+def _ids(n, seed):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _pass_sizes(model, monkeypatch) -> list:
+    """The token counts of the model's layer passes from here on."""
+    sizes, layers = [], model._layers
+
+    def spy(h, *a, **k):
+        sizes.append(h.shape[1])
+        return layers(h, *a, **k)
+    monkeypatch.setattr(model, "_layers", spy)
+    return sizes
+
+
+def _prefill(model, ids, keep, piece, monkeypatch, prefix=()):
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", piece)
+    cache = model.new_cache(1, len(prefix) + len(ids))
+    if prefix:
+        model.forward_prefill(torch.tensor([list(prefix)]), cache)
+    if not keep:
+        return model.forward_prefill(torch.tensor([ids]), cache), [], cache
+    logits, kept = model.forward_prefill_kept(torch.tensor([ids]), cache, keep)
+    return logits, kept, cache
+
+
+def _states_close(a_conv, a_ssm, b_conv, b_ssm):
+    for x, y in zip(a_conv + a_ssm, b_conv + b_ssm):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.shape == y.shape and rel(x, y) <= TOL, rel(x, y)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 100, 299])
+@pytest.mark.parametrize("prefix", [0, 45], ids=["fresh", "after-45"])
+def test_pieces_equal_one_pass(text_model, monkeypatch, piece, prefix):
+    ids, pre = _ids(300, piece), _ids(prefix, 1)
+    keep = sorted({1, 64, 100, 128, 200, 299} - {0})  # at piece ends (64, 100, 128, 200) and inside pieces
+    want_logits, want_kept, want = _prefill(text_model, ids, keep, 10_000, monkeypatch, pre)
+    sizes = _pass_sizes(text_model, monkeypatch)
+    logits, kept, cache = _prefill(text_model, ids, keep, piece, monkeypatch, pre)
+    assert sizes[-(-(-300 // piece)):] == [min(piece, 300 - lo) for lo in range(0, 300, piece)]
+    assert cache.length == want.length == prefix + 300 and rel(logits, want_logits) <= TOL
+    for (k1, v1), (k2, v2) in zip(cache.gather_kv(), want.gather_kv()):
+        assert rel(k1, k2) <= TOL and rel(v1, v2) <= TOL
+    _states_close(cache.conv, cache.ssm, want.conv, want.ssm)
+    assert [s.length for s in kept] == [s.length for s in want_kept] == [prefix + k for k in keep]
+    for s, w in zip(kept, want_kept):
+        assert s.rope_delta == w.rope_delta
+        _states_close(s.conv, s.ssm, w.conv, w.ssm)
+        assert all(t is not None for t in s.ssm if t is not None) and any(t is not None for t in s.ssm)
+
+
+def test_a_kept_state_at_a_piece_end_is_not_changed_by_the_next_piece(text_model, monkeypatch):
+    ids = _ids(200, 3)
+    _, kept, _ = _prefill(text_model, ids, [64], 64, monkeypatch)
+    before = [t.clone() for t in kept[0].ssm + kept[0].conv if t is not None]
+    restarted = _prefill(text_model, ids[:64], [], 10_000, monkeypatch)[2]  # the state after 64 tokens, alone
+    _states_close(kept[0].conv, kept[0].ssm, restarted.conv, restarted.ssm)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for t in kept[0].ssm + kept[0].conv if t is not None]))
+
+
+def test_the_default_piece_reads_a_long_prompt_in_pieces(text_model, monkeypatch):
+    n = model_mod.PREFILL_PIECE + 500
+    ids = _ids(n, 4)
+    sizes = _pass_sizes(text_model, monkeypatch)
+    pf = prefill_ids(text_model, ids, use_cache=False)
+    assert sizes == [model_mod.PREFILL_PIECE, 500]
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 2 * n)
+    whole = prefill_ids(text_model, ids, use_cache=False)
+    assert sizes[2:] == [n] and rel(pf.logits, whole.logits) <= TOL
+
+
+def test_a_reused_system_prompt_after_a_prompt_read_in_pieces(pair, monkeypatch):
+    text_model = pair[1]
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 16)
+    text_model.kv.pool.clear()
+    system = "You write short captions. " * 6
+    first = prefill(text_model, "A fox in the snow.", system_prompt=system)
+    again = prefill(text_model, "A boat at dusk.", system_prompt=system)
+    cold = prefill(text_model, "A boat at dusk.", system_prompt=system, use_cache=False)
+    assert first.cached_tokens == 0 and again.cached_tokens > 16 and cold.cached_tokens == 0
+    assert rel(again.logits, cold.logits) <= TOL
+
+
+@pytest.mark.parametrize("piece", [5, 16])
+def test_images_cut_by_pieces_equal_transformers(pair, monkeypatch, piece):
+    hf, ours = pair
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", piece)
+    ours.kv.pool.clear()
+    sizes = _pass_sizes(ours, monkeypatch)
+    imgs = preprocess_images(torch.cat([_image(64, 96, 2), _image(64, 96, 3)]), SMALL)
+    err, pf = _check(hf, ours, "Compare <image> with <image 2>, briefly.", imgs)
+    n = -(-pf.n_tokens // piece)
+    assert sizes[:n] == [min(piece, pf.n_tokens - lo) for lo in range(0, pf.n_tokens, piece)] and err <= 1e-4, err
+    assert sizes[n:] == [1] * 8  # the decode steps
+
+
+def test_a_video_cut_by_pieces_equals_transformers(pair, monkeypatch):
+    hf, ours = pair
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 11)
+    ours.kv.pool.clear()
+    video = preprocess_video(torch.rand(8, 64, 80, 3, generator=torch.Generator().manual_seed(6)), fps=2.0, pp=SMALL)
+    err, _ = _check(hf, ours, "<video> What happens in this clip?", video=video)
+    assert err <= 1e-4, err
+
+
+def test_the_estimate_counts_one_pieces_activations(text_model):
+    piece = model_mod.PREFILL_PIECE
+    per_token = memory._activation_bytes_per_token(text_model)
+    embedded = text_model.config.hidden_size * text_model.dtype.itemsize
+    short, long_ = memory.prefill_bytes(text_model, piece), memory.prefill_bytes(text_model, 4 * piece)
+    assert short - memory.prefill_bytes(text_model, piece - 1) >= per_token  # up to a piece: a token's activations
+    # past it, only the embedded prompt (and a larger pool, here none: the growth is the store's own) grows
+    grow = memory.growth_bytes(text_model, 4 * piece) - memory.growth_bytes(text_model, piece)
+    attn = (memory.reference_attention_bytes(text_model, 4 * piece, piece)
+            - memory.reference_attention_bytes(text_model, piece, piece))
+    assert long_ - short == 3 * piece * embedded + grow + attn
+
+
+def _patches(grids):
+    return sum(t * h * w for t, h, w in grids)
+
+
+def _slices(grids):
+    return [(h, w) for t, h, w in grids for _ in range(t)]
+
+
+def test_tower_passes_split_between_images_and_video_slices():
+    assert tower_passes([(1, 64, 64)] * 4, 32768) == [((1, 64, 64),) * 4]  # four 1024 x 1024 images: one pass
+    assert tower_passes([(16, 40, 72)], 32768) == [((8, 40, 72),), ((8, 40, 72),)]  # the video: two even halves
+    assert tower_passes([(1, 256, 256), (2, 8, 8)], 32768) == [((1, 256, 256),), ((2, 8, 8),)]  # too big: alone
+    # slices of 16, 16, 16, 32, 16, 16 patches under 40: the 32 cannot share, so four passes are the fewest
+    assert tower_passes([(3, 4, 4), (1, 8, 4), (2, 4, 4)], 40) == [((2, 4, 4),), ((1, 4, 4),), ((1, 8, 4),),
+                                                                     ((2, 4, 4),)]
+    assert tower_passes([(3, 4, 4), (1, 4, 4), (2, 4, 4)], 40) == [((2, 4, 4),), ((1, 4, 4), (1, 4, 4)),
+                                                                     ((2, 4, 4),)]  # an image joins a video's rest
+    assert tower_passes([], 16) == [()]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tower_passes_keep_the_patches_in_order_and_within_the_limit(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    grids = [(r(1, 9), 2 * r(1, 6), 2 * r(1, 6)) for _ in range(r(1, 7))]
+    limit = r(4, 2 * _patches(grids))
+    passes = tower_passes(grids, limit)
+    assert _slices([gr for p in passes for gr in p]) == _slices(grids)
+    assert all(_patches(p) <= limit or len(_slices(p)) == 1 for p in passes)
+    assert len(passes) <= 2 * -(-_patches(grids) // limit)
+    # a video's grid only between its slices, and only there: no input split but at a slice
+    assert all(gr[0] >= 1 for p in passes for gr in p)
+
+
+@pytest.mark.parametrize("limit", [16, 40, 100])
+def test_the_tower_in_passes_gives_the_tokens_of_one_pass(pair, monkeypatch, limit):
+    _, ours = pair
+    inputs = [*preprocess_images(_image(64, 128, 20), SMALL), *preprocess_images(_image(100, 60, 21), SMALL),
+              preprocess_video(torch.rand(8, 64, 80, 3, generator=torch.Generator().manual_seed(22)), 2.0, SMALL)]
+    pixels, grids = torch.cat([i.pixels for i in inputs]), [i.grid for i in inputs]
+    whole = ours.vision.run(pixels, grids)
+    calls, forward = [], type(ours.vision).forward
+
+    def spy(tower, x, p, backend=None):
+        calls.append(p.n_patches)
+        return forward(tower, x, p, backend=backend)
+    monkeypatch.setattr(type(ours.vision), "forward", spy)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", limit)
+    got = ours.vision.run(pixels, grids)
+    assert calls == [_patches(p) for p in tower_passes(grids, limit)] and len(calls) > 1
+    assert got.shape == whole.shape and rel(got, whole) <= 1e-6, rel(got, whole)
+
+
+def test_images_and_video_through_tower_passes_and_pieces_equal_transformers(pair, monkeypatch):
+    hf, ours = pair
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 24)
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 13)
+    ours.kv.pool.clear()
+    img = preprocess_images(_image(64, 64, 7), SMALL)[0]
+    video = preprocess_video(torch.rand(5, 64, 64, 3, generator=torch.Generator().manual_seed(8)), 4.0, SMALL)
+    assert len(tower_passes([img.grid, video.grid], 24)) > 2
+    err, _ = _check(hf, ours, "Is the picture <image> a frame of <video>?", [img], video)
+    assert err <= 1e-4, err
+
+
+def test_the_vision_estimate_counts_one_passs_activations(pair, monkeypatch):
+    _, ours = pair
+    grids = [(16, 8, 8)]
+    one = memory.vision_bytes(ours, grids)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 256)
+    quarters = memory.vision_bytes(ours, grids)
+    vc, b = ours.vision.config, ours.dtype.itemsize
+    per_pass_patch = b * (8 * vc.hidden_size + max(3 * vc.hidden_size, 2 * vc.intermediate_size)) + 8 * vc.hidden_size
+    assert len(tower_passes(grids, 256)) == 4 and one - quarters == (1024 - 256) * per_pass_patch
+    assert memory.vision_bytes(ours, []) == 0 and quarters > memory.OVERHEAD
