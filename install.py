@@ -6,6 +6,9 @@ cannot be a plain requirement. This script:
 - does nothing when the right CuPy is already there (a second run changes nothing);
 - where that CuPy is there but cannot load NVRTC (the run-time compiler the kernels are built with: CUDA's
   libnvrtc, which CuPy finds in a CUDA toolkit or in NVIDIA's pip package), installs that package;
+- where the CUDA headers the kernels are compiled with (cuda_bf16.h) are nowhere the kernels look (PyTorch's
+  Windows wheels ship CUDA's libraries but not its headers, and most Windows ComfyUI installs have no CUDA
+  toolkit), installs NVIDIA's CUDA runtime package of torch's CUDA version, which carries them;
 - without CUDA, without a network, or with an unknown CUDA version, says so and exits 0: the pack
   then runs its GDN math on PyTorch instead of its CUDA kernels.
 
@@ -28,6 +31,8 @@ log = logging.getLogger("qwen35-fast install")
 
 CUPY_FOR_CUDA_MAJOR = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
 NVRTC_FOR_CUDA_MAJOR = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}
+HEADERS_FOR_CUDA_MAJOR = {12: "nvidia-cuda-runtime-cu12", 13: "nvidia-cuda-runtime"}
+CUDA_BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "cuda_build.py")
 PIP_TIMEOUT_S = 900
 
 
@@ -66,8 +71,22 @@ def nvrtc_problem() -> str | None:
     just now is the one imported, with torch imported first as the pack runs (torch's CUDA libraries loaded);
     None where it loads."""
     code = "import torch; from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()"
+    return _fresh_python_problem([sys.executable, "-c", code])
+
+
+def headers_problem() -> str | None:
+    """Why the kernels would not find the CUDA headers here (kernels/cuda_build.py's own search, run in a fresh
+    Python so that a package installed just now is on its path: the last line of its error); None where they
+    are found."""
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('qwen35_cuda_build', sys.argv[1]); "
+            "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); m.cuda_include_dir()")
+    return _fresh_python_problem([sys.executable, "-c", code, CUDA_BUILD])
+
+
+def _fresh_python_problem(command: list[str]) -> str | None:
+    """The last line of `command`'s error output where it fails (or cannot run); None where it succeeds."""
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}"
     if done.returncode == 0:
@@ -109,22 +128,38 @@ def plan() -> tuple[str | None, str]:
                       f"pack runs on PyTorch). Remove the other: pip uninstall {' '.join(o.split()[0] for o in others)}")
     if have:
         problem = nvrtc_problem()
-        if problem is None:
-            return None, f"{want} {have} is already installed for CUDA {cuda} (PyTorch {torch_version}). Nothing to do."
-        nvrtc = NVRTC_FOR_CUDA_MAJOR[major]
-        pin = f"{nvrtc}=={major}.*" if major >= 13 else nvrtc
-        if installed_version(nvrtc) is None:
-            return pin, (f"{want} {have} is installed for CUDA {cuda}, but it cannot load NVRTC ({problem}): "
-                         f"installing {pin}.")
-        return None, (f"{want} {have} and {nvrtc} {installed_version(nvrtc)} are installed for CUDA {cuda}, but "
-                      f"CuPy cannot load NVRTC ({problem}). Install a CUDA {major} toolkit (its NVRTC on the "
-                      f"library path), then restart ComfyUI; until then the pack runs on PyTorch.")
+        if problem is not None:
+            nvrtc = NVRTC_FOR_CUDA_MAJOR[major]
+            pin = _pinned(nvrtc, major)
+            if installed_version(nvrtc) is None:
+                return pin, (f"{want} {have} is installed for CUDA {cuda}, but it cannot load NVRTC ({problem}): "
+                             f"installing {pin}.")
+            return None, (f"{want} {have} and {nvrtc} {installed_version(nvrtc)} are installed for CUDA {cuda}, but "
+                          f"CuPy cannot load NVRTC ({problem}). Install a CUDA {major} toolkit (its NVRTC on the "
+                          f"library path), then restart ComfyUI; until then the pack runs on PyTorch.")
+        problem = headers_problem()
+        if problem is not None:
+            runtime = HEADERS_FOR_CUDA_MAJOR[major]
+            pin = _pinned(runtime, major)
+            if installed_version(runtime) is None:
+                return pin, (f"{want} {have} is installed for CUDA {cuda} and loads NVRTC, but the CUDA headers the "
+                             f"kernels are compiled with are missing ({problem}): installing {pin}, which "
+                             f"carries them.")
+            return None, (f"{want} {have} and {runtime} {installed_version(runtime)} are installed for CUDA {cuda}, "
+                          f"but the kernels do not find the CUDA headers ({problem}). Set CUDA_HOME to a CUDA "
+                          f"{major} toolkit, then restart ComfyUI; until then the pack runs on PyTorch.")
+        return None, f"{want} {have} is already installed for CUDA {cuda} (PyTorch {torch_version}). Nothing to do."
     if others:
         return None, (f"PyTorch {torch_version} is built for CUDA {cuda}, which needs {want}, but "
                       f"{', '.join(others)} is installed. Two CuPy packages cannot live side by side, so this "
                       f"script leaves it alone; to switch: pip uninstall {' '.join(o.split()[0] for o in others)} "
                       f"&& pip install {want}. Until then the pack runs on PyTorch.")
     return want, f"PyTorch {torch_version} is built for CUDA {cuda}: installing {want}."
+
+
+def _pinned(dist: str, major: int) -> str:
+    """NVIDIA's package `dist` held to CUDA `major` (the CUDA 13 packages carry no major in their name)."""
+    return f"{dist}=={major}.*" if major >= 13 else dist
 
 
 def _held_versions() -> str:
@@ -173,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
-    for _ in range(3):  # CuPy, then (asked again once it is there) the NVRTC it may lack, then a last look
+    for _ in range(4):  # CuPy, then (asked again once it is there) the NVRTC and the headers it may lack, a last look
         package, message = plan()
         log.info("%s", message)
         if not package or args.dry_run or not install(package):

@@ -19,15 +19,18 @@ def install():
     return module
 
 
-def fake_env(install, monkeypatch, cuda, installed, pip_ok=True, nvrtc_loads=lambda installed: True):
+def fake_env(install, monkeypatch, cuda, installed, pip_ok=True, nvrtc_loads=lambda installed: True,
+             headers_found=lambda installed: True):
     """torch built for `cuda`, the packages in `installed` {dist: version}; pip calls are recorded; CuPy loads
-    NVRTC where nvrtc_loads(installed)."""
+    NVRTC where nvrtc_loads(installed), the kernels find the CUDA headers where headers_found(installed)."""
     calls = []
     monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", cuda, ""))
     monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
     monkeypatch.setattr(install, "cupy_distributions", lambda: sorted(d for d in installed if d.startswith("cupy")))
     monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
     monkeypatch.setattr(install, "nvrtc_problem", lambda: None if nvrtc_loads(installed) else "libnvrtc not found")
+    monkeypatch.setattr(install, "headers_problem",
+                        lambda: None if headers_found(installed) else "KernelBuildError: CUDA headers not found")
 
     def run(cmd, **kwargs):
         calls.append((cmd, Path(cmd[cmd.index("--constraint") + 1]).read_text()))
@@ -85,6 +88,55 @@ def test_a_fresh_cupy_is_asked_for_nvrtc_in_the_same_run(install, monkeypatch, c
     assert install.main([]) == 0
     assert [c[0][-1] for c in calls] == ["cupy-cuda13x", "nvidia-cuda-nvrtc==13.*"]
     assert "Nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-runtime", "nvidia-cuda-runtime==13.*"),
+                                                ("12.8", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu12")])
+def test_missing_cuda_headers_get_nvidias_runtime_package(install, monkeypatch, capsys, cuda, package, pin):
+    """CuPy and NVRTC there but no cuda_bf16.h where the kernels look (torch's Windows wheels, no toolkit): the
+    runtime package of torch's CUDA major version, which carries the headers, is installed once; where it is there
+    and the headers are still not found, the script names CUDA_HOME and a toolkit instead of "Nothing to do"."""
+    cupy = "cupy-cuda13x" if cuda.startswith("13") else "cupy-cuda12x"
+    installed = {"torch": "2.14.1", "numpy": "2.2.0", cupy: "14.2.0"}
+    calls = fake_env(install, monkeypatch, cuda, installed, headers_found=lambda inst: package in inst)
+    assert install.main([]) == 0
+    assert [c[0][-1] for c in calls] == [pin]
+    out = capsys.readouterr().out
+    assert f"the CUDA headers the kernels are compiled with are missing (KernelBuildError: CUDA headers not " \
+           f"found): installing {pin}" in out and "Nothing to do" in out
+    assert install.main([]) == 0 and len(calls) == 1
+    capsys.readouterr()
+    calls = fake_env(install, monkeypatch, cuda, dict(installed, **{package: "13.5.37"}),
+                     headers_found=lambda inst: False)
+    assert install.main([]) == 0 and calls == []
+    out = capsys.readouterr().out
+    assert "the kernels do not find the CUDA headers" in out and f"CUDA_HOME to a CUDA {cuda.split('.')[0]} " in out
+    assert "Nothing to do" not in out
+
+
+def test_a_fresh_install_gets_cupy_nvrtc_and_headers_in_one_run(install, monkeypatch, capsys):
+    installed = {"torch": "2.14.1", "numpy": "2.2.0"}
+    calls = fake_env(install, monkeypatch, "12.8", installed, nvrtc_loads=lambda inst: "nvidia-cuda-nvrtc-cu12" in inst,
+                     headers_found=lambda inst: "nvidia-cuda-runtime-cu12" in inst)
+    assert install.main([]) == 0
+    assert [c[0][-1] for c in calls] == ["cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"]
+    assert "Nothing to do" in capsys.readouterr().out
+
+
+def test_headers_problem_runs_the_kernels_own_search_in_a_fresh_python(install, monkeypatch):
+    """Here (a CUDA toolkit and NVIDIA's runtime package) the kernels' search finds the headers; a failing search
+    is reported by its error's last line."""
+    assert install.headers_problem() is None
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nKernelBuildError: CUDA headers not found")
+    monkeypatch.setattr(install.subprocess, "run", run)
+    assert install.headers_problem() == "KernelBuildError: CUDA headers not found"
+    cmd = seen[0]
+    assert cmd[0] == sys.executable and cmd[-1] == str(ROOT / "kernels" / "cuda_build.py")
+    assert "cuda_include_dir()" in cmd[2]
 
 
 def test_nvrtc_problem_asks_a_fresh_python(install, monkeypatch):
