@@ -105,10 +105,11 @@ def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
 
 
 def vision_bytes(model: Qwen35Model, grids) -> int:
-    """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the
-    fp32 pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes)
-    the widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU);
-    attention as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
+    """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the fp32
+    pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes)
+    their pixels in the model's dtype and the widest block (residual, norm, q/k/v, q and k rotated in fp32, the
+    MLP's hidden layer and its GELU); attention as SDPA's fused kernels run it. 0 for a model without a tower or
+    without inputs."""
     n_patches = sum(t * h * w for t, h, w in grids)
     if model.vision is None or n_patches <= 0:
         return 0
@@ -116,7 +117,7 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     b = model.dtype.itemsize
     d, i = vc.hidden_size, vc.intermediate_size
     widest = max(sum(t * h * w for t, h, w in part) for part in tower_passes(grids))
-    per_pass_patch = b * (5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d
+    per_pass_patch = b * (vc.patch_dim + 5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d  # its pixels in the dtype
     return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD
 
 

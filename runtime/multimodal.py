@@ -393,7 +393,7 @@ def vision_features(model: Qwen35Model, ids, ordered: list[VisionInput], spans: 
             return None
         dev = model.device
         clock.start()
-        pixels = torch.cat([inp.pixels.to(dev) for inp in todo])
+        pixels = [inp.pixels.to(dev) for inp in todo]  # the tower takes them in turn: no copy of them all
         features = model.vision.run(pixels, [inp.grid for inp in todo], backend=model.backend)
         clock.stop()
         slots = upload(torch.from_numpy(_pad_positions(ids[n:])), torch.long, dev)

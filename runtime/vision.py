@@ -357,21 +357,26 @@ class VisionTower(nn.Module):
         """Device memory of the kept CUDA graph (0 without one)."""
         return self._graph.nbytes if self._graph is not None else 0
 
-    def run(self, pixels: torch.Tensor, grids, backend: kernels.Backend | None = None) -> torch.Tensor:
-        """forward over `pixels` of these grids with the kept plan; on a GPU with the kernels, the second call
-        in a row with the same grids captures a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with
-        them replay. The same kernels run either way: the output is the same. Over more than TOWER_PASS_PATCHES
-        patches it runs eagerly in passes (tower_passes), each taking its pixels to the device itself."""
+    def run(self, pixels, grids, backend: kernels.Backend | None = None) -> torch.Tensor:
+        """forward over `pixels` of these grids (one tensor, or one per input: not joined into a copy of them
+        all) with the kept plan; on a GPU with the kernels, the second call in a row with the same grids captures
+        a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with them replay. The same kernels run either
+        way: the output is the same. Over more than TOWER_PASS_PATCHES patches it runs eagerly in passes
+        (tower_passes), each taking its own rows of the pixels to the device."""
+        parts = list(pixels) if isinstance(pixels, (list, tuple)) else [pixels]
         passes = tower_passes(grids)
+        rows, want = sum(t.shape[0] for t in parts), sum(t * h * w for t, h, w in grids)
+        if rows != want:
+            raise Qwen35Error(f"vision input has {rows} patch rows, the grids {[tuple(g) for g in grids]} need {want}")
         if len(passes) > 1:
             self._last, out, lo = None, [], 0
             for part in passes:
                 p = self.plan(part)
-                out.append(self(pixels[lo:lo + p.n_patches].to(self.device, self.dtype), p, backend=backend))
+                out.append(self(self._rows(parts, lo, lo + p.n_patches), p, backend=backend))
                 lo += p.n_patches
             return torch.cat(out)
         p = self.plan(grids)
-        x = pixels.to(self.device, self.dtype)
+        x = self._rows(parts, 0, p.n_patches)
         key = (p.grids, backend.name if backend is not None else None)
         graphable = self._graphable(x, p, backend, key)
         last, self._last = self._last, key
@@ -389,6 +394,16 @@ class VisionTower(nn.Module):
                 torch.cuda.synchronize(x.device)
             return self(x, p, backend=backend)
         return self._graph(x)
+
+    def _rows(self, parts: list, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo .. hi of the pixel tensors `parts` taken one after another, on the tower's device and dtype."""
+        rows, start = [], 0
+        for t in parts:
+            a, b = max(lo, start), min(hi, start + t.shape[0])
+            if a < b:
+                rows.append(t[a - start:b - start].to(self.device, self.dtype))
+            start += t.shape[0]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _graphable(self, x: torch.Tensor, p: VisionPlan, backend: kernels.Backend | None, key) -> bool:
         """Whether this call may replay or capture a graph: on a GPU with the kernels, not too large, not

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _check, _image, _make
 
-from qwen35_fast.runtime import load_model, memory, prefill, prefill_ids
+from qwen35_fast.runtime import Qwen35Error, load_model, memory, prefill, prefill_ids
 from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime import vision as vision_mod
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
@@ -184,13 +184,18 @@ def test_tower_passes_keep_the_patches_in_order_and_within_the_limit(seed):
     assert all(gr[0] >= 1 for p in passes for gr in p)
 
 
+@pytest.mark.parametrize("as_list", [False, True], ids=["one-tensor", "per-input"])
 @pytest.mark.parametrize("limit", [16, 40, 100])
-def test_the_tower_in_passes_gives_the_tokens_of_one_pass(pair, monkeypatch, limit):
+def test_the_tower_in_passes_gives_the_tokens_of_one_pass(pair, monkeypatch, limit, as_list):
     _, ours = pair
     inputs = [*preprocess_images(_image(64, 128, 20), SMALL), *preprocess_images(_image(100, 60, 21), SMALL),
               preprocess_video(torch.rand(8, 64, 80, 3, generator=torch.Generator().manual_seed(22)), 2.0, SMALL)]
-    pixels, grids = torch.cat([i.pixels for i in inputs]), [i.grid for i in inputs]
-    whole = ours.vision.run(pixels, grids)
+    grids = [i.grid for i in inputs]
+    whole = ours.vision.run(torch.cat([i.pixels for i in inputs]), grids)
+    pixels = [i.pixels for i in inputs] if as_list else torch.cat([i.pixels for i in inputs])
+    assert torch.equal(ours.vision.run(pixels, grids), whole)  # one pass: the per-input tensors as the joined one
+    with pytest.raises(Qwen35Error, match=r"vision input has \d+ patch rows, the grids .* need \d+"):
+        ours.vision.run(torch.cat([i.pixels for i in inputs] + [inputs[0].pixels[:4]]), grids)
     calls, forward = [], type(ours.vision).forward
 
     def spy(tower, x, p, backend=None):
@@ -201,6 +206,15 @@ def test_the_tower_in_passes_gives_the_tokens_of_one_pass(pair, monkeypatch, lim
     got = ours.vision.run(pixels, grids)
     assert calls == [_patches(p) for p in tower_passes(grids, limit)] and len(calls) > 1
     assert got.shape == whole.shape and rel(got, whole) <= 1e-6, rel(got, whole)
+
+
+def test_a_pass_inside_one_input_takes_its_rows_without_a_copy(pair):
+    _, ours = pair  # fp32 on the CPU: the tower's device and dtype, so rows inside one tensor stay a view
+    a, b = torch.rand(10, ours.vision.config.patch_dim), torch.rand(6, ours.vision.config.patch_dim)
+    inside = ours.vision._rows([a, b], 2, 9)
+    assert inside.data_ptr() == a[2].data_ptr() and torch.equal(inside, a[2:9])
+    assert torch.equal(ours.vision._rows([a, b], 8, 13), torch.cat([a[8:], b[:3]]))
+    assert torch.equal(ours.vision._rows([a, b], 10, 16), b)
 
 
 def test_images_and_video_through_tower_passes_and_pieces_equal_transformers(pair, monkeypatch):
@@ -222,6 +236,7 @@ def test_the_vision_estimate_counts_one_passs_activations(pair, monkeypatch):
     monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 256)
     quarters = memory.vision_bytes(ours, grids)
     vc, b = ours.vision.config, ours.dtype.itemsize
-    per_pass_patch = b * (8 * vc.hidden_size + max(3 * vc.hidden_size, 2 * vc.intermediate_size)) + 8 * vc.hidden_size
+    per_pass_patch = (b * (vc.patch_dim + 8 * vc.hidden_size + max(3 * vc.hidden_size, 2 * vc.intermediate_size))
+                      + 8 * vc.hidden_size)
     assert len(tower_passes(grids, 256)) == 4 and one - quarters == (1024 - 256) * per_pass_patch
     assert memory.vision_bytes(ours, []) == 0 and quarters > memory.OVERHEAD
