@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
-#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/vision.py, bench/gdn.py, bench/paged_attention.py,
+#   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/continue_prefill.py, bench/prefill_pieces.py,
+#   bench/vision.py, bench/gdn.py, bench/paged_attention.py,
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
