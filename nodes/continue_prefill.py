@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Prefill, shown_again
+from .types import ModelPrefill, Qwen35Prefill, cancellable, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,11 @@ class Qwen35ContinuePrefill(io.ComfyNode):
         with model.released_on_error():
             model.load()
             # room for the new turn (its tokens and images), made once the turn is laid out
-            pf = continue_prefill(model.model, prefill.prefill, prompt, images=images,
-                                  previous_answer=previous_answer, thinking=thinking, max_pixels=max_pixels or None,
-                                  reserve=lambda needed: model.load(memory_required=needed))
+            with cancellable():
+                pf = continue_prefill(model.model, prefill.prefill, prompt, images=images,
+                                      previous_answer=previous_answer, thinking=thinking,
+                                      max_pixels=max_pixels or None,
+                                      reserve=lambda needed: model.load(memory_required=needed))
         log.info("Qwen3.5 continue: %d tokens reused, %d new in %.1f ms (%s)", pf.cached_tokens, pf.new_tokens,
                  pf.ms, pf.backend)
         model.track(pf)

@@ -8,7 +8,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, shown_again
 from .video import video_clip
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,11 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
             for batch in batches:
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
-                pf = prefill_multimodal(model.model, prompt, images=batch, video=clip, system_prompt=system_prompt,
-                                        thinking=thinking, max_pixels=max_pixels or None,
-                                        reserve=lambda needed: model.load(memory_required=needed))
+                with cancellable(bar=bar is None):
+                    pf = prefill_multimodal(model.model, prompt, images=batch, video=clip,
+                                            system_prompt=system_prompt, thinking=thinking,
+                                            max_pixels=max_pixels or None,
+                                            reserve=lambda needed: model.load(memory_required=needed))
                 note = ""
                 if pf.vision is not None and pf.vision.scaled_down:
                     per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"

@@ -8,7 +8,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ class Qwen35TextPrefill(io.ComfyNode):
                             use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
         with model.released_on_error():
             model.load(memory_required=prefill_bytes(model.model, len(ids)))
-            result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
-                                 chat_template=use_chat_template)
+            with cancellable():
+                result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
+                                     chat_template=use_chat_template)
         stats = {"n_tokens": result.n_tokens, "cached_tokens": result.cached_tokens,
                  "new_tokens": result.new_tokens, "ms": round(result.ms, 2),
                  "tokens_per_s": round(result.tokens_per_s, 1), "backend": result.backend,

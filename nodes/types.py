@@ -1,9 +1,12 @@
 """The values that travel on this pack's links."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import comfy.model_management as mm
+import comfy.utils
 from comfy_api.latest import io
 
 from .memory import ModelHandle
@@ -27,3 +30,21 @@ def shown_again() -> dict:
     takes the node without it (its panel then stays blank when the output is cached)."""
     fields = getattr(io.Schema, "__dataclass_fields__", {})
     return {"has_intermediate_output": True} if "has_intermediate_output" in fields else {}
+
+
+@contextmanager
+def cancellable(bar: bool = True):
+    """Around a prefill: ComfyUI's Cancel lands between the pieces of a long prompt and the passes of the vision
+    tower (runtime.progress; nothing of the prefill stays), and with `bar` the node's progress bar follows the
+    prompt's pieces (a node with a bar of its own, over a batch, passes False)."""
+    from ..runtime import progress
+    shown = None
+
+    def hook(stage: str, done: int, total: int) -> None:
+        nonlocal shown
+        mm.throw_exception_if_processing_interrupted()
+        if bar and stage == "prompt":
+            shown = shown or comfy.utils.ProgressBar(total)
+            shown.update_absolute(done, total)
+    with progress.reporting(hook):
+        yield

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from . import rope
+from . import progress, rope
 from .config import LINEAR, TextConfig
 from .devices import empty_cache
 from .errors import Qwen35Error
@@ -741,6 +741,8 @@ class Qwen35Model(nn.Module):
             for k, s in kept:
                 if k == hi:  # a point at a piece's end: the cache's states there (the next piece replaces them)
                     s.conv[:], s.ssm[:] = list(cache.conv), list(cache.ssm)
+            if hi < T:
+                progress.report("prompt", hi, T)  # a caller's cancel lands here, between pieces
         if rope_delta is not None:
             cache.rope_delta = rope_delta
         return self.logits(h[:, -1]), [state for _, state in kept]

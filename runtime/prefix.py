@@ -93,14 +93,18 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     if graphed is not None:
         graphed = _with_filler_room(model, cache, graphed, snap if origin is not start else None)
     states = {n: origin} if origin is not None else {}
-    if graphed is not None:
-        logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
-    else:
-        x = upload([list(ids[n:])], torch.long, model.device)
-        if keep:
-            logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
+    try:
+        if graphed is not None:
+            logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
         else:
-            logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
+            x = upload([list(ids[n:])], torch.long, model.device)
+            if keep:
+                logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
+            else:
+                logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
+    except BaseException:  # a cancel between pieces (progress.py), out of memory: the blocks go back now, not
+        cache.store.pool.free(cache.seq)  # when the traceback that holds this frame is collected
+        raise
     kept = [k.packed() for k in kept]  # a later graphed prefill from a snapshot copies it in at once
     states.update(zip(keep, kept))
     if use_cache and not foreign:

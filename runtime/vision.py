@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import progress
 from .checkpoint import LOADABLE_DTYPES, Checkpoint, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_config
 from .errors import Qwen35Error
 from .host import upload
@@ -371,6 +372,8 @@ class VisionTower(nn.Module):
         if len(passes) > 1:
             self._last, out, lo = None, [], 0
             for part in passes:
+                if lo:
+                    progress.report("vision", lo, want)  # a caller's cancel lands here, between passes
                 p = self.plan(part)
                 out.append(self(self._rows(parts, lo, lo + p.n_patches), p, backend=backend))
                 lo += p.n_patches

@@ -226,6 +226,38 @@ def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
     assert isinstance(_generate(pack, pf, max_new_tokens=4)[0], str)  # the next run is normal
 
 
+def test_a_long_prompt_shows_its_pieces_and_a_cancel_lands_between_them(pack, loaded, comfy, monkeypatch):
+    """A prompt read in pieces (runtime PREFILL_PIECE, 8 here): the node's bar follows the pieces, Cancel stops
+    the prefill between two of them, its blocks go back at once, and the next run reads the prompt as before."""
+    import gc
+
+    from qwen35_fast.runtime import model as model_mod
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    prompt = "Name three colours, three animals and three cities, in that order, please."
+    progress, checks = [], {"n": 0}
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    want = _prefill(pack, loaded, prompt)
+    n = want.prefill.n_tokens
+    assert progress[0] == (8, progress[0][1]) and progress[0][1] > 16  # the first piece's end, of the prompt's
+    loaded.model.kv.pool.clear()
+    real = comfy.mm.throw_exception_if_processing_interrupted
+
+    def interrupt_at_the_second_piece():
+        checks["n"] += 1
+        if checks["n"] == 2:
+            comfy.mm.interrupt_current_processing(True)
+        real()
+    gc.collect()
+    free = loaded.model.kv.pool.num_free
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_at_the_second_piece)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        _prefill(pack, loaded, prompt)
+    assert checks["n"] == 2 and loaded.model.kv.pool.num_free == free and not comfy.mm.processing_interrupted()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", real)
+    again = _prefill(pack, loaded, prompt)
+    assert again.prefill.n_tokens == n and float((again.prefill.logits - want.prefill.logits).abs().max()) < 1e-5
+
+
 def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, models_dir, comfy):
     # on the device ComfyUI manages (a GPU when there is one): "Unload models" frees that device only
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="auto", backend="torch",

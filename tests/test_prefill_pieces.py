@@ -3,11 +3,13 @@ more than TOWER_PASS_PATCHES patches go through the vision tower in passes (runt
 logits, K/V, GDN states, kept states and vision tokens as one pass (fp32, random weights), against
 transformers with images and video cut by the pieces and passes, and the estimates count one piece's and one
 pass's activations."""
+import gc
+
 import pytest
 import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _check, _image, _make
 
-from qwen35_fast.runtime import Qwen35Error, load_model, memory, prefill, prefill_ids
+from qwen35_fast.runtime import Qwen35Error, load_model, memory, prefill, prefill_ids, prefill_multimodal, progress
 from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime import vision as vision_mod
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
@@ -240,3 +242,53 @@ def test_the_vision_estimate_counts_one_passs_activations(pair, monkeypatch):
                       + 8 * vc.hidden_size)
     assert len(tower_passes(grids, 256)) == 4 and one - quarters == (1024 - 256) * per_pass_patch
     assert memory.vision_bytes(ours, []) == 0 and quarters > memory.OVERHEAD
+
+
+def test_progress_is_reported_between_pieces_and_passes(pair, monkeypatch):
+    _, ours = pair
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 16)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 24)
+    ours.kv.pool.clear()
+    seen = []
+    video = preprocess_video(torch.rand(5, 64, 64, 3, generator=torch.Generator().manual_seed(8)), 4.0, SMALL)
+    with progress.reporting(lambda stage, done, total: seen.append((stage, done, total))):
+        pf = prefill_multimodal(ours, "<video> What happens?", video=video)
+    patches = _patches([video.grid])
+    passes = [_patches(p) for p in tower_passes([video.grid], 24)]
+    want_vision = [("vision", sum(passes[:i]), patches) for i in range(1, len(passes))]
+    # the prompt up to the turn end is one pass of prefill_reusing (the generation prompt runs after it)
+    prompt = [s for s in seen if s[0] == "prompt"]
+    total = prompt[0][2]
+    assert seen[:len(want_vision)] == want_vision and len(want_vision) >= 1
+    assert [d for _, d, _ in prompt] == list(range(16, total, 16)) and total <= pf.n_tokens
+    seen.clear()
+    with progress.reporting(lambda *a: seen.append(a)):
+        prefill_ids(ours, _ids(16, 5), use_cache=False)  # one piece: no call
+    assert seen == [] and progress.report("prompt", 1, 2) is None  # outside a block: nothing to call
+
+
+class Cancelled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["prompt", "vision"])
+def test_a_cancel_between_pieces_stops_the_prefill_and_gives_its_blocks_back(pair, monkeypatch, stage):
+    _, ours = pair
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 16)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 24)
+    ours.kv.pool.clear()
+    video = preprocess_video(torch.rand(5, 64, 64, 3, generator=torch.Generator().manual_seed(8)), 4.0, SMALL)
+    gc.collect()  # earlier tests' prefills gone
+    free, snaps = ours.kv.pool.num_free, len(ours.kv.pool.snapshots)
+
+    def cancel(s, done, total):
+        if s == stage and done >= 16:
+            raise Cancelled(f"{s} {done}/{total}")
+    with pytest.raises(Cancelled) as info:
+        with progress.reporting(cancel):
+            prefill_multimodal(ours, "<video> What happens?", video=video, system_prompt="Be brief.")
+    assert info.value.__traceback__ is not None  # the traceback (and its frames) still held here
+    assert ours.kv.pool.num_free == free and len(ours.kv.pool.snapshots) == snaps == 0
+    after = prefill_multimodal(ours, "<video> What happens?", video=video, system_prompt="Be brief.")
+    cold = prefill_multimodal(ours, "<video> What happens?", video=video, system_prompt="Be brief.", use_cache=False)
+    assert after.cached_tokens == 0 and rel(after.logits, cold.logits) <= TOL

@@ -1,0 +1,39 @@
+"""Progress of a long prefill, for a caller that shows it or cancels it.
+
+The runtime calls the hook set by `reporting` between the pieces of a long prompt (model.py, PREFILL_PIECE) and
+between the passes of the vision tower (vision.py, TOWER_PASS_PATCHES): hook(stage, done, total) with stage
+"prompt" (tokens of this pass read so far, of all) or "vision" (patches). An exception raised by the hook ends
+the prefill there and reaches the caller; nothing the prefill made stays (its cache's blocks go back to the pool
+with it, and no snapshot is saved before the whole prompt is read). Short prompts make no call.
+
+    with progress.reporting(lambda stage, done, total: print(stage, done, total)):
+        pf = prefill(model, long_prompt)
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable
+
+Hook = Callable[[str, int, int], None]
+_hook: ContextVar[Hook | None] = ContextVar("qwen35_progress_hook", default=None)
+
+
+@contextmanager
+def reporting(hook: Hook):
+    """Calls to report() in this thread (and context) go to `hook` until the block ends."""
+    token = _hook.set(hook)
+    try:
+        yield
+    finally:
+        _hook.reset(token)
+
+
+def report(stage: str, done: int, total: int) -> None:
+    """Tells the hook of the caller's `reporting` block, if any, that `done` of `total` are through."""
+    hook = _hook.get()
+    if hook is not None:
+        hook(stage, done, total)
+
+
+__all__ = ["reporting", "report"]
