@@ -176,3 +176,34 @@ def test_a_follow_up_with_an_image_asks_model_management_for_its_memory(pack, lo
     child = _continue(pack, parent, "And <image>?", images=image)[0].prefill
     assert max(memory_asked) >= (prefill_bytes(loaded.model, child.new_tokens)
                                  + vision_bytes(loaded.model, child.vision.grids))
+
+
+def test_a_long_follow_up_is_cancelled_between_its_pieces(pack, loaded, comfy, monkeypatch):
+    """A follow-up turn read in pieces (8 tokens here): Cancel lands between them, the parent stays as it was and
+    the stopped turn leaves no blocks behind; the next run gives the uninterrupted logits."""
+    import gc
+
+    from qwen35_fast.runtime import model as model_mod
+    parent = _prefill(pack, loaded)
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    question = "And three animals, three cities and three rivers, each with one word about it?"
+    want = _continue(pack, parent, question)[0].prefill
+    assert want.new_tokens > 16
+    loaded.model.kv.pool.clear()
+    gc.collect()
+    free = loaded.model.kv.pool.num_free
+    checks = {"n": 0}
+    real = comfy.mm.throw_exception_if_processing_interrupted
+
+    def interrupt_at_the_second_piece():
+        checks["n"] += 1
+        if checks["n"] == 2:
+            comfy.mm.interrupt_current_processing(True)
+        real()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_at_the_second_piece)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        _continue(pack, parent, question)
+    assert checks["n"] == 2 and loaded.model.kv.pool.num_free == free
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", real)
+    again = _continue(pack, parent, question)[0].prefill
+    assert rel(again.logits, want.logits) < 1e-5

@@ -288,3 +288,11 @@ def test_a_pip_that_hangs_is_given_up_after_the_timeout(install, monkeypatch, ca
     assert install.main([]) == 0
     assert seen["timeout"] == install.PIP_TIMEOUT_S > 0
     assert f"took over {install.PIP_TIMEOUT_S} s" in capsys.readouterr().out
+
+
+def test_a_check_reports_its_error_output_before_its_other_output(install, monkeypatch):
+    monkeypatch.setattr(install.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "some progress line", "Traceback ...\nKernelBuildError: CUDA headers not found"))
+    assert install.headers_problem() == "KernelBuildError: CUDA headers not found"
+    monkeypatch.setattr(install.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 3, "", ""))
+    assert install.headers_problem() == "exit status 3"

@@ -138,3 +138,62 @@ def test_a_second_question_about_the_same_image_shows_its_reused_tokens(pack, lo
     again = _run(pack, loaded, images=image, prompt="Which colour?", system_prompt="Be brief.")
     assert first.ui["qwen35_prefill"][0]["cached_tokens"] == 0
     assert again.ui["qwen35_prefill"][0]["cached_tokens"] == again[0][0].prefill.cached_tokens > 0
+
+
+def _interrupt_at(comfy, monkeypatch, n):
+    """ComfyUI's interrupt raised at the n-th check (counted from here); returns the counter."""
+    checks = {"n": 0}
+    real = comfy.mm.throw_exception_if_processing_interrupted
+
+    def check():
+        checks["n"] += 1
+        if checks["n"] == n:
+            comfy.mm.interrupt_current_processing(True)
+        real()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", check)
+    return checks
+
+
+def test_a_long_image_prompt_shows_its_pieces_and_a_cancel_lands_between_passes_and_pieces(pack, loaded, comfy,
+                                                                                           monkeypatch):
+    """The prompt in pieces (8 tokens here) and the tower in passes (16 patches): one bar, over the prompt's
+    tokens (not the tower's patches), and Cancel lands between the tower's passes and between the pieces; the
+    stopped prefill leaves its blocks, and the next run gives the first run's logits."""
+    import gc
+
+    from qwen35_fast.runtime import model as model_mod
+    from qwen35_fast.runtime import vision as vision_mod
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 16)
+    images = torch.rand(2, 64, 96, 3, generator=torch.Generator().manual_seed(3))
+    progress, bars = [], []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    real_bar = comfy.utils.ProgressBar
+    monkeypatch.setattr(comfy.utils, "ProgressBar", lambda *a, **k: bars.append(a) or real_bar(*a, **k))
+    loaded.model.kv.pool.clear()
+    want = _run(pack, loaded, images=images)[0][0].prefill
+    assert len(bars) == 1 and progress and all(t == bars[0][0] for _, t in progress)
+    assert progress[0][0] == 8 and bars[0][0] <= want.n_tokens  # tokens of the prompt's pass, not patches
+    for at in (1, 2, 4):  # 1: before the prefill; 2: between the tower's passes; 4: between the prompt's pieces
+        loaded.model.kv.pool.clear()
+        gc.collect()
+        free = loaded.model.kv.pool.num_free
+        checks = _interrupt_at(comfy, monkeypatch, at)
+        with pytest.raises(comfy.mm.InterruptProcessingException):
+            _run(pack, loaded, images=images)
+        assert checks["n"] == at and loaded.model.kv.pool.num_free == free, at
+    monkeypatch.undo()
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 16)
+    loaded.model.kv.pool.clear()
+    again = _run(pack, loaded, images=images)[0][0].prefill
+    assert float((again.logits - want.logits).abs().max()) < 1e-5
+
+
+def test_one_prompt_per_image_keeps_its_batch_bar_with_pieces(pack, loaded, comfy, monkeypatch):
+    from qwen35_fast.runtime import model as model_mod
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    progress = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    _run(pack, loaded, images=torch.rand(3, 64, 64, 3), mode="one prompt per image")
+    assert progress and all(t == 3 for _, t in progress)  # the batch's bar only, not a bar of pieces beside it

@@ -13,6 +13,7 @@ from qwen35_fast.runtime import Qwen35Error, load_model, memory, prefill, prefil
 from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime import vision as vision_mod
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
+from qwen35_fast.runtime.model import Cache
 from qwen35_fast.runtime.vision import tower_passes
 
 from _models import make_hf_model, rel
@@ -292,3 +293,54 @@ def test_a_cancel_between_pieces_stops_the_prefill_and_gives_its_blocks_back(pai
     after = prefill_multimodal(ours, "<video> What happens?", video=video, system_prompt="Be brief.")
     cold = prefill_multimodal(ours, "<video> What happens?", video=video, system_prompt="Be brief.", use_cache=False)
     assert after.cached_tokens == 0 and rel(after.logits, cold.logits) <= TOL
+
+
+def test_an_empty_prompt_is_refused_by_name(text_model):
+    with pytest.raises(ValueError, match=r"at least one token .* shape \[1, 0\]"):
+        text_model.forward_prefill(torch.zeros(1, 0, dtype=torch.long), text_model.new_cache(1, 4))
+
+
+def test_a_prompt_the_fixed_cache_cannot_hold_fails_before_any_piece(tmp_path, monkeypatch):
+    make_hf_model(tmp_path, seed=6, layers=4)
+    model = load_model(tmp_path, dtype="fp32", device="cpu", backend="torch")
+    model.setup_kv(model.kv.nbytes // model.kv.num_blocks * 64 + (64 << 20))  # a fixed store of few blocks
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 16)
+    sizes = _pass_sizes(model, monkeypatch)
+    n = model.kv.num_blocks * model.kv.block_size + 1  # one position more than the whole pool
+    with pytest.raises(Qwen35Error, match="K/V cache"):
+        model.forward_prefill(torch.tensor([_ids(n, 7)]), Cache([None] * 4, [None] * 4, model.kv))
+    assert sizes == []  # nothing ran: the whole prompt's blocks are asked for first
+
+
+def test_the_multimodal_estimate_counts_every_input(pair):
+    _, ours = pair
+    imgs = preprocess_images(_image(64, 96, 2), SMALL) + preprocess_images(_image(64, 64, 3), SMALL)
+    asked = []
+    pf = prefill_multimodal(ours, "Compare <image> with <image 2>.", images=imgs, reserve=asked.append,
+                            use_cache=False)
+    grids = list(pf.vision.grids)
+    assert len(grids) == 2 and asked == [memory.prefill_bytes(ours, pf.n_tokens) + memory.vision_bytes(ours, grids)]
+
+
+def test_the_tower_takes_the_inputs_pixels_unjoined(pair, monkeypatch):
+    _, ours = pair
+    seen, run = [], type(ours.vision).run
+    monkeypatch.setattr(type(ours.vision), "run", lambda tower, pixels, grids, backend=None:
+                        seen.append(pixels) or run(tower, pixels, grids, backend=backend))
+    imgs = preprocess_images(_image(64, 96, 2), SMALL) + preprocess_images(_image(64, 64, 3), SMALL)
+    prefill_multimodal(ours, "Compare <image> with <image 2>.", images=imgs, use_cache=False)
+    assert isinstance(seen[0], list) and [p.data_ptr() for p in seen[0]] == [i.pixels.data_ptr() for i in imgs]
+
+
+def test_a_keyboard_interrupt_between_pieces_gives_the_blocks_back(pair, monkeypatch):
+    _, ours = pair
+    monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
+    gc.collect()
+    free = ours.kv.pool.num_free
+
+    def stop(stage, done, total):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with progress.reporting(stop):
+            prefill_ids(ours, _ids(40, 8), use_cache=False)
+    assert ours.kv.pool.num_free == free
