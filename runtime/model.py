@@ -736,7 +736,8 @@ class Qwen35Model(nn.Module):
             hi = min(T, lo + PREFILL_PIECE)
             kv = self._kv_step(cache, start + lo, hi - lo)
             pos = None if positions is None else positions[:, lo:hi]
-            h = self._layers(x[:, lo:hi], cache, False, kv, positions=pos, cut=[(k - lo, s) for k, s in kept if lo < k < hi])
+            cut = [(k - lo, s) for k, s in kept if lo < k < hi]
+            h = self._layers(x[:, lo:hi], cache, False, kv, positions=pos, cut=cut)
             cache.length = start + hi
             for k, s in kept:
                 if k == hi:  # a point at a piece's end: the cache's states there (the next piece replaces them)

@@ -217,8 +217,9 @@ TOWER_PASS_PATCHES = 32768
 
 def tower_passes(grids, limit: int | None = None) -> list[tuple[tuple[int, int, int], ...]]:
     """The grids (t, h, w) of the tower's passes over these inputs, in order: all in one pass when their patches
-    add up to at most `limit` (default TOWER_PASS_PATCHES), else consecutive runs of at most `limit` (an image or a slice above it alone), a
-    video's grid split between its temporal slices; the passes' patches, one after another, are the inputs'."""
+    add up to at most `limit` (default TOWER_PASS_PATCHES), else consecutive runs of at most `limit` (an image or
+    a slice above it alone), a video's grid split between its temporal slices, as even as the slices allow; the
+    passes' patches, one after another, are the inputs'."""
     limit = TOWER_PASS_PATCHES if limit is None else limit
     grids = [(int(t), int(h), int(w)) for t, h, w in grids]
     total = sum(t * h * w for t, h, w in grids)

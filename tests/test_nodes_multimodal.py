@@ -129,7 +129,8 @@ def test_the_node_asks_model_management_for_the_run_memory(pack, loaded, memory_
     from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
     out = _run(pack, loaded, images=torch.rand(1, 64, 96, 3))
     pf = out[0][0].prefill
-    assert memory_asked[-1] == prefill_bytes(loaded.model, pf.n_tokens) + vision_bytes(loaded.model, pf.vision.grids) > 0
+    want = prefill_bytes(loaded.model, pf.n_tokens) + vision_bytes(loaded.model, pf.vision.grids)
+    assert memory_asked[-1] == want > 0
 
 
 def test_a_second_question_about_the_same_image_shows_its_reused_tokens(pack, loaded):
