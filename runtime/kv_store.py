@@ -153,9 +153,13 @@ class KVStore:
         parent = SequenceBlocks(list(blocks[:self.pool.blocks_for(num_tokens)]), num_tokens)
         seq, copies = self._with_room(lambda: self.pool.fork(parent, keep), 1)
         weakref.finalize(owner, self.pool.free, seq)
-        for src, dst in copies:
-            self.copy_block(src, dst)
-        self.reserve(seq, max(capacity, num_tokens), what)
+        try:
+            for src, dst in copies:
+                self.copy_block(src, dst)
+            self.reserve(seq, max(capacity, num_tokens), what)
+        except BaseException:  # (room refused, out of memory): the fork's blocks go back now, not with `owner`
+            self.pool.free(seq)
+            raise
         return seq
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -84,17 +84,17 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     # itself (a prefill only reads the incoming states, so the eager pass may run on them uncopied too)
     graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 and not foreign else None
     copy = graphed is None
-    if origin is None:
-        cache = model.new_cache(1, len(ids))
-    elif origin is start:
-        cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
-    else:
-        cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy, snapshot=snap)
-    if graphed is not None:
-        graphed = _with_filler_room(model, cache, graphed, snap if origin is not start else None)
     states = {n: origin} if origin is not None else {}
+    cache = None
     try:
+        if origin is None:
+            cache = model.new_cache(1, len(ids))
+        elif origin is start:
+            cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
+        else:
+            cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy, snapshot=snap)
         if graphed is not None:
+            graphed = _with_filler_room(model, cache, graphed, snap if origin is not start else None)
             logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
         else:
             x = upload([list(ids[n:])], torch.long, model.device)
@@ -102,8 +102,9 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
                 logits, kept = model.forward_prefill_kept(x, cache, [p - n for p in keep], feats, pos, rope_delta)
             else:
                 logits, kept = model.forward_prefill(x, cache, feats, pos, rope_delta), []
-    except BaseException:  # a cancel between pieces (progress.py), out of memory: the blocks go back now, not
-        cache.store.pool.free(cache.seq)  # when the traceback that holds this frame is collected
+    except BaseException:  # a cancel between pieces (progress.py), out of memory, a full fixed cache: the blocks
+        if cache is not None:  # go back now, not when the traceback that holds this frame is collected
+            cache.store.pool.free(cache.seq)
         raise
     kept = [k.packed() for k in kept]  # a later graphed prefill from a snapshot copies it in at once
     states.update(zip(keep, kept))

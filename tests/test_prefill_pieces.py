@@ -345,3 +345,29 @@ def test_a_keyboard_interrupt_between_pieces_gives_the_blocks_back(pair, monkeyp
         with progress.reporting(stop):
             prefill_ids(ours, _ids(40, 8), use_cache=False)
     assert ours.kv.pool.num_free == free
+
+
+def test_a_prompt_resumed_from_a_snapshot_that_the_fixed_cache_refuses_gives_its_blocks_back_at_once():
+    """The fork of a snapshot's blocks made, then the room for the rest refused (a fixed store): the fork's copied
+    block and its references go back at once, while the error's traceback still holds the frames (ComfyUI keeps
+    it), so that the next prompt that needs the whole pool is not refused on their account."""
+    import sys
+
+    from qwen35_fast.runtime import demo_checkpoint
+    model = load_model(demo_checkpoint(), dtype="fp32", device="cpu", backend="torch")
+    model.setup_kv(model.kv.nbytes // model.kv.num_blocks * 30)
+    pool, system = model.kv.pool, "You are a careful assistant that answers briefly and names things. " * 4
+    prefill(model, "Hi.", system_prompt=system)
+    assert pool.snapshots
+    gc.collect()
+    free, refs = pool.num_free, list(pool.refcount)
+    gc.disable()
+    try:
+        try:
+            prefill(model, "word " * 3000, system_prompt=system)  # resumes from the snapshot; longer than the pool
+        except Qwen35Error:
+            held = sys.exc_info()  # the traceback kept, as ComfyUI's execute() keeps it
+        assert "K/V cache" in str(held[1]) and pool.num_free == free and pool.refcount == refs
+        prefill_ids(model, list(range(100, 100 + pool.num_blocks * pool.block_size - 8)), use_cache=False)
+    finally:
+        gc.enable()
