@@ -371,3 +371,34 @@ def test_a_prompt_resumed_from_a_snapshot_that_the_fixed_cache_refuses_gives_its
         prefill_ids(model, list(range(100, 100 + pool.num_blocks * pool.block_size - 8)), use_cache=False)
     finally:
         gc.enable()
+
+
+def test_a_run_in_passes_breaks_the_towers_calls_in_a_row(pair, monkeypatch):
+    """The tower captures its graph at the second call in a row with the same grids (on a GPU; here the capture is
+    a stand-in): a call in passes between two calls with the same grids is not "in a row", so none is captured, and
+    the two calls after it are."""
+    _, ours = pair
+    tower = ours.vision
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, t, p, backend, pixels, key):
+            captured.append(key)
+            self.key, self.p = key, p
+
+        def __call__(self, pixels):
+            return tower(pixels, self.p)
+    monkeypatch.setattr(vision_mod, "TowerGraph", FakeGraph)
+    monkeypatch.setattr(type(tower), "_graphable", lambda self, x, p, backend, key: p.n_patches <= 24)
+    monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 24)
+    monkeypatch.setattr(tower, "_graph", None)
+    monkeypatch.setattr(tower, "_last", None)
+    small = preprocess_images(_image(64, 64, 4), SMALL)[0]
+    video = preprocess_video(torch.rand(5, 64, 64, 3, generator=torch.Generator().manual_seed(8)), 4.0, SMALL)
+    assert len(tower_passes([video.grid], 24)) > 1 and small.n_patches <= 24
+    tower.run(small.pixels, [small.grid])
+    tower.run(video.pixels, [video.grid])  # in passes
+    tower.run(small.pixels, [small.grid])
+    assert captured == []
+    got = tower.run(small.pixels, [small.grid])
+    assert len(captured) == 1 and torch.equal(got, tower.run(small.pixels, [small.grid]))
