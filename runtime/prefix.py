@@ -93,8 +93,9 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
             cache = start_cache.restart(start, len(ids), device=model.device, copy=copy)
         else:
             cache = Cache.resume(store, snap.blocks, snap.states, len(ids), model.device, copy=copy, snapshot=snap)
-        if graphed is not None:
+        if graphed is not None:  # (None where the store has no room for the bucket's filler: the eager pass)
             graphed = _with_filler_room(model, cache, graphed, snap if origin is not start else None)
+        if graphed is not None:
             logits, kept = graphed(cache, ids[n:], pos, rope_delta, [p - n for p in keep])
         else:
             x = upload([list(ids[n:])], torch.long, model.device)
