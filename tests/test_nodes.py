@@ -96,6 +96,21 @@ def _generate(pack, pf, seed=0, max_new_tokens=12, sampling=True):
                                        repetition_penalty=1.0, presence_penalty=0.0, seed=seed)
 
 
+def interrupt_at(comfy, monkeypatch, n) -> dict:
+    """ComfyUI's interrupt set at the n-th check for it (counted from here; the real check then raises); returns
+    the counter of checks."""
+    checks = {"n": 0}
+    real = comfy.mm.throw_exception_if_processing_interrupted
+
+    def check():
+        checks["n"] += 1
+        if checks["n"] == n:
+            comfy.mm.interrupt_current_processing(True)
+        real()
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", check)
+    return checks
+
+
 def test_schemas_validate_and_list_models(pack, models_dir):
     for node in pack.NODES:
         node.GET_SCHEMA()  # what ComfyUI does when it registers the node
@@ -208,16 +223,8 @@ def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
     events = []
     monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
     pf = _prefill(pack, loaded)
-    calls = {"n": 0}
     real = comfy.mm.throw_exception_if_processing_interrupted
-
-    def interrupt_after_three():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            comfy.mm.interrupt_current_processing(True)
-        real()
-
-    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_after_three)
+    calls = interrupt_at(comfy, monkeypatch, 3)
     with pytest.raises(comfy.mm.InterruptProcessingException):
         _generate(pack, pf, max_new_tokens=200)
     assert calls["n"] == 3 and max(d["n"] for d in events) == 2  # token 3 never went out
@@ -234,22 +241,16 @@ def test_a_long_prompt_shows_its_pieces_and_a_cancel_lands_between_them(pack, lo
     from qwen35_fast.runtime import model as model_mod
     monkeypatch.setattr(model_mod, "PREFILL_PIECE", 8)
     prompt = "Name three colours, three animals and three cities, in that order, please."
-    progress, checks = [], {"n": 0}
+    progress = []
     monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
     want = _prefill(pack, loaded, prompt)
     n = want.prefill.n_tokens
     assert progress[0] == (8, progress[0][1]) and progress[0][1] > 16  # the first piece's end, of the prompt's
     loaded.model.kv.pool.clear()
     real = comfy.mm.throw_exception_if_processing_interrupted
-
-    def interrupt_at_the_second_piece():
-        checks["n"] += 1
-        if checks["n"] == 2:
-            comfy.mm.interrupt_current_processing(True)
-        real()
     gc.collect()
     free = loaded.model.kv.pool.num_free
-    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_at_the_second_piece)
+    checks = interrupt_at(comfy, monkeypatch, 2)  # the second piece's
     with pytest.raises(comfy.mm.InterruptProcessingException):
         _prefill(pack, loaded, prompt)
     assert checks["n"] == 2 and loaded.model.kv.pool.num_free == free and not comfy.mm.processing_interrupted()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_nodes import _generate, _prefill, comfy, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, _prefill, comfy, interrupt_at, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
 
 from _models import rel
 
@@ -192,15 +192,8 @@ def test_a_long_follow_up_is_cancelled_between_its_pieces(pack, loaded, comfy, m
     loaded.model.kv.pool.clear()
     gc.collect()
     free = loaded.model.kv.pool.num_free
-    checks = {"n": 0}
     real = comfy.mm.throw_exception_if_processing_interrupted
-
-    def interrupt_at_the_second_piece():
-        checks["n"] += 1
-        if checks["n"] == 2:
-            comfy.mm.interrupt_current_processing(True)
-        real()
-    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_at_the_second_piece)
+    checks = interrupt_at(comfy, monkeypatch, 2)  # the second piece's
     with pytest.raises(comfy.mm.InterruptProcessingException):
         _continue(pack, parent, question)
     assert checks["n"] == 2 and loaded.model.kv.pool.num_free == free

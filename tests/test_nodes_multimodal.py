@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_nodes import _generate, comfy, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, comfy, interrupt_at, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
 
@@ -141,20 +141,6 @@ def test_a_second_question_about_the_same_image_shows_its_reused_tokens(pack, lo
     assert again.ui["qwen35_prefill"][0]["cached_tokens"] == again[0][0].prefill.cached_tokens > 0
 
 
-def _interrupt_at(comfy, monkeypatch, n):
-    """ComfyUI's interrupt raised at the n-th check (counted from here); returns the counter."""
-    checks = {"n": 0}
-    real = comfy.mm.throw_exception_if_processing_interrupted
-
-    def check():
-        checks["n"] += 1
-        if checks["n"] == n:
-            comfy.mm.interrupt_current_processing(True)
-        real()
-    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", check)
-    return checks
-
-
 def test_a_long_image_prompt_shows_its_pieces_and_a_cancel_lands_between_passes_and_pieces(pack, loaded, comfy,
                                                                                            monkeypatch):
     """The prompt in pieces (8 tokens here) and the tower in passes (16 patches): one bar, over the prompt's
@@ -179,7 +165,7 @@ def test_a_long_image_prompt_shows_its_pieces_and_a_cancel_lands_between_passes_
         loaded.model.kv.pool.clear()
         gc.collect()
         free = loaded.model.kv.pool.num_free
-        checks = _interrupt_at(comfy, monkeypatch, at)
+        checks = interrupt_at(comfy, monkeypatch, at)
         with pytest.raises(comfy.mm.InterruptProcessingException):
             _run(pack, loaded, images=images)
         assert checks["n"] == at and loaded.model.kv.pool.num_free == free, at
