@@ -38,6 +38,9 @@ def _args(argv):
         p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
         p.add_argument("--device", default="auto")
         p.add_argument("--backend", default="auto", choices=["auto", "cuda", "torch"])
+        p.add_argument("--weights", default="auto", choices=["auto", "full", "int8"],
+                       help="int8: the text model's matrices in 8 bits (half the memory of bf16); auto: int8 only "
+                            "where the full weights do not fit the device")
     return ap.parse_args(argv)
 
 
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         if a.max_new_tokens < 1:
             raise Qwen35Error(f"--max-new-tokens is {a.max_new_tokens}; it must be at least 1")
         path = a.model or demo_checkpoint()
-        model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend)
+        model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
         if a.image:
             from .multimodal import prefill_multimodal
             pf = prefill_multimodal(model, a.prompt, images=[_read_image(f) for f in a.image],
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
     if out.thinking:
         print(f"thinking: {len(out.thinking)} characters (shown above, before the answer)")
     print(f"kernel backend : {model.backend.name} ({model.backend.reason})")
+    print(f"weights        : {'matrices in 8 bits, computed in ' if model.int8 else ''}"
+          f"{str(model.dtype).removeprefix('torch.')}, {model.weight_bytes() / 2**30:.2f} GiB")
     reused = f" (and {pf.cached_tokens} reused from the earlier turns)" if pf.cached_tokens else ""
     print(f"prefill        : {pf.new_tokens} tokens in {pf.ms:.1f} ms = {pf.tokens_per_s:,.0f} tokens/s{reused}")
     if pf.vision is not None:

@@ -14,8 +14,9 @@ from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
 from .devices import DeviceUnsupported, bf16_works, check_device, empty_cache, is_other_accelerator, usable
 from .errors import Qwen35Error
-from .memory import is_out_of_memory, loading_out_of_memory
+from .memory import free_bytes, is_out_of_memory, loading_out_of_memory, text_weight_bytes
 from .model import Qwen35Model
+from .quant import WEIGHTS, Int8Weight, fill_rows
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,17 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
                             s + "v_proj.weight": (m.qkv, 2 * qd + kd), s + "o_proj.weight": (m.o_proj, 0),
                             s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
     # one blocking copy_ into the parameter: from a CPU tensor it converts the dtype on the host, so no weight has
-    # a second, file-dtype copy in device memory (FP8 weights come already dequantized on the device)
+    # a second, file-dtype copy in device memory (FP8 weights come already dequantized on the device); an 8-bit
+    # matrix quantizes its rows a slice at a time on its device
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for name, (param, row) in targets.items():
             t = reader.get(*ckpt.tensors[name], param.dtype, param.device)
             if name.endswith("conv1d.weight"):
                 t = t[:, 0]
-            param[row:row + t.shape[0]].copy_(t)
+            if isinstance(param, Int8Weight):
+                fill_rows(param, row, t)
+            else:
+                param[row:row + t.shape[0]].copy_(t)
 
 
 def refill(model: Qwen35Model) -> None:
@@ -156,6 +161,22 @@ def _attach_vision(model: Qwen35Model, ckpt: Checkpoint, dtype: torch.dtype, dev
     model.vision_note = f"vision tower {found.config.shape_name}"
 
 
+def pick_int8(weights: str, config, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether load_model keeps the matrices in 8 bits: as `weights` says ("full", "int8"), or for "auto" where
+    the text weights in `dtype` would leave less than a tenth of the device's memory (at least 1 GiB) free for
+    the vision tower, the K/V cache and the runs; the 8-bit ones then take about half as much."""
+    if weights not in WEIGHTS:
+        raise Qwen35Error(f"weights {weights!r} is not one of {', '.join(WEIGHTS)} (int8: the matrices in 8 bits, "
+                          "half the memory of bf16; auto: int8 only where the full weights do not fit)")
+    if weights != "auto":
+        return weights == "int8"
+    free, total = free_bytes(device)
+    if device.type == "cuda":  # what PyTorch's allocator holds unused is free to this load too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    room = max(1 << 30, total // 10)
+    return text_weight_bytes(config, dtype) + room > free
+
+
 def _clear_frames(error: BaseException) -> None:
     """Drop the local variables of the finished frames in the tracebacks of `error` and of the errors it was
     raised from or while handling (traceback.clear_frames leaves the frame still running)."""
@@ -169,10 +190,13 @@ def _clear_frames(error: BaseException) -> None:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-               backend: str = "auto") -> Qwen35Model:
+               backend: str = "auto", weights: str = "full") -> Qwen35Model:
     """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
 
-    dtype: auto (bf16 on CUDA and where another accelerator's bf16 matmul runs, else fp32), bf16, fp16, fp32.
+    dtype: auto (bf16 on CUDA and where another accelerator's bf16 matmul runs, else fp32), bf16, fp16, fp32:
+    what the model computes in. weights: full (the text model's matrices in dtype), int8 (in 8 bits with a scale
+    a row, computed in dtype: half the memory of bf16, quant.py), auto (int8 where the full ones would not fit
+    the device's free memory, pick_int8; model.int8 says which).
     device: auto, cuda, cuda:N, cpu, or another
     accelerator PyTorch drives (mps, xpu, ...: the PyTorch path, checked there once on a short prompt;
     DeviceUnsupported where it does not run). backend: auto, cuda, torch (what runs the GDN math; see
@@ -186,13 +210,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     ckpt = locate(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    int8 = pick_int8(weights, ckpt.config, dt, dev)
     from .tokenizer import load_tokenizer
     tokenizer = load_tokenizer(ckpt.tokenizer_dir)
     if backend != "torch":
         kernels.compile_ahead(dev)  # on worker threads, while the weights are read
     model, oom = None, False
     try:
-        model = Qwen35Model(ckpt.config, dt, dev)
+        model = Qwen35Model(ckpt.config, dt, dev, int8)
         _fill(model, ckpt)
         _attach_vision(model, ckpt, dt, dev)
         model.requested_backend = backend
@@ -210,7 +235,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     if oom:  # out of the except block: the traceback, and the half-built model it holds, are gone
         model = None
         gc.collect()
-        raise loading_out_of_memory(ckpt.path.name, ckpt.config, dt, dev)
+        raise loading_out_of_memory(ckpt.path.name, ckpt.config, dt, dev, int8)
     model.tokenizer = tokenizer
     model.path = ckpt.path
     model.checkpoint, model.checkpoint_stamp = ckpt, file_stamp(ckpt)  # where reload_weights reads them again
@@ -226,6 +251,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
             empty_cache(dev)
             raise failed
     fp8 = f" ({len(ckpt.fp8)} FP8 weights dequantized)" if ckpt.fp8 else ""
-    log.info("Loaded %s: %s, %s%s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
-             str(dt).replace("torch.", ""), fp8, dev, time.perf_counter() - t0, model.backend.reason)
+    kept = ", matrices in 8 bits" if int8 else ""
+    log.info("Loaded %s: %s, %s%s%s on %s in %.1f s; GDN backend: %s", ckpt.path.name, describe(ckpt.config),
+             str(dt).replace("torch.", ""), kept, fp8, dev, time.perf_counter() - t0, model.backend.reason)
     return model

@@ -20,6 +20,7 @@ from .devices import empty_cache
 from .errors import Qwen35Error
 from .kv_pool import model_sizes
 from .model import PREFILL_PIECE, Qwen35Model
+from .quant import dequant_bytes
 from .vision import tower_passes
 
 OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and allocator rounding
@@ -62,12 +63,13 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None)
     for at most PREFILL_PIECE tokens (the pieces a long prompt is read in), the larger
     pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
     attention runs in PyTorch, what it gathers over the `context` positions (default: n_tokens; a follow-up
-    turn's cached ones count too), and where the GDN layers run in PyTorch, its working set (reference_gdn_bytes)."""
+    turn's cached ones count too), where the GDN layers run in PyTorch, its working set (reference_gdn_bytes), and
+    with 8-bit weights the piece of a matrix dequantized at once (quant.dequant_bytes)."""
     embedded = n_tokens * model.config.hidden_size * model.dtype.itemsize  # the prompt's input, read piece by piece
     piece = min(n_tokens, PREFILL_PIECE)
     return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + embedded + piece * _activation_bytes_per_token(model) \
         + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, piece) \
-        + reference_gdn_bytes(model) + OVERHEAD
+        + reference_gdn_bytes(model) + dequant_bytes(model) + OVERHEAD
 
 
 def reference_gdn_bytes(model: Qwen35Model) -> int:
@@ -126,11 +128,12 @@ def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> in
     K/V blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits,
     and the larger pool an auto store grows to when its free blocks do not hold the answer's K/V
     (growth_bytes; a fixed store holds them or the generation stops with an error); where the attention runs
-    in PyTorch, what it gathers over the whole context (reference_attention_bytes)."""
+    in PyTorch, what it gathers over the whole context (reference_attention_bytes); with 8-bit weights the piece
+    of a matrix dequantized at once (quant.dequant_bytes)."""
     answer = max(0, min(max_new_tokens, model.config.max_position_embeddings - n_prompt))
     return (state_bytes(model) + 8 * (n_prompt + 1) + 8 * model.config.vocab_size * 4
             + _activation_bytes_per_token(model) + growth_bytes(model, answer)
-            + reference_attention_bytes(model, n_prompt + answer) + OVERHEAD)
+            + reference_attention_bytes(model, n_prompt + answer) + dequant_bytes(model) + OVERHEAD)
 
 
 def free_bytes(device: torch.device) -> tuple[int, int]:
@@ -183,17 +186,30 @@ def is_out_of_memory(e: BaseException) -> bool:
 OOM_TEXTS = ("can't allocate memory", "out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "(CUresult 2)")
 
 
-def loading_out_of_memory(name: str, config: TextConfig, dtype: torch.dtype, device: torch.device) -> Qwen35Error:
+def text_weight_bytes(config: TextConfig, dtype: torch.dtype, int8: bool = False) -> int:
+    """What the text model's weights take once loaded: its matrices in `dtype` (int8: a byte a number and a
+    scale a row, quant.py), the rest (norms, gates, convolutions) counted in `dtype` too."""
+    total = 0
+    for shape in expected_shapes(config).values():
+        n = math.prod(shape)
+        total += n + shape[0] * dtype.itemsize if int8 and len(shape) == 2 else n * dtype.itemsize
+    return total
+
+
+def loading_out_of_memory(name: str, config: TextConfig, dtype: torch.dtype, device: torch.device,
+                          int8: bool = False) -> Qwen35Error:
     """The error for a load that ran out of device memory; call it once the half-built model is gone."""
     empty_cache(device)
-    weights = dtype.itemsize * sum(math.prod(s) for s in expected_shapes(config).values())
+    weights = text_weight_bytes(config, dtype, int8)
     free, total = free_bytes(device)
     gib = 2 ** 30
+    kept = "with 8-bit weights" if int8 else f"in {str(dtype).removeprefix('torch.')}"
+    smaller = "" if int8 else (f", load it with 8-bit weights (weights: int8, "
+                               f"{text_weight_bytes(config, dtype, True) / gib:.2f} GiB)")
     return Qwen35Error(
-        f"out of memory on {device} loading {name}: its text weights alone take {weights / gib:.2f} GiB in "
-        f"{str(dtype).removeprefix('torch.')}, and {free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Pick a "
-        "smaller Qwen3.5 model, free memory (ComfyUI's 'Unload models', or close other programs on the GPU), or "
-        "load it on the cpu")
+        f"out of memory on {device} loading {name}: its text weights alone take {weights / gib:.2f} GiB {kept}, "
+        f"and {free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Pick a smaller Qwen3.5 model{smaller}, free "
+        "memory (ComfyUI's 'Unload models', or close other programs on the GPU), or load it on the cpu")
 
 
 def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
@@ -212,4 +228,4 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
 
 
 __all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory",
-           "is_out_of_memory", "loading_out_of_memory"]
+           "is_out_of_memory", "loading_out_of_memory", "text_weight_bytes"]

@@ -21,6 +21,7 @@ from .errors import Qwen35Error
 from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
+from .quant import embedding, linear, matrix
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
 # the user turn) runs the recurrence once per part: in each of the 24 GDN layers a conv and a GDN call per
@@ -71,25 +72,24 @@ class PackedCuts:
 
 
 class GDNLayer(nn.Module):
-    def __init__(self, c: TextConfig, dtype, device):
+    def __init__(self, c: TextConfig, dtype, device, int8: bool):
         super().__init__()
         h, hv = c.hidden_size, c.linear_num_value_heads
         e = dict(dtype=dtype, device=device)
-        self.in_proj = nn.Parameter(torch.empty(c.conv_dim + c.value_dim + 2 * hv, h, **e), requires_grad=False)
+        self.in_proj = matrix(c.conv_dim + c.value_dim + 2 * hv, h, dtype, device, int8)
         self.conv_w = nn.Parameter(torch.empty(c.conv_dim, c.linear_conv_kernel_dim, **e), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(hv, dtype=torch.float32, device=device), requires_grad=False)
         self.norm_w = nn.Parameter(torch.empty(c.linear_value_head_dim, **e), requires_grad=False)
-        self.out_proj = nn.Parameter(torch.empty(h, c.value_dim, **e), requires_grad=False)
+        self.out_proj = matrix(h, c.value_dim, dtype, device, int8)
 
 
 class AttentionLayer(nn.Module):
-    def __init__(self, c: TextConfig, dtype, device):
+    def __init__(self, c: TextConfig, dtype, device, int8: bool):
         super().__init__()
         qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        e = dict(dtype=dtype, device=device)
-        self.qkv = nn.Parameter(torch.empty(2 * qd + 2 * kd, c.hidden_size, **e), requires_grad=False)
-        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, qd, **e), requires_grad=False)
+        self.qkv = matrix(2 * qd + 2 * kd, c.hidden_size, dtype, device, int8)
+        self.o_proj = matrix(c.hidden_size, qd, dtype, device, int8)
         self.q_norm = nn.Parameter(torch.empty(c.head_dim, dtype=torch.float32, device=device), requires_grad=False)
         self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=torch.float32, device=device), requires_grad=False)
 
@@ -97,17 +97,15 @@ class AttentionLayer(nn.Module):
 class Block(nn.Module):
     """One decoder layer: a token mixer (GDN or attention) and the MLP, each behind a norm."""
 
-    def __init__(self, c: TextConfig, kind: str, dtype, device):
+    def __init__(self, c: TextConfig, kind: str, dtype, device, int8: bool):
         super().__init__()
         self.kind = kind
         h = c.hidden_size
         self.input_norm = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device), requires_grad=False)
-        self.mixer = GDNLayer(c, dtype, device) if kind == LINEAR else AttentionLayer(c, dtype, device)
-        self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, h, dtype=dtype, device=device),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.empty(h, c.intermediate_size, dtype=dtype, device=device),
-                                 requires_grad=False)
+        self.mixer = (GDNLayer if kind == LINEAR else AttentionLayer)(c, dtype, device, int8)
+        self.gate_up = matrix(2 * c.intermediate_size, h, dtype, device, int8)
+        self.down = matrix(h, c.intermediate_size, dtype, device, int8)
 
 
 class Cache:
@@ -333,19 +331,21 @@ def rope_delta_after(cache: Cache, positions: torch.Tensor | None, k: int) -> in
 
 
 class Qwen35Model(nn.Module):
-    """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes."""
+    """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes. With int8 the
+    weight matrices (projections, MLPs, embedding, LM head) are kept in 8 bits and computed in `dtype`
+    (quant.py); norms, convolutions and the vision tower stay in their dtypes."""
 
-    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, int8: bool = False):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-                                  requires_grad=False)
-        self.blocks = nn.ModuleList(Block(config, t, dtype, device) for t in config.layer_types)
+        self.int8 = int8
+        self.embed = matrix(config.vocab_size, config.hidden_size, dtype, device, int8)
+        self.blocks = nn.ModuleList(Block(config, t, dtype, device, int8) for t in config.layer_types)
         self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=torch.float32, device=device),
                                        requires_grad=False)
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else matrix(config.vocab_size, config.hidden_size, dtype, device, int8))
         rd = config.rotary_dim
         self.register_buffer("inv_freq", rope.inv_freq(rd, config.rope_theta, device), persistent=False)
         self.register_buffer("rope_section", rope.section_index(rd, config.mrope_section, device),
@@ -402,13 +402,13 @@ class Qwen35Model(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.final_norm.device
 
     # --- the weights let go and read again (a model unloaded where RAM is short) ------------
     @property
     def weights_dropped(self) -> bool:
         """The weights were let go (drop_weights) and are not back yet (reload_weights)."""
-        return self.embed.is_meta
+        return self.final_norm.is_meta
 
     def drop_weights(self, park: torch.device | str) -> None:
         """Lets the weights go: each parameter becomes a meta tensor of its shape (no memory anywhere); the
@@ -456,8 +456,8 @@ class Qwen35Model(nn.Module):
             except (RuntimeError, ValueError) as e:
                 raise Qwen35Error(str(e)) from None
             self._backend_device = self.device
-            self._gemv = self.backend.use_cuda and (self.decode_gemv if self.decode_gemv is not None
-                                                    else kernels.gemv_preferred(self.device))
+            self._gemv = self.backend.use_cuda and not self.int8 and (
+                self.decode_gemv if self.decode_gemv is not None else kernels.gemv_preferred(self.device))
         return self.backend
 
     def set_decode_gemv(self, on: bool | None) -> None:
@@ -478,10 +478,11 @@ class Qwen35Model(nn.Module):
 
     # --- layers -----------------------------------------------------------------------------
     def _proj(self, x, weight, be: kernels.Backend):
-        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it."""
+        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it (not for
+        int8 weights: they are dequantized for cuBLAS, quant.linear)."""
         if self._gemv and x.numel() == x.shape[-1]:
             return kernels.gemv(x, weight, backend=be)
-        return F.linear(x, weight)
+        return linear(x, weight)
 
     def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
         return self._gdn_parts(self._proj(x, m.in_proj, be))
@@ -531,7 +532,7 @@ class Qwen35Model(nn.Module):
     def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
         c = self.config
         hv = c.linear_num_value_heads
-        mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        mixed, z, ba = linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
         T = mixed.shape[1]
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
@@ -562,7 +563,7 @@ class Qwen35Model(nn.Module):
         # last W-1 inputs before each point, gathered.
         c = self.config
         hv = c.linear_num_value_heads
-        mixed, z, ba = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        mixed, z, ba = linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
         T, C = x.shape[1], mixed.shape[2]
         conv0, h0 = cache.conv[i], cache.ssm[i]  # a padded prefill follows a cached prefix: both exist
         y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
@@ -728,7 +729,7 @@ class Qwen35Model(nn.Module):
         cache.reserve(start + T)  # the whole prompt's blocks before any work: a shortage fails here, not midway
         if positions is not None:
             positions = upload(positions, device=self.device)
-        x = F.embedding(ids, self.embed)
+        x = embedding(ids, self.embed)
         if vision is not None:
             index, features = vision
             x[0].index_copy_(0, index, features.to(x.dtype))
@@ -761,7 +762,7 @@ class Qwen35Model(nn.Module):
         states after the first pad.cut tokens (a GDNState whose length and rope_delta the caller sets)."""
         n = len(cache.conv)
         kept = GDNState([None] * n, [None] * n, 0)
-        h = self._layers(F.embedding(ids, self.embed), cache, False, kv, positions=positions, pad=(pad, kept))
+        h = self._layers(embedding(ids, self.embed), cache, False, kv, positions=positions, pad=(pad, kept))
         return self.logits(h[0].index_select(0, pad.n - 1)), kept
 
     @torch.inference_mode()
@@ -771,7 +772,7 @@ class Qwen35Model(nn.Module):
         if kv.slots is not None:  # an empty cache: nothing to attend to but the token itself
             kv = KVStep(table=cache.store.table(cache.seq), lens=torch.zeros(1, dtype=torch.int32, device=self.device),
                         cu_q=torch.tensor([0, 1], dtype=torch.int32, device=self.device))
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, True, kv)
+        h = self._layers(embedding(ids[:, None], self.embed), cache, True, kv)
         cache.length += 1
         return self.logits(h[:, 0])
 
@@ -780,7 +781,7 @@ class Qwen35Model(nn.Module):
         """forward_decode with the position and block table on the device (slot) and no host-side shapes,
         so a CUDA graph can capture it; the caller fills slot's table and advances slot and cache.length."""
         kv = KVStep(table=slot.table, lens=slot.lens, cu_q=slot.cu_q)
-        h = self._layers(F.embedding(ids[:, None], self.embed), cache, True, kv, slot=slot)
+        h = self._layers(embedding(ids[:, None], self.embed), cache, True, kv, slot=slot)
         return self.logits(h[:, 0])
 
     def size_bytes(self) -> int:

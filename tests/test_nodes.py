@@ -148,6 +148,31 @@ def test_single_file_in_text_encoders_loads(pack, models_dir):
     assert out.ui["qwen35_model"][0]["backend"] == "torch"
 
 
+def test_the_loader_keeps_the_weights_in_8_bits_when_asked_or_when_they_do_not_fit(pack, models_dir, comfy,
+                                                                                    monkeypatch):
+    from qwen35_fast.runtime import Qwen35Error
+    from qwen35_fast.runtime import loader as runtime_loader
+
+    def load(weights):
+        out = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                             keep_loaded=True, weights=weights)
+        return out[0], out.ui["qwen35_model"][0]
+
+    int8, info = load("int8")
+    assert int8.model.int8 and info["weights"] == "int8"
+    assert _generate(pack, _prefill(pack, int8), max_new_tokens=3).ui["qwen35_generate"][0]["n_tokens"] >= 1
+    full, full_info = load("full")
+    assert full.model is not int8.model and not full.model.int8 and full_info["weights"] == "full"
+    assert info["size_mb"] < full_info["size_mb"]
+    monkeypatch.setattr(runtime_loader, "free_bytes", lambda device: (1 << 20, 1 << 34))  # no room for full weights
+    auto, auto_info = load("auto")
+    assert auto.model.int8 and auto_info["weights"] == "int8"
+    with pytest.raises(Qwen35Error, match="weights 'fp8' is not one of auto, full, int8"):
+        load("fp8")
+    for m in (int8, full, auto):
+        m.release()
+
+
 def test_loader_reports_backend_and_registers_with_model_management(loaded, comfy):
     assert any(m.model is loaded.managed for m in comfy.mm.current_loaded_models)
     assert loaded.model.backend.name == "torch"

@@ -245,3 +245,30 @@ def test_the_decode_graph_is_captured_again_when_the_store_grows(folder, monkeyp
     graphed = generate(model, pf, max_new_tokens=300, sampling=penalised)
     assert store.version >= 2 and len(steps) >= 2 and steps[-1].version == store.version
     assert graphed.token_ids == want.token_ids and graphed.n_tokens == 300
+
+
+def test_int8_weights_on_the_kernels_compute_what_the_dequantized_twin_does(folder, monkeypatch):
+    """8-bit weights on the GPU: the prefill (kernels, dequantized matrices through cuBLAS) and graphed decode give
+    what a full model holding the dequantized matrices gives (that one decodes through gemv where the card takes
+    it: a tolerance, not bit equality), the graph captures the dequantization, and the weights take about half
+    the VRAM of the full ones."""
+    from qwen35_fast.runtime.quant import Int8Weight
+    a = load_model(folder, dtype="bf16", device="cuda", backend="cuda", weights="int8")
+    b = load_model(folder, dtype="bf16", device="cuda", backend="cuda", weights="full")
+    full_bytes = b.weight_bytes()
+    with torch.no_grad():
+        for name, m in a.named_modules():
+            if isinstance(m, Int8Weight):
+                b.get_parameter(name).copy_(m.rows())
+    assert a.int8 and a.backend.name == "cuda" and a.weight_bytes() < 0.6 * full_bytes
+    ids = torch.randint(0, 248000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    pa, pb = prefill_ids(a, ids), prefill_ids(b, ids)
+    assert rel(pa.logits, pb.logits) < 2e-2
+    steps = spy_graphs(monkeypatch)
+    out = generate(a, pa, max_new_tokens=16, seed=1)
+    assert len(steps) == 1 and steps[0] is not None  # captured with the dequantization inside
+    monkeypatch.setenv("QWEN35_CUDA_GRAPHS", "0")
+    assert generate(a, pa, max_new_tokens=16, seed=1).token_ids == out.token_ids
+    twin = generate(b, pb, max_new_tokens=16, seed=1)
+    same = next((i for i, (x, y) in enumerate(zip(out.token_ids, twin.token_ids)) if x != y), 16)
+    assert same >= 4, (out.token_ids, twin.token_ids)  # random weights: near ties part them sooner or later

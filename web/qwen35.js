@@ -235,7 +235,8 @@ function prefillLine(s) {
 function loaderLine(s) {
   const cache = s.cache_mb !== undefined ? ` (K/V cache ${fmt(s.cache_mb, 0)} MiB, ${s.cache_tokens} tokens)` : "";
   const note = s.device_note ? ` · ${s.device_note}` : "";
-  return `${s.backend} on ${s.device} · ${s.dtype} · ${fmt(s.size_mb, 0)} MiB${cache} — ${s.backend_reason}${note}`;
+  const dtype = s.weights === "int8" ? `int8 weights, ${s.dtype} compute` : s.dtype;
+  return `${s.backend} on ${s.device} · ${dtype} · ${fmt(s.size_mb, 0)} MiB${cache} — ${s.backend_reason}${note}`;
 }
 
 const SETUP = {
