@@ -92,6 +92,43 @@ def test_linear_over_pieces_of_rows_is_the_product_with_the_whole_matrix(monkeyp
     assert torch.equal(quant.embedding(ids, w), F.embedding(ids, w.rows()))
 
 
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """The calls of torch's int8 matmul (each a fresh copy of its bf16 input) as linear makes them."""
+    calls, real = [], torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda a, q, s: calls.append(a.shape) or real(a, q, s))
+    return calls
+
+
+@pytest.mark.parametrize("rows,cols,packed", [(1, 64, True), (5, 128, True), (64, 64, True), (65, 64, False),
+                                             (3, 96, False)])
+def test_few_rows_on_the_cpu_take_the_int8_matmul_within_bf16_of_the_product(packed_calls, rows, cols, packed):
+    g = torch.Generator().manual_seed(rows + cols)
+    w = _weight(*quantize_rows(torch.randn(300, cols, generator=g) * 0.02, torch.float32))
+    x = torch.randn(rows, cols, generator=g)[None]
+    y = linear(x, w)
+    assert y.shape == (1, rows, 300) and y.dtype == torch.float32
+    assert len(packed_calls) == int(packed)
+    ref = F.linear(x, w.rows())
+    assert rel(y, ref) < (4e-3 if packed else 1e-6)  # the input rounded to bf16 (2^-9), fp32 sums
+    wb = _weight(*quantize_rows(torch.randn(300, cols, generator=g) * 0.02, torch.bfloat16))
+    yb = linear(x.bfloat16(), wb)
+    assert yb.dtype == torch.bfloat16 and rel(yb, F.linear(x.bfloat16(), wb.rows())) < 8e-3
+
+
+def test_a_torch_without_the_int8_matmul_dequantizes_instead(monkeypatch, caplog):
+    def refuse(*_):
+        raise RuntimeError("_weight_int8pack_mm: no kernel for this CPU")
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", refuse)
+    monkeypatch.setattr(quant, "_packed", [True])
+    w = _weight(*quantize_rows(_rows(8, cols=64), torch.float32))
+    x = torch.randn(2, 64)
+    assert rel(linear(x, w), F.linear(x, w.rows())) < 1e-6 and quant._packed == [False]
+    assert "no int8 matmul on the CPU" in caplog.text and "decodes slower" in caplog.text
+    assert rel(linear(x, w), F.linear(x, w.rows())) < 1e-6  # (said once: not tried again)
+    assert caplog.text.count("no int8 matmul") == 1
+
+
 def _dequantized_twin(a, folder, dtype):
     """A full model of the same checkpoint whose matrices are set to a's dequantized ones."""
     b = load_model(folder, dtype=dtype, device="cpu", backend="torch", weights="full")
@@ -107,7 +144,10 @@ def _dequantized_twin(a, folder, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_an_int8_model_computes_what_its_dequantized_weights_do(folder, dtype):
+def test_an_int8_model_computes_what_its_dequantized_weights_do(folder, dtype, monkeypatch):
+    """Bit for bit where every matmul dequantizes (on the CPU the few-row products otherwise take torch's int8
+    matmul: tested below)."""
+    monkeypatch.setattr(quant, "PACKED_ROWS", 0)
     a = load_model(folder, dtype=dtype, device="cpu", backend="torch", weights="int8")
     assert a.int8 and isinstance(a.blocks[0].gate_up, Int8Weight) and isinstance(a.embed, Int8Weight)
     b = _dequantized_twin(a, folder, dtype)
@@ -120,6 +160,12 @@ def test_an_int8_model_computes_what_its_dequantized_weights_do(folder, dtype):
     ma = prefill_multimodal(a, "What is in <image>?", images=image, use_cache=False)
     mb = prefill_multimodal(b, "What is in <image>?", images=image, use_cache=False)
     assert ma.vision.vision_tokens > 0 and torch.equal(ma.logits, mb.logits)
+    # with the CPU's int8 matmul for the few-row products (the prompt, each decode step, the LM head's row)
+    monkeypatch.undo()
+    pa = prefill_ids(a, IDS)
+    tol = 2e-2 if dtype == "fp32" else 4e-2  # the inputs of those products in bf16
+    assert rel(pa.logits, pb.logits) < tol
+    assert rel(forced_logits(a, pa, IDS[:6]), forced_logits(b, pb, IDS[:6])) < tol
 
 
 def test_an_int8_load_quantizes_the_checkpoints_weights(folder):
@@ -175,6 +221,7 @@ def test_tied_embeddings_in_8_bits_read_the_vocabulary_in_pieces(tmp_path, monke
     assert a.lm_head is None
     b = _dequantized_twin(a, tmp_path, "fp32")
     monkeypatch.setattr(quant, "DEQUANT_BYTES", 700 * a.config.hidden_size * 4)  # 8 pieces of the vocabulary
+    monkeypatch.setattr(quant, "PACKED_ROWS", 0)  # (the CPU's int8 matmul takes the whole vocabulary at once)
     assert a.embed.rows_per_piece() == 700
     ids = [5, 77, 300, 12, 4999]
     assert rel(prefill_ids(a, ids).logits, prefill_ids(b, ids).logits) < 1e-6
