@@ -26,7 +26,7 @@ from comfyui_harness import (
 pytestmark = pytest.mark.comfyui
 
 EXPECTED_INPUTS = {
-    "Qwen35ModelLoader": {"model", "dtype", "device", "backend", "keep_loaded", "cache_budget_mb"},
+    "Qwen35ModelLoader": {"model", "dtype", "device", "backend", "keep_loaded", "cache_budget_mb", "weights"},
     "Qwen35TextPrefill": {"model", "prompt", "system_prompt", "thinking", "use_chat_template",
                           "allow_special_tokens"},
     "Qwen35MultimodalPrefill": {"model", "prompt", "images", "video", "frames", "frame_rate", "mode", "system_prompt",
