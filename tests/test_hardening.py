@@ -509,8 +509,10 @@ def test_out_of_memory_in_prefill_says_what_to_change(folder, monkeypatch, still
         with pytest.raises(Qwen35Error, match=rf"out of memory on cpu reading a prompt of {n} tokens: that needs "
                                               r"about \d+\.\d\d GiB beyond the model's \d+\.\d\d GiB of weights and K/V "
                                               r"cache, and "
-                                              r"\d+\.\d\d GiB of \d+\.\d\d GiB is free\. Shorten the prompt"):
+                                              r"\d+\.\d\d GiB of \d+\.\d\d GiB is free\. Shorten the prompt") as e:
             prefill(model, PROMPT)
+    assert "or load the model with int8 weights (the loader's weights input: half the memory), in a smaller" in str(
+        e.value)
     assert torch.equal(prefill(model, PROMPT, use_cache=False).logits, before)  # the same model goes on as before
 
 
