@@ -2,7 +2,8 @@
 weights of a trained model's scale, the real tokenizer; on a GPU bf16 on the kernels backend, on the CPU fp32 on
 the PyTorch path), the same weights quantized for the int8 model. Per model: the weights' GiB, a prompt's prefill
 (ms, median), greedy generate() after it (decode tokens/s as Generation reports them, median), and how far the
-int8 model's prompt logits are from the full model's (relative). Rounds taken in turn. Writes
+int8 model's prompt logits are from the full model's (relative; in fp32, beside how far rounding the same
+matrices to bf16 moves them, since random weights amplify any change). Rounds taken in turn. Writes
 bench/results/int8-weights-h200.json (or --out).
 
     python3 bench/int8_weights.py [--model 9b] [--layers N] [--reps 5] [--out PATH]
@@ -75,7 +76,16 @@ def main():
             logits[name] = pf.logits
             g = generate(m, pf, max_new_tokens=a.tokens, sampling=SamplingParams(), seed=r)
             runs[name]["tok_s"].append(g.decode_tokens_per_s)
-    err = float((logits["int8"].double() - logits["full"].double()).norm() / logits["full"].double().norm())
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+    err = rel(logits["int8"], logits["full"])
+    if not gpu:  # the yardstick: the same matrices rounded to bf16 (fp32 compute)
+        with torch.no_grad():
+            for m in full.modules():
+                for name, p in m.named_parameters(recurse=False):
+                    if p.dim() == 2 and name != "conv_w":
+                        p.copy_(p.bfloat16())
+        bf16_err = rel(prefill(full, text, use_cache=False).logits, logits["full"])
     rows = []
     for name, m in models.items():
         ms, tps = sorted(runs[name]["prefill_ms"]), sorted(runs[name]["tok_s"])
@@ -88,6 +98,8 @@ def main():
               "model": f"Qwen3.5-{a.model.upper()}-shaped, {full.config.num_hidden_layers} layers, random weights, "
                        f"{str(full.dtype).removeprefix('torch.')} compute", "rows": rows,
               "int8_logits_rel_err": round(err, 5)}
+    if not gpu:
+        result["bf16_matrices_logits_rel_err"] = round(bf16_err, 5)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

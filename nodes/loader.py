@@ -173,7 +173,7 @@ def _load(path: Path, dtype: str, device: str, target: torch.device, backend: st
     if target.type != "cpu":
         # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
         # (auto: room for the full weights, so that int8 is taken only where they cannot fit)
-        need = weights_bytes(path, 1 if weights == "int8" else 4 if dtype == "fp32" else 2)
+        need = weights_bytes(path, 4 if dtype == "fp32" else 2, int8=weights == "int8")
         mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
     try:
         return load_model(path, dtype=dtype, device=str(target), backend=backend, weights=weights), ""

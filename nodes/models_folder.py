@@ -146,15 +146,17 @@ def find_model(name: str) -> Path | None:
     return Path(full) if full else None
 
 
-def weights_bytes(path: Path, element_bytes: int = 2) -> int:
+def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int:
     """Bytes the model's weights take once loaded with `element_bytes` per number (2: bf16 / fp16), from the
-    safetensors headers (an FP8 file takes twice its size, an fp32 one half); 0 for what cannot be read:
-    loading it says why."""
+    safetensors headers (an FP8 file takes twice its size, an fp32 one half); with int8, the text model's
+    matrices (2-D, outside the vision tower) at a byte a number; 0 for what cannot be read: loading it says why."""
     from ..runtime.checkpoint import read_header
     from ..runtime.errors import Qwen35Error
     try:
         from ..runtime.checkpoint import weight_files
         files = [path] if path.is_file() else [p for p in weight_files(path) if p.is_file()]
-        return element_bytes * sum(math.prod(t["shape"]) for f in files for t in read_header(f).values())
+        return sum(math.prod(t["shape"]) * (1 if int8 and len(t["shape"]) == 2 and "visual." not in name
+                                             else element_bytes)
+                   for f in files for name, t in read_header(f).items())
     except (OSError, Qwen35Error):
         return 0

@@ -2,23 +2,25 @@
 
 A row w of a weight matrix is stored as q = round(w / s) with s = max|w| / 127 (s in the model's dtype, q in
 -127..127): one byte a number and one scale a row, half the memory of bf16. The model computes with q * s:
-a matmul multiplies its input by that dequantized matrix (made a few thousand rows at a time where the matrix
+a matmul multiplies its input by that dequantized matrix (made some thousands of rows at a time where the matrix
 is large, so no more than DEQUANT_BYTES of it exists at once) and the embedding takes q * s of the rows it looks
-up. An int8 model therefore computes exactly what a model with weights q * s computes (on the CPU, a few rows at
-a time take another route, below); the one difference from the checkpoint is that rounding (tests/test_int8.py
-states it).
+up. An int8 model therefore computes exactly what a model with weights q * s computes (on the CPU the matmul
+takes another route, below); the one difference from the checkpoint is that rounding (tests/test_int8.py states
+it).
 
 Each row is quantized on its own, so the rows of a fused matrix (q/k/v, gate/up) can be filled part by part
 as the checkpoint's tensors come, and the result does not depend on which tensors share a matrix.
 
 On the CPU an elementwise pass over a matrix costs many times the matmul that reads it (2 cores, a 6144 x 2048
 matrix and one row: dequantized and multiplied 56 ms, the fp32 product with full weights 4.2 ms), so a decode step
-that dequantized every matrix would run ~10x slower than full weights. There, inputs of up to PACKED_ROWS rows take
-torch's weight-only int8 matmul (torch._weight_int8pack_mm: the int8 rows read as they are, the input in bf16, fp32
-sums, a bf16 result; 2.9 ms for that row, 25 ms for 16 rows against 42 for full weights and 87 dequantized), whose
-products are then scaled in fp32; from ~100 rows on (a prompt) dequantizing is as fast (256 rows: 231 ms, against
-340 packed and 178 full). Its vectorized forms load aligned 16-number runs, so it is
-given fresh bf16 copies of the inputs and only matrices whose width is a multiple of 64 (every Qwen3.5 matrix).
+that dequantized every matrix would run ~10x slower than full weights. There the matmul is torch's weight-only
+int8 one (torch._weight_int8pack_mm: the int8 rows read as they are, the input in bf16, fp32 sums, a bf16 result,
+then scaled in fp32): 2.9 ms for that row, 25 ms for 16 rows against 42 for full weights and 87 dequantized, 340
+for 256 rows against 178 full and 231 dequantized. It takes every product, prompts too, although dequantizing
+would read a long prompt faster: each output row is then computed the same way whatever the rows beside it, so a
+prompt read after a cached prefix, or a follow-up turn, gives what reading it in one go gives (tests/test_int8.py).
+Its vectorized forms load aligned 16-number runs: it is given fresh contiguous bf16 copies of the inputs and only
+matrices whose width is a multiple of 64 (every Qwen3.5 matrix; others dequantize).
 """
 from __future__ import annotations
 
@@ -32,10 +34,9 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = ("auto", "full", "int8")  # how load_model keeps the text model's matrices (auto: loader.pick_int8)
 QMAX = 127
-DEQUANT_BYTES = 384 << 20  # the most of one matrix dequantized at once (the 27B's gate/up, 356 MB, in one go)
+DEQUANT_BYTES = 128 << 20  # the most of one matrix dequantized at once (each CUDA graph's pool keeps that much)
 FILL_BYTES = 64 << 20  # fp32 rows a fill quantizes at once
-PACKED_ROWS = 64  # on the CPU, inputs of up to this many rows take torch's int8 matmul (above)
-_packed = [hasattr(torch, "_weight_int8pack_mm")]  # False once this torch refused it
+_packed: list = []  # [whether this torch has the CPU int8 matmul], found on first use
 
 
 class Int8Weight(nn.Module):
@@ -68,8 +69,10 @@ class Int8Weight(nn.Module):
         return self.q.numel()
 
     def rows(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Rows lo .. hi-1 of the matrix in the compute dtype (one elementwise op: one rounding a number)."""
-        return self.q[lo:hi] * self.scale[lo:hi, None]
+        """Rows lo .. hi-1 of the matrix in the compute dtype (one elementwise op: one rounding a number; written
+        straight into the result, where q * scale would first make a copy of q in that dtype on the CPU)."""
+        q = self.q[lo:hi]
+        return torch.mul(q, self.scale[lo:hi, None], out=torch.empty(q.shape, dtype=self.dtype, device=q.device))
 
     def rows_per_piece(self) -> int:
         """How many rows linear dequantizes at once (all of them unless that would exceed DEQUANT_BYTES)."""
@@ -84,31 +87,36 @@ def matrix(rows: int, cols: int, dtype: torch.dtype, device, int8: bool):
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w^T for a weight w that is a tensor or an Int8Weight (dequantized piece by piece, or on the CPU for a
-    few rows torch's int8 matmul)."""
+    """x @ w^T for a weight w that is a tensor or an Int8Weight (dequantized piece by piece; on the CPU torch's
+    int8 matmul)."""
     if not isinstance(w, Int8Weight):
         return F.linear(x, w)
-    if x.device.type == "cpu" and x.numel() <= PACKED_ROWS * x.shape[-1] and x.shape[-1] % 64 == 0 and _packed[0]:
-        y = _packed_linear(x, w)
-        if y is not None:
-            return y
+    if x.device.type == "cpu" and x.shape[-1] % 64 == 0 and cpu_int8_matmul():
+        a = torch.empty(x.numel() // x.shape[-1], x.shape[-1], dtype=torch.bfloat16)
+        a.copy_(x.reshape(a.shape))  # contiguous and aligned, as its loads want
+        y = torch._weight_int8pack_mm(a, w.q, torch.ones(w.shape[0], dtype=torch.bfloat16))
+        return (y.float() * w.scale.float()).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     step, n = w.rows_per_piece(), w.shape[0]
     if step >= n:
         return F.linear(x, w.rows())
-    return torch.cat([F.linear(x, w.rows(lo, lo + step)) for lo in range(0, n, step)], dim=-1)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for lo in range(0, n, step):  # each piece's product into its columns: one piece and its output at a time
+        y[..., lo:lo + step] = F.linear(x, w.rows(lo, lo + step))
+    return y
 
 
-def _packed_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor | None:
-    """linear on the CPU through torch._weight_int8pack_mm; None where this torch does not take it."""
-    a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16, copy=True)  # contiguous and aligned, as its loads want
-    try:
-        y = torch._weight_int8pack_mm(a, w.q, torch.ones(w.shape[0], dtype=torch.bfloat16))
-    except (RuntimeError, NotImplementedError) as e:
-        log.warning("Qwen3.5: this PyTorch has no int8 matmul on the CPU (%s); int8 weights are dequantized for "
-                    "each matmul, which decodes slower", e)
-        _packed[0] = False
-        return None
-    return (y.float() * w.scale.float()).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+def cpu_int8_matmul() -> bool:
+    """Whether this torch has the CPU int8 matmul (tried once on a small product, said when it has not)."""
+    if not _packed:
+        try:
+            torch._weight_int8pack_mm(torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.int8),
+                                      torch.ones(4, dtype=torch.bfloat16))
+            _packed.append(True)
+        except (AttributeError, RuntimeError, NotImplementedError) as e:
+            log.warning("Qwen3.5: this PyTorch has no int8 matmul on the CPU (%s: %s); int8 weights are "
+                        "dequantized for each matmul there, which decodes several times slower", type(e).__name__, e)
+            _packed.append(False)
+    return _packed[0]
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
@@ -146,4 +154,5 @@ def dequant_bytes(model) -> int:
     return max(pieces, default=0)
 
 
-__all__ = ["WEIGHTS", "Int8Weight", "matrix", "linear", "embedding", "quantize_rows", "fill_rows", "dequant_bytes"]
+__all__ = ["WEIGHTS", "Int8Weight", "matrix", "linear", "cpu_int8_matmul", "embedding", "quantize_rows", "fill_rows",
+           "dequant_bytes"]

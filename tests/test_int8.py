@@ -83,7 +83,7 @@ def test_a_fill_in_slices_at_an_offset_equals_one_pass(monkeypatch, fill_bytes, 
 def test_linear_over_pieces_of_rows_is_the_product_with_the_whole_matrix(monkeypatch, piece_rows):
     w = _weight(*quantize_rows(_rows(5), torch.float32))
     monkeypatch.setattr(quant, "DEQUANT_BYTES", piece_rows * 96 * 4)
-    assert w.rows_per_piece() == min(piece_rows, 40)
+    assert w.rows_per_piece() == min(piece_rows, 40)  # (96 columns: not the CPU's int8 matmul)
     x = torch.randn(3, 2, 96, generator=torch.Generator().manual_seed(6))
     y = linear(x, w)
     assert y.shape == (3, 2, 40)
@@ -95,20 +95,23 @@ def test_linear_over_pieces_of_rows_is_the_product_with_the_whole_matrix(monkeyp
 @pytest.fixture
 def packed_calls(monkeypatch):
     """The calls of torch's int8 matmul (each a fresh copy of its bf16 input) as linear makes them."""
+    assert quant.cpu_int8_matmul()  # (its one trial made before the calls are counted)
     calls, real = [], torch._weight_int8pack_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda a, q, s: calls.append(a.shape) or real(a, q, s))
     return calls
 
 
-@pytest.mark.parametrize("rows,cols,packed", [(1, 64, True), (5, 128, True), (64, 64, True), (65, 64, False),
+@pytest.mark.parametrize("rows,cols,packed", [(1, 64, True), (5, 128, True), (64, 64, True), (300, 64, True),
                                              (3, 96, False)])
-def test_few_rows_on_the_cpu_take_the_int8_matmul_within_bf16_of_the_product(packed_calls, rows, cols, packed):
+def test_the_cpus_int8_matmul_is_the_product_within_bf16(packed_calls, rows, cols, packed):
     g = torch.Generator().manual_seed(rows + cols)
     w = _weight(*quantize_rows(torch.randn(300, cols, generator=g) * 0.02, torch.float32))
     x = torch.randn(rows, cols, generator=g)[None]
     y = linear(x, w)
     assert y.shape == (1, rows, 300) and y.dtype == torch.float32
     assert len(packed_calls) == int(packed)
+    if packed:  # each output row as it is alone: the rows beside it change nothing
+        assert torch.equal(y[0, -1:], linear(x[:, -1:], w)[0])
     ref = F.linear(x, w.rows())
     assert rel(y, ref) < (4e-3 if packed else 1e-6)  # the input rounded to bf16 (2^-9), fp32 sums
     wb = _weight(*quantize_rows(torch.randn(300, cols, generator=g) * 0.02, torch.bfloat16))
@@ -117,16 +120,34 @@ def test_few_rows_on_the_cpu_take_the_int8_matmul_within_bf16_of_the_product(pac
 
 
 def test_a_torch_without_the_int8_matmul_dequantizes_instead(monkeypatch, caplog):
+    calls = []
+
     def refuse(*_):
+        calls.append(1)
         raise RuntimeError("_weight_int8pack_mm: no kernel for this CPU")
     monkeypatch.setattr(torch, "_weight_int8pack_mm", refuse)
-    monkeypatch.setattr(quant, "_packed", [True])
+    monkeypatch.setattr(quant, "_packed", [])
     w = _weight(*quantize_rows(_rows(8, cols=64), torch.float32))
     x = torch.randn(2, 64)
     assert rel(linear(x, w), F.linear(x, w.rows())) < 1e-6 and quant._packed == [False]
-    assert "no int8 matmul on the CPU" in caplog.text and "decodes slower" in caplog.text
-    assert rel(linear(x, w), F.linear(x, w.rows())) < 1e-6  # (said once: not tried again)
-    assert caplog.text.count("no int8 matmul") == 1
+    assert "no int8 matmul on the CPU" in caplog.text and "decodes several times slower" in caplog.text
+    assert rel(linear(x, w), F.linear(x, w.rows())) < 1e-6
+    assert caplog.text.count("no int8 matmul") == 1 and len(calls) == 1  # tried and said once
+
+
+def test_on_the_cpu_a_reused_prefix_and_a_follow_up_give_what_one_go_gives(folder):
+    """Every product takes the int8 matmul, whose output rows do not depend on the rows beside them: reading a
+    prompt after a cached prefix, or a follow-up turn, gives the logits of reading it whole, as with full weights."""
+    from qwen35_fast.runtime import continue_prefill, prefill
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch", weights="int8")
+    first = prefill(model, "Describe a red fox in the snow.", system_prompt="You write image prompts.")
+    again = prefill(model, "Describe a grey wolf at night.", system_prompt="You write image prompts.")
+    cold = prefill(model, "Describe a grey wolf at night.", system_prompt="You write image prompts.", use_cache=False)
+    assert again.cached_tokens > 0 and cold.cached_tokens == 0
+    assert rel(again.logits, cold.logits) < 1e-5
+    turn = continue_prefill(model, first, "And in the rain?", previous_answer="A fox.")
+    whole = prefill_ids(model, turn.token_ids, use_cache=False)
+    assert turn.cached_tokens > 0 and rel(turn.logits, whole.logits) < 1e-5
 
 
 def _dequantized_twin(a, folder, dtype):
@@ -145,9 +166,9 @@ def _dequantized_twin(a, folder, dtype):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_an_int8_model_computes_what_its_dequantized_weights_do(folder, dtype, monkeypatch):
-    """Bit for bit where every matmul dequantizes (on the CPU the few-row products otherwise take torch's int8
-    matmul: tested below)."""
-    monkeypatch.setattr(quant, "PACKED_ROWS", 0)
+    """Bit for bit where every matmul dequantizes (on the CPU the products otherwise take torch's int8 matmul:
+    tested below)."""
+    monkeypatch.setattr(quant, "_packed", [False])
     a = load_model(folder, dtype=dtype, device="cpu", backend="torch", weights="int8")
     assert a.int8 and isinstance(a.blocks[0].gate_up, Int8Weight) and isinstance(a.embed, Int8Weight)
     b = _dequantized_twin(a, folder, dtype)
@@ -160,7 +181,7 @@ def test_an_int8_model_computes_what_its_dequantized_weights_do(folder, dtype, m
     ma = prefill_multimodal(a, "What is in <image>?", images=image, use_cache=False)
     mb = prefill_multimodal(b, "What is in <image>?", images=image, use_cache=False)
     assert ma.vision.vision_tokens > 0 and torch.equal(ma.logits, mb.logits)
-    # with the CPU's int8 matmul for the few-row products (the prompt, each decode step, the LM head's row)
+    # with the CPU's int8 matmul
     monkeypatch.undo()
     pa = prefill_ids(a, IDS)
     tol = 2e-2 if dtype == "fp32" else 4e-2  # the inputs of those products in bf16
@@ -221,7 +242,7 @@ def test_tied_embeddings_in_8_bits_read_the_vocabulary_in_pieces(tmp_path, monke
     assert a.lm_head is None
     b = _dequantized_twin(a, tmp_path, "fp32")
     monkeypatch.setattr(quant, "DEQUANT_BYTES", 700 * a.config.hidden_size * 4)  # 8 pieces of the vocabulary
-    monkeypatch.setattr(quant, "PACKED_ROWS", 0)  # (the CPU's int8 matmul takes the whole vocabulary at once)
+    monkeypatch.setattr(quant, "_packed", [False])  # (the CPU's int8 matmul takes the whole vocabulary at once)
     assert a.embed.rows_per_piece() == 700
     ids = [5, 77, 300, 12, 4999]
     assert rel(prefill_ids(a, ids).logits, prefill_ids(b, ids).logits) < 1e-6

@@ -589,6 +589,13 @@ def test_weights_bytes_counts_numbers_not_file_bytes(pack, tmp_path):
     assert pack.models_folder.weights_bytes(f32) == 2 * 64 * 32
     assert pack.models_folder.weights_bytes(f32, 4) == 4 * 64 * 32
     assert pack.models_folder.weights_bytes(tmp_path) == 2 * (64 * 32 + 1) + 2 * 64 * 32  # a folder: every file
+    # with int8 weights the text model's matrices take a byte a number, the vision tower and 1-D tensors the dtype
+    mixed = tmp_path / "mixed" / "model.safetensors"
+    mixed.parent.mkdir()
+    save_file({"model.language_model.layers.0.mlp.down_proj.weight": torch.zeros(64, 32),
+               "model.language_model.norm.weight": torch.zeros(64),
+               "model.visual.blocks.0.attn.qkv.weight": torch.zeros(96, 32)}, str(mixed))
+    assert pack.models_folder.weights_bytes(mixed, 2, int8=True) == 64 * 32 + 2 * 64 + 2 * 96 * 32
     (tmp_path / "bad.safetensors").write_bytes(b"\x00")
     assert pack.models_folder.weights_bytes(tmp_path / "bad.safetensors") == 0
 
