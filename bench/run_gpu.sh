@@ -2,7 +2,7 @@
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
 #   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/continue_prefill.py, bench/prefill_pieces.py,
-#   bench/int8_weights.py,
+#   bench/int8_weights.py, bench/gemv_int8_ab.py (an experiment: int8 decode products),
 #   bench/vision.py, bench/gdn.py, bench/paged_attention.py,
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
@@ -109,6 +109,8 @@ if [ "$e2e" = 1 ]; then
   python3 bench/prefill_pieces.py --out "$OUT/prefill-pieces-h200.json" 2>&1 | tee "$OUT/prefill-pieces.log" | tail -6
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 bench/int8_weights.py --out "$OUT/int8-weights-h200.json" 2>&1 | tee "$OUT/int8-weights.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 bench/gemv_int8_ab.py --out "$OUT/gemv-int8-ab-h200.json" 2>&1 | tee "$OUT/gemv-int8-ab.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
