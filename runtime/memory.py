@@ -219,13 +219,13 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
     empty_cache(dev)  # what the failed run held goes back, so `free` is what a retry would find
     free, total = free_bytes(dev)
     gib = 2 ** 30
-    int8 = "" if model.int8 else "with int8 weights (the loader's weights input: half the memory), "
+    halve = "" if model.int8 else "with int8 weights (the loader's weights input: half the memory), "
     return Qwen35Error(
         f"out of memory on {dev} {what}: that needs about "
         f"{needed / gib:.2f} GiB beyond the model's {model.size_bytes() / gib:.2f} GiB of weights and K/V cache, and "
         f"{free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Shorten the prompt (or max_new_tokens), free "
         "memory (ComfyUI's 'Unload models', or close other programs on the GPU), or load the model "
-        f"{int8}in a "
+        f"{halve}in a "
         "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
 
 
