@@ -8,7 +8,7 @@ Nq new tokens after Nkv cached ones, causal over the new tokens, every cached on
 Ours also stores the Nq new K/V in the pool and applies the sigmoid output gate; SDPA does neither.
 "cold_prefill": a prompt with nothing cached (Nkv = 0), ours against SDPA with is_causal (cuDNN; what the
 runtime runs there).
-All timings are CUDA-graph replays (median ms per call); for small Nkv each graph cycles through several
+All timings are CUDA-graph replays of at least 4 calls (median ms per call); for small Nkv each graph cycles through several
 copies of the K/V so that they do not sit in L2. For Nq <= 16 the row also gives the K/V bytes over the
 measured copy bandwidth (read + written bytes of a 1 GiB device copy), and beside it what a device copy
 moving as many bytes reaches in the same setup (same_bytes_copy_bw_fraction: one launch of 4 MB cannot
@@ -36,10 +36,16 @@ NQS = (1, 16, 256, 1024, 4096)
 NKVS = (1024, 4096, 16384, 65536)
 BLOCKS = (16, 64)
 L2_DEFEAT_BYTES = 256 << 20  # cycle through this much K/V per graph when one copy would fit in L2 (50 MB)
+# a graph holds at least this many calls (the list repeated), so that the replay's own start (several us, paid
+# once per decode step by the model's graph of hundreds of kernels) is not counted as one kernel's
+MIN_CALLS_PER_GRAPH = 4
 
 
 def graph_ms(calls):
-    """Median ms of one call of `calls` (a list of closures), all captured in one CUDA graph and replayed."""
+    """Median ms of one call of `calls` (a list of closures, repeated up to MIN_CALLS_PER_GRAPH), all captured
+    in one CUDA graph and replayed. The K/V rows pass lists that L2 cannot hold (a list shorter than that is
+    one copy of >= 64 MB: a repeat reads it from memory again); the cold prefills are bound by compute."""
+    calls = calls * math.ceil(MIN_CALLS_PER_GRAPH / len(calls))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -423,3 +423,48 @@ def test_decode_replays_in_a_cuda_graph():
         ref = _ref(a, write_kv=False)
         assert not torch.isnan(out).any()
         assert _rel(out, ref) < 1e-2, lens_now
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True])
+def test_the_merge_waits_for_the_shares_it_reads(graphed, monkeypatch):
+    """The merge of a split call may start while the split kernel still runs (a programmatic launch on sm_90
+    and newer, plain elsewhere) and must read each share only once it is written: split calls one after
+    another (a decode step on the decode kernel, 16 new tokens on the warpgroup or mma.sync kernel), eager and
+    replayed in a CUDA graph, equal the same calls launched plainly bit for bit, for new queries each time (a
+    merge that read early would read the call before's shares, in memory the allocator hands on, or NaN)."""
+    cases = [make_case(60 + i, 16, lens, device="cuda") for i, lens in enumerate([[(20000, 1)], [(9000, 16)]] * 2)]
+    card = pa_launch.card_of("cuda")
+    for c in cases:
+        assert pa_launch.plan(c["max_q"], 1, 4, 4, c["block_table"].shape[1] * 16, card.sms, wgmma=card.wgmma,
+                              smem_per_sm=card.smem_per_sm).splits > 1
+
+    def run_all():
+        return [_run_cuda(c) for c in cases]
+
+    def fresh(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for c in cases:
+            c["q"].copy_(torch.randn(c["q"].shape, generator=g, device="cuda").bfloat16())
+
+    run_all()  # the kernels load outside the capture
+    if graphed:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run_all()
+    for seed in range(1, 6):
+        fresh(seed)
+        monkeypatch.setattr(cuda_build, "PROGRAMMATIC", False)
+        want = run_all()
+        monkeypatch.setattr(cuda_build, "PROGRAMMATIC", True)
+        if graphed:
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            got = outs
+        else:
+            got = run_all()
+        for g_, w in zip(got, want):
+            assert not torch.isnan(w).any()
+            assert torch.equal(g_, w), seed

@@ -219,5 +219,5 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         cols, groups, rows = combine_shape(D, p.splits)
         launch(comb, (math.ceil(T * H / rows), D // cols, 1), (groups * cols // 4, rows, 1),
                (o_part, lse_part, g, i64(g.stride(0)), i64(g.stride(1)), out, np.int32(T), np.int32(H),
-                np.int32(p.splits)))
+                np.int32(p.splits)), programmatic=True)
     return out

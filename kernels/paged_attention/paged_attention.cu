@@ -48,6 +48,7 @@ static_assert(BN == 32, "one lane per key row of a tile");
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 paged_attention_fwd(PAGED_PARAMS) {
+    let_the_merge_start();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]
     elem* Ks = Qs + BM * LDS;                         // [2][BN][LDS]

@@ -48,6 +48,7 @@ __device__ __forceinline__ int tile_off(int rows, int r, int pc) { return (pc >>
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 paged_attention_wg(PAGED_PARAMS) {
+    let_the_merge_start();
     extern __shared__ unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
     elem* Ks = Qs + BM * HEAD_DIM;  // [3][BN x HEAD_DIM]

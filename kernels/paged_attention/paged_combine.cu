@@ -15,6 +15,9 @@ typedef __nv_bfloat16 elem;
 // is three dependent rounds of loads (the gate and the log2-sum-exps, then the partial outputs) whatever the
 // split count; a row's groups add their sums through shared memory in group order (the sum does not depend
 // on timing). Empty shares (lse = -inf) get weight 0 and their o_part is never read.
+// Launched with programmatic serialization after the split kernel (paged_common.cuh let_the_merge_start): it
+// waits for that grid first (grid_wait) and reads the shares through L2 (__ldcg), not the read-only path,
+// since they were written while this grid was already resident.
 #define COMBINE_MAX_SPLITS 128
 #define COMBINE_COLS (HEAD_DIM % 64 == 0 ? 64 : 32)  // launch.combine_shape
 #define COMBINE_THREADS 256  // the most threads of a block (launch.combine_shape)
@@ -32,6 +35,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     const bool live = row < stride;
     const int grp = threadIdx.x / TPG, tg = threadIdx.x % TPG, c = blockIdx.y * COMBINE_COLS + tg * 4;
     float* w = w_s + ty * splits;  // this row's weights
+    grid_wait();
 #if GATE
     float2 g01 = make_float2(0.f, 0.f), g23 = g01;
     if (live && grp == 0) {  // the gate's load overlaps the merge
@@ -42,7 +46,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
     }
 #endif
     if (live)
-        for (int s = threadIdx.x; s < splits; s += blockDim.x) w[s] = lse_part[s * stride + row];
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) w[s] = __ldcg(lse_part + s * stride + row);
     __syncthreads();
     float mx = NEG_INF;
     if (live)
@@ -61,7 +65,7 @@ paged_attention_combine(const float* __restrict__ o_part, const float* __restric
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         wi[i] = live && s0 + i < splits ? w[s0 + i] : 0.f;
-        v[i] = wi[i] > 0.f ? __ldg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
+        v[i] = wi[i] > 0.f ? __ldcg(reinterpret_cast<const float4*>(op + (s0 + i) * stride * HEAD_DIM))
                            : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -25,6 +25,16 @@
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
 
+// With SPLIT, the merge of the shares (paged_combine.cu) is launched with programmatic serialization: each
+// kernel lets it start as its first act, so the merge's blocks are resident in the slots this grid leaves free
+// (a split launch is planned to one wave) and waiting in grid_wait() when the last share ends, instead of
+// being launched then. Nothing else follows a split launch before the merge.
+__device__ __forceinline__ void let_the_merge_start() {
+#if SPLIT
+    grid_launch_dependents();
+#endif
+}
+
 // Slot (row of [num_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]) of key position p through the block table.
 __device__ __forceinline__ long long slot_of(const int* bt, int p) {
     return (long long)__ldg(bt + p / BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE;

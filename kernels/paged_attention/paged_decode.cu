@@ -38,6 +38,7 @@ static_assert(BN == 32, "one lane per key row of a tile");
 // Arguments as paged_attention_fwd's.
 extern "C" __global__ void __launch_bounds__(THREADS)
 paged_attention_decode(PAGED_PARAMS) {
+    let_the_merge_start();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem* Qs = reinterpret_cast<elem*>(smem_raw);  // [BM][LDS]; then the partial S
     elem* Ks = reinterpret_cast<elem*>(smem_raw + Q_BYTES);  // [2][BN][LDS]
