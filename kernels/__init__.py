@@ -153,28 +153,30 @@ def silu_mul(gu, backend: Backend | None = None):
     return ops.run(ops.silu_mul_op, gu, bool(backend and backend.use_cuda))
 
 
-def gemv(x, weight, backend: Backend | None = None):
+def gemv(x, weight, backend: Backend | None = None, scale=None):
     """One row's projection, x @ weight^T (x [..., K] holding one row, weight [N, K]) -> [..., N] in x.dtype:
-    the CUDA kernel streams the weight once (16-bit types, K a multiple of 8); else F.linear."""
-    return ops.run(ops.gemv_op, x, weight, bool(backend and backend.use_cuda))
+    the CUDA kernel streams the weight once (16-bit types, K a multiple of 8); else F.linear. scale [N] (x's
+    dtype): weight is int8 with one scale a row, the product (weight x) * scale rounded once (the kernel takes
+    K a multiple of 16; else the reference, in fp32). The fused forms below take `scale` alike."""
+    return ops.run(ops.gemv_op, x, weight, scale, bool(backend and backend.use_cuda))
 
 
-def gemv_add_rms_norm(res, x, norm_w, eps: float, weight, backend: Backend | None = None):
+def gemv_add_rms_norm(res, x, norm_w, eps: float, weight, backend: Backend | None = None, scale=None):
     """The residual add, the RMSNorm after it and the one-row projection that takes it, in one launch on the
     CUDA backend where that is faster (gemv.launch.fuses): returns (s, rms_norm(s, norm_w) @ weight^T) with
     s = res + x in x.dtype, the values of add_rms_norm then gemv bit for bit. x None: (res, rms_norm(res,
     norm_w) @ weight^T). res, x: [..., K] holding one row; norm_w: [K]; weight: [N, K]."""
     use_cuda = bool(backend and backend.use_cuda)
     if x is None:
-        return res, ops.run(ops.gemv_rms_norm_op, res, norm_w, float(eps), weight, use_cuda)
-    return ops.run(ops.gemv_add_rms_norm_op, res, x, norm_w, float(eps), weight, use_cuda)
+        return res, ops.run(ops.gemv_rms_norm_op, res, norm_w, float(eps), weight, scale, use_cuda)
+    return ops.run(ops.gemv_add_rms_norm_op, res, x, norm_w, float(eps), weight, scale, use_cuda)
 
 
-def gemv_silu_mul(gu, weight, backend: Backend | None = None):
+def gemv_silu_mul(gu, weight, backend: Backend | None = None, scale=None):
     """The MLP's down projection of silu(g) * u (gu = [..., 2 K] holding one row, g its first half; weight
     [N, K]), in one launch on the CUDA backend where that is faster (gemv.launch.fuses): the values of
     silu_mul then gemv bit for bit."""
-    return ops.run(ops.gemv_silu_mul_op, gu, weight, bool(backend and backend.use_cuda))
+    return ops.run(ops.gemv_silu_mul_op, gu, weight, scale, bool(backend and backend.use_cuda))
 
 
 def gemv_preferred(device: torch.device | str) -> bool:

@@ -182,46 +182,47 @@ def _silu_mul_fake(gu, use_cuda):
     return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
-def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor], use_cuda: bool) -> torch.Tensor:
     if use_cuda:
-        return _cuda().gemv_cuda(x, weight)
-    return gemv_ref(x, weight)
+        return _cuda().gemv_cuda(x, weight, scale=scale)
+    return gemv_ref(x, weight, scale)
 
 
-def _gemv_fake(x, weight, use_cuda):
+def _gemv_fake(x, weight, scale, use_cuda):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _gemv_add_norm_impl(res: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
-                       use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: Optional[torch.Tensor], use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if use_cuda:
-        return _cuda().gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight)
-    return gemv_add_rms_norm_ref(res, x, norm_w, eps, weight)
+        return _cuda().gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight, scale=scale)
+    return gemv_add_rms_norm_ref(res, x, norm_w, eps, weight, scale)
 
 
-def _gemv_add_norm_fake(res, x, norm_w, eps, weight, use_cuda):
+def _gemv_add_norm_fake(res, x, norm_w, eps, weight, scale, use_cuda):
     return (torch.empty_like(res, memory_format=torch.contiguous_format),
             res.new_empty(*res.shape[:-1], weight.shape[0]))
 
 
 def _gemv_norm_impl(res: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,
-                    use_cuda: bool) -> torch.Tensor:
+                    scale: Optional[torch.Tensor], use_cuda: bool) -> torch.Tensor:
     if use_cuda:
-        return _cuda().gemv_add_rms_norm_cuda(res, None, norm_w, eps, weight)[1]
-    return gemv_add_rms_norm_ref(res, None, norm_w, eps, weight)[1]
+        return _cuda().gemv_add_rms_norm_cuda(res, None, norm_w, eps, weight, scale=scale)[1]
+    return gemv_add_rms_norm_ref(res, None, norm_w, eps, weight, scale)[1]
 
 
-def _gemv_norm_fake(res, norm_w, eps, weight, use_cuda):
+def _gemv_norm_fake(res, norm_w, eps, weight, scale, use_cuda):
     return res.new_empty(*res.shape[:-1], weight.shape[0])
 
 
-def _gemv_silu_mul_impl(gu: torch.Tensor, weight: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+def _gemv_silu_mul_impl(gu: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
+                        use_cuda: bool) -> torch.Tensor:
     if use_cuda:
-        return _cuda().gemv_silu_mul_cuda(gu, weight)
-    return gemv_silu_mul_ref(gu, weight)
+        return _cuda().gemv_silu_mul_cuda(gu, weight, scale=scale)
+    return gemv_silu_mul_ref(gu, weight, scale)
 
 
-def _gemv_silu_mul_fake(gu, weight, use_cuda):
+def _gemv_silu_mul_fake(gu, weight, scale, use_cuda):
     return gu.new_empty(*gu.shape[:-1], weight.shape[0])
 
 

@@ -21,7 +21,7 @@ from .errors import Qwen35Error
 from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
-from .quant import embedding, linear, matrix
+from .quant import Int8Weight, embedding, linear, matrix
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
 # the user turn) runs the recurrence once per part: in each of the 24 GDN layers a conv and a GDN call per
@@ -317,6 +317,11 @@ class PaddedCut:
         return PaddedCut((torch.arange(T, device=device) >= ends[:, None]).view(2, T, 1), ends)
 
 
+def _rows(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight matrix as kernels.gemv takes it: (matrix, None), or an Int8Weight's (int8 rows, their scales)."""
+    return (weight.q, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
+
+
 def text_positions(cache: Cache, T: int, device) -> torch.Tensor:
     """Rotary ids [3, T] of T text tokens appended to `cache` (its slots plus its rope_delta)."""
     return (torch.arange(cache.length, cache.length + T, device=device) + cache.rope_delta).expand(3, T)
@@ -456,8 +461,12 @@ class Qwen35Model(nn.Module):
             except (RuntimeError, ValueError) as e:
                 raise Qwen35Error(str(e)) from None
             self._backend_device = self.device
-            self._gemv = self.backend.use_cuda and not self.int8 and (
-                self.decode_gemv if self.decode_gemv is not None else kernels.gemv_preferred(self.device))
+            # int8 matrices take gemv on every card (dequantized for cuBLAS instead, a 9B decode step read ~3x
+            # the bytes: 28 tok/s against 210 with full weights, bench/results/int8-weights-h200.json); 16-bit
+            # ones where it was measured faster than cuBLAS
+            preferred = (self.int8 and self.dtype in (torch.bfloat16, torch.float16)) or kernels.gemv_preferred(self.device)
+            self._gemv = self.backend.use_cuda and (
+                self.decode_gemv if self.decode_gemv is not None else preferred)
         return self.backend
 
     def set_decode_gemv(self, on: bool | None) -> None:
@@ -478,10 +487,11 @@ class Qwen35Model(nn.Module):
 
     # --- layers -----------------------------------------------------------------------------
     def _proj(self, x, weight, be: kernels.Backend):
-        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it (not for
-        int8 weights: they are dequantized for cuBLAS, quant.linear)."""
+        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it (int8 rows
+        with their scales), else quant.linear."""
         if self._gemv and x.numel() == x.shape[-1]:
-            return kernels.gemv(x, weight, backend=be)
+            w, scale = _rows(weight)
+            return kernels.gemv(x, w, backend=be, scale=scale)
         return linear(x, weight)
 
     def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
@@ -658,13 +668,17 @@ class Qwen35Model(nn.Module):
         for i, blk in enumerate(self.blocks):
             m = blk.mixer
             if blk.kind == LINEAR:
-                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, m.in_proj, backend=be)
+                w, scale = _rows(m.in_proj)
+                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, w, backend=be, scale=scale)
                 y = self._gdn_decode_from(m, p, cache, i, be)
             else:
-                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, m.qkv, backend=be)
+                w, scale = _rows(m.qkv)
+                h, p = kernels.gemv_add_rms_norm(h, y, blk.input_norm, eps, w, backend=be, scale=scale)
                 y = self._attention_from(m, p, cache, i, cos, sin, be, kv)
-            h, p = kernels.gemv_add_rms_norm(h, y, blk.post_norm, eps, blk.gate_up, backend=be)
-            y = kernels.gemv_silu_mul(p, blk.down, backend=be)
+            w, scale = _rows(blk.gate_up)
+            h, p = kernels.gemv_add_rms_norm(h, y, blk.post_norm, eps, w, backend=be, scale=scale)
+            w, scale = _rows(blk.down)
+            y = kernels.gemv_silu_mul(p, w, backend=be, scale=scale)
         return h + y
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:

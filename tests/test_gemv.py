@@ -77,7 +77,9 @@ def test_gemv_is_a_custom_op_torch_compile_traces():
     from qwen35_fast.kernels import ops
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(1, 1, 64, generator=g), torch.randn(48, 64, generator=g)
-    torch.library.opcheck(ops.gemv_op, (x, w, False), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.gemv_op, (x, w, None, False), test_utils=("test_schema", "test_faketensor"))
+    q, s = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8), torch.rand(48, generator=g) / 127
+    torch.library.opcheck(ops.gemv_op, (x, q, s, False), test_utils=("test_schema", "test_faketensor"))
     be = kernels.select_backend("torch", "cpu")
 
     def step(x):
@@ -247,8 +249,8 @@ def test_fused_projections_on_the_cpu_are_their_parts():
     gu = torch.randn(1, 1, 512, generator=g).bfloat16()
     assert torch.equal(kernels.gemv_silu_mul(gu, w, backend=be), kernels.gemv(kernels.silu_mul(gu, backend=be), w,
                                                                                backend=be))
-    for op, args in ((ops.gemv_add_rms_norm_op, (res, x, nw, 1e-6, w, False)),
-                     (ops.gemv_rms_norm_op, (res, nw, 1e-6, w, False)), (ops.gemv_silu_mul_op, (gu, w, False))):
+    for op, args in ((ops.gemv_add_rms_norm_op, (res, x, nw, 1e-6, w, None, False)),
+                     (ops.gemv_rms_norm_op, (res, nw, 1e-6, w, None, False)), (ops.gemv_silu_mul_op, (gu, w, None, False))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -367,3 +369,83 @@ def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path
     assert torch.equal(logits[True], logits[False])
     assert len(steps) == 2 and all(g is not None for g in steps)  # both generations in the step's graph
     assert tokens[True] == tokens[False]
+
+
+def _int8_rows(N, K, g, device, dtype):
+    """An int8 matrix [N, K] (-127..127) and a scale a row in dtype, as runtime/quant.py keeps them."""
+    q = torch.randint(-127, 128, (N, K), generator=g, device=device, dtype=torch.int8)
+    return q, (torch.rand(N, generator=g, device=device) * 0.02 / 127 + 1e-5).to(dtype)
+
+
+def test_int8_reference_is_the_fp32_product_times_the_scale_in_row_pieces(monkeypatch):
+    """gemv_ref with a scale: (q x) in fp32 times the row's scale, rounded once; the rows converted a few at a
+    time give what all at once gives."""
+    from qwen35_fast.kernels.gemv import reference
+    g = torch.Generator().manual_seed(5)
+    q, s = _int8_rows(70, 64, g, "cpu", torch.bfloat16)
+    x = torch.randn(1, 1, 64, generator=g).bfloat16()
+    want = ((x.float() @ q.float().T) * s.float()).bfloat16()
+    assert torch.equal(reference.gemv_ref(x, q, s), want)
+    monkeypatch.setattr(reference, "ROWS_AT_ONCE_BYTES", 64 * 4 * 8)  # 8 rows at a time
+    assert torch.equal(reference.gemv_ref(x, q, s), want)
+
+
+@pytest.mark.parametrize("n_rows,k,split", [(4096, 4096, 1), (4096, 12288, 2), (1024, 17408, 4), (5, 24576, 4)])
+def test_int8_rows_split_by_their_pieces(n_rows, k, split):
+    """An int8 row is half the 16-byte pieces of a bf16 one: a row group is shared only where each warp keeps
+    MIN_RUN pieces of it."""
+    assert split_of(n_rows, k, 132, weight_bytes=1) == split
+    assert split == 1 or (k // 16) // split >= MIN_RUN
+
+
+@pytest.mark.gpu
+def test_takes_int8_rows_with_their_scales():
+    x = torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda")
+    q = torch.empty(64, 4096, dtype=torch.int8, device="cuda")
+    s = torch.empty(64, dtype=torch.bfloat16, device="cuda")
+    assert takes(x, q, s) and not takes(x, q)  # int8 without its scales is no 16-bit matrix
+    assert not takes(x, q, s.half()) and not takes(x, q, s[:32]) and not takes(x, q, s.float())
+    assert not takes(x[..., :4088], q[:, :4088], s)  # K not a multiple of 16
+    assert not takes(x[..., :4080], q[:, 8:4088], s)  # rows not 16-byte aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", [(1, 16), (3, 80), (17, 1024), (4096, 4096), (12352, 4096), (4096, 12288),
+                                 (1024, 17408), (248320, 1024), (5, 24576)])
+def test_int8_gemv_is_the_scaled_product_rounded_once(N, K, dtype):
+    """y = (q x) * s: the fp32 sums' order and one rounding from the exact value, row groups split between
+    warps where split_of says (4096 x 12288, 1024 x 17408, 5 x 24576) or not."""
+    g = torch.Generator(device="cuda").manual_seed(N * 17 + K)
+    q, s = _int8_rows(N, K, g, "cuda", dtype)
+    x = torch.randn(1, 1, K, generator=g, device="cuda").to(dtype)
+    poison_allocator(((1, 1, N), dtype))
+    y = kernels.gemv(x, q, backend=kernels.select_backend("cuda", "cuda"), scale=s)
+    assert y.shape == (1, 1, N) and y.dtype == dtype and not y.isnan().any()
+    exact = (x.double() @ q.double().T) * s.double()
+    gamma = (K // 32 + 8) * 2.0 ** -24 * 1.01  # a lane's sums, the shuffles, the scale's product
+    size = (q.double().abs() @ x.double().abs().view(K)).view(1, 1, N) * s.double()
+    bound = exact.abs() * ULP[dtype] + gamma * size * (1 + ULP[dtype])
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N", [(1024, 8224), (2560, 18432), (4096, 12352)])
+def test_int8_fused_products_are_their_two_launches(K, N):
+    """With int8 rows as with 16-bit ones: the residual add and norm, or the MLP's gate, formed as x is staged
+    give the two launches' values bit for bit (each row group on one warp, as the fused kernel sums it)."""
+    from qwen35_fast.kernels.gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda
+    from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda
+    from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
+    g = torch.Generator(device="cuda").manual_seed(K)
+    res, x = (torch.randn(1, 1, K, generator=g, device="cuda").bfloat16() for _ in range(2))
+    nw = torch.randn(K, generator=g, device="cuda") * 0.2
+    q, s = _int8_rows(N, K, g, "cuda", torch.bfloat16)
+    poison_allocator(((1, 1, N), torch.bfloat16))
+    h, y = gemv_add_rms_norm_cuda(res, x, nw, 1e-6, q, fuse=True, scale=s)
+    h0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6)
+    assert torch.equal(h, h0) and not y.isnan().any() and torch.equal(y, gemv_cuda(n0, q, split=1, scale=s))
+    q2, s2 = _int8_rows(K, N // 2, g, "cuda", torch.bfloat16)  # a down projection of half the width
+    gu = (torch.randn(1, 1, N // 2 * 2, generator=g, device="cuda") * 3).bfloat16()
+    y = gemv_silu_mul_cuda(gu, q2, fuse=True, scale=s2)
+    assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), q2, split=1, scale=s2))

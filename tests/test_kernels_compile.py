@@ -63,7 +63,11 @@ VARIANTS = {
     "gemv.cu": [{"IN_T": i, "SPLIT": s} for i in (2, 1) for s in (1, 2, 4)]
     + [{"IN_T": i, "PRO": 1, "DIM": d, "W_T": w, "TPR": _tpr(d)} for d in (1024, 2048, 2560, 4096, 5120)
        for i in (2, 1) for w in (0, i)]
-    + [{"IN_T": i, "PRO": 2} for i in (2, 1)],
+    + [{"IN_T": i, "PRO": 2} for i in (2, 1)]
+    # ... and each form with int8 rows and their scales
+    + [{"IN_T": i, "SPLIT": s, "Q8": 1} for i in (2, 1) for s in (1, 2, 4)]
+    + [{"IN_T": 2, "PRO": 1, "DIM": d, "W_T": 0, "TPR": _tpr(d), "Q8": 1} for d in (1024, 2560, 4096)]
+    + [{"IN_T": i, "PRO": 2, "Q8": 1} for i in (2, 1)],
     # paged_attention/launch.py: warps per block x block size x split-K (9B: GROUP 4); tests/test_paged_attention.py
     # compiles the full grid (GQA 6, sm_86 / sm_120 too)
     "paged_attention.cu": [{"WARPS_M": w, "BLOCK_SIZE": b, "SPLIT": s} for w in (1, 4) for b in (16, 64) for s in (0, 1)],

@@ -146,6 +146,11 @@ def test_gemv(rtx, N, K):
     _poison((1, N), torch.bfloat16)
     y = gemv_launch.gemv_cuda(x, w)
     assert not y.isnan().any() and rel(y, x.float() @ w.float().T) < 4e-3
+    q = torch.randint(-127, 128, (N, K), generator=g, device=DEV, dtype=torch.int8)  # int8 rows, a scale each
+    s = (torch.rand(N, generator=g, device=DEV) * 1e-3).bfloat16()
+    _poison((1, N), torch.bfloat16)
+    y = gemv_launch.gemv_cuda(x, q, scale=s)
+    assert not y.isnan().any() and rel(y, (x.float() @ q.float().T) * s.float()) < 4e-3
     assert ("get", "gemv") in rtx
 
 

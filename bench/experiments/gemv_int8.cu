@@ -1,12 +1,11 @@
-// EXPERIMENT (bench only, not yet run on a GPU): one token's projection with 8-bit weights, y = (Q x) * s, for
-// the decode step of an int8 model (runtime/quant.py: Q [N, K] int8 row-major, one scale a row s [N], x [K] and
-// y [N] in the element type). Today such a step dequantizes each matrix into the element type and hands it to
-// cuBLAS: a byte a weight read, two written, two read again. Here each weight byte is read once, as kernels/gemv
-// reads bf16 rows: a warp takes ROWS rows at a time, each lane UNROLL 16-byte pieces (16 weights) of each row in
-// flight with streaming loads, x staged in shared memory once a block; products and sums in fp32, a shuffle
-// reduction per row, times the row's scale, rounded once. K a multiple of 16, Q's rows and x 16-byte aligned.
-// bench/gemv_int8_ab.py checks it against the dequantized product and times it against that path and against
-// kernels/gemv on the same matrices in bf16; if it holds, it becomes a define of kernels/gemv/gemv.cu.
+// EXPERIMENT (bench only): the first form of kernels/gemv/gemv.cu's Q8 product, y = (Q x) * s for one token with
+// 8-bit weights (runtime/quant.py: Q [N, K] int8 row-major, one scale a row s [N], x [K] and y [N] in the element
+// type), each weight turned to fp32 by the int-to-float conversion (a quarter-rate instruction on sm_90) where the
+// kernel now places the byte under a float's exponent. Measured against the dequantize-then-cuBLAS path it
+// replaced (7-15x faster on the 9B's shapes) and against the kernel: bench/gemv_int8_ab.py,
+// results/gemv-int8-ab-h200.json. A warp takes ROWS rows at a time, each lane UNROLL 16-byte pieces (16
+// weights) of each row in flight with streaming loads, x staged in shared memory once a block; products and sums
+// in fp32, a shuffle reduction per row, times the row's scale, rounded once. K a multiple of 16.
 #include "common.cuh"
 
 #ifndef IN_T

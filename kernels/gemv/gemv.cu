@@ -8,6 +8,12 @@
 // SPLIT warps may share a row group, each taking one of SPLIT consecutive runs of K (launch.py: where the rows
 // alone leave warps of a full grid idle, e.g. the 4,096 rows of a 9B out_proj); their row sums meet in
 // shared memory, added in run order.
+// Q8: W holds int8 weights with one scale a row (wscale [N], the element type; runtime/quant.py), y = (W x) *
+// wscale rounded once: a 16-byte piece is 16 weights, so each weight byte is read once, half the bytes of a
+// 16-bit matrix (the decode step of an int8 model; dequantizing for cuBLAS instead read, wrote and read again
+// twice that, 7-15x this product's time on the 9B's shapes, bench/results/gemv-int8-ab-h200.json). A weight
+// becomes fp32 through its byte placed under the exponent of 2^23 (prmt) minus 2^23 + 128: exact, and two
+// full-rate instructions where the int-to-float conversion runs at a quarter of the rate.
 //
 // What stands before the projection in the decoder layer can be formed while x is staged (PRO), so that
 // it costs no launch of its own:
@@ -33,6 +39,17 @@
 typedef qf_type<IN_T>::t elem;
 typedef qf_type<W_T>::t wtype;
 
+#ifndef Q8
+#define Q8 0
+#endif
+#if Q8
+typedef signed char welem;  // a weight
+#define WPP 16              // weights a 16-byte piece
+#else
+typedef elem welem;
+#define WPP 8
+#endif
+
 #ifndef SPLIT
 #define SPLIT 1
 #endif
@@ -57,6 +74,18 @@ union Vec8 {
 __device__ __forceinline__ float dot8(const Vec8& w, const Vec8& x, float acc) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc = fmaf(to_f(w.e[e]), to_f(x.e[e]), acc);
+    return acc;
+}
+
+// 16 int8 weights w (one piece) times x pieces a, b, in column order: byte e + 128 under the exponent of 2^23
+// is the float 2^23 + 128 + q_e.
+__device__ __forceinline__ float dot16_q8(const uint4& w, const Vec8& a, const Vec8& b, float acc) {
+    const unsigned u[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        const float q = __int_as_float(__byte_perm(u[e >> 2], 0x4B000000u, 0x7440u | (e & 3))) - 8388736.f;
+        acc = fmaf(q, to_f(e < 8 ? a.e[e] : b.e[e - 8]), acc);
+    }
     return acc;
 }
 
@@ -110,14 +139,15 @@ __device__ __forceinline__ void stage_norm(uint4* xs, const elem* __restrict__ x
 }
 #endif
 
-// W: N rows of stride ldw elements; x: K contiguous (PRO 2: 2 K); y: N contiguous. PRO 1: res, nw: K
-// contiguous, sum: K (written by block 0 when x is given), eps. Unused pointers may be null.
+// W: N rows of stride ldw weights; x: K contiguous (PRO 2: 2 K); y: N contiguous. PRO 1: res, nw: K
+// contiguous, sum: K (written by block 0 when x is given), eps. Q8: wscale [N]. Unused pointers may be null.
 extern "C" __global__ void __launch_bounds__(THREADS, 4)
-gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ y, int N, int K, long long ldw,
-     const elem* __restrict__ res, const wtype* __restrict__ nw, elem* __restrict__ sum, float eps)
+gemv(const welem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ y, int N, int K, long long ldw,
+     const elem* __restrict__ res, const wtype* __restrict__ nw, elem* __restrict__ sum, float eps,
+     const elem* __restrict__ wscale)
 {
     extern __shared__ uint4 xs[];  // K / 8 pieces of x (SPLIT > 1: then the warps' row sums)
-    const int nv = K >> 3;
+    const int nx = K >> 3, nv = K / WPP;  // pieces of x, of a weight row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int run = (nv + SPLIT - 1) / SPLIT;                      // pieces of K a warp takes
     const int v_lo = (warp % SPLIT) * run, v_hi = min(nv, v_lo + run);
@@ -144,10 +174,10 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
 #if PRO == 1
     stage_norm(xs, x, res, nw, sum, eps);
 #elif PRO == 2
-    for (int i = threadIdx.x; i < nv; i += THREADS) {
+    for (int i = threadIdx.x; i < nx; i += THREADS) {
         Vec8 g, u, o;
         g.u = __ldcg(reinterpret_cast<const uint4*>(x) + i);
-        u.u = __ldcg(reinterpret_cast<const uint4*>(x) + nv + i);
+        u.u = __ldcg(reinterpret_cast<const uint4*>(x) + nx + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float sg = to_f(from_f<elem>(silu_f(to_f(g.e[e]))));
@@ -156,7 +186,7 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
         xs[i] = o.u;
     }
 #else
-    for (int i = threadIdx.x; i < nv; i += THREADS) xs[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+    for (int i = threadIdx.x; i < nx; i += THREADS) xs[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
 #endif
     __syncthreads();
     for (int r0 = first; r0 < N; r0 += step) {
@@ -180,10 +210,18 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
             for (int u = 0; u < UNROLL; ++u) {
                 const int v = v0 + 32 * u;
                 if (v < v_hi) {
+#if Q8
+                    Vec8 xa, xb;
+                    xa.u = xs[2 * v];
+                    xb.u = xs[2 * v + 1];
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) acc[r] = dot16_q8(w[r][u].u, xa, xb, acc[r]);
+#else
                     Vec8 xv;
                     xv.u = xs[v];
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) acc[r] = dot8(w[r][u], xv, acc[r]);
+#endif
                 }
             }
         }
@@ -194,7 +232,7 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
         }
 #if SPLIT > 1
         // the group's SPLIT warps (the same rows, the same trips through this loop) meet at barrier 1 + group
-        float* part = reinterpret_cast<float*>(xs + nv);  // [WARPS][ROWS], after x
+        float* part = reinterpret_cast<float*>(xs + nx);  // [WARPS][ROWS], after x
         if (lane == 0)
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) part[warp * ROWS + r] = acc[r];
@@ -212,7 +250,7 @@ gemv(const elem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__ 
         if (lane == 0 && warp % SPLIT == 0) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
-                if (r0 + r < N) y[r0 + r] = from_f<elem>(acc[r]);
+                if (r0 + r < N) y[r0 + r] = from_f<elem>(Q8 ? acc[r] * to_f(wscale[r0 + r]) : acc[r]);
         }
     }
 }
