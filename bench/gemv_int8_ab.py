@@ -66,8 +66,9 @@ def main():
         ref = linear(x[None], w)[0].float()
         err = float((y.float() - ref).norm() / ref.norm())
         assert gemv_takes(x, w.q, w.scale)
-        torch.cuda.empty_cache()
-        y2 = gemv_cuda(x, w.q, scale=w.scale)  # a fresh output: the allocator's blocks hold the NaN above or other
+        poison = torch.full((N,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del poison  # its block, NaN, is what the allocator hands the kernel's output next
+        y2 = gemv_cuda(x, w.q, scale=w.scale)
         err2 = float((y2.float() - ref).norm() / ref.norm())
         ok = bool(torch.isfinite(y).all() and torch.isfinite(y2).all()) and err < 1e-2 and err2 < 1e-2
         copies = max(1, -(-L2_ROTATION_BYTES // (N * K)))  # int8 bytes; the bf16 copies hold twice as much

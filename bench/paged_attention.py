@@ -36,6 +36,12 @@ NQS = (1, 16, 256, 1024, 4096)
 NKVS = (1024, 4096, 16384, 65536)
 BLOCKS = (16, 64)
 L2_DEFEAT_BYTES = 256 << 20  # cycle through this much K/V per graph when one copy would fit in L2 (50 MB)
+
+
+def kv_copies(kv_bytes: int) -> int:
+    """Copies of a case's K/V a graph cycles through: L2_DEFEAT_BYTES of them (1K keys at the 9B shape: 64 copies
+    of 4 MiB; before 2026-12-05's second run the count stopped at 8, 32 MiB, which the 50 MB L2 may partly hold)."""
+    return max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes))
 # a graph holds at least this many calls (the list repeated), so that the replay's own start (several us, paid
 # once per decode step by the model's graph of hundreds of kernels) is not counted as one kernel's
 MIN_CALLS_PER_GRAPH = 4
@@ -43,8 +49,8 @@ MIN_CALLS_PER_GRAPH = 4
 
 def graph_ms(calls):
     """Median ms of one call of `calls` (a list of closures, repeated up to MIN_CALLS_PER_GRAPH), all captured
-    in one CUDA graph and replayed. The K/V rows pass lists that L2 cannot hold (a list shorter than that is
-    one copy of >= 64 MB: a repeat reads it from memory again); the cold prefills are bound by compute."""
+    in one CUDA graph and replayed. The K/V rows pass lists that L2 cannot hold (kv_copies; a list shorter than
+    four is one copy of >= 64 MB: a repeat reads it from memory again); the cold prefills are bound by compute."""
     calls = calls * math.ceil(MIN_CALLS_PER_GRAPH / len(calls))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -97,7 +103,7 @@ def main():
     nkvs = () if a.cold else (1024, 65536) if a.quick else sorted({kv for _, kv in only}) if only else NKVS
     for Nkv in nkvs:
         kv_bytes = 2 * Nkv * HKV * D * 2
-        copies = max(1, min(8, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        copies = kv_copies(kv_bytes)
         same = same_bytes_copy(kv_bytes, copies, bw)["copy_bw_fraction"]
         for Nq in NQS:
             if only and (Nq, Nkv) not in only:

@@ -23,7 +23,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from qwen35_fast.kernels.paged_attention.launch import card_of, paged_attention_cuda, plan
 
 from gdn import ceilings, graph_of
-from paged_attention import DEV, HKV, L2_DEFEAT_BYTES, D, H, graph_ms, paged_setup, same_bytes_copy
+from paged_attention import DEV, HKV, D, H, graph_ms, kv_copies, paged_setup, same_bytes_copy
 
 NKVS = (1024, 4096, 16384, 65536)
 NQS = (1, 4)
@@ -60,7 +60,7 @@ def main():
     rows, copies_out = [], []
     for Nkv in ints(a.nkv):
         kv_bytes = 2 * Nkv * HKV * D * 2
-        copies = max(1, min(8, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        copies = kv_copies(kv_bytes)
         copies_out.append(same_bytes_copy(kv_bytes, copies, bw))
         print(json.dumps(copies_out[-1]), flush=True)
         for Nq in ints(a.nq):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from qwen35_fast.kernels import cuda_build
 from qwen35_fast.kernels.paged_attention import launch as pa_launch
 
-from paged_attention import DEV, HKV, L2_DEFEAT_BYTES, D, H, graph_ms, paged_setup
+from paged_attention import DEV, HKV, D, H, graph_ms, kv_copies, paged_setup
 
 ATTR = {"paged_attention.cu": "SRC", "paged_decode.cu": "SRC_DEC", "paged_attention_wg.cu": "SRC_WG",
         "paged_combine.cu": "SRC_COMBINE"}
@@ -56,7 +55,7 @@ def main():
     for case in a.cases.split(","):
         Nq, Nkv = (int(x) for x in case.split("x"))
         kv_bytes = 2 * Nkv * HKV * D * 2
-        copies = max(1, min(8, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        copies = kv_copies(kv_bytes)
         k_pool, v_pool, tables = paged_setup(Nq, Nkv, 16, copies, True, gen)
         qg = torch.randn(Nq, H, 2 * D, device=DEV, dtype=torch.bfloat16, generator=gen)
         kn = torch.randn(Nq, HKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)

@@ -470,8 +470,9 @@ class Qwen35Model(nn.Module):
         return self.backend
 
     def set_decode_gemv(self, on: bool | None) -> None:
-        """One-row projections through kernels.gemv (True), through cuBLAS (False), or as
-        kernels.gemv_preferred says for the device (None); captured passes are made again."""
+        """One-row projections through kernels.gemv (True), through cuBLAS (False), or the default (None): int8
+        matrices through gemv, 16-bit ones as kernels.gemv_preferred says for the device; captured passes are made
+        again."""
         self.decode_gemv, self._backend_device = on, None
 
     def set_backend(self, requested: str) -> kernels.Backend:

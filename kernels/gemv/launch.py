@@ -79,7 +79,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = No
     if scale is None:
         if weight.dtype != x.dtype:
             return False
-    elif not (weight.dtype == torch.int8 and scale.dtype == x.dtype and scale.is_cuda
+    elif not (weight.dtype == torch.int8 and scale.dtype == x.dtype and scale.device == weight.device
               and tuple(scale.shape) == (weight.shape[0],) and scale.is_contiguous()):
         return False
     K, piece = weight.shape[1], 16 // weight.element_size()

@@ -19,7 +19,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         return F.linear(x, weight)
     N, K = weight.shape
     y, xf = x.new_empty(*x.shape[:-1], N), x.float()
-    step = max(1, ROWS_AT_ONCE_BYTES // (4 * K))
+    step = max(1, ROWS_AT_ONCE_BYTES // (4 * max(1, K)))
     for lo in range(0, N, step):
         hi = min(N, lo + step)
         y[..., lo:hi] = F.linear(xf, weight[lo:hi].float()) * scale[lo:hi].float()
