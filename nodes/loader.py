@@ -95,7 +95,7 @@ class Qwen35ModelLoader(io.ComfyNode):
                                tooltip="How the text model's weight matrices are kept. full: in the dtype. int8: "
                                        "in 8 bits with a scale per row, computed in the dtype: half the memory of "
                                        "bf16 (a 9B model in ~9 GiB instead of ~17), answers close to full but not "
-                                       "the same; on a GPU it decodes slower than full weights that fit. auto: full "
+                                       "the same; it decodes faster than full weights and reads prompts slower. auto: full "
                                        "where it fits the device's free memory after other models are moved out, "
                                        "else int8; the node says which."),
             ],
