@@ -40,7 +40,7 @@ L2_DEFEAT_BYTES = 256 << 20  # cycle through this much K/V per graph when one co
 
 def kv_copies(kv_bytes: int) -> int:
     """Copies of a case's K/V a graph cycles through: L2_DEFEAT_BYTES of them (1K keys at the 9B shape: 64 copies
-    of 4 MiB; before 2026-12-05's second run the count stopped at 8, 32 MiB, which the 50 MB L2 may partly hold)."""
+    of 4 MiB; L2 holds 50 MB)."""
     return max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes))
 # a graph holds at least this many calls (the list repeated), so that the replay's own start (several us, paid
 # once per decode step by the model's graph of hundreds of kernels) is not counted as one kernel's

@@ -2,7 +2,7 @@
 # Everything the GPU machine runs for the kernels, in one go (device time is scarce):
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
 #   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/continue_prefill.py, bench/prefill_pieces.py,
-#   bench/int8_weights.py, bench/gemv_int8_ab.py (the int8 decode products against their first form and bf16),
+#   bench/int8_weights.py, bench/gemv_int8_ab.py (the int8 decode products against dequantizing and bf16),
 #   bench/vision.py, bench/gdn.py, bench/paged_attention.py,
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
