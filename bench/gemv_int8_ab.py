@@ -1,7 +1,8 @@
 """One token's product with int8 weights and a scale a row: kernels/gemv's Q8 form (what an int8 model's decode
 step runs) against the path before it (runtime/quant.py linear: the matrix dequantized into bf16, then cuBLAS) and
 against kernels/gemv on the same matrices in bf16 (a full-weights model's step), on the decode step's shapes
-(bench/gemv.py SHAPES). (The committed JSON's ms_int8_gemv and rel_err_vs_dequantized columns are the kernel's first form, with the
+(bench/gemv.py SHAPES); and the int8 product with each split of its row groups forced (ms_int8_split1/2/4,
+split_chosen: launch.split_of's pick). (The committed JSON's ms_int8_gemv and rel_err_vs_dequantized columns are the kernel's first form, with the
 int-to-float conversion: bench/experiments/gemv_int8.cu in git history, commit 98a832e.) First right: the
 kernel's output poisoned with NaN beforehand, against the dequantized product (relative error). Then fast: ms per product in a CUDA graph of `calls` products over
 rotated copies of the weights (bench/gemv.py per_call_ms: no copy left in L2 between products) and the weight
@@ -19,7 +20,8 @@ from gemv import L2_ROTATION_BYTES, SHAPES, copy_rate, per_call_ms
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
-from qwen35_fast.kernels.gemv.launch import gemv_cuda
+from qwen35_fast.kernels.cuda_build import card_of
+from qwen35_fast.kernels.gemv.launch import SPLITS, gemv_cuda, split_of
 from qwen35_fast.kernels.gemv.launch import takes as gemv_takes
 from qwen35_fast.runtime.quant import Int8Weight, linear, quantize_rows
 
@@ -60,6 +62,10 @@ def main():
                "ms_int8_dequant_cublas": per_call_ms(lambda x_, w_: linear(x_[None], w_), ws8, x, a.calls, a.reps),
                "ms_int8_kernels": per_call_ms(lambda x_, w_: gemv_cuda(x_, w_.q, scale=w_.scale), ws8, x, a.calls,
                                               a.reps)}
+        for s in SPLITS:  # each split of the row groups forced: what split_of's choice for int8 rests on
+            row[f"ms_int8_split{s}"] = per_call_ms(lambda x_, w_, s=s: gemv_cuda(x_, w_.q, split=s, scale=w_.scale),
+                                                   ws8, x, a.calls, a.reps)
+        row["split_chosen"] = split_of(N, K, card_of(x.device).sms, 1)
         row["int8_kernels_weight_TBps"] = round(N * K / (row["ms_int8_kernels"] * 1e-3) / 1e12, 3)
         rows.append(row)
         print(row, flush=True)

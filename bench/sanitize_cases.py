@@ -172,5 +172,21 @@ for k, with_x in ((4096, True), (2560, True), (4096, False)):
                            torch.randn(301, k, device=dev, dtype=torch.bfloat16), fuse=True)
 gemv_silu_mul_cuda(torch.randn(1, 2 * 12288, device=dev, dtype=torch.bfloat16),
                    torch.randn(257, 12288, device=dev, dtype=torch.bfloat16))
+# int8 rows with a scale a row (Q8): each split of the row groups forced, K of one 16-byte piece, and fused
+
+
+def int8_rows(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8),
+            torch.rand(n, device=dev, dtype=torch.bfloat16) / 127)
+
+
+for (n, k), sp in (((4097, 4096), 1), ((4097, 4096), 2), ((4097, 4096), 4), ((3, 16), 1), ((37, 17408), 2)):
+    q8, s8 = int8_rows(n, k)
+    gemv_cuda(torch.randn(1, k, device=dev, dtype=torch.bfloat16), q8, split=sp, scale=s8)
+q8, s8 = int8_rows(301, 4096)
+r16 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+gemv_add_rms_norm_cuda(r16, torch.randn_like(r16), torch.randn(4096, device=dev), 1e-6, q8, fuse=True, scale=s8)
+q8, s8 = int8_rows(257, 12288)
+gemv_silu_mul_cuda(torch.randn(1, 2 * 12288, device=dev, dtype=torch.bfloat16), q8, fuse=True, scale=s8)
 torch.cuda.synchronize()
 print("sanitize cases ran")
