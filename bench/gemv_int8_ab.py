@@ -65,7 +65,7 @@ def main():
         for s in SPLITS:  # each split of the row groups forced: what split_of's choice for int8 rests on
             row[f"ms_int8_split{s}"] = per_call_ms(lambda x_, w_, s=s: gemv_cuda(x_, w_.q, split=s, scale=w_.scale),
                                                    ws8, x, a.calls, a.reps)
-        row["split_chosen"] = split_of(N, K, card_of(x.device).sms, 1)
+        row["split_chosen"] = split_of(N, K, card_of(x.device).sms)
         row["int8_kernels_weight_TBps"] = round(N * K / (row["ms_int8_kernels"] * 1e-3) / 1e12, 3)
         rows.append(row)
         print(row, flush=True)

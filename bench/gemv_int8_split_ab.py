@@ -1,9 +1,12 @@
-"""Graph decode of int8 models under two rules for how many warps share an int8 row group (kernels/gemv/launch.py
-split_of): the launcher's own, and a candidate given as its two numbers (the fewest 16-byte pieces of a row a
-warp keeps, and how many full grids of warps the split row groups may take). Each product's choice under both
+"""Graph decode of int8 models under two rules for how many warps share a row group (kernels/gemv/launch.py
+split_of): the launcher's own, and a candidate given as its two numbers (the fewest 16-byte pieces of an int8 row
+a warp keeps, and how many full grids of warps the split row groups may take). Each product's choice under both
 rules is listed, and decode tokens/s of each size's int8 model (bench/e2e.py's shapes, random weights quantized as
 the loader does) measured in rounds that alternate the rules (a decode graph is captured per generate, so each
 round runs the rule it names). Writes bench/results/gemv-int8-split-ab-<card>.json (or --out).
+(results/gemv-int8-split-ab-h100-*.json compared the rule before, runs of 256 pieces for int8 rows, as "own" with
+candidates of 64 pieces on 3 grids, 128 and 96 on one; 128 pieces, 2,048 weights as a 16-bit row's run, is the
+launcher's rule now.)
 
     python3 bench/gemv_int8_split_ab.py [--models 9b,4b,2b,0.8b] [--min-run 64] [--grids 3] [--reps 3]
 """
@@ -31,10 +34,8 @@ OWN = launch.split_of
 
 
 def candidate(min_run: int, grids: int):
-    """split_of with int8 rows judged by (min_run pieces a warp, grids full grids of warps); 16-bit rows as before."""
-    def split_of(n_rows: int, k: int, sms: int, weight_bytes: int = 2) -> int:
-        if weight_bytes != 1:
-            return OWN(n_rows, k, sms, weight_bytes)
+    """split_of for int8 rows judged by (min_run pieces a warp, grids full grids of warps)."""
+    def split_of(n_rows: int, k: int, sms: int) -> int:
         groups, pieces = -(-n_rows // launch.ROWS), k // 16
         for s in launch.SPLITS:
             if groups * s <= grids * sms * launch.BLOCKS_PER_SM * launch.WARPS and pieces // s >= min_run:
@@ -54,7 +55,7 @@ def main():
     a = ap.parse_args()
     sms = card_of(torch.device("cuda")).sms
     rules = {"own": OWN, "candidate": candidate(a.min_run, a.grids)}
-    choices = [{"shape": name, "N": n, "K": k, **{r: f(n, k, sms, 1) for r, f in rules.items()}}
+    choices = [{"shape": name, "N": n, "K": k, **{r: f(n, k, sms) for r, f in rules.items()}}
                for name, (n, k) in PRODUCTS.items()]
     tok = load_tokenizer(None)
     rows = []

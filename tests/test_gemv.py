@@ -40,7 +40,7 @@ def test_warps_share_a_row_group_where_the_rows_leave_the_grid_idle(n_rows, k, s
     assert split_of(n_rows, k, sms) == split
     groups = -(-n_rows // ROWS)
     assert groups * split <= max(groups, sms * BLOCKS_PER_SM * WARPS)  # never more than one full grid of warps
-    assert split == 1 or (k // 8) // split >= MIN_RUN
+    assert split == 1 or k // split >= MIN_RUN
 
 
 @pytest.mark.parametrize("pro,n_rows,k,fused", [
@@ -390,12 +390,14 @@ def test_int8_reference_is_the_fp32_product_times_the_scale_in_row_pieces(monkey
     assert torch.equal(reference.gemv_ref(x, q, s), want)
 
 
-@pytest.mark.parametrize("n_rows,k,split", [(4096, 4096, 1), (4096, 12288, 2), (1024, 17408, 4), (5, 24576, 4)])
-def test_int8_rows_split_by_their_pieces(n_rows, k, split):
-    """An int8 row is half the 16-byte pieces of a bf16 one: a row group is shared only where each warp keeps
-    MIN_RUN pieces of it."""
-    assert split_of(n_rows, k, 132, weight_bytes=1) == split
-    assert split == 1 or (k // 16) // split >= MIN_RUN
+@pytest.mark.parametrize("n_rows,k,split", [
+    (4096, 4096, 2), (2560, 4096, 2), (2048, 6144, 2), (4096, 12288, 2),  # 9B / 4B out_proj, 2B / 9B down
+    (1024, 3584, 1), (12352, 4096, 1), (1024, 17408, 4), (5, 24576, 4)])
+def test_int8_rows_split_by_their_weights(n_rows, k, split):
+    """An int8 row's run is counted in weights as a 16-bit row's is (half the 16-byte pieces): a row group is
+    shared only where each warp keeps MIN_RUN weights of it and the warps fit one grid."""
+    assert split_of(n_rows, k, 132) == split
+    assert split == 1 or k // split >= MIN_RUN
 
 
 @pytest.mark.gpu

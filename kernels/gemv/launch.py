@@ -23,25 +23,29 @@ MAX_K = 24576  # 48 KB of x in shared memory (every Qwen3.5 projection: K <= 17,
 
 
 SPLITS = (4, 2, 1)  # warps a row group may take (gemv.cu SPLIT)
-MIN_RUN = 32 * 4 * 2  # pieces of K a warp's run keeps at least: two rounds of its lanes' UNROLL loads
+# weights of a row a warp's run keeps at least: a 16-bit row's two rounds of its lanes' UNROLL 16-byte loads, an
+# int8 row's one round (split_of)
+MIN_RUN = 32 * 4 * 2 * 8
 
 
-def split_of(n_rows: int, k: int, sms: int, weight_bytes: int = 2) -> int:
+def split_of(n_rows: int, k: int, sms: int) -> int:
     """Warps per row group of a plain product: the most of SPLITS whose warps still fit one full grid
-    (BLOCKS_PER_SM blocks an SM) and leave each warp at least MIN_RUN pieces of a row; 1 where the row groups
+    (BLOCKS_PER_SM blocks an SM) and leave each warp at least MIN_RUN weights of a row; 1 where the row groups
     alone fill the grid. (The fused products keep 1: every block forms the whole x, a norm or the MLP's gate,
     so twice the blocks for the same rows cost more staging than the shared rows save: 9B-shaped graph decode
     206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json; where a product splits, its
-    norm or gate runs as a launch of its own instead: `fuses`.) weight_bytes: 1 for int8 weights (a 16-byte
-    piece of a row holds 16 of them)."""
-    groups, pieces = -(-n_rows // ROWS), k * weight_bytes // 16
+    norm or gate runs as a launch of its own instead: `fuses`.) int8 rows are judged as 16-bit ones, their runs
+    counted in weights, not 16-byte pieces: int8 graph decode with the 9B / 4B / 2B out_proj or o_proj and the 2B
+    down split in two, 0.4 / 1.9 / 3.2% faster than with runs of 256 pieces that kept them whole; runs of 96
+    pieces, which split the 0.8B down too, lost its gate's fusion (0.7% slower; results/gemv-int8-split-ab-*)."""
+    groups = -(-n_rows // ROWS)
     for s in SPLITS:
-        if groups * s <= sms * BLOCKS_PER_SM * WARPS and pieces // s >= MIN_RUN:
+        if groups * s <= sms * BLOCKS_PER_SM * WARPS and k // s >= MIN_RUN:
             return s
     return 1
 
 
-def fuses(pro: int, n_rows: int, k: int, sms: int, weight_bytes: int = 2) -> bool:
+def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
     """Whether a product's fused launch (PRO 1: the residual add and RMSNorm staged as x; PRO 2: the MLP's
     gate) beats the two launches it replaces; else those run (the norm or the gate, then the plain product).
     Graph decode of each dense size at 4K context (results/decode-mixed-*-ab-h200.json, tok/s fused / with the
@@ -54,7 +58,7 @@ def fuses(pro: int, n_rows: int, k: int, sms: int, weight_bytes: int = 2) -> boo
       warps (five vectors a lane, results/decode-mixed-4b-tpr64-ab-h200.json) 315.7 / 323.1 / 307.0 / 313.6,
       the norms fused winning as at the other sizes (9B 207.8 against 203.2 apart). No Qwen3.5 hidden size
       is one warp's row now; the guard stays for any other."""
-    if split_of(n_rows, k, sms, weight_bytes) > 1:
+    if split_of(n_rows, k, sms) > 1:
         return False
     tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with these threads (its launcher passes them)
     return pro != 1 or tpr > 32 or tpr == k // 8  # more than one warp a row, or one vector a thread
@@ -113,7 +117,7 @@ def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None,
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     if split is None:
-        split = split_of(N, K, card_of(x.device).sms, weight.element_size())
+        split = split_of(N, K, card_of(x.device).sms)
     _launch(weight, _aligned_row(x, K), y, K, {}, split=split, scale=scale)
     return y
 
@@ -129,8 +133,7 @@ def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: to
     ok = (takes(res, weight, scale) and K % 256 == 0 and norm_w.shape == (K,)
           and norm_w.dtype in (*_CODE, torch.float32) and norm_w.is_cuda
           and (x is None or (x.shape == res.shape and x.dtype == res.dtype))
-          and (fuse if fuse is not None else fuses(1, weight.shape[0], K, card_of(res.device).sms,
-                                                   weight.element_size())))
+          and (fuse if fuse is not None else fuses(1, weight.shape[0], K, card_of(res.device).sms)))
     if not ok:
         s, n = add_rms_norm_cuda(res, x, norm_w, eps) if x is not None else (res, rms_norm_cuda(res, norm_w, eps))
         return s, gemv_cuda(n, weight, scale=scale)
@@ -150,8 +153,7 @@ def gemv_silu_mul_cuda(gu: torch.Tensor, weight: torch.Tensor, fuse: bool | None
     gemv_cuda(..., split=1) does); what it does not take runs as the two launches."""
     K = weight.shape[-1]
     ok = (gu.shape[-1] == 2 * K and takes(gu[..., :K], weight, scale)
-          and (fuse if fuse is not None else fuses(2, weight.shape[0], K, card_of(gu.device).sms,
-                                                   weight.element_size())))
+          and (fuse if fuse is not None else fuses(2, weight.shape[0], K, card_of(gu.device).sms)))
     if not ok:
         return gemv_cuda(silu_mul_cuda(gu), weight, scale=scale)
     y = torch.empty(*gu.shape[:-1], weight.shape[0], dtype=gu.dtype, device=gu.device)
