@@ -3,6 +3,7 @@
 #   the GPU tests, compute-sanitizer memcheck + racecheck on one small case per kernel, bench/e2e.py
 #   (a 9B-shaped model, kernels vs PyTorch GDN path), bench/continue_prefill.py, bench/prefill_pieces.py,
 #   bench/int8_weights.py, bench/gemv_int8_ab.py (the int8 decode products against dequantizing and bf16),
+#   bench/int8_dequant_ab.py (an int8 prompt's dequantization: kernel against the torch expression),
 #   bench/vision.py, bench/gdn.py, bench/paged_attention.py,
 #   bench/prefix_reuse.py.
 # Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
@@ -55,7 +56,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 if [ "$tests" = 1 ]; then
   default_tests="tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_paged_attention.py
     tests/test_runtime_gpu.py tests/test_vision_gpu.py tests/test_vision_kernels.py tests/test_continue_gpu.py tests/test_prefill_graph_gpu.py
-    tests/test_host.py tests/test_fp8.py tests/test_gemv.py tests/test_packed_cuts.py tests/test_sampling.py tests/test_compile_ahead.py"
+    tests/test_host.py tests/test_fp8.py tests/test_gemv.py tests/test_dequant.py tests/test_packed_cuts.py tests/test_sampling.py tests/test_compile_ahead.py"
   # shellcheck disable=SC2086  # a list of paths
   python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider ${GPU_TESTS:-$default_tests} \
     2>&1 | tee "$OUT/pytest.log" | tail -25
@@ -111,6 +112,8 @@ if [ "$e2e" = 1 ]; then
   python3 bench/int8_weights.py --out "$OUT/int8-weights-h200.json" 2>&1 | tee "$OUT/int8-weights.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 bench/gemv_int8_ab.py --out "$OUT/gemv-int8-ab-h200.json" 2>&1 | tee "$OUT/gemv-int8-ab.log" | tail -4
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 bench/int8_dequant_ab.py --out "$OUT/int8-dequant-ab-h200.json" 2>&1 | tee "$OUT/int8-dequant-ab.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 

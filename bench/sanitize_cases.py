@@ -188,5 +188,12 @@ r16 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
 gemv_add_rms_norm_cuda(r16, torch.randn_like(r16), torch.randn(4096, device=dev), 1e-6, q8, fuse=True, scale=s8)
 q8, s8 = int8_rows(257, 12288)
 gemv_silu_mul_cuda(torch.randn(1, 2 * 12288, device=dev, dtype=torch.bfloat16), q8, fuse=True, scale=s8)
+# int8 rows times their scales (a prompt's matmul with int8 weights): a row count that is no multiple of the block's
+# 256 pieces, and a slice of rows past the first
+from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda  # noqa: E402
+
+q8, s8 = int8_rows(301, 4096)
+dequant_rows_cuda(q8, s8)
+dequant_rows_cuda(q8[7:200], s8[7:200])
 torch.cuda.synchronize()
 print("sanitize cases ran")

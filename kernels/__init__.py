@@ -1,7 +1,7 @@
 """The model's custom operators: the GDN ones (chunked prefill, one-token decode step, causal conv1d
 prefill, its states at given points, and update), the two RMSNorms (plain, and the GDN output's gated
 one), paged attention, the vision tower's rotary, attention and LayerNorms (plain, and fused with the residual add before it),
-and the sampled next token.
+the decode step's one-row projections, int8 weight rows times their scales, and the sampled next token.
 
 Each operator lives in its own folder with its CUDA source, its launcher and its PyTorch
 reference. The functions below are the whole surface the runtime uses; `select_backend` decides
@@ -151,6 +151,13 @@ def add_rms_norm(res, x, weight, eps: float, backend: Backend | None = None):
 def silu_mul(gu, backend: Backend | None = None):
     """The MLP's gate: silu(g) * u for gu = [..., 2 I] (g its first half, u its second), in gu.dtype."""
     return ops.run(ops.silu_mul_op, gu, bool(backend and backend.use_cuda))
+
+
+def dequant_rows(q, scale, backend: Backend | None = None):
+    """An int8 matrix q [R, C] times its rows' scales [R], in scale.dtype (each product rounded once): what a
+    prompt's matmul with int8 weights multiplies by. The CUDA kernel reads each byte once (16-bit scales, C a
+    multiple of 16); else the PyTorch expression, bit for bit the same."""
+    return ops.run(ops.dequant_rows_op, q, scale, bool(backend and backend.use_cuda))
 
 
 def gemv(x, weight, backend: Backend | None = None, scale=None):
@@ -312,7 +319,7 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
 
 
 __all__ = ["Backend", "BACKENDS", "select_backend", "gdn_chunk_prefill", "gdn_decode_step",
-           "causal_conv1d_prefill", "causal_conv1d_states", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "gemv",
+           "causal_conv1d_prefill", "causal_conv1d_states", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "dequant_rows", "gemv",
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",
            "paged_attention",

@@ -12,6 +12,7 @@ import torch
 
 from .content_hash.launch import hash_words_cuda
 from .conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_states_cuda, causal_conv1d_update_cuda
+from .dequant.launch import dequant_rows_cuda
 from .gdn_decode.launch import gdn_decode_step_cuda
 from .gemv.launch import gemv_add_rms_norm_cuda, gemv_cuda, gemv_silu_mul_cuda
 from .rms_norm.launch import add_rms_norm_cuda, gated_rms_norm_cuda, rms_norm_cuda, rms_norm_rope_cuda
@@ -78,5 +79,5 @@ def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu
 
 __all__ = ["cuda_status", "hash_words_cuda", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",
            "causal_conv1d_prefill_cuda", "causal_conv1d_states_cuda", "causal_conv1d_update_cuda", "rms_norm_cuda", "gated_rms_norm_cuda",
-           "rms_norm_rope_cuda", "add_rms_norm_cuda", "silu_mul_cuda", "gemv_cuda", "gemv_add_rms_norm_cuda", "gemv_silu_mul_cuda", "vision_positions_cuda", "vision_rotary_cuda", "vision_attention_cuda", "layer_norm_cuda",
+           "rms_norm_rope_cuda", "add_rms_norm_cuda", "silu_mul_cuda", "dequant_rows_cuda", "gemv_cuda", "gemv_add_rms_norm_cuda", "gemv_silu_mul_cuda", "vision_positions_cuda", "vision_rotary_cuda", "vision_attention_cuda", "layer_norm_cuda",
            "add_layer_norm_cuda"]

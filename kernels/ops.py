@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_states_ref, causal_conv1d_update_ref
+from .dequant.reference import dequant_rows_ref
 from .gdn_decode.reference import gdn_decode_step_ref
 from .gdn_prefill.reference import gdn_prefill_chunked
 from .gemv.reference import gemv_add_rms_norm_ref, gemv_ref, gemv_silu_mul_ref
@@ -182,6 +183,16 @@ def _silu_mul_fake(gu, use_cuda):
     return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
+def _dequant_rows_impl(q: torch.Tensor, scale: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+    if use_cuda:
+        return _cuda().dequant_rows_cuda(q, scale)
+    return dequant_rows_ref(q, scale)
+
+
+def _dequant_rows_fake(q, scale, use_cuda):
+    return q.new_empty(q.shape, dtype=scale.dtype)
+
+
 def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor], use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().gemv_cuda(x, weight, scale=scale)
@@ -323,6 +334,7 @@ rms_norm_op = _register("rms_norm", _norm_impl, _norm_fake)
 rms_norm_rope_op = _register("rms_norm_rope", _norm_rope_impl, _norm_rope_fake)
 add_rms_norm_op = _register("add_rms_norm", _add_norm_impl, _add_norm_fake)
 silu_mul_op = _register("silu_mul", _silu_mul_impl, _silu_mul_fake)
+dequant_rows_op = _register("dequant_rows", _dequant_rows_impl, _dequant_rows_fake)
 gemv_op = _register("gemv", _gemv_impl, _gemv_fake)
 gemv_add_rms_norm_op = _register("gemv_add_rms_norm", _gemv_add_norm_impl, _gemv_add_norm_fake)
 gemv_rms_norm_op = _register("gemv_rms_norm", _gemv_norm_impl, _gemv_norm_fake)

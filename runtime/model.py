@@ -493,7 +493,7 @@ class Qwen35Model(nn.Module):
         if self._gemv and x.numel() == x.shape[-1]:
             w, scale = _rows(weight)
             return kernels.gemv(x, w, backend=be, scale=scale)
-        return linear(x, weight)
+        return linear(x, weight, be)
 
     def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
         return self._gdn_parts(self._proj(x, m.in_proj, be))
@@ -543,7 +543,7 @@ class Qwen35Model(nn.Module):
     def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
         c = self.config
         hv = c.linear_num_value_heads
-        mixed, z, ba = linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
         T = mixed.shape[1]
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
@@ -574,7 +574,7 @@ class Qwen35Model(nn.Module):
         # last W-1 inputs before each point, gathered.
         c = self.config
         hv = c.linear_num_value_heads
-        mixed, z, ba = linear(x, m.in_proj).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
         T, C = x.shape[1], mixed.shape[2]
         conv0, h0 = cache.conv[i], cache.ssm[i]  # a padded prefill follows a cached prefix: both exist
         y, _ = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)

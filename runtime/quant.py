@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
 log = logging.getLogger(__name__)
 
 WEIGHTS = ("auto", "full", "int8")  # how load_model keeps the text model's matrices (auto: loader.pick_int8)
@@ -74,11 +76,10 @@ class Int8Weight(nn.Module):
     def numel(self) -> int:
         return self.q.numel()
 
-    def rows(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Rows lo .. hi-1 of the matrix in the compute dtype (one elementwise op: one rounding a number; written
-        straight into the result, where q * scale would first make a copy of q in that dtype on the CPU)."""
-        q = self.q[lo:hi]
-        return torch.mul(q, self.scale[lo:hi, None], out=torch.empty(q.shape, dtype=self.dtype, device=q.device))
+    def rows(self, lo: int = 0, hi: int | None = None, backend: kernels.Backend | None = None) -> torch.Tensor:
+        """Rows lo .. hi-1 of the matrix in the compute dtype, q * scale with one rounding a number
+        (kernels.dequant_rows: on the CUDA backend its kernel, which reads each byte once)."""
+        return kernels.dequant_rows(self.q[lo:hi], self.scale[lo:hi], backend=backend)
 
     def rows_per_piece(self) -> int:
         """How many rows linear dequantizes at once (all of them unless that would exceed DEQUANT_BYTES)."""
@@ -92,9 +93,9 @@ def matrix(rows: int, cols: int, dtype: torch.dtype, device, int8: bool):
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w^T for a weight w that is a tensor or an Int8Weight (dequantized piece by piece; on the CPU torch's
-    int8 matmul)."""
+def linear(x: torch.Tensor, w, backend: kernels.Backend | None = None) -> torch.Tensor:
+    """x @ w^T for a weight w that is a tensor or an Int8Weight (dequantized piece by piece, on `backend`'s
+    kernel; on the CPU torch's int8 matmul)."""
     if not isinstance(w, Int8Weight):
         return F.linear(x, w)
     if x.device.type == "cpu" and x.shape[-1] % 64 == 0 and cpu_int8_matmul():
@@ -104,10 +105,10 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         return (y.float() * w.scale.float()).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     step, n = w.rows_per_piece(), w.shape[0]
     if step >= n:
-        return F.linear(x, w.rows())
+        return F.linear(x, w.rows(backend=backend))
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     for lo in range(0, n, step):  # each piece's product into its columns: one piece and its output at a time
-        y[..., lo:lo + step] = F.linear(x, w.rows(lo, lo + step))
+        y[..., lo:lo + step] = F.linear(x, w.rows(lo, lo + step, backend))
     return y
 
 

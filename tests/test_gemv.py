@@ -355,13 +355,13 @@ def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path
     logits, tokens = {}, {}
     for fused in (True, False):
         if not fused:
-            def add_norm(res, x, nw, eps, w, backend=None):
+            def add_norm(res, x, nw, eps, w, backend=None, scale=None):
                 s, n = (kernels.add_rms_norm(res, x, nw, eps, backend=backend) if x is not None
                         else (res, kernels.rms_norm(res, nw, eps, backend=backend)))
-                return s, kernels.gemv(n, w, backend=backend)
+                return s, kernels.gemv(n, w, backend=backend, scale=scale)
             monkeypatch.setattr(kernels, "gemv_add_rms_norm", add_norm)
-            monkeypatch.setattr(kernels, "gemv_silu_mul", lambda gu, w, backend=None: kernels.gemv(
-                kernels.silu_mul(gu, backend=backend), w, backend=backend))
+            monkeypatch.setattr(kernels, "gemv_silu_mul", lambda gu, w, backend=None, scale=None: kernels.gemv(
+                kernels.silu_mul(gu, backend=backend), w, backend=backend, scale=scale))
             model.set_decode_gemv(True)  # captured passes are made again
         cache = pf.cache.clone(pf.cache.length + 8)
         logits[fused] = model.forward_decode(ids, cache).float()

@@ -57,6 +57,7 @@ VARIANTS = {
     + [{"DIM": d, "IN_T": i, "W_T": w, "RES": 1, "TPR": t} for d in (1024, 2048, 2560, 4096, 5120) for i in (2, 1)
        for w in (0, i) for t in {_tpr(d), _tpr(d, 2)}],
     "silu_mul.cu": [{"IN_T": i} for i in (2, 1)],
+    "dequant.cu": [{"OUT_T": i} for i in (2, 1)],
     # sampling/launch.py: one module per vocabulary length (Qwen3.5's, Qwen's older one, the tests' small ones)
     "sample.cu": [{"VOCAB": v} for v in (248320, 151936, 4097, 65)],
     # gemv/launch.py: the plain product (split row groups too), the norm before it at each hidden size, the MLP's gate
@@ -90,7 +91,7 @@ VARIANTS = {
 def test_sources_found():
     names = {p.name for p in SOURCES}
     assert {"conv1d.cu", "gdn_decode.cu", "probe.cu", "rms_norm.cu", "rotary.cu", "positions.cu", "layer_norm.cu", "silu_mul.cu",
-            "content_hash.cu", "gemv.cu", "sample.cu"} <= names
+            "dequant.cu", "content_hash.cu", "gemv.cu", "sample.cu"} <= names
 
 
 @needs_nvrtc

@@ -1,4 +1,4 @@
-"""Decode, conv1d, the norms, the decode projections (gemv), the vision tower's kernels and the sampled token built as an
+"""Decode, conv1d, the norms, the decode projections (gemv), int8 rows' dequantization, the vision tower's kernels and the sampled token built as an
 RTX card gets them: PTX for compute_80 (which the driver finishes
 for the GPU in hand) and no block above the 99 KB of shared memory that sm_86 / sm_89 / sm_120 give one
 block; each against its reference. (The prefill's portable path has its own tests in test_gdn_prefill_cuda.py;
@@ -8,6 +8,8 @@ import torch
 
 from qwen35_fast.kernels.conv1d import launch as conv_launch
 from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref, causal_conv1d_update_ref
+from qwen35_fast.kernels.dequant import launch as dequant_launch
+from qwen35_fast.kernels.dequant.reference import dequant_rows_ref
 from qwen35_fast.kernels.gdn_decode import launch as decode_launch
 from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
 from qwen35_fast.kernels.gemv import launch as gemv_launch
@@ -31,7 +33,7 @@ def rtx(monkeypatch):
     """Every module these launchers load is built for compute_80, and every launch is checked against the
     99 KB cap; returns the (module, arch, shared memory) of each launch."""
     seen = []
-    for mod in (decode_launch, conv_launch, norm_launch, vision_launch, gemv_launch, sample_launch):
+    for mod in (decode_launch, conv_launch, norm_launch, vision_launch, gemv_launch, dequant_launch, sample_launch):
         get, run = mod.get_function, mod.launch
 
         def get_function(src, name, dev, defines=None, get=get):
@@ -152,6 +154,15 @@ def test_gemv(rtx, N, K):
     y = gemv_launch.gemv_cuda(x, q, scale=s)
     assert not y.isnan().any() and rel(y, (x.float() @ q.float().T) * s.float()) < 4e-3
     assert ("get", "gemv") in rtx
+
+
+def test_dequant(rtx):
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = torch.randint(-127, 128, (1031, 2560), generator=g, device=DEV, dtype=torch.int8)
+    s = (torch.rand(1031, generator=g, device=DEV) * 1e-3).bfloat16()
+    _poison((1031, 2560), torch.bfloat16)
+    assert torch.equal(dequant_launch.dequant_rows_cuda(q, s), dequant_rows_ref(q, s))
+    assert ("get", "dequant_rows") in rtx
 
 
 @pytest.mark.parametrize("top_k", [1, 20, 64])

@@ -1,0 +1,96 @@
+"""kernels/dequant: an int8 matrix times its rows' scales, in the compute dtype (what a prompt's matmul with int8
+weights multiplies by).
+
+On the GPU, bit for bit against the PyTorch expression over many shapes and row slices (fresh, reproducible
+inputs; NaN-poisoned outputs); the cases the kernel does not take run the expression; an int8 model reads a
+prompt through it to the logits the expression gives. On any machine: the reference is the fp32 product rounded
+once, the op's schema and fake implementation (torch.compile), and the cases the kernel takes."""
+import pytest
+import torch
+
+from qwen35_fast import kernels
+from qwen35_fast.kernels import ops
+from qwen35_fast.kernels.dequant.launch import takes
+from qwen35_fast.kernels.dequant.reference import dequant_rows_ref
+
+from _models import poison_allocator
+
+
+def _int8_rows(R, C, g, device, dtype):
+    q = torch.randint(-127, 128, (R, C), generator=g, device=device, dtype=torch.int8)
+    return q, (torch.rand(R, generator=g, device=device) * 0.05 / 127 + 1e-6).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_is_the_fp32_product_rounded_once(dtype):
+    g = torch.Generator().manual_seed(1)
+    q, s = _int8_rows(37, 48, g, "cpu", dtype)
+    y = dequant_rows_ref(q, s)
+    assert y.dtype == dtype and y.shape == q.shape and y.is_contiguous()
+    assert torch.equal(y, (q.float() * s.float()[:, None]).to(dtype))
+
+
+def test_op_runs_the_reference_off_cuda_and_has_a_fake():
+    g = torch.Generator().manual_seed(2)
+    q, s = _int8_rows(5, 32, g, "cpu", torch.bfloat16)
+    be = kernels.select_backend("torch", "cpu")
+    assert torch.equal(kernels.dequant_rows(q, s, backend=be), dequant_rows_ref(q, s))
+    torch.library.opcheck(ops.dequant_rows_op, (q, s, False))
+
+
+@pytest.mark.gpu
+def test_takes():
+    q = torch.empty(64, 4096, dtype=torch.int8, device="cuda")
+    s = torch.empty(64, dtype=torch.bfloat16, device="cuda")
+    assert takes(q, s) and takes(q[3:40], s[3:40]) and takes(q, s.half())
+    assert not takes(q, s.float()) and not takes(q, s[:32]) and not takes(q.float(), s)
+    assert not takes(q[:, :4088], s)  # a width not a multiple of 16
+    assert not takes(q[:, 8:4088], s)  # rows not 16-byte aligned
+    assert not takes(q.cpu(), s.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R,C", [(1, 16), (3, 80), (17, 1024), (4097, 4096), (2560, 9216), (1024, 17408), (5, 24576)])
+def test_kernel_is_the_expression_bit_for_bit(R, C, dtype):
+    from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
+    g = torch.Generator(device="cuda").manual_seed(R * 31 + C)
+    q, s = _int8_rows(R, C, g, "cuda", dtype)
+    s[0] = 0  # a row of zeros' scale
+    poison_allocator(((R, C), dtype))
+    y = dequant_rows_cuda(q, s)
+    assert y.dtype == dtype and not y.isnan().any()
+    assert torch.equal(y, dequant_rows_ref(q, s))
+    lo, hi = R // 3, R - R // 4  # a piece of the rows, as quant.linear takes them
+    if hi > lo:
+        assert torch.equal(dequant_rows_cuda(q[lo:hi], s[lo:hi]), dequant_rows_ref(q[lo:hi], s[lo:hi]))
+
+
+@pytest.mark.gpu
+def test_what_the_kernel_does_not_take_runs_the_expression():
+    from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, s = _int8_rows(9, 72, g, "cuda", torch.bfloat16)
+    for qq, ss in ((q, s), (q[:, :40], s), (q, s.float()), (q.t().contiguous().t()[:, :64], s)):
+        assert torch.equal(dequant_rows_cuda(qq, ss), dequant_rows_ref(qq, ss))
+
+
+@pytest.mark.gpu
+def test_an_int8_prompt_reads_its_matrices_through_the_kernel(tmp_path, monkeypatch):
+    """An int8 model on the kernels backend reads a prompt with each matrix dequantized by the kernel (every
+    Int8Weight's rows, the LM head in pieces), to the logits the PyTorch expression gives bit for bit."""
+    from qwen35_fast.kernels import cuda_impl
+    from qwen35_fast.runtime import load_model, prefill, quant
+
+    from _models import kernels_model
+    kernels_model(tmp_path, seed=17, hidden=256, inter=512)  # the checkpoint and its tokenizer
+    model = load_model(tmp_path, dtype="bf16", device="cuda", backend="cuda", weights="int8")
+    monkeypatch.setattr(quant, "DEQUANT_BYTES", 1 << 20)  # the LM head (248,320 rows) in pieces
+    calls, real = [], cuda_impl.dequant_rows_cuda
+    monkeypatch.setattr(cuda_impl, "dequant_rows_cuda", lambda q, s: calls.append(q.shape) or real(q, s))
+    text = "Describe a lighthouse at dusk in one sentence."
+    kernel = prefill(model, text, use_cache=False).logits
+    # every matrix once, the LM head in pieces (the embedding, when not the LM head, is only looked up)
+    assert len(calls) > sum(isinstance(m, quant.Int8Weight) for m in model.modules())
+    monkeypatch.setattr(cuda_impl, "dequant_rows_cuda", dequant_rows_ref)
+    assert torch.equal(kernel, prefill(model, text, use_cache=False).logits)
