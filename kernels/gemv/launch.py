@@ -35,9 +35,10 @@ def split_of(n_rows: int, k: int, sms: int) -> int:
     so twice the blocks for the same rows cost more staging than the shared rows save: 9B-shaped graph decode
     206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json; where a product splits, its
     norm or gate runs as a launch of its own instead: `fuses`.) int8 rows are judged as 16-bit ones, their runs
-    counted in weights, not 16-byte pieces: int8 graph decode with the 9B / 4B / 2B out_proj or o_proj and the 2B
-    down split in two, 0.4 / 1.9 / 3.2% faster than with runs of 256 pieces that kept them whole; runs of 96
-    pieces, which split the 0.8B down too, lost its gate's fusion (0.7% slower; results/gemv-int8-split-ab-*)."""
+    counted in weights, not 16-byte pieces: int8 graph decode with the 9B and 4B out_proj and o_proj and the 2B
+    down split in two, 0.4 / 1.9 / 3.2% faster at 9B / 4B / 2B than with runs of 256 pieces that kept them whole;
+    runs of 96 pieces, which split the 0.8B down too, lost its gate's fusion (0.7% slower;
+    results/gemv-int8-split-ab-h100-*.json)."""
     groups = -(-n_rows // ROWS)
     for s in SPLITS:
         if groups * s <= sms * BLOCKS_PER_SM * WARPS and k // s >= MIN_RUN:
