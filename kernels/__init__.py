@@ -155,8 +155,9 @@ def silu_mul(gu, backend: Backend | None = None):
 
 def dequant_rows(q, scale, backend: Backend | None = None):
     """An int8 matrix q [R, C] times its rows' scales [R], in scale.dtype (each product rounded once): what a
-    prompt's matmul with int8 weights multiplies by. The CUDA kernel reads each byte once (16-bit scales, C a
-    multiple of 16); else the PyTorch expression, bit for bit the same."""
+    prompt's matmul with int8 weights multiplies by. The CUDA kernel reads each byte once (what it takes:
+    dequant.launch.takes; 16-bit scales, C a multiple of 16, 16-byte aligned rows); else the PyTorch expression,
+    bit for bit the same."""
     return ops.run(ops.dequant_rows_op, q, scale, bool(backend and backend.use_cuda))
 
 

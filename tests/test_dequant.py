@@ -1,10 +1,12 @@
 """kernels/dequant: an int8 matrix times its rows' scales, in the compute dtype (what a prompt's matmul with int8
 weights multiplies by).
 
-On the GPU, bit for bit against the PyTorch expression over many shapes and row slices (fresh, reproducible
-inputs; NaN-poisoned outputs); the cases the kernel does not take run the expression; an int8 model reads a
-prompt through it to the logits the expression gives. On any machine: the reference is the fp32 product rounded
-once, the op's schema and fake implementation (torch.compile), and the cases the kernel takes."""
+On the GPU, bit for bit against the PyTorch expression (the 16-bit patterns, so a sign of zero counts) over many
+shapes and row slices (fresh, reproducible inputs; NaN-poisoned outputs; a zero, a negative zero and an
+overflowing scale); the cases the kernel takes, and those it does not run the expression; the op's fake
+implementation against the kernel; an int8 model reads a prompt through it to the logits the expression gives.
+On any machine: the reference is the fp32 product rounded once, and the op's schema and fake implementation
+(torch.compile) on the reference path."""
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ from qwen35_fast.kernels.dequant.launch import takes
 from qwen35_fast.kernels.dequant.reference import dequant_rows_ref
 
 from _models import poison_allocator
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
 
 
 def _int8_rows(R, C, g, device, dtype):
@@ -46,6 +52,8 @@ def test_takes():
     assert not takes(q, s.float()) and not takes(q, s[:32]) and not takes(q.float(), s)
     assert not takes(q[:, :4088], s)  # a width not a multiple of 16
     assert not takes(q[:, 8:4088], s)  # rows not 16-byte aligned
+    assert not takes(torch.empty(64, 4088, dtype=torch.int8, device="cuda")[:, :4080], s)  # a row stride of 4,088
+    assert not takes(q, torch.empty(128, dtype=torch.bfloat16, device="cuda")[::2])  # scales not contiguous
     assert not takes(q.cpu(), s.cpu())
 
 
@@ -56,14 +64,28 @@ def test_kernel_is_the_expression_bit_for_bit(R, C, dtype):
     from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
     g = torch.Generator(device="cuda").manual_seed(R * 31 + C)
     q, s = _int8_rows(R, C, g, "cuda", dtype)
-    s[0] = 0  # a row of zeros' scale
+    s[0] = 0  # a row of zeros' scale: negative zeros where q < 0
     poison_allocator(((R, C), dtype))
     y = dequant_rows_cuda(q, s)
     assert y.dtype == dtype and not y.isnan().any()
-    assert torch.equal(y, dequant_rows_ref(q, s))
+    assert torch.equal(_bits(y), _bits(dequant_rows_ref(q, s)))
     lo, hi = R // 3, R - R // 4  # a piece of the rows, as quant.linear takes them
     if hi > lo:
-        assert torch.equal(dequant_rows_cuda(q[lo:hi], s[lo:hi]), dequant_rows_ref(q[lo:hi], s[lo:hi]))
+        assert torch.equal(_bits(dequant_rows_cuda(q[lo:hi], s[lo:hi])), _bits(dequant_rows_ref(q[lo:hi], s[lo:hi])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_keeps_the_signs_and_overflows_of_the_expression(dtype):
+    """A negative zero scale, a scale whose products overflow fp16, and one that underflows to subnormals:
+    the kernel's 16-bit patterns are the expression's; the op's fake matches the kernel (opcheck on CUDA)."""
+    from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, s = _int8_rows(4, 2560, g, "cuda", dtype)
+    s[0], s[1], s[2] = -0.0, 60000.0 if dtype == torch.float16 else 3e38, 1e-7
+    y = dequant_rows_cuda(q, s)
+    assert torch.equal(_bits(y), _bits(dequant_rows_ref(q, s))) and y[1].isinf().any()
+    torch.library.opcheck(ops.dequant_rows_op, (q, s, True))
 
 
 @pytest.mark.gpu
@@ -71,8 +93,9 @@ def test_what_the_kernel_does_not_take_runs_the_expression():
     from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
     g = torch.Generator(device="cuda").manual_seed(3)
     q, s = _int8_rows(9, 72, g, "cuda", torch.bfloat16)
-    for qq, ss in ((q, s), (q[:, :40], s), (q, s.float()), (q.t().contiguous().t()[:, :64], s)):
-        assert torch.equal(dequant_rows_cuda(qq, ss), dequant_rows_ref(qq, ss))
+    odd_stride = torch.randint(-127, 128, (9, 88), generator=g, device="cuda", dtype=torch.int8)[:, :80]
+    for qq, ss in ((q[:, :40], s), (q, s.float()), (q.t().contiguous().t()[:, :64], s), (odd_stride, s)):
+        assert not takes(qq, ss) and torch.equal(_bits(dequant_rows_cuda(qq, ss)), _bits(dequant_rows_ref(qq, ss)))
 
 
 @pytest.mark.gpu
