@@ -4,7 +4,7 @@ int8 rows by the scales' column, one elementwise op), on the 9B's and 4B's matri
 quant.DEQUANT_BYTES. First right: the kernel's output, NaN-poisoned beforehand, equal to the expression's bit for
 bit. Then fast: ms a call in a CUDA graph of `calls` calls over copies of the matrix rotated through more bytes than
 L2 holds (bench/gemv.py per_call_ms), and the bytes moved a second (one read, two written a weight) against a
-device copy's rate. Writes bench/results/int8-dequant-ab-h200.json (or --out).
+device copy's rate. Writes bench/results/int8-dequant-ab-<card>.json (or --out).
 
     python3 bench/int8_dequant_ab.py [--calls 12] [--reps 15] [--out PATH]
 """
@@ -27,7 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8-dequant-ab-h200.json"))
+    ap.add_argument("--out", default=None, help="default: results/int8-dequant-ab-<card>.json, e.g. -h200")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rate = copy_rate()
@@ -53,7 +53,9 @@ def main():
         torch.cuda.empty_cache()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_cpu": host_cpu(),
               "copy_TBps": round(rate / 1e12, 3), "rows": rows, "all_bit_for_bit": all(r["bit_for_bit"] for r in rows)}
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    out = a.out or str(Path(__file__).parent / "results" /
+                       f"int8-dequant-ab-{torch.cuda.get_device_name().split()[1].lower()}.json")
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
     if not result["all_bit_for_bit"]:
         raise SystemExit("int8_dequant_ab: the kernel's output differs from the expression's (see the rows)")
 
