@@ -37,14 +37,15 @@ NKVS = (1024, 4096, 16384, 65536)
 BLOCKS = (16, 64)
 L2_DEFEAT_BYTES = 256 << 20  # cycle through this much K/V per graph when one copy would fit in L2 (50 MB)
 
+# a graph holds at least this many calls (the list repeated), so that the replay's own start (several us, paid
+# once per decode step by the model's graph of hundreds of kernels) is not counted as one kernel's
+MIN_CALLS_PER_GRAPH = 4
+
 
 def kv_copies(kv_bytes: int) -> int:
     """Copies of a case's K/V a graph cycles through: L2_DEFEAT_BYTES of them (1K keys at the 9B shape: 64 copies
     of 4 MiB; L2 holds 50 MB)."""
     return max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes))
-# a graph holds at least this many calls (the list repeated), so that the replay's own start (several us, paid
-# once per decode step by the model's graph of hundreds of kernels) is not counted as one kernel's
-MIN_CALLS_PER_GRAPH = 4
 
 
 def graph_ms(calls):

@@ -69,6 +69,12 @@ def forced_logits(model, pf, tokens) -> torch.Tensor:
     return torch.stack([model.forward_decode(t, cache)[0].float() for t in ids])
 
 
+def int8_rows(N: int, K: int, g: torch.Generator, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 matrix [N, K] (-127..127) and a scale a row in dtype, as runtime/quant.py keeps them."""
+    q = torch.randint(-127, 128, (N, K), generator=g, device=device, dtype=torch.int8)
+    return q, (torch.rand(N, generator=g, device=device) * 0.02 / 127 + 1e-5).to(dtype)
+
+
 def poison_allocator(*shapes_dtypes, device="cuda"):
     """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' own outputs
     (torch.empty inside the launchers) then start as NaN, not as stale good values."""

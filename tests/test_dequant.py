@@ -15,22 +15,17 @@ from qwen35_fast.kernels import ops
 from qwen35_fast.kernels.dequant.launch import takes
 from qwen35_fast.kernels.dequant.reference import dequant_rows_ref
 
-from _models import poison_allocator
+from _models import int8_rows, poison_allocator
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def _int8_rows(R, C, g, device, dtype):
-    q = torch.randint(-127, 128, (R, C), generator=g, device=device, dtype=torch.int8)
-    return q, (torch.rand(R, generator=g, device=device) * 0.05 / 127 + 1e-6).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_reference_is_the_fp32_product_rounded_once(dtype):
     g = torch.Generator().manual_seed(1)
-    q, s = _int8_rows(37, 48, g, "cpu", dtype)
+    q, s = int8_rows(37, 48, g, "cpu", dtype)
     y = dequant_rows_ref(q, s)
     assert y.dtype == dtype and y.shape == q.shape and y.is_contiguous()
     assert torch.equal(y, (q.float() * s.float()[:, None]).to(dtype))
@@ -38,7 +33,7 @@ def test_reference_is_the_fp32_product_rounded_once(dtype):
 
 def test_op_runs_the_reference_off_cuda_and_has_a_fake():
     g = torch.Generator().manual_seed(2)
-    q, s = _int8_rows(5, 32, g, "cpu", torch.bfloat16)
+    q, s = int8_rows(5, 32, g, "cpu", torch.bfloat16)
     be = kernels.select_backend("torch", "cpu")
     assert torch.equal(kernels.dequant_rows(q, s, backend=be), dequant_rows_ref(q, s))
     torch.library.opcheck(ops.dequant_rows_op, (q, s, False))
@@ -63,7 +58,7 @@ def test_takes():
 def test_kernel_is_the_expression_bit_for_bit(R, C, dtype):
     from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
     g = torch.Generator(device="cuda").manual_seed(R * 31 + C)
-    q, s = _int8_rows(R, C, g, "cuda", dtype)
+    q, s = int8_rows(R, C, g, "cuda", dtype)
     s[0] = 0  # a row of zeros' scale: negative zeros where q < 0
     poison_allocator(((R, C), dtype))
     y = dequant_rows_cuda(q, s)
@@ -81,7 +76,7 @@ def test_kernel_keeps_the_signs_and_overflows_of_the_expression(dtype):
     the kernel's 16-bit patterns are the expression's; the op's fake matches the kernel (opcheck on CUDA)."""
     from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
     g = torch.Generator(device="cuda").manual_seed(4)
-    q, s = _int8_rows(4, 2560, g, "cuda", dtype)
+    q, s = int8_rows(4, 2560, g, "cuda", dtype)
     s[0], s[1], s[2] = -0.0, 60000.0 if dtype == torch.float16 else 3e38, 1e-7
     y = dequant_rows_cuda(q, s)
     assert torch.equal(_bits(y), _bits(dequant_rows_ref(q, s))) and y[1].isinf().any()
@@ -92,7 +87,7 @@ def test_kernel_keeps_the_signs_and_overflows_of_the_expression(dtype):
 def test_what_the_kernel_does_not_take_runs_the_expression():
     from qwen35_fast.kernels.dequant.launch import dequant_rows_cuda
     g = torch.Generator(device="cuda").manual_seed(3)
-    q, s = _int8_rows(9, 72, g, "cuda", torch.bfloat16)
+    q, s = int8_rows(9, 72, g, "cuda", torch.bfloat16)
     odd_stride = torch.randint(-127, 128, (9, 88), generator=g, device="cuda", dtype=torch.int8)[:, :80]
     for qq, ss in ((q[:, :40], s), (q, s.float()), (q.t().contiguous().t()[:, :64], s), (odd_stride, s)):
         assert not takes(qq, ss) and torch.equal(_bits(dequant_rows_cuda(qq, ss)), _bits(dequant_rows_ref(qq, ss)))

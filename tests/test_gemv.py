@@ -12,7 +12,7 @@ from qwen35_fast import kernels
 from qwen35_fast.kernels.gemv import launch as gemv_launch
 from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, MIN_RUN, ROWS, WARPS, grid_blocks, split_of, takes
 
-from _models import poison_allocator
+from _models import int8_rows, poison_allocator
 
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp, at most, relative to the value
 
@@ -371,18 +371,12 @@ def test_a_decode_step_with_fused_norms_is_the_unfused_step_bit_for_bit(tmp_path
     assert tokens[True] == tokens[False]
 
 
-def _int8_rows(N, K, g, device, dtype):
-    """An int8 matrix [N, K] (-127..127) and a scale a row in dtype, as runtime/quant.py keeps them."""
-    q = torch.randint(-127, 128, (N, K), generator=g, device=device, dtype=torch.int8)
-    return q, (torch.rand(N, generator=g, device=device) * 0.02 / 127 + 1e-5).to(dtype)
-
-
 def test_int8_reference_is_the_fp32_product_times_the_scale_in_row_pieces(monkeypatch):
     """gemv_ref with a scale: (q x) in fp32 times the row's scale, rounded once; the rows converted a few at a
     time give what all at once gives."""
     from qwen35_fast.kernels.gemv import reference
     g = torch.Generator().manual_seed(5)
-    q, s = _int8_rows(70, 64, g, "cpu", torch.bfloat16)
+    q, s = int8_rows(70, 64, g, "cpu", torch.bfloat16)
     x = torch.randn(1, 1, 64, generator=g).bfloat16()
     want = ((x.float() @ q.float().T) * s.float()).bfloat16()
     assert torch.equal(reference.gemv_ref(x, q, s), want)
@@ -419,7 +413,7 @@ def test_int8_gemv_is_the_scaled_product_rounded_once(N, K, dtype):
     """y = (q x) * s: the fp32 sums' order and one rounding from the exact value, row groups split between
     warps where split_of says (4096 x 12288, 1024 x 17408, 5 x 24576) or not."""
     g = torch.Generator(device="cuda").manual_seed(N * 17 + K)
-    q, s = _int8_rows(N, K, g, "cuda", dtype)
+    q, s = int8_rows(N, K, g, "cuda", dtype)
     x = torch.randn(1, 1, K, generator=g, device="cuda").to(dtype)
     poison_allocator(((1, 1, N), dtype))
     y = kernels.gemv(x, q, backend=kernels.select_backend("cuda", "cuda"), scale=s)
@@ -442,12 +436,12 @@ def test_int8_fused_products_are_their_two_launches(K, N):
     g = torch.Generator(device="cuda").manual_seed(K)
     res, x = (torch.randn(1, 1, K, generator=g, device="cuda").bfloat16() for _ in range(2))
     nw = torch.randn(K, generator=g, device="cuda") * 0.2
-    q, s = _int8_rows(N, K, g, "cuda", torch.bfloat16)
+    q, s = int8_rows(N, K, g, "cuda", torch.bfloat16)
     poison_allocator(((1, 1, N), torch.bfloat16))
     h, y = gemv_add_rms_norm_cuda(res, x, nw, 1e-6, q, fuse=True, scale=s)
     h0, n0 = add_rms_norm_cuda(res, x, nw, 1e-6)
     assert torch.equal(h, h0) and not y.isnan().any() and torch.equal(y, gemv_cuda(n0, q, split=1, scale=s))
-    q2, s2 = _int8_rows(K, N // 2, g, "cuda", torch.bfloat16)  # a down projection of half the width
+    q2, s2 = int8_rows(K, N // 2, g, "cuda", torch.bfloat16)  # a down projection of half the width
     gu = (torch.randn(1, 1, N // 2 * 2, generator=g, device="cuda") * 3).bfloat16()
     y = gemv_silu_mul_cuda(gu, q2, fuse=True, scale=s2)
     assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), q2, split=1, scale=s2))
