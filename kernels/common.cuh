@@ -23,6 +23,18 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// Eight / four elements of a 16-bit type as one 16-byte / 8-byte vector: the elementwise kernels' loads and
+// stores (v.u from memory, v.e[i] the elements; w[] the 16-byte vector's 32-bit words, as shuffles move them).
+template <typename T> union Vec8 {
+    uint4 u;
+    unsigned int w[4];
+    T e[8];
+};
+template <typename T> union Vec4 {
+    uint2 u;
+    T e[4];
+};
+
 // Programmatic dependent launch (compute capability 9.0 and newer; nothing on older targets). A kernel the
 // launcher starts with programmatic serialization (cuda_build.launch(..., programmatic=True)) may begin while
 // the grid before it in the stream is still running: before grid_wait() it may only read what no earlier
@@ -55,7 +67,7 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ w, float* f)
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 template <typename T> __device__ __forceinline__ void load8_f32(const T* __restrict__ w, float* f) {
-    union { uint4 u; T e[8]; } v;
+    Vec8<T> v;
     v.u = *reinterpret_cast<const uint4*>(w);
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = to_f(v.e[e]);

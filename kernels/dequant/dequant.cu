@@ -12,11 +12,6 @@ typedef qf_type<OUT_T>::t elem;
 
 #define THREADS 256
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-
 // q: rows of stride q_row bytes (a multiple of 16), cols a multiple of 16; out [rows, cols] contiguous.
 extern "C" __global__ void __launch_bounds__(THREADS)
 dequant_rows(const signed char* __restrict__ q, const elem* __restrict__ scale, elem* __restrict__ out,
@@ -33,7 +28,7 @@ dequant_rows(const signed char* __restrict__ q, const elem* __restrict__ scale, 
     } in;
     in.v = __ldcs(reinterpret_cast<const int4*>(q + r * q_row + c));
     const float s = to_f(scale[r]);
-    Vec8 lo, hi;
+    Vec8<elem> lo, hi;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         lo.e[e] = from_f<elem>(__fmul_rn((float)in.b[e], s));

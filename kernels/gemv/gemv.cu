@@ -67,12 +67,7 @@ typedef elem welem;
 #endif
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "SPLIT: 1, 2 or 4 warps a row group");
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-
-__device__ __forceinline__ float dot8(const Vec8& w, const Vec8& x, float acc) {
+__device__ __forceinline__ float dot8(const Vec8<elem>& w, const Vec8<elem>& x, float acc) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc = fmaf(to_f(w.e[e]), to_f(x.e[e]), acc);
     return acc;
@@ -80,7 +75,7 @@ __device__ __forceinline__ float dot8(const Vec8& w, const Vec8& x, float acc) {
 
 // 16 int8 weights w (one piece) times x pieces a, b, in column order: byte e + 128 under the exponent of 2^23
 // is the float 2^23 + 128 + q_e.
-__device__ __forceinline__ float dot16_q8(const uint4& w, const Vec8& a, const Vec8& b, float acc) {
+__device__ __forceinline__ float dot16_q8(const uint4& w, const Vec8<elem>& a, const Vec8<elem>& b, float acc) {
     const unsigned u[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
@@ -106,14 +101,14 @@ __device__ __forceinline__ void stage_norm(uint4* xs, const elem* __restrict__ x
     __shared__ float part[WARPS];
     const int li = threadIdx.x % TPR;
     const bool first = threadIdx.x < TPR;
-    Vec8 v[VPL];
+    Vec8<elem> v[VPL];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
         const int col = (k * TPR + li) * 8;
         v[k].u = __ldcg(reinterpret_cast<const uint4*>(res + col));
         if (x != nullptr) {
-            Vec8 xv;
+            Vec8<elem> xv;
             xv.u = __ldcg(reinterpret_cast<const uint4*>(x + col));
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[k].e[e] = from_f<elem>(to_f(v[k].e[e]) + to_f(xv.e[e]));
@@ -130,7 +125,7 @@ __device__ __forceinline__ void stage_norm(uint4* xs, const elem* __restrict__ x
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
         const int col = (k * TPR + li) * 8;
-        Vec8 out;
+        Vec8<elem> out;
         float wk[8];
         load8_f32(nw + col, wk);
 #pragma unroll
@@ -160,7 +155,7 @@ gemv(const welem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__
     // and only then waits for x. What another kernel wrote (x, res) is read through L2 (ld.global.cg), never
     // through the non-coherent read-only path: it changed while this grid was resident.
     grid_launch_dependents();
-    Vec8 w[ROWS][UNROLL];
+    Vec8<elem> w[ROWS][UNROLL];
     if (first < N) {
 #pragma unroll
         for (int u = 0; u < PRE; ++u) {
@@ -176,7 +171,7 @@ gemv(const welem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__
     stage_norm(xs, x, res, nw, sum, eps);
 #elif PRO == 2
     for (int i = threadIdx.x; i < nx; i += THREADS) {
-        Vec8 g, u, o;
+        Vec8<elem> g, u, o;
         g.u = __ldcg(reinterpret_cast<const uint4*>(x) + i);
         u.u = __ldcg(reinterpret_cast<const uint4*>(x) + nx + i);
 #pragma unroll
@@ -212,13 +207,13 @@ gemv(const welem* __restrict__ W, const elem* __restrict__ x, elem* __restrict__
                 const int v = v0 + 32 * u;
                 if (v < v_hi) {
 #if Q8
-                    Vec8 xa, xb;
+                    Vec8<elem> xa, xb;
                     xa.u = xs[2 * v];
                     xb.u = xs[2 * v + 1];
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) acc[r] = dot16_q8(w[r][u].u, xa, xb, acc[r]);
 #else
-                    Vec8 xv;
+                    Vec8<elem> xv;
                     xv.u = xs[v];
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) acc[r] = dot8(w[r][u], xv, acc[r]);

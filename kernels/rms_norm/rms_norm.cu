@@ -55,12 +55,6 @@ static_assert(ROPE == 0 || (!GATED && ROPE % 16 == 0 && ROPE <= 8 * (TPR < 32 ? 
                             ((ROPE / 16) & (ROPE / 16 - 1)) == 0),
               "ROPE: a multiple of 16 whose sixteenth is a power of two, in the first warp's vectors of a row");
 
-union Vec8 {
-    uint4 u;
-    unsigned int w[4];
-    elem e[8];
-};
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wtype* __restrict__ w,
              elem* __restrict__ y, long long rows, int H, long long xs0, long long xs1, long long gs0,
@@ -73,7 +67,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     const long long r = ok ? row : 0;
     const long long ri = r / H, rj = r % H;
     const elem* xr = x + ri * xs0 + rj * xs1;
-    Vec8 v[VPL];
+    Vec8<elem> v[VPL];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
@@ -81,7 +75,7 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
         v[k].u = ok ? *reinterpret_cast<const uint4*>(xr + col) : make_uint4(0, 0, 0, 0);
 #if RES
         if (ok) {
-            Vec8 rv;
+            Vec8<elem> rv;
             rv.u = *reinterpret_cast<const uint4*>(res + r * DIM + col);
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[k].e[e] = from_f<elem>(to_f(rv.e[e]) + to_f(v[k].e[e]));
@@ -106,10 +100,10 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
     for (int k = 0; k < VPL; ++k) {
         const int col = (k * TPR + li) * 8;
 #if GATED
-        Vec8 gv;
+        Vec8<elem> gv;
         gv.u = *reinterpret_cast<const uint4*>(gr + col);
 #endif
-        Vec8 out;
+        Vec8<elem> out;
         float wk[8];
         load8_f32(w + col, wk);
 #pragma unroll
@@ -129,12 +123,12 @@ rms_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ gate, const wt
         }
 #if ROPE
         if (k == 0) {
-            Vec8 pv;  // the normalised features j +- ROPE / 2 of this lane's j
+            Vec8<elem> pv;  // the normalised features j +- ROPE / 2 of this lane's j
 #pragma unroll
             for (int q = 0; q < 4; ++q) pv.w[q] = __shfl_xor_sync(0xffffffffu, out.w[q], ROPE / 16);
             if (col < ROPE) {
                 const long long tok = ri % T;
-                Vec8 c, s;
+                Vec8<elem> c, s;
                 c.u = *reinterpret_cast<const uint4*>(cos_t + tok * ROPE + col);
                 s.u = *reinterpret_cast<const uint4*>(sin_t + tok * ROPE + col);
 #pragma unroll

@@ -12,11 +12,6 @@ typedef qf_type<IN_T>::t elem;
 
 #define THREADS 256
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-
 // gu: rows of stride `row` elements, g at columns [0, I), u at [I, 2 I); I a multiple of 8.
 extern "C" __global__ void __launch_bounds__(THREADS)
 silu_mul(const elem* __restrict__ gu, elem* __restrict__ out, long long rows, int I, long long row)
@@ -26,7 +21,7 @@ silu_mul(const elem* __restrict__ gu, elem* __restrict__ out, long long rows, in
     if (i >= rows * vpr) return;
     const long long r = i / vpr;
     const int c = (int)(i - r * vpr) * 8;
-    Vec8 g, u, o;
+    Vec8<elem> g, u, o;
     g.u = *reinterpret_cast<const uint4*>(gu + r * row + c);
     u.u = *reinterpret_cast<const uint4*>(gu + r * row + I + c);
 #pragma unroll

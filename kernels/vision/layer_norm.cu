@@ -29,11 +29,6 @@ typedef qf_type<IN_T>::t elem;
 #define RPB (WARPS * 32 / TPR)                // rows per block
 static_assert(DIM % 8 == 0 && DIM > 0 && NV <= 1280, "DIM must be a multiple of 8, at most 10,240");
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const elem* __restrict__ w,
                const elem* __restrict__ b, elem* __restrict__ sum, elem* __restrict__ out, long long rows,
@@ -45,7 +40,7 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
     const bool ok = row < rows;
     const long long off = (ok ? row : 0) * DIM;
 
-    Vec8 v[VPL];
+    Vec8<elem> v[VPL];
     float acc = 0.f;
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
@@ -53,7 +48,7 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
         const bool in = ok && c < NV;
         v[k].u = in ? *reinterpret_cast<const uint4*>(x + off + c * 8) : make_uint4(0, 0, 0, 0);
 #if HAS_Y
-        Vec8 yv;
+        Vec8<elem> yv;
         yv.u = in ? *reinterpret_cast<const uint4*>(y + off + c * 8) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[k].e[e] = from_f<elem>(to_f(v[k].e[e]) + to_f(yv.e[e]));
@@ -83,7 +78,7 @@ layer_norm_fwd(const elem* __restrict__ x, const elem* __restrict__ y, const ele
             float wf[8], bf[8];
             load8_f32(w + c * 8, wf);
             load8_f32(b + c * 8, bf);
-            Vec8 o;
+            Vec8<elem> o;
 #pragma unroll
             for (int e = 0; e < 8; ++e) o.e[e] = from_f<elem>(fmaf(wf[e], rstd * (to_f(v[k].e[e]) - mean), bf[e]));
             *reinterpret_cast<uint4*>(out + off + c * 8) = o.u;

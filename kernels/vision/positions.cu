@@ -38,11 +38,6 @@ static_assert(DIM % 8 == 0 && DIM > 0, "DIM must be a multiple of 8");
 static_assert(HEAD_DIM % 4 == 0 && HEAD_DIM > 0, "HEAD_DIM must be a multiple of 4");
 static_assert(SIDE > 0 && MERGE > 0, "SIDE and MERGE must be positive");
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-
 // grid coordinate of patch index i of `size` along one side: the lower tap, the upper one and the fraction
 __device__ __forceinline__ void tap(int i, int size, int& lo, int& hi, float& frac) {
     const float src = __fdiv_rn(__fmul_rn((float)i, (float)(SIDE - 1)), (float)max(size - 1, 1));
@@ -78,7 +73,7 @@ vision_positions(const elem* __restrict__ x, const elem* __restrict__ pos, const
                          pos + (long long)(r1 * SIDE + c0) * DIM, pos + (long long)(r1 * SIDE + c1) * DIM};
 
     for (int v = threadIdx.x; v < NV; v += THREADS) {
-        Vec8 t[4], a, o;
+        Vec8<elem> t[4], a, o;
 #pragma unroll
         for (int k = 0; k < 4; ++k) t[k].u = *reinterpret_cast<const uint4*>(tp[k] + 8 * v);
         a.u = *reinterpret_cast<const uint4*>(x + n * DIM + 8 * v);

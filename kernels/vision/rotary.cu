@@ -36,15 +36,6 @@ static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM > 0, "HEAD_DIM must be a multiple of
 static_assert(HEADS > 0, "HEADS must be positive");
 static_assert(HG > 0 && (2 * HEADS) % HG == 0, "HG must divide 2 x HEADS");
 
-union Vec8 {
-    uint4 u;
-    elem e[8];
-};
-union Vec4 {
-    uint2 u;
-    elem e[4];
-};
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 vision_rotary(const elem* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               elem* __restrict__ out, long long n_tokens)
@@ -58,8 +49,8 @@ vision_rotary(const elem* __restrict__ qkv, const float* __restrict__ cos_t, con
     const elem* row = qkv + n * (3LL * HEADS * HEAD_DIM) + j;
     const int p0 = (j < HALF ? HALF : -HALF), p1 = (j + 4 < HALF ? HALF : -HALF);  // partners of the two halves
 
-    Vec8 x[HG];
-    Vec4 p[HG][2];
+    Vec8<elem> x[HG];
+    Vec4<elem> p[HG][2];
 #pragma unroll
     for (int k = 0; k < HG; ++k) {
         const elem* head = row + (g + k * G) * HEAD_DIM;
@@ -74,7 +65,7 @@ vision_rotary(const elem* __restrict__ qkv, const float* __restrict__ cos_t, con
     const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll
     for (int k = 0; k < HG; ++k) {
-        Vec8 o;
+        Vec8<elem> o;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float pf = to_f(p[k][e / 4].e[e % 4]);
