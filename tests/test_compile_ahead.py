@@ -19,6 +19,7 @@ from qwen35_fast.kernels import cuda_build as cb
 from _models import rel
 
 NORM = cb.KERNELS_DIR / "rms_norm" / "rms_norm.cu"
+ROOT = Path(__file__).resolve().parents[1]
 CONV = cb.KERNELS_DIR / "conv1d" / "conv1d.cu"
 ELF = b"\x7fELF"  # how a cubin starts
 
@@ -228,8 +229,10 @@ def test_the_process_own_kernel_folder_is_removed_at_exit(fake, tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     code = textwrap.dedent(f"""
-        import os
+        import os, sys
         os.environ["CUPY_CACHE_DIR"] = {str(blocked)!r}
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import _import  # the repository as qwen35_fast where it is not pip-installed (the GPU machine)
         import qwen35_fast.kernels.cuda_build as cb
         cb._compile = lambda source, src_path, arch, opts: b"\\x7fELF module"
         path = cb._build_file(cb.Path({str(blocked / "x.cubin")!r}), "", cb.Path("x.cu"), "sm_90a", [])
