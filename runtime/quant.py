@@ -4,16 +4,16 @@ A row w of a weight matrix is stored as q = round(w / s) with s = max|w| / 127 (
 -127..127): one byte a number and one scale a row, half the memory of bf16. The model computes with q * s:
 a matmul multiplies its input by that dequantized matrix (made some thousands of rows at a time where the matrix
 is large, so no more than DEQUANT_BYTES of it exists at once; on the CUDA backend kernels.dequant_rows makes it,
-reading each byte once: 2.5-2.8 TB/s on an H100, where torch.mul of int8 rows by bf16 scales ran at 0.75-0.78,
-bench/results/int8-dequant-ab-h100.json) and the embedding takes q * s of the rows it looks up. An int8 model's prompts therefore compute exactly what a model with weights q * s computes (on the CPU the
+reading each byte once: 2.5-2.8 TB/s on an H100 and 3.0-3.8 on an H200, where torch.mul of int8 rows by bf16
+scales ran at 0.75-0.80, bench/results/int8-dequant-ab-h100.json, -h200.json) and the embedding takes q * s of the rows it looks up. An int8 model's prompts therefore compute exactly what a model with weights q * s computes (on the CPU the
 matmul takes another route, below); the one difference from the checkpoint is that rounding (tests/test_int8.py
 states it).
 
 A GPU decode step's one-row products do not dequantize: they take kernels.gemv with the int8 rows and their
 scales (Qwen35Model._proj), which reads each weight byte once and scales the row's fp32 sum (q x) * s, rounded
 once, within the rounding of the dequantized product, not bit for bit it. Dequantizing there read a byte, wrote
-two and read them again for every weight: a 9B-shaped model decoded at 28 tokens/s against 210 with full weights
-(bench/results/int8-weights-h200.json).
+two and read them again for every weight: a 9B-shaped model decoded at 28 tokens/s against 210 with full weights,
+and decodes at 308 with the kernel (bench/results/int8-weights-h200.json).
 
 Each row is quantized on its own, so the rows of a fused matrix (q/k/v, gate/up) can be filled part by part
 as the checkpoint's tensors come, and the result does not depend on which tensors share a matrix.

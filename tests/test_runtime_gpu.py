@@ -156,8 +156,9 @@ def test_a_prompt_read_in_pieces_gives_the_one_pass_logits_and_holds_less(folder
 
 
 def test_out_of_memory_says_what_to_change_and_the_model_still_works(folder):
-    """Issue 12 item 10: a 128k-token prefill with a third of what it needs free (another model holding the rest;
-    the prompt is read in pieces, so its K/V cache is most of that)."""
+    """Issue 12 item 10: a 128k-token prefill with a fifth of what the estimate says it needs free (another model
+    holding the rest; the prompt is read in pieces, so its K/V cache is most of that). The estimate is generous: on an
+    H200 it said 823 MiB where the prefill's peak was 270 MiB, so a third of it (274 MiB) fitted now and then."""
     from qwen35_fast.runtime.memory import prefill_bytes
     model = load_model(folder, dtype="bf16", device="cuda")
     short = list(range(5000, 5040))
@@ -165,7 +166,7 @@ def test_out_of_memory_says_what_to_change_and_the_model_still_works(folder):
     ids = list(torch.randint(0, 248000, (131072,), generator=torch.Generator().manual_seed(2)).tolist())
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    hog = torch.empty(free - prefill_bytes(model, len(ids)) // 3, dtype=torch.uint8, device="cuda")  # the diffusion model
+    hog = torch.empty(free - prefill_bytes(model, len(ids)) // 5, dtype=torch.uint8, device="cuda")  # the diffusion model
     try:
         with pytest.raises(Qwen35Error, match=r"out of memory on cuda(:0)? reading a prompt of 131,072 tokens: that "
                                               r"needs about \d+\.\d\d GiB beyond .* and \d+\.\d\d GiB of "
