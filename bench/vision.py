@@ -4,6 +4,7 @@ question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --
 
   {"impl": "ours" | "ours-torch" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
   {"impl": "ours-e2e" | "transformers-e2e" | "transformers-e2e-generate", "ttft_ms": ...}
+  {"impl": "ours-bucket", "ms", "ms_eager", ...}: images of two sizes of one graph bucket in turn (bucket_row)
 
 "ours" runs the tower on the kernel backend the text model would pick ("auto": the CUDA kernels for the
 rotary and the LayerNorms where they run), a fresh plan each call ("ms"), and as the runtime runs a size
@@ -177,6 +178,8 @@ def main():
         print(f"{name}: ours {ms_ours:.2f} ms ({be.name}; size repeating {ms_repeat:.2f}), ours on the references "
               f"{ms_torch:.2f} ms, "
               f"transformers {ms_ref:.2f} ms, floor {floor:.2f} ms, rel err {err}")
+    if not args.smoke:
+        rows.append(bucket_row(ours, be, rate, args.reps))
     ref = None  # frees the weights (the closures above are done with it)
 
     def save():
@@ -208,6 +211,36 @@ def main():
         print(f"{name}: ours compiled {ms:.2f} ms (compile {compile_s:.0f} s)")
         save()
     print(json.dumps(rows, indent=1))
+
+
+def bucket_row(ours: VisionTower, be, rate: float, reps: int) -> dict:
+    """Images of two sizes of one graph bucket (1024 x 960 and 1024 x 992: 3,840 and 3,968 patches, bucket 4,096),
+    one after the other, each call another size than the last: VisionTower.run replays the bucket's padded graph
+    (captured on the second call); against each size eager with a fresh plan, what run did for them before."""
+    vc, dev = ours.config, ours.device
+    sizes = [[(1, 64, 60)], [(1, 64, 62)]]
+    px = [torch.randn(t * h * w, vc.patch_dim, device=dev, generator=torch.Generator(dev).manual_seed(i)).bfloat16()
+          for i, [(t, h, w)] in enumerate(sizes)]
+    turn = {"run": 0, "eager": 0}
+
+    def call(kind):
+        i = turn[kind] = 1 - turn[kind]
+        if kind == "run":
+            return ours.run(px[i], sizes[i], backend=be)
+        return ours(px[i], vision_plan(vc, sizes[i], dev), backend=be)
+    with torch.inference_mode():
+        for _ in range(3):
+            call("run")
+        ms = timed_in_turn({k: (lambda k=k: call(k)) for k in turn}, reps)
+        key = ours._graph.key if ours._graph is not None else None
+    floor = sum(ours.flops(s) for s in sizes) / 2 / rate * 1000
+    print(f"two sizes of one bucket in turn: {ms['run']:.2f} ms (graph {key}), eager {ms['eager']:.2f}, "
+          f"floor {floor:.2f}")
+    return {"impl": "ours-bucket", "tower": vc.shape_name, "images": "1x1024x960 / 1x1024x992 in turn",
+            "grids": sizes, "floor_ms": round(floor, 2), "ms": round(ms["run"], 2), "ms_eager": round(ms["eager"], 2),
+            "graph": list(key) if key is not None else None, "backend": be.name,
+            "note": "each call another size than the last; ms: VisionTower.run (the bucket's padded graph), "
+                    "ms_eager: the tower eager with a fresh plan"}
 
 
 def e2e(args, tower: VisionTower, rate: float):

@@ -21,7 +21,7 @@ from .errors import Qwen35Error
 from .kv_pool import model_sizes
 from .model import PREFILL_PIECE, Qwen35Model
 from .quant import dequant_bytes
-from .vision import tower_passes
+from .vision import GRAPH_PATCHES, graph_bucket, tower_passes
 
 OVERHEAD = 256 << 20  # library workspaces (cuBLAS, kernels' scratch) and allocator rounding
 
@@ -108,10 +108,10 @@ def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
 
 def vision_bytes(model: Qwen35Model, grids) -> int:
     """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the fp32
-    pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes)
-    their pixels in the model's dtype and the widest block (residual, norm, q/k/v, q and k rotated in fp32, the
-    MLP's hidden layer and its GELU); attention as SDPA's fused kernels run it. 0 for a model without a tower or
-    without inputs."""
+    pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes; for
+    a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's dtype and the
+    widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU); attention
+    as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
     n_patches = sum(t * h * w for t, h, w in grids)
     if model.vision is None or n_patches <= 0:
         return 0
@@ -119,6 +119,8 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     b = model.dtype.itemsize
     d, i = vc.hidden_size, vc.intermediate_size
     widest = max(sum(t * h * w for t, h, w in part) for part in tower_passes(grids))
+    if graph_bucket(widest) <= GRAPH_PATCHES:  # a padded graph's capture runs the patches of its bucket
+        widest = graph_bucket(widest)
     per_pass_patch = b * (vc.patch_dim + 5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d  # its pixels in the dtype
     return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD
 

@@ -158,7 +158,8 @@ class VisionPlan:
     inv_freq: fp32 [head_dim / 4], the rotary's frequencies of one axis; groups: (token index [S*L] or None
     when the group is every token in order, S slices, L tokens each) per slice length, for SDPA;
     cu_seqlens: int32 [slices + 1] where each attention slice (an image, a video's temporal patch) starts,
-    and max_len, its longest.
+    and max_len, its longest (a padded plan: its patches, a bound for every layout of its bucket). padded: the
+    last grid is the padding of a bucket graph (pad_grids), whose plan tensors other layouts overwrite.
     """
     grids: tuple[tuple[int, int, int], ...]
     table: torch.Tensor
@@ -166,6 +167,7 @@ class VisionPlan:
     groups: tuple[tuple[torch.Tensor | None, int, int], ...]
     cu_seqlens: torch.Tensor
     max_len: int
+    padded: bool = False
 
     @property
     def n_patches(self) -> int:
@@ -179,10 +181,13 @@ def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2))).numpy()
 
 
-def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
+def plan(vc: VisionConfig, grids, device: torch.device, pad_to: int | None = None) -> VisionPlan:
     """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]: a few host integers copied to
-    the device as one array without waiting (upload); the per-patch work is the tower's first kernel."""
+    the device as one array without waiting (upload); the per-patch work is the tower's first kernel. pad_to:
+    the patches of a bucket graph (graph_bucket): the grids, then a grid of padding up to that many patches."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+    if pad_to is not None:
+        grids = pad_grids(grids, pad_to, vc.spatial_merge_size)
     m = vc.spatial_merge_size
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
@@ -203,7 +208,28 @@ def plan(vc: VisionConfig, grids, device: torch.device) -> VisionPlan:
 
     groups = tuple((None if len(by_len) == 1 else order(n, f), len(f), n) for n, f in by_len.items())
     return VisionPlan(grids, buf[:g].view(len(grids), 4), buf[g + s:].view(torch.float32), groups, buf[g:g + s],
-                      max(lengths))
+                      max(lengths) if pad_to is None else pad_to, pad_to is not None)
+
+
+# A graph may also stand for other grids of the same layout (images, slices) whose patches fall in its bucket:
+# it runs graph_bucket(n) patches, the inputs' and then a grid of padding, an attention segment of its own (no
+# image's token attends to it, and every other operator works patch by patch). Its replays take the inputs'
+# plan (the grids' table, the segments' starts) into the tensors the graph reads; the padding's rows are zeros
+# and its tokens are dropped. Images of about one size (1024 x 1024, 896 x 1152, 832 x 1216: 3,952 to 4,096
+# patches) then share one graph instead of each running eagerly, ~280 launches from Python.
+def graph_bucket(n: int) -> int:
+    """The patches of the bucket graph for n patches: the next multiple above n (never n itself: the padding is
+    a grid) of an eighth of the power of two at or below n, and of 64; at most 12.5% more patches (+64)."""
+    step = max(64, 1 << max(0, n.bit_length() - 4))
+    return (n // step + 1) * step
+
+
+def pad_grids(grids: tuple[tuple[int, int, int], ...], total: int, merge: int) -> tuple[tuple[int, int, int], ...]:
+    """The grids, then one image of (merge, rest / merge) patches filling them up to `total` patches."""
+    rest = total - sum(t * h * w for t, h, w in grids)
+    if rest <= 0 or rest % (merge * merge):
+        raise ValueError(f"cannot pad {total - rest} patches to {total} with {merge} x {merge} blocks")
+    return grids + ((1, merge, rest // merge),)
 
 
 # A call over more than TOWER_PASS_PATCHES patches runs the tower in passes of whole images and 2-frame video
@@ -259,8 +285,9 @@ GRAPH_PATCHES = 16384
 
 
 class TowerGraph:
-    """One tower call captured for fixed grids and backend: pixels are copied into its input, the graph is
-    replayed, and its output copied out (the next replay overwrites the graph's own)."""
+    """One tower call captured for fixed grids and backend (or, from a padded plan, for every layout of its
+    bucket): pixels are copied into its input, the graph is replayed, and its output copied out (the next
+    replay overwrites the graph's own)."""
 
     def __init__(self, tower: "VisionTower", p: "VisionPlan", backend: kernels.Backend, pixels: torch.Tensor, key):
         from .decode_graph import capture_graph  # (it imports the model, which imports this module)
@@ -276,10 +303,18 @@ class TowerGraph:
         """Device memory the graph holds: its input and its pool (counted in the model's size)."""
         return self.pixels.numel() * self.pixels.element_size() + self.pool_bytes
 
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        self.pixels.copy_(pixels)
+    def __call__(self, pixels: torch.Tensor, p: "VisionPlan | None" = None) -> torch.Tensor:
+        """The tower's output for `pixels`; p: their padded plan, for a bucket graph (its table and segment
+        starts replace the ones the graph reads; the rows after the pixels are zeros, their tokens dropped)."""
+        n = pixels.shape[0]
+        if p is not None:
+            self.plan.table.copy_(p.table)
+            self.plan.cu_seqlens.copy_(p.cu_seqlens)
+        self.pixels[:n].copy_(pixels)
+        if n < self.pixels.shape[0]:
+            self.pixels[n:].zero_()
         self.graph.replay()
-        return self.out.clone()
+        return self.out[:n * self.out.shape[0] // self.pixels.shape[0]].clone()
 
 _VARLEN: list = []
 
@@ -331,6 +366,7 @@ class VisionTower(nn.Module):
         self._plans: dict[tuple, VisionPlan] = {}  # grids -> plan, least recently used first
         self._graph: TowerGraph | None = None
         self._last = None  # (grids, backend) of the last call
+        self._last_bucket = None  # its bucket graph's key (_bucket_key), None where it had none
         self._no_graph: set = set()  # keys whose capture failed: they run eagerly
 
     @property
@@ -352,7 +388,7 @@ class VisionTower(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()  # their tensors are where the weights were
-        self._graph = self._last = None  # and the graph reads the weights' old addresses
+        self._graph = self._last = self._last_bucket = None  # and the graph reads the weights' old addresses
         return super()._apply(fn, recurse)
 
     def graph_bytes(self) -> int:
@@ -363,15 +399,20 @@ class VisionTower(nn.Module):
         """forward over `pixels` of these grids (one tensor, or one per input: not joined into a copy of them
         all) with the kept plan; on a GPU with the kernels, the second call in a row with the same grids captures
         a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with them replay. The same kernels run either
-        way: the output is the same. Over more than TOWER_PASS_PATCHES patches it runs eagerly in passes
-        (tower_passes), each taking its own rows of the pixels to the device."""
+        way: the output is the same. Two calls in a row with other grids of one layout in one bucket
+        (graph_bucket) capture a padded graph instead, which later calls of that layout and bucket replay: the
+        same kernels over more patches, so the output is the eager one's within the rounding of products of
+        another size (cuBLAS may pick another algorithm, the attention's split blocks fall elsewhere). Over more
+        than TOWER_PASS_PATCHES patches it runs eagerly in passes (tower_passes), each taking its own rows of the
+        pixels to the device."""
         parts = list(pixels) if isinstance(pixels, (list, tuple)) else [pixels]
         passes = tower_passes(grids)
         rows, want = sum(t.shape[0] for t in parts), sum(t * h * w for t, h, w in grids)
         if rows != want:
             raise Qwen35Error(f"vision input has {rows} patch rows, the grids {[tuple(g) for g in grids]} need {want}")
         if len(passes) > 1:
-            self._last, out, lo = None, [], 0
+            self._last = self._last_bucket = None
+            out, lo = [], 0
             for part in passes:
                 if lo:
                     progress.report("vision", lo, want)  # a caller's cancel lands here, between passes
@@ -383,21 +424,30 @@ class VisionTower(nn.Module):
         x = self._rows(parts, 0, p.n_patches)
         key = (p.grids, backend.name if backend is not None else None)
         graphable = self._graphable(x, p, backend, key)
+        bucket = self._bucket_key(p, backend) if graphable else None
         last, self._last = self._last, key
+        last_bucket, self._last_bucket = self._last_bucket, bucket
         if graphable and self._graph is not None and self._graph.key == key:
             return self._graph(x)
-        if not graphable or last != key:
+        if bucket is not None and self._graph is not None and self._graph.key == bucket:
+            return self._graph(x, plan(self.config, p.grids, self.device, pad_to=bucket[1]))
+        if graphable and last == key:
+            gkey, gplan, gx = key, p, x
+        elif bucket is not None and last_bucket == bucket and bucket not in self._no_graph:
+            gkey, gplan = bucket, plan(self.config, p.grids, self.device, pad_to=bucket[1])
+            gx = torch.cat([x, x.new_zeros(bucket[1] - x.shape[0], x.shape[1])])
+        else:
             return self(x, p, backend=backend)
         self._graph = None  # one graph: the old one's memory goes first
         try:
-            self._graph = TowerGraph(self, p, backend, x, key)
+            self._graph = TowerGraph(self, gplan, backend, gx, gkey)
         except Exception as e:  # noqa: BLE001 - a capture the card or a library refuses: this size runs eagerly
-            self._no_graph.add(key)
-            log.warning("qwen35: the vision tower runs without a CUDA graph for grids %s (%s)", p.grids, e)
+            self._no_graph.add(gkey)
+            log.warning("qwen35: the vision tower runs without a CUDA graph for grids %s (%s)", gplan.grids, e)
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
             return self(x, p, backend=backend)
-        return self._graph(x)
+        return self._graph(x)  # (a padded capture: its own plan is this call's)
 
     def _rows(self, parts: list, lo: int, hi: int) -> torch.Tensor:
         """Rows lo .. hi of the pixel tensors `parts` taken one after another, on the tower's device and dtype."""
@@ -416,6 +466,25 @@ class VisionTower(nn.Module):
                 and key not in self._no_graph and os.environ.get("QWEN35_CUDA_GRAPHS", "1") != "0"
                 and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
+    def _bucket_key(self, p: VisionPlan, backend: kernels.Backend | None):
+        """The key of the bucket graph that may stand for this plan's grids (the bucket's patches, the number of
+        grids and of attention segments, the backend), or None: it must fit GRAPH_PATCHES, and the attention must
+        read its segments from the device (our kernel, or torch's varlen flash attention), not run one SDPA call
+        per slice length of the grids the graph was captured with."""
+        n = graph_bucket(p.n_patches)
+        if n > GRAPH_PATCHES or not self._segments_on_device(backend):
+            return None
+        return ("bucket", n, len(p.grids), p.cu_seqlens.numel() - 1, backend.name if backend is not None else None)
+
+    def _segments_on_device(self, backend: kernels.Backend) -> bool:
+        """Whether _attention reads the segments from cu_seqlens on the device for any layout: our kernel takes
+        this tower's q, k, v on this card, or torch has varlen_attn."""
+        if _varlen_attn() is not None:
+            return True
+        vc, dev = self.config, self.device
+        q = torch.empty(0, vc.num_heads, vc.head_dim, dtype=self.dtype, device=dev)
+        return kernels.vision_attention_takes(q, q, q, torch.empty(2, dtype=torch.int32, device=dev), backend=backend)
+
     def _attention(self, blk: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: VisionPlan,
                    be: kernels.Backend | None) -> torch.Tensor:
         vc = self.config
@@ -427,7 +496,7 @@ class VisionTower(nn.Module):
         if kernels.vision_attention_takes(q, k, v, p.cu_seqlens, backend=be):  # ours: sm_90a, head dim 64 / 72
             out = kernels.vision_attention(q, k, v, p.cu_seqlens, p.max_len, backend=be)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
-        if len(p.groups) > 1 and be is not None and be.use_cuda and _varlen_attn() is not None:
+        if (len(p.groups) > 1 or p.padded) and be is not None and be.use_cuda and _varlen_attn() is not None:
             out = _varlen_attn()(q, k, v.contiguous(), p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         out = torch.empty_like(v) if len(p.groups) > 1 else None

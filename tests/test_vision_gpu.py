@@ -246,6 +246,34 @@ def test_the_tower_replays_a_cuda_graph_from_the_second_call_with_the_same_grids
     assert tower._graph is None and (tower.plan(grids).grids, "cuda") in tower._no_graph
 
 
+def test_other_sizes_of_one_bucket_replay_one_padded_graph(monkeypatch):
+    """run(): two calls in a row with images of other sizes in one bucket (3,840 to 4,032 patches: 4,096) capture
+    the bucket's padded graph (the attention's segments read on the device); every later size of that bucket
+    replays it with its own plan and gives the eager output's tokens within the rounding of products of another
+    row count; a replay after a larger image gives what it gave before (the padding's rows are zeros again)."""
+    from qwen35_fast.runtime import vision
+    tower, be, g = random_tower(2, 7)
+    vc, dev = tower.config, tower.device
+    captures = []
+    real = vision.TowerGraph
+    monkeypatch.setattr(vision, "TowerGraph", lambda *a: captures.append(a[4]) or real(*a))
+    sizes = [[(1, 60, 64)], [(1, 62, 64)], [(1, 52, 76)], [(1, 56, 72)], [(1, 60, 64)], [(1, 48, 84)]]
+    inputs = {}
+    for grids in sizes:
+        n = sum(t * h * w for t, h, w in grids)
+        x = inputs.setdefault(n, torch.randn(n, vc.patch_dim, device=dev, generator=g).bfloat16())
+        got = tower.run(x, grids, be)
+        want = tower(x, vision.plan(vc, grids, dev), backend=be)
+        assert got.shape == want.shape == (n // 4, vc.out_hidden_size)
+        assert rel(got.float(), want.float()) < 1e-2, grids
+    assert captures == [("bucket", 4096, 1, 1, "cuda")] and tower._graph.key == captures[0]
+    x = inputs[60 * 64]
+    first = tower.run(x, [(1, 60, 64)], be)
+    tower.run(inputs[56 * 72], [(1, 56, 72)], be)  # 4,032 patches: 192 rows more than 3,840 of the next call
+    assert torch.equal(tower.run(x, [(1, 60, 64)], be), first) and len(captures) == 1
+    assert tower.graph_bytes() >= 4096 * vc.patch_dim * 2
+
+
 def test_a_kept_graph_outlives_its_plan_in_the_towers_cache():
     """A graph keeps the plan its replays read: after other grids push that plan out of the tower's cache
     (PLAN_CACHE) and the allocator hands its memory to others, a replay still gives the eager output."""

@@ -205,7 +205,7 @@ def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkey
 
     monkeypatch.setattr(vision, "TowerGraph", Graph)
     monkeypatch.setattr(vision.VisionTower, "_graphable", lambda self, x, p, backend, key: key not in self._no_graph)
-    A, B = ((1, 4, 4),), ((1, 8, 4),)
+    A, B = ((1, 4, 4),), ((1, 16, 8),)  # 16 and 128 patches: buckets 64 and 192 (no bucket graph between them)
 
     def call(grids):
         x = torch.randn(sum(t * h * w for t, h, w in grids), vc.patch_dim)
@@ -233,6 +233,108 @@ def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkey
     for _ in range(4):
         call(A)
     assert made == [A, B, "refused"] and tower._graph is None  # tried once, eager since
+
+
+def test_graph_buckets_pad_by_at_most_an_eighth():
+    """graph_bucket: above n (the padding is a grid of its own), a multiple of 64 (whole 2 x 2 blocks), at most an
+    eighth of n or 64 more; the sizes of ~1 megapixel images of the common aspect ratios share one bucket."""
+    from qwen35_fast.runtime import vision
+    for n in range(4, 40000, 4):
+        b = vision.graph_bucket(n)
+        assert n < b <= n + max(n // 8, 64) and b % 64 == 0, n
+    assert {vision.graph_bucket(h * w) for h, w in ((52, 76), (56, 72), (48, 84), (60, 64), (40, 96))} == {4096}
+    assert vision.pad_grids(((1, 4, 4), (2, 2, 6)), 64, 2) == ((1, 4, 4), (2, 2, 6), (1, 2, 12))
+    for total in (40, 42):  # no padding left; a padding of no whole 2 x 2 blocks
+        with pytest.raises(ValueError, match="cannot pad 40 patches"):
+            vision.pad_grids(((1, 4, 4), (2, 2, 6)), total, 2)
+
+
+@pytest.mark.parametrize("grids", [((1, 4, 4),), ((1, 6, 8), (1, 2, 2)), ((3, 4, 2),), ((1, 2, 2), (2, 4, 4))])
+def test_a_padded_plan_gives_the_grids_own_tokens(grids):
+    """The tower over a bucket's padded plan (the grids, then a grid of zero pixels of its own; the video's
+    slices stay apart) gives the grids' tokens first, as their own plan does (fp32 on the CPU: the products of
+    another number of rows round alike, attention never crosses into the padding)."""
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    n = sum(t * h * w for t, h, w in grids)
+    x = torch.randn(n, vc.patch_dim, generator=g)
+    bucket = vision.graph_bucket(n)
+    pp = vision.plan(vc, grids, torch.device("cpu"), pad_to=bucket)
+    assert pp.padded and pp.n_patches == bucket and pp.max_len == bucket and pp.grids[:-1] == grids
+    want = tower(x, vision.plan(vc, grids, torch.device("cpu")))
+    got = tower(torch.cat([x, torch.zeros(bucket - n, vc.patch_dim)]), pp)
+    assert got.shape == (bucket // 4, 32)
+    torch.testing.assert_close(got[:n // 4], want, rtol=1e-5, atol=1e-6)
+
+
+def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkeypatch):
+    """VisionTower.run with grids of one layout in one bucket (the graph stood in for by one that runs the tower
+    over the padded plan it is handed, as the real one reads it): two calls in a row with different grids capture
+    the bucket's graph, later calls of that layout and bucket replay it with their own padded plan, each giving
+    the eager output's tokens; another layout (two images) or a bucket above GRAPH_PATCHES runs eagerly, an
+    exact graph still comes from a repeat of one size, and a refused padded capture is not tried again."""
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.1)
+    made, replayed = [], []
+
+    class Graph:
+        def __init__(self, t, p, backend, x, key):
+            made.append(key)
+            real = sum(a * b * c for a, b, c in p.grids[:-1]) if p.padded else x.shape[0]
+            assert x.shape[0] == p.n_patches and not x[real:].any()  # the padding's pixels are zeros
+            self.key, self.p, self.nbytes = key, p, 1
+
+        def __call__(self, x, p=None):
+            p = p or self.p
+            replayed.append(p.grids[:-1] if p.padded else p.grids)
+            assert p.padded == (self.key[0] == "bucket") and p.n_patches == self.p.n_patches
+            pad = x.new_zeros(p.n_patches - x.shape[0], x.shape[1])
+            return tower(torch.cat([x, pad]), p)[:x.shape[0] // 4]
+
+    monkeypatch.setattr(vision, "TowerGraph", Graph)
+    monkeypatch.setattr(vision.VisionTower, "_graphable", lambda self, x, p, backend, key: key not in self._no_graph)
+    monkeypatch.setattr(vision.VisionTower, "_segments_on_device", lambda self, backend: True)
+    A, C, D, E = ((1, 4, 4),), ((1, 4, 8),), ((1, 8, 6),), ((1, 2, 2), (1, 4, 4))  # 16, 32, 48, 20 patches: bucket 64
+
+    def call(grids):
+        x = torch.randn(sum(t * h * w for t, h, w in grids), vc.patch_dim)
+        torch.testing.assert_close(tower.run(x, grids), tower(x, tower.plan(grids)), rtol=1e-5, atol=1e-6)
+
+    call(A)
+    call(C)  # another size in A's bucket right after it: the bucket's graph
+    assert made == [("bucket", 64, 1, 1, None)] and replayed == [C]
+    call(D)
+    call(A)
+    call(A)  # a repeat replays the bucket's graph too
+    assert len(made) == 1 and replayed == [C, D, A, A]
+    call(E)
+    call(E)  # two images: another layout, so another key; their repeat captures their exact graph
+    assert made[1] == (E, None) and replayed[-1] == E
+    call(D)
+    assert replayed[-1] == E and len(made) == 2  # D ran eagerly (the bucket's graph went for E's)
+    monkeypatch.setattr(vision, "GRAPH_PATCHES", 60)
+    call(C)
+    call(D)
+    assert len(made) == 2  # a bucket above GRAPH_PATCHES: eager
+
+    monkeypatch.setattr(vision, "GRAPH_PATCHES", 16384)
+
+    def refuse(*a):
+        made.append("refused")
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(vision, "TowerGraph", refuse)
+    for grids in (A, C, D, A, C):
+        call(grids)
+    assert made[2:] == ["refused"] and ("bucket", 64, 1, 1, None) in tower._no_graph
 
 
 def test_a_tower_of_another_width_is_left_out_by_name(tmp_path):
