@@ -367,6 +367,7 @@ class VisionTower(nn.Module):
         self._graph: TowerGraph | None = None
         self._last = None  # (grids, backend) of the last call
         self._last_bucket = None  # its bucket graph's key (_bucket_key), None where it had none
+        self._on_device: dict = {}  # backend name -> _segments_on_device (for this device and dtype)
         self._no_graph: set = set()  # keys whose capture failed: they run eagerly
 
     @property
@@ -389,6 +390,7 @@ class VisionTower(nn.Module):
     def _apply(self, fn, recurse=True):
         self._plans.clear()  # their tensors are where the weights were
         self._graph = self._last = self._last_bucket = None  # and the graph reads the weights' old addresses
+        self._on_device.clear()  # (another device or dtype may take another attention)
         return super()._apply(fn, recurse)
 
     def graph_bytes(self) -> int:
@@ -472,14 +474,18 @@ class VisionTower(nn.Module):
         read its segments from the device (our kernel, or torch's varlen flash attention), not run one SDPA call
         per slice length of the grids the graph was captured with."""
         n = graph_bucket(p.n_patches)
-        if n > GRAPH_PATCHES or not self._segments_on_device(backend):
+        if n > GRAPH_PATCHES:
             return None
-        return ("bucket", n, len(p.grids), p.cu_seqlens.numel() - 1, backend.name if backend is not None else None)
+        name = backend.name if backend is not None else None
+        on_device = self._on_device.get(name)
+        if on_device is None:
+            on_device = self._on_device[name] = self._segments_on_device(backend)
+        return ("bucket", n, len(p.grids), p.cu_seqlens.numel() - 1, name) if on_device else None
 
     def _segments_on_device(self, backend: kernels.Backend) -> bool:
         """Whether _attention reads the segments from cu_seqlens on the device for any layout: our kernel takes
-        this tower's q, k, v on this card, or torch has varlen_attn."""
-        if _varlen_attn() is not None:
+        this tower's q, k, v on this card, or torch has varlen_attn (flash attention: bf16 / fp16)."""
+        if _varlen_attn() is not None and self.dtype in (torch.bfloat16, torch.float16):
             return True
         vc, dev = self.config, self.device
         q = torch.empty(0, vc.num_heads, vc.head_dim, dtype=self.dtype, device=dev)
