@@ -159,9 +159,7 @@ class VisionPlan:
     when the group is every token in order, S slices, L tokens each) per slice length, for SDPA;
     cu_seqlens: int32 [slices + 1] where each attention slice (an image, a video's temporal patch) starts,
     and max_len, its longest (a padded plan: its patches, a bound for every layout of its bucket). padded: the
-    last grid is the padding of a bucket graph (pad_grids), in no attention segment (its rows of the attention's
-    output are left unwritten, and only the padding's own tokens, dropped, read them); other layouts of the
-    bucket overwrite the plan's tensors.
+    last grid is the padding of a bucket graph (pad_grids), whose plan tensors other layouts overwrite.
     """
     grids: tuple[tuple[int, int, int], ...]
     table: torch.Tensor
@@ -175,11 +173,6 @@ class VisionPlan:
     def n_patches(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
 
-    @property
-    def real_patches(self) -> int:
-        """The patches of the inputs' grids (a padded plan's padding not counted)."""
-        return sum(t * h * w for t, h, w in (self.grids[:-1] if self.padded else self.grids))
-
 
 @functools.lru_cache(maxsize=8)
 def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
@@ -191,20 +184,18 @@ def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
 def plan(vc: VisionConfig, grids, device: torch.device, pad_to: int | None = None) -> VisionPlan:
     """The VisionPlan for images / videos of these patch grids [(t, h, w), ...]: a few host integers copied to
     the device as one array without waiting (upload); the per-patch work is the tower's first kernel. pad_to:
-    the patches of a bucket graph (graph_bucket): the grids, then a grid of padding up to that many patches,
-    which no attention segment covers (the segments, and so the attention of every real token, are the grids'
-    own), and max_len that bound."""
+    the patches of a bucket graph (graph_bucket): the grids, then a grid of padding up to that many patches."""
     grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+    if pad_to is not None:
+        grids = pad_grids(grids, pad_to, vc.spatial_merge_size)
     m = vc.spatial_merge_size
     for t, h, w in grids:
         if t < 1 or h < m or w < m or h % m or w % m:
             raise Qwen35Error(f"vision grid {(t, h, w)} is not a whole number of {m}x{m} patch blocks")
-    # attention slices: one per image, one per temporal patch of a video; grouped by length
-    lengths = [h * w for t, h, w in grids for _ in range(t)]
-    if pad_to is not None:
-        grids = pad_grids(grids, pad_to, m)
     sizes = [t * h * w for t, h, w in grids]
     table = np.array([(t, h, w, s) for (t, h, w), s in zip(grids, np.cumsum([0] + sizes[:-1]))], dtype=np.int32)
+    # attention slices: one per image, one per temporal patch of a video; grouped by length
+    lengths = [h * w for t, h, w in grids for _ in range(t)]
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
@@ -221,13 +212,11 @@ def plan(vc: VisionConfig, grids, device: torch.device, pad_to: int | None = Non
 
 
 # A graph may also stand for other grids of the same layout (images, slices) whose patches fall in its bucket:
-# it runs graph_bucket(n) patches, the inputs' and then a grid of padding outside every attention segment (every
-# other operator works patch by patch, so the real tokens are computed as without it: the attention kernel's
-# plan of its work reads only the segments, and a wave's grid larger than the work leaves the extra CTAs idle).
-# Its replays take the inputs' plan (the grids' table, the segments' starts) into the tensors the graph reads;
-# the padding's pixels are zeros and its tokens are dropped. Images of about one size (896 x 1152, 832 x 1216,
-# 768 x 1344: 3,952 to 4,032 patches) then share one graph instead of each running eagerly, ~280 launches from
-# Python.
+# it runs graph_bucket(n) patches, the inputs' and then a grid of padding, an attention segment of its own (no
+# image's token attends to it, and every other operator works patch by patch). Its replays take the inputs'
+# plan (the grids' table, the segments' starts) into the tensors the graph reads; the padding's rows are zeros
+# and its tokens are dropped. Images of about one size (1024 x 1024, 896 x 1152, 832 x 1216: 3,952 to 4,096
+# patches) then share one graph instead of each running eagerly, ~280 launches from Python.
 def graph_bucket(n: int) -> int:
     """The patches of the bucket graph for n patches: the next multiple above n (never n itself: the padding is
     a grid) of an eighth of the power of two at or below n, and of 64; at most 12.5% more patches (+64)."""
@@ -414,9 +403,8 @@ class VisionTower(nn.Module):
         a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with them replay. The same kernels run either
         way: the output is the same. Two calls in a row with other grids of one layout in one bucket
         (graph_bucket) capture a padded graph instead, which later calls of that layout and bucket replay: the
-        same kernels over the same attention segments and more rows, so the output is the eager one's as long as
-        cuBLAS takes one algorithm for both row counts (tests/test_vision_gpu.py checks the sizes of ~1 megapixel
-        images on Hopper bit for bit). Over more
+        same kernels over more patches, so the output is the eager one's within the rounding of products of
+        another size (cuBLAS may pick another algorithm, the attention's split blocks fall elsewhere). Over more
         than TOWER_PASS_PATCHES patches it runs eagerly in passes (tower_passes), each taking its own rows of the
         pixels to the device."""
         parts = list(pixels) if isinstance(pixels, (list, tuple)) else [pixels]
@@ -515,11 +503,8 @@ class VisionTower(nn.Module):
             out = kernels.vision_attention(q, k, v, p.cu_seqlens, p.max_len, backend=be)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         if (len(p.groups) > 1 or p.padded) and be is not None and be.use_cuda and _varlen_attn() is not None:
-            # (a padded plan's rows past its last segment are left unwritten, as by our kernel)
             out = _varlen_attn()(q, k, v.contiguous(), p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
-        n_real = p.real_patches  # (a padded plan's padding is in no segment: its rows stay zeros here)
-        q, k, v = q[:n_real], k[:n_real], v[:n_real]
         out = torch.empty_like(v) if len(p.groups) > 1 else None
         for index, s, length in p.groups:  # one batched call per distinct slice length
             qs, ks, vs = (t if index is None else t.index_select(0, index) for t in (q, k, v))
@@ -530,8 +515,6 @@ class VisionTower(nn.Module):
                 out = o
             else:
                 out.index_copy_(0, index, o)
-        if n_real < n:
-            out = torch.cat([out, out.new_zeros(n - n_real, *out.shape[1:])])
         return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
 
     @staticmethod

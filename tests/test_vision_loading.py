@@ -251,9 +251,9 @@ def test_graph_buckets_pad_by_at_most_an_eighth():
 
 @pytest.mark.parametrize("grids", [((1, 4, 4),), ((1, 6, 8), (1, 2, 2)), ((3, 4, 2),), ((1, 2, 2), (2, 4, 4))])
 def test_a_padded_plan_gives_the_grids_own_tokens(grids):
-    """The tower over a bucket's padded plan (the grids, then a grid of zero pixels in no attention segment; the
-    video's slices stay apart) gives the grids' tokens first, as their own plan does (fp32 on the CPU: the
-    products of another number of rows round alike)."""
+    """The tower over a bucket's padded plan (the grids, then a grid of zero pixels of its own; the video's
+    slices stay apart) gives the grids' tokens first, as their own plan does (fp32 on the CPU: the products of
+    another number of rows round alike, attention never crosses into the padding)."""
     from qwen35_fast.runtime import vision
     vc = vision.VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
     tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
@@ -265,9 +265,7 @@ def test_a_padded_plan_gives_the_grids_own_tokens(grids):
     x = torch.randn(n, vc.patch_dim, generator=g)
     bucket = vision.graph_bucket(n)
     pp = vision.plan(vc, grids, torch.device("cpu"), pad_to=bucket)
-    assert pp.padded and pp.n_patches == bucket and pp.real_patches == n and pp.max_len == bucket
-    assert pp.grids[:-1] == grids and pp.table.shape == (len(grids) + 1, 4)
-    assert pp.cu_seqlens.tolist() == vision.plan(vc, grids, torch.device("cpu")).cu_seqlens.tolist()  # the grids' own
+    assert pp.padded and pp.n_patches == bucket and pp.max_len == bucket and pp.grids[:-1] == grids
     want = tower(x, vision.plan(vc, grids, torch.device("cpu")))
     got = tower(torch.cat([x, torch.zeros(bucket - n, vc.patch_dim)]), pp)
     assert got.shape == (bucket // 4, 32)
