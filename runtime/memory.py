@@ -118,8 +118,9 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     vc = model.vision.config
     b = model.dtype.itemsize
     d, i = vc.hidden_size, vc.intermediate_size
-    widest = max(sum(t * h * w for t, h, w in part) for part in tower_passes(grids))
-    if graph_bucket(widest) <= GRAPH_PATCHES:  # a padded graph's capture runs the patches of its bucket
+    passes = tower_passes(grids)
+    widest = max(sum(t * h * w for t, h, w in part) for part in passes)
+    if len(passes) == 1 and graph_bucket(widest) <= GRAPH_PATCHES:  # a padded graph's capture runs its bucket
         widest = graph_bucket(widest)
     per_pass_patch = b * (vc.patch_dim + 5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d  # its pixels in the dtype
     return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD

@@ -24,6 +24,7 @@ file): the released towers are 12 x 768 (0.8B), 24 x 1024 (2B, 4B) and 27 x 1152
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -215,8 +216,9 @@ def plan(vc: VisionConfig, grids, device: torch.device, pad_to: int | None = Non
 # it runs graph_bucket(n) patches, the inputs' and then a grid of padding, an attention segment of its own (no
 # image's token attends to it, and every other operator works patch by patch). Its replays take the inputs'
 # plan (the grids' table, the segments' starts) into the tensors the graph reads; the padding's rows are zeros
-# and its tokens are dropped. Images of about one size (1024 x 1024, 896 x 1152, 832 x 1216: 3,952 to 4,096
-# patches) then share one graph instead of each running eagerly, ~280 launches from Python.
+# and its tokens are dropped. Images of about one size (896 x 1152, 832 x 1216, 768 x 1344: 3,952 to 4,032
+# patches, bucket 4,096; 1024 x 1024's 4,096 patches fall in the next, 4,608) then share one graph instead of
+# each running eagerly, ~280 launches from Python.
 def graph_bucket(n: int) -> int:
     """The patches of the bucket graph for n patches: the next multiple above n (never n itself: the padding is
     a grid) of an eighth of the power of two at or below n, and of 64; at most 12.5% more patches (+64)."""
@@ -292,9 +294,11 @@ class TowerGraph:
     def __init__(self, tower: "VisionTower", p: "VisionPlan", backend: kernels.Backend, pixels: torch.Tensor, key):
         from .decode_graph import capture_graph  # (it imports the model, which imports this module)
         self.key = key
-        self.plan = p  # the replays read its tensors: they live as long as the graph, whatever the tower keeps
-        with torch.inference_mode(False):  # a normal tensor: replays copy into it in inference mode (ComfyUI) or not
+        with torch.inference_mode(False):  # normal tensors: replays copy into them in inference mode (ComfyUI) or not
             self.pixels = pixels.clone()
+            if p.padded:  # (the tensors other layouts' plans are copied into)
+                p = dataclasses.replace(p, table=p.table.clone(), cu_seqlens=p.cu_seqlens.clone())
+        self.plan = p  # the replays read its tensors: they live as long as the graph, whatever the tower keeps
         self.graph, self.out, self.pool_bytes = capture_graph(pixels.device,
                                                               lambda: tower(self.pixels, p, backend=backend))
 
@@ -367,7 +371,7 @@ class VisionTower(nn.Module):
         self._graph: TowerGraph | None = None
         self._last = None  # (grids, backend) of the last call
         self._last_bucket = None  # its bucket graph's key (_bucket_key), None where it had none
-        self._on_device: dict = {}  # backend name -> _segments_on_device (for this device and dtype)
+        self._replays: dict = {}  # backend name -> _replays_other_layouts (for this device and dtype)
         self._no_graph: set = set()  # keys whose capture failed: they run eagerly
 
     @property
@@ -390,7 +394,7 @@ class VisionTower(nn.Module):
     def _apply(self, fn, recurse=True):
         self._plans.clear()  # their tensors are where the weights were
         self._graph = self._last = self._last_bucket = None  # and the graph reads the weights' old addresses
-        self._on_device.clear()  # (another device or dtype may take another attention)
+        self._replays.clear()  # (another device or dtype may take other kernels)
         return super()._apply(fn, recurse)
 
     def graph_bytes(self) -> int:
@@ -402,9 +406,11 @@ class VisionTower(nn.Module):
         all) with the kept plan; on a GPU with the kernels, the second call in a row with the same grids captures
         a CUDA graph (TowerGraph, GRAPH_PATCHES) that later calls with them replay. The same kernels run either
         way: the output is the same. Two calls in a row with other grids of one layout in one bucket
-        (graph_bucket) capture a padded graph instead, which later calls of that layout and bucket replay: the
-        same kernels over more patches, so the output is the eager one's within the rounding of products of
-        another size (cuBLAS may pick another algorithm, the attention's split blocks fall elsewhere). Over more
+        (graph_bucket) capture a padded graph instead, which later calls of that layout and bucket replay, a
+        repeat of one size among them (one graph is kept: the bucket's serves its sizes, an exact one only a
+        size): more patches, so the output is the eager one's within the rounding of products of another size
+        (cuBLAS may pick another algorithm, our attention's split blocks fall elsewhere; where our attention
+        kernel does not run, the padded plan takes varlen flash attention where one size would take SDPA). Over more
         than TOWER_PASS_PATCHES patches it runs eagerly in passes (tower_passes), each taking its own rows of the
         pixels to the device."""
         parts = list(pixels) if isinstance(pixels, (list, tuple)) else [pixels]
@@ -473,21 +479,25 @@ class VisionTower(nn.Module):
         grids and of attention segments, the backend), or None: it must fit GRAPH_PATCHES, and the attention must
         read its segments from the device (our kernel, or torch's varlen flash attention), not run one SDPA call
         per slice length of the grids the graph was captured with."""
-        n = graph_bucket(p.n_patches)
-        if n > GRAPH_PATCHES:
+        n, m = graph_bucket(p.n_patches), self.config.spatial_merge_size
+        if n > GRAPH_PATCHES or (n - p.n_patches) % (m * m):  # (the padding: whole m x m blocks)
             return None
         name = backend.name if backend is not None else None
-        on_device = self._on_device.get(name)
-        if on_device is None:
-            on_device = self._on_device[name] = self._segments_on_device(backend)
-        return ("bucket", n, len(p.grids), p.cu_seqlens.numel() - 1, name) if on_device else None
+        ok = self._replays.get(name)
+        if ok is None:
+            ok = self._replays[name] = self._replays_other_layouts(backend)
+        return ("bucket", n, len(p.grids), p.cu_seqlens.numel() - 1, name) if ok else None
 
-    def _segments_on_device(self, backend: kernels.Backend) -> bool:
-        """Whether _attention reads the segments from cu_seqlens on the device for any layout: our kernel takes
-        this tower's q, k, v on this card, or torch has varlen_attn (flash attention: bf16 / fp16)."""
-        if _varlen_attn() is not None and self.dtype in (torch.bfloat16, torch.float16):
-            return True
+    def _replays_other_layouts(self, backend: kernels.Backend) -> bool:
+        """Whether a graph of this tower reads the layout from the plan's tensors alone, so that a replay may take
+        another layout's: the positions kernel takes it (it reads the grids' table; the reference reads the host's
+        grids) and the attention reads the segments from cu_seqlens (our kernel, or torch's varlen flash attention;
+        not one SDPA call per slice length)."""
         vc, dev = self.config, self.device
+        if self.dtype not in (torch.bfloat16, torch.float16) or vc.hidden_size % 8:  # (kernels.vision_positions)
+            return False
+        if _varlen_attn() is not None:
+            return True
         q = torch.empty(0, vc.num_heads, vc.head_dim, dtype=self.dtype, device=dev)
         return kernels.vision_attention_takes(q, q, q, torch.empty(2, dtype=torch.int32, device=dev), backend=backend)
 
@@ -504,6 +514,12 @@ class VisionTower(nn.Module):
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         if (len(p.groups) > 1 or p.padded) and be is not None and be.use_cuda and _varlen_attn() is not None:
             out = _varlen_attn()(q, k, v.contiguous(), p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len)
+            return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
+        if p.padded:  # the segments its tensors hold now (a bucket graph's replays rewrite them), one call each
+            out, bounds = torch.empty_like(v), p.cu_seqlens.tolist()
+            for a, b in zip(bounds, bounds[1:]):
+                o = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
+                out[a:b] = o.transpose(0, 1)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         out = torch.empty_like(v) if len(p.groups) > 1 else None
         for index, s, length in p.groups:  # one batched call per distinct slice length

@@ -250,13 +250,16 @@ def test_other_sizes_of_one_bucket_replay_one_padded_graph(monkeypatch):
     """run(): two calls in a row with images of other sizes in one bucket (3,840 to 4,032 patches: 4,096) capture
     the bucket's padded graph (the attention's segments read on the device); every later size of that bucket
     replays it with its own plan and gives the eager output's tokens within the rounding of products of another
-    row count; a replay after a larger image gives what it gave before (the padding's rows are zeros again)."""
+    row count; a replay after an image of another size gives what it gave before (its plan taken back into the
+    graph's tensors)."""
     from qwen35_fast.runtime import vision
     tower, be, g = random_tower(2, 7)
     vc, dev = tower.config, tower.device
-    captures = []
+    captures, replays = [], []
     real = vision.TowerGraph
     monkeypatch.setattr(vision, "TowerGraph", lambda *a: captures.append(a[4]) or real(*a))
+    real_call = real.__call__
+    monkeypatch.setattr(real, "__call__", lambda self, *a: replays.append(1) or real_call(self, *a))
     sizes = [[(1, 60, 64)], [(1, 62, 64)], [(1, 52, 76)], [(1, 56, 72)], [(1, 60, 64)], [(1, 48, 84)]]
     inputs = {}
     for grids in sizes:
@@ -266,11 +269,11 @@ def test_other_sizes_of_one_bucket_replay_one_padded_graph(monkeypatch):
         want = tower(x, vision.plan(vc, grids, dev), backend=be)
         assert got.shape == want.shape == (n // 4, vc.out_hidden_size)
         assert rel(got.float(), want.float()) < 1e-2, grids
-    assert captures == [("bucket", 4096, 1, 1, "cuda")] and tower._graph.key == captures[0]
+    assert captures == [("bucket", 4096, 1, 1, "cuda")] and tower._graph.key == captures[0] and len(replays) == 5
     x = inputs[60 * 64]
     first = tower.run(x, [(1, 60, 64)], be)
     tower.run(inputs[56 * 72], [(1, 56, 72)], be)  # 4,032 patches: 192 rows more than 3,840 of the next call
-    assert torch.equal(tower.run(x, [(1, 60, 64)], be), first) and len(captures) == 1
+    assert torch.equal(tower.run(x, [(1, 60, 64)], be), first) and len(captures) == 1 and len(replays) == 8
     assert tower.graph_bytes() >= 4096 * vc.patch_dim * 2
 
 

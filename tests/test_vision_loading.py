@@ -302,7 +302,7 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
 
     monkeypatch.setattr(vision, "TowerGraph", Graph)
     monkeypatch.setattr(vision.VisionTower, "_graphable", lambda self, x, p, backend, key: key not in self._no_graph)
-    monkeypatch.setattr(vision.VisionTower, "_segments_on_device", lambda self, backend: True)
+    monkeypatch.setattr(vision.VisionTower, "_replays_other_layouts", lambda self, backend: True)
     A, C, D, E = ((1, 4, 4),), ((1, 4, 8),), ((1, 8, 6),), ((1, 2, 2), (1, 4, 4))  # 16, 32, 48, 20 patches: bucket 64
 
     def call(grids):
@@ -335,6 +335,58 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     for grids in (A, C, D, A, C):
         call(grids)
     assert made[2:] == ["refused"] and ("bucket", 64, 1, 1, None) in tower._no_graph
+
+
+def test_a_bucket_graph_replays_other_sizes_through_its_own_plan_tensors(monkeypatch):
+    """TowerGraph itself, its capture stood in for by a replay that runs the captured call again (reading the
+    graph's pixels and plan tensors, as the CUDA graph reads them): a bucket graph captured in inference mode
+    (ComfyUI's) replays outside it too, each size of the bucket gets the tokens its own plan gives, whatever size
+    came before it, and repeats replay rather than capture."""
+    import types
+
+    from qwen35_fast.runtime import decode_graph, vision
+    vc = vision.VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    replays = []
+
+    def capture(dev, run, restore=None, measure=True):
+        out = run()
+
+        def replay():
+            replays.append(1)
+            with torch.inference_mode():  # (the graph's kernels write its output whatever the caller's mode)
+                out.copy_(run())
+        return types.SimpleNamespace(replay=replay), out, 0
+    monkeypatch.setattr(decode_graph, "capture_graph", capture)
+    monkeypatch.setattr(vision.VisionTower, "_graphable", lambda self, x, p, backend, key: key not in self._no_graph)
+    monkeypatch.setattr(vision.VisionTower, "_replays_other_layouts", lambda self, backend: True)
+    real_positions = vision.kernels.vision_positions
+
+    def positions(x, pos_embed, table, grids, *a, **k):  # the grids as the table holds them, as positions.cu reads
+        return real_positions(x, pos_embed, table, [tuple(r[:3]) for r in table.tolist()], *a, **k)
+    monkeypatch.setattr(vision.kernels, "vision_positions", positions)
+    pixels = {}
+
+    def call(grids):
+        n = sum(t * h * w for t, h, w in grids)
+        x = pixels.setdefault(grids, torch.randn(n, vc.patch_dim, generator=g))
+        torch.testing.assert_close(tower.run(x, grids), tower(x, vision.plan(vc, grids, torch.device("cpu"))),
+                                   rtol=1e-5, atol=1e-6)
+
+    A, C, D, E = ((1, 4, 4),), ((1, 4, 8),), ((1, 8, 6),), ((2, 2, 6),)  # 16, 32, 48, 24 patches: bucket 64
+    with torch.inference_mode():
+        call(A)
+        call(C)  # captured here
+    assert tower._graph.key == ("bucket", 64, 1, 1, None) and len(replays) == 1
+    for grids in (D, A, D, C, C):  # outside inference mode: each replays with its own plan
+        call(grids)
+    assert len(replays) == 6 and tower._graph.key == ("bucket", 64, 1, 1, None)
+    call(E)  # a video of two slices: another layout, eager
+    assert len(replays) == 6
 
 
 def test_a_tower_of_another_width_is_left_out_by_name(tmp_path):
