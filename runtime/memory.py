@@ -108,8 +108,8 @@ def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
 
 def vision_bytes(model: Qwen35Model, grids) -> int:
     """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the fp32
-    pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes; for
-    a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's dtype and the
+    pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes; on
+    a GPU, for a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's dtype and the
     widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU); attention
     as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
     n_patches = sum(t * h * w for t, h, w in grids)
@@ -120,8 +120,8 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     d, i = vc.hidden_size, vc.intermediate_size
     passes = tower_passes(grids)
     widest = max(sum(t * h * w for t, h, w in part) for part in passes)
-    if len(passes) == 1 and graph_bucket(widest) <= GRAPH_PATCHES:  # a padded graph's capture runs its bucket
-        widest = graph_bucket(widest)
+    if len(passes) == 1 and model.vision.device.type == "cuda" and graph_bucket(widest) <= GRAPH_PATCHES:
+        widest = graph_bucket(widest)  # a padded graph's capture runs its bucket
     per_pass_patch = b * (vc.patch_dim + 5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d  # its pixels in the dtype
     return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD
 

@@ -157,7 +157,8 @@ class VisionPlan:
     grids: (t, h, w) per image / video in patches; table: int32 [G, 4] on the tower's device, each grid's
     t, h, w and first patch (kernels.vision_positions makes the positions and rotary angles from it);
     inv_freq: fp32 [head_dim / 4], the rotary's frequencies of one axis; groups: (token index [S*L] or None
-    when the group is every token in order, S slices, L tokens each) per slice length, for SDPA;
+    when the group is every token in order, S slices, L tokens each) per slice length, for SDPA (none in a
+    padded plan, whose attention reads cu_seqlens whatever runs it);
     cu_seqlens: int32 [slices + 1] where each attention slice (an image, a video's temporal patch) starts,
     and max_len, its longest (a padded plan: its patches, a bound for every layout of its bucket). padded: the
     last grid is the padding of a bucket graph (pad_grids), whose plan tensors other layouts overwrite.
@@ -207,7 +208,8 @@ def plan(vc: VisionConfig, grids, device: torch.device, pad_to: int | None = Non
     def order(n, firsts):  # the tokens of the slices of length n, in turn (SDPA's batch of them)
         return upload(torch.from_numpy((np.asarray(firsts)[:, None] + np.arange(n)[None, :]).reshape(-1)), device=device)
 
-    groups = tuple((None if len(by_len) == 1 else order(n, f), len(f), n) for n, f in by_len.items())
+    groups = () if pad_to is not None else tuple((None if len(by_len) == 1 else order(n, f), len(f), n)
+                                                 for n, f in by_len.items())  # (a padded plan's attention: cu_seqlens)
     return VisionPlan(grids, buf[:g].view(len(grids), 4), buf[g + s:].view(torch.float32), groups, buf[g:g + s],
                       max(lengths) if pad_to is None else pad_to, pad_to is not None)
 
