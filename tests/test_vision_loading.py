@@ -181,17 +181,26 @@ def test_the_tower_keeps_the_plans_of_its_last_grids(monkeypatch):
     assert tower.plan([(1, 8, 12)]) is not a
 
 
+def small_tower(depth: int = 1, seed: int = 0):
+    """A 64-wide fp32 tower of `depth` blocks on the CPU, its weights random (scale 0.1) from `seed`."""
+    from qwen35_fast.runtime import vision
+    vc = vision.VisionConfig(depth=depth, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
+    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return tower
+
+
 def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkeypatch):
     """VisionTower.run's choice between eager, capture and replay (the CUDA graph stood in for by one that
     runs the tower eagerly; tests/test_vision_gpu.py runs the real one): one graph kept, the grids of the last
     call decide when to capture, a refused capture is not tried again, a move of the weights drops the graph;
     every call gives the eager output."""
     from qwen35_fast.runtime import vision
-    vc = vision.VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
-    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.normal_(0, 0.1)
+    tower = small_tower()
+    vc = tower.config
     made, replayed = [], []
 
     class Graph:
@@ -255,12 +264,8 @@ def test_a_padded_plan_gives_the_grids_own_tokens(grids):
     slices stay apart) gives the grids' tokens first, as their own plan does (fp32 on the CPU: the products of
     another number of rows round alike, attention never crosses into the padding)."""
     from qwen35_fast.runtime import vision
-    vc = vision.VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
-    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    tower = small_tower(depth=2, seed=11)
+    vc, g = tower.config, torch.Generator().manual_seed(12)
     n = sum(t * h * w for t, h, w in grids)
     x = torch.randn(n, vc.patch_dim, generator=g)
     bucket = vision.graph_bucket(n)
@@ -279,11 +284,8 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     the eager output's tokens; another layout (two images) or a bucket above GRAPH_PATCHES runs eagerly, an
     exact graph still comes from a repeat of one size, and a refused padded capture is not tried again."""
     from qwen35_fast.runtime import vision
-    vc = vision.VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
-    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.normal_(0, 0.1)
+    tower = small_tower()
+    vc = tower.config
     made, replayed = [], []
 
     class Graph:
@@ -345,12 +347,8 @@ def test_a_bucket_graph_replays_other_sizes_through_its_own_plan_tensors(monkeyp
     import types
 
     from qwen35_fast.runtime import decode_graph, vision
-    vc = vision.VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=32)
-    tower = vision.VisionTower(vc, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    tower = small_tower(depth=2, seed=5)
+    vc, g = tower.config, torch.Generator().manual_seed(6)
     replays = []
 
     def capture(dev, run, restore=None, measure=True):
