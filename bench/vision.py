@@ -5,6 +5,7 @@ question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --
   {"impl": "ours" | "ours-torch" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
   {"impl": "ours-e2e" | "transformers-e2e" | "transformers-e2e-generate", "ttft_ms": ...}
   {"impl": "ours-bucket", "ms", "ms_eager", ...}: images of two sizes of one graph bucket in turn (bucket_row)
+  {"impl": "ours-e2e-bucket", "ttft_ms", "ttft_ms_tower_eager", ...}: the first token about them (bucket_e2e)
 
 "ours" runs the tower on the kernel backend the text model would pick ("auto": the CUDA kernels for the
 rotary and the LayerNorms where they run), a fresh plan each call ("ms"), and as the runtime runs a size
@@ -297,6 +298,11 @@ def e2e(args, tower: VisionTower, rate: float):
              "ttft_ms_cut_in_parts": round(both["parts"], 2), "backend": model.backend.name}]
     print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms); the turn end's "
           f"state from parts instead of the packed call: {both['parts']:.1f} ms")
+    if not args.smoke:
+        try:
+            rows.append(bucket_e2e(model, question, args.reps))
+        except Exception as e:  # noqa: BLE001 - the row says why it is missing; transformers' rows still come
+            rows.append({"impl": "ours-e2e-bucket", "error": f"{type(e).__name__}: {e}"[:300]})
     if args.no_transformers_e2e:
         return rows
     ids = torch.tensor([pf.token_ids], device=dev)
@@ -307,6 +313,41 @@ def e2e(args, tower: VisionTower, rate: float):
     except Exception as e:  # noqa: BLE001 - the row says why it is missing
         rows.append({"impl": "transformers-e2e", "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
+
+
+def bucket_e2e(model, question: str, reps: int) -> dict:
+    """Time to first token for the question about images of two sizes of one graph bucket (1024 x 960 and
+    1024 x 992) in turn, each call another size than the last: the tower replaying the bucket's padded graph, as
+    VisionTower.run does once two such sizes came in a row, against the tower eager (QWEN35_CUDA_GRAPHS=0 for the
+    call: what a new size costs without a graph of its bucket; the cold prompt's text layers take no graph)."""
+    import os
+
+    from qwen35_fast.runtime.multimodal import prefill_multimodal
+    images = [torch.rand(1, 1024, w, 3, device=DEV, generator=torch.Generator(device=DEV).manual_seed(2 + i))
+              for i, w in enumerate((960, 992))]
+    turn = {"graph": 0, "eager": 0}
+
+    def call(kind):
+        i = turn[kind] = 1 - turn[kind]
+        keep = os.environ.get("QWEN35_CUDA_GRAPHS")
+        if kind == "eager":
+            os.environ["QWEN35_CUDA_GRAPHS"] = "0"
+        try:
+            return int(prefill_multimodal(model, question, images=images[i], use_cache=False).logits.argmax())
+        finally:
+            if keep is None:
+                os.environ.pop("QWEN35_CUDA_GRAPHS", None)
+            else:
+                os.environ["QWEN35_CUDA_GRAPHS"] = keep
+    for _ in range(3):
+        call("graph")
+    ms = timed_in_turn({k: (lambda k=k: call(k)) for k in turn}, reps)
+    key = model.vision._graph.key if model.vision._graph is not None else None
+    print(f"ours e2e, two sizes of one bucket in turn: ttft {ms['graph']:.1f} ms (tower graph {key}), "
+          f"tower eager {ms['eager']:.1f} ms")
+    return {"impl": "ours-e2e-bucket", "images": "1x1024x960 / 1x1024x992 in turn", "ttft_ms": round(ms["graph"], 2),
+            "ttft_ms_tower_eager": round(ms["eager"], 2), "graph": list(key) if key is not None else None,
+            "backend": model.backend.name}
 
 
 def transformers_e2e(args, ids, image, c):
