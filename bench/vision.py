@@ -214,13 +214,18 @@ def main():
     print(json.dumps(rows, indent=1))
 
 
+# two image sizes of one graph bucket, 1024 high (3,840 and 3,968 patches: bucket 4,096), for bucket_row / bucket_e2e
+BUCKET_WIDTHS = (960, 992)
+BUCKET_IMAGES = " / ".join(f"1x1024x{w}" for w in BUCKET_WIDTHS) + " in turn"
+
+
 def bucket_row(ours: VisionTower, be, rate: float, reps: int) -> dict:
     """Images of two sizes of one graph bucket (1024 x 960 and 1024 x 992: 3,840 and 3,968 patches, bucket 4,096),
     one after the other, each call another size than the last: VisionTower.run replays the bucket's padded graph
     (captured on the second call); against each size eager with a fresh plan (what run does for a new size of a
     bucket it holds no graph of; a size among its four kept plans saves the plan's ~0.15 ms of host)."""
     vc, dev = ours.config, ours.device
-    sizes = [[(1, 64, 60)], [(1, 64, 62)]]
+    sizes = [[(1, 64, w // 16)] for w in BUCKET_WIDTHS]
     px = [torch.randn(t * h * w, vc.patch_dim, device=dev, generator=torch.Generator(dev).manual_seed(i)).bfloat16()
           for i, [(t, h, w)] in enumerate(sizes)]
     turn = {"run": 0, "eager": 0}
@@ -238,7 +243,7 @@ def bucket_row(ours: VisionTower, be, rate: float, reps: int) -> dict:
     floor = sum(ours.flops(s) for s in sizes) / 2 / rate * 1000
     print(f"two sizes of one bucket in turn: {ms['run']:.2f} ms (graph {key}), eager {ms['eager']:.2f}, "
           f"floor {floor:.2f}")
-    return {"impl": "ours-bucket", "tower": vc.shape_name, "images": "1x1024x960 / 1x1024x992 in turn",
+    return {"impl": "ours-bucket", "tower": vc.shape_name, "images": BUCKET_IMAGES,
             "grids": sizes, "floor_ms": round(floor, 2), "ms": round(ms["run"], 2), "ms_eager": round(ms["eager"], 2),
             "graph": list(key) if key is not None else None, "backend": be.name,
             "note": "each call another size than the last; ms: VisionTower.run (the bucket's padded graph), "
@@ -324,28 +329,21 @@ def bucket_e2e(model, question: str, reps: int) -> dict:
 
     from qwen35_fast.runtime.multimodal import prefill_multimodal
     images = [torch.rand(1, 1024, w, 3, device=DEV, generator=torch.Generator(device=DEV).manual_seed(2 + i))
-              for i, w in enumerate((960, 992))]
+              for i, w in enumerate(BUCKET_WIDTHS)]
     turn = {"graph": 0, "eager": 0}
 
     def call(kind):
         i = turn[kind] = 1 - turn[kind]
-        keep = os.environ.get("QWEN35_CUDA_GRAPHS")
-        if kind == "eager":
-            os.environ["QWEN35_CUDA_GRAPHS"] = "0"
-        try:
-            return int(prefill_multimodal(model, question, images=images[i], use_cache=False).logits.argmax())
-        finally:
-            if keep is None:
-                os.environ.pop("QWEN35_CUDA_GRAPHS", None)
-            else:
-                os.environ["QWEN35_CUDA_GRAPHS"] = keep
+        os.environ["QWEN35_CUDA_GRAPHS"] = "0" if kind == "eager" else "1"  # read at each tower call
+        return int(prefill_multimodal(model, question, images=images[i], use_cache=False).logits.argmax())
     for _ in range(3):
         call("graph")
     ms = timed_in_turn({k: (lambda k=k: call(k)) for k in turn}, reps)
+    os.environ.pop("QWEN35_CUDA_GRAPHS")
     key = model.vision._graph.key if model.vision._graph is not None else None
     print(f"ours e2e, two sizes of one bucket in turn: ttft {ms['graph']:.1f} ms (tower graph {key}), "
           f"tower eager {ms['eager']:.1f} ms")
-    return {"impl": "ours-e2e-bucket", "images": "1x1024x960 / 1x1024x992 in turn", "ttft_ms": round(ms["graph"], 2),
+    return {"impl": "ours-e2e-bucket", "images": BUCKET_IMAGES, "ttft_ms": round(ms["graph"], 2),
             "ttft_ms_tower_eager": round(ms["eager"], 2), "graph": list(key) if key is not None else None,
             "backend": model.backend.name}
 

@@ -109,9 +109,9 @@ def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
 def vision_bytes(model: Qwen35Model, grids) -> int:
     """Device memory the vision tower needs for the inputs of these grids (t, h, w) beyond its weights: the fp32
     pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes; on
-    a GPU, for a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's dtype and the
-    widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its GELU); attention
-    as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
+    a GPU, for a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's
+    dtype and the widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its
+    GELU); attention as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
     n_patches = sum(t * h * w for t, h, w in grids)
     if model.vision is None or n_patches <= 0:
         return 0

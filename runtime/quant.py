@@ -5,9 +5,10 @@ A row w of a weight matrix is stored as q = round(w / s) with s = max|w| / 127 (
 a matmul multiplies its input by that dequantized matrix (made some thousands of rows at a time where the matrix
 is large, so no more than DEQUANT_BYTES of it exists at once; on the CUDA backend kernels.dequant_rows makes it,
 reading each byte once: 2.5-2.8 TB/s on an H100 and 3.0-3.8 on an H200, where torch.mul of int8 rows by bf16
-scales ran at 0.75-0.80, bench/results/int8-dequant-ab-h100.json, -h200.json) and the embedding takes q * s of the rows it looks up. An int8 model's prompts therefore compute exactly what a model with weights q * s computes (on the CPU the
-matmul takes another route, below); the one difference from the checkpoint is that rounding (tests/test_int8.py
-states it).
+scales ran at 0.75-0.80, bench/results/int8-dequant-ab-h100.json, -h200.json) and the embedding takes q * s of
+the rows it looks up. An int8 model's prompts therefore compute exactly what a model with weights q * s computes
+(on the CPU the matmul takes another route, below); the one difference from the checkpoint is that rounding
+(tests/test_int8.py states it).
 
 A GPU decode step's one-row products do not dequantize: they take kernels.gemv with the int8 rows and their
 scales (Qwen35Model._proj), which reads each weight byte once and scales the row's fp32 sum (q x) * s, rounded
