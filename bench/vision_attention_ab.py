@@ -5,7 +5,7 @@ persistent grid and parameters. Each call timed inside a CUDA graph (no host tim
 (A B A B ..., so that clock drift falls on both), the median ms per shape, and each output's relative error
 against cuDNN's and against fp32 attention. GPU only (sm_90a).
 
-    python3 bench/vision_attention_ab.py old.cu [--waves] [--rounds 5] [--out PATH]
+    python3 bench/vision_attention_ab.py old.cu [--waves] [--ragged-only] [--rounds 5] [--out PATH]
 """
 import argparse
 import json
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from vision_attention_variants import shape_inputs
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
@@ -26,6 +27,42 @@ from qwen35_fast.kernels.vision.launch import ATTN_ROWS, ATTN_THREADS, attention
 
 SHAPES = [(1, 4096, 16, 72), (2, 4096, 16, 72), (4, 4096, 16, 72), (16, 3600, 16, 72), (1, 1024, 16, 72),
           (1, 4096, 16, 64), (1, 4096, 12, 64)]  # segments, tokens, heads, dim
+# segments of several lengths, heads, dim: a bucket graph's images and their padding segment (runtime/vision.py
+# graph_bucket), a large image beside small ones, images of a few sizes
+RAGGED = [((3968, 128), 16, 72), ((3840, 256), 16, 72), ((4096, 256, 256), 16, 72), ((1024, 4096, 576), 16, 72),
+          ((1920, 960), 16, 72)]
+
+
+def ragged_inputs(lens, h, hd):
+    """As shape_inputs for segments of these lengths: q, k, v, cu_seqlens, cuDNN's output and fp32 attention
+    (each segment its own SDPA call)."""
+    n = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(n + hd)
+    qkv = torch.randn(n, 3, h, hd, device="cuda", generator=g).bfloat16()
+    q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+    cu = torch.tensor((0, *lens), device="cuda").cumsum(0).to(torch.int32)
+    ref, ref32 = torch.empty(n, h, hd, device="cuda"), torch.empty(n, h, hd, device="cuda")
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        views = [x[a:b].transpose(0, 1)[None] for x in (q, k, v)]  # [1, h, length, hd]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref[a:b] = F.scaled_dot_product_attention(*views)[0].transpose(0, 1).float()
+        ref32[a:b] = F.scaled_dot_product_attention(*(x.float() for x in views))[0].transpose(0, 1)
+    return q, k, v, cu, ref, ref32
+
+
+def cases(ragged_only=False):
+    """(name, blocks, q, k, v, cu_seqlens, longest segment, cuDNN's output, fp32 attention) of each shape."""
+    for segs, length, h, hd in [] if ragged_only else SHAPES:
+        n = segs * length
+        q, k, v, cu, (qs, ks, vs), ref = shape_inputs(segs, length, h, hd)
+        ref32 = torch.stack([F.scaled_dot_product_attention(*(x[:, i].float() for x in (qs, ks, vs)))
+                             for i in range(h)], 1)
+        ref32 = ref32.transpose(1, 2).reshape(n, h, hd)  # heads one at a time: [segments, tokens, hd] each
+        yield f"{segs}x{length}x{h}x{hd}", math.ceil(length / ATTN_ROWS) * segs * h, q, k, v, cu, length, ref, ref32
+    for lens, h, hd in RAGGED:
+        blocks = sum(math.ceil(n / ATTN_ROWS) for n in lens) * h
+        q, k, v, cu, ref, ref32 = ragged_inputs(lens, h, hd)
+        yield "+".join(map(str, lens)) + f"x{h}x{hd}", blocks, q, k, v, cu, max(lens), ref, ref32
 
 
 def waves_smem(hd):
@@ -82,18 +119,15 @@ def main():
     ap.add_argument("--smem-less", type=int, default=0, help="A's dynamic shared memory: the shipped one's less this")
     ap.add_argument("--fill-flags", action="store_true",
                     help="A's flags zeroed by a fill each call (sources whose readers leave them set)")
+    ap.add_argument("--ragged-only", action="store_true", help="only the shapes of segments of several lengths")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-grid-ab-h200.json"))
     a = ap.parse_args()
     rows = []
-    for segs, length, h, hd in SHAPES:
-        n = segs * length
-        q, k, v, cu, (qs, ks, vs), ref = shape_inputs(segs, length, h, hd)
+    for shape, blocks, q, k, v, cu, length, ref, ref32 in cases(a.ragged_only):
         fa = (lambda: run_waves(a.old, q, k, v, cu, length)) if a.waves else \
             (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less, a.fill_flags))
         fb = lambda: vision_attention_cuda(q, k, v, cu, length)  # noqa: E731
-        ref32 = torch.stack([F.scaled_dot_product_attention(*(x[:, i].float() for x in (qs, ks, vs))) for i in range(h)], 1)
-        ref32 = ref32.transpose(1, 2).reshape(n, h, hd)  # heads one at a time: [segments, tokens, hd] each
         err = [((f().float() - ref).norm() / ref.norm()).item() for f in (fa, fb)]
         err32 = [((x - ref32).norm() / ref32.norm()).item() for x in (fa().float(), fb().float(), ref)]
         ta, tb = [], []
@@ -101,8 +135,6 @@ def main():
             ta.append(graph_ms(fa))
             tb.append(graph_ms(fb))
         ma, mb = statistics.median(ta), statistics.median(tb)
-        blocks = math.ceil(length / ATTN_ROWS) * segs * h
-        shape = f"{segs}x{length}x{h}x{hd}"
         rows.append({"shape": shape, "blocks": blocks, "ms_old": round(ma, 4), "ms_new": round(mb, 4),
                      "new_over_old": round(mb / ma, 3), "rounds_old": [round(x, 4) for x in ta],
                      "rounds_new": [round(x, 4) for x in tb], "rel_err_vs_cudnn_old": float(f"{err[0]:.2e}"),

@@ -355,7 +355,7 @@ def test_attention_matches_fp32_within_torch_bf16_error(impl, case):
 @gpu
 @pytest.mark.parametrize("ctas", [1, 2, 5, 7, 13, 64])
 @pytest.mark.parametrize("case", [([4096], 16, 72), ([63, 200, 1000, 4133, 129, 192], 4, 72), ([3600] * 3, 2, 64),
-                                  ([7] * 40, 3, 72)], ids=lambda c: f"{len(c[0])}seg-{max(c[0])}x{c[1]}x{c[2]}")
+                                  ([7] * 40, 3, 72), ([3840, 256], 6, 72)], ids=lambda c: f"{len(c[0])}seg-{max(c[0])}x{c[1]}x{c[2]}")
 def test_attention_on_few_ctas_splits_blocks_exactly(impl, case, ctas):
     """A grid of few CTAs: whole rounds, then runs of key tiles that begin and end inside blocks (the partial
     state handed from CTA to CTA and merged), against the same fp32 bound; twice, bit for bit, and within

@@ -10,8 +10,10 @@
 // walks its segment's 128-key tiles. A persistent grid of G blocks (one per SM) shares it out so that every
 // SM ends with about the same number of tiles (the tail of a wave-by-wave grid leaves SMs idle: one image is
 // 352 blocks, 2.67 waves of 132 SMs): first D whole rounds (block c + i G on CTA c), then the last
-// G .. 2G blocks' tiles cut into G equal runs (stream-K). A run starts and ends inside a block at most once
-// each (runs are at least a block's tiles long): the block at its end is begun first and its partial state
+// G .. 2G blocks cut into G runs of equal cost (stream-K; a block costs its tiles and ITEM_COST more, its
+// start and end: short blocks, such as a small image's beside a large one, are not all run by one CTA).
+// A run starts and ends inside a block at most once each (runs are at least a block's cost long), never
+// inside the cost of its start: the block at its end is begun first and its partial state
 // (O unnormalised, the running max and sum per row) handed to CTA c + 1 through global memory and a flag;
 // the block at its start is finished last, after the partial of CTA c - 1 has arrived, then merged. A CTA
 // only waits on a lower one, which the hardware started no later.
@@ -54,6 +56,7 @@ typedef __nv_bfloat16 elem;
 #define CT (128 * CONSUMERS)             // consumer threads
 #define PART (NO + 4)                    // a consumer thread's partial state: O, the running max and sum of its two rows
 #define CU_KEPT 1024                     // segment starts kept in shared memory (the plan's walks read them)
+#define ITEM_COST 2                      // a block's start and end, in the plan's tiles (kernels/vision/NOTES.md)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 72, "HEAD_DIM must be 64 or 72 (the P V instruction's width)");
 
@@ -79,10 +82,11 @@ __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs,
             tma_load_3d(dst + cb * rows * 64 + rb * 64 * 64, map, 64 * cb, h, row + 64 * rb, bar);
 }
 
-// One block of the work: (segment, head, row block) and its key tiles; u0: its first tile in the work's order.
+// One block of the work: (segment, head, row block) and its key tiles; u0: where its cost starts in the
+// work's order (ITEM_COST, then one step a tile).
 struct Blk { int s0, len, h, rb, nt, idx; long long u0; };
 
-// The block of index i (by_step 0) or the block holding key-tile step u (by_step 1).
+// The block of index i (by_step 0) or the block holding cost step u (by_step 1).
 __device__ Blk find_block(const int* cu, int segments, int i, long long u, int by_step) {
     Blk b = {0, 0, 0, 0, 1, 0, 0};
     int bi = 0;
@@ -90,10 +94,11 @@ __device__ Blk find_block(const int* cu, int segments, int i, long long u, int b
     for (int sg = 0; sg < segments; ++sg) {
         const int s0 = cu[sg], len = cu[sg + 1] - s0;
         const int nb = (len + BM - 1) / BM, nt = (len + BN - 1) / BN;
-        const long long cost = (long long)nb * HEADS * nt;
+        const long long cost = (long long)nb * HEADS * (nt + ITEM_COST);
         if (by_step ? u < bu + cost : i < bi + nb * HEADS) {
-            const int r = by_step ? (int)((u - bu) / nt) : i - bi;
-            b.s0 = s0; b.len = len; b.h = r / nb; b.rb = r % nb; b.nt = nt; b.idx = bi + r; b.u0 = bu + (long long)r * nt;
+            const int r = by_step ? (int)((u - bu) / (nt + ITEM_COST)) : i - bi;
+            b.s0 = s0; b.len = len; b.h = r / nb; b.rb = r % nb; b.nt = nt; b.idx = bi + r;
+            b.u0 = bu + (long long)r * (nt + ITEM_COST);
             return b;
         }
         bi += nb * HEADS;
@@ -131,14 +136,24 @@ __device__ Item plan_item(const Plan& p, const int* cu, int segments, int k) {
     return it;
 }
 
-// By the whole warp 0 (lane 0 writes the plan): the work's tiles, blocks and longest tile walk first.
+// Where run x of the g_sk runs of the stream-K part [u_dp, u_dp + rest) starts: the equal share's step, or
+// the start of its block where that falls inside the block's ITEM_COST (no run takes a block's start alone).
+// Runs are at least the longest block's cost, so one still never starts and ends inside the same block.
+__device__ long long run_cut(const int* cu, int segments, long long u_dp, long long rest, int g_sk, int x) {
+    const long long u = u_dp + rest * x / g_sk;
+    if (x == 0 || x == g_sk) return u;  // (the part's start is a block's; its end, the work's)
+    const Blk b = find_block(cu, segments, 0, u, 1);
+    return u - b.u0 <= ITEM_COST ? b.u0 : u;
+}
+
+// By the whole warp 0 (lane 0 writes the plan): the work's cost, blocks and longest tile walk first.
 __device__ void make_plan(Plan& p, const int* cu, int segments, int lane) {
     long long w = 0;
     int nblocks = 0, ntmax = 1;
     for (int sg = lane; sg < segments; sg += 32) {
         const int len = cu[sg + 1] - cu[sg];
         const int nb = (len + BM - 1) / BM, nt = (len + BN - 1) / BN;
-        w += (long long)nb * HEADS * nt;
+        w += (long long)nb * HEADS * (nt + ITEM_COST);
         nblocks += nb * HEADS;
         if (nb) ntmax = max(ntmax, nt);
     }
@@ -159,14 +174,14 @@ __device__ void make_plan(Plan& p, const int* cu, int segments, int lane) {
     p.d = nblocks >= 2 * G ? nblocks / G - 1 : 0;
     const long long u_dp = p.d ? find_block(cu, segments, p.d * G, 0, 0).u0 : 0;
     const long long rest = w - u_dp;
-    const int g_sk = (int)max(1ll, min((long long)G, rest / ntmax));
+    const int g_sk = (int)max(1ll, min((long long)G, rest / (ntmax + ITEM_COST)));
     if (c < g_sk) {
-        const long long a = u_dp + rest * c / g_sk, b = u_dp + rest * (c + 1) / g_sk;
+        const long long a = run_cut(cu, segments, u_dp, rest, g_sk, c), b = run_cut(cu, segments, u_dp, rest, g_sk, c + 1);
         const Blk A = find_block(cu, segments, 0, a, 1), B = find_block(cu, segments, 0, b - 1, 1);
         p.tail = a > A.u0;
-        p.head = b < B.u0 + B.nt;
-        p.tail_idx = A.idx; p.tail_t0 = (int)(a - A.u0);
-        p.head_idx = B.idx; p.head_t1 = (int)(b - B.u0);
+        p.head = b < B.u0 + ITEM_COST + B.nt;
+        p.tail_idx = A.idx; p.tail_t0 = (int)(a - A.u0 - ITEM_COST);
+        p.head_idx = B.idx; p.head_t1 = (int)(b - B.u0 - ITEM_COST);
         p.first_full = A.idx + p.tail;
         p.nfull = max(0, B.idx + 1 - p.head - p.first_full);
     }
