@@ -4,7 +4,7 @@ times back to back without waiting (the GPU falls behind, so the host's time is 
 the GPU alone. Where host > GPU over a whole block, a cold prompt waits for Python, not for the GPU.
 Development only.
 
-    python3 bench/host_overhead.py [--reps 200] [--profile "add_rms_norm,gdn_chunk_prefill"]
+    python3 bench/host_overhead.py [--reps 200] [--profile "add_rms_norm,gdn_chunk_prefill"] [--launch-parts | --vision-parts]
 
 Where an operation's host time is at least its GPU time, the two columns agree (the GPU waits for each
 launch): the host time is the first column, the GPU's is less. --profile runs cProfile over `reps` calls of
@@ -80,14 +80,70 @@ def launch_parts(reps: int) -> None:
         print(f"  {h:8.2f}  {name}")
 
 
+def vision_parts(reps: int) -> None:
+    """Host us of each level of the vision tower's launches (one 1024 x 1024 image, 27 x 1152): the kernels'
+    entry points, the launchers under them, their steps; and one whole block of the tower."""
+    from qwen35_fast.kernels import cuda_build as cb
+    from qwen35_fast.kernels.vision import launch as V
+    from qwen35_fast.runtime.vision import VisionConfig, VisionTower
+    from qwen35_fast.runtime.vision import plan as vision_plan
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    be = kernels.select_backend("auto", dev, bf)
+    vc = VisionConfig(depth=1, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096)
+    tower = VisionTower(vc, bf, dev)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.02)
+    n, d, H, hd = 4096, 1152, 16, 72
+    pl = vision_plan(vc, [(1, 64, 64)], dev)
+    x, y, w, b = (torch.randn(*s, device=dev, dtype=bf) for s in ((n, d), (n, d), (d,), (d,)))
+    qkv = torch.randn(n, 3, H, hd, device=dev, dtype=bf)
+    cos, sin = torch.randn(n, hd, device=dev), torch.randn(n, hd, device=dev)
+    q, k = V.vision_rotary_cuda(qkv, cos, sin).unbind(0)
+    v = qkv[:, 2]
+    cu = pl.cu_seqlens
+    blk = tower.blocks[0]
+    parts = [
+        ("kernels.add_layer_norm", lambda: kernels.add_layer_norm(x, y, w, b, 1e-6, backend=be)),
+        ("add_layer_norm_cuda", lambda: V.add_layer_norm_cuda(x, y, w, b, 1e-6)),
+        ("_layer_norm", lambda: V._layer_norm(x, y, w, b, 1e-6)),
+        ("norm_takes", lambda: V.norm_takes(x, y, w, b)),
+        ("kernels.vision_rotary", lambda: kernels.vision_rotary(qkv, cos, sin, backend=be)),
+        ("vision_rotary_cuda", lambda: V.vision_rotary_cuda(qkv, cos, sin)),
+        ("kernels.vision_attention_takes", lambda: kernels.vision_attention_takes(q, k, v, cu, backend=be)),
+        ("kernels.vision_attention", lambda: kernels.vision_attention(q, k, v, cu, n, backend=be)),
+        ("vision_attention_cuda", lambda: V.vision_attention_cuda(q, k, v, cu, n)),
+        ("attention_takes", lambda: V.attention_takes(q, k, v, cu)),
+        ("attention_map x 3", lambda: [V.attention_map(t) for t in (q, k, v)]),
+        ("stream_flags", lambda: cb.stream_flags(dev, 132)),
+        ("torch.empty partials", lambda: torch.empty(132 * 40 * 384, dtype=torch.float32, device=dev)),
+        ("card_of", lambda: cb.card_of(dev)),
+        ("get_function (attention)", lambda: cb.get_function(V.ATTN_SRC, "vision_attention", dev,
+                                                              {"HEAD_DIM": hd, "HEADS": H})),
+        ("tower._attention", lambda: tower._attention(blk, x, cos, sin, pl, be)),
+        ("tower._mlp", lambda: tower._mlp(blk, x)),
+        ("a block (attention, MLP, two add_layer_norm)", lambda: (
+            kernels.add_layer_norm(x, tower._attention(blk, x, cos, sin, pl, be), w, b, 1e-6, backend=be),
+            kernels.add_layer_norm(x, tower._mlp(blk, x), w, b, 1e-6, backend=be))),
+    ]
+    print("== vision tower launches, host us per call")
+    with torch.inference_mode():
+        for name, f in parts:
+            h, _ = host_and_gpu_us(f, reps)
+            print(f"  {h:8.2f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--profile", default="", help="comma-separated operation names to profile")
     ap.add_argument("--launch-parts", action="store_true", help="only the steps of one launch")
+    ap.add_argument("--vision-parts", action="store_true", help="only the levels of the vision tower's launches")
     args = ap.parse_args()
     if args.launch_parts:
         return launch_parts(args.reps)
+    if args.vision_parts:
+        return vision_parts(args.reps)
     dev, bf = torch.device("cuda"), torch.bfloat16
     be = kernels.select_backend("auto", dev, bf)
     r = lambda *s: torch.randn(*s, device=dev, dtype=bf) * 0.05  # noqa: E731

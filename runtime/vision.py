@@ -277,8 +277,8 @@ def tower_passes(grids, limit: int | None = None) -> list[tuple[tuple[int, int, 
 
 # --- weights and forward ------------------------------------------------------------------------
 
-# The tower keeps the plans of its last PLAN_CACHE calls of at most PLAN_CACHE_PATCHES patches (a few hundred
-# bytes each; with images of several sizes, the SDPA path's token order, 8 bytes a patch)
+# The tower keeps its last PLAN_CACHE plans of at most PLAN_CACHE_PATCHES patches (a few hundred bytes each;
+# with images of several sizes, the SDPA path's token order, 8 bytes a patch), a bucket graph's padded ones too
 PLAN_CACHE, PLAN_CACHE_PATCHES = 4, 16384
 # The second call in a row with the same grids (on a GPU, with the kernels) captures the tower as one CUDA
 # graph and later calls replay it: the tower's ~300 launches from Python cost more host time than its GPU
@@ -380,14 +380,16 @@ class VisionTower(nn.Module):
     def device(self) -> torch.device:
         return self.patch_w.device
 
-    def plan(self, grids) -> VisionPlan:
-        """The plan of these grids, kept for the next call with the same grids (images of one size, the
-        frames of a batch: its host work and upload are not repeated)."""
-        key = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+    def plan(self, grids, pad_to: int | None = None) -> VisionPlan:
+        """The plan of these grids (padded to pad_to patches: a bucket graph's, as `plan` makes it), kept for
+        the next call with the same grids (images of one size, the frames of a batch: its host work and upload
+        are not repeated)."""
+        grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+        key = grids if pad_to is None else (grids, pad_to)
         p = self._plans.pop(key, None)
         if p is None:
-            p = plan(self.config, key, self.device)
-        if sum(t * h * w for t, h, w in key) <= PLAN_CACHE_PATCHES:
+            p = plan(self.config, grids, self.device, pad_to=pad_to)
+        if p.n_patches <= PLAN_CACHE_PATCHES:
             self._plans[key] = p  # most recent last
             while len(self._plans) > PLAN_CACHE:
                 self._plans.pop(next(iter(self._plans)))
@@ -440,11 +442,11 @@ class VisionTower(nn.Module):
         if graphable and self._graph is not None and self._graph.key == key:
             return self._graph(x)
         if bucket is not None and self._graph is not None and self._graph.key == bucket:
-            return self._graph(x, plan(self.config, p.grids, self.device, pad_to=bucket[1]))
+            return self._graph(x, self.plan(p.grids, pad_to=bucket[1]))
         if graphable and last == key:
             gkey, gplan, gx = key, p, x
         elif bucket is not None and last_bucket == bucket and bucket not in self._no_graph:
-            gkey, gplan = bucket, plan(self.config, p.grids, self.device, pad_to=bucket[1])
+            gkey, gplan = bucket, self.plan(p.grids, pad_to=bucket[1])
             gx = torch.cat([x, x.new_zeros(bucket[1] - x.shape[0], x.shape[1])])
         else:
             return self(x, p, backend=backend)

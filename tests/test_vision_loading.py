@@ -282,11 +282,19 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     over the padded plan it is handed, as the real one reads it): two calls in a row with different grids capture
     the bucket's graph, later calls of that layout and bucket replay it with their own padded plan, each giving
     the eager output's tokens; another layout (two images) or a bucket above GRAPH_PATCHES runs eagerly, an
-    exact graph still comes from a repeat of one size, and a refused padded capture is not tried again."""
+    exact graph still comes from a repeat of one size, and a refused padded capture is not tried again. A size's
+    padded plan is kept with the plans: its repeat makes none."""
     from qwen35_fast.runtime import vision
     tower = small_tower()
     vc = tower.config
-    made, replayed = [], []
+    made, replayed, padded_plans = [], [], []
+    make_plan = vision.plan
+
+    def counted_plan(vc, grids, device, pad_to=None):
+        if pad_to is not None:
+            padded_plans.append(grids)
+        return make_plan(vc, grids, device, pad_to=pad_to)
+    monkeypatch.setattr(vision, "plan", counted_plan)
 
     class Graph:
         def __init__(self, t, p, backend, x, key):
@@ -318,6 +326,7 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     call(A)
     call(A)  # a repeat replays the bucket's graph too
     assert len(made) == 1 and replayed == [C, D, A, A]
+    assert padded_plans == [C, D, A]  # (A's second replay took its kept padded plan)
     call(E)
     call(E)  # two images: another layout, so another key; their repeat captures their exact graph
     assert made[1] == (E, None) and replayed[-1] == E
