@@ -81,8 +81,9 @@ def launch_parts(reps: int) -> None:
 
 
 def vision_parts(reps: int) -> None:
-    """Host us of each level of the vision tower's launches (one 1024 x 1024 image, 27 x 1152): the kernels'
-    entry points, the launchers under them, their steps; and one whole block of the tower."""
+    """Host and GPU us of each level of the vision tower's launches (one 1024 x 1024 image, a block of the
+    27 x 1152 tower's shape): the kernels' entry points, the launchers under them, their steps; and one whole
+    block. Where the two columns agree, the GPU waited for the host (the host's time is the first)."""
     from qwen35_fast.kernels import cuda_build as cb
     from qwen35_fast.kernels.vision import launch as V
     from qwen35_fast.runtime.vision import VisionConfig, VisionTower
@@ -101,7 +102,7 @@ def vision_parts(reps: int) -> None:
     cos, sin = torch.randn(n, hd, device=dev), torch.randn(n, hd, device=dev)
     q, k = V.vision_rotary_cuda(qkv, cos, sin).unbind(0)
     v = qkv[:, 2]
-    cu = pl.cu_seqlens
+    cu, sms = pl.cu_seqlens, cb.card_of(dev).sms
     blk = tower.blocks[0]
     parts = [
         ("kernels.add_layer_norm", lambda: kernels.add_layer_norm(x, y, w, b, 1e-6, backend=be)),
@@ -115,22 +116,27 @@ def vision_parts(reps: int) -> None:
         ("vision_attention_cuda", lambda: V.vision_attention_cuda(q, k, v, cu, n)),
         ("attention_takes", lambda: V.attention_takes(q, k, v, cu)),
         ("attention_map x 3", lambda: [V.attention_map(t) for t in (q, k, v)]),
-        ("stream_flags", lambda: cb.stream_flags(dev, 132)),
-        ("torch.empty partials", lambda: torch.empty(132 * 40 * 384, dtype=torch.float32, device=dev)),
+        ("stream_flags", lambda: cb.stream_flags(dev, sms)),
+        ("torch.empty partials", lambda: torch.empty(sms * (hd // 2 + 4) * V.ATTN_CONSUMER_THREADS,
+                                                     dtype=torch.float32, device=dev)),
         ("card_of", lambda: cb.card_of(dev)),
         ("get_function (attention)", lambda: cb.get_function(V.ATTN_SRC, "vision_attention", dev,
                                                               {"HEAD_DIM": hd, "HEADS": H})),
         ("tower._attention", lambda: tower._attention(blk, x, cos, sin, pl, be)),
         ("tower._mlp", lambda: tower._mlp(blk, x)),
-        ("a block (attention, MLP, two add_layer_norm)", lambda: (
-            kernels.add_layer_norm(x, tower._attention(blk, x, cos, sin, pl, be), w, b, 1e-6, backend=be),
-            kernels.add_layer_norm(x, tower._mlp(blk, x), w, b, 1e-6, backend=be))),
     ]
-    print("== vision tower launches, host us per call")
+
+    def block():
+        kernels.add_layer_norm(x, tower._attention(blk, x, cos, sin, pl, be), w, b, 1e-6, backend=be)
+        kernels.add_layer_norm(x, tower._mlp(blk, x), w, b, 1e-6, backend=be)
+    print("== vision tower launches, us per call, host / GPU")
     with torch.inference_mode():
         for name, f in parts:
-            h, _ = host_and_gpu_us(f, reps)
-            print(f"  {h:8.2f}  {name}")
+            h, g = host_and_gpu_us(f, reps)
+            print(f"  {h:8.2f} {g:8.2f}  {name}")
+        # a block is 8 launches: reps of them would fill the driver's launch queue, which then holds the host back
+        h, g = host_and_gpu_us(block, max(5, reps // 10))
+        print(f"  {h:8.2f} {g:8.2f}  a block (attention, MLP, two add_layer_norm)")
 
 
 def main():

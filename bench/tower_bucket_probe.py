@@ -1,7 +1,9 @@
 """Where a bucket graph's replay spends its time (the 27 x 1152 tower, random weights, bf16, the CUDA kernels):
 wall ms in turn of VisionTower.run on 4,096 patches repeating (its exact graph), run on 3,840 / 3,968 patches
 in turn (the bucket graph of 4,096), the bucket graph called with a prebuilt padded plan (no host plan), its
-bare replay, eager on the two sizes with kept plans; and the host time of one padded plan. Writes JSON.
+bare replay, eager on the two sizes with kept plans (medians of --reps rounds); the host time of one padded
+plan; and the profiler's GPU ms a replay of each kernel in the exact graph and in the bucket graph (holding the
+plan of the size it replayed last). Writes JSON.
 
     python3 bench/tower_bucket_probe.py [--reps 15] [--out PATH]
 """
@@ -78,10 +80,12 @@ def main():
         }
         ms = timed_in_turn(fns, a.reps)
         assert tower._graph is g
+        held = next(s for s, pp in zip(sizes, padded) if torch.equal(g.plan.cu_seqlens, pp.cu_seqlens))
         kernels_ms = {name: by_kernel(fn) for name, fn in (("exact", exact._graph.graph.replay),
                                                            ("bucket", g.graph.replay))}
     out = {"device": torch.cuda.get_device_name(), "host_cpu": host_cpu(), "torch": torch.__version__,
-           "ms": {k: round(v, 3) for k, v in ms.items()}, "padded_plan_host_ms": round(plan_ms, 3),
+           "ms": {k: round(v, 3) for k, v in ms.items()}, "rounds": a.reps, "padded_plan_host_ms": round(plan_ms, 3),
+           "profiled_bucket_replays_hold": held,
            "sizes": sizes, "bucket": list(g.key), "kernels_ms_per_replay": kernels_ms}
     print(json.dumps(out, indent=1))
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -3,7 +3,8 @@ source, launched as it was: with --waves the grid of one block per 192-row block
 wave after wave (`git show ad70ee0:kernels/vision/attention.cu > old.cu`), else the shipped launcher's
 persistent grid and parameters. Each call timed inside a CUDA graph (no host time), alternating rounds
 (A B A B ..., so that clock drift falls on both), the median ms per shape, and each output's relative error
-against cuDNN's and against fp32 attention. GPU only (sm_90a).
+against cuDNN's and against fp32 attention: images and video slices of one length (SHAPES), then segments of
+several lengths (RAGGED; --ragged-only: those alone). GPU only (sm_90a).
 
     python3 bench/vision_attention_ab.py old.cu [--waves] [--ragged-only] [--rounds 5] [--out PATH]
 """
@@ -121,7 +122,7 @@ def main():
                     help="A's flags zeroed by a fill each call (sources whose readers leave them set)")
     ap.add_argument("--ragged-only", action="store_true", help="only the shapes of segments of several lengths")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-grid-ab-h200.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-ab-h200.json"))
     a = ap.parse_args()
     rows = []
     for shape, blocks, q, k, v, cu, length, ref, ref32 in cases(a.ragged_only):

@@ -278,8 +278,9 @@ def tower_passes(grids, limit: int | None = None) -> list[tuple[tuple[int, int, 
 # --- weights and forward ------------------------------------------------------------------------
 
 # The tower keeps its last PLAN_CACHE plans of at most PLAN_CACHE_PATCHES patches (a few hundred bytes each;
-# with images of several sizes, the SDPA path's token order, 8 bytes a patch), a bucket graph's padded ones too
-PLAN_CACHE, PLAN_CACHE_PATCHES = 4, 16384
+# with images of several sizes, the SDPA path's token order, 8 bytes a patch): four sizes, each with the padded
+# plan its bucket graph replays (a size replayed through a bucket graph takes two)
+PLAN_CACHE, PLAN_CACHE_PATCHES = 8, 16384
 # The second call in a row with the same grids (on a GPU, with the kernels) captures the tower as one CUDA
 # graph and later calls replay it: the tower's ~300 launches from Python cost more host time than its GPU
 # work on the H200's host (14 ms for 12.5), and a replay lets the host go on queueing the text layers while
@@ -369,7 +370,7 @@ class VisionTower(nn.Module):
         self.merge_norm_w, self.merge_norm_b = _param(d, **e), _param(d, **e)
         self.merge_fc1_w, self.merge_fc1_b = _param(m, m, **e), _param(m, **e)
         self.merge_fc2_w, self.merge_fc2_b = _param(vc.out_hidden_size, m, **e), _param(vc.out_hidden_size, **e)
-        self._plans: dict[tuple, VisionPlan] = {}  # grids -> plan, least recently used first
+        self._plans: dict[tuple, VisionPlan] = {}  # grids, or (grids, pad_to) -> plan; least recently used first
         self._graph: TowerGraph | None = None
         self._last = None  # (grids, backend) of the last call
         self._last_bucket = None  # its bucket graph's key (_bucket_key), None where it had none

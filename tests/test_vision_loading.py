@@ -283,16 +283,15 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     the bucket's graph, later calls of that layout and bucket replay it with their own padded plan, each giving
     the eager output's tokens; another layout (two images) or a bucket above GRAPH_PATCHES runs eagerly, an
     exact graph still comes from a repeat of one size, and a refused padded capture is not tried again. A size's
-    padded plan is kept with the plans: its repeat makes none."""
+    padded plan is kept with the plans: its repeat makes none, nor do three sizes of a bucket in turn."""
     from qwen35_fast.runtime import vision
     tower = small_tower()
     vc = tower.config
-    made, replayed, padded_plans = [], [], []
+    made, replayed, plans = [], [], []
     make_plan = vision.plan
 
     def counted_plan(vc, grids, device, pad_to=None):
-        if pad_to is not None:
-            padded_plans.append(grids)
+        plans.append((grids, pad_to))
         return make_plan(vc, grids, device, pad_to=pad_to)
     monkeypatch.setattr(vision, "plan", counted_plan)
 
@@ -326,7 +325,11 @@ def test_other_grids_of_one_bucket_capture_one_padded_graph_and_replay_it(monkey
     call(A)
     call(A)  # a repeat replays the bucket's graph too
     assert len(made) == 1 and replayed == [C, D, A, A]
-    assert padded_plans == [C, D, A]  # (A's second replay took its kept padded plan)
+    assert [g for g, pad in plans if pad] == [C, D, A]  # (A's second replay took its kept padded plan)
+    plans.clear()
+    for grids in (C, D, A) * 2:
+        call(grids)
+    assert replayed[-6:] == [C, D, A] * 2 and plans == []  # each size's plan and padded plan kept
     call(E)
     call(E)  # two images: another layout, so another key; their repeat captures their exact graph
     assert made[1] == (E, None) and replayed[-1] == E

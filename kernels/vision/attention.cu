@@ -8,12 +8,12 @@
 //   out [N, HEADS, HEAD_DIM] contiguous.
 // The work: blocks of BM = 192 query rows of one (segment, head), ordered by segment, head, row block; each
 // walks its segment's 128-key tiles. A persistent grid of G blocks (one per SM) shares it out so that every
-// SM ends with about the same number of tiles (the tail of a wave-by-wave grid leaves SMs idle: one image is
-// 352 blocks, 2.67 waves of 132 SMs): first D whole rounds (block c + i G on CTA c), then the last
-// G .. 2G blocks cut into G runs of equal cost (stream-K; a block costs its tiles and ITEM_COST more, its
-// start and end: short blocks, such as a small image's beside a large one, are not all run by one CTA).
-// A run starts and ends inside a block at most once each (runs are at least a block's cost long), never
-// inside the cost of its start: the block at its end is begun first and its partial state
+// SM ends with about the same cost (the tail of a wave-by-wave grid leaves SMs idle: one image is 352 blocks,
+// 2.67 waves of 132 SMs): first D whole rounds (block c + i G on CTA c), then the last G .. 2G blocks cut
+// into G runs of equal cost (stream-K). A block costs its tiles and ITEM_COST more, its start and end: the
+// CTA whose run holds a small image's short blocks (beside a large one's) takes that many fewer tiles.
+// A run starts and ends inside a block at most once each (runs are at least the longest block's tiles
+// long), never inside the cost of its start: the block at its end is begun first and its partial state
 // (O unnormalised, the running max and sum per row) handed to CTA c + 1 through global memory and a flag;
 // the block at its start is finished last, after the partial of CTA c - 1 has arrived, then merged. A CTA
 // only waits on a lower one, which the hardware started no later.
@@ -108,7 +108,7 @@ __device__ Blk find_block(const int* cu, int segments, int i, long long u, int b
 }
 
 // This CTA's items (blocks, or parts of one, in the order it runs them): D whole blocks c + i G, then the run
-// of tile steps [a, b): the block at its end begun (kind 1: the partial state handed on), the whole blocks
+// of cost steps [a, b): the block at its end begun (kind 1: the partial state handed on), the whole blocks
 // inside, the block at its start finished (kind 2: merged with CTA c - 1's partial). Work of one wave at
 // most: block c alone.
 struct Plan { int d, nfull, head, tail, head_idx, head_t1, tail_idx, tail_t0, first_full, items; };
@@ -138,7 +138,8 @@ __device__ Item plan_item(const Plan& p, const int* cu, int segments, int k) {
 
 // Where run x of the g_sk runs of the stream-K part [u_dp, u_dp + rest) starts: the equal share's step, or
 // the start of its block where that falls inside the block's ITEM_COST (no run takes a block's start alone).
-// Runs are at least the longest block's cost, so one still never starts and ends inside the same block.
+// Equal shares are at least the longest block's cost and a cut moves back by at most ITEM_COST, so a run is at
+// least the longest block's tiles and still never starts and ends inside the same block.
 __device__ long long run_cut(const int* cu, int segments, long long u_dp, long long rest, int g_sk, int x) {
     const long long u = u_dp + rest * x / g_sk;
     if (x == 0 || x == g_sk) return u;  // (the part's start is a block's; its end, the work's)
