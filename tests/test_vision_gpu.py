@@ -289,7 +289,7 @@ def test_a_kept_graph_outlives_its_plan_in_the_towers_cache():
     tower.run(x, grids, be)
     tower.run(x, grids, be)  # captured
     for i in range(vision.PLAN_CACHE + 2):  # other sizes push the plan out; their plans land where it was
-        other = [(1, 8, 8 * (i + 1))]  # (64 to 384 patches: each in another graph bucket than the one before)
+        other = [(1, 8, 8 * (i + 1))]  # (64, 128, 192 .. patches: each in another graph bucket than the one before)
         tower.run(torch.randn(64 * (i + 1), vc.patch_dim, device=dev, generator=g).bfloat16(), other, be)
     assert tower._graph is not None and tower._graph.key[0] == tuple(grids)
     assert torch.equal(tower.run(x, grids, be), want)
