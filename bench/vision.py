@@ -223,7 +223,7 @@ def bucket_row(ours: VisionTower, be, rate: float, reps: int) -> dict:
     """Images of two sizes of one graph bucket (1024 x 960 and 1024 x 992: 3,840 and 3,968 patches, bucket 4,096),
     one after the other, each call another size than the last: VisionTower.run replays the bucket's padded graph
     (captured on the second call); against each size eager with a fresh plan (what run does for a new size of a
-    bucket it holds no graph of; a size among its four kept plans saves the plan's ~0.15 ms of host)."""
+    bucket it holds no graph of; a size among its kept plans saves the plan's ~0.15 ms of host)."""
     vc, dev = ours.config, ours.device
     sizes = [[(1, 64, w // 16)] for w in BUCKET_WIDTHS]
     px = [torch.randn(t * h * w, vc.patch_dim, device=dev, generator=torch.Generator(dev).manual_seed(i)).bfloat16()
