@@ -177,7 +177,8 @@ __device__ void make_plan(Plan& p, const int* cu, int segments, int lane) {
     const long long rest = w - u_dp;
     const int g_sk = (int)max(1ll, min((long long)G, rest / (ntmax + ITEM_COST)));
     if (c < g_sk) {
-        const long long a = run_cut(cu, segments, u_dp, rest, g_sk, c), b = run_cut(cu, segments, u_dp, rest, g_sk, c + 1);
+        const long long a = run_cut(cu, segments, u_dp, rest, g_sk, c);
+        const long long b = run_cut(cu, segments, u_dp, rest, g_sk, c + 1);
         const Blk A = find_block(cu, segments, 0, a, 1), B = find_block(cu, segments, 0, b - 1, 1);
         p.tail = a > A.u0;
         p.head = b < B.u0 + ITEM_COST + B.nt;
