@@ -88,13 +88,12 @@ def vision_parts(reps: int) -> None:
     from qwen35_fast.kernels.vision import launch as V
     from qwen35_fast.runtime.vision import VisionConfig, VisionTower
     from qwen35_fast.runtime.vision import plan as vision_plan
+
+    from vision import random_weights_
     dev, bf = torch.device("cuda"), torch.bfloat16
     be = kernels.select_backend("auto", dev, bf)
     vc = VisionConfig(depth=1, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096)
-    tower = VisionTower(vc, bf, dev)
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.normal_(0, 0.02)
+    tower = random_weights_(VisionTower(vc, bf, dev))
     n, d, H, hd = 4096, 1152, 16, 72
     pl = vision_plan(vc, [(1, 64, 64)], dev)
     x, y, w, b = (torch.randn(*s, device=dev, dtype=bf) for s in ((n, d), (n, d), (d,), (d,)))

@@ -18,10 +18,10 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
 from qwen35_fast import kernels
-from qwen35_fast.runtime.vision import VisionConfig, VisionTower, _targets
+from qwen35_fast.runtime.vision import VisionConfig, VisionTower
 from qwen35_fast.runtime.vision import plan as vision_plan
 
-from vision import DEV, OUT_HIDDEN, TOWER, timed_in_turn
+from vision import DEV, OUT_HIDDEN, TOWER, random_weights_, timed_in_turn
 
 
 def by_kernel(fn, reps=5) -> dict:
@@ -43,12 +43,8 @@ def main():
     a = ap.parse_args()
     vc = VisionConfig(**TOWER, out_hidden_size=OUT_HIDDEN)
     torch.manual_seed(0)
-    tower = VisionTower(vc, torch.bfloat16, DEV)
-    exact = VisionTower(vc, torch.bfloat16, DEV)
-    with torch.no_grad():
-        for t in (tower, exact):
-            for k, p in _targets(t).items():
-                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "norm" in k and k.endswith("weight") else 0.0)
+    tower = random_weights_(VisionTower(vc, torch.bfloat16, DEV))
+    exact = random_weights_(VisionTower(vc, torch.bfloat16, DEV))
     be = kernels.select_backend("auto", DEV, torch.bfloat16)
     sizes = [[(1, 64, 60)], [(1, 64, 62)]]
     px = [torch.randn(t * h * w, vc.patch_dim, device=DEV).bfloat16() for [(t, h, w)] in sizes]

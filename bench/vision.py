@@ -40,6 +40,15 @@ OUT_HIDDEN = 4096  # 9B's text width
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def random_weights_(tower: VisionTower) -> VisionTower:
+    """The tower's weights random at a trained tower's scale, in place: matrices normal(0, 0.02), LayerNorm
+    scales 1 (0 would make every token zero), biases 0."""
+    with torch.no_grad():
+        for k, p in _targets(tower).items():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "norm" in k and k.endswith("weight") else 0.0)
+    return tower
+
+
 def sync():
     if DEV.type == "cuda":
         torch.cuda.synchronize()
@@ -131,12 +140,12 @@ def main():
     ours = VisionTower(vc, torch.bfloat16, dev)
     sd = ref.state_dict()
     same_weights = all(k in sd for k in _targets(ours))
-    with torch.no_grad():
-        for k, p in _targets(ours).items():
-            if same_weights:
+    if same_weights:
+        with torch.no_grad():
+            for k, p in _targets(ours).items():
                 p.copy_(sd[k].reshape(p.shape))
-            else:  # another transformers layout: time on random weights of the same scale, compare nothing
-                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "norm" in k and k.endswith("weight") else 0.0)
+    else:  # another transformers layout: time on random weights of the same scale, compare nothing
+        random_weights_(ours)
     if not same_weights:
         print("transformers' tower names its weights differently here: no output comparison")
     be = kernels.select_backend("auto", dev, torch.bfloat16)
