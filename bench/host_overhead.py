@@ -5,28 +5,22 @@ the GPU alone. Where host > GPU over a whole block, a cold prompt waits for Pyth
 Development only.
 
     python3 bench/host_overhead.py [--reps 200] [--profile "add_rms_norm,gdn_chunk_prefill"] [--launch-parts | --vision-parts]
-    python3 bench/host_overhead.py --vision-tower [--reps 200] [--prof 5] [--out PATH]
 
 Where an operation's host time is at least its GPU time, the two columns agree (the GPU waits for each
 launch): the host time is the first column, the GPU's is less. --profile runs cProfile over `reps` calls of
-each named operation and prints its costliest functions. --vision-tower times the whole eager tower call
-(27 x 1152, random weights, one 1024 x 1024 image, a fresh plan each call, the CUDA kernels): the ms the host
-takes to queue it (to its return, before the GPU is waited for) and the wall ms, medians of `reps` calls; then
-cProfile over --prof calls by own and by cumulative time (--out writes that text too).
+each named operation and prints its costliest functions.
 """
 import argparse
 import cProfile
 import io
 import pstats
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
-from _import import host_cpu
 
 from qwen35_fast import kernels
 
@@ -47,13 +41,6 @@ def host_and_gpu_us(fn, reps: int) -> tuple[float, float]:
     b.record()
     torch.cuda.synchronize()
     return host, a.elapsed_time(b) / reps * 1e3
-
-
-def profile_text(prof: cProfile.Profile, sort: str, limit: int) -> str:
-    """The `limit` costliest functions of a profile by `sort` ("tottime", "cumulative"), without pstats' header."""
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).strip_dirs().sort_stats(sort).print_stats(limit)
-    return "\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip())
 
 
 def launch_parts(reps: int) -> None:
@@ -151,67 +138,17 @@ def vision_parts(reps: int) -> None:
         print(f"  {h:8.2f} {g:8.2f}  a block (attention, MLP, two add_layer_norm)")
 
 
-def vision_tower(reps: int, prof_calls: int, out: str | None) -> None:
-    """Host queue ms and wall ms of an eager tower call with a fresh plan (what the runtime runs for a new
-    size), then where its host time goes (cProfile)."""
-    from qwen35_fast.runtime.vision import VisionConfig, VisionTower
-    from qwen35_fast.runtime.vision import plan as vision_plan
-
-    from vision import OUT_HIDDEN, TOWER, random_weights_
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    vc = VisionConfig(**TOWER, out_hidden_size=OUT_HIDDEN)
-    torch.manual_seed(0)
-    tower = random_weights_(VisionTower(vc, bf, dev))
-    be = kernels.select_backend("auto", dev, bf)
-    grids = [(1, 64, 64)]
-    px = torch.randn(4096, vc.patch_dim, device=dev).to(bf)
-
-    def call():
-        return tower(px, vision_plan(vc, grids, dev), backend=be)
-    lines = [f"{torch.cuda.get_device_name()} / {host_cpu()} / torch {torch.__version__}"]
-    with torch.inference_mode():
-        for _ in range(3):
-            call()
-        queue, wall = [], []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            queue.append((t1 - t0) * 1000)
-            wall.append((time.perf_counter() - t0) * 1000)
-        lines.append(f"host queue {np.median(queue):.2f} ms, wall {np.median(wall):.2f} ms (medians of {reps})")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(prof_calls):
-            call()
-        prof.disable()
-        torch.cuda.synchronize()
-    for sort in ("tottime", "cumulative"):
-        lines += [f"== cProfile, {prof_calls} calls, by {sort}", profile_text(prof, sort, 40)]
-    text = "\n".join(lines)
-    print(text)
-    if out:
-        Path(out).write_text(text + "\n")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--profile", default="", help="comma-separated operation names to profile")
     ap.add_argument("--launch-parts", action="store_true", help="only the steps of one launch")
     ap.add_argument("--vision-parts", action="store_true", help="only the levels of the vision tower's launches")
-    ap.add_argument("--vision-tower", action="store_true", help="only an eager tower call: host ms, wall ms, cProfile")
-    ap.add_argument("--prof", type=int, default=5, help="--vision-tower: calls under cProfile")
-    ap.add_argument("--out", default=None, help="--vision-tower: also write the text here")
     args = ap.parse_args()
     if args.launch_parts:
         return launch_parts(args.reps)
     if args.vision_parts:
         return vision_parts(args.reps)
-    if args.vision_tower:
-        return vision_tower(args.reps, args.prof, args.out)
     dev, bf = torch.device("cuda"), torch.bfloat16
     be = kernels.select_backend("auto", dev, bf)
     r = lambda *s: torch.randn(*s, device=dev, dtype=bf) * 0.05  # noqa: E731
@@ -278,8 +215,10 @@ def main():
                 fn()
             prof.disable()
             torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
             print(f"== cProfile, {args.reps} calls of {name}")
-            print(profile_text(prof, "tottime", 22))
+            print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where the vision tower's time goes: the 27x1152 tower (random weights, bf16) on one 1024x1024 image,
 timed eager and replayed as a CUDA graph (the gap is launch overhead), a call with a fresh plan split into
 the host's time to plan, the host's time to queue the forward and the wall time, the costliest host functions
-of the forward (cProfile), the attention's SDPA backends on its shape, and the CUDA kernels by total time under
-torch.profiler. Development only.
+of the forward (cProfile, by own and by cumulative time), the attention's SDPA backends on its shape, and the
+CUDA kernels by total time under torch.profiler. Development only.
 
     python3 bench/vision_profile.py [--rows 20] [--side 1024] [--images 1] [--video] [--backend auto|cuda|torch]
 
@@ -55,7 +55,7 @@ def fresh_call_parts(tower, pixels, grids, be, reps: int = 10) -> None:
 
 
 def host_profile(fn, rows: int, calls: int = 5) -> None:
-    """cProfile of `calls` calls of fn: the `rows` functions of most own time, per call."""
+    """cProfile of `calls` calls of fn: the `rows` functions of most own time, then of most cumulative time."""
     fn()
     torch.cuda.synchronize()
     pr = cProfile.Profile()
@@ -64,10 +64,11 @@ def host_profile(fn, rows: int, calls: int = 5) -> None:
         fn()
     pr.disable()
     torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(rows)
-    print(f"cProfile, {calls} calls (times are totals over them):")
-    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+    for sort in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(rows)
+        print(f"cProfile, {calls} calls by {sort} (times are totals over them):")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
 
 
 def main():
