@@ -62,11 +62,11 @@ class Qwen35ContinuePrefill(io.ComfyNode):
                 max_pixels=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error, continue_prefill
 
-        if images is not None and "<video>" in (prompt or ""):  # with images the prompt's placeholders are read
-            raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from the "
-                              "prompt, or read the video in a Qwen3.5 Multimodal Prefill and continue from it")
         model = prefill.model
-        with model.released_on_error():
+        with model.released_on_error():  # (bad input too: the weights may be on the GPU already)
+            if images is not None and "<video>" in (prompt or ""):  # with images the prompt's placeholders are read
+                raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from "
+                                  "the prompt, or read the video in a Qwen3.5 Multimodal Prefill and continue from it")
             model.load()
             # room for the new turn (its tokens and images), made once the turn is laid out
             with cancellable():
@@ -77,4 +77,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
         log.info("Qwen3.5 continue: %d tokens reused, %d new in %.1f ms (%s)", pf.cached_tokens, pf.new_tokens,
                  pf.ms, pf.backend)
         model.track(pf)
-        return io.NodeOutput(ModelPrefill(model, pf), ui={"qwen35_prefill": [_stats(pf)]})
+        if prefill.items > 1:  # one of a list: its states wait off the GPU, as its parent's (ManagedModel.park)
+            model.park(pf)
+        return io.NodeOutput(ModelPrefill(model, pf, prefill.item, prefill.items),
+                             ui={"qwen35_prefill": [_stats(pf)]})

@@ -27,11 +27,17 @@ WEIGHTS = ["auto", "full", "int8"]
 # (a ModelHandle) carries its own node's keep_loaded.
 _loaded: dict[tuple, weakref.ref] = {}  # key -> its ManagedModel
 
+# what a checkpoint folder's files may be that the runtime reads (weights, index, config, tokenizer, chat
+# template, preprocessor settings); a README, an image or a file manager's own file (.DS_Store) changes nothing
+READ_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt")
+
+
 def _files_key(path: Path) -> tuple:
     """The checkpoint's files by name, size and modification time: a file replaced on disk is read again (for a
     single file, the tokenizer.json beside it too, which the runtime reads when it is there)."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file())
+        files = sorted(p for p in path.iterdir()
+                       if p.suffix in READ_SUFFIXES and not p.name.startswith(".") and p.is_file())
     else:
         files = [path] + [p for p in [path.parent / "tokenizer.json"] if p.is_file()]
     return (str(path.resolve()),) + tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])

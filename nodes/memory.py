@@ -154,6 +154,17 @@ class ManagedModel:
         if getattr(prefill, "turn", None) is not None:  # the state a follow-up turn restarts from
             self._prefill_caches.add(prefill.turn)
 
+    def park(self, prefill) -> None:
+        """Moves this prefill's GDN states to the offload device now (where it is not the load device): a list of
+        prefills, made before any Generate runs, would otherwise hold their states in VRAM that ComfyUI does not
+        count (~100 MiB a prefill on the 9B: its end and its turn's end); generate and continue_prefill copy
+        them back to the model's device."""
+        if _same(self.load_device, self.offload_device):
+            return
+        prefill.cache.to(self.offload_device)
+        if getattr(prefill, "turn", None) is not None:
+            prefill.turn.to(self.offload_device)
+
     def load(self, memory_required: int = 0):
         """Brings the weights to the load device, freeing other models' VRAM first so that the weights and
         `memory_required` more bytes (a run's estimate: runtime.memory) fit, as ComfyUI's own nodes ask."""
@@ -195,6 +206,9 @@ class ModelHandle:
 
     def track(self, prefill) -> None:
         self.managed.track(prefill)
+
+    def park(self, prefill) -> None:
+        self.managed.park(prefill)
 
     def release(self):
         self.managed.release()

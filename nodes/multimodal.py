@@ -27,6 +27,23 @@ def _stats(pf, scaled_note: str) -> dict:
             "note": scaled_note}
 
 
+def _check_per_image(images, prompt: str) -> None:
+    """What 'one prompt per image' needs: images, and a prompt that names no image after the first (each of its
+    prompts holds one image of the batch)."""
+    from ..runtime import Qwen35Error
+    from ..runtime.multimodal import PLACEHOLDER
+
+    if images is None:
+        raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
+    if images.shape[0] == 0:
+        raise Qwen35Error("the image batch is empty (0 images); connect an image")
+    for m in PLACEHOLDER.finditer(prompt or ""):
+        if m.group(1) is not None and int(m.group(1)) != 1:
+            raise Qwen35Error(f"the prompt names <image {m.group(1)}>, but in mode 'one prompt per image' each prompt "
+                              "holds one image of the batch; write <image> where it goes, or choose 'all images in "
+                              "one prompt' to compare them")
+
+
 class Qwen35MultimodalPrefill(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -70,19 +87,17 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                 system_prompt="", thinking=False, max_pixels=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error, prefill_multimodal
 
-        if video is not None and frames is not None:
-            raise Qwen35Error("both a video and frames are connected; connect one of them")
-        clip = video_clip(video) if video is not None else (frames, frame_rate) if frames is not None else None
-        if mode == PER_IMAGE and images is None:
-            raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
-        batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]
-        if mode == PER_IMAGE and not batches:
-            raise Qwen35Error("the image batch is empty (0 images); connect an image")
-        with model.released_on_error():
+        with model.released_on_error():  # (bad input too: the loader put the weights on the GPU already)
+            if video is not None and frames is not None:
+                raise Qwen35Error("both a video and frames are connected; connect one of them")
+            clip = video_clip(video) if video is not None else (frames, frame_rate) if frames is not None else None
+            if mode == PER_IMAGE:
+                _check_per_image(images, prompt)
+            batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]
             model.load()
             out, stats = [], []
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
                 with cancellable(bar=bar is None):
                     pf = prefill_multimodal(model.model, prompt, images=batch, video=clip,
@@ -102,7 +117,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                          v.vision_tokens if v else 0, v.text_tokens if v else pf.n_tokens,
                          v.vision_ms if v else 0.0, v.prefill_ms if v else pf.ms)
                 model.track(pf)
-                out.append(ModelPrefill(model, pf))
+                if len(batches) > 1:  # (all of the list's states would wait in VRAM for their Generate)
+                    model.park(pf)
+                out.append(ModelPrefill(model, pf, item=i, items=len(batches)))
                 stats.append(_stats(pf, note))
                 if bar is not None:
                     bar.update(1)

@@ -79,9 +79,9 @@ class Qwen35TextPrefill(io.ComfyNode):
         from ..runtime import encode_prompt, prefill_ids
         from ..runtime.memory import prefill_bytes
 
-        ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
-                            use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
-        with model.released_on_error():
+        with model.released_on_error():  # (a bad prompt too: the loader put the weights on the GPU already)
+            ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
+                                use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
             model.load(memory_required=prefill_bytes(model.model, len(ids)))
             with cancellable():
                 result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
@@ -143,10 +143,12 @@ class Qwen35Generate(io.ComfyNode):
         display_node = node_id
         if hidden and hidden.dynprompt is not None and node_id is not None:
             display_node = hidden.dynprompt.get_display_node_id(node_id)
+        model = prefill.model
         params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, repetition_penalty=repetition_penalty,
                                 presence_penalty=presence_penalty)
-        params.check()  # before the weights are moved back to the GPU for nothing
+        with model.released_on_error():
+            params.check()  # before the weights are moved back to the GPU for nothing
         bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
         event = {"node": node_id, "display_node": display_node, "item": _list_item()}
 
@@ -156,20 +158,22 @@ class Qwen35Generate(io.ComfyNode):
             # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
             _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
 
-        model = prefill.model
         _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                               "thinking": prefill.prefill.thinking})
-        try:
+        with model.released_on_error():
             model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
             result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
                               seed=seed, on_token=on_token)
-        finally:
-            if not model.keep_loaded:
-                model.release()
+        if not model.keep_loaded and prefill.release_after:  # (a list's items: after its last one)
+            model.release()
         bar.update_absolute(max_new_tokens, max_new_tokens)
         stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
                  "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
                  "finish_reason": result.finish_reason}
+        if result.finish_reason == "length" and prefill.prefill.thinking and not result.text:
+            stats["note"] = (f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; raise "
+                             "max_new_tokens (or turn thinking off)")
+            log.warning("Qwen3.5 generate: %s", stats["note"])
         log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
                  result.first_token_ms, result.decode_tokens_per_s, result.finish_reason)
         ui = {"text": [result.text], "thinking": [result.thinking], "qwen35_generate": [stats]}

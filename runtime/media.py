@@ -180,7 +180,12 @@ def _check_images(images) -> tuple[int, int, int, int]:
 def to_rgb(images: torch.Tensor) -> torch.Tensor:
     """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32."""
     b, h, w, c = _check_images(images)
-    x = images.reshape(b, h, w, c).float().clamp(0, 1)
+    x = images.reshape(b, h, w, c).float()
+    if not bool(torch.isfinite(x).all()):  # (clamp would keep NaN, and make inf a white or black pixel)
+        bad = int((~torch.isfinite(x)).sum())
+        raise Qwen35Error(f"an image (or video frame) holds {bad:,} NaN or infinite values of its {x.numel():,}; "
+                          "the node that made it produced them (a VAE decode in fp16 can): fix that node's output")
+    x = x.clamp(0, 1)
     color, alpha = (x[..., :c - 1], x[..., c - 1:]) if c in (2, 4) else (x, None)
     if color.shape[-1] == 1:
         color = color.expand(b, h, w, 3)

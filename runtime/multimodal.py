@@ -71,7 +71,7 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, lis
                 next_free[0] += 1
             if next_free[0] >= n_images:
                 raise Qwen35Error(f"the prompt has more <image> placeholders than the {n_images} image(s) "
-                                  "connected")
+                                  "connected; connect more images or remove the extra <image>")
             i = next_free[0]
         if i in used:
             name = "<video>" if i == n_images else f"image {i + 1}"

@@ -531,6 +531,19 @@ def test_a_checkpoint_replaced_on_disk_runs_the_loader_again(pack, models_dir, c
     first = fp()
     (models_dir / "text_encoders" / "alone" / "tokenizer.json").write_text("{}")
     assert fp() != first
+    folder = models_dir / "LLM" / "qwen35-demo"  # a folder: the files the runtime reads, not a file manager's
+    fp = lambda: pack.Qwen35ModelLoader.fingerprint_inputs(  # noqa: E731
+        model="qwen35-demo", dtype="fp32", device="cpu", backend="torch")
+    first = fp()
+    for name in (".DS_Store", "README.md", "preview.png"):
+        (folder / name).write_bytes(b"x")
+    assert fp() == first
+    config = folder / "config.json"
+    st = config.stat()
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert fp() != first
+    for name in (".DS_Store", "README.md", "preview.png"):
+        (folder / name).unlink()
 
 
 @pytest.mark.gpu
@@ -630,6 +643,49 @@ def test_keep_loaded_off_gives_the_memory_back_when_a_prefill_fails(pack, models
     with pytest.raises(Qwen35Error, match="at most 8 positions"):
         _prefill(pack, model)
     assert released == [1]
+
+
+def test_keep_loaded_off_gives_the_memory_back_on_bad_input(pack, models_dir, monkeypatch):
+    """The loader put the weights on the device: a node that refuses its input gives them back (keep_loaded
+    off) as a failed run does, whichever check refuses it."""
+    import torch
+
+    from qwen35_fast.runtime import Qwen35Error
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    pf = _prefill(pack, model)
+    released = []
+    real_release = model.release
+    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    mm = dict(model=model, prompt="Describe this image.", images=None, video=None, frames=None, frame_rate=24.0,
+              mode="all images in one prompt", system_prompt="", thinking=False, max_pixels=0)
+    frames = torch.rand(2, 32, 32, 3)
+    bad = [
+        ("empty", lambda: _prefill(pack, model, prompt="  ")),
+        ("both a video and frames", lambda: pack.Qwen35MultimodalPrefill.execute(
+            **{**mm, "video": object(), "frames": frames})),
+        ("needs images", lambda: pack.Qwen35MultimodalPrefill.execute(**{**mm, "mode": "one prompt per image"})),
+        ("takes images only", lambda: pack.Qwen35ContinuePrefill.execute(
+            prefill=pf, prompt="<video>?", images=frames[:1], previous_answer=None, thinking=False, max_pixels=0)),
+        ("top_p 0.0", lambda: pack.Qwen35Generate.execute(
+            prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50, top_p=0.0, min_p=0.0,
+            repetition_penalty=1.0, presence_penalty=0.0, seed=0)),
+    ]
+    for n, (message, run) in enumerate(bad, 1):
+        with pytest.raises(Qwen35Error, match=message):
+            run()
+        assert len(released) == n, message
+
+
+def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
+    """Thinking on and max_new_tokens reached before </think>: the answer is empty, and the node's panel says
+    why and what to change (not an empty box)."""
+    out = _generate(pack, _prefill(pack, loaded, thinking=True), max_new_tokens=3, sampling=False)
+    s = out.ui["qwen35_generate"][0]
+    assert s["finish_reason"] == "length" and out[0] == "" and out[1]
+    assert "stopped while thinking, after 3 tokens: no answer yet; raise max_new_tokens" in s["note"]
+    plain = _generate(pack, _prefill(pack, loaded), max_new_tokens=3, sampling=False).ui["qwen35_generate"][0]
+    assert plain["finish_reason"] == "length" and "note" not in plain
 
 
 def test_generate_hands_every_setting_to_the_runtime(pack, loaded, monkeypatch):

@@ -184,3 +184,82 @@ def test_one_prompt_per_image_keeps_its_batch_bar_with_pieces(pack, loaded, comf
     monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
     _run(pack, loaded, images=torch.rand(3, 64, 64, 3), mode="one prompt per image")
     assert progress and all(t == 3 for _, t in progress)  # the batch's bar only, not a bar of pieces beside it
+
+
+def _mm_args(model, **kw):
+    return dict(model=model, prompt="Describe this image.", images=None, video=None, frames=None, frame_rate=24.0,
+                mode="all images in one prompt", system_prompt="", thinking=False, max_pixels=0, **kw)
+
+
+def test_a_list_of_prefills_gives_the_memory_back_after_its_last_answer(pack, models_dir, comfy, monkeypatch):
+    """keep_loaded off, one prompt per image: ComfyUI runs Generate once per item, and the weights stay for the
+    list's next item (released after the last answer only, and after a Continue of each item the same)."""
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False)[0]
+    released = []
+    real_release = model.release
+    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    images = torch.rand(3, 64, 64, 3, generator=torch.Generator().manual_seed(5))
+    prefills = pack.Qwen35MultimodalPrefill.execute(**{**_mm_args(model), "images": images,
+                                                       "mode": "one prompt per image"})[0]
+    assert [(p.item, p.items) for p in prefills] == [(0, 3), (1, 3), (2, 3)]
+    for i, pf in enumerate(prefills):
+        _generate(pack, pf, max_new_tokens=2)
+        assert released == ([1] if i == 2 else [])
+    follow = [pack.Qwen35ContinuePrefill.execute(prefill=pf, prompt="And the colours?", images=None,
+                                                 previous_answer="A square.", thinking=False, max_pixels=0)[0]
+              for pf in prefills]
+    assert [(p.item, p.items) for p in follow] == [(0, 3), (1, 3), (2, 3)]
+    for pf in follow:
+        _generate(pack, pf, max_new_tokens=2)
+    assert released == [1, 1]
+    one = pack.Qwen35MultimodalPrefill.execute(**{**_mm_args(model), "images": images[:1]})[0][0]
+    _generate(pack, one, max_new_tokens=2)  # not a list: released after its answer
+    assert released == [1, 1, 1]
+
+
+def test_a_list_of_prefills_waits_with_its_states_off_the_gpu(pack, loaded, monkeypatch):
+    """One prompt per image makes every prefill before any Generate runs: each one's GDN states (the prompt's
+    end and its turn's end) go to the offload device at once, not kept in VRAM that ComfyUI does not count; a
+    single prefill keeps them where the model runs."""
+    images = torch.rand(2, 64, 64, 3, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(loaded.managed, "offload_device", torch.device("meta"))  # (the CPU is the load device here)
+    try:
+        listed = pack.Qwen35MultimodalPrefill.execute(**{**_mm_args(loaded), "images": images,
+                                                         "mode": "one prompt per image"})[0]
+        single = pack.Qwen35MultimodalPrefill.execute(**{**_mm_args(loaded), "images": images[:1],
+                                                         "prompt": "What colour dominates?"})[0][0]
+        for pf in listed:
+            states = [t for t in pf.prefill.cache.ssm + pf.prefill.cache.conv + pf.prefill.turn.ssm if t is not None]
+            assert states and all(t.device.type == "meta" for t in states)
+        assert all(t.device.type == "cpu" for t in single.prefill.cache.ssm + single.prefill.turn.ssm
+                   if t is not None)
+    finally:
+        loaded.model.kv.pool.clear()  # (the snapshots of the listed turns were moved with them)
+
+
+def test_one_prompt_per_image_names_one_image_a_prompt(pack, loaded):
+    from qwen35_fast.runtime import Qwen35Error
+    images = torch.rand(2, 64, 64, 3)
+    with pytest.raises(Qwen35Error, match=r"names <image 2>, but in mode 'one prompt per image' each prompt holds "
+                                          r"one image.*write <image>"):
+        _run(pack, loaded, images=images, mode="one prompt per image", prompt="Compare <image> and <image 2>.")
+    out = _run(pack, loaded, images=images, mode="one prompt per image", prompt="What is in <image 1>?")
+    assert len(out[0]) == 2
+    with pytest.raises(Qwen35Error, match=r"more <image> placeholders than the 0 image\(s\) connected; connect more "
+                                          r"images or remove the extra <image>"):
+        _run(pack, loaded, prompt="What is in <image>?")
+
+
+def test_an_image_with_nan_values_is_named_before_the_model_runs(pack, loaded):
+    from qwen35_fast.runtime import Qwen35Error
+    image = torch.rand(1, 64, 64, 3)
+    image[0, 3, 5, 1] = float("nan")
+    image[0, 7, 9, 0] = float("inf")
+    with pytest.raises(Qwen35Error, match=r"holds 2 NaN or infinite values of its 12,288; the node that made it "
+                                          r"produced them"):
+        _run(pack, loaded, images=image)
+    frames = torch.rand(4, 64, 64, 3)
+    frames[2, 0, 0, 0] = float("nan")
+    with pytest.raises(Qwen35Error, match="NaN or infinite"):
+        _run(pack, loaded, prompt="<video> What moves?", frames=frames, frame_rate=2.0)

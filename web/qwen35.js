@@ -202,11 +202,13 @@ function onGenerateExecuted(view, output) {
   const s = all[0];
   if (all.length === 1) {
     view.stats.textContent = `first token ${fmt(s.first_token_ms)} ms · ${fmt(s.decode_tokens_per_s)} tok/s decode · ` +
-      `${s.n_tokens} tokens (${s.finish_reason})`;
+      `${s.n_tokens} tokens (${s.finish_reason})` + (s.note ? ` · ${s.note}` : "");
   } else if (all.length > 1) {  // one line: the answers' count, mean rates and all their tokens
     const mean = (k) => all.reduce((a, x) => a + x[k], 0) / all.length;
+    const unanswered = all.filter((x) => x.note).length;  // (stopped while thinking)
     view.stats.textContent = `${all.length} answers · first token ${fmt(mean("first_token_ms"))} ms · ` +
-      `${fmt(mean("decode_tokens_per_s"))} tok/s decode (means) · ${all.reduce((a, x) => a + x.n_tokens, 0)} tokens`;
+      `${fmt(mean("decode_tokens_per_s"))} tok/s decode (means) · ${all.reduce((a, x) => a + x.n_tokens, 0)} tokens` +
+      (unanswered ? ` · ${unanswered} stopped while thinking, with no answer: raise max_new_tokens` : "");
   }
 }
 
