@@ -3,7 +3,8 @@
 - `models/LLM/<name>/`: a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer
   files). Nested folders (`models/LLM/Qwen/Qwen3.5-4B/`) are listed by their relative path.
 - `models/LLM/<file>.safetensors` and `models/text_encoders/<file>.safetensors`: one file with the
-  configuration read from the tensors, as ComfyUI's own text encoders are kept.
+  configuration read from the tensors, as ComfyUI's own text encoders are kept; in a folder without a
+  config.json (`models/LLM/qwen/qwen3.5_2b.safetensors`), listed by its relative path.
 `LLM` is not one of ComfyUI's standard folders everywhere, so it is registered when absent.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 import folder_paths
@@ -37,9 +39,14 @@ def ensure_llm_folder() -> None:
     folder_paths.add_model_folder_path(LLM, path)  # nothing where it is listed already
 
 
+SHARD = re.compile(r"-\d+-of-\d+\.safetensors$|\.safetensors\.index\.json$")
+
+
 def _is_checkpoint_dir(path: Path) -> bool:
+    """A Hugging Face checkpoint folder: its config.json, or (one without it, listed so that loading it says what
+    is missing) the shards of one. Other folders are searched: their single files are listed by their paths."""
     try:
-        return (path / "config.json").is_file() or any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir())
+        return (path / "config.json").is_file() or any(SHARD.search(p.name) for p in path.iterdir())
     except OSError:  # unreadable (lost+found, a permission, a symlink loop): not one we can load
         return False
 
@@ -93,7 +100,7 @@ def _scan_llm(base: Path, rel: Path = Path(), depth: int = 0):
                     yield (rel / entry.name).as_posix(), path
             elif depth + 1 < MAX_DEPTH:
                 yield from _scan_llm(base, rel / entry.name, depth + 1)
-        elif depth == 0 and path.suffix in WEIGHT_SUFFIXES and _is_qwen35_file(path):
+        elif path.suffix in WEIGHT_SUFFIXES and _is_qwen35_file(path):
             yield (rel / entry.name).as_posix(), path
 
 

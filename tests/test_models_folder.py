@@ -134,12 +134,22 @@ def test_an_llm_file_wins_over_a_text_encoders_file_of_the_same_name(pack, folde
     assert pack.models_folder.find_model("qwen.safetensors") == in_llm
 
 
-def test_a_folder_of_weights_without_config_is_listed(pack, folders):
-    """A checkpoint folder holding only its .safetensors (the configuration is read from the tensors) is listed;
-    an empty folder is not."""
-    _qwen_file(folders.llm / "qwen-weights" / "model.safetensors")
+def test_single_files_in_a_folder_without_config_are_listed_by_their_path_and_load(pack, folders):
+    """A folder without config.json holding Qwen3.5 single files (kept together by a user) lists each file by its
+    path, and the listed name loads; a folder of a checkpoint's shards without its config.json is listed as the
+    folder (loading it names what is missing); an empty folder is not listed."""
+    _qwen_file(folders.llm / "qwen" / "a_2b.safetensors")
+    _qwen_file(folders.llm / "qwen" / "deeper" / "b_4b.safetensors")
+    _qwen_file(folders.llm / "shards" / "model-00001-of-00002.safetensors")
     (folders.llm / "empty").mkdir()
-    assert _listed(pack) == ["qwen-weights"]
+    assert _listed(pack) == ["qwen/a_2b.safetensors", "qwen/deeper/b_4b.safetensors", "shards"]
+    model = pack.Qwen35ModelLoader.execute(model="qwen/deeper/b_4b.safetensors", dtype="fp32", device="cpu",
+                                           backend="torch", keep_loaded=False)[0]
+    model.release()
+    from qwen35_fast.runtime import Qwen35Error
+    with pytest.raises(Qwen35Error, match=r"shards: no config\.json"):
+        pack.Qwen35ModelLoader.execute(model="shards", dtype="fp32", device="cpu", backend="torch",
+                                       keep_loaded=False)
 
 
 def test_a_folder_with_a_damaged_config_is_listed_and_loading_it_names_the_problem(pack, folders):
