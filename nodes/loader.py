@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from .memory import ManagedModel, ModelHandle
 from .models_folder import available_models, find_model, weights_bytes
-from .types import Qwen35Model, shown_again
+from .types import Qwen35Model, cancellable, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,8 @@ def _load(path: Path, dtype: str, device: str, target: torch.device, backend: st
         need = weights_bytes(path, 4 if dtype == "fp32" else 2, int8=weights == "int8")
         mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
     try:
-        return load_model(path, dtype=dtype, device=str(target), backend=backend, weights=weights), ""
+        with cancellable():  # a progress bar over the weights read; Cancel lands between them
+            return load_model(path, dtype=dtype, device=str(target), backend=backend, weights=weights), ""
     except DeviceUnsupported as e:
         if device != "auto":  # ("cuda" and "cpu" never get here)
             raise
@@ -190,5 +191,6 @@ def _load(path: Path, dtype: str, device: str, target: torch.device, backend: st
     # ComfyUI runs on an accelerator (mps, xpu, ...) the model does not run on
     log.warning("Qwen3.5: loading %s %s", path, device_note)
     mm.soft_empty_cache()
-    return load_model(path, dtype=dtype, device="cpu", backend=backend, weights=weights), device_note
+    with cancellable():
+        return load_model(path, dtype=dtype, device="cpu", backend=backend, weights=weights), device_note
 

@@ -44,16 +44,17 @@ def shown_again() -> dict:
 
 @contextmanager
 def cancellable(bar: bool = True):
-    """Around a prefill: ComfyUI's Cancel lands between the pieces of a long prompt and the passes of the vision
-    tower (runtime.progress; nothing of the prefill stays), and with `bar` the node's progress bar follows the
-    prompt's pieces (a node with a bar of its own, over a batch, passes False)."""
+    """Around a prefill or a model load: ComfyUI's Cancel lands between the pieces of a long prompt, the passes of
+    the vision tower and the weights of a load (runtime.progress; nothing of the prefill or the model stays), and
+    with `bar` the node's progress bar follows the prompt's pieces or the weights read (a node with a bar of its
+    own, over a batch, passes False)."""
     from ..runtime import progress
     shown = None
 
     def hook(stage: str, done: int, total: int) -> None:
         nonlocal shown
         mm.throw_exception_if_processing_interrupted()
-        if bar and stage == "prompt":
+        if bar and stage in ("prompt", "load"):
             shown = shown or comfy.utils.ProgressBar(total)
             shown.update_absolute(done, total)
     with progress.reporting(hook):

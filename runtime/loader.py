@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import kernels
+from . import progress
 from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
 from .devices import DeviceUnsupported, bf16_works, check_device, empty_cache, is_other_accelerator, usable
@@ -65,8 +66,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter."""
+def _fill(model: Qwen35Model, ckpt: Checkpoint, report: bool = False) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; with `report`, progress.report("load",
+    tensors read, all of them) after each (a caller's cancel lands there: load_model frees what it made)."""
     c = model.config
     hv = c.linear_num_value_heads
     qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -100,7 +102,7 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
     # a second, file-dtype copy in device memory (FP8 weights come already dequantized on the device); an 8-bit
     # matrix quantizes its rows a slice at a time on its device
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
-        for name, (param, row) in targets.items():
+        for done, (name, (param, row)) in enumerate(targets.items(), 1):
             t = reader.get(*ckpt.tensors[name], param.dtype, param.device)
             if name.endswith("conv1d.weight"):
                 t = t[:, 0]
@@ -108,6 +110,8 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint) -> None:
                 fill_rows(param, row, t)
             else:
                 param[row:row + t.shape[0]].copy_(t)
+            if report:
+                progress.report("load", done, len(targets))
 
 
 def refill(model: Qwen35Model) -> None:
@@ -218,7 +222,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model, oom = None, False
     try:
         model = Qwen35Model(ckpt.config, dt, dev, int8)
-        _fill(model, ckpt)
+        _fill(model, ckpt, report=True)
         _attach_vision(model, ckpt, dt, dev)
         model.requested_backend = backend
         model.select_backend()

@@ -1,10 +1,12 @@
-"""Progress of a long prefill, for a caller that shows it or cancels it.
+"""Progress of a long prefill or a model load, for a caller that shows it or cancels it.
 
-The runtime calls the hook set by `reporting` between the pieces of a long prompt (model.py, PREFILL_PIECE) and
-between the passes of the vision tower (vision.py, TOWER_PASS_PATCHES): hook(stage, done, total) with stage
-"prompt" (tokens of this pass read so far, of all) or "vision" (patches). An exception raised by the hook ends
-the prefill there and reaches the caller; nothing the prefill made stays (its cache's blocks go back to the pool
-with it, and no snapshot is saved before the whole prompt is read). Short prompts make no call.
+The runtime calls the hook set by `reporting` between the pieces of a long prompt (model.py, PREFILL_PIECE),
+between the passes of the vision tower (vision.py, TOWER_PASS_PATCHES) and after each weight load_model reads
+(loader.py): hook(stage, done, total) with stage "prompt" (tokens of this pass read so far, of all), "vision"
+(patches) or "load" (text-model tensors). An exception raised by the hook ends the prefill or the load there and
+reaches the caller; nothing either made stays (a prefill's cache blocks go back to the pool with it, and no
+snapshot is saved before the whole prompt is read; a load frees the model it was filling). Short prompts make no
+call.
 
     with progress.reporting(lambda stage, done, total: print(stage, done, total)):
         pf = prefill(model, long_prompt)

@@ -688,6 +688,27 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     assert plain["finish_reason"] == "length" and "note" not in plain
 
 
+def test_a_load_shows_its_progress_and_a_cancel_lands_between_its_weights(pack, models_dir, comfy, monkeypatch):
+    """Reading a checkpoint (minutes for a 27B from a hard disk) moves the node's progress bar over its weights,
+    and Cancel stops it between two of them: nothing of the model stays, and the next run loads it."""
+    progress = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, preview, node_id=None: progress.append((v, t)))
+    load = lambda: pack.Qwen35ModelLoader.execute(  # noqa: E731  (a budget no other test loads with: read anew)
+        model="qwen35-demo", dtype="fp32", device="cpu", backend="torch", keep_loaded=False, cache_budget_mb=7)
+    calls = interrupt_at(comfy, monkeypatch, 5)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        load()
+    assert calls["n"] == 5 and not comfy.mm.processing_interrupted()
+    assert not any("qwen35-demo" in str(getattr(m.model, "model", None) and m.model.model.path)
+                   for m in comfy.mm.current_loaded_models)
+    total = progress[0][1]
+    assert total > 5 and progress[0] == (1, total)
+    progress.clear()
+    model = load()[0]
+    assert progress[-1] == (total, total) and model.model.path.name == "qwen35-demo"
+    model.release()
+
+
 def test_generate_hands_every_setting_to_the_runtime(pack, loaded, monkeypatch):
     import qwen35_fast.runtime as rt
     seen = {}
