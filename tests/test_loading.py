@@ -127,11 +127,23 @@ def test_weights_that_do_not_fit_the_config(folder, tmp_path):
 
 
 def test_failed_load_leaves_no_model_behind(folder, monkeypatch):
-    def boom(model, ckpt):
-        raise RuntimeError("disk went away")
-
+    from qwen35_fast.runtime import progress
     gc.collect()
     before = sum(isinstance(o, Qwen35Model) for o in gc.get_objects())
+    seen = []
+
+    def cancel_at_third(stage, done, total):  # a caller's cancel, between two weights
+        seen.append((stage, done, total))
+        if done == 3:
+            raise KeyboardInterrupt("cancelled")
+    with progress.reporting(cancel_at_third), pytest.raises(KeyboardInterrupt, match="cancelled"):
+        load_model(folder, device="cpu")
+    assert seen[0] == ("load", 1, seen[0][2]) and seen[-1][1] == 3 and seen[0][2] > 3
+    gc.collect()
+    assert sum(isinstance(o, Qwen35Model) for o in gc.get_objects()) == before
+
+    def boom(model, ckpt, report=False):
+        raise RuntimeError("disk went away")
     monkeypatch.setattr(loader_mod, "_fill", boom)
     with pytest.raises(RuntimeError, match="disk went away"):
         load_model(folder, device="cpu")
@@ -173,7 +185,7 @@ def test_a_load_out_of_memory_says_what_the_weights_take_and_leaves_nothing(fold
     from qwen35_fast.runtime.checkpoint import locate
     from qwen35_fast.runtime.config import expected_shapes
 
-    def full(model, ckpt):
+    def full(model, ckpt, report=False):
         raise error()
 
     gc.collect()
