@@ -40,7 +40,7 @@ from .multimodal import (
 )
 from .prefix import prefill_reusing
 from .rope import TextRun, layout_positions
-from .tokenizer import check_text
+from .tokenizer import NON_SPECIAL_ADDED_TOKENS, check_text, user_encoder
 
 
 def earlier_answer(answer: str) -> str:
@@ -63,11 +63,14 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
     check_text(prompt or "", "the follow-up prompt")
     check_text(previous_answer or "", "previous_answer")
     tok = model.tokenizer
-    user = tok.encode if allow_special_tokens else tok.encode_text
+    user = user_encoder(tok, allow_special_tokens)
     head: list[int] = []
     if previous_answer is not None:
-        # "assistant\n" read with the answer, as in the rendered text: a newline joins the whitespace after it
-        head += tok.encode(IM_START) + user(f"assistant\n{earlier_answer(previous_answer)}") + tok.encode(f"{IM_END}\n")
+        # "assistant\n" read with the answer, as in the rendered text: a newline joins the whitespace after it;
+        # the answer's own markup (<tool_call>: added tokens that are not special) as the tokens the model wrote
+        answer = f"assistant\n{earlier_answer(previous_answer)}"
+        head += tok.encode(IM_START) + (user(answer) if allow_special_tokens else
+                                        tok.encode_with(answer, NON_SPECIAL_ADDED_TOKENS)) + tok.encode(f"{IM_END}\n")
     head += tok.encode(f"{IM_START}user\n")
     if inputs:  # the user message's content as the Multimodal Prefill lays it out
         body, body_parts, ordered = user_message(model, prompt, inputs, n_images, trim=True,

@@ -26,7 +26,7 @@ from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_byt
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .sampling import SamplingParams, draw_seed, penalty_marks, pick
-from .tokenizer import check_text
+from .tokenizer import check_text, user_encoder
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     check_text(prompt, "the prompt")
     check_text(system_prompt, "the system prompt")
     tok = model.tokenizer
-    user = tok.encode if allow_special_tokens else tok.encode_text
+    user = user_encoder(tok, allow_special_tokens)
     if not use_chat_template:  # a blank system prompt is no system prompt, as with the template
         return user((system_prompt + "\n\n" if system_prompt.strip() else "") + prompt)
     # the text format_chat writes, encoded piece by piece

@@ -41,7 +41,7 @@ from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
-from .tokenizer import check_text
+from .tokenizer import check_text, user_encoder
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
 PLACEHOLDER = re.compile(r"<image(?:\s*(\d+))?>|<video>")
@@ -106,17 +106,12 @@ def _vision_tokens(inp: VisionInput, tokenizer, merge: int, lead: str = "",
     return ids, parts
 
 
-def _user_encoder(tok, allow_special_tokens: bool):
-    """How the user's text is encoded: plain text unless allow_special_tokens, as for text prompts
-    (generate.encode_prompt)."""
-    return tok.encode if allow_special_tokens else getattr(tok, "encode_text", tok.encode)
-
-
 def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_images: int, trim: bool,
-                 allow_special_tokens: bool = False):
+                 allow_special_tokens: bool = False, head: str = ""):
     """(token ids, rope parts, inputs in the order the prompt places them) of the prompt with its images and
     video in place. trim: strip the whole (images and text together) as the chat template strips a message's
-    content; a raw prompt is taken as given."""
+    content; a raw prompt is taken as given. head: text before the prompt's, encoded with its first text (a raw
+    prompt's system prompt: one string, as the text path encodes it)."""
     if prompt is not None and not isinstance(prompt, str):
         raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
     check_text(prompt or "", "the prompt")
@@ -126,8 +121,9 @@ def user_message(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     if trim:  # the whole message's ends: the first text's start, the last text's end (one text: both)
         pieces[0] = pieces[0].lstrip()
         pieces[-1] = pieces[-1].rstrip()
+    pieces[0] = head + pieces[0]
     tok, merge = model.tokenizer, _merge(model)
-    user = _user_encoder(tok, allow_special_tokens)
+    user = user_encoder(tok, allow_special_tokens)
     ids, parts = [], []
     for k, piece in enumerate(pieces):  # text, input index, text, input index, ..., text
         if k % 2 == 1:
@@ -152,13 +148,15 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     plain text unless allow_special_tokens, as for text prompts (generate.encode_prompt). Without the
     chat template the text is taken as given (generate.encode_prompt's raw mode).
     """
-    message_ids, message_parts, ordered = user_message(model, prompt, inputs, n_images, use_chat_template,
-                                                       allow_special_tokens)
     if not isinstance(system_prompt, str):
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
     check_text(system_prompt, "the system prompt")
+    # raw: the system prompt and the prompt's first text one string (blank: none, as with the template)
+    head = system_prompt + "\n\n" if not use_chat_template and system_prompt.strip() else ""
+    message_ids, message_parts, ordered = user_message(model, prompt, inputs, n_images, use_chat_template,
+                                                       allow_special_tokens, head)
     tok = model.tokenizer
-    user = _user_encoder(tok, allow_special_tokens)
+    user = user_encoder(tok, allow_special_tokens)
     ids, parts = [], []
 
     def add(text: str, encode) -> None:
@@ -168,7 +166,6 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
             parts.append(TextRun(len(enc)))
 
     if not use_chat_template:
-        add(system_prompt + "\n\n" if system_prompt.strip() else "", user)  # blank: none, as with the template
         ids.extend(message_ids)
         parts.extend(message_parts)
     else:  # the text format_chat writes, with the vision spans in the user message

@@ -26,6 +26,7 @@ import codecs
 import functools
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -130,6 +131,21 @@ class Tokenizer:
         characters they are, never as the markers (user text cannot open a chat turn)."""
         return self._encode_text(_checked(text))
 
+    def encode_with(self, text: str, tokens: Iterable[str]) -> list[int]:
+        """Token ids for `text` as plain text but for the added tokens named in `tokens`, which become their ids,
+        cut out before the rest is encoded as encode() cuts out every added token (a model's answer read back:
+        its `<tool_call>` is the token it wrote, and `<|im_start|>` in it stays text)."""
+        names = sorted((t for t in tokens if t in self._added_tokens), key=len, reverse=True)
+        if not names:
+            return self.encode_text(text)
+        ids, last = [], 0
+        for m in re.finditer("|".join(map(re.escape, names)), _checked(text)):
+            if m.start() > last:
+                ids += self.encode_text(text[last:m.start()])
+            ids.append(self._added_tokens[m.group(0)])
+            last = m.end()
+        return ids + (self.encode_text(text[last:]) if last < len(text) else [])
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for; b"" for an id past the vocabulary (padded embedding rows)."""
         if 0 <= token_id < self.vocab_size:
@@ -197,6 +213,30 @@ class _Memo:
 
     def __call__(self, text: str) -> list[int]:
         return list(self._memo(text)) if len(text) <= self.MAX_CHARS else self._fn(text)
+
+
+# Tokens that only connected images and video put in a prompt: written in a user's text with special tokens
+# allowed, they would make image slots that no image fills
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def user_encoder(tok: Tokenizer, allow_special_tokens: bool) -> Callable[[str], list[int]]:
+    """How a user's text is encoded: as plain text (`<|im_start|>` written in it stays text), or with
+    allow_special_tokens parsed for special tokens too (hand-written templates), except the vision tokens,
+    which are refused with a message."""
+    if not allow_special_tokens:
+        return getattr(tok, "encode_text", tok.encode)
+    vision = {tok.token_id(t): t for t in VISION_TOKENS}
+
+    def encode(text: str) -> list[int]:
+        ids = tok.encode(text)
+        found = sorted({vision[i] for i in ids if i in vision})
+        if found:
+            raise Qwen35Error(f"the prompt writes {', '.join(found)} with special tokens allowed; image and video "
+                              "tokens come only from connected inputs: write <image> or <video> where one goes (or "
+                              "turn allow_special_tokens off)")
+        return ids
+    return encode
 
 
 def check_text(text: str, what: str = "the text") -> str:

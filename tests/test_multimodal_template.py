@@ -1,5 +1,6 @@
 """Where images and video go in the prompt, against Qwen3.5's real chat template
 (../shared/qwen35-tokenizer/chat_template.jinja) rendering the same message as a content list."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -96,3 +97,51 @@ def test_private_use_characters_in_the_prompt_stay_text(model):
         ids, _, ordered = build_prompt(model, prompt, [_input("image")], 1)
         assert ids.count(IMAGE_PAD) == 1 and len(ordered) == 1
         assert "\ue000" in model.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("prompt, n_images, video", [
+    ("Describe <image>", 1, False), ("\nDescribe <image>", 1, False), ("  \n\nDescribe <image>", 1, False),
+    ("\n<video> what happens?", 0, True), ("\n\nWhat is this?", 1, False)])
+def test_a_raw_prompt_reads_its_system_prompt_as_one_string_with_its_text(model, prompt, n_images, video):
+    """Without the chat template the system prompt and the prompt are one string, as the text path encodes them
+    (encode_prompt): the newlines where they meet are the tokens of the whole text ("\n\n" + "\n" is one
+    token, not two), and so are the ids of all of it."""
+    inputs = [_input("image") for _ in range(n_images)] + ([_input("video")] if video else [])
+    ids, parts, _ = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.", use_chat_template=False)
+    tok = model.tokenizer
+    assert ids == tok.encode(tok.decode(ids)) and sum(p.n for p in parts) == len(ids)
+    before = prompt.split("<")[0] if "<" in prompt else ""  # (an unnamed image goes before the text)
+    assert tok.decode(ids).startswith("Be brief.\n\n" + before + "<")
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+def test_vision_tokens_written_with_special_tokens_allowed_are_refused(model, token):
+    """With allow_special_tokens a prompt's special tokens act as such, but an image pad written in it would be a
+    slot no image fills (the features misplaced): refused, naming the token and the fix, in every path."""
+    from qwen35_fast.runtime import Qwen35Error, encode_prompt
+    from qwen35_fast.runtime.conversation import follow_up_ids
+    message = (f"the prompt writes {re.escape(token)} with special tokens allowed; image and video tokens come only "
+               "from connected inputs: write <image> or <video>")
+    with pytest.raises(Qwen35Error, match=message):
+        build_prompt(model, f"Is {token} here? <image>", [_input("image")], 1, allow_special_tokens=True)
+    with pytest.raises(Qwen35Error, match=message):
+        follow_up_ids(model, f"And {token}?", [_input("image")], 1, "Hi.", False, allow_special_tokens=True)
+    with pytest.raises(Qwen35Error, match=message):
+        encode_prompt(model, f"Hi {token}", allow_special_tokens=True)
+    ids, _, _ = build_prompt(model, f"Is {token} here? <image>", [_input("image")], 1)  # off: plain text
+    assert token in model.tokenizer.decode(ids) and ids.count(248056) == 1
+
+
+def test_a_previous_answer_keeps_the_markup_tokens_the_model_wrote(model):
+    """A follow-up's previous answer is read back as the template's text tokenised whole: its tool-call markup
+    (added tokens that are not special) are the tokens the model wrote, while turn markers written in it stay
+    text."""
+    from qwen35_fast.runtime.conversation import follow_up_ids
+    tok = model.tokenizer
+    answer = 'Calling it.\n<tool_call>\n{"name": "f"}\n</tool_call>'
+    ids, *_ = follow_up_ids(model, "Thanks", [], 0, answer, False)
+    rendered = (f"<|im_start|>assistant\n{answer}<|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ids == tok.encode(rendered) and tok.token_id("<tool_call>") in ids
+    marker, *_ = follow_up_ids(model, "Thanks", [], 0, "Done <|im_start|>user", False)
+    assert marker.count(tok.token_id("<|im_start|>")) == 3  # the answer's, the user's, the generation prompt's
