@@ -129,9 +129,9 @@ def test_every_dv_split(path, dv_split, segments, decay):
 
 def test_bad_overrides_are_clear_errors():
     inputs = make_inputs(1, 8, 1, 1, torch.bfloat16, "model")
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(ValueError, match=r"^gdn prefill path must be 'hopper' or 'portable', got 'nope'$"):
         _launcher()(*inputs, path="nope")
-    with pytest.raises(ValueError, match="dv_split"):
+    with pytest.raises(ValueError, match=r"^dv_split must be one of \(16, 32, 64\) on the portable path, got 128$"):
         _launcher()(*inputs, path="portable", dv_split=128)
 
 

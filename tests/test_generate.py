@@ -68,16 +68,6 @@ def test_on_token_streams_the_text_and_can_cancel(pair):
         generate(model, pf, max_new_tokens=8, on_token=cancel)
 
 
-def test_bad_sampling_settings(pair):
-    _, model = pair
-    pf = prefill(model, "hi")
-    for bad, msg in [(SamplingParams(do_sample=True, temperature=0), "temperature 0"),
-                     (SamplingParams(top_p=0.0), "top_p 0.0"), (SamplingParams(top_k=-1), "top_k -1"),
-                     (SamplingParams(min_p=1.0), "min_p 1.0")]:
-        with pytest.raises(ValueError, match=msg):
-            generate(model, pf, max_new_tokens=2, sampling=bad)
-
-
 def test_prefill_inside_torch_compile_gives_the_same_logits(pair):
     _, model = pair
     ids = list(range(3000, 3070))
@@ -215,6 +205,28 @@ def test_an_end_id_only_generation_config_lists_stops_the_answer(tmp_path, monke
     assert out.token_ids == (100, 101) and out.finish_reason == "stop"
     (folder / "generation_config.json").write_text("{not json")
     assert 248045 not in load_model(folder, dtype="fp32", device="cpu").config.eos_token_ids
+
+
+def test_an_answer_stops_at_the_models_last_position(tmp_path, monkeypatch):
+    """A prompt 8 positions short of max_position_embeddings (48) and an answer that never ends its turn: the
+    answer takes exactly those 8 positions whatever max_new_tokens asks ("length"), and the memory asked for it
+    is that of the 8 it can have, not of max_new_tokens (which the PyTorch attention would gather over)."""
+    from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
+    from qwen35_fast.runtime.memory import generate_bytes
+    folder = make_checkpoint(tmp_path / "ck", text_overrides={"num_hidden_layers": 2, "max_position_embeddings": 48,
+                                                           "layer_types": ["linear_attention", "full_attention"]})
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    pf = prefill_ids(model, list(range(5000, 5040)))
+    room = 48 - pf.n_tokens
+    script = [1000 + i for i in range(200)]  # ordinary ids, never an end-of-turn one
+    _scripted(monkeypatch, script)
+    for asked in (200, 50, room + 1):
+        out = generate(model, pf, max_new_tokens=asked)
+        assert out.token_ids == tuple(script[:room]) and out.finish_reason == "length", asked
+    shorter = generate(model, pf, max_new_tokens=room - 1)
+    assert shorter.n_tokens == room - 1 and shorter.finish_reason == "length"
+    assert generate_bytes(model, pf.n_tokens, 200) == generate_bytes(model, pf.n_tokens, room)
+    assert generate_bytes(model, pf.n_tokens, room) > generate_bytes(model, pf.n_tokens, room - 1)  # it counts them
 
 
 def test_numpy_integers_are_whole_numbers(pair):

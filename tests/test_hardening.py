@@ -344,6 +344,15 @@ def test_thinking_on_splits_at_the_first_close_token(still_works, chat_model, mo
     assert out.thinking == "Reason." and out.text == "The tag is </think>."
 
 
+def test_a_think_block_the_model_opens_again_is_not_part_of_the_thinking(still_works, chat_model, monkeypatch):
+    """The thinking prompt already opened the block; a model that writes <think> again first: that token is
+    dropped, the thinking is what follows it up to </think>, the answer what follows that."""
+    _scripted(monkeypatch, chat_model, "<think>Reason.</think>\n\nAnswer.")
+    out = generate(chat_model, prefill(chat_model, PROMPT, thinking=True), max_new_tokens=40)
+    assert out.token_ids[0] == chat_model.tokenizer.token_id("<think>")  # the special token, not text
+    assert out.thinking == "Reason." and out.text == "Answer."
+
+
 # --- 6: text the tokenizer cannot take -------------------------------------------------------------
 
 def test_lone_surrogates_are_named(chat_model, still_works):
@@ -412,11 +421,16 @@ def test_cli_with_a_non_utf8_argument(folder):
     (dict(top_p=0.0), r"top_p 0.0 must be in \(0, 1\]"),
     (dict(min_p=1.0), r"min_p 1.0 must be in \[0, 1\)"),
     (dict(repetition_penalty=0.0), r"repetition_penalty 0.0 must be > 0"),
+    (dict(top_k=-1), r"top_k -1 must be >= 0 \(0 turns it off\)"),
+    (dict(do_sample=False, top_p=0.0), r"top_p 0.0 must be in \(0, 1\] \(1 turns it off\)"),  # greedy checks too
+    (dict(do_sample=False, min_p=1.0), r"min_p 1.0 must be in \[0, 1\) \(0 turns it off\)"),
 ])
 def test_sampling_settings_are_checked(chat_model, still_works, settings, message):
+    """Each bad setting is named with its value and the range it must be in, when sampling and, for the
+    settings a greedy run ignores, without sampling too (a node's settings are checked whatever its switch)."""
     pf = prefill(chat_model, PROMPT)
     with pytest.raises(Qwen35Error, match=message):
-        generate(chat_model, pf, max_new_tokens=3, sampling=SamplingParams(do_sample=True, **settings))
+        generate(chat_model, pf, max_new_tokens=3, sampling=SamplingParams(**{"do_sample": True, **settings}))
 
 
 @pytest.mark.parametrize("value", [2.0, True, "3", None])

@@ -142,7 +142,7 @@ def test_chunked_bf16_inputs():
 
 def test_chunked_rejects_bad_head_ratio():
     inputs = gdn_inputs(1, 8, 3, 4, 16, 16)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^value heads \(4\) must be a multiple of q/k heads \(3\)$"):
         gdn_prefill_chunked(*inputs)
 
 
@@ -254,12 +254,25 @@ def test_conv_prefill_ref_matches_formula(lens, with_init, with_bias, W):
         assert torch.equal(y, y2) and torch.equal(st, st2)
 
 
-def test_conv_prefill_ref_empty_sequence():
-    C, W = 4, 4
-    x = torch.randn(1, 3, C)
-    init = torch.randn(2, C, W - 1)
-    _, st = causal_conv1d_prefill_ref(x, torch.randn(C, W), None, init, torch.tensor([0, 0, 3], dtype=torch.int32))
-    assert torch.equal(st[0], init[0])
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("lens", [[0, 3, 0, 2], [2, 0], [0]])
+def test_conv_prefill_ref_with_empty_sequences(lens, W):
+    """Empty sequences among packed ones (a batch's prompt that was all cached): each keeps its own initial state
+    and takes no token, and the others' outputs and states are the formula's, a sequence shorter than the filter
+    keeping the tail of its initial state too."""
+    C = 5
+    g = torch.Generator().manual_seed(len(lens) * 10 + W)
+    x = torch.randn(1, sum(lens), C, generator=g)
+    weight, bias = torch.randn(C, W, generator=g), torch.randn(C, generator=g)
+    init = torch.randn(len(lens), C, W - 1, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    y, st = causal_conv1d_prefill_ref(x, weight, bias, init, cu)
+    y_want, st_want = conv_by_formula(x[0], weight, bias, init, lens)
+    assert st.shape == (len(lens), C, W - 1) and torch.equal(st.double(), st_want)
+    assert torch.allclose(y[0].double(), y_want, atol=1e-5)
+    for n, length in enumerate(lens):
+        if length == 0:
+            assert torch.equal(st[n], init[n])
 
 
 @pytest.mark.parametrize("W", [2, 4, 5])
@@ -350,6 +363,40 @@ def test_norms_are_transformers_norms_bit_for_bit(dtype):
         assert torch.equal(gated_rms_norm_ref(x, gate, w, eps), gated(x, gate))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norm_and_rotary_are_transformers_q_norm_and_rotary_bit_for_bit(dtype):
+    """rms_norm_rope_ref (what the attention layers run on q and k without the fused kernel) equals transformers'
+    Qwen3.5 attention: q_norm (Qwen3_5RMSNorm), then apply_rotary_pos_emb with the cos / sin its rotary embedding
+    makes for M-RoPE positions (three position rows that differ, interleaved sections, a quarter of the head
+    rotated), bit for bit in each dtype; with a non-default eps."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5RMSNorm,
+        Qwen3_5TextRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from qwen35_fast.kernels.rms_norm.reference import rms_norm_rope_ref
+
+    from _models import tiny_config
+    g = torch.Generator().manual_seed(4)
+    B, T, H, hd = 1, 37, 4, 256
+    q = (torch.randn(B, T, H, hd, generator=g) * 3).to(dtype)
+    k = (torch.randn(B, T, 2, hd, generator=g) * 3).to(dtype)
+    eps = 0.5
+    norm = Qwen3_5RMSNorm(hd, eps=eps)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3, generator=g)
+    positions = torch.stack([torch.arange(T) * 3, torch.arange(T) // 2, torch.arange(T) % 7]).view(3, 1, T) + 1000
+    cos, sin = Qwen3_5TextRotaryEmbedding(tiny_config().text_config)(q, positions)
+    assert cos.dtype == dtype and cos.shape == (1, T, hd // 4)
+    with torch.no_grad():
+        want_q, want_k = apply_rotary_pos_emb(norm(q).transpose(1, 2), norm(k).transpose(1, 2), cos, sin)
+        got_q = rms_norm_rope_ref(q, norm.weight, eps, cos[0], sin[0])
+        got_k = rms_norm_rope_ref(k, norm.weight, eps, cos[0], sin[0])
+    assert torch.equal(got_q, want_q.transpose(1, 2)) and torch.equal(got_k, want_k.transpose(1, 2))
+    assert not torch.equal(got_q[..., : hd // 4], norm(q)[..., : hd // 4])  # the rotary turned something
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_gdn_and_conv_ops_pass_opcheck(packed):
     """The GDN and conv ops' fakes (what torch.compile plans with) say the real outputs' shapes and dtypes: a
@@ -416,12 +463,32 @@ def test_conv_prefill_takes_conv1d_weights_and_its_fake_agrees():
 
 def test_the_residual_adds_return_the_sum_in_the_activations_dtype():
     """add_rms_norm_ref / add_layer_norm_ref: s = res + x rounded to x's dtype (as the kernels and the ops'
-    fakes give it), whatever dtype the residual has."""
+    fakes give it), whatever dtype the residual has, and the norm of that rounded sum: each output within one
+    bf16 rounding of its formula in float64 (zero-centred RMSNorm x / sqrt(mean x^2 + eps) * (1 + w); LayerNorm
+    (x - mean) / sqrt(var + eps) * w + b), with an eps large enough that dropping it shows."""
     from qwen35_fast.kernels.rms_norm.reference import add_rms_norm_ref
     from qwen35_fast.kernels.vision.reference import add_layer_norm_ref
     g = torch.Generator().manual_seed(3)
     res, x = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g).bfloat16()
-    s, y = add_rms_norm_ref(res, x, torch.zeros(64), 1e-6)
+    w, b = torch.randn(64, generator=g) * 0.3, torch.randn(64, generator=g) * 0.3
+    lw, lb = (1 + w).bfloat16(), b.bfloat16()  # the LayerNorm's weights, in the activations' dtype
+    eps = 1.0  # the rows' mean square is about 2
+    one_rounding = dict(rtol=2 ** -8, atol=1e-6)
+
+    def rms(s, eps):
+        s = s.double()
+        return s / (s.pow(2).mean(-1, keepdim=True) + eps).sqrt() * (1 + w.double())
+
+    def layer(s, eps):
+        s = s.double()
+        c = s - s.mean(-1, keepdim=True)
+        return c / (c.pow(2).mean(-1, keepdim=True) + eps).sqrt() * lw.double() + lb.double()
+
+    s, y = add_rms_norm_ref(res, x, w, eps)
     assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s, (res + x.float()).bfloat16())
-    s, y = add_layer_norm_ref(x, res, torch.ones(64).bfloat16(), torch.zeros(64).bfloat16(), 1e-6)
-    assert s.dtype == y.dtype == torch.bfloat16
+    assert torch.allclose(y.double(), rms(s, eps), **one_rounding)
+    assert not torch.allclose(y.double(), rms(s, 1e-6), **one_rounding)
+    s, y = add_layer_norm_ref(x, res, lw, lb, eps)
+    assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s, (x.float() + res).bfloat16())
+    assert torch.allclose(y.double(), layer(s, eps), **one_rounding)
+    assert not torch.allclose(y.double(), layer(s, 1e-6), **one_rounding)

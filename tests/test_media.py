@@ -74,6 +74,23 @@ def test_grey_and_rgba_become_rgb():
     assert torch.allclose(to_rgb(rgba), rgba[..., :3].permute(0, 3, 1, 2))
 
 
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 0.75])
+def test_alpha_is_composited_over_white(alpha):
+    """RGBA and grey + alpha with partial alpha: each colour channel c becomes a * c + (1 - a) * 1 (the image laid
+    over a white page), computed here in float64; grey is spread to the three channels first."""
+    g = torch.Generator().manual_seed(int(alpha * 100))
+    rgba = torch.rand(2, 6, 7, 4, generator=g)
+    rgba[..., 3] = alpha
+    rgba[1, 2:4, 3:5, 3] = torch.rand(2, 2, generator=g)  # a patch of other alphas in the second image
+    a = rgba[..., 3:].double()
+    want = (rgba[..., :3].double() * a + (1 - a)).permute(0, 3, 1, 2)
+    assert torch.allclose(to_rgb(rgba).double(), want, atol=1e-6, rtol=0)
+    grey = rgba[..., [0, 3]]  # grey + alpha
+    want = (grey[..., :1].double() * a + (1 - a)).expand(2, 6, 7, 3).permute(0, 3, 1, 2)
+    assert torch.allclose(to_rgb(grey).double(), want, atol=1e-6, rtol=0)
+    assert not torch.allclose(want, rgba[..., :1].double().expand(2, 6, 7, 3).permute(0, 3, 1, 2), atol=1e-3)
+
+
 def test_image_patches_are_in_merge_block_order():
     """Patch row k of a 64x64 image (2x2 blocks of 2x2 patches) is the 16x16 square the processor puts there."""
     x = torch.rand(1, 64, 64, 3)
@@ -111,6 +128,18 @@ def test_bad_input_messages():
         preprocess_video(torch.rand(0, 64, 64, 3), fps=24.0)
     with pytest.raises(Qwen35Error, match="aspect ratio"):
         preprocess_images(torch.rand(1, 1, 400, 3))
+
+
+@pytest.mark.parametrize("images, got", [(torch.rand(64, 48), r"\[64, 48\]"), (torch.rand(1, 1, 8, 8, 3), r"\[1, 1, 8, 8, 3\]"),
+                                          (torch.rand(8), r"\[8\]")], ids=["mask", "5-d", "1-d"])
+def test_an_image_tensor_of_another_rank_is_named(images, got):
+    """A [H, W] mask (or any tensor not [batch, H, W, C] or [H, W, C]) wired to an image input: the message says
+    what an image is and what came, for images and for a video source's frames."""
+    with pytest.raises(Qwen35Error, match=rf"^an image input must be a tensor \[batch, height, width, channels\], "
+                                          rf"got {got}$"):
+        preprocess_images(images)
+    with pytest.raises(Qwen35Error, match=rf"^an image input must be a tensor .*, got {got}$"):
+        to_rgb(images)
 
 
 def test_read_preprocessing_from_the_checkpoint(tmp_path):
@@ -339,6 +368,50 @@ def test_a_video_source_keeps_the_runtime_messages():
             pass
     with pytest.raises(Qwen35Error, match=r"\(Silent\) asked for no frames"):
         preprocess_video_source(Silent(torch.rand(4, 64, 64, 3), 2.0))
+
+
+class KeepFirst(TensorSource):
+    """A reader that calls keep before it has asked which frames (choose)."""
+    def read(self, choose, keep):
+        keep(self.frames[0])
+
+
+class KeepTwice(TensorSource):
+    """A reader that keeps each frame it was asked for twice."""
+    def read(self, choose, keep):
+        for i in choose(self.frames.shape[0]):
+            keep(self.frames[i])
+            keep(self.frames[i])
+
+
+class KeepBatch(TensorSource):
+    """A reader that hands keep the frames it was asked for as one batch [F, H, W, C]."""
+    def read(self, choose, keep):
+        keep(self.frames[choose(self.frames.shape[0])])
+
+
+class KeepArray(TensorSource):
+    """A reader that hands keep a numpy frame."""
+    def read(self, choose, keep):
+        for i in choose(self.frames.shape[0]):
+            keep(self.frames[i].numpy())
+
+
+@pytest.mark.parametrize("reader, message", [
+    (KeepFirst, r"^a video reader called keep before asking for frames \(choose\); it must call keep once per "
+                r"index, in order$"),
+    (KeepTwice, r"^a video reader called keep more often than the 4 frame indices it asked for; it must call keep "
+                r"once per index, in order$"),
+    (KeepBatch, r"^a video reader gave a frame \[4, 32, 40, 3\]; keep takes one frame \[height, width, channels\]$"),
+    (KeepArray, r"^a video reader gave a frame ndarray; keep takes one frame \[height, width, channels\]$"),
+])
+def test_a_video_reader_that_calls_keep_wrongly_is_named(reader, message):
+    """A VideoSource (a file decoder of a node pack) that breaks the choose-then-keep contract: the message names
+    the call it made and the contract; a reader that keeps it reads the same clip (4 frames sampled of 4)."""
+    frames = torch.rand(4, 32, 40, 3, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(Qwen35Error, match=message):
+        preprocess_video_source(reader(frames, 2.0))
+    assert preprocess_video_source(TensorSource(frames, 2.0)).grid == preprocess_video(frames, 2.0).grid
 
 
 def test_choosing_again_starts_over():

@@ -177,15 +177,27 @@ def test_a_video_prompts_vision_and_text_token_counts(model):
 
 def test_the_tower_clock_waits_for_other_accelerators(monkeypatch):
     """On mps / xpu / ... the host clock is read once the device has finished the tower's work, not when it was
-    queued; on the CPU nothing is waited for."""
-    waited = []
-    monkeypatch.setattr(multimodal, "synchronize", waited.append)
+    queued; on the CPU nothing is waited for. A stand-in clock: the wait at start drains 1 s of earlier work, the
+    one at stop the tower's 3 s, so the span is 3 s (reading the clock before each wait gives 1 s); the spans of
+    two towers add up."""
+    import types
+    now, drains, waited = [0.0], [1.0, 3.0, 0.5, 2.0], []
+
+    def synchronize(device):
+        waited.append(device)
+        now[0] += drains.pop(0)  # the device finishes what was queued on it
+    monkeypatch.setattr(multimodal, "synchronize", synchronize)
+    monkeypatch.setattr(multimodal, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     clock = TowerClock(torch.device("mps"))
     clock.start()
     clock.stop()
-    assert waited == [torch.device("mps")] * 2 and clock.ms >= 0
+    assert waited == [torch.device("mps")] * 2 and clock.ms == 3000.0
+    clock.start()
+    clock.stop()
+    assert clock.ms == 5000.0
     waited.clear()
     cpu = TowerClock(torch.device("cpu"))
     cpu.start()
+    now[0] += 0.25  # the tower's time on the CPU, spent while it is called
     cpu.stop()
-    assert waited == []
+    assert waited == [] and cpu.ms == 250.0

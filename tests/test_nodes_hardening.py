@@ -260,6 +260,30 @@ def test_auto_on_an_accelerator_the_model_does_not_run_on_loads_on_the_cpu(pack,
         out[0].release()
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(cache_budget_mb=1.5), r"cache_budget_mb is 1\.5; it must be a whole number of MiB, 0 for auto"),
+    (dict(cache_budget_mb="256"), r"cache_budget_mb is '256'; it must be a whole number of MiB, 0 for auto"),
+    (dict(cache_budget_mb=True), r"cache_budget_mb is True; it must be a whole number of MiB, 0 for auto"),
+    (dict(cache_budget_mb=-256), r"cache_budget_mb is -256; it must be a whole number of MiB, 0 for auto"),
+    (dict(device="mps"), r"device 'mps' is not one of auto, cuda, cpu"),
+    (dict(device="cuda:1"), r"device 'cuda:1' is not one of auto, cuda, cpu"),
+    (dict(weights="fp8"), r"weights 'fp8' is not one of auto, full, int8"),
+], ids=["budget-float", "budget-text", "budget-bool", "budget-negative", "device-mps", "device-cuda1", "weights-fp8"])
+def test_loader_settings_outside_its_lists_are_named_before_loading(pack, models_dir, monkeypatch, still_works,
+                                                                   setting, message):
+    """Values a workflow file (or an API call) can carry that the loader's widgets do not offer: the message names
+    the value and what the setting takes, before any weight is read."""
+    import importlib
+
+    from qwen35_fast.runtime import Qwen35Error
+    loader = importlib.import_module("qwen35_fast.nodes.loader")
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_load", lambda *a, **k: pytest.fail("the checkpoint was read"))
+        with pytest.raises(Qwen35Error, match=rf"^{message}$"):
+            pack.Qwen35ModelLoader.execute(**{**dict(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                                     keep_loaded=True), **setting})
+
+
 # --- 10 ---------------------------------------------------------------------------------------------
 
 def test_nodes_ask_model_management_for_the_run_memory(pack, models_dir, memory_asked, still_works):

@@ -109,11 +109,27 @@ def test_positions_ref_interpolates_the_grid_and_lays_out_the_angles():
     assert n == x.shape[0] and grid_taps(4, 6, m, side)[2].shape == (24, 4)
 
 
-def test_layer_norm_refs_are_the_towers_expressions():
-    x, y, w, b = norm_inputs(9, 48, torch.bfloat16, "cpu", 1)
-    s, out = add_layer_norm_ref(x, y, w, b, 1e-6)
-    assert torch.equal(s, x + y) and torch.equal(out, F.layer_norm(x + y, (48,), w, b, 1e-6))
-    assert torch.equal(layer_norm_ref(x, w, b, 1e-6), F.layer_norm(x, (48,), w, b, 1e-6))
+def layer_norm_f64(x, w, b, eps):
+    """(x - mean) / sqrt(var + eps) * w + b over the last dimension in float64, var the biased (1/D) variance."""
+    x = x.double()
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / (var + eps).sqrt() * w.double() + b.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_norm_refs_are_the_layer_norm_formula(dtype):
+    """layer_norm_ref and add_layer_norm_ref against the formula in float64, with an eps (2.0) large beside the
+    rows' variance (about 5) so that a dropped or misplaced eps shows; the sum is x + y rounded once to x's dtype,
+    the normed output within one rounding of the formula (fp32: its own float error)."""
+    x, y, w, b = norm_inputs(9, 48, dtype, "cpu", 1)
+    eps = 2.0
+    tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=torch.finfo(dtype).eps, atol=1e-3)
+    assert torch.allclose(layer_norm_ref(x, w, b, eps).double(), layer_norm_f64(x, w, b, eps), **tol)
+    s, out = add_layer_norm_ref(x, y, w, b, eps)
+    assert s.dtype == out.dtype == dtype and torch.equal(s, (x.double() + y.double()).to(dtype))
+    assert torch.allclose(out.double(), layer_norm_f64(s, w, b, eps), **tol)
+    assert not torch.allclose(out.double(), layer_norm_f64(s, w, b, 1e-6), **tol)  # eps is large enough to show
 
 
 def test_vision_ops_pass_opcheck():
