@@ -604,8 +604,10 @@ def locate(path: str | Path) -> Checkpoint:
         files = _index_files(path, index)
         absent = [f.name for f in files if not f.exists()]
         if absent:
-            raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}, which is missing; the download "
-                              "is incomplete")
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}{more}, "
+                              f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is incomplete: "
+                              "download the missing files again")
     else:
         files = weight_files(path)
     if not files:

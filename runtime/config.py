@@ -127,7 +127,8 @@ def infer_from_shapes(shapes: dict[str, tuple[int, ...]], source: str) -> TextCo
         elif f"layers.{i}.self_attn.q_proj.weight" in shapes:
             layer_types.append(FULL)
         else:
-            raise Qwen35Error(f"{source}: layer {i} has neither linear_attn nor self_attn weights")
+            raise Qwen35Error(f"{source}: layer {i} has neither linear_attn nor self_attn weights (the file is cut "
+                              "short or was saved without them); re-download it")
     lin = next(i for i, t in enumerate(layer_types) if t == LINEAR)
     full = next(i for i, t in enumerate(layer_types) if t == FULL)
     head_dim = shape(f"layers.{full}.self_attn.q_norm.weight")[0]

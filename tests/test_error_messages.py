@@ -90,6 +90,13 @@ def _missing_shard(folder, single, tmp_path):
     return ck
 
 
+def _two_missing_shards(folder, single, tmp_path):
+    ck = make_checkpoint(tmp_path / "sharded", seed=3, max_shard_size="20MB")
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (ck / name).unlink()
+    return ck
+
+
 def _pickle_only(folder, single, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -114,7 +121,9 @@ def _two_scales(t):
 
 @pytest.mark.parametrize("make, message", [
     (_missing_shard, r"sharded: the index lists model-00002-of-00002\.safetensors, which is missing; the download is "
-                     r"incomplete"),
+                     r"incomplete: download the missing files again"),
+    (_two_missing_shards, r"sharded: the index lists model-00001-of-00002\.safetensors, "
+                          r"model-00002-of-00002\.safetensors, which are missing"),
     (_pickle_only, r"ck: no \.safetensors weights \(found pickle files pytorch_model\.bin: convert them to "
                    r"safetensors\)"),
     (lambda folder, single, tmp: _write(tmp / "short.safetensors", b"\x01\x02\x03"),
@@ -134,8 +143,9 @@ def _two_scales(t):
      r"changed\.safetensors: tensor 'layers\.3\.self_attn\.q_norm\.weight' is missing, so the Qwen3\.5 configuration "
      r"cannot be inferred; the file is not a complete Qwen3\.5 text model"),
     (lambda folder, single, tmp: _single_with(single, tmp, _drop(TEXT + "layers.1.linear_attn.")),
-     r"changed\.safetensors: layer 1 has neither linear_attn nor self_attn weights"),
-], ids=["missing-shard", "pickle-only", "short-file", "html-page", "cut-in-header", "two-fp8-scales", "config-lacks-key",
+     r"changed\.safetensors: layer 1 has neither linear_attn nor self_attn weights \(the file is cut short or "
+     r"was saved without them\); re-download it"),
+], ids=["missing-shard", "two-missing-shards", "pickle-only", "short-file", "html-page", "cut-in-header", "two-fp8-scales", "config-lacks-key",
         "cannot-infer", "layer-without-attention"])
 def test_a_checkpoint_that_cannot_load_says_what_is_wrong(folder, single, tmp_path, make, message):
     """Each message names the file (or the setting, or the tensor) at fault, what was found and, where there is
