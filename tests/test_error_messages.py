@@ -145,8 +145,8 @@ def _two_scales(t):
     (lambda folder, single, tmp: _single_with(single, tmp, _drop(TEXT + "layers.1.linear_attn.")),
      r"changed\.safetensors: layer 1 has neither linear_attn nor self_attn weights \(the file is cut short or "
      r"was saved without them\); re-download it"),
-], ids=["missing-shard", "two-missing-shards", "pickle-only", "short-file", "html-page", "cut-in-header", "two-fp8-scales", "config-lacks-key",
-        "cannot-infer", "layer-without-attention"])
+], ids=["missing-shard", "two-missing-shards", "pickle-only", "short-file", "html-page", "cut-in-header",
+        "two-fp8-scales", "config-lacks-key", "cannot-infer", "layer-without-attention"])
 def test_a_checkpoint_that_cannot_load_says_what_is_wrong(folder, single, tmp_path, make, message):
     """Each message names the file (or the setting, or the tensor) at fault, what was found and, where there is
     one, the fix."""
