@@ -170,7 +170,9 @@ def _check_images(images) -> tuple[int, int, int, int]:
     if h == 0 or w == 0:
         raise Qwen35Error(f"an image is {w}x{h} pixels; both sides must be at least 1")
     if c not in (1, 2, 3, 4):
-        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA)")
+        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA) "
+                          "(a MASK [batch, height, width] is no IMAGE: convert it with ComfyUI's Convert Mask to "
+                          "Image node)")
     if not images.is_floating_point():  # 0..255 or a 0/1 mask: the scale is not guessed (clamped, 0..255 was white)
         raise Qwen35Error(f"an image tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float in 0..1: "
                           "convert 8-bit pixels (0..255) with .float() / 255")

@@ -232,6 +232,9 @@ def test_channel_and_video_shape_messages_say_what_is_taken_and_what_came():
     assert two.shape == (1, 3, 8, 8)
     with pytest.raises(Qwen35Error, match=r"5 channels; expected 1 \(grey\), 2 \(grey \+ alpha\), 3 \(RGB\) or 4"):
         preprocess_images(torch.rand(1, 8, 8, 5))  # ... and the message says so
+    with pytest.raises(Qwen35Error, match=r"an image has 48 channels.*a MASK \[batch, height, width\] is no IMAGE: "
+                                          r"convert it with ComfyUI's Convert Mask to Image node"):
+        preprocess_images(torch.rand(1, 64, 48))  # a MASK where an IMAGE goes: read as one [H, W, C] image
     with pytest.raises(Qwen35Error, match=r"\[count, height, width, channels\], got \[64, 64, 3\]"):
         preprocess_video(torch.rand(64, 64, 3), fps=2.0)
     with pytest.raises(Qwen35Error, match=r"got list"):
