@@ -613,14 +613,20 @@ def test_weights_bytes_counts_numbers_not_file_bytes(pack, tmp_path):
     assert pack.models_folder.weights_bytes(tmp_path / "bad.safetensors") == 0
 
 
-def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, models_dir, monkeypatch):
-    from qwen35_fast.runtime import Qwen35Error
+def releases_counted(pack, monkeypatch):
+    """The demo model loaded with keep_loaded off, and a list that grows by one at each release of it."""
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=False)[0]
-    pf = _prefill(pack, model)
     released = []
     real_release = model.release
     monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    return model, released
+
+
+def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, models_dir, monkeypatch):
+    from qwen35_fast.runtime import Qwen35Error
+    model, released = releases_counted(pack, monkeypatch)
+    pf = _prefill(pack, model)
 
     def no_room(memory_required=0):
         raise Qwen35Error("not enough memory")
@@ -633,11 +639,7 @@ def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, mode
 
 def test_keep_loaded_off_gives_the_memory_back_when_a_prefill_fails(pack, models_dir, monkeypatch):
     from qwen35_fast.runtime import Qwen35Error
-    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
-                                           keep_loaded=False)[0]
-    released = []
-    real_release = model.release
-    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    model, released = releases_counted(pack, monkeypatch)
     import dataclasses  # any prompt is too long for this config
     monkeypatch.setattr(model.model, "config", dataclasses.replace(model.model.config, max_position_embeddings=8))
     with pytest.raises(Qwen35Error, match="at most 8 positions"):
@@ -651,12 +653,8 @@ def test_keep_loaded_off_gives_the_memory_back_on_bad_input(pack, models_dir, mo
     import torch
 
     from qwen35_fast.runtime import Qwen35Error
-    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
-                                           keep_loaded=False)[0]
+    model, released = releases_counted(pack, monkeypatch)
     pf = _prefill(pack, model)
-    released = []
-    real_release = model.release
-    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
     mm = dict(model=model, prompt="Describe this image.", images=None, video=None, frames=None, frame_rate=24.0,
               mode="all images in one prompt", system_prompt="", thinking=False, max_pixels=0)
     frames = torch.rand(2, 32, 32, 3)

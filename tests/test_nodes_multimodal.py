@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_nodes import _generate, comfy, interrupt_at, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, comfy, interrupt_at, loaded, memory_asked, models_dir, pack, releases_counted  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
 
@@ -194,11 +194,7 @@ def _mm_args(model, **kw):
 def test_a_list_of_prefills_gives_the_memory_back_after_its_last_answer(pack, models_dir, comfy, monkeypatch):
     """keep_loaded off, one prompt per image: ComfyUI runs Generate once per item, and the weights stay for the
     list's next item (released after the last answer only, and after a Continue of each item the same)."""
-    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
-                                           keep_loaded=False)[0]
-    released = []
-    real_release = model.release
-    monkeypatch.setattr(model, "release", lambda: released.append(1) or real_release())
+    model, released = releases_counted(pack, monkeypatch)
     images = torch.rand(3, 64, 64, 3, generator=torch.Generator().manual_seed(5))
     prefills = pack.Qwen35MultimodalPrefill.execute(**{**_mm_args(model), "images": images,
                                                        "mode": "one prompt per image"})[0]
