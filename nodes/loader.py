@@ -37,7 +37,7 @@ def _files_key(path: Path) -> tuple:
     single file, the tokenizer.json beside it too, which the runtime reads when it is there)."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir()
-                       if p.suffix in READ_SUFFIXES and not p.name.startswith(".") and p.is_file())
+                       if p.suffix.lower() in READ_SUFFIXES and not p.name.startswith(".") and p.is_file())
     else:
         files = [path] + [p for p in [path.parent / "tokenizer.json"] if p.is_file()]
     return (str(path.resolve()),) + tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])

@@ -136,6 +136,7 @@ class Qwen35Generate(io.ComfyNode):
     def execute(cls, prefill, max_new_tokens=256, sampling=True, temperature=0.7, top_k=20, top_p=0.8,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0) -> io.NodeOutput:
         from ..runtime import SamplingParams, generate
+        from ..runtime.chat import THINK_CLOSE
         from ..runtime.memory import generate_bytes
 
         hidden = cls.hidden  # None when execute is called outside a ComfyUI run (tests, scripts)
@@ -164,15 +165,18 @@ class Qwen35Generate(io.ComfyNode):
             model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
             result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
                               seed=seed, on_token=on_token)
-        if not model.keep_loaded and prefill.release_after:  # (a list's items: after its last one)
+        if not model.keep_loaded:
             model.release()
         bar.update_absolute(max_new_tokens, max_new_tokens)
         stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
                  "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
                  "finish_reason": result.finish_reason}
-        if result.finish_reason == "length" and prefill.prefill.thinking and not result.text:
-            stats["note"] = (f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; raise "
-                             "max_new_tokens (or turn thinking off)")
+        if result.finish_reason == "length" and prefill.prefill.thinking and not result.text \
+                and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
+            fix = ("raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else
+                   f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} "
+                   "positions; shorten the prompt")
+            stats["note"] = f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; {fix}"
             log.warning("Qwen3.5 generate: %s", stats["note"])
         log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
                  result.first_token_ms, result.decode_tokens_per_s, result.finish_reason)

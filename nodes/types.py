@@ -22,15 +22,9 @@ class ModelPrefill:
     model: ModelHandle
     prefill: Any
     # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
-    # keeps its parent's): ComfyUI runs the nodes after it once per item, in order
+    # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
     item: int = 0
     items: int = 1
-
-    @property
-    def release_after(self) -> bool:
-        """Whether a Generate with keep_loaded off gives the VRAM back after its answer: after a list's last
-        item only (after each, every item would unload and load the weights again)."""
-        return self.item == self.items - 1
 
 
 def shown_again() -> dict:

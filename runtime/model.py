@@ -157,8 +157,8 @@ class Cache:
     def to(self, device: torch.device | str) -> None:
         """Moves the GDN states to `device`, in place (the K/V stay in the store, which moves with the
         model: a cached prefill can wait in system RAM while its model is unloaded)."""
-        for xs in (self.conv, self.ssm):
-            xs[:] = [None if t is None else t.to(device) for t in xs]
+        _move(self.conv, device)
+        _move(self.ssm, device)
 
     def restart(self, state: "GDNState", capacity: int, device: torch.device | None = None,
                 copy: bool = True) -> "Cache":
@@ -195,9 +195,9 @@ class GDNState:
     rope_delta: int = 0
 
     def to(self, device: torch.device | str) -> None:
-        """Moves the states to `device`, in place (like Cache.to)."""
-        for xs in (self.conv, self.ssm):
-            xs[:] = [None if t is None else t.to(device) for t in xs]
+        """Moves the states to `device`, in place (like Cache.to); packed states stay packed."""
+        _move(self.conv, device)
+        _move(self.ssm, device)
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +210,13 @@ class GDNState:
         if all(flat_view(xs) is not None for xs in (self.conv, self.ssm) if any(t is not None for t in xs)):
             return self
         return GDNState(pack_views(self.conv), pack_views(self.ssm), self.length, self.rope_delta)
+
+
+def _move(xs: list, device) -> None:
+    """The tensors of xs moved to `device`, in place in the list: a packed list (GDNState.packed) in one copy, and
+    packed still (a graphed prefill from it copies it in at once)."""
+    flat = flat_view(xs)
+    xs[:] = views_like(flat.to(device), xs) if flat is not None else [None if t is None else t.to(device) for t in xs]
 
 
 def _take(xs: list, device, copy: bool) -> list:

@@ -682,6 +682,13 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     s = out.ui["qwen35_generate"][0]
     assert s["finish_reason"] == "length" and out[0] == "" and out[1]
     assert "stopped while thinking, after 3 tokens: no answer yet; raise max_new_tokens" in s["note"]
+    limit = loaded.model.config.max_position_embeddings  # the positions run out first: shorten the prompt
+    pf = _prefill(pack, loaded, thinking=True)
+    room = limit - pf.prefill.n_tokens
+    s = _generate(pack, pf, max_new_tokens=room + 5, sampling=False).ui["qwen35_generate"][0]
+    assert s["n_tokens"] == room and s["finish_reason"] == "length"
+    assert f"after {room} tokens: no answer yet; the prompt and the answer filled the model's {limit:,} positions; " \
+           "shorten the prompt" in s["note"]
     plain = _generate(pack, _prefill(pack, loaded), max_new_tokens=3, sampling=False).ui["qwen35_generate"][0]
     assert plain["finish_reason"] == "length" and "note" not in plain
 

@@ -49,6 +49,23 @@ def test_a_model_move_moves_the_prefix_caches_states(model):
     assert len(after) == len(before) and not {id(t) for t in after} & {id(t) for t in before}
 
 
+def test_a_packed_state_moved_stays_packed(model):
+    """A prefill's turn state is packed (the conv states in one flat tensor, the recurrent states in another, so a
+    graphed prefill from it copies it in two copies); moved off the device (a parked list item, an unloaded
+    model), it moves in one copy each and stays packed, in the same shapes."""
+    from qwen35_fast.runtime.model import flat_view
+    pf = prefill(model, "Name a colour.")
+    turn = pf.turn
+    assert all(flat_view(xs) is not None for xs in (turn.conv, turn.ssm))
+    before = [None if t is None else t.shape for t in turn.ssm]  # (None: the attention layers)
+    turn.to("meta")
+    assert all(flat_view(xs) is not None and flat_view(xs).device.type == "meta" for xs in (turn.conv, turn.ssm))
+    assert [None if t is None else t.shape for t in turn.ssm] == before
+    pf.cache.to("meta")
+    assert all(t.device.type == "meta" for t in pf.cache.ssm + pf.cache.conv if t is not None)
+    model.kv.pool.clear()  # (the snapshot holding this turn is on meta now)
+
+
 def test_a_shard_holding_only_the_vision_weights_is_stamped(folder, tmp_path):
     from qwen35_fast.runtime.checkpoint import locate
     from qwen35_fast.runtime.loader import check_unchanged, file_stamp
