@@ -364,11 +364,15 @@ def test_cached_outputs_show_on_the_loader_and_prefill_in_a_new_page(browser_env
         await _load(page, workflow, max_new_tokens=6)
         await _set_widget(page, "Qwen35Generate", "seed", "777")
         await page.get_by_test_id("queue-button").click()
+        # every panel filled: the cached nodes' ui messages come in no fixed order (on a busy machine the loader's
+        # can follow Generate's); a panel that never fills fails on the timeout
+        panels = """() => Object.fromEntries(app.graph.nodes.filter(n => n.qwen35)
+            .map(n => [n.type, n.qwen35.stats.textContent]))"""
         await page.wait_for_function(
+            f"Object.values(({panels})()).every(t => t) && "
             "[...document.querySelectorAll('.qwen35-stats')].some(e => e.textContent.startsWith('first token'))",
             timeout=300_000)
-        return await page.evaluate("""() => Object.fromEntries(app.graph.nodes.filter(n => n.qwen35)
-            .map(n => [n.type, n.qwen35.stats.textContent]))""")
+        return await page.evaluate(panels)
 
     _in_browser(browser_env, run)  # the first run, in one page
     panels = _in_browser(browser_env, run)  # the same prompt from a new page: every output cached
