@@ -148,8 +148,6 @@ class Qwen35Generate(io.ComfyNode):
         params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, repetition_penalty=repetition_penalty,
                                 presence_penalty=presence_penalty)
-        with model.released_on_error():
-            params.check()  # before the weights are moved back to the GPU for nothing
         bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
         event = {"node": node_id, "display_node": display_node, "item": _list_item()}
 
@@ -159,9 +157,10 @@ class Qwen35Generate(io.ComfyNode):
             # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
             _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
 
-        _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
-                              "thinking": prefill.prefill.thinking})
         with model.released_on_error():
+            params.check()  # before the weights are moved back to the GPU for nothing
+            _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
+                                  "thinking": prefill.prefill.thinking})
             model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
             result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
                               seed=seed, on_token=on_token)
@@ -171,7 +170,8 @@ class Qwen35Generate(io.ComfyNode):
         stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
                  "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
                  "finish_reason": result.finish_reason}
-        if result.finish_reason == "length" and prefill.prefill.thinking and not result.text \
+        # (no </think>: generate's answer is empty, all of it thinking)
+        if result.finish_reason == "length" and prefill.prefill.thinking \
                 and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
             fix = ("raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else
                    f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} "
