@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 
 import comfy.model_management as mm
 import comfy.utils
@@ -14,21 +15,11 @@ log = logging.getLogger(__name__)
 
 # The front end (web/qwen35.js) listens for this: {node, display_node, item, prompt_id, delta, n, max, t}.
 # n == 0 starts a new answer on that node and says (`thinking`) whether thinking text comes first; item is the
-# answer's place in a list of prefills (ComfyUI runs the node once per item: the one-prompt-per-image mode), so that
-# the page keeps the earlier answers of the list while the next one streams. prompt_id names the workflow tab the
+# answer's place in a list of prefills (the one-prompt-per-image mode: the node answers each in turn), so that the
+# page keeps the earlier answers of the list while the next one streams. prompt_id names the workflow tab the
 # text belongs to: the page writes it into the node of the workflow that queued that prompt, not into the shown
 # tab's node of the same id.
 STREAM_EVENT = "qwen35.stream"
-
-
-def _list_item() -> int:
-    """Which item of a list input this run of the node takes (0 outside a list, and outside a ComfyUI run)."""
-    try:
-        from comfy_execution.utils import get_executing_context
-    except ImportError:
-        return 0
-    context = get_executing_context()
-    return int(context.list_index or 0) if context is not None else 0
 
 
 def _send(event: str, data: dict) -> None:
@@ -125,60 +116,92 @@ class Qwen35Generate(io.ComfyNode):
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
             ],
             outputs=[
-                io.String.Output(display_name="text"),
-                io.String.Output(display_name="thinking"),
+                io.String.Output(display_name="text", is_output_list=True),
+                io.String.Output(display_name="thinking", is_output_list=True),
             ],
             hidden=[io.Hidden.unique_id, io.Hidden.dynprompt],
             is_output_node=True,
+            # a list of prefills (one prompt per image) comes in one call, which answers each in turn: with
+            # keep_loaded off the VRAM goes back once, after the last answer (run once per item, as ComfyUI runs
+            # other nodes, the node could not tell the last item and gave it back and took it again per item)
+            is_input_list=True,
         )
 
     @classmethod
-    def execute(cls, prefill, max_new_tokens=256, sampling=True, temperature=0.7, top_k=20, top_p=0.8,
-                min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0) -> io.NodeOutput:
-        from ..runtime import SamplingParams, generate
-        from ..runtime.chat import THINK_CLOSE
-        from ..runtime.memory import generate_bytes
-
+    def execute(cls, prefill, max_new_tokens=(256,), sampling=(True,), temperature=(0.7,), top_k=(20,),
+                top_p=(0.8,), min_p=(0.0,), repetition_penalty=(1.0,), presence_penalty=(0.0,),
+                seed=(0,)) -> io.NodeOutput:
+        """Every input is a list (is_input_list). There are as many answers as the longest list has items; answer
+        i takes each list's item i, or its last where the list is shorter (ComfyUI's rule for a node it runs once
+        per item)."""
+        settings = {"max_new_tokens": max_new_tokens, "sampling": sampling, "temperature": temperature,
+                    "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
+                    "presence_penalty": presence_penalty, "seed": seed}
+        lists = [prefill, *settings.values()]
+        if any(len(values) == 0 for values in lists):  # an empty list upstream: ComfyUI runs nothing either
+            return io.NodeOutput([], [], ui={"text": [], "thinking": [], "qwen35_generate": []})
         hidden = cls.hidden  # None when execute is called outside a ComfyUI run (tests, scripts)
         node_id = hidden.unique_id if hidden else None
         display_node = node_id
         if hidden and hidden.dynprompt is not None and node_id is not None:
             display_node = hidden.dynprompt.get_display_node_id(node_id)
-        model = prefill.model
-        params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, repetition_penalty=repetition_penalty,
-                                presence_penalty=presence_penalty)
-        bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
-        event = {"node": node_id, "display_node": display_node, "item": _list_item()}
+        handles = []  # the models of these prefills, each once (a list can join the prefills of two loaders)
+        for item in prefill:
+            if all(item.model is not h for h in handles):
+                handles.append(item.model)
+        texts, thinkings, shown = [], [], []
+        with ExitStack() as released:
+            for handle in handles:
+                released.enter_context(handle.released_on_error())
+            for i in range(max(len(values) for values in lists)):
+                result, stats = _answer(prefill[min(i, len(prefill) - 1)], i, node_id, display_node,
+                                        **{k: v[min(i, len(v) - 1)] for k, v in settings.items()})
+                texts.append(result.text)
+                thinkings.append(result.thinking)
+                shown.append(stats)
+        for handle in handles:
+            if not handle.keep_loaded:
+                handle.release()
+        return io.NodeOutput(texts, thinkings, ui={"text": texts, "thinking": thinkings, "qwen35_generate": shown})
 
-        def on_token(delta: str, n_done: int, total: int):
-            mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
-            bar.update_absolute(n_done, total)
-            # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
-            _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
 
-        with model.released_on_error():
-            params.check()  # before the weights are moved back to the GPU for nothing
-            _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
-                                  "thinking": prefill.prefill.thinking})
-            model.load(memory_required=generate_bytes(model.model, prefill.prefill.n_tokens, max_new_tokens))
-            result = generate(model.model, prefill.prefill, max_new_tokens=max_new_tokens, sampling=params,
-                              seed=seed, on_token=on_token)
-        if not model.keep_loaded:
-            model.release()
-        bar.update_absolute(max_new_tokens, max_new_tokens)
-        stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
-                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
-                 "finish_reason": result.finish_reason}
-        # (no </think>: generate's answer is empty, all of it thinking)
-        if result.finish_reason == "length" and prefill.prefill.thinking \
-                and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
-            fix = ("raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else
-                   f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} "
-                   "positions; shorten the prompt")
-            stats["note"] = f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; {fix}"
-            log.warning("Qwen3.5 generate: %s", stats["note"])
-        log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
-                 result.first_token_ms, result.decode_tokens_per_s, result.finish_reason)
-        ui = {"text": [result.text], "thinking": [result.thinking], "qwen35_generate": [stats]}
-        return io.NodeOutput(result.text, result.thinking, ui=ui)
+def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_tokens, sampling, temperature, top_k,
+            top_p, min_p, repetition_penalty, presence_penalty, seed):
+    """One answer of Generate's list: the runtime's generate with the stream sent to the page and the node's
+    progress bar; returns the runtime's result and the stats the node shows."""
+    from ..runtime import SamplingParams, generate
+    from ..runtime.chat import THINK_CLOSE
+    from ..runtime.memory import generate_bytes
+
+    model = pf.model
+    params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty)
+    params.check()  # before the weights are moved back to the GPU for nothing
+    bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
+    event = {"node": node_id, "display_node": display_node, "item": item}
+
+    def on_token(delta: str, n_done: int, total: int):
+        mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
+        bar.update_absolute(n_done, total)
+        # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
+        _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
+
+    _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
+                          "thinking": pf.prefill.thinking})
+    model.load(memory_required=generate_bytes(model.model, pf.prefill.n_tokens, max_new_tokens))
+    result = generate(model.model, pf.prefill, max_new_tokens=max_new_tokens, sampling=params, seed=seed,
+                      on_token=on_token)
+    bar.update_absolute(max_new_tokens, max_new_tokens)
+    stats = {"n_tokens": result.n_tokens, "first_token_ms": round(result.first_token_ms, 2),
+             "decode_tokens_per_s": round(result.decode_tokens_per_s, 1), "finish_reason": result.finish_reason}
+    # (no </think>: generate's answer is empty, all of it thinking)
+    if result.finish_reason == "length" and pf.prefill.thinking \
+            and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
+        fix = ("raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else
+               f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} "
+               "positions; shorten the prompt")
+        stats["note"] = f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; {fix}"
+        log.warning("Qwen3.5 generate: %s", stats["note"])
+    log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
+             result.first_token_ms, result.decode_tokens_per_s, result.finish_reason)
+    return result, stats

@@ -90,10 +90,17 @@ def _prefill(pack, model, prompt="Name three colours.", thinking=False):
                                           use_chat_template=True)[0]
 
 
+def listed(node, **inputs):
+    """Runs a node that takes its inputs as lists (Generate: is_input_list) as ComfyUI calls it: a value from a
+    widget or from a node that outputs one item comes as a list of one."""
+    return node.execute(**{k: v if isinstance(v, list) else [v] for k, v in inputs.items()})
+
+
 def _generate(pack, pf, seed=0, max_new_tokens=12, sampling=True):
-    return pack.Qwen35Generate.execute(prefill=pf, max_new_tokens=max_new_tokens, sampling=sampling,
-                                       temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
-                                       repetition_penalty=1.0, presence_penalty=0.0, seed=seed)
+    """Generate's output for one prefill: out[0] / out[1] are the lists of texts / thinking (one item each)."""
+    return listed(pack.Qwen35Generate, prefill=pf, max_new_tokens=max_new_tokens, sampling=sampling,
+                  temperature=0.9, top_k=50, top_p=0.95, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                  seed=seed)
 
 
 def interrupt_at(comfy, monkeypatch, n) -> dict:
@@ -183,9 +190,9 @@ def test_prefill_generate_text_ui_and_determinism(pack, loaded):
     ids_before, logits_before = pf.prefill.token_ids, pf.prefill.logits.clone()
     a = _generate(pack, pf, seed=5)
     b = _generate(pack, pf, seed=5)
-    assert isinstance(a[0], str) and isinstance(a[1], str)
+    assert len(a[0]) == len(a[1]) == 1 and isinstance(a[0][0], str) and isinstance(a[1][0], str)
     assert a[0] == b[0], "same prefill and seed must give the same text"
-    assert a.ui["text"] == [a[0]] and a.ui["thinking"] == [a[1]]
+    assert a.ui["text"] == a[0] and a.ui["thinking"] == a[1]
     stats = a.ui["qwen35_generate"][0]
     assert stats["n_tokens"] >= 1 and stats["finish_reason"] in ("stop", "length")
     assert pf.prefill.token_ids == ids_before and (pf.prefill.logits == logits_before).all()
@@ -207,22 +214,20 @@ def test_progress_bar_and_stream_per_token(pack, loaded, comfy, monkeypatch):
     n = out.ui["qwen35_generate"][0]["n_tokens"]
     assert events[0][1]["n"] == 0 and all(e == pack.text.STREAM_EVENT for e, _ in events)
     assert [d["n"] for _, d in events[1:]] == list(range(1, n + 1))
-    assert "".join(d["delta"] for _, d in events).strip() == out[0]
+    assert "".join(d["delta"] for _, d in events).strip() == out[0][0]
     assert progress[-1] == (10, 10)
     assert {d["item"] for _, d in events} == {0}
 
 
 def test_each_answer_of_a_list_streams_with_its_place(pack, loaded, monkeypatch):
-    """ComfyUI runs Generate once per prefill of a list (one prompt per image): each answer's events say which
-    item it is, so that the page keeps the earlier answers while the next one streams."""
-    from comfy_execution.utils import CurrentNodeContext
+    """Generate takes a list of prefills (one prompt per image) in one call: each answer's events say which item it
+    is, so that the page keeps the earlier answers while the next one streams."""
     events = []
     monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
     pf = _prefill(pack, loaded)
-    for item in range(3):
-        with CurrentNodeContext("prompt-1", "7", item):
-            _generate(pack, pf, max_new_tokens=2)
-    assert [d["item"] for d in events if d["n"] == 0] == [0, 1, 2]
+    out = listed(pack.Qwen35Generate, prefill=[pf, pf, pf], max_new_tokens=2, sampling=True, temperature=0.9,
+                 top_k=50, top_p=0.95, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=[1, 2, 3])
+    assert [d["item"] for d in events if d["n"] == 0] == [0, 1, 2] and len(out[0]) == 3
     item = None
     for d in events:  # every token event names the item its answer started with
         item = d["item"] if d["n"] == 0 else item
@@ -255,7 +260,7 @@ def test_cancel_lands_within_one_token(pack, loaded, comfy, monkeypatch):
     assert calls["n"] == 3 and max(d["n"] for d in events) == 2  # token 3 never went out
     assert not comfy.mm.processing_interrupted()
     monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", real)
-    assert isinstance(_generate(pack, pf, max_new_tokens=4)[0], str)  # the next run is normal
+    assert isinstance(_generate(pack, pf, max_new_tokens=4)[0][0], str)  # the next run is normal
 
 
 def test_a_long_prompt_shows_its_pieces_and_a_cancel_lands_between_them(pack, loaded, comfy, monkeypatch):
@@ -556,7 +561,7 @@ def test_an_unload_where_ram_is_short_lets_the_weights_go_and_reads_them_again(p
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="bf16", device="cuda", backend="auto",
                                            keep_loaded=True)[0]
     pf = _prefill(pack, model)
-    text = _generate(pack, pf, seed=7)[0]
+    text = _generate(pack, pf, seed=7)[0][0]
     asked = []
     monkeypatch.setattr(pack.memory, "ram_short_by", lambda n: asked.append(n) or 1 << 30)
     torch.cuda.synchronize()
@@ -568,7 +573,7 @@ def test_an_unload_where_ram_is_short_lets_the_weights_go_and_reads_them_again(p
     assert model.model.kv.device.type == "cpu"  # the K/V store (the prefill's blocks) waits in RAM
     assert torch.cuda.memory_allocated() <= base - model.model.weight_bytes()
     assert model.managed.loaded_size() == 0 and model.managed.model_size() > model.model.weight_bytes()
-    assert _generate(pack, pf, seed=7)[0] == text  # read again onto the GPU by the run itself
+    assert _generate(pack, pf, seed=7)[0][0] == text  # read again onto the GPU by the run itself
     assert not model.model.weights_dropped and model.managed.current_loaded_device() == model.managed.load_device
     model.release()
 
@@ -665,8 +670,8 @@ def test_keep_loaded_off_gives_the_memory_back_on_bad_input(pack, models_dir, mo
         ("needs images", lambda: pack.Qwen35MultimodalPrefill.execute(**{**mm, "mode": "one prompt per image"})),
         ("takes images only", lambda: pack.Qwen35ContinuePrefill.execute(
             prefill=pf, prompt="<video>?", images=frames[:1], previous_answer=None, thinking=False, max_pixels=0)),
-        ("top_p 0.0", lambda: pack.Qwen35Generate.execute(
-            prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50, top_p=0.0, min_p=0.0,
+        ("top_p 0.0", lambda: listed(
+            pack.Qwen35Generate, prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50, top_p=0.0, min_p=0.0,
             repetition_penalty=1.0, presence_penalty=0.0, seed=0)),
     ]
     for n, (message, run) in enumerate(bad, 1):
@@ -680,7 +685,7 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     why and what to change (not an empty box)."""
     out = _generate(pack, _prefill(pack, loaded, thinking=True), max_new_tokens=3, sampling=False)
     s = out.ui["qwen35_generate"][0]
-    assert s["finish_reason"] == "length" and out[0] == "" and out[1]
+    assert s["finish_reason"] == "length" and out[0] == [""] and out[1][0]
     assert "stopped while thinking, after 3 tokens: no answer yet; raise max_new_tokens" in s["note"]
     limit = loaded.model.config.max_position_embeddings  # the positions run out first: shorten the prompt
     pf = _prefill(pack, loaded, thinking=True)
@@ -723,12 +728,12 @@ def test_generate_hands_every_setting_to_the_runtime(pack, loaded, monkeypatch):
         seen.update(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
         return real(model, pf, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_token=on_token)
     monkeypatch.setattr(rt, "generate", spy)
-    out = pack.Qwen35Generate.execute(prefill=_prefill(pack, loaded), max_new_tokens=5, sampling=True,
-                                      temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
-                                      presence_penalty=0.4, seed=99)
+    out = listed(pack.Qwen35Generate, prefill=_prefill(pack, loaded), max_new_tokens=5, sampling=True,
+                 temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+                 seed=99)
     want = rt.SamplingParams(do_sample=True, temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
                              presence_penalty=0.4)
-    assert seen == dict(max_new_tokens=5, sampling=want, seed=99) and isinstance(out[0], str)
+    assert seen == dict(max_new_tokens=5, sampling=want, seed=99) and isinstance(out[0][0], str)
 
 
 @pytest.mark.parametrize("template", [True, False])

@@ -44,7 +44,7 @@ def test_two_turn_chat_reads_only_the_new_turn(pack, loaded):
     assert s0["cached_tokens"] == 0 and s0["new_tokens"] == s0["n_tokens"]  # a fresh prefill reuses nothing
     pf = first[0]
     logits_before = pf.prefill.logits.clone()
-    answer = _generate(pack, pf, seed=3, max_new_tokens=8)[0]
+    answer = _generate(pack, pf, seed=3, max_new_tokens=8)[0][0]
     out = _continue(pack, pf, previous_answer=answer, thinking=False)
     child = out[0]
     s = out.ui["qwen35_prefill"][0]
@@ -56,7 +56,7 @@ def test_two_turn_chat_reads_only_the_new_turn(pack, loaded):
     text = loaded.model.tokenizer.decode(child.prefill.token_ids)
     assert text.endswith(f"<|im_start|>assistant\n{answer.strip()}<|im_end|>\n<|im_start|>user\nAnd three animals?"
                          "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert isinstance(_generate(pack, child, seed=3, max_new_tokens=4)[0], str)
+    assert isinstance(_generate(pack, child, seed=3, max_new_tokens=4)[0][0], str)
 
 
 def test_three_questions_about_one_image(pack, loaded):

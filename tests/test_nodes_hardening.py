@@ -11,7 +11,7 @@ import pytest
 import test_nodes
 import torch
 from safetensors.torch import save_file
-from test_nodes import _generate, _prefill
+from test_nodes import _generate, _prefill, listed
 
 # test_nodes' fixtures, shared with this module (ComfyUI imported once, the same models folder layout)
 comfy, pack, models_dir, memory_asked = (test_nodes.comfy, test_nodes.pack, test_nodes.models_dir,
@@ -24,7 +24,7 @@ def _answer(pack):
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
                                            keep_loaded=True)[0]
     try:
-        return _generate(pack, _prefill(pack, model), seed=3, max_new_tokens=6)[0]
+        return _generate(pack, _prefill(pack, model), seed=3, max_new_tokens=6)[0][0]
     finally:
         model.release()
 
@@ -186,9 +186,9 @@ def test_every_value_the_generate_node_offers_runs(pack, models_dir, still_works
             if kind not in ("INT", "FLOAT") or name == "max_new_tokens":
                 continue
             for value in (opts["min"], opts["max"]):
-                out = pack.Qwen35Generate.execute(**{**base, name: value})
+                out = listed(pack.Qwen35Generate, **{**base, name: value})
                 stats = out.ui["qwen35_generate"][0]
-                assert isinstance(out[0], str) and 1 <= stats["n_tokens"] <= 2, (name, value, stats)
+                assert isinstance(out[0][0], str) and 1 <= stats["n_tokens"] <= 2, (name, value, stats)
                 tried.append(name)
     finally:
         model.release()
@@ -214,7 +214,7 @@ def test_generate_node_names_bad_settings(pack, models_dir, still_works, name, v
         with pytest.raises(Qwen35Error, match=message):
             settings = dict(max_new_tokens=3, sampling=True, temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
                             repetition_penalty=1.0, presence_penalty=0.0, seed=0)
-            pack.Qwen35Generate.execute(prefill=pf, **{**settings, name: value})
+            listed(pack.Qwen35Generate, prefill=pf, **{**settings, name: value})
     finally:
         model.release()
 
@@ -225,7 +225,7 @@ def test_seeds_past_32_bits_give_other_text(pack, models_dir, still_works):
     try:
         pf = _prefill(pack, model)
         top = _generate_inputs(pack)["seed"][1]["max"]
-        texts = {_generate(pack, pf, seed=s, max_new_tokens=8)[0] for s in (7, 7 + 2**32, top, top - 2**32)}
+        texts = {_generate(pack, pf, seed=s, max_new_tokens=8)[0][0] for s in (7, 7 + 2**32, top, top - 2**32)}
         assert len(texts) == 4
     finally:
         model.release()
@@ -255,7 +255,7 @@ def test_auto_on_an_accelerator_the_model_does_not_run_on_loads_on_the_cpu(pack,
         info = out.ui["qwen35_model"][0]
         assert info["device"] == "cpu" and info["backend"] == "torch"
         assert info["device_note"].startswith("on the cpu: device 'mps' asked for, but PyTorch")
-        assert isinstance(_generate(pack, _prefill(pack, out[0]), max_new_tokens=3)[0], str)
+        assert isinstance(_generate(pack, _prefill(pack, out[0]), max_new_tokens=3)[0][0], str)
     finally:
         out[0].release()
 
@@ -327,8 +327,8 @@ def test_bad_settings_do_not_bring_the_weights_back(pack, models_dir, comfy, sti
         pf = _prefill(pack, model)
         model.release()  # unloaded, as after "Unload models"
         with pytest.raises(Qwen35Error, match="top_p 0.0"):
-            pack.Qwen35Generate.execute(prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50,
-                                        top_p=0.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)
+            listed(pack.Qwen35Generate, prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50,
+                   top_p=0.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)
         assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
     finally:
         model.release()

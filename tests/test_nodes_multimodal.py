@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_nodes import _generate, comfy, interrupt_at, loaded, memory_asked, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import _generate, comfy, interrupt_at, listed, loaded, memory_asked, models_dir, pack, releases_counted  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.comfyui
 
@@ -224,6 +224,41 @@ def test_a_list_of_prefills_waits_with_its_states_off_the_gpu(pack, loaded, monk
                    if t is not None)
     finally:
         loaded.model.kv.pool.clear()  # (the snapshots of the listed turns were moved with them)
+
+
+def test_generate_answers_a_list_of_prefills_in_one_run_and_gives_the_vram_back_once(pack, models_dir, monkeypatch):
+    """A list of prefills (one prompt per image) comes to Generate in one call (is_input_list): each answer equals
+    the prefill's answer alone, a shorter list of settings repeats its last value (as ComfyUI's run per item did),
+    the page hears each answer's place in the list, and with keep_loaded off the model is released once, after the
+    last answer (run per item, the node released it and loaded it again for every image)."""
+    import qwen35_fast.nodes.text as text_node
+    import qwen35_fast.runtime as rt
+    model, released = releases_counted(pack, monkeypatch)
+    images = torch.rand(3, 64, 64, 3, generator=torch.Generator().manual_seed(8))
+    prefills = _run(pack, model, images=images, mode="one prompt per image")[0]
+    alone = [_generate(pack, pf, seed=4, max_new_tokens=n, sampling=False)[0][0]
+             for pf, n in zip(prefills, (3, 5, 5))]
+    released.clear()
+    asked, starts = [], []
+    real = rt.generate
+    monkeypatch.setattr(rt, "generate", lambda m, pf, max_new_tokens, **kw: asked.append(max_new_tokens)
+                        or real(m, pf, max_new_tokens=max_new_tokens, **kw))
+    monkeypatch.setattr(text_node, "_send", lambda event, data: data["n"] == 0 and starts.append(data["item"]))
+    settings = dict(sampling=False, temperature=0.9, top_k=50, top_p=0.95, min_p=0.0, repetition_penalty=1.0,
+                    presence_penalty=0.0, seed=4)
+    out = listed(pack.Qwen35Generate, prefill=prefills, max_new_tokens=[3, 5], **settings)
+    assert out[0] == alone and len(out[1]) == 3 and out.ui["text"] == alone
+    assert len(out.ui["qwen35_generate"]) == 3 and asked == [3, 5, 5] and starts == [0, 1, 2]
+    assert len(released) == 1
+    # a bad setting for the third answer: named, and the VRAM given back once all the same
+    from qwen35_fast.runtime import Qwen35Error
+    released.clear()
+    with pytest.raises(Qwen35Error, match=r"top_p 0.0 must be in \(0, 1\]"):
+        listed(pack.Qwen35Generate, prefill=prefills, max_new_tokens=3, **{**settings, "top_p": [0.9, 0.9, 0.0]})
+    assert len(released) == 1
+    # nothing to answer (an empty list upstream): no answers, no error
+    empty = listed(pack.Qwen35Generate, prefill=[], max_new_tokens=3, **settings)
+    assert empty[0] == [] and empty.ui["qwen35_generate"] == []
 
 
 def test_one_prompt_per_image_names_one_image_a_prompt(pack, loaded):

@@ -185,7 +185,7 @@ function onStopped(view, why) {
   view.stats.textContent = n ? `${why} after ${n[1]} tokens${of}` : why + of;
 }
 
-// A list of prefills (one prompt per image) runs the node once per item and joins their results: every
+// A list of prefills (one prompt per image) comes to the node in one run, which answers each in turn: every
 // answer is shown, numbered, with the stats of each. skipEmpty leaves out empty items (thinking that an answer
 // did not have) and keeps the others' numbers: each stays its image's.
 function numbered(items, skipEmpty = false) {

@@ -318,7 +318,7 @@ def test_an_answer_finished_in_a_hidden_workflow_shows_on_return(browser_env):
 
 
 def test_one_caption_per_image_shows_every_answer(browser_env):
-    """A list of prefills runs Generate once per image: while the second answer streams the first stays on the
+    """A list of prefills comes to Generate in one run, answered image by image: while the second answer streams the first stays on the
     node ([1] ..., [2] ...); at the end the node shows every answer, numbered, and one stats line over them. The
     prefill's stats are one line per prefill, drawn whole (the panel as tall as its wrapped lines), the whole
     text in its tooltip."""
