@@ -19,6 +19,7 @@ from .config import FULL
 from .errors import Qwen35Error
 from .host import upload
 from .kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, model_sizes, pool_tensors
+from .packed import apply_packed
 
 BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json has 64 and 16 even (0.94-1.09x, 1.00x on average)
 KV_FRACTION = 0.25  # auto budget: at most this share of the device memory free when the store is made
@@ -100,8 +101,8 @@ class KVStore:
         """Applies a tensor function (Module._apply's: a move) to the pools and the snapshots' states."""
         self.k, self.v = fn(self.k), fn(self.v)
         for snap in self.pool.snapshots:
-            snap.states.conv[:] = [None if t is None else fn(t) for t in snap.states.conv]
-            snap.states.ssm[:] = [None if t is None else fn(t) for t in snap.states.ssm]
+            apply_packed(snap.states.conv, fn)  # packed states (a parked turn's) stay packed: one copy each
+            apply_packed(snap.states.ssm, fn)
 
     # --- sequences ---------------------------------------------------------------------------
     def sequence(self, owner, num_tokens: int, what: str = "") -> SequenceBlocks:

@@ -21,6 +21,7 @@ from .errors import Qwen35Error
 from .host import upload
 from .kv_pool import PAD, SequenceBlocks
 from .kv_store import KVStore, default_budget_bytes
+from .packed import apply_packed, flat_view, pack_views, views_like
 from .quant import Int8Weight, embedding, linear, matrix
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
@@ -215,8 +216,7 @@ class GDNState:
 def _move(xs: list, device) -> None:
     """The tensors of xs moved to `device`, in place in the list: a packed list (GDNState.packed) in one copy, and
     packed still (a graphed prefill from it copies it in at once)."""
-    flat = flat_view(xs)
-    xs[:] = views_like(flat.to(device), xs) if flat is not None else [None if t is None else t.to(device) for t in xs]
+    apply_packed(xs, lambda t: t.to(device))
 
 
 def _take(xs: list, device, copy: bool) -> list:
@@ -229,39 +229,6 @@ def _take(xs: list, device, copy: bool) -> list:
     if flat is None:
         return [None if t is None else t.to(dev or t.device, copy=copy) for t in xs]
     return views_like(flat.to(dev or flat.device, copy=copy), xs)
-
-
-def flat_view(xs: list) -> torch.Tensor | None:
-    """One 1-D view over the tensors of xs (None skipped) when they lie back to back, in order, contiguous and
-    of one dtype in one storage; else None."""
-    ts = [t for t in xs if t is not None]
-    if not ts:
-        return None
-    first = ts[0]
-    base, off = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in ts:
-        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != base
-                or t.storage_offset() != off):
-            return None
-        off += t.numel()
-    return first.as_strided((off - first.storage_offset(),), (1,), first.storage_offset())
-
-
-def views_like(flat: torch.Tensor, like: list) -> list:
-    """flat [sum of like's sizes] as consecutive views shaped like the tensors of `like` (None where it has
-    None)."""
-    parts = iter(flat.split([t.numel() for t in like if t is not None]))
-    return [None if t is None else next(parts).view(t.shape) for t in like]
-
-
-def pack(xs: list) -> torch.Tensor:
-    """The tensors of xs (None skipped) end to end in one new flat tensor."""
-    return torch.cat([t.reshape(-1) for t in xs if t is not None])
-
-
-def pack_views(xs: list) -> list:
-    """Copies of the tensors of xs as views of one new flat tensor (None kept); [] for []."""
-    return views_like(pack(xs), xs) if any(t is not None for t in xs) else list(xs)
 
 
 class DecodeSlot:

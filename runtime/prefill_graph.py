@@ -21,19 +21,8 @@ import torch
 
 from .decode_graph import capture_graph
 from .kv_pool import PAD, SequenceBlocks
-from .model import (
-    Cache,
-    GDNState,
-    KVStep,
-    Padding,
-    Qwen35Model,
-    flat_view,
-    pack,
-    pack_views,
-    rope_delta_after,
-    text_positions,
-    views_like,
-)
+from .model import Cache, GDNState, KVStep, Padding, Qwen35Model, rope_delta_after, text_positions
+from .packed import flat_view, pack, pack_views, views_like
 
 log = logging.getLogger(__name__)
 BUCKETS = (64, 256)  # new tokens: a question with its generation prompt, a longer follow-up turn

@@ -55,7 +55,8 @@ def uncaptured(monkeypatch):
 def test_packed_states_lie_in_one_tensor():
     """GDNState.packed: each kind of state as views of one flat tensor (what the padded pass copies in at
     once), the same values; flat_view finds such a run and nothing else."""
-    from qwen35_fast.runtime.model import GDNState, flat_view, pack_views
+    from qwen35_fast.runtime.model import GDNState
+    from qwen35_fast.runtime.packed import flat_view, pack_views
     g = torch.Generator().manual_seed(3)
     conv = [torch.randn(2, 5, 3, generator=g), None, torch.randn(2, 5, 3, generator=g)]
     ssm = [torch.randn(2, 4, 4, generator=g), None, torch.randn(2, 4, 4, generator=g)]

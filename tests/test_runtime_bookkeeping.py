@@ -39,21 +39,25 @@ def test_dropped_prefills_give_their_blocks_back(model):
 
 def test_a_model_move_moves_the_prefix_caches_states(model):
     """Module._apply (what .to() and ComfyUI's offload call) replaces every snapshot's conv and recurrent state:
-    none is left on the device the model left."""
+    none is left on the device the model left; packed states stay packed."""
     prefill(model, "Describe a red circle.", system_prompt="You describe pictures.")
     snaps = model.kv.pool.snapshots
     before = [t for s in snaps for t in s.states.conv + s.states.ssm if t is not None]  # held: no id reused
     assert snaps and before
+    from qwen35_fast.runtime.packed import flat_view
+    packed = [s for s in snaps if flat_view(s.states.ssm) is not None]  # a turn's state: packed, moved in one copy
+    assert packed
     model._apply(lambda t: t.clone())
     after = [t for s in snaps for t in s.states.conv + s.states.ssm if t is not None]
     assert len(after) == len(before) and not {id(t) for t in after} & {id(t) for t in before}
+    assert all(flat_view(s.states.ssm) is not None and flat_view(s.states.conv) is not None for s in packed)
 
 
 def test_a_packed_state_moved_stays_packed(model):
     """A prefill's turn state is packed (the conv states in one flat tensor, the recurrent states in another, so a
     graphed prefill from it copies it in two copies); moved off the device (a parked list item, an unloaded
     model), it moves in one copy each and stays packed, in the same shapes."""
-    from qwen35_fast.runtime.model import flat_view
+    from qwen35_fast.runtime.packed import flat_view
     pf = prefill(model, "Name a colour.")
     turn = pf.turn
     assert all(flat_view(xs) is not None for xs in (turn.conv, turn.ssm))
