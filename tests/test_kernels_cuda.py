@@ -104,7 +104,9 @@ def test_decode_many_steps_stay_close(impl):
         q, k, v = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
         a, b = torch.randn_like(a), torch.randn_like(b)
         o_ref = gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
+        poison_allocator(((N, Hv, D), torch.bfloat16))  # each step's output starts as NaN
         o = impl.gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state)
+        assert not o.isnan().any() and not state.isnan().any(), t
     assert rel(state, state_ref) < 1e-4 and rel(o, o_ref) < 1e-2
 
 
@@ -242,7 +244,9 @@ def test_conv_update_state_slice_of_cache(impl):
     want_state = state.clone()
     y_ref = causal_conv1d_update_ref(x, want_state, weight, None)
     untouched = cache[1::2].clone()
+    poison_allocator(((N, C), torch.bfloat16))  # the output starts as NaN
     y = impl.causal_conv1d_update_cuda(x, state, weight, None)
+    assert not y.isnan().any()
     assert torch.equal(cache[::2], want_state) and torch.equal(cache[1::2], untouched)
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=1.6e-2, atol=1.6e-2)
 

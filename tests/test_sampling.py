@@ -258,7 +258,7 @@ def test_kernel_picks_what_the_reference_picks(impl, v, kind):
 def test_kernel_penalties_and_marks_are_the_reference(impl, top_k, rep, presence):
     """Marks on a third of the ids (the prompt) and on some answered ones: the kernel penalises as the
     reference does, draws the same token, and marks it as the reference does."""
-    from qwen35_fast.kernels.sampling.launch import sample_cuda
+    from qwen35_fast.kernels.sampling.launch import K_MAX, sample_cuda
     g = torch.Generator(device="cuda").manual_seed(top_k)
     logits = torch.randn(VOCAB, generator=g, device="cuda") * 3
     marks = (torch.rand(VOCAB, generator=g, device="cuda") < 0.3).to(torch.uint8)
@@ -266,6 +266,8 @@ def test_kernel_penalties_and_marks_are_the_reference(impl, top_k, rep, presence
     for n in range(6):
         u = draw_uniform(draw_seed(top_k), n)
         kernel_marks, ref_marks = marks.clone(), marks.clone()
+        poison_allocator(((top_k,), torch.float32), ((top_k,), torch.float64), ((1,), torch.float64),
+                         ((64 * K_MAX,), torch.float64))  # as above: the outputs start as NaN's bits
         got = sample_cuda(logits, top_k, 0.8, 0.0, 0.9, u, (kernel_marks, rep, presence))
         want = sample_ref(logits, top_k, 0.8, 0.0, 0.9, u, (ref_marks, rep, presence))
         assert torch.equal(got[2], want[2])
