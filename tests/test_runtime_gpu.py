@@ -133,6 +133,29 @@ def test_estimate_covers_a_long_prefill(folder):
     del pf
 
 
+@pytest.mark.parametrize("backend", ["cuda", "torch"])
+def test_estimate_covers_a_generation_after_a_long_prompt(folder, backend):
+    """generate_bytes (what Generate asks ComfyUI to make room for) is not below a generation's peak after an
+    8,192-token prompt: on the kernels (a graphed decode) and on the PyTorch path, whose attention gathers the
+    whole context each step."""
+    from qwen35_fast.runtime.memory import generate_bytes
+    model = load_model(folder, dtype="bf16", device="cuda", backend=backend)
+    ids = torch.randint(0, 248000, (8192,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = SamplingParams(do_sample=False)
+    generate(model, prefill_ids(model, ids[:64]), max_new_tokens=4, sampling=greedy)  # built, captured
+    pf = prefill_ids(model, ids)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = generate(model, pf, max_new_tokens=48, sampling=greedy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    want = generate_bytes(model, pf.n_tokens, 48)
+    print(f"{backend}: generation of {out.n_tokens} tokens: peak {peak / 2**20:.1f} MiB, estimate "
+          f"{want / 2**20:.1f} MiB")
+    assert peak <= want
+
+
 def test_a_prompt_read_in_pieces_gives_the_one_pass_logits_and_holds_less(folder, monkeypatch):
     """Pieces on the kernels (the first through SDPA, the others through the paged kernel over the pieces before):
     the logits of one pass within bf16's tolerance, and a lower peak for a long prompt."""

@@ -145,6 +145,38 @@ def test_multimodal_prefill_and_decode_on_cuda(tmp_path, monkeypatch):
     assert graphed.token_ids == eager.token_ids and len(eager.token_ids) >= 1
 
 
+def test_the_estimates_cover_an_image_prompt_and_its_answer(tmp_path):
+    """What a multimodal prefill asks ComfyUI to make room for (prefill_bytes + vision_bytes, through `reserve`)
+    and what Generate asks for (generate_bytes) are not below the peaks they reach on the GPU: the tower over a
+    1,536-patch image, the prompt's pass, and a graphed generation of 32 tokens after it."""
+    from qwen35_fast.runtime.memory import generate_bytes
+    make_hf_model(tmp_path, seed=6, vocab=248320, head_dim_lin=128)
+    gpu = load_model(tmp_path, dtype="bf16", device="cuda", backend="auto")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    image = torch.rand(1, 512, 768, 3, device="cuda", generator=g)
+    greedy = SamplingParams(do_sample=False)
+    warm = prefill_multimodal(gpu, "Warm up.", images=image[:, :128, :128])  # kernels built, workspaces made
+    generate(gpu, warm, max_new_tokens=4, sampling=greedy)
+    asked = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    pf = prefill_multimodal(gpu, "What is in this picture?", images=image, reserve=asked.append)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert pf.vision.vision_tokens == 384 and len(asked) == 1
+    print(f"image prompt: peak {peak / 2**20:.1f} MiB, asked {asked[0] / 2**20:.1f} MiB")
+    assert peak <= asked[0]
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = generate(gpu, pf, max_new_tokens=32, sampling=greedy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    want = generate_bytes(gpu, pf.n_tokens, 32)
+    print(f"generation of {out.n_tokens} tokens: peak {peak / 2**20:.1f} MiB, estimate {want / 2**20:.1f} MiB")
+    assert peak <= want
+
+
 def test_image_prompt_waits_for_the_gpu_only_at_its_end(tmp_path, monkeypatch):
     """From the tower's first launch to the end of the prefill nothing in the runtime waits for the GPU
     (torch's sync debug mode names every implicit synchronisation): the text layers queue while the
