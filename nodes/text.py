@@ -138,7 +138,7 @@ class Qwen35Generate(io.ComfyNode):
                     "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
                     "presence_penalty": presence_penalty, "seed": seed}
         lists = [prefill, *settings.values()]
-        if any(len(values) == 0 for values in lists):  # an empty list upstream: ComfyUI runs nothing either
+        if any(len(values) == 0 for values in lists):  # an empty list upstream: nothing to answer
             return io.NodeOutput([], [], ui={"text": [], "thinking": [], "qwen35_generate": []})
         hidden = cls.hidden  # None when execute is called outside a ComfyUI run (tests, scripts)
         node_id = hidden.unique_id if hidden else None
