@@ -79,7 +79,14 @@ async def _set_widget(page, node_type: str, widget: str, expression: str):
 
 
 async def _load(page, workflow: dict, max_new_tokens: int):
-    await page.evaluate("wf => app.loadGraphData(wf)", workflow)
+    types = sorted({n["type"] for n in workflow["nodes"]})
+    for _ in range(3):  # once a CI run's busy page lost the graph just loaded (none of its nodes there): again
+        await page.evaluate("wf => app.loadGraphData(wf)", workflow)
+        await page.wait_for_timeout(300)
+        if await page.evaluate("types => types.every(t => app.graph.nodes.some(n => n.type === t))", types):
+            break
+    else:
+        raise AssertionError(f"the page did not keep the workflow's nodes {types}")
     await page.evaluate("""([model, maxNew]) => {
         for (const n of app.graph.nodes) for (const w of n.widgets ?? []) {
             if (n.type === 'Qwen35ModelLoader' && w.name === 'model') w.value = model;
