@@ -370,6 +370,29 @@ def test_keep_loaded_off_releases_after_generate(pack, models_dir, comfy):
     assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
 
 
+def test_a_list_joining_two_loaders_outputs_releases_by_each_loaders_keep_loaded(pack, models_dir, comfy,
+                                                                                  monkeypatch):
+    """A list of prefills made through two loaders of one checkpoint (one model in memory, two keep_loaded
+    settings): Generate releases the model once, for the loader with keep_loaded off, whichever item it came
+    from; a list all from the keep_loaded-on loader leaves it loaded."""
+    load = lambda keep: pack.Qwen35ModelLoader.execute(  # noqa: E731
+        model="qwen35-demo", dtype="fp32", device="cpu", backend="torch", keep_loaded=keep)[0]
+    keep, drop = load(True), load(False)
+    assert keep.managed is drop.managed
+    released = []
+    real = keep.managed.release
+    monkeypatch.setattr(keep.managed, "release", lambda: released.append(1) or real())
+    settings = dict(max_new_tokens=2, sampling=False, temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
+                    repetition_penalty=1.0, presence_penalty=0.0, seed=0)
+    a, b = _prefill(pack, keep), _prefill(pack, drop, prompt="Name a shape.")
+    out = listed(pack.Qwen35Generate, prefill=[a, b, a], **settings)
+    assert len(out[0]) == 3 and len(released) == 1
+    assert not any(m.model is keep.managed for m in comfy.mm.current_loaded_models)
+    listed(pack.Qwen35Generate, prefill=[a, a], **settings)
+    assert len(released) == 1 and any(m.model is keep.managed for m in comfy.mm.current_loaded_models)
+    keep.release()
+
+
 def test_managed_model_answers_model_management(pack, loaded):
     size = loaded.managed.model_size()
     assert size == loaded.model.size_bytes() > 0
