@@ -179,15 +179,30 @@ def _check_images(images) -> tuple[int, int, int, int]:
     return b, h, w, c
 
 
+def check_finite(images: torch.Tensor) -> None:
+    """Refuses NaN and infinite pixels, naming how many (to_rgb's clamp would keep NaN, and make inf a white or black
+    pixel). Its answer is read on the host: the callers check the pixels where they were given, before moving them
+    to the device (on the CPU, ComfyUI's place for an IMAGE, that waits for nothing; an input already on a GPU is
+    checked before any of the prompt's GPU work is queued, not in the middle of it)."""
+    if not bool(torch.isfinite(images).all()):
+        bad = int((~torch.isfinite(images)).sum())
+        raise Qwen35Error(f"an image (or video frame) holds {bad:,} NaN or infinite values of its "
+                          f"{images.numel():,}; the node that made it produced them (a VAE decode in fp16 can): fix "
+                          "that node's output")
+
+
+def _moved(x: torch.Tensor, device) -> torch.Tensor:
+    """x on `device` (None: where it is); pixels on the CPU are checked first (check_finite), there."""
+    if x.device.type == "cpu":
+        check_finite(x)
+    return x if device is None else x.to(device)
+
+
 def to_rgb(images: torch.Tensor) -> torch.Tensor:
-    """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32."""
+    """ComfyUI IMAGE [B, H, W, C] in 0..1 (C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA) -> [B, 3, H, W] fp32 (the
+    pixels finite: check_finite)."""
     b, h, w, c = _check_images(images)
-    x = images.reshape(b, h, w, c).float()
-    if not bool(torch.isfinite(x).all()):  # (clamp would keep NaN, and make inf a white or black pixel)
-        bad = int((~torch.isfinite(x)).sum())
-        raise Qwen35Error(f"an image (or video frame) holds {bad:,} NaN or infinite values of its {x.numel():,}; "
-                          "the node that made it produced them (a VAE decode in fp16 can): fix that node's output")
-    x = x.clamp(0, 1)
+    x = images.reshape(b, h, w, c).float().clamp(0, 1)
     color, alpha = (x[..., :c - 1], x[..., c - 1:]) if c in (2, 4) else (x, None)
     if color.shape[-1] == 1:
         color = color.expand(b, h, w, 3)
@@ -328,9 +343,12 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
     size = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
     scaled = limited_by_max(h, w, size, pp.factor, pp.min_pixels)
 
+    if given.device.type != "cpu":
+        check_finite(given)  # now, before the tower's work is queued (on the CPU: when first read, in _moved)
+
     @functools.cache
     def on_device() -> torch.Tensor:  # moved when first needed: a cached image is never copied
-        return (given if device is None else given.to(device)).reshape(b, h, w, c)
+        return _moved(given, device).reshape(b, h, w, c)
 
     @functools.cache
     def batch() -> list[torch.Tensor]:
@@ -367,7 +385,9 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
     _check_images(frames)
-    chosen = functools.cache(lambda: frames[index].to(device) if device is not None else frames[index])
+    if frames.device.type != "cpu":
+        check_finite(frames[index])  # as for images (preprocess_images)
+    chosen = functools.cache(lambda: _moved(frames[index], device))
     return _sampled_video(chosen, frames.shape[1:], index, fps, pp, (frames, tuple(index)))
 
 
@@ -458,6 +478,7 @@ class _StreamedFrames:
         elif (tuple(frame.shape), frame.dtype) != (self.shape, self.dtype):
             raise Qwen35Error(f"a video changes from {list(self.shape)} {self.dtype} frames to {list(frame.shape)} "
                               f"{frame.dtype} at its sampled frame {self.kept}; re-encode it at one size")
+        check_finite(frame)  # (a frame as the reader gave it, before it moves)
         x = frame.to(self.device) if self.device is not None else frame
         self.hash.add(x)
         small = _resize(to_rgb(x[None]), self.layout.size)[0]
@@ -499,5 +520,5 @@ def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], 
                        _recipe(layout.size, pp), origin)
 
 
-__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "to_rgb", "VisionInput", "preprocess_images",
+__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "to_rgb", "VisionInput", "preprocess_images",
            "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]

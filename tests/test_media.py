@@ -427,3 +427,30 @@ def test_choosing_again_starts_over():
                 keep(self.frames[i].clone())
             super().read(choose, keep)
     assert torch.equal(preprocess_video_source(Miscounted(video, 10.0)).pixels, preprocess_video(video, 10.0).pixels)
+
+
+def test_nan_or_infinite_pixels_are_named_where_they_are_read():
+    """NaN / inf pixels (a VAE decode in fp16 can make them) are refused, counted, where the pixels are first read:
+    an image when its patches are made, a video's sampled frames (an unsampled frame is never read), a streamed
+    video's frame as its reader gives it."""
+    from qwen35_fast.runtime.media import check_finite
+    image = torch.rand(2, 32, 32, 3)
+    image[1, 3, 5, 1], image[1, 7, 9, 0] = float("nan"), float("-inf")
+    with pytest.raises(Qwen35Error, match=r"^an image \(or video frame\) holds 2 NaN or infinite values of its "
+                                          r"6,144; the node that made it produced them"):
+        check_finite(image)
+    first, second = preprocess_images(image)
+    with pytest.raises(Qwen35Error, match="holds 2 NaN or infinite values of its 6,144"):
+        second.pixels  # noqa: B018  (the batch's patches are made at once, when one of them is first read)
+    check_finite(image[:1])
+    pp = read_preprocessing(None)
+    frames = torch.rand(8, 32, 32, 3)
+    index = sample_frames(8, 4.0, pp)
+    unsampled = next(i for i in range(8) if i not in index)
+    frames[unsampled, 0, 0, 0] = float("nan")
+    preprocess_video(frames, 4.0, pp).pixels  # noqa: B018
+    frames[index[1], 0, 0, 0] = float("inf")
+    with pytest.raises(Qwen35Error, match="holds 1 NaN or infinite values of its"):
+        preprocess_video(frames, 4.0, pp).pixels  # noqa: B018
+    with pytest.raises(Qwen35Error, match="holds 1 NaN or infinite values of its 3,072"):
+        preprocess_video_source(TensorSource(frames, 4.0), pp)
