@@ -520,5 +520,5 @@ def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], 
                        _recipe(layout.size, pp), origin)
 
 
-__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "to_rgb", "VisionInput", "preprocess_images",
-           "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]
+__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "to_rgb", "VisionInput",
+           "preprocess_images", "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]
