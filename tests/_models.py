@@ -75,6 +75,16 @@ def int8_rows(N: int, K: int, g: torch.Generator, device, dtype) -> tuple[torch.
     return q, (torch.rand(N, generator=g, device=device) * 0.02 / 127 + 1e-5).to(dtype)
 
 
+def peak_bytes(run):
+    """(run(), the most CUDA memory it held at once beyond what was allocated before it), the GPU idle around it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
 def poison_allocator(*shapes_dtypes, device="cuda"):
     """Leave NaN-filled blocks of these sizes in torch's caching allocator: the kernels' own outputs
     (torch.empty inside the launchers) then start as NaN, not as stale good values."""

@@ -4,7 +4,7 @@ import torch
 
 from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill_ids
 
-from _models import make_hf_model, rel, spy_graphs
+from _models import make_hf_model, peak_bytes, rel, spy_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -122,12 +122,7 @@ def test_estimate_covers_a_long_prefill(folder):
     model = load_model(folder, dtype="bf16", device="cuda")
     ids = list(torch.randint(0, 248000, (32768,), generator=torch.Generator().manual_seed(1)).tolist())
     prefill_ids(model, ids[:64])  # kernels built and workspaces made before measuring
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    pf = prefill_ids(model, ids)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    pf, peak = peak_bytes(lambda: prefill_ids(model, ids))
     print(f"prefill of 32768 tokens: peak {peak / 2**20:.0f} MiB, estimate {prefill_bytes(model, 32768) / 2**20:.0f} MiB")
     assert peak <= prefill_bytes(model, 32768)
     del pf
@@ -144,12 +139,7 @@ def test_estimate_covers_a_generation_after_a_long_prompt(folder, backend):
     greedy = SamplingParams(do_sample=False)
     generate(model, prefill_ids(model, ids[:64]), max_new_tokens=4, sampling=greedy)  # built, captured
     pf = prefill_ids(model, ids)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = generate(model, pf, max_new_tokens=48, sampling=greedy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    out, peak = peak_bytes(lambda: generate(model, pf, max_new_tokens=48, sampling=greedy))
     want = generate_bytes(model, pf.n_tokens, 48)
     print(f"{backend}: generation of {out.n_tokens} tokens: peak {peak / 2**20:.1f} MiB, estimate "
           f"{want / 2**20:.1f} MiB")
@@ -166,12 +156,8 @@ def test_a_prompt_read_in_pieces_gives_the_one_pass_logits_and_holds_less(folder
     peaks, logits = {}, {}
     for piece in (16384, 3000):
         monkeypatch.setattr(model_mod, "PREFILL_PIECE", piece)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        pf = prefill_ids(model, ids, use_cache=False)
-        torch.cuda.synchronize()
-        peaks[piece], logits[piece] = torch.cuda.max_memory_allocated() - base, pf.logits
+        pf, peaks[piece] = peak_bytes(lambda: prefill_ids(model, ids, use_cache=False))
+        logits[piece] = pf.logits
         del pf
     print(f"peak MiB: one pass {peaks[16384] / 2**20:.0f}, pieces of 3000 {peaks[3000] / 2**20:.0f}")
     assert rel(logits[3000], logits[16384]) < 2e-2

@@ -8,7 +8,7 @@ from qwen35_fast.runtime.media import preprocess_images
 from qwen35_fast.runtime.multimodal import prefill_multimodal
 from qwen35_fast.runtime.vision import VisionTower, _targets, vision_config_from_hf
 
-from _models import make_hf_model, rel, spy_graphs
+from _models import make_hf_model, peak_bytes, rel, spy_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -58,13 +58,8 @@ def test_the_tower_in_passes_gives_one_passs_tokens_and_holds_less(monkeypatch):
     out, peak = {}, {}
     for limit in (10**9, 4096):
         monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", limit)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
         with torch.inference_mode():
-            out[limit] = tower.run(pixels, grids, backend=be)
-        torch.cuda.synchronize()
-        peak[limit] = torch.cuda.max_memory_allocated() - base
+            out[limit], peak[limit] = peak_bytes(lambda: tower.run(pixels, grids, backend=be))
     assert len(tower_passes(grids, 4096)) > 2
     assert out[4096].shape == out[10**9].shape and rel(out[4096].float(), out[10**9].float()) < 1e-2
     assert peak[4096] < peak[10**9]
@@ -158,20 +153,12 @@ def test_the_estimates_cover_an_image_prompt_and_its_answer(tmp_path):
     warm = prefill_multimodal(gpu, "Warm up.", images=image[:, :128, :128])  # kernels built, workspaces made
     generate(gpu, warm, max_new_tokens=4, sampling=greedy)
     asked = []
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    pf = prefill_multimodal(gpu, "What is in this picture?", images=image, reserve=asked.append)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    pf, peak = peak_bytes(lambda: prefill_multimodal(gpu, "What is in this picture?", images=image,
+                                                     reserve=asked.append))
     assert pf.vision.vision_tokens == 384 and len(asked) == 1
     print(f"image prompt: peak {peak / 2**20:.1f} MiB, asked {asked[0] / 2**20:.1f} MiB")
     assert peak <= asked[0]
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = generate(gpu, pf, max_new_tokens=32, sampling=greedy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    out, peak = peak_bytes(lambda: generate(gpu, pf, max_new_tokens=32, sampling=greedy))
     want = generate_bytes(gpu, pf.n_tokens, 32)
     print(f"generation of {out.n_tokens} tokens: peak {peak / 2**20:.1f} MiB, estimate {want / 2**20:.1f} MiB")
     assert peak <= want
