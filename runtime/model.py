@@ -204,6 +204,11 @@ class GDNState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
 
+    def own(self) -> "GDNState":
+        """The same tensors in lists of its own (no copy): `to` on it moves what it holds, never the lists of
+        the state it came from (a Prefill's turn and the prefix cache's snapshot of that point)."""
+        return GDNState(list(self.conv), list(self.ssm), self.length, self.rope_delta)
+
     def packed(self) -> "GDNState":
         """The same state with the conv states and the recurrent states each in one flat tensor (the list
         entries views of it), so that a graphed prefill copies it in with two copies, not one a layer

@@ -84,7 +84,9 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     # itself (a prefill only reads the incoming states, so the eager pass may run on them uncopied too)
     graphed = padded_prefill(model, n, len(ids) - n) if feats is None and len(keep) <= 1 and not foreign else None
     copy = graphed is None
-    states = {n: origin} if origin is not None else {}
+    # what the prefill returns holds the states in lists of its own: moving them (ManagedModel.park) must not move
+    # the snapshot they came from or are kept as
+    states = {n: origin.own()} if origin is not None else {}
     cache = None
     try:
         if origin is None:
@@ -108,7 +110,7 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
             cache.store.pool.free(cache.seq)
         raise
     kept = [k.packed() for k in kept]  # a later graphed prefill from a snapshot copies it in at once
-    states.update(zip(keep, kept))
+    states.update((p, k.own()) for p, k in zip(keep, kept))
     if use_cache and not foreign:
         for p, state in zip(keep, kept):
             if p in points:

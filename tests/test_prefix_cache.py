@@ -53,6 +53,23 @@ def test_the_snapshots_count_in_the_model_size(model):
     assert model.size_bytes() == before - held
 
 
+def test_moving_a_prefills_states_leaves_the_snapshots_where_they_are(model):
+    """ManagedModel.park moves a listed prefill's turn to the offload device; the snapshot of the same point
+    stays on the model's device (counted there, and resumed from without a copy back). "meta" stands in for
+    the offload device on a CPU-only machine."""
+    def turn_snapshot(pf):
+        (snap,) = [s for s in model.kv.pool.snapshots if s.num_tokens == pf.turn.length]
+        return snap
+
+    for _ in range(2):  # saved by the first prefill; resumed from by the second (the same prompt)
+        pf = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+        pf.turn.to("meta")
+        assert all(t.is_meta for t in pf.turn.ssm + pf.turn.conv if t is not None)
+        snap = turn_snapshot(pf)
+        assert all(t.device == model.device for t in snap.states.ssm + snap.states.conv if t is not None)
+    assert pf.cached_tokens == pf.turn.length
+
+
 def test_a_second_question_reuses_the_system_prompt(pair, model):
     hf, _ = pair
     first = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
