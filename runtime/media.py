@@ -125,11 +125,13 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
 def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = IMAGE_MIN_PIXELS,
                  max_pixels: int = IMAGE_MAX_PIXELS, frames: int = 1, temporal_factor: int = 1) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, pixel count (times the frames, rounded to
-    `temporal_factor`) within [min_pixels, max_pixels], aspect ratio kept as well as that allows."""
+    `temporal_factor`) within [min_pixels, max_pixels], aspect ratio kept as well as that allows. A side
+    clamped to `factor` can leave a long, thin image above max_pixels, as in Qwen's processor."""
+    what = "a video's frames are" if temporal_factor > 1 else "an image is"
     if height <= 0 or width <= 0:
-        raise Qwen35Error(f"an image is {width}x{height} pixels; both sides must be at least 1")
+        raise Qwen35Error(f"{what} {width}x{height} pixels; both sides must be at least 1")
     if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise Qwen35Error(f"an image is {width}x{height} pixels: its aspect ratio is over {MAX_ASPECT}, which Qwen3.5 "
+        raise Qwen35Error(f"{what} {width}x{height} pixels: the aspect ratio is over {MAX_ASPECT}, which Qwen3.5 "
                           "does not take; crop it")
     if temporal_factor > 1:  # video frames smaller than one block are first scaled up to one
         if frames < temporal_factor:
@@ -215,7 +217,15 @@ def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """[B, 3, H, W] fp32 -> [B, 3, h, w]: bicubic with antialiasing, clamped to 0..1 as 8-bit images are."""
     if tuple(x.shape[-2:]) == tuple(size):
         return x
-    return F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+    try:
+        return F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+    except RuntimeError as e:
+        # CUDA's antialiased resize keeps a source row's filter taps in 48 KB of shared memory and refuses
+        # large reductions (a 2048 x 2048 image to a max_pixels of 1024: a factor of 64), checked before its
+        # launch: the CPU's has no such limit
+        if x.device.type == "cpu" or "shared memory" not in str(e):
+            raise
+        return _resize(x.cpu(), size).to(x.device)
 
 
 def _patchify(frames: torch.Tensor, pp: Preprocessing) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -126,8 +126,10 @@ def test_bad_input_messages():
         preprocess_images(torch.rand(0, 64, 64, 3))
     with pytest.raises(Qwen35Error, match="0 frames"):
         preprocess_video(torch.rand(0, 64, 64, 3), fps=24.0)
-    with pytest.raises(Qwen35Error, match="aspect ratio"):
+    with pytest.raises(Qwen35Error, match="an image is 400x1 pixels: the aspect ratio"):
         preprocess_images(torch.rand(1, 1, 400, 3))
+    with pytest.raises(Qwen35Error, match="a video's frames are 300x1 pixels: the aspect ratio"):
+        preprocess_video(torch.rand(4, 1, 300, 3), fps=2.0)
 
 
 @pytest.mark.parametrize("images, got", [(torch.rand(64, 48), r"\[64, 48\]"), (torch.rand(1, 1, 8, 8, 3), r"\[1, 1, 8, 8, 3\]"),
@@ -292,6 +294,19 @@ def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
     other[sample_frames(frames, fps, pp)[-1], -1, -1, -1] += 0.5
     assert preprocess_video_source(TensorSource(other, fps), pp).content_key(content_hash) != \
         want.content_key(content_hash)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("h, w, max_pixels", [(2048, 2048, 1024), (3000, 4000, 4096), (4000, 6000, 16384)])
+def test_a_reduction_too_large_for_cudas_resize_is_made_on_the_cpu(h, w, max_pixels):
+    """CUDA's antialiased bicubic refuses factors around 60 (its filter taps outgrow 48 KB of shared memory):
+    such an image is resized on the CPU, and its patches come back to the GPU."""
+    pp = read_preprocessing(None, max_pixels=max_pixels)
+    image = torch.rand(1, h, w, 3, generator=torch.Generator().manual_seed(h))
+    (got,) = preprocess_images(image.cuda(), pp, "cuda")
+    (want,) = preprocess_images(image, pp)
+    assert got.pixels.is_cuda and got.grid == want.grid
+    assert (got.pixels.cpu() - want.pixels).abs().max() < 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
