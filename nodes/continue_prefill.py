@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Prefill, cancellable, shown_again
+from .types import ModelPrefill, Qwen35Prefill, cancellable, made, running, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +67,22 @@ class Qwen35ContinuePrefill(io.ComfyNode):
             if images is not None and "<video>" in (prompt or ""):  # with images the prompt's placeholders are read
                 raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from "
                                   "the prompt, or read the video in a Qwen3.5 Multimodal Prefill and continue from it")
-            model.load()
-            # room for the new turn (its tokens and images), made once the turn is laid out
-            with cancellable():
-                pf = continue_prefill(model.model, prefill.prefill, prompt, images=images,
-                                      previous_answer=previous_answer, thinking=thinking,
-                                      max_pixels=max_pixels or None,
-                                      reserve=lambda needed: model.load(memory_required=needed))
+
+            def run():
+                parent = prefill.prefill  # (made again first where it was let go)
+                model.load()
+                # room for the new turn (its tokens and images), made once the turn is laid out
+                with cancellable():
+                    return continue_prefill(model.model, parent, prompt, images=images,
+                                            previous_answer=previous_answer, thinking=thinking,
+                                            max_pixels=max_pixels or None,
+                                            reserve=lambda needed: model.load(memory_required=needed))
+            pf = run()
         log.info("Qwen3.5 continue: %d tokens reused, %d new in %.1f ms (%s)", pf.cached_tokens, pf.new_tokens,
                  pf.ms, pf.backend)
         model.track(pf)
         if prefill.items > 1:  # one of a list: its states wait off the GPU, as its parent's (ManagedModel.park)
             model.park(pf)
-        return io.NodeOutput(ModelPrefill(model, pf, prefill.item, prefill.items),
-                             ui={"qwen35_prefill": [_stats(pf)]})
+        out = ModelPrefill(model, pf, prefill.item, prefill.items, remake=run, node=running()[1])
+        made(out.node, [out])
+        return io.NodeOutput(out, ui={"qwen35_prefill": [_stats(pf)]})

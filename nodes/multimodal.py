@@ -2,13 +2,14 @@
 runtime.prefill_multimodal; media preprocessing and the vision tower live in the runtime)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, made, running, shown_again
 from .video import video_clip
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,13 @@ def _check_per_image(images, prompt: str) -> None:
         raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
     if images.shape[0] == 0:
         raise Qwen35Error("the image batch is empty (0 images); connect an image")
+    bare = 0
     for m in PLACEHOLDER.finditer(prompt or ""):
+        bare += m.group(0).startswith("<image") and m.group(1) is None
+        if bare > 1:
+            raise Qwen35Error("the prompt has <image> twice, but in mode 'one prompt per image' each prompt holds one "
+                              f"image of the batch ({images.shape[0]} prompts); write <image> once, or choose 'all "
+                              "images in one prompt' to compare them")
         if m.group(1) is not None and int(m.group(1)) != 1:
             raise Qwen35Error(f"the prompt names <image {m.group(1)}>, but in mode 'one prompt per image' each prompt "
                               "holds one image of the batch; write <image> where it goes, or choose 'all images in "
@@ -97,13 +104,16 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             model.load()
             out, stats = [], []
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
+
+            def run(batch, bar: bool = True):
+                with cancellable(bar=bar):
+                    return prefill_multimodal(model.model, prompt, images=batch, video=clip,
+                                              system_prompt=system_prompt, thinking=thinking,
+                                              max_pixels=max_pixels or None,
+                                              reserve=lambda needed: model.load(memory_required=needed))
             for i, batch in enumerate(batches):
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
-                with cancellable(bar=bar is None):
-                    pf = prefill_multimodal(model.model, prompt, images=batch, video=clip,
-                                            system_prompt=system_prompt, thinking=thinking,
-                                            max_pixels=max_pixels or None,
-                                            reserve=lambda needed: model.load(memory_required=needed))
+                pf = run(batch, bar=bar is None)
                 note = ""
                 if pf.vision is not None and pf.vision.scaled_down:
                     per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
@@ -119,8 +129,10 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                 model.track(pf)
                 if len(batches) > 1:  # (all of the list's states would wait in VRAM for their Generate)
                     model.park(pf)
-                out.append(ModelPrefill(model, pf, item=i, items=len(batches)))
+                out.append(ModelPrefill(model, pf, item=i, items=len(batches),
+                                        remake=functools.partial(run, batch), node=running()[1]))
                 stats.append(_stats(pf, note))
                 if bar is not None:
                     bar.update(1)
+        made(running()[1], out)
         return io.NodeOutput(out, ui={"qwen35_prefill": stats})

@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, made, running, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,13 @@ class Qwen35TextPrefill(io.ComfyNode):
         with model.released_on_error():  # (a bad prompt too: the loader put the weights on the GPU already)
             ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
                                 use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
-            model.load(memory_required=prefill_bytes(model.model, len(ids)))
-            with cancellable():
-                result = prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
-                                     chat_template=use_chat_template)
+
+            def run():
+                model.load(memory_required=prefill_bytes(model.model, len(ids)))
+                with cancellable():
+                    return prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
+                                       chat_template=use_chat_template)
+            result = run()
         stats = {"n_tokens": result.n_tokens, "cached_tokens": result.cached_tokens,
                  "new_tokens": result.new_tokens, "ms": round(result.ms, 2),
                  "tokens_per_s": round(result.tokens_per_s, 1), "backend": result.backend,
@@ -84,7 +87,9 @@ class Qwen35TextPrefill(io.ComfyNode):
         log.info("Qwen3.5 prefill: %d tokens in %.1f ms (%.0f tok/s, %s)", result.n_tokens, result.ms,
                  result.tokens_per_s, result.backend)
         model.track(result)
-        return io.NodeOutput(ModelPrefill(model, result), ui={"qwen35_prefill": [stats]})
+        out = ModelPrefill(model, result, remake=run, node=running()[1])
+        made(out.node, [out])
+        return io.NodeOutput(out, ui={"qwen35_prefill": [stats]})
 
 
 class Qwen35Generate(io.ComfyNode):
@@ -171,12 +176,13 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     progress bar; returns the runtime's result and the stats the node shows."""
     from ..runtime import SamplingParams, generate
     from ..runtime.chat import THINK_CLOSE
+    from ..runtime.generate import checked_settings
     from ..runtime.memory import generate_bytes
 
     model = pf.model
     params = SamplingParams(do_sample=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty)
-    params.check()  # before the weights are moved back to the GPU for nothing
+    checked_settings(max_new_tokens, params, seed)  # before the weights are moved back to the GPU for nothing
     bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
     event = {"node": node_id, "display_node": display_node, "item": item}
 

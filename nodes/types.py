@@ -1,9 +1,10 @@
 """The values that travel on this pack's links."""
 from __future__ import annotations
 
+import logging
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import comfy.model_management as mm
 import comfy.utils
@@ -11,20 +12,87 @@ from comfy_api.latest import io
 
 from .memory import ModelHandle
 
+log = logging.getLogger(__name__)
+
 Qwen35Model = io.Custom("QWEN35_MODEL")
 Qwen35Prefill = io.Custom("QWEN35_PREFILL")
 
 
-@dataclass(frozen=True)
 class ModelPrefill:
     """A runtime Prefill and the model it belongs to. ComfyUI caches it and may hand it to many
-    Generate nodes; the runtime never changes a Prefill, so each run starts from the same state."""
-    model: ModelHandle
-    prefill: Any
-    # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
-    # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
-    item: int = 0
-    items: int = 1
+    Generate nodes; the runtime never changes a Prefill, so each run starts from the same state.
+
+    A prefill node's earlier output is let go when the node runs again (`made`): ComfyUI's default cache keeps
+    the outputs of every earlier prompt until system RAM runs short, and it cannot see that a prefill holds K/V
+    blocks and GDN states in VRAM, so each edit of a prompt would keep the last one's there. An output let go
+    keeps how to make it again (`remake`: the node's runtime call on the same inputs, which the prefix cache
+    answers from the snapshots those tokens left, up to the generation prompt), and `prefill` makes it again
+    when ComfyUI hands it on once more (the prompt edited back)."""
+
+    def __init__(self, model: ModelHandle, prefill: Any, item: int = 0, items: int = 1,
+                 remake: Optional[Callable[[], Any]] = None, node: Optional[str] = None):
+        self.model = model
+        # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
+        # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
+        self.item, self.items = item, items
+        self.node = node  # the id of the node that made it (None outside a ComfyUI run)
+        self._prefill, self._remake = prefill, remake
+
+    @property
+    def prefill(self) -> Any:
+        """The runtime Prefill, made again where this output was let go (its node ran since with other inputs)."""
+        if self._prefill is None:
+            log.info("Qwen3.5: reading a prefill of node %s again (its node has run with other inputs since; the "
+                     "prefix cache holds what it can of it)", self.node)
+            pf = self._remake()
+            self.model.track(pf)
+            if self.items > 1:
+                self.model.park(pf)
+            self._prefill = pf
+            made(self.node, [self])
+        return self._prefill
+
+    @property
+    def let_go(self) -> bool:
+        return self._prefill is None
+
+    def let_go_now(self) -> None:
+        """Drops the runtime Prefill (its blocks go back to the K/V store, where the prefix cache's snapshots keep
+        what they hold; its GDN states are freed) where it can be made again."""
+        if self._remake is not None:
+            self._prefill = None
+
+
+def running() -> tuple[Optional[str], Optional[str]]:
+    """(prompt id, node id) of the node ComfyUI is running; (None, None) outside a ComfyUI run (tests, scripts, a
+    ComfyUI without comfy_execution.utils)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return None, None
+    context = get_executing_context()
+    return (context.prompt_id, context.node_id) if context is not None else (None, None)
+
+
+# node id -> (the prompt run that made or used them, that node's live outputs, weakly)
+_LATEST: dict[str, tuple[Optional[str], list]] = {}
+
+
+def made(node: Optional[str], outputs: list[ModelPrefill]) -> None:
+    """Records `outputs` as what node's prefills are now (made by its run, or made again): the outputs of its
+    runs in earlier prompts are let go (ModelPrefill). A node that runs once per item of a list keeps every item's
+    output of this prompt."""
+    if node is None:
+        return
+    run = running()[0]
+    was, refs = _LATEST.get(node, (None, []))
+    if was != run:
+        for ref in refs:
+            old = ref()
+            if old is not None and all(old is not o for o in outputs):
+                old.let_go_now()
+        refs = []
+    _LATEST[node] = (run, refs + [weakref.ref(o) for o in outputs])
 
 
 def shown_again() -> dict:

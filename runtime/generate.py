@@ -271,15 +271,20 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
                                f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))
 
 
-def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: SamplingParams | None,
-              seed: int, on_token: OnToken | None) -> Generation:
+def checked_settings(max_new_tokens, sampling: SamplingParams | None, seed) -> tuple[int, SamplingParams, int]:
+    """A generation's settings checked, before any work (a caller may check them before loading the weights):
+    max_new_tokens as an int, the sampling parameters, the seed's 64 draw bits (draw_seed)."""
     sampling = sampling or SamplingParams()
     sampling.check()
     whole = whole_number(max_new_tokens)
     if whole is None or whole < 1:
         raise Qwen35Error(f"max_new_tokens is {max_new_tokens!r}; it must be a whole number, at least 1")
-    max_new_tokens = whole
-    seed = draw_seed(seed)  # checked before any work
+    return whole, sampling, draw_seed(seed)
+
+
+def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: SamplingParams | None,
+              seed: int, on_token: OnToken | None) -> Generation:
+    max_new_tokens, sampling, seed = checked_settings(max_new_tokens, sampling, seed)
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
     if not bool(torch.isfinite(pf.logits).all()):  # (on the host: a prefill's logits are copied there)

@@ -264,9 +264,8 @@ class KVPool:
                 raise PoolExhausted(
                     f"{what or 'this request'} needs {n} {'more ' if own else ''}K/V blocks but only {have} of the "
                     f"pool's {self.num_blocks} are free{note}; the other {held} are held{who} (in ComfyUI, the "
-                    "prefills of earlier runs that its cache keeps, "
-                    "many with --cache-lru, hold theirs until it lets them go: 'Free model and node cache'). "
-                    "Let go of some, or raise the loader's cache budget (0 grows the cache as needed)")
+                    "last output of each prefill node holds its blocks until 'Free model and node cache'). "
+                    "Raise the loader's cache budget (0 grows the cache as needed), or use fewer prefill nodes")
             while len(self._free) < n:
                 self._drop(self._next_to_evict(keep, cached))
         out = [self._free.pop() for _ in range(n)]

@@ -789,3 +789,52 @@ def test_the_nodes_show_what_the_runtime_did(pack, models_dir):
         assert done["n_tokens"] == 1 and done["finish_reason"] == "length"
     finally:
         managed.release()
+
+
+def test_a_prefill_nodes_next_run_lets_its_earlier_output_go_and_a_later_use_makes_it_again(pack, loaded):
+    """ComfyUI's default cache keeps each earlier prompt's outputs until system RAM runs short, blind to the K/V
+    blocks and GDN states a prefill holds: a prefill node's run in a later prompt lets its earlier output go (its
+    runtime Prefill freed), and that output, handed on again (the prompt edited back), is made again and answers
+    as it did. Runs over the items of a list within one prompt keep each other."""
+    import gc
+    import weakref
+
+    from comfy_execution.utils import CurrentNodeContext
+
+    def at(prompt_id, node_id):
+        return CurrentNodeContext(prompt_id, node_id)
+
+    with at("p1", "5"):
+        first = _prefill(pack, loaded, "Name three colours.")
+        listed_too = _prefill(pack, loaded, "Name three shapes.")  # the node's second list item in that prompt
+    answer = _generate(pack, first, seed=3, sampling=False)[0]
+    held = weakref.ref(first.prefill)
+    assert not first.let_go and not listed_too.let_go
+    with at("p2", "5"):
+        second = _prefill(pack, loaded, "Name three animals.")
+    gc.collect()
+    assert first.let_go and listed_too.let_go and not second.let_go and held() is None
+    with at("p3", "9"):  # a Generate handed the first output again: made again, the second let go in its place
+        assert _generate(pack, first, seed=3, sampling=False)[0] == answer
+    assert not first.let_go and second.let_go and first.prefill.n_tokens == len(first.prefill.token_ids)
+    # outside a ComfyUI run (scripts, the tests above) nothing is let go
+    assert not _prefill(pack, loaded, "Name three trees.").let_go and not first.let_go
+
+
+def test_a_continue_let_go_with_its_parent_is_made_again_after_it(pack, loaded):
+    from comfy_execution.utils import CurrentNodeContext
+
+    def run(prompt_id, parent_prompt):
+        with CurrentNodeContext(prompt_id, "5"):
+            parent = _prefill(pack, loaded, parent_prompt)
+        with CurrentNodeContext(prompt_id, "6"):
+            return parent, pack.Qwen35ContinuePrefill.execute(prefill=parent, prompt="And three more?", images=None,
+                                                              previous_answer="Red, green, blue.", thinking=False,
+                                                              max_pixels=0)[0]
+    parent, child = run("p1", "Name three colours.")
+    answer = _generate(pack, child, seed=1, sampling=False)[0]
+    run("p2", "Name three animals.")
+    assert parent.let_go and child.let_go
+    with CurrentNodeContext("p3", "7"):
+        assert _generate(pack, child, seed=1, sampling=False)[0] == answer
+    assert not parent.let_go and not child.let_go

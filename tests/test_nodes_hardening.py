@@ -326,9 +326,12 @@ def test_bad_settings_do_not_bring_the_weights_back(pack, models_dir, comfy, sti
     try:
         pf = _prefill(pack, model)
         model.release()  # unloaded, as after "Unload models"
-        with pytest.raises(Qwen35Error, match="top_p 0.0"):
-            listed(pack.Qwen35Generate, prefill=pf, max_new_tokens=3, sampling=True, temperature=0.9, top_k=50,
-                   top_p=0.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)
-        assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
+        for bad, message in [(dict(top_p=0.0), "top_p 0.0"), (dict(seed=1.5), "seed is 1.5"),
+                             (dict(max_new_tokens=0), "max_new_tokens is 0")]:
+            settings = dict(max_new_tokens=3, sampling=True, temperature=0.9, top_k=50, top_p=0.95, min_p=0.0,
+                            repetition_penalty=1.0, presence_penalty=0.0, seed=0)
+            with pytest.raises(Qwen35Error, match=message):
+                listed(pack.Qwen35Generate, prefill=pf, **{**settings, **bad})
+            assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
     finally:
         model.release()

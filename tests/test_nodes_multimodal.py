@@ -267,6 +267,9 @@ def test_one_prompt_per_image_names_one_image_a_prompt(pack, loaded):
     with pytest.raises(Qwen35Error, match=r"names <image 2>, but in mode 'one prompt per image' each prompt holds "
                                           r"one image.*write <image>"):
         _run(pack, loaded, images=images, mode="one prompt per image", prompt="Compare <image> and <image 2>.")
+    with pytest.raises(Qwen35Error, match=r"the prompt has <image> twice, but in mode 'one prompt per image' each "
+                                          r"prompt holds one image of the batch \(2 prompts\); write <image> once"):
+        _run(pack, loaded, images=images, mode="one prompt per image", prompt="Compare <image> and <image>.")
     out = _run(pack, loaded, images=images, mode="one prompt per image", prompt="What is in <image 1>?")
     assert len(out[0]) == 2
     with pytest.raises(Qwen35Error, match=r"more <image> placeholders than the 0 image\(s\) connected; connect more "
