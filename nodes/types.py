@@ -36,6 +36,7 @@ class ModelPrefill:
         # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
         self.item, self.items = item, items
         self.node = node  # the id of the node that made it (None outside a ComfyUI run)
+        self.made_in = running()[0]  # the prompt it was made in (None outside a ComfyUI run)
         self._prefill, self._remake = prefill, remake
 
     @property
@@ -48,7 +49,7 @@ class ModelPrefill:
             self.model.track(pf)
             if self.items > 1:
                 self.model.park(pf)
-            self._prefill = pf
+            self._prefill, self.made_in = pf, running()[0]
             made(self.node, [self])
         return self._prefill
 

@@ -838,3 +838,16 @@ def test_a_continue_let_go_with_its_parent_is_made_again_after_it(pack, loaded):
     with CurrentNodeContext("p3", "7"):
         assert _generate(pack, child, seed=1, sampling=False)[0] == answer
     assert not parent.let_go and not child.let_go
+
+
+def test_the_first_token_counts_the_prompts_time_only_in_the_run_that_read_it(pack, loaded):
+    from comfy_execution.utils import CurrentNodeContext
+
+    with CurrentNodeContext("p1", "5"):
+        pf = _prefill(pack, loaded)
+    runtime_pf = pf.prefill
+    pf._prefill = type(runtime_pf)(**{**runtime_pf.__dict__, "ms": 5000.0})  # a prompt that took 5 s to read
+    with CurrentNodeContext("p1", "9"):  # the same run: the wait for the first token was the prompt's and more
+        assert _generate(pack, pf, max_new_tokens=2).ui["qwen35_generate"][0]["first_token_ms"] >= 5000.0
+    with CurrentNodeContext("p2", "9"):  # a later run (a new seed): ComfyUI's cache gave the prefill, at no cost
+        assert _generate(pack, pf, max_new_tokens=2, seed=1).ui["qwen35_generate"][0]["first_token_ms"] < 5000.0
