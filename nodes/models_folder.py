@@ -18,11 +18,12 @@ from pathlib import Path
 
 import folder_paths
 
+from ..runtime.checkpoint import SAFETENSORS_SUFFIXES
+
 log = logging.getLogger(__name__)
 
 LLM = "LLM"
 TEXT_ENCODERS = "text_encoders"
-WEIGHT_SUFFIXES = (".safetensors",)
 MAX_DEPTH = 3
 
 
@@ -100,7 +101,7 @@ def _scan_llm(base: Path, rel: Path = Path(), depth: int = 0):
                     yield (rel / entry.name).as_posix(), path
             elif depth + 1 < MAX_DEPTH:
                 yield from _scan_llm(base, rel / entry.name, depth + 1)
-        elif path.suffix in WEIGHT_SUFFIXES and _is_qwen35_file(path):
+        elif path.suffix in SAFETENSORS_SUFFIXES and _is_qwen35_file(path):
             yield (rel / entry.name).as_posix(), path
 
 
@@ -126,7 +127,7 @@ def available_models() -> dict[str, Path]:
         log.exception("Qwen3.5: cannot list models/text_encoders")
         names = []
     for name in names:
-        if name.endswith(WEIGHT_SUFFIXES) and name not in found:
+        if name.endswith(SAFETENSORS_SUFFIXES) and name not in found:
             full = folder_paths.get_full_path(TEXT_ENCODERS, name)
             if full and _is_qwen35_file(Path(full)):
                 found[name] = Path(full)
@@ -160,8 +161,8 @@ def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int
     from ..runtime.checkpoint import read_header
     from ..runtime.errors import Qwen35Error
     try:
-        from ..runtime.checkpoint import weight_files
-        files = [path] if path.is_file() else [p for p in weight_files(path) if p.is_file()]
+        from ..runtime.checkpoint import checkpoint_files
+        files = [path] if path.is_file() else [p for p in checkpoint_files(path) if p.is_file()]
         return sum(math.prod(t["shape"]) * (1 if int8 and len(t["shape"]) == 2 and "visual." not in name
                                              else element_bytes)
                    for f in files for name, t in read_header(f).items())

@@ -21,6 +21,7 @@ from .errors import Qwen35Error
 log = logging.getLogger(__name__)
 
 # Where the text model's tensors live in the files people have, most specific first.
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # (ComfyUI lists .sft files as safetensors too)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "language_model.", "model.", "")
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
@@ -334,6 +335,12 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
         dtypes[key] = meta["dtype"]
     if not qwen35:
         return tensors, shapes, other, {}  # the caller says what this is instead
+    if "embed_tokens.weight" not in shapes:  # a Qwen3.5 model under a prefix of its own (ComfyUI's Save CLIP writes one)
+        emb = min(n for n in other if n.endswith("embed_tokens.weight"))
+        raise Qwen35Error(f"{source}: the text model's weights are stored under the prefix "
+                          f"{emb[:-len('embed_tokens.weight')]!r}, which the loader does not read (it reads "
+                          f"{', '.join(repr(p) for p in TEXT_PREFIXES if p)} or none); use the checkpoint as released, "
+                          "or re-save the text model under 'model.language_model.'")
     for key, dtype in dtypes.items():
         if dtype not in LOADABLE_DTYPES and tensors[key][1] not in fp8:
             raise Qwen35Error(f"{source}: tensor {tensors[key][1]!r} is {dtype}; Qwen3.5 weights load from "
@@ -479,7 +486,7 @@ def read_config(cfg_file: Path) -> dict:
     if cfg.get("model_type") == "qwen3_5" and not isinstance(cfg.get("text_config", {}), dict):
         raise Qwen35Error(f"{cfg_file}: text_config is {cfg['text_config']!r}, not an object of settings; "
                           "re-download it")
-    if "quantization_config" in cfg:
+    if cfg.get("quantization_config") is not None:  # (null: not quantized)
         what = _unloadable_quantization(cfg["quantization_config"])
         if what:
             raise Qwen35Error(f"{cfg_file}: a quantized checkpoint (quantization_config: {what}); of the quantized "
@@ -548,6 +555,13 @@ def name_inside(name: str) -> bool:
     return not any(p.drive or p.root or ".." in p.parts for p in (PurePosixPath(name), PureWindowsPath(name)))
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The weight files of a checkpoint folder the loader reads: those its model.safetensors.index.json names (a
+    consolidated file or older shards beside them are not read), else every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    return _index_files(folder, index) if index.exists() else weight_files(folder)
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The *.safetensors files of a folder, without the "._" companions macOS writes beside files it copies to
     drives of other file systems (and other dot files)."""
@@ -564,7 +578,7 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{path}: not a regular file or a folder; point the loader at a checkpoint folder or a "
                           ".safetensors file")
     if path.is_file():
-        if path.suffix != ".safetensors":
+        if path.suffix not in SAFETENSORS_SUFFIXES:
             raise Qwen35Error(f"{path}: only .safetensors weights are loaded (never pickle .bin/.pt/.ckpt); "
                               "convert the file to safetensors")
         tensors, shapes, other, fp8 = _collect([path])
@@ -599,17 +613,13 @@ def locate(path: str | Path) -> Checkpoint:
     extra = set(generation_eos(path / "generation_config.json")) - set(config.eos_token_ids)
     if extra:
         config = replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | extra)))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = _index_files(path, index)
-        absent = [f.name for f in files if not f.exists()]
-        if absent:
-            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-            raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}{more}, "
-                              f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is incomplete: "
-                              "download the missing files again")
-    else:
-        files = weight_files(path)
+    files = checkpoint_files(path)
+    absent = [f.name for f in files if not f.exists()] if (path / "model.safetensors.index.json").exists() else []
+    if absent:
+        more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+        raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}{more}, "
+                          f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is incomplete: "
+                          "download the missing files again")
     if not files:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""

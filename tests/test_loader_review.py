@@ -268,3 +268,47 @@ def test_a_tower_without_blocks_leaves_the_text_model_with_a_note(tmp_path):
     model = load_model(tmp_path / "partial.safetensors", dtype="fp32", device="cpu")
     assert model.vision is None
     assert "blocks" in model.vision_note and "text prompts still work" in model.vision_note
+
+
+# --- 5. what a checkpoint's files and config may hold ---------------------------------------------------------------
+
+def _text_tensors(folder) -> dict:
+    """The folder's text-model tensors, named as in it (model.language_model.*)."""
+    out = {}
+    for f in checkpoint_mod.checkpoint_files(folder):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys() if k.startswith("model.language_model.")})
+    return out
+
+
+def test_a_null_quantization_config_is_not_a_quantized_checkpoint(folder, tmp_path):
+    linked = _linked(folder, tmp_path / "ck")
+    cfg = json.loads((folder / "config.json").read_text())
+    (linked / "config.json").unlink()
+    (linked / "config.json").write_text(json.dumps({**cfg, "quantization_config": None}))
+    assert checkpoint_mod.locate(linked).config == checkpoint_mod.locate(folder).config
+
+
+def test_only_the_files_the_index_names_are_read_or_counted(folder, tmp_path):
+    """A consolidated file left beside the shards (an older download) is neither read nor counted in the memory
+    a load asks ComfyUI to free (nodes.models_folder.weights_bytes takes checkpoint_files)."""
+    linked = _linked(folder, tmp_path / "ck")
+    shards = checkpoint_mod.checkpoint_files(folder)
+    save_file(_text_tensors(folder), str(linked / "model.safetensors"))
+    assert len(shards) > 1 and checkpoint_mod.checkpoint_files(linked) == [linked / f.name for f in shards]
+    assert {f.name for f, _ in checkpoint_mod.locate(linked).tensors.values()} <= {f.name for f in shards}
+
+
+def test_a_sft_file_loads_and_an_unknown_prefix_is_named(folder, tmp_path):
+    """ComfyUI lists .sft files as safetensors; its Save CLIP node writes a text encoder under a prefix of its own,
+    which the loader does not read: the message names that prefix (not "no attention weights")."""
+    tensors = _text_tensors(folder)
+    single = tmp_path / "qwen35.sft"
+    save_file(tensors, str(single))
+    assert checkpoint_mod.locate(single).config.num_hidden_layers == checkpoint_mod.locate(folder).config.num_hidden_layers
+    prefixed = tmp_path / "clip_save.safetensors"
+    save_file({"qwen35_2b.transformer.model." + k[len("model.language_model."):]: t for k, t in tensors.items()},
+              str(prefixed))
+    with pytest.raises(Qwen35Error, match=r"clip_save.safetensors: the text model's weights are stored under the "
+                                          r"prefix 'qwen35_2b.transformer.model.', which the loader does not read"):
+        checkpoint_mod.locate(prefixed)
