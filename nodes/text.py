@@ -190,10 +190,13 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
         mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
         bar.update_absolute(n_done, total)
         # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
-        _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time()})
+        # (thinking in every event: a page reloaded mid-answer lays the answer out from any of them)
+        _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time(),
+                              "thinking": thinking})
 
+    thinking = pf.prefill.thinking
     _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
-                          "thinking": pf.prefill.thinking})
+                          "thinking": thinking})
     model.load(memory_required=generate_bytes(model.model, pf.prefill.n_tokens, max_new_tokens))
     result = generate(model.model, pf.prefill, max_new_tokens=max_new_tokens, sampling=params, seed=seed,
                       on_token=on_token)

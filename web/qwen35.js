@@ -165,6 +165,15 @@ function onStream(view, d) {
     showAnswer(view, "", withEarlier(view, ""), true);
     return;
   }
+  if (view.promptId !== d.prompt_id) {
+    // joined mid-answer (the page reloaded while it streamed): lay the view out for this run from here on
+    view.promptId = d.prompt_id;
+    view.done = [];
+    view.raw = "";
+    view.sawEnd = false;
+    view.expectThinking = !!d.thinking;
+    view.thinking.open = view.expectThinking;
+  }
   view.raw += d.delta;
   view.stats.textContent = `${d.n} / ${d.max} tokens`;
   if (view.expectThinking && !view.sawEnd && view.raw.includes(THINK_END)) {

@@ -64,6 +64,9 @@ def _in_browser(env, body):
     return asyncio.run(run())
 
 
+GENERATE_VIEW = "app.graph.nodes.find(n => n.type === 'Qwen35Generate').qwen35"
+
+
 def _one_long_answer() -> dict:
     """The two-seeds example with one Generate: an answer long enough to cancel while it streams."""
     workflow = load_workflow("qwen35_one_prefill_two_seeds.json")
@@ -174,6 +177,31 @@ def test_thinking_is_folded_away_in_the_browser(browser_env):
     assert state["hidden"] == (not outputs[gen]["thinking"][0])
 
 
+def test_a_page_reloaded_while_it_thinks_keeps_the_thinking_apart(browser_env):
+    """The page reloaded while a thinking answer streams (the same tab: ComfyUI keeps its client id, so the rest of
+    the stream comes to the new page, which never saw the answer's first event): the rest of the thinking goes on
+    into the folded-open Thinking panel, not into the answer."""
+    async def body(page):
+        thinking = load_workflow("qwen35_thinking.json")
+        await _load(page, thinking, max_new_tokens=5000)
+        await _set_widget(page, "Qwen35Generate", "seed", "9191")
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(f"() => {GENERATE_VIEW}.thinkingText.textContent.length > 20", timeout=180_000)
+        await page.reload()
+        await page.wait_for_function("() => !!window.app?.graph?.nodes.find(n => n.type === 'Qwen35Generate')?.qwen35",
+                                     timeout=120_000)
+        await page.wait_for_function(f"() => {GENERATE_VIEW}.thinkingText.textContent.length > 20", timeout=120_000)
+        state = await page.evaluate(f"""() => {{ const v = {GENERATE_VIEW};
+            return {{thinking: v.thinkingText.textContent, answer: v.answer.textContent, hidden: v.thinking.hidden,
+                     open: v.thinking.open}}; }}""")
+        await asyncio.to_thread(browser_env.post, "/interrupt", {})
+        return state
+
+    state = _in_browser(browser_env, body)
+    assert not state["hidden"] and state["open"], state
+    assert "</think>" in state["answer"] or not state["answer"].strip(), state  # (random weights rarely end it)
+
+
 def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
     async def body(page):
         await _load(page, _one_long_answer(), max_new_tokens=5000)
@@ -217,9 +245,6 @@ def test_a_generate_node_inside_a_subgraph_streams_and_stops(browser_env):
     state = _in_browser(browser_env, body)
     assert state["answer"].strip() and not state["streaming"]
     assert state["stats"].startswith("stopped after "), state["stats"]
-
-
-GENERATE_VIEW = "app.graph.nodes.find(n => n.type === 'Qwen35Generate').qwen35"
 
 
 async def _open_tab(page, max_new_tokens: int, seed: int) -> str:
