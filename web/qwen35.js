@@ -300,6 +300,9 @@ function findNode(id) {
 // writes into the shown graph's node, as ComfyUI's own `executed` handler does.
 const queuedBy = new Map(); // prompt_id -> the workflow (the front end's object) that queued it, until it ends
 const kept = new WeakMap(); // workflow -> Map(node execution id -> view): its panels while other tabs are shown
+// workflow -> Set(node id): ids under which ComfyUI's own handler stored another workflow's output in this one's
+// output store (it writes a run's outputs into the shown graph's store by id), never to be shown from there
+const foreign = new WeakMap();
 let running = null; // the prompt_id of the run going on: onExecuted is not told which run its output is from
 
 function shownWorkflow() {
@@ -365,6 +368,13 @@ app.registerExtension({
     // ComfyUI's handler has called onExecuted on the shown graph's node with this id; a run tied to a workflow
     // writes here instead (onExecuted skips it), into that workflow's node.
     api.addEventListener("executed", ({ detail }) => {
+      const shown = shownWorkflow(), id = String(detail.display_node || detail.node);
+      if (shown) {
+        if (!foreign.has(shown)) foreign.set(shown, new Set());
+        const by = queuedBy.get(detail.prompt_id);
+        if (by && by !== shown) foreign.get(shown).add(id);
+        else foreign.get(shown).delete(id);
+      }
       if (!queuedBy.has(detail.prompt_id)) return;
       const view = viewFor(detail.prompt_id, detail.display_node || detail.node, () => makeViewFor(detail.output));
       if (view) showOutput(view, detail.output);
@@ -379,9 +389,18 @@ app.registerExtension({
     api.addEventListener("execution_error", ended("failed"));
     api.addEventListener("execution_success", ended(null));
   },
-  // Called when a tab is shown again (the front end restores its outputs): its panels come back as they were.
-  onNodeOutputsUpdated() {
+  // Called when a tab is shown again (the front end restores its outputs): its panels come back as they were; and
+  // when a past job is opened again (its graph and outputs): a panel this page kept nothing for shows its output.
+  onNodeOutputsUpdated(outputs) {
     adoptKept();
+    const skip = foreign.get(shownWorkflow());
+    for (const node of app.graph?.nodes ?? []) {
+      const view = node.qwen35, output = outputs?.[String(node.id)];
+      if (!view || !output || skip?.has(String(node.id)) || streamingViews.has(view)) continue;
+      const blank = view.kind === "generate" ? !view.answer.textContent && !view.stats.textContent
+        : !view.stats.textContent;
+      if (blank) showOutput(view, output);
+    }
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const setup = SETUP[nodeData.name];

@@ -202,6 +202,32 @@ def test_a_page_reloaded_while_it_thinks_keeps_the_thinking_apart(browser_env):
     assert "</think>" in state["answer"] or not state["answer"].strip(), state  # (random weights rarely end it)
 
 
+def test_a_past_job_opened_again_shows_its_outputs_on_the_panels(browser_env):
+    """What opening a past job does (the front end loads its graph, then hands its outputs to the extensions'
+    onNodeOutputsUpdated through app.nodeOutputs): the loader, prefill and Generate panels show them, as ComfyUI's
+    own nodes show theirs."""
+    async def body(page):
+        await _load(page, load_workflow("qwen35_thinking.json"), max_new_tokens=8)
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function(f"() => {GENERATE_VIEW}.stats.textContent.includes('decode')", timeout=300_000)
+        job = next(iter((await asyncio.to_thread(browser_env.get, "/history?max_items=1")).values()))
+        await page.evaluate("wf => app.loadGraphData(wf)", job["prompt"][3]["extra_pnginfo"]["workflow"])
+        await page.wait_for_timeout(300)
+        blank = await page.evaluate(f"() => {GENERATE_VIEW}.answer.textContent")
+        await page.evaluate("outputs => { app.nodeOutputs = outputs; }", job["outputs"])
+        panels = await page.evaluate("""() => app.graph.nodes.filter(n => n.qwen35).map(n => ({type: n.type,
+            stats: n.qwen35.stats.textContent, answer: n.qwen35.answer?.textContent}))""")
+        return blank, panels, job["outputs"]
+
+    blank, panels, outputs = _in_browser(browser_env, body)
+    assert blank == "", "a graph loaded anew starts with blank panels"
+    by_type = {p["type"]: p for p in panels}
+    assert set(by_type) == {"Qwen35ModelLoader", "Qwen35TextPrefill", "Qwen35Generate"}
+    assert all(p["stats"] for p in panels), panels
+    text = next(out["text"][0] for out in outputs.values() if "qwen35_generate" in out)
+    assert by_type["Qwen35Generate"]["answer"] == text
+
+
 def test_cancel_leaves_the_partial_answer_marked_stopped(browser_env):
     async def body(page):
         await _load(page, _one_long_answer(), max_new_tokens=5000)
