@@ -287,26 +287,37 @@ class WeightReader:
         return dequantize(t, scale, how.block, dtype)
 
 
-def _strip(name: str) -> str | None:
+def _strip(name: str, prefixes: tuple[str, ...] = TEXT_PREFIXES) -> str | None:
     """Text-model name of a tensor, or None for tensors the text model does not use."""
     if name.startswith(IGNORED_PREFIXES):
         return None
-    if name.endswith("lm_head.weight") and name[:-len("lm_head.weight")] in TEXT_PREFIXES:
+    beside = name[:-len("lm_head.weight")]
+    if name.endswith("lm_head.weight") and any(beside in (p, p.removesuffix("model.")) for p in prefixes):
         return "lm_head.weight"  # beside the text model's prefix (ComfyUI's own name: model.lm_head.weight)
-    for p in TEXT_PREFIXES:
+    for p in prefixes:
         if name.startswith(p) and name[len(p):].split(".")[0] in ("embed_tokens", "layers", "norm"):
             return name[len(p):]
     return None
 
 
-def _text_or_its_fp8(name: str) -> bool:
+def _prefixes_of(names) -> tuple[str, ...]:
+    """The prefixes the text model's names may have in a file: TEXT_PREFIXES, or where none of those holds its
+    embed_tokens, the one before it (ComfyUI's Save CLIP writes <encoder>.transformer.model.layers.*, with
+    <encoder>.transformer.lm_head.weight beside it)."""
+    embeds = sorted(n for n in names if n.endswith("embed_tokens.weight") and not n.startswith(IGNORED_PREFIXES))
+    if not embeds or any(_strip(n) == "embed_tokens.weight" for n in embeds):
+        return TEXT_PREFIXES
+    return (embeds[0][:-len("embed_tokens.weight")],)
+
+
+def _text_or_its_fp8(name: str, prefixes: tuple[str, ...] = TEXT_PREFIXES) -> bool:
     """A text-model tensor, an FP8 scale or note of one, or a scaled_fp8 marker."""
     stem, _, suffix = name.rpartition(".")
     if suffix in FP8_MARKERS:
         return True
     if suffix in FP8_SCALES or suffix in FP8_SIDE:
-        return _strip(stem + ".weight") is not None
-    return _strip(name) is not None
+        return _strip(stem + ".weight", prefixes) is not None
+    return _strip(name, prefixes) is not None
 
 
 def _collect(files: list[Path], block: tuple[int, int] | None = None):
@@ -321,12 +332,13 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
             entries[name] = (file, meta)
     source = files[0] if len(files) == 1 else files[0].parent
     qwen35 = _is_qwen35(entries)
+    prefixes = _prefixes_of(entries)
     side, fp8 = set(), {}
     if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
-        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n)}, source, block)
+        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n, prefixes)}, source, block)
     tensors, shapes, other, dtypes = {}, {}, {}, {}
     for name, (file, meta) in entries.items():
-        key = None if name in side else _strip(name)
+        key = None if name in side else _strip(name, prefixes)
         if key is None:
             other[name] = (file, meta)
             continue
@@ -335,12 +347,6 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
         dtypes[key] = meta["dtype"]
     if not qwen35:
         return tensors, shapes, other, {}  # the caller says what this is instead
-    if "embed_tokens.weight" not in shapes:  # a Qwen3.5 model under a prefix of its own (ComfyUI's Save CLIP writes one)
-        emb = min(n for n in other if n.endswith("embed_tokens.weight"))
-        raise Qwen35Error(f"{source}: the text model's weights are stored under the prefix "
-                          f"{emb[:-len('embed_tokens.weight')]!r}, which the loader does not read (it reads "
-                          f"{', '.join(repr(p) for p in TEXT_PREFIXES if p)} or none); use the checkpoint as released, "
-                          "or re-save the text model under 'model.language_model.'")
     for key, dtype in dtypes.items():
         if dtype not in LOADABLE_DTYPES and tensors[key][1] not in fp8:
             raise Qwen35Error(f"{source}: tensor {tensors[key][1]!r} is {dtype}; Qwen3.5 weights load from "

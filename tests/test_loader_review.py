@@ -299,16 +299,25 @@ def test_only_the_files_the_index_names_are_read_or_counted(folder, tmp_path):
     assert {f.name for f, _ in checkpoint_mod.locate(linked).tensors.values()} <= {f.name for f in shards}
 
 
-def test_a_sft_file_loads_and_an_unknown_prefix_is_named(folder, tmp_path):
-    """ComfyUI lists .sft files as safetensors; its Save CLIP node writes a text encoder under a prefix of its own,
-    which the loader does not read: the message names that prefix (not "no attention weights")."""
+def test_a_sft_file_and_a_text_model_under_a_prefix_of_its_own_load(folder, tmp_path):
+    """ComfyUI lists .sft files as safetensors; its Save CLIP node writes a text encoder under a prefix of its own
+    (<encoder>.transformer.model.*, lm_head beside it): both map the folder's text weights."""
     tensors = _text_tensors(folder)
+    tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"].clone()  # (untied, for the test)
+    want = {k: (f.name, n) for k, (f, n) in checkpoint_mod.locate(folder).tensors.items()}
     single = tmp_path / "qwen35.sft"
     save_file(tensors, str(single))
-    assert checkpoint_mod.locate(single).config.num_hidden_layers == checkpoint_mod.locate(folder).config.num_hidden_layers
     prefixed = tmp_path / "clip_save.safetensors"
-    save_file({"qwen35_2b.transformer.model." + k[len("model.language_model."):]: t for k, t in tensors.items()},
-              str(prefixed))
-    with pytest.raises(Qwen35Error, match=r"clip_save.safetensors: the text model's weights are stored under the "
-                                          r"prefix 'qwen35_2b.transformer.model.', which the loader does not read"):
-        checkpoint_mod.locate(prefixed)
+    save_file({k.replace("model.language_model.", "qwen35_2b.transformer.model.").replace(
+        "lm_head.", "qwen35_2b.transformer.lm_head."): t for k, t in tensors.items()}, str(prefixed))
+    for file in (single, prefixed):
+        ck = checkpoint_mod.locate(file)
+        assert set(ck.tensors) == set(want) | {"lm_head.weight"}
+        assert ck.config.num_hidden_layers == checkpoint_mod.locate(folder).config.num_hidden_layers
+    names = checkpoint_mod.locate(prefixed).tensors
+    assert names["lm_head.weight"][1] == "qwen35_2b.transformer.lm_head.weight"
+    assert names["layers.0.mlp.down_proj.weight"][1] == "qwen35_2b.transformer.model.layers.0.mlp.down_proj.weight"
+    from qwen35_fast.runtime import prefill_ids
+    logits = [prefill_ids(load_model(f, dtype="fp32", device="cpu"), [1, 5, 9, 200], use_cache=False).logits
+              for f in (single, prefixed)]
+    assert torch.equal(*logits)
