@@ -185,6 +185,7 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     checked_settings(max_new_tokens, params, seed)  # before the weights are moved back to the GPU for nothing
     bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
     event = {"node": node_id, "display_node": display_node, "item": item}
+    thinking = pf.prefill.thinking
 
     def on_token(delta: str, n_done: int, total: int):
         mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
@@ -194,7 +195,6 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
         _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time(),
                               "thinking": thinking})
 
-    thinking = pf.prefill.thinking
     _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                           "thinking": thinking})
     model.load(memory_required=generate_bytes(model.model, pf.prefill.n_tokens, max_new_tokens))

@@ -151,28 +151,29 @@ function withEarlier(view, answer) {
   return [...view.done, answer].map((t, i) => `[${i + 1}] ${t}`).join("\n\n");
 }
 
+// The view laid out for the answer event d begins (every stream event says whether the answer thinks).
+function startAnswer(view, d) {
+  view.promptId = d.prompt_id; // a cancel or an error of this run stops it
+  view.raw = "";
+  view.sawEnd = false;
+  view.expectThinking = !!d.thinking;
+  view.thinking.open = view.expectThinking; // watch the thinking while it is written; fold it after
+}
+
 function onStream(view, d) {
   if (d.n === 0) {
     // the next answer of a list of prefills keeps the finished ones; a new run starts afresh
     if ((d.item ?? 0) > 0 && view.promptId === d.prompt_id) view.done.push(streamed(view)[1].trim());
     else view.done = [];
-    view.promptId = d.prompt_id; // a cancel or an error of this run stops it
-    view.raw = "";
-    view.sawEnd = false;
-    view.expectThinking = !!d.thinking;
+    startAnswer(view, d);
     view.stats.textContent = `generating (max ${d.max} tokens)…`;
-    view.thinking.open = view.expectThinking; // watch the thinking while it is written; fold it after
     showAnswer(view, "", withEarlier(view, ""), true);
     return;
   }
   if (view.promptId !== d.prompt_id) {
-    // joined mid-answer (the page reloaded while it streamed): lay the view out for this run from here on
-    view.promptId = d.prompt_id;
+    // joined mid-answer (the page reloaded while it streamed): laid out for this run from here on
     view.done = [];
-    view.raw = "";
-    view.sawEnd = false;
-    view.expectThinking = !!d.thinking;
-    view.thinking.open = view.expectThinking;
+    startAnswer(view, d);
   }
   view.raw += d.delta;
   view.stats.textContent = `${d.n} / ${d.max} tokens`;
@@ -376,7 +377,7 @@ app.registerExtension({
         else foreign.get(shown).delete(id);
       }
       if (!queuedBy.has(detail.prompt_id)) return;
-      const view = viewFor(detail.prompt_id, detail.display_node || detail.node, () => makeViewFor(detail.output));
+      const view = viewFor(detail.prompt_id, id, () => makeViewFor(detail.output));
       if (view) showOutput(view, detail.output);
     });
     // a run ended; a cancel or an error stops its streaming panels (in every tab), keeping their text
