@@ -79,6 +79,7 @@ class GraphedDecode:
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)
         self.slot = DecodeSlot(cache.store.pool.blocks_for(max(most, cache.capacity)), dev)
         self.slot.set_blocks(cache.seq.blocks)
+        model.start_states(cache)  # an empty cache's zero states, here: the warm-up steps them and restore() resets
         states = [t for t in cache.conv + cache.ssm if t is not None]
         saved = [t.clone() for t in states]
         self.slot.set(cache.length)

@@ -676,6 +676,18 @@ class Qwen35Model(nn.Module):
         cache.reserve(capacity)
         return cache
 
+    def start_states(self, cache: Cache) -> None:
+        """Zero GDN states for a cache that has none yet (an empty one, new_cache): a decode step updates its
+        states in place, where a prefill starts from None (zeros) and makes them."""
+        c = self.config
+        for i, blk in enumerate(self.blocks):
+            if blk.kind == LINEAR and cache.conv[i] is None:
+                cache.conv[i] = torch.zeros(1, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype,
+                                            device=self.device)
+            if blk.kind == LINEAR and cache.ssm[i] is None:
+                cache.ssm[i] = torch.zeros(1, c.linear_num_value_heads, c.linear_key_head_dim,
+                                           c.linear_value_head_dim, dtype=torch.float32, device=self.device)
+
     def _kv_step(self, cache: Cache, start: int, T: int) -> KVStep:
         """The K/V addressing of T new tokens after `start` cached ones (blocks reserved for them). With nothing
         cached: SDPA among the new tokens (its causal cuDNN kernel beats the paged one there,
@@ -766,6 +778,7 @@ class Qwen35Model(nn.Module):
         if kv.slots is not None:  # an empty cache: nothing to attend to but the token itself
             kv = KVStep(table=cache.store.table(cache.seq), lens=torch.zeros(1, dtype=torch.int32, device=self.device),
                         cu_q=torch.tensor([0, 1], dtype=torch.int32, device=self.device))
+            self.start_states(cache)
         h = self._layers(embedding(ids[:, None], self.embed), cache, True, kv)
         cache.length += 1
         return self.logits(h[:, 0])

@@ -1,7 +1,8 @@
 """The runtime's bookkeeping that other tests only pass through: blocks going back with dropped prefills, the
 prefix cache's states moving with the model, the checkpoint stamp covering every file, the raw prompt keeping its
 system prompt, the vocabulary's last id, the first token's time, long texts with multi-word added tokens, FP8 files
-with 64 x 64 blocks, out of memory while a device is checked, and the estimate of a follow-up over a long context.
+with 64 x 64 blocks, out of memory while a device is checked, the estimate of a follow-up over a long context,
+and a decode step from an empty cache.
 Each was a one-line change no test saw (mutation runs)."""
 import gc
 import json
@@ -199,3 +200,13 @@ def test_the_prefill_flop_floor_counts_what_the_prefill_multiplies(tmp_path, tie
         attention = full * 4 * c.num_attention_heads * c.head_dim * T * (T + 1) // 2
         assert m.flops(T) - attention == mm, T
     assert m.flops(16, logits=3) - m.flops(16) == 2 * 2 * c.vocab_size * c.hidden_size
+
+
+def test_decoding_from_an_empty_cache_equals_the_prefill(model):
+    """forward_decode on a new cache (no tokens, no GDN states yet) starts from zero states, as a prefill does."""
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = model.forward_prefill(ids, model.new_cache(1, 9))
+    cache = model.new_cache(1, 9)
+    for t in range(9):
+        got = model.forward_decode(ids[0, t:t + 1], cache)
+    assert cache.length == 9 and torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
