@@ -84,14 +84,16 @@ class FileVideo:
         self.video = video
         self.name = _name(video)
         with _readable(self.name):
+            # a stream without an average rate: get_frame_rate's estimate (frames / duration), where get_components
+            # says 1 fps (a 30 fps clip would be sampled as if 30 times longer: 15x the frames, wrong timestamps)
             self.fps = float(video.get_frame_rate())
-        self.start, self.duration = video.get_active_trim_window()
+            self.start, self.duration = video.get_active_trim_window()
 
     def read(self, choose, keep) -> None:
         with _readable(self.name):
             try:
                 guess = int(self.video.get_frame_count())  # container metadata: a guess that the decode checks
-            except (ValueError, OSError):  # (av's errors are these too)
+            except (ValueError, OSError, TypeError):  # (av's errors are these too; TypeError: frames without a pts)
                 guess = 0
             total = self._decode(choose(guess) if guess > 0 else [], keep)
             if guess <= 0 or total != guess:  # no count or a wrong one: choose again (which starts over) from the

@@ -378,7 +378,7 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
     if source_fps is None or not math.isfinite(source_fps) or source_fps <= 0:
         raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be a number of frames per second above 0")
-    n = int(total / source_fps * pp.fps)
+    n = int(min(total / source_fps * pp.fps, pp.max_frames))  # (a tiny frame rate makes it inf)
     n = min(max(n, pp.min_frames), pp.max_frames, total)
     # in float64, as the processor's numpy: torch's float32 linspace rounds some indices (and .5 ties) otherwise
     return [round(x) for x in np.linspace(0, total - 1, n).round().tolist()]
@@ -395,9 +395,12 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
     _check_images(frames)
-    if frames.device.type != "cpu":
-        check_finite(frames[index])  # as for images (preprocess_images)
-    chosen = functools.cache(lambda: _moved(frames[index], device))
+    if frames.device.type != "cpu":  # checked now, as for images (preprocess_images); the frames checked are kept
+        picked = frames[index]
+        check_finite(picked)
+        chosen = functools.cache(lambda: picked if device is None else picked.to(device))
+    else:  # (gathered when first needed: a cached video is never copied)
+        chosen = functools.cache(lambda: _moved(frames[index], device))
     return _sampled_video(chosen, frames.shape[1:], index, fps, pp, (frames, tuple(index)))
 
 

@@ -364,6 +364,12 @@ def test_a_video_source_keeps_the_runtime_messages():
         preprocess_video_source(TensorSource(torch.rand(0, 64, 64, 3), 24.0))
     with pytest.raises(Qwen35Error, match="frame rate is 0.0"):
         preprocess_video_source(TensorSource(torch.rand(4, 64, 64, 3), 0.0))
+    with pytest.raises(Qwen35Error, match=r"the video's frame rate is -24.0; it must be a number of frames per second "
+                                          r"above 0"):
+        preprocess_video(torch.rand(4, 64, 64, 3), -24.0)
+    # a frame rate so small that the clip lasts longer than a float holds: every frame, to max_frames
+    assert sample_frames(10, 1e-310, Preprocessing()) == list(range(10))
+    assert len(sample_frames(10_000, 1e-310, Preprocessing())) == Preprocessing().max_frames
     with pytest.raises(Qwen35Error, match=r"dtype torch.uint8"):
         preprocess_video_source(TensorSource(torch.zeros(4, 64, 64, 3, dtype=torch.uint8), 2.0))
 
@@ -442,6 +448,37 @@ def test_choosing_again_starts_over():
                 keep(self.frames[i].clone())
             super().read(choose, keep)
     assert torch.equal(preprocess_video_source(Miscounted(video, 10.0)).pixels, preprocess_video(video, 10.0).pixels)
+
+
+class _SaysGpu(torch.Tensor):
+    """CPU pixels that say they lie on a GPU (the path of an IMAGE batch a node left there), counting the gathers
+    of frames by index."""
+    gathers: list = []
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], list):
+            cls.gathers.append(list(args[1]))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_gpu_videos_sampled_frames_are_gathered_once():
+    """A video on the GPU has its sampled frames checked (NaN / inf) before any GPU work is queued: the frames
+    checked are the ones resized, not gathered a second time (a copy of every sampled frame at source size)."""
+    frames = torch.rand(40, 32, 48, 3, generator=torch.Generator().manual_seed(3))
+    _SaysGpu.gathers = []
+    v = preprocess_video(frames.as_subclass(_SaysGpu), 10.0)
+    index = sample_frames(40, 10.0, Preprocessing())
+    assert torch.equal(v.source_pixels, frames[index])  # what the patches and the cache key are made from
+    assert _SaysGpu.gathers == [index]
+    bad = frames.clone()
+    bad[index[2], 1, 1, 0] = float("nan")
+    with pytest.raises(Qwen35Error, match="holds 1 NaN or infinite values"):
+        preprocess_video(bad.as_subclass(_SaysGpu), 10.0)  # at once, not when the patches are made
 
 
 def test_nan_or_infinite_pixels_are_named_where_they_are_read():

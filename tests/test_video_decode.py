@@ -306,3 +306,82 @@ def test_a_video_that_changes_size_is_refused(comfy, pack, loaded, tmp_path):
     with pytest.raises(Qwen35Error, match=r"the video .*joined\.ts.* changes size at frame \d+ \(64x48 to 96x64\); "
                                           r"re-encode it at one size"):
         _run(pack, loaded, video=InputImpl.VideoFromFile(str(joined)))
+
+
+class _NoRate:
+    """A video stream whose container gives no average frame rate (PyAV's average_rate None); the rest is the
+    real stream's."""
+    average_rate = None
+
+    def __init__(self, stream):
+        object.__setattr__(self, "_stream", stream)
+
+    def __getattr__(self, key):
+        return getattr(self._stream, key)
+
+    def __setattr__(self, key, value):
+        setattr(self._stream, key, value)
+
+
+class _NoRateContainer:
+    """An opened file whose video streams are _NoRate (what get_components, get_frame_rate and our reader see)."""
+
+    def __init__(self, container):
+        self._container = container
+        self.streams = type("Streams", (), {"video": [_NoRate(s) for s in container.streams.video],
+                                            "audio": container.streams.audio,
+                                            "__iter__": lambda s: iter(container.streams)})()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._container.__exit__(*exc)
+
+    def __getattr__(self, key):
+        real = getattr(self._container, key)
+        if key in ("demux", "decode", "seek"):
+            def unwrapped(*args, **kwargs):
+                args = [getattr(a, "_stream", a) for a in args]
+                kwargs = {k: getattr(v, "_stream", v) for k, v in kwargs.items()}
+                return real(*args, **kwargs)
+            return unwrapped
+        return real
+
+
+def test_a_stream_without_an_average_rate_is_read_at_the_containers_estimate(videos, monkeypatch):
+    """A file whose video stream has no average frame rate: get_components gives its frames at 1 fps, while
+    get_frame_rate estimates one from the container (frames / duration: 30 here). The VIDEO input is sampled at the
+    estimate: at 1 fps the 3-second clip would read as 90 seconds, every frame sampled, its timestamps 30x too late."""
+    from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: _NoRateContainer(real_open(*a, **k)))
+    video = videos["64x48 30 fps"]
+    parts = video.get_components()
+    assert parts.frame_rate == 1 and float(video.get_frame_rate()) == pytest.approx(30)  # ComfyUI's two answers
+    pp = Preprocessing()
+    got = preprocess_video_source(video_clip(video), pp)
+    want = preprocess_video(parts.images, float(video.get_frame_rate()), pp)
+    assert (got.grid, got.timestamps) == (want.grid, want.timestamps)
+    assert got.grid[0] < preprocess_video(parts.images, 1.0, pp).grid[0]
+
+
+def test_a_file_whose_frame_count_comfyui_cannot_take_is_counted_by_its_decode(comfy, tmp_path):
+    """An animated WebP: ComfyUI's get_frame_count fails on its frames without a pts (a TypeError) and its full decode
+    gives 0 frames (FFmpeg decodes no animated WebP). The node says what get_components' frames would give: 0 frames,
+    not ComfyUI's TypeError."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import video_clip
+    from qwen35_fast.runtime import Qwen35Error
+    from qwen35_fast.runtime.media import preprocess_video_source
+    if "libwebp_anim" not in av.codecs_available:
+        pytest.skip("this PyAV has no animated WebP encoder")
+    path = write_video(tmp_path / "anim.webp", 6, 4, codec="libwebp_anim")
+    video = InputImpl.VideoFromFile(str(path))
+    with pytest.raises(TypeError):
+        video.get_frame_count()
+    assert video.get_components().images.shape[0] == 0
+    with pytest.raises(Qwen35Error, match="the video has 0 frames; connect a video with at least one frame"):
+        preprocess_video_source(video_clip(video))
