@@ -95,6 +95,8 @@ class FileVideo:
                 guess = int(self.video.get_frame_count())  # container metadata: a guess that the decode checks
             except (ValueError, OSError, TypeError):  # (av's errors are these too; TypeError: frames without a pts)
                 guess = 0
+            if guess <= 1:  # get_frame_count says 1 for every untrimmed file without a frame count (MKV, WebM)
+                guess = self._packets()
             total = self._decode(choose(guess) if guess > 0 else [], keep)
             if guess <= 0 or total != guess:  # no count or a wrong one: choose again (which starts over) from the
                 self._decode(choose(total), keep)  # frames there are (0 frames: the runtime's message)
@@ -111,10 +113,7 @@ class FileVideo:
                                   "video file")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"  # threads change the speed of decoding, not the frames
-            start = int(self.start / stream.time_base)
-            end = int((self.start + self.duration) / stream.time_base) if self.duration else None
-            if start:
-                container.seek(start, stream=stream)
+            start, end = self._window(container, stream)
             for packet in container.demux(stream):
                 try:
                     decoded = packet.decode()
@@ -138,6 +137,29 @@ class FileVideo:
                         for _ in range(wanted[n]):
                             keep(pixels)
                         del pixels  # before the next frame is decoded
+                    n += 1
+        return n
+
+    def _window(self, container, stream) -> tuple[int, int | None]:
+        """The trim window's first and end pts (None: to the end), the container sought to its start."""
+        start = int(self.start / stream.time_base)
+        if start:
+            container.seek(start, stream=stream)
+        return start, int((self.start + self.duration) / stream.time_base) if self.duration else None
+
+    def _packets(self) -> int:
+        """The video packets in the trim window, read without decoding: the frame count where a packet holds one
+        frame (a guess the decode checks)."""
+        n = 0
+        with av.open(self.video.get_stream_source(), mode="r") as container:
+            if not container.streams.video:
+                return 0
+            stream = container.streams.video[0]
+            start, end = self._window(container, stream)
+            for packet in container.demux(stream):
+                if end is not None and packet.dts is not None and packet.dts >= end:
+                    break  # (a packet's pts is never below its dts, which only grows)
+                if packet.size and (packet.pts is None or start <= packet.pts and (end is None or packet.pts < end)):
                     n += 1
         return n
 

@@ -385,3 +385,28 @@ def test_a_file_whose_frame_count_comfyui_cannot_take_is_counted_by_its_decode(c
     assert video.get_components().images.shape[0] == 0
     with pytest.raises(Qwen35Error, match="the video has 0 frames; connect a video with at least one frame"):
         preprocess_video_source(video_clip(video))
+
+
+@pytest.mark.parametrize("suffix", ["mkv", "webm"])
+def test_a_file_without_a_frame_count_is_decoded_once(comfy, tmp_path, monkeypatch, suffix):
+    """MKV / WebM carry no frame count: get_frame_count says 1 for every such file (untrimmed), and the reader
+    counts the packets (no decode) so that one decode takes the sampled frames (it took two: the guess of 1 picked
+    frame 0, the decode found 40)."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import FileVideo, video_clip
+    from qwen35_fast.runtime.media import Preprocessing, preprocess_video, preprocess_video_source
+    codec = "h264" if suffix == "mkv" else "libvpx-vp9"
+    if codec not in av.codecs_available:
+        pytest.skip(f"this PyAV has no {codec} encoder")
+    video = InputImpl.VideoFromFile(str(write_video(tmp_path / f"a.{suffix}", 40, 24, codec=codec)))
+    assert video.get_frame_count() == 1
+    decodes = []
+    real = FileVideo._decode
+    monkeypatch.setattr(FileVideo, "_decode", lambda self, index, keep: decodes.append(index) or real(self, index, keep))
+    pp = Preprocessing()
+    got = preprocess_video_source(video_clip(video), pp)
+    parts = video.get_components()
+    want = preprocess_video(parts.images, float(parts.frame_rate), pp)
+    assert len(decodes) == 1 and parts.images.shape[0] == 40
+    assert torch.equal(got.pixels, want.pixels) and (got.grid, got.timestamps) == (want.grid, want.timestamps)
