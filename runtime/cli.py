@@ -72,11 +72,12 @@ def main(argv=None) -> int:
         sampling.check()
         if a.max_new_tokens < 1:
             raise Qwen35Error(f"--max-new-tokens is {a.max_new_tokens}; it must be at least 1")
+        images = [_read_image(f) for f in a.image]  # and the images: a wrong path should not cost one either
         path = a.model or demo_checkpoint()
         model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
-        if a.image:
+        if images:
             from .multimodal import prefill_multimodal
-            pf = prefill_multimodal(model, a.prompt, images=[_read_image(f) for f in a.image],
+            pf = prefill_multimodal(model, a.prompt, images=images,
                                     system_prompt=a.system_prompt, thinking=a.thinking,
                                     allow_special_tokens=a.allow_special_tokens)
         else:

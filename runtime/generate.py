@@ -329,30 +329,49 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     # state): the end-of-answer check reads those of the last token the host read
     before = last = pf.logits
 
-    def queue_step(n: int) -> None:
-        """Decode the token before answer token n into the cache and pick token n (tok)."""
+    def room() -> bool:
+        """More blocks where the cache is full (the graph's table has room for `most`): whether it took any. The
+        store's Qwen35Error where a fixed one lacks even the one block the next token needs."""
+        if cache.length < cache.capacity:
+            return False
+        try:
+            cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
+        except Qwen35Error:  # a fixed store short of the rounded room: the one block the next token needs
+            cache.reserve(cache.length + 1)
+        return True
+
+    def queue_step(n: int, grown: bool | None = None) -> None:
+        """Decode the token before answer token n into the cache and pick token n (tok); grown: room() ran."""
         nonlocal step, tok, before, last
-        if cache.length == cache.capacity:  # full: more blocks (the graph's table has room for `most`)
+        if grown is None:
             try:
-                cache.reserve(kv_capacity(cache.length + 1, cache.capacity, most))
-            except Qwen35Error:  # a fixed store short of the rounded room: the one block the next token needs
-                try:
-                    cache.reserve(cache.length + 1)
-                except Qwen35Error as e:
-                    raise no_room(e) from None
-            if step is not None and step.version != cache.store.version:  # the store grew: new tensors
-                step = None  # the old graph goes before the new one is captured
-                host.drain()  # and nothing of it is in flight
-                step = graphed_decode(model, cache, most)
-            elif step is not None:
-                step.slot.set_blocks(cache.seq.blocks)
+                grown = room()
+            except Qwen35Error as e:
+                raise no_room(e) from None
+        if grown and step is not None and step.version != cache.store.version:  # the store grew: new tensors
+            step = None  # the old graph goes before the new one is captured
+            host.drain()  # and nothing of it is in flight
+            step = graphed_decode(model, cache, most)
+        elif grown and step is not None:
+            step.slot.set_blocks(cache.seq.blocks)
         before, last = last, (step(tok) if step is not None else model.forward_decode(tok, cache))[0]
         tok = next_token(last, n)
 
+    # ahead of the host, the room the step after token n needs is taken before token n is read: where there is
+    # none (a fixed store full, or no memory to grow one), that is an error only if token n does not end the answer
+    short = None
     tok = next_token(pf.logits.to(dev), 0)
     for n in range(budget):
         if ahead and n + 1 < budget:
-            queue_step(n + 1)
+            try:
+                grown = room()
+            except (Qwen35Error, RuntimeError) as e:
+                if not isinstance(e, Qwen35Error) and not is_out_of_memory(e):
+                    raise
+                short = e.with_traceback(None)  # kept without its frames (this one's tensors among them)
+                short.__context__ = None
+            else:
+                queue_step(n + 1, grown)
         done = host.pop()
         if n == 0:
             first_ms = (time.perf_counter() - t0) * 1000 + pf.ms
@@ -363,6 +382,8 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
         out.append(done)
         if on_token is not None:
             on_token(stream.feed(done), n + 1, max_new_tokens)
+        if short is not None:
+            raise no_room(short) if isinstance(short, Qwen35Error) else short
         if not ahead and n + 1 < budget:
             queue_step(n + 1)
     decode_s = time.perf_counter() - t_decode
@@ -372,7 +393,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     # before it are read, where they are still there (a captured step writes every output into one buffer, and a
     # poisoned run does not reach an end-of-turn token: NaN logits pick id 0, or one id again and again)
     read = last
-    if ahead and finish == "stop" and len(out) + 1 < budget:
+    if ahead and finish == "stop" and len(out) + 1 < budget and short is None:
         read = before if before.data_ptr() != last.data_ptr() else None
     if read is not None and not bool(torch.isfinite(read).all()):
         raise not_finite(model, f"while answering (found after {len(out):,} tokens)")

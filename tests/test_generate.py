@@ -1,4 +1,6 @@
 """generate(): greedy equals transformers, sampling is reproducible, a prefill is never changed."""
+import sys
+
 import pytest
 import torch
 
@@ -330,3 +332,48 @@ def test_the_step_after_the_end_of_turn_token_is_no_part_of_the_check(pair, monk
     poison = {13}  # the logits that picked the end-of-turn token are not finite: the answer is refused
     with pytest.raises(Qwen35Error, match=r"logits while answering \(found after 3 tokens\) are not finite"):
         generate(model, pf, max_new_tokens=8)
+
+
+class _AheadOnCpu:
+    """_HostTokens as on CUDA (cuda: the loop queues the next step before it reads a token), kept on the host."""
+    cuda = True
+
+    def __init__(self, dev):
+        self.queue = []
+
+    def push(self, tok):
+        self.queue.append(int(tok))
+
+    def pop(self):
+        return self.queue.pop(0)
+
+    def drain(self):
+        pass
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_answer_that_ends_where_a_fixed_cache_is_full_is_no_error(pair, monkeypatch, ahead):
+    """A fixed K/V store with room for the prompt and the answer exactly: the answer ends there with an end-of-turn
+    token. Run one step ahead (as on CUDA) the step queued behind that token needs one block more; the answer is
+    whole, so that step's lack of room is no error."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    model = pair[1]
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    if ahead:
+        monkeypatch.setattr(gen, "_HostTokens", _AheadOnCpu)
+    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
+    store = model.setup_kv(4 * block * 4 // 3 + 1)  # four blocks of 64 positions, fixed
+    try:
+        assert store.num_blocks == 4 and not store.growable and store.block_size == 64
+        pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)  # one block
+        eos = model.tokenizer.eos_token_ids[0]
+        answer = [100 + i for i in range(256 - 64)] + [eos]  # fills the other three blocks to the last position
+        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
+                            torch.tensor([answer[n]], device=logits.device))
+        out = generate(model, pf, max_new_tokens=500)
+        assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
+        answer[-1] = 99  # an answer that goes on: no room, after the same tokens on both loops
+        with pytest.raises(Qwen35Error, match=r"The answer had 193 tokens after a prompt of 64: lower max_new_tokens"):
+            generate(model, pf, max_new_tokens=500)
+    finally:
+        model.setup_kv()

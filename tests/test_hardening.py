@@ -837,6 +837,7 @@ def test_shards_linked_from_elsewhere_load_as_in_a_hugging_face_cache(folder, tm
 @pytest.mark.parametrize("args, message", [
     (["--sample", "--temperature", "nan"], "temperature is nan"),
     (["--max-new-tokens", "0"], "--max-new-tokens is 0; it must be at least 1"),
+    (["--image", "no-such-image-qwen35.png"], "--image no-such-image-qwen35.png: cannot read it as an image"),
 ])
 def test_cli_checks_settings_before_loading(tmp_path, args, message):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
