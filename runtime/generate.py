@@ -227,10 +227,11 @@ class _HostTokens:
         return int(self.slots[i][0])
 
 
-def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[str, str]:
+def _split_answer(model: Qwen35Model, out: list[int], thinking: bool, ended: bool) -> tuple[str, str]:
     """(thinking, answer) text. Only with thinking on does the first `</think>` token end the thinking;
     with it off the prompt already closed the block, so all of the output is the answer, a literal
-    `</think>` in it included."""
+    `</think>` in it included. A turn that `ended` (an end-of-turn token) without closing the block is the
+    answer, as Qwen's own parsing reads it (a length cut there is thinking with no answer yet)."""
     tok = model.tokenizer
     if thinking:
         if out and out[0] == tok.token_id(THINK_OPEN):  # the prompt opened the block; a model may open it again
@@ -239,7 +240,8 @@ def _split_answer(model: Qwen35Model, out: list[int], thinking: bool) -> tuple[s
         if close in out:
             cut = out.index(close)
             return tok.decode(out[:cut]).strip(), tok.decode(out[cut + 1:]).strip()
-        return tok.decode(out).strip(), ""
+        if not ended:
+            return tok.decode(out).strip(), ""
     return "", tok.decode(out).strip()  # (generate stops before an end-of-turn token: `out` holds none)
 
 
@@ -400,7 +402,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     rest = stream.flush()  # the end of a character the length limit cut (U+FFFD, as the answer's text has it)
     if rest and on_token is not None:
         on_token(rest, len(out), max_new_tokens)
-    thinking, answer = _split_answer(model, out, pf.thinking)
+    thinking, answer = _split_answer(model, out, pf.thinking, finish == "stop")
     steps = len(out) + (finish == "stop") - 1  # the tokens decoded after the first, an end-of-turn token too
     return Generation(answer, thinking, tuple(out), first_ms, steps / decode_s if steps > 0 and decode_s > 0 else 0.0,
                       finish)

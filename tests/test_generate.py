@@ -377,3 +377,22 @@ def test_an_answer_that_ends_where_a_fixed_cache_is_full_is_no_error(pair, monke
             generate(model, pf, max_new_tokens=500)
     finally:
         model.setup_kv()
+
+
+def test_a_turn_that_ends_inside_its_thinking_is_the_answer(pair, monkeypatch):
+    """Thinking on: the text before `</think>` is the thinking, after it the answer; a turn that ends (end-of-turn
+    token) without closing the block is the answer, as Qwen's parsing reads it (an empty answer went downstream);
+    a length cut before `</think>` is thinking with no answer yet."""
+    model = pair[1]
+    tok = model.tokenizer
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    eos, close = model.tokenizer.eos_token_ids[0], tok.token_id("</think>")
+    hmm, fox = tok.encode("Let me look."), tok.encode("A red fox.")
+    pf = prefill(model, "Describe it.", thinking=True)
+    for answer, budget, want in [(hmm + [close] + fox + [eos], 64, ("Let me look.", "A red fox.", "stop")),
+                                 (fox + [eos], 64, ("", "A red fox.", "stop")),
+                                 (hmm + [close] + fox, len(hmm), ("Let me look.", "", "length"))]:
+        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None, a=answer:
+                            torch.tensor([a[n]], device=logits.device))
+        out = generate(model, pf, max_new_tokens=budget)
+        assert (out.thinking, out.text, out.finish_reason) == want
