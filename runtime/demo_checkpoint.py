@@ -47,6 +47,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
+from .errors import Qwen35Error
+
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "demo-tiny-qwen35"
@@ -452,6 +454,8 @@ def damage(folder: Path) -> str | None:
     if not isinstance(files, dict) or not files:
         return "the completion marker lists no files"
     for name, want in files.items():
+        if not isinstance(want, dict):
+            return f"the completion marker's entry for {name} is not a size and a hash"
         path = folder / name
         try:
             size = path.stat().st_size
@@ -484,7 +488,13 @@ def demo_checkpoint(cache_dir: Path | str | None = None) -> Path:
     if why is None:
         return target
 
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(parent, os.W_OK):
+            raise PermissionError(f"cannot write to {parent}")
+    except OSError as e:
+        raise Qwen35Error(f"the demo checkpoint is built in {parent}, which cannot be made or written ({e}); set "
+                          "XDG_CACHE_HOME to a folder you can write, or load a checkpoint of your own (--model)") from None
     if target.exists():
         logger.warning("the cached demo checkpoint in %s cannot be used (%s); building it again", target, why)
     else:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen35_fast.runtime import load_model
+from qwen35_fast.runtime import Qwen35Error, load_model
 from qwen35_fast.runtime.chat import format_chat
 from qwen35_fast.runtime.demo_checkpoint import (
     COMPLETE_MARKER,
@@ -199,7 +199,8 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("damage", ["cut short", "same size, other bytes", "deleted", "marker unreadable"])
+@pytest.mark.parametrize("damage", ["cut short", "same size, other bytes", "deleted", "marker unreadable",
+                                    "marker entry not an object"])
 def test_damaged_cache_is_built_again(tmp_path, monkeypatch, caplog, damage):
     calls = []
     monkeypatch.setattr(demo_mod, "make_checkpoint", _fake_make(calls))
@@ -211,8 +212,12 @@ def test_damaged_cache_is_built_again(tmp_path, monkeypatch, caplog, damage):
         config.write_text("[]")
     elif damage == "deleted":
         config.unlink()
-    else:
+    elif damage == "marker unreadable":
         (path / COMPLETE_MARKER).write_text("{not json")
+    else:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        marker["files"] = {name: 1 for name in marker["files"]}
+        (path / COMPLETE_MARKER).write_text(json.dumps(marker))
     with caplog.at_level(logging.WARNING, logger=demo_mod.__name__):
         assert demo_checkpoint(tmp_path) == path
     assert len(calls) == 2 and config.read_text() == "{}"
@@ -231,6 +236,13 @@ def test_cut_short_demo_weights_are_rebuilt_byte_for_byte(demo, tmp_path):
     assert demo_checkpoint(tmp_path) == copy
     assert weights.read_bytes() == original  # the build is deterministic: the same seed, the same file
     assert load_model(copy, dtype="fp32", device="cpu", backend="torch") is not None
+
+
+def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(Qwen35Error, match=r"the demo checkpoint is built in .*file.*qwen35_fast, which cannot be made "
+                                          r"or written .* set XDG_CACHE_HOME to a folder you can write"):
+        demo_checkpoint(tmp_path / "file" / "qwen35_fast")
 
 
 def test_default_cache_dir_follows_xdg(tmp_path, monkeypatch):
