@@ -285,3 +285,29 @@ def test_int8_weights_on_the_kernels_compute_what_the_dequantized_twin_does(fold
     twin = generate(b, pb, max_new_tokens=16, seed=1)
     same = next((i for i, (x, y) in enumerate(zip(out.token_ids, twin.token_ids)) if x != y), 16)
     assert same >= 4, (out.token_ids, twin.token_ids)  # random weights: near ties part them sooner or later
+
+
+def test_an_answer_that_ends_where_a_fixed_store_is_full_is_whole_on_the_graphed_loop(folder, monkeypatch):
+    """The graphed decode runs one step ahead of the host: behind the end-of-turn token that fills a fixed store's
+    last position it wants one block more. The answer is whole; an answer that goes on is out of room, with the
+    tokens it had counted."""
+    import sys
+
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    model = load_model(folder, dtype="bf16", device="cuda", backend="cuda")
+    block = model_sizes(model.config, 64, 2)["kv_block_bytes"]
+    store = model.setup_kv(4 * block * 4 // 3 + 1)  # four blocks of 64 positions, fixed
+    assert store.num_blocks == 4 and not store.growable and store.block_size == 64
+    pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)
+    eos = model.tokenizer.eos_token_ids[0]
+    answer = [100 + i for i in range(256 - 64)] + [eos]
+    monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
+                        torch.tensor([answer[n]], device=logits.device))
+    steps = spy_graphs(monkeypatch)
+    out = generate(model, pf, max_new_tokens=500)
+    assert steps and steps[-1] is not None
+    assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
+    answer[-1] = 99
+    with pytest.raises(Qwen35Error, match=r"The answer had 193 tokens after a prompt of 64: lower max_new_tokens"):
+        generate(model, pf, max_new_tokens=500)
