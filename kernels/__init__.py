@@ -82,12 +82,17 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
 
 
 def hopper_card(device: torch.device | str) -> bool:
-    """Whether `device` is an sm_90a card (H100 / H200), which runs the warpgroup-mma kernels."""
+    """Whether `device` is an sm_90a card (H100 / H200), which runs the warpgroup-mma kernels; False where the
+    kernels cannot describe the card (no CuPy or NVRTC, a card older than 8.0, ROCm): the model asks on every
+    CUDA device, with the PyTorch backend too."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    from .cuda_build import card_of
-    return card_of(device).wgmma
+    try:
+        from .cuda_build import card_of
+        return card_of(device).wgmma
+    except Exception:  # noqa: BLE001 - ImportError (CuPy), KernelBuildError (NVRTC, an old card), a driver error
+        return False
 
 
 def gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state: Optional[torch.Tensor] = None,

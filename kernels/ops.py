@@ -211,8 +211,8 @@ def _gemv_add_norm_impl(res: torch.Tensor, x: torch.Tensor, norm_w: torch.Tensor
 
 
 def _gemv_add_norm_fake(res, x, norm_w, eps, weight, scale, use_cuda):
-    return (torch.empty_like(res, memory_format=torch.contiguous_format),
-            res.new_empty(*res.shape[:-1], weight.shape[0]))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),  # s = res + x in x.dtype, as add_rms_norm
+            x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def _gemv_norm_impl(res: torch.Tensor, norm_w: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -77,3 +77,19 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("error", [ImportError("No module named 'cupy'"), "old card"])
+def test_a_gpu_the_kernels_cannot_describe_is_no_hopper_card(monkeypatch, error):
+    """The model asks gemv_preferred (hopper_card) on every CUDA device, the PyTorch backend's too: on a GPU
+    where CuPy or NVRTC is missing, or one older than compute capability 8.0 (card_of raises there), the
+    answer is no, not an exception that stops the model from loading."""
+    from qwen35_fast.kernels import cuda_build
+
+    def card_of(device):
+        if error == "old card":
+            raise cuda_build.KernelBuildError("compute capability 7.5 is below 8.0, which the kernels need")
+        raise error
+    monkeypatch.setattr(cuda_build, "card_of", card_of)
+    assert kernels.hopper_card("cuda") is False and kernels.gemv_preferred("cuda:0") is False
+    assert kernels.hopper_card("cpu") is False

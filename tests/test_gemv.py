@@ -445,3 +445,16 @@ def test_int8_fused_products_are_their_two_launches(K, N):
     gu = (torch.randn(1, 1, N // 2 * 2, generator=g, device="cuda") * 3).bfloat16()
     y = gemv_silu_mul_cuda(gu, q2, fuse=True, scale=s2)
     assert not y.isnan().any() and torch.equal(y, gemv_cuda(silu_mul_cuda(gu), q2, split=1, scale=s2))
+
+
+def test_the_fused_norms_fake_gives_the_sum_in_the_activations_dtype():
+    """gemv_add_rms_norm returns s = res + x in x's dtype and the product of its norm in that dtype too (as
+    add_rms_norm does), whatever dtype the residual has: the op's fake (what torch.compile plans with) says so."""
+    from qwen35_fast.kernels import ops
+    g = torch.Generator().manual_seed(5)
+    res, x = torch.randn(1, 256, generator=g), torch.randn(1, 256, generator=g).bfloat16()
+    nw, w = torch.randn(256, generator=g) * 0.1, torch.randn(40, 256, generator=g).bfloat16()
+    s, y = ops.gemv_add_rms_norm_op(res, x, nw, 1e-6, w, None, False)
+    assert s.dtype == y.dtype == torch.bfloat16
+    torch.library.opcheck(ops.gemv_add_rms_norm_op, (res, x, nw, 1e-6, w, None, False),
+                          test_utils=("test_schema", "test_faketensor"))

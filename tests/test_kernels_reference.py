@@ -492,3 +492,54 @@ def test_the_residual_adds_return_the_sum_in_the_activations_dtype():
     assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s, (x.float() + res).bfloat16())
     assert torch.allclose(y.double(), layer(s, eps), **one_rounding)
     assert not torch.allclose(y.double(), layer(s, 1e-6), **one_rounding)
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 0, 128), (2, 0, 4, 128)])
+def test_the_norm_launchers_take_no_rows(shape):
+    """rms_norm.cu's launcher with no rows (a 2-D [0, D] or a batch of no tokens) returns empty results as the
+    references do, before any kernel is built (so on the CPU too): the [R, H, D] view it forms of x must not
+    take the token dimension of a 2-D x, 0 here, for H."""
+    from qwen35_fast.kernels.rms_norm.launch import (
+        add_rms_norm_cuda,
+        gated_rms_norm_cuda,
+        rms_norm_cuda,
+        rms_norm_rope_cuda,
+    )
+    x, w = torch.empty(shape, dtype=torch.bfloat16), torch.rand(128)
+    assert rms_norm_cuda(x, w, 1e-6).shape == shape
+    assert gated_rms_norm_cuda(x, x, w, 1e-6).shape == shape
+    s, y = add_rms_norm_cuda(x, x, w, 1e-6)
+    assert s.shape == y.shape == shape
+    if len(shape) == 4:
+        cos = torch.empty(0, 64, dtype=torch.bfloat16)
+        assert rms_norm_rope_cuda(x, w, 1e-6, cos, cos).shape == shape
+
+
+def test_the_launchers_fallbacks_return_contiguous_outputs_as_the_fakes_say():
+    """Where a CUDA launcher hands a call to the reference (a dtype or a weight it does not take), its result is
+    contiguous like the kernel's and like the op's fake (what torch.compile plans the graph's strides with), for
+    a dense input in another order too; the launchers' checks run before any kernel is built (so on the CPU)."""
+    from qwen35_fast.kernels.rms_norm.launch import add_rms_norm_cuda, gated_rms_norm_cuda, rms_norm_cuda
+    from qwen35_fast.kernels.silu_mul.launch import silu_mul_cuda
+    from qwen35_fast.kernels.vision.launch import add_layer_norm_cuda, layer_norm_cuda
+    x = torch.randn(4, 3, 64).transpose(0, 1)  # fp32: the kernels take bf16 / fp16
+    w, b = torch.rand(64), torch.rand(64)
+    outs = [rms_norm_cuda(x, w, 1e-6), gated_rms_norm_cuda(x, x, w, 1e-6), *add_rms_norm_cuda(x, x, w, 1e-6),
+            silu_mul_cuda(torch.randn(4, 3, 128).transpose(0, 1)), layer_norm_cuda(x, w, b, 1e-6),
+            *add_layer_norm_cuda(x, x, w, b, 1e-6)]
+    xb = x.bfloat16()  # bf16, with a weight of another 16-bit type, which the kernel does not take
+    outs += [rms_norm_cuda(xb, w.half(), 1e-6), *add_rms_norm_cuda(xb, xb, w.half(), 1e-6)]
+    for i, t in enumerate(outs):
+        assert t.is_contiguous(), (i, t.stride())
+
+
+def test_conv_update_takes_conv1d_weights_as_its_launcher_does():
+    """nn.Conv1d's [C, 1, W] weight, which the CUDA launchers and the prefill reference take, gives the [C, W]
+    weight's step in the update reference too (it broadcast to [N, C, C] before, or failed)."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(6, 4, generator=g)
+    for n in (1, 2):
+        x, state = torch.randn(n, 6, generator=g), torch.randn(n, 6, 3, generator=g)
+        s2, s3 = state.clone(), state.clone()
+        y = causal_conv1d_update_ref(x, s2, w)
+        assert torch.equal(causal_conv1d_update_ref(x, s3, w[:, None]), y) and torch.equal(s3, s2)

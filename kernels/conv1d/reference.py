@@ -42,6 +42,8 @@ def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqle
 
 def causal_conv1d_update_ref(x, conv_state, weight, bias=None):
     """One token per sequence. x: [N, C]; conv_state: [N, C, W-1] updated in place. Returns y: [N, C]."""
+    if weight.dim() == 3 and weight.shape[1] == 1:  # nn.Conv1d's [C, 1, W], as the kernel's launcher takes it
+        weight = weight[:, 0]
     xs = torch.cat([conv_state, x[:, :, None].to(conv_state.dtype)], dim=2)  # [N, C, W]
     out = (xs.float() * weight.float()[None]).sum(-1)
     if bias is not None:

@@ -60,14 +60,14 @@ def _norm(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, e
     """rms_norm.cu over x: gated by `gate`, with the rotary `rope` = (cos, sin) after it, or of res + x
     (then returns the sum and the norm)."""
     D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if res is not None else None
+    if x.numel() == 0:  # no rows (before _rows: a 2-D [0, D] has no [R, H, D] view with H = 0)
+        return y if res is None else (s, y)
     xv = _rows(x)
     gv = _rows(gate) if gate is not None else xv
     w = aligned16(weight)  # read in 16-byte loads
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty_like(y) if res is not None else None
     rows = xv.shape[0] * xv.shape[1]
-    if rows == 0:
-        return y if res is None else (s, y)
     cos, sin = rope if rope is not None else (None, None)
     tpr = _tpr(D, rows if rope is None else None)  # (the rotary: the default threads per row)
     defines = {"DIM": D, "IN_T": _CODE[x.dtype], "W_T": _CODE[w.dtype], "GATED": int(gate is not None),
@@ -91,14 +91,14 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Te
 def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as reference.rms_norm_ref; shapes or dtypes the kernel does not take run the reference."""
     if not _kernel_takes(x, weight, None):
-        return rms_norm_ref(x, weight, eps)
+        return rms_norm_ref(x, weight, eps).contiguous()  # (contiguous as the kernel's, and the op's fake)
     return _norm(x, None, weight, eps)
 
 
 def gated_rms_norm_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as reference.gated_rms_norm_ref (same fallback)."""
     if not _kernel_takes(x, weight, gate):
-        return gated_rms_norm_ref(x, gate, weight, eps)
+        return gated_rms_norm_ref(x, gate, weight, eps).contiguous()
     return _norm(x, gate, weight, eps)
 
 
@@ -127,5 +127,5 @@ def add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     take runs the reference)."""
     ok = _kernel_takes(x, weight, None) and res.shape == x.shape and res.dtype == x.dtype
     if not ok:
-        return add_rms_norm_ref(res, x, weight, eps)
+        return tuple(t.contiguous() for t in add_rms_norm_ref(res, x, weight, eps))
     return _norm(x, None, weight, eps, res=aligned16(res))

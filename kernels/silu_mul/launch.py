@@ -23,7 +23,7 @@ def silu_mul_cuda(gu: torch.Tensor) -> torch.Tensor:
     ok = (gu.dtype in _CODE and I2 % 2 == 0 and I % 8 == 0 and I > 0 and rows2.stride(-1) == 1
           and rows2.data_ptr() % 16 == 0 and (rows2.stride(0) % 8 == 0 or rows2.shape[0] <= 1))
     if not ok:
-        return silu_mul_ref(gu)
+        return silu_mul_ref(gu).contiguous()  # (contiguous as the kernel's, and the op's fake)
     out = torch.empty(*gu.shape[:-1], I, dtype=gu.dtype, device=gu.device)
     rows = rows2.shape[0]
     total = rows * (I // 8)

@@ -118,7 +118,7 @@ def _layer_norm(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor
 def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as reference.layer_norm_ref."""
     if not norm_takes(x, None, weight, bias):
-        return layer_norm_ref(x, weight, bias, eps)
+        return layer_norm_ref(x, weight, bias, eps).contiguous()  # (as the kernel's, and the op's fake)
     return _layer_norm(x, None, weight, bias, eps)[1]
 
 
@@ -126,7 +126,7 @@ def add_layer_norm_cuda(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, 
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.add_layer_norm_ref: (x + y, LayerNorm(x + y))."""
     if not norm_takes(x, y, weight, bias):
-        return add_layer_norm_ref(x, y, weight, bias, eps)
+        return tuple(t.contiguous() for t in add_layer_norm_ref(x, y, weight, bias, eps))
     return _layer_norm(x, y, weight, bias, eps)
 
 
