@@ -69,7 +69,7 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
         # "assistant\n" read with the answer, as in the rendered text: a newline joins the whitespace after it;
         # the answer's own markup (<tool_call>: added tokens that are not special) as the tokens the model wrote
         answer = f"assistant\n{earlier_answer(previous_answer)}"
-        head += tok.encode(IM_START) + (user(answer) if allow_special_tokens else
+        head += tok.encode(IM_START) + (user(answer, "previous_answer") if allow_special_tokens else
                                         tok.encode_with(answer, NON_SPECIAL_ADDED_TOKENS)) + tok.encode(f"{IM_END}\n")
     head += tok.encode(f"{IM_START}user\n")
     if inputs:  # the user message's content as the Multimodal Prefill lays it out

@@ -112,7 +112,8 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     # the text format_chat writes, encoded piece by piece
     ids = []
     for kind, text in chat_layout(system_prompt, thinking):
-        ids += tok.encode(text) if kind == "markup" else user(prompt.strip() if kind == "user" else text)
+        ids += tok.encode(text) if kind == "markup" else \
+            user(prompt.strip()) if kind == "user" else user(text, "the system prompt")
     return ids
 
 

@@ -52,6 +52,7 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, lis
     0..n-1, the video n), the unnamed inputs in front (each after an empty text); and the input indices in order
     of appearance. The text is as given: user_message trims it for a chat turn."""
     used: list[int] = []
+    bare: set[int] = set()  # the images a bare <image> took
     next_free = [0]
 
     def take(match: re.Match) -> int:
@@ -63,8 +64,10 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, lis
         elif match.group(1) is not None:
             k = int(match.group(1))
             if not 1 <= k <= n_images:
-                raise Qwen35Error(f"the prompt names <image {k}> but {n_images} image(s) are connected; images "
-                                  f"are counted from 1")
+                fix = f"name one of <image 1> to <image {n_images}> or connect more images" if n_images else \
+                    "connect images or remove it from the prompt"
+                raise Qwen35Error(f"the prompt names {match.group(0)} but {n_images} image(s) are connected; images "
+                                  f"are counted from 1: {fix}")
             i = k - 1
         else:
             while next_free[0] in used:
@@ -73,6 +76,11 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, lis
                 raise Qwen35Error(f"the prompt has more <image> placeholders than the {n_images} image(s) "
                                   "connected; connect more images or remove the extra <image>")
             i = next_free[0]
+            bare.add(i)
+        if i in bare and i in used:
+            raise Qwen35Error(f"the prompt places image {i + 1} twice: an <image> before {match.group(0)} already took "
+                              f"it (<image> is the next image not yet placed); number them all (<image 1>, <image 2>, "
+                              "...) or put the numbered one first")
         if i in used:
             name = "<video>" if i == n_images else f"image {i + 1}"
             raise Qwen35Error(f"the prompt places {name} twice; name each image or video once")
@@ -174,7 +182,7 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
                 ids.extend(message_ids)
                 parts.extend(message_parts)
             else:
-                add(text, tok.encode if kind == "markup" else user)
+                add(text, tok.encode if kind == "markup" else lambda t: user(t, "the system prompt"))
     return ids, parts, ordered
 
 

