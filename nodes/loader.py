@@ -146,7 +146,9 @@ class Qwen35ModelLoader(io.ComfyNode):
                 mm.soft_empty_cache()
                 raise
             load_device = torch.device("cpu") if device_note else target
-            managed = ManagedModel(runtime_model, load_device, mm.text_encoder_offload_device())
+            # (with --gpu-only ComfyUI's offload device is its GPU: a model that runs on the cpu waits there)
+            offload_device = load_device if load_device.type == "cpu" else mm.text_encoder_offload_device()
+            managed = ManagedModel(runtime_model, load_device, offload_device)
             managed.device_note = device_note
             managed.load()
             _loaded[key] = weakref.ref(managed)

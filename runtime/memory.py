@@ -19,6 +19,7 @@ from .config import TextConfig, expected_shapes
 from .devices import empty_cache
 from .errors import Qwen35Error
 from .kv_pool import model_sizes
+from .kv_store import GROWTH
 from .model import PREFILL_PIECE, Qwen35Model
 from .quant import dequant_bytes
 from .vision import GRAPH_PATCHES, graph_bucket, tower_passes
@@ -61,14 +62,15 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None)
     """Device memory a prefill of `n_tokens` needs beyond the weights and the K/V store (its K/V go into
     the store's blocks): its GDN states and the snapshots it keeps, the embedded prompt, one layer's activations
     for at most PREFILL_PIECE tokens (the pieces a long prompt is read in), the larger
-    pool an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
+    pools an auto store grows to when its free blocks do not hold the tokens (growth_bytes), and where the
     attention runs in PyTorch, what it gathers over the `context` positions (default: n_tokens; a follow-up
     turn's cached ones count too), where the GDN layers run in PyTorch, its working set (reference_gdn_bytes), and
     with 8-bit weights the piece of a matrix dequantized at once (quant.dequant_bytes)."""
     embedded = n_tokens * model.config.hidden_size * model.dtype.itemsize  # the prompt's input, read piece by piece
     piece = min(n_tokens, PREFILL_PIECE)
     return (1 + SNAPSHOTS_PER_PREFILL) * state_bytes(model) + embedded + piece * _activation_bytes_per_token(model) \
-        + growth_bytes(model, n_tokens) + reference_attention_bytes(model, context or n_tokens, piece) \
+        + growth_bytes(model, n_tokens, (context or n_tokens) - n_tokens) \
+        + reference_attention_bytes(model, context or n_tokens, piece) \
         + reference_gdn_bytes(model) + dequant_bytes(model) + OVERHEAD
 
 
@@ -94,16 +96,48 @@ def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) ->
     return max(1, context) * per_position + 2 * scores
 
 
-def growth_bytes(model: Qwen35Model, n_tokens: int) -> int:
+def growth_bytes(model: Qwen35Model, n_tokens: int, after: int = 0) -> int:
     """The new pool tensors an auto (growable) K/V store allocates, while the old ones are still there, when
-    its free blocks (snapshots' blocks not counted) do not hold `n_tokens` more; 0 otherwise."""
+    its free blocks (snapshots' blocks not counted) do not hold `n_tokens` more; 0 otherwise. after: the positions
+    before them in a sequence forked from another (a follow-up turn), whose partly filled last block is copied
+    first: then the fork and the rest each take their blocks, and the store can grow twice."""
+    bs = model._kv.block_size if getattr(model, "_kv", None) is not None else 1
+    return _grown_bytes(model, [1 if after % bs else 0, -(-(after + n_tokens) // bs) - -(-after // bs)])
+
+
+def generation_growth_bytes(model: Qwen35Model, n_prompt: int, answer: int) -> int:
+    """growth_bytes for a generation of `answer` tokens after `n_prompt`: it copies the prefill's partly filled last
+    block, then takes its room a step at a time (generate.kv_capacity), so an auto store may grow more than once,
+    each time into new tensors while the old ones are still there."""
+    store = getattr(model, "_kv", None)
+    if store is None or not store.growable or answer <= 0:
+        return 0
+    from .generate import kv_capacity  # generate.py imports this module
+    blocks_for = store.pool.blocks_for
+    takes = [1 if n_prompt % store.block_size else 0, blocks_for(n_prompt + 1) - blocks_for(n_prompt)]
+    end, capacity = n_prompt + answer, n_prompt + 1
+    while capacity < end:
+        step = kv_capacity(capacity + 1, capacity, end)
+        takes.append(blocks_for(step) - blocks_for(capacity))
+        capacity = step
+    return _grown_bytes(model, takes)
+
+
+def _grown_bytes(model: Qwen35Model, takes) -> int:
+    """The most that growths of an auto store hold at once beyond it as it is now, for `takes` (blocks taken one
+    call after another, KVStore._with_room: a growth to GROWTH times or as many as a call lacks, into new tensors
+    while the old ones live); 0 for a fixed store or where the free blocks hold them all."""
     store = getattr(model, "_kv", None)
     if store is None or not store.growable:
         return 0
-    needed = store.pool.blocks_for(n_tokens)
-    if needed <= store.pool.num_free:
-        return 0
-    return store.grown_blocks(needed) * (store.nbytes // store.num_blocks)
+    blocks, free, most = store.num_blocks, store.pool.num_free, 0
+    for n in takes:
+        if n > free:
+            grown = max(int(blocks * GROWTH), blocks + n - free)  # KVStore.grown_blocks
+            most = max(most, grown + blocks - store.num_blocks)
+            blocks, free = grown, free + grown - blocks
+        free -= n
+    return most * (store.nbytes // store.num_blocks)
 
 
 def vision_bytes(model: Qwen35Model, grids) -> int:
@@ -129,13 +163,13 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
     """Device memory a generation needs beyond the weights and the K/V store: its copy of the GDN states (the
     K/V blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits,
-    and the larger pool an auto store grows to when its free blocks do not hold the answer's K/V
-    (growth_bytes; a fixed store holds them or the generation stops with an error); where the attention runs
-    in PyTorch, what it gathers over the whole context (reference_attention_bytes); with 8-bit weights the piece
+    and the larger pools an auto store grows to when its free blocks do not hold the answer's K/V
+    (generation_growth_bytes; a fixed store holds them or the generation stops with an error); where the
+    attention runs in PyTorch, what it gathers over the whole context (reference_attention_bytes); with 8-bit weights the piece
     of a matrix dequantized at once (quant.dequant_bytes)."""
     answer = max(0, min(max_new_tokens, model.config.max_position_embeddings - n_prompt))
     return (state_bytes(model) + 8 * (n_prompt + 1) + 8 * model.config.vocab_size * 4
-            + _activation_bytes_per_token(model) + growth_bytes(model, answer)
+            + _activation_bytes_per_token(model) + generation_growth_bytes(model, n_prompt, answer)
             + reference_attention_bytes(model, n_prompt + answer) + dequant_bytes(model) + OVERHEAD)
 
 
@@ -232,5 +266,6 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
         "smaller dtype or on the cpu. The model is unchanged: the same run works once there is room")
 
 
-__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "free_bytes", "out_of_memory",
+__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "generation_growth_bytes",
+           "free_bytes", "out_of_memory",
            "is_out_of_memory", "loading_out_of_memory", "text_weight_bytes"]

@@ -573,7 +573,13 @@ def test_a_prefill_that_grows_the_auto_store_asks_for_the_new_pool(folder, monke
 
 def test_memory_estimates(folder, monkeypatch):
     from qwen35_fast.runtime import kv_store
-    from qwen35_fast.runtime.memory import cache_bytes, generate_bytes, growth_bytes, prefill_bytes, state_bytes
+    from qwen35_fast.runtime.memory import (
+        cache_bytes,
+        generate_bytes,
+        generation_growth_bytes,
+        prefill_bytes,
+        state_bytes,
+    )
     model = load_model(folder, dtype="bf16", device="cpu")
     c = model.config
     kv_per_token = 2 * c.num_key_value_heads * c.head_dim * 2 * 1  # one attention layer, bf16
@@ -603,9 +609,63 @@ def test_memory_estimates(folder, monkeypatch):
     pf = prefill(model, PROMPT)
     grown = generate_bytes(model, pf.n_tokens, 400) - generate_bytes(model, pf.n_tokens, 1)
     gathered = reference_attention_bytes(model, pf.n_tokens + 400) - reference_attention_bytes(model, pf.n_tokens + 1)
-    assert grown - gathered == growth_bytes(model, 400) >= store.nbytes * kv_store.GROWTH
+    assert grown - gathered == generation_growth_bytes(model, pf.n_tokens, 400) >= store.nbytes * kv_store.GROWTH
     out = generate(model, pf, max_new_tokens=400, sampling=SamplingParams(do_sample=True), seed=3)
     assert out.finish_reason == "length" and store.version > 0  # it did grow
+
+
+def test_a_generation_that_grows_the_store_more_than_once_asks_for_the_most_it_holds(folder, monkeypatch):
+    """A generation takes its K/V room a step at a time (after copying the prefill's partly filled last block),
+    so an auto store can grow several times during it, each time into tensors 1.5x the size while the old ones
+    live: what Generate asks for covers the largest old and new pools held at once, not one growth's."""
+    from qwen35_fast.runtime import kv_store
+    from qwen35_fast.runtime.memory import generate_bytes, reference_attention_bytes
+    model = load_model(folder, dtype="bf16", device="cpu")
+    monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
+    store = model.setup_kv()
+    pf = prefill(model, PROMPT)
+    base, per_block, n = store.nbytes, store.nbytes // store.num_blocks, 1000
+    asked = generate_bytes(model, pf.n_tokens, n) - generate_bytes(model, pf.n_tokens, 1) \
+        - (reference_attention_bytes(model, pf.n_tokens + n) - reference_attention_bytes(model, pf.n_tokens + 1))
+    held = []
+    real = kv_store.KVStore.grow
+    monkeypatch.setattr(kv_store.KVStore, "grow", lambda self, blocks: held.append(
+        self.nbytes + blocks * per_block - base) or real(self, blocks))
+    out = generate(model, pf, max_new_tokens=n, sampling=SamplingParams(do_sample=True), seed=3)
+    assert out.finish_reason == "length" and len(held) > 1  # it grew more than once
+    assert asked >= max(held), f"asked for {asked // per_block} blocks, held {max(held) // per_block} beyond the store"
+
+
+def test_a_follow_up_that_grows_the_store_asks_for_it_counting_the_forked_block(folder, monkeypatch):
+    """A follow-up turn forks the parent's sequence: its partly filled last block is copied into a block of the
+    follow-up's own, so the new tokens can take one block more than their count alone fills. Where the free
+    blocks hold the tokens but not that copy, the store grows, and what the follow-up asks for counts it."""
+    from qwen35_fast.runtime import kv_store
+    from qwen35_fast.runtime.conversation import continue_prefill, follow_up_ids
+    from qwen35_fast.runtime.memory import prefill_bytes
+    model = load_model(folder, dtype="bf16", device="cpu")
+    monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
+    store = model.setup_kv()
+    pf = prefill(model, PROMPT)
+    cached, pool = pf.turn.length, store.pool
+    assert cached % store.block_size
+    for k in range(1, 1000):  # a follow-up whose tokens fill the free blocks, with the copied one: one more
+        new = len(follow_up_ids(model, " ".join(["word"] * k), [], 0, None, False, False)[0])
+        if pool.blocks_for(new) == pool.num_free < pool.blocks_for(new + cached % store.block_size):
+            break
+    else:
+        pytest.fail("no follow-up of that length")
+    base, per_block = store.nbytes, store.nbytes // store.num_blocks
+    monkeypatch.setattr(store, "growable", False)
+    without = prefill_bytes(model, new, cached + new)  # the same estimate without a growth
+    monkeypatch.setattr(store, "growable", True)
+    held, asked = [], []
+    real = kv_store.KVStore.grow
+    monkeypatch.setattr(kv_store.KVStore, "grow", lambda self, blocks: held.append(
+        self.nbytes + blocks * per_block - base) or real(self, blocks))
+    continue_prefill(model, pf, " ".join(["word"] * k), reserve=asked.append)
+    assert held, "the follow-up did not grow the store"
+    assert asked[0] - without >= max(held)
 
 
 # --- found as a hostile user ------------------------------------------------------------------------

@@ -393,6 +393,23 @@ def test_a_list_joining_two_loaders_outputs_releases_by_each_loaders_keep_loaded
     keep.release()
 
 
+def test_a_model_loaded_on_the_cpu_waits_there_where_comfyui_offloads_to_its_gpu(pack, models_dir, comfy,
+                                                                                  monkeypatch):
+    """With --gpu-only ComfyUI's text-encoder offload device is its GPU (here "meta" stands in for it). A model
+    loaded on the cpu (device cpu, or auto on a GPU it does not run on) is not moved onto that GPU when it is
+    released or unloaded: it stays where it runs, as do its prefills' states."""
+    import torch
+    monkeypatch.setattr(comfy.mm, "text_encoder_offload_device", lambda: torch.device("meta"))
+    model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                           keep_loaded=False, cache_budget_mb=512)[0]
+    assert model.managed.offload_device == torch.device("cpu")
+    pf = _prefill(pack, model)
+    assert all(t is None or t.device.type == "cpu" for t in pf.prefill.cache.ssm + pf.prefill.cache.conv)
+    _generate(pack, pf, max_new_tokens=2)  # keep_loaded off: released after it
+    assert model.model.device.type == "cpu" and model.model.kv.device.type == "cpu"
+    assert isinstance(_generate(pack, pf, max_new_tokens=2)[0][0], str)
+
+
 def test_managed_model_answers_model_management(pack, loaded):
     size = loaded.managed.model_size()
     assert size == loaded.model.size_bytes() > 0
