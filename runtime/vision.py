@@ -361,7 +361,6 @@ class VisionTower(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = vc
-        self.dtype = dtype
         d, m = vc.hidden_size, vc.hidden_size * vc.merge_unit
         e = dict(dtype=dtype, device=device)
         self.patch_w, self.patch_b = _param(d, vc.patch_dim, **e), _param(d, **e)
@@ -380,6 +379,11 @@ class VisionTower(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.patch_w.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, as they are now (a .to(dtype) changes it)."""
+        return self.patch_w.dtype
 
     def plan(self, grids, pad_to: int | None = None) -> VisionPlan:
         """The plan of these grids (padded to pad_to patches: a bucket graph's, as `plan` makes it), kept for

@@ -244,6 +244,24 @@ def test_the_tower_captures_on_the_second_call_in_a_row_and_replays_after(monkey
     assert made == [A, B, "refused"] and tower._graph is None  # tried once, eager since
 
 
+def test_the_tower_runs_in_the_dtype_its_weights_were_moved_to():
+    """A .to(dtype) of the tower: its pixels go in the weights' new dtype (not the one it was made with), and
+    whether a bucket graph may replay other layouts is decided for the new dtype (fp32 takes none)."""
+    from qwen35_fast.runtime import vision
+    tower = small_tower(depth=2, seed=3)
+    grids = [(1, 4, 6), (2, 2, 2)]
+    x = torch.randn(32, tower.config.patch_dim, generator=torch.Generator().manual_seed(4))
+    tower.to(torch.float64)
+    assert tower.dtype == torch.float64
+    got = tower.run(x, grids)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, tower(x.double(), vision.plan(tower.config, grids, tower.device)))
+    tower.to(torch.bfloat16)
+    assert tower.dtype == torch.bfloat16 and tower.run(x, grids).dtype == torch.bfloat16
+    tower.to(torch.float32)
+    assert not tower._replays_other_layouts(None)  # (fp32: the positions kernel does not run)
+
+
 def test_graph_buckets_pad_by_at_most_an_eighth():
     """graph_bucket: above n (the padding is a grid of its own), a multiple of 64 (whole 2 x 2 blocks), at most an
     eighth of n or 64 more; the sizes of ~1 megapixel images of the common aspect ratios share one bucket."""
@@ -416,3 +434,17 @@ def test_a_grid_that_is_no_whole_number_of_merged_blocks_is_refused(folder, grid
     with pytest.raises(Qwen35Error, match=rf"vision grid \({grid[0]}, {grid[1]}, {grid[2]}\) is not a whole number "
                                           r"of 2x2 patch blocks"):
         model.vision.plan([(1, 4, 4), grid])
+
+
+@pytest.mark.parametrize("kind,grid,stamps", [("image", (1, 5, 6), ()), ("image", (2, 4, 4), ()),
+                                              ("video", (2, 4, 4), (0.0,)), ("video", (1, 4, 4), (0.0, 1.0))])
+def test_a_hand_made_input_whose_pads_would_not_be_its_tokens_is_refused(folder, kind, grid, stamps):
+    """A VisionInput made by hand (not by media.py) with a grid of odd sides, an image of several temporal
+    patches, or a video with another number of timestamps than slices: refused by name before any work, not an
+    IndexError / index_copy_ mismatch from the pad slots."""
+    from qwen35_fast.runtime.media import VisionInput
+    model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    inp = VisionInput(kind, torch.zeros(grid[0] * grid[1] * grid[2], model.vision.config.patch_dim), grid, (64, 64),
+                      stamps)
+    with pytest.raises(Qwen35Error, match=rf"{kind} grid \({grid[0]}, {grid[1]}, {grid[2]}\) is not one the tower"):
+        prefill_multimodal(model, "What is it?", **({"images": [inp]} if kind == "image" else {"video": inp}))
