@@ -404,6 +404,7 @@ class VisionTower(nn.Module):
         self._plans.clear()  # their tensors are where the weights were
         self._graph = self._last = self._last_bucket = None  # and the graph reads the weights' old addresses
         self._replays.clear()  # (another device or dtype may take other kernels)
+        self._no_graph.clear()  # (a capture that failed for want of memory may succeed there)
         return super()._apply(fn, recurse)
 
     def graph_bytes(self) -> int:
