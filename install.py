@@ -86,7 +86,9 @@ def headers_problem() -> str | None:
 def _fresh_python_problem(command: list[str]) -> str | None:
     """The last line of `command`'s error output where it fails (or cannot run); None where it succeeds."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        # errors="replace": output in another encoding than the locale's (PYTHONIOENCODING=utf-8 under a Windows code
+        # page, a path in it) must not end the script with a UnicodeDecodeError
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}"
     if done.returncode == 0:
@@ -96,9 +98,12 @@ def _fresh_python_problem(command: list[str]) -> str | None:
 
 
 def installer() -> list[str] | None:
-    """The command that installs into this interpreter: pip if it has pip, else uv."""
+    """The command that installs into this interpreter: pip if it has pip, else uv (installed in it as a package, as
+    ComfyUI-Manager also tries, or on PATH)."""
     if importlib.util.find_spec("pip") is not None:
         return [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]
+    if importlib.util.find_spec("uv") is not None:  # a venv made by uv, without pip, its scripts folder not on PATH
+        return [sys.executable, "-m", "uv", "pip", "install", "--python", sys.executable]
     uv = shutil.which("uv")
     if uv:
         return [uv, "pip", "install", "--python", sys.executable]
@@ -181,10 +186,14 @@ def install(package: str) -> bool:
         full = command + ["--constraint", constraints, package]
         log.info("running: %s", " ".join(full))
         try:
-            done = subprocess.run(full, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+            done = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("installing %s took over %d s (no network?); gave up. The pack runs on PyTorch; "
                         "install it later with: pip install %s", package, PIP_TIMEOUT_S, package)
+            return False
+        except OSError as e:  # the installer cannot be started (a broken uv on PATH: exec format, permission)
+            log.warning("could not run %s (%s: %s); the pack runs on PyTorch; install it later with: pip install %s",
+                        full[0], type(e).__name__, e, package)
             return False
     finally:
         os.unlink(constraints)

@@ -296,3 +296,41 @@ def test_a_check_reports_its_error_output_before_its_other_output(install, monke
     assert install.headers_problem() == "KernelBuildError: CUDA headers not found"
     monkeypatch.setattr(install.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 3, "", ""))
     assert install.headers_problem() == "exit status 3"
+
+
+def test_output_the_locale_cannot_decode_is_reported_not_a_crash(install, monkeypatch, capsys):
+    """pip or a check writing bytes the locale's encoding does not decode (PYTHONIOENCODING=utf-8 under a Windows
+    code page, a user folder's name in a path): the problem is reported and the script goes on, never a
+    UnicodeDecodeError out of subprocess.run (the script must exit 0)."""
+    bad = "import sys; sys.stderr.buffer.write(bytes([69, 58, 32, 0xff, 0xfe, 0x81, 10])); sys.exit(1)"
+    problem = install._fresh_python_problem([sys.executable, "-c", bad])
+    assert problem is not None and problem.startswith("E: ")
+    monkeypatch.setattr(install, "installer", lambda: [sys.executable, "-c", bad])
+    install.main(["--dry-run"])  # the script's log handler, nothing done
+    assert install.install("cupy-cuda13x") is False
+    assert "could not install cupy-cuda13x" in capsys.readouterr().out
+
+
+def test_uv_installed_as_a_package_is_used_where_pip_is_missing(install, monkeypatch):
+    """A venv made by uv has no pip; with uv installed into it but its scripts folder not on PATH (its python run
+    without activating it), `python -m uv` installs, as ComfyUI-Manager falls back to it too."""
+    real = install.importlib.util.find_spec
+    monkeypatch.setattr(install.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pip" else object() if name == "uv" else real(name, *a))
+    monkeypatch.setattr(install.shutil, "which", lambda name: None)
+    assert install.installer() == [sys.executable, "-m", "uv", "pip", "install", "--python", sys.executable]
+
+
+def test_an_installer_that_cannot_start_is_reported_and_exits_0(install, monkeypatch, capsys, tmp_path):
+    """A uv on PATH that cannot be executed (a file without the exec bit, a binary for another platform): said,
+    exit 0, not an OSError out of the script."""
+    uv = tmp_path / "uv"
+    uv.write_text("not a program")
+    monkeypatch.setattr(install.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(install.shutil, "which", lambda name: str(uv))
+    monkeypatch.setattr(install, "torch_cuda", lambda: ("2.14.1", "13.0", ""))
+    monkeypatch.setattr(install, "installed_version", lambda dist: None)
+    monkeypatch.setattr(install, "cupy_distributions", lambda: [])
+    assert install.main([]) == 0
+    out = capsys.readouterr().out
+    assert "installing cupy-cuda13x" in out and f"could not run {uv}" in out
