@@ -21,7 +21,7 @@ from .host import upload
 from .kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, model_sizes, pool_tensors
 from .packed import apply_packed
 
-BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json has 64 and 16 even (0.94-1.09x, 1.00x on average)
+BLOCK_SIZE = 64  # positions per block: bench/results/paged-h200.json has 64 and 16 even (0.95-1.09x, 0.99x on average)
 KV_FRACTION = 0.25  # auto budget: at most this share of the device memory free when the store is made
 AUTO_TOKENS = 65_536  # and at most what this many tokens need; an auto store grows when a prompt needs more
 SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; the rest is K/V blocks
