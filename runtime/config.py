@@ -11,6 +11,7 @@ DEFAULT_ROPE_THETA = 10_000_000.0
 DEFAULT_PARTIAL_ROTARY = 0.25
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 DEFAULT_MAX_POSITIONS = 262_144
+DEFAULT_HEAD_DIM = 256  # transformers' Qwen3_5TextConfig default (hidden / heads is 128 for the 0.8B, 213 for the 27B)
 DEFAULT_EOS = (248044, 248046)  # <|endoftext|>, <|im_end|>
 MAX_LAYERS = 1024  # the largest Qwen3.5 has 64
 
@@ -73,6 +74,12 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
         layer_types = text.get("layer_types") or [
             LINEAR if (i + 1) % text.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in ("default", "mrope"):  # (mrope: Qwen2-VL's name for the plain one)
+            raise Qwen35Error(f"{source}: rope_type is {kind!r}: a scaled rotary (as for contexts past 262,144 "
+                              "tokens) changes every answer and is not implemented here, so it is not loaded as the "
+                              "plain one. Set rope_type to \"default\" (and remove factor / "
+                              "original_max_position_embeddings) in the config's rope_parameters")
         eos = text.get("eos_token_id", cfg.get("eos_token_id"))
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -83,7 +90,7 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
             layer_types=tuple(layer_types),
             num_attention_heads=text["num_attention_heads"],
             num_key_value_heads=text["num_key_value_heads"],
-            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            head_dim=text.get("head_dim", DEFAULT_HEAD_DIM),  # (as transformers: not hidden / heads)
             linear_num_key_heads=text["linear_num_key_heads"],
             linear_num_value_heads=text["linear_num_value_heads"],
             linear_key_head_dim=text["linear_key_head_dim"],

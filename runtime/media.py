@@ -78,24 +78,36 @@ def _pixel_limit(name: str, value) -> int:
     return count
 
 
+def _read_json(file: Path):
+    """A JSON file's content, None where it is absent; a Qwen35Error naming it when it is not JSON."""
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise Qwen35Error(f"{file}: not valid JSON ({e}); re-download it") from None
+
+
 def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
-    """Preprocessing settings from a checkpoint folder's preprocessor_config.json and
-    video_preprocessor_config.json where present, else Qwen3.5's defaults; `overrides` win.
+    """Preprocessing settings from a checkpoint folder's processor_config.json (transformers 5 nests the image and
+    video processors' settings there, and reads them first), else its preprocessor_config.json and
+    video_preprocessor_config.json, where present, else Qwen3.5's defaults; `overrides` win.
 
     A max_pixels (video_max_pixels) given below the checkpoint's min_pixels (video_min_pixels) lowers that too:
     otherwise smart_resize would scale small inputs up to the minimum, past the limit the caller set."""
     values = {}
     folder = Path(folder) if folder else None
-    for name, prefix in (("preprocessor_config.json", ""), ("video_preprocessor_config.json", "video_")):
-        if folder is None or not (folder / name).is_file():
+    nested = _read_json(folder / "processor_config.json") if folder is not None else None
+    nested = nested if isinstance(nested, dict) else {}
+    for name, key, prefix in (("preprocessor_config.json", "image_processor", ""),
+                              ("video_preprocessor_config.json", "video_processor", "video_")):
+        cfg = nested.get(key) if isinstance(nested.get(key), dict) else (
+            _read_json(folder / name) if folder is not None else None)
+        if not isinstance(cfg, dict):
             continue
-        try:
-            cfg = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise Qwen35Error(f"{folder / name}: not valid JSON ({e}); re-download it") from None
         size = cfg.get("size") or {}
-        lo = cfg.get("min_pixels", size.get("shortest_edge"))
-        hi = cfg.get("max_pixels", size.get("longest_edge"))
+        lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else size.get("shortest_edge")
+        hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else size.get("longest_edge")
         if lo is not None:
             values[prefix + "min_pixels"] = int(lo)
         if hi is not None:

@@ -1,0 +1,105 @@
+"""config.json / preprocessor settings read as transformers reads them, on configs shaped like the released ones."""
+import copy
+import json
+
+import pytest
+
+from qwen35_fast.runtime.config import from_hf_dict
+from qwen35_fast.runtime.errors import Qwen35Error
+from qwen35_fast.runtime.media import Preprocessing, read_preprocessing
+
+# the released sizes' text settings (hidden, layers, intermediate, heads, kv heads, GDN value heads, tied)
+SIZES = {"0.8B": (1024, 24, 3584, 8, 2, 16, True), "2B": (2048, 24, 6144, 8, 2, 16, True),
+         "4B": (2560, 32, 9216, 16, 4, 32, True), "9B": (4096, 32, 12288, 16, 4, 32, False),
+         "27B": (5120, 64, 17408, 24, 4, 48, False)}
+
+
+def released(size: str) -> dict:
+    """A config.json laid out as Qwen's (text_config with rope_parameters, eos as an int, tie at both levels)."""
+    hidden, layers, inter, heads, kv, hv, tie = SIZES[size]
+    text = {"model_type": "qwen3_5_text", "attn_output_gate": True, "eos_token_id": 248044, "full_attention_interval": 4,
+            "head_dim": 256, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": hv, "max_position_embeddings": 262144, "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": tie,
+            "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                                "rope_theta": 10000000, "rope_type": "default"}}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "tie_word_embeddings": tie}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_config_without_head_dim_gets_transformers_default(size):
+    """head_dim is 256 in every Qwen3.5; transformers' Qwen3_5TextConfig defaults it to 256. hidden / heads is not
+    it for the 0.8B (128), 4B (160) or 27B (213), whose weights would then be refused as not fitting the config."""
+    from transformers import Qwen3_5Config
+    cfg = released(size)
+    del cfg["text_config"]["head_dim"]
+    theirs = Qwen3_5Config(**copy.deepcopy(cfg)).text_config.head_dim
+    assert from_hf_dict(cfg).head_dim == theirs == 256
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144},
+    {"rope_type": "linear", "factor": 2.0},
+    {"type": "dynamic", "factor": 2.0},
+])
+def test_a_scaled_rotary_is_refused_not_read_as_the_plain_one(rope):
+    """A config edited for long context as the model card describes (rope_type yarn, factor 4): transformers computes
+    other frequencies and scales cos / sin by 1.14 at every length; reading it as plain rotary would answer as
+    another model, silently. It is refused with the way back."""
+    cfg = released("9B")
+    cfg["text_config"]["rope_parameters"].pop("rope_type")
+    cfg["text_config"]["rope_parameters"].update(rope)
+    with pytest.raises(Qwen35Error, match=r"config.json: rope_type is '(yarn|linear|dynamic)'.*Set rope_type to "
+                                          r"\"default\""):
+        from_hf_dict(cfg)
+    legacy = released("9B")  # the older name of the same dict, rope_theta beside it
+    old = legacy["text_config"].pop("rope_parameters")
+    legacy["text_config"]["rope_theta"] = old.pop("rope_theta")
+    old.pop("rope_type")
+    legacy["text_config"]["rope_scaling"] = {**old, **rope}
+    with pytest.raises(Qwen35Error, match="rope_type is"):
+        from_hf_dict(legacy)
+
+
+def test_the_plain_rotary_loads_under_every_name_it_has():
+    cfg = released("4B")
+    assert from_hf_dict(copy.deepcopy(cfg)).rope_theta == 1e7
+    cfg["text_config"]["rope_parameters"].pop("rope_type")
+    assert from_hf_dict(copy.deepcopy(cfg)).rope_theta == 1e7
+    cfg["text_config"]["rope_parameters"]["type"] = "mrope"  # Qwen2-VL's legacy name for it
+    assert from_hf_dict(cfg).mrope_section == (11, 11, 10)
+
+
+def test_processor_config_json_of_transformers_5_is_read(tmp_path):
+    """transformers 5 saves a processor as one processor_config.json with the image and video processors nested, and
+    reads that before preprocessor_config.json / video_preprocessor_config.json: a fine-tune saved so keeps its
+    pixel budget."""
+    (tmp_path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor": {"size": {"longest_edge": 1_000_000, "shortest_edge": 4096}, "patch_size": 16,
+                            "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
+        "video_processor": {"size": {"longest_edge": 2_000_000, "shortest_edge": 8192}, "fps": 1,
+                            "max_frames": 64}}))
+    pp = read_preprocessing(tmp_path)
+    assert (pp.min_pixels, pp.max_pixels, pp.video_min_pixels, pp.video_max_pixels) == (4096, 1_000_000, 8192,
+                                                                                        2_000_000)
+    assert (pp.fps, pp.max_frames) == (1, 64)
+    # the nested one wins over the older files, as in transformers
+    (tmp_path / "preprocessor_config.json").write_text('{"size": {"longest_edge": 5000000, "shortest_edge": 1024}}')
+    assert read_preprocessing(tmp_path).max_pixels == 1_000_000
+    # a processor_config.json without nested processors (transformers 4's) leaves the older files in charge
+    (tmp_path / "processor_config.json").write_text('{"processor_class": "Qwen3VLProcessor"}')
+    pp = read_preprocessing(tmp_path)
+    assert (pp.max_pixels, pp.video_max_pixels) == (5_000_000, Preprocessing().video_max_pixels)
+
+
+def test_null_min_max_pixels_leave_size_in_charge(tmp_path):
+    """"min_pixels": null / "max_pixels": null beside size: transformers' Qwen2VLImageProcessor keeps size."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": None, "max_pixels": None, "size": {"longest_edge": 1_000_000, "shortest_edge": 4096}}))
+    pp = read_preprocessing(tmp_path)
+    assert (pp.min_pixels, pp.max_pixels) == (4096, 1_000_000)
