@@ -5,6 +5,7 @@ tensor names, shapes and config with what transformers itself makes for the same
 import importlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -243,6 +244,20 @@ def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path):
     with pytest.raises(Qwen35Error, match=r"the demo checkpoint is built in .*file.*qwen35_fast, which cannot be made "
                                           r"or written .* set XDG_CACHE_HOME to a folder you can write"):
         demo_checkpoint(tmp_path / "file" / "qwen35_fast")
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """A cache folder that exists but this user cannot write (os.access says so; a test run as root could write any
+    folder): the same message, not the PermissionError the temporary build folder would raise in it."""
+    parent = tmp_path / "qwen35_fast"
+    parent.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == parent and mode & os.W_OK
+                        else real(path, mode, **kw))
+    with pytest.raises(Qwen35Error, match=r"the demo checkpoint is built in .*qwen35_fast, which cannot be made or "
+                                          r"written \(cannot write to .*\); set XDG_CACHE_HOME"):
+        demo_checkpoint(parent)
+    assert list(parent.iterdir()) == []  # nothing begun in it
 
 
 def test_default_cache_dir_follows_xdg(tmp_path, monkeypatch):

@@ -396,3 +396,74 @@ def test_a_turn_that_ends_inside_its_thinking_is_the_answer(pair, monkeypatch):
                             torch.tensor([a[n]], device=logits.device))
         out = generate(model, pf, max_new_tokens=budget)
         assert (out.thinking, out.text, out.finish_reason) == want
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_fixed_store_short_of_the_rounded_room_still_gives_the_next_block(pair, monkeypatch, ahead):
+    """The answer takes its room in steps of KV_STEP positions; full at 256, a fixed store of five 64-position blocks
+    cannot give the next step (512 positions) but has the one block the next token needs: the answer goes on into it
+    and ends at its last position. An answer of exactly the store's room, cut by max_new_tokens, is whole on both loops: no
+    step is queued behind the budget's last token (one would find the store full)."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    model = pair[1]
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    if ahead:
+        monkeypatch.setattr(gen, "_HostTokens", _AheadOnCpu)
+    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
+    store = model.setup_kv(5 * block * 4 // 3 + 1)  # five blocks of 64 positions, fixed
+    try:
+        assert store.num_blocks == 5 and not store.growable and store.block_size == 64
+        pf = prefill_ids(model, list(range(5000, 5192)), use_cache=False)  # three blocks
+        eos = model.tokenizer.eos_token_ids[0]
+        answer = [100 + i for i in range(320 - 192)] + [eos]  # the other two blocks, to the last position
+        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
+                            torch.tensor([answer[n]], device=logits.device))
+        out = generate(model, pf, max_new_tokens=500)
+        assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
+        answer[-1] = 99  # as many tokens as the store holds, the last one the budget's
+        out = generate(model, pf, max_new_tokens=len(answer))
+        assert out.finish_reason == "length" and list(out.token_ids) == answer
+    finally:
+        model.setup_kv()
+
+
+def test_out_of_memory_behind_the_end_of_turn_token_is_no_error(pair, monkeypatch):
+    """One step ahead (as on CUDA), the room for the step behind a token is taken before the token is read. Out of
+    memory there is no error when that token ends the answer (the step is never read); where the answer goes on, it
+    is the out-of-memory error, and the logits that picked the end-of-turn token are checked as ever. Any other error
+    there is raised at once, the end of the turn or not."""
+    model = pair[1]
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    cache_cls = sys.modules["qwen35_fast.runtime.model"].Cache
+    monkeypatch.setattr(gen, "_HostTokens", _AheadOnCpu)
+    pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)
+    eos = model.tokenizer.eos_token_ids[0]
+    answer = [100 + i for i in range(256 - 64)] + [eos]  # its last step behind it wants more than 256 positions
+    monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
+                        torch.tensor([answer[n]], device=logits.device))
+    real, failure = cache_cls.reserve, []
+
+    def reserve(self, capacity):
+        if capacity > 256 and failure:
+            raise failure[0]
+        return real(self, capacity)
+    monkeypatch.setattr(cache_cls, "reserve", reserve)
+    failure.append(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
+    out = generate(model, pf, max_new_tokens=500)
+    assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
+    real_decode = model.forward_decode  # the logits that picked the end-of-turn token are still the ones checked
+
+    def poisoned(tok, cache):
+        logits = real_decode(tok, cache)
+        return torch.full_like(logits, float("nan")) if int(tok.view(-1)[0]) == answer[-2] else logits
+    monkeypatch.setattr(model, "forward_decode", poisoned)
+    with pytest.raises(Qwen35Error, match=r"logits while answering \(found after 192 tokens\) are not finite"):
+        generate(model, pf, max_new_tokens=500)
+    monkeypatch.setattr(model, "forward_decode", real_decode)
+    answer[-1] = 99  # the answer goes on: out of memory, once its token is read
+    with pytest.raises(Qwen35Error, match=r"^out of memory on cpu generating after a prompt of 64 tokens"):
+        generate(model, pf, max_new_tokens=500)
+    answer[-1] = eos
+    failure[0] = RuntimeError("an unrelated failure")  # not out of memory: raised, though the answer ends
+    with pytest.raises(RuntimeError, match="an unrelated failure"):
+        generate(model, pf, max_new_tokens=500)

@@ -562,6 +562,12 @@ def test_a_prefill_that_grows_the_auto_store_asks_for_the_new_pool(folder, monke
     fits = store.pool.num_free * store.block_size
     assert store.growable and growth_bytes(model, fits) == 0
     assert growth_bytes(model, fits + 1) == int(store.num_blocks * kv_store.GROWTH) * per_block
+    # a follow-up's tokens after `after` cached positions (their blocks held already): the blocks the new tokens
+    # reach, and a copy of the cached positions' partly filled last block
+    bs = store.block_size
+    assert growth_bytes(model, fits, after=10 * bs) == 0
+    assert growth_bytes(model, fits - bs, after=10 * bs + 1) == 0
+    assert growth_bytes(model, fits, after=10 * bs + 1) == int(store.num_blocks * kv_store.GROWTH) * per_block
     huge = 100 * fits
     assert growth_bytes(model, huge) == (store.num_blocks + store.pool.blocks_for(huge) - store.pool.num_free) * per_block
     assert prefill_bytes(model, fits + 1) - prefill_bytes(model, fits) > per_block
@@ -635,6 +641,30 @@ def test_a_generation_that_grows_the_store_more_than_once_asks_for_the_most_it_h
     out = generate(model, pf, max_new_tokens=n, sampling=SamplingParams(do_sample=True), seed=3)
     assert out.finish_reason == "length" and len(held) > 1  # it grew more than once
     assert asked >= max(held), f"asked for {asked // per_block} blocks, held {max(held) // per_block} beyond the store"
+
+
+@pytest.mark.parametrize("n_prompt, answer", [(256, 1), (64, 300), (100, 300), (192, 64), (130, 400)])
+def test_a_generations_growth_estimate_is_what_the_store_grows_to(folder, monkeypatch, n_prompt, answer):
+    """generation_growth_bytes replays the generation's reservations: the fork of the prompt's last block (none where
+    the prompt ends on a block's end, but then the first answer position wants a block of its own), then each
+    kv_capacity step up to the answer's end, never past it. What it says is what the store holds beyond itself at
+    most while the generation runs: no less (ComfyUI would not free it), no more (it would unload models for
+    nothing), and 0 where the free blocks hold the answer."""
+    from qwen35_fast.runtime import kv_store, prefill_ids
+    from qwen35_fast.runtime.memory import generation_growth_bytes
+    model = load_model(folder, dtype="bf16", device="cpu")
+    monkeypatch.setattr(kv_store, "AUTO_TOKENS", 256)
+    store = model.setup_kv()
+    pf = prefill_ids(model, list(range(5000, 5000 + n_prompt)), use_cache=False)
+    base, per_block = store.nbytes, store.nbytes // store.num_blocks
+    asked = generation_growth_bytes(model, n_prompt, answer)
+    held = [0]
+    real = kv_store.KVStore.grow
+    monkeypatch.setattr(kv_store.KVStore, "grow", lambda self, blocks: held.append(
+        self.nbytes + blocks * per_block - base) or real(self, blocks))
+    out = generate(model, pf, max_new_tokens=answer, sampling=SamplingParams(do_sample=True), seed=3)
+    assert out.finish_reason == "length"
+    assert asked == max(held), f"asked for {asked // per_block} blocks, held {max(held) // per_block} beyond the store"
 
 
 def test_a_follow_up_that_grows_the_store_asks_for_it_counting_the_forked_block(folder, monkeypatch):

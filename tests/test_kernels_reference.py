@@ -506,13 +506,14 @@ def test_the_norm_launchers_take_no_rows(shape):
         rms_norm_rope_cuda,
     )
     x, w = torch.empty(shape, dtype=torch.bfloat16), torch.rand(128)
-    assert rms_norm_cuda(x, w, 1e-6).shape == shape
-    assert gated_rms_norm_cuda(x, x, w, 1e-6).shape == shape
+    same = lambda t: t.shape == shape and t.dtype == x.dtype  # noqa: E731  (as the ops' fakes say: x's dtype)
+    assert same(rms_norm_cuda(x, w, 1e-6))
+    assert same(gated_rms_norm_cuda(x, x, w, 1e-6))
     s, y = add_rms_norm_cuda(x, x, w, 1e-6)
-    assert s.shape == y.shape == shape
+    assert same(s) and same(y)
     if len(shape) == 4:
         cos = torch.empty(0, 64, dtype=torch.bfloat16)
-        assert rms_norm_rope_cuda(x, w, 1e-6, cos, cos).shape == shape
+        assert same(rms_norm_rope_cuda(x, w, 1e-6, cos, cos))
 
 
 def test_the_launchers_fallbacks_return_contiguous_outputs_as_the_fakes_say():

@@ -481,6 +481,16 @@ def test_a_gpu_videos_sampled_frames_are_gathered_once():
         preprocess_video(bad.as_subclass(_SaysGpu), 10.0)  # at once, not when the patches are made
 
 
+def test_a_gpu_videos_sampled_frames_move_to_the_resizing_device():
+    """preprocess_video's device (the tower's): a video on another device has its sampled frames, checked where they
+    are, moved there to be resized (not left on the device they came on)."""
+    frames = torch.rand(40, 32, 48, 3, generator=torch.Generator().manual_seed(3))
+    index = sample_frames(40, 10.0, Preprocessing())
+    v = preprocess_video(frames.as_subclass(_SaysGpu), 10.0, device="meta")
+    assert v.source_pixels.is_meta and v.source_pixels.shape == (len(index), 32, 48, 3)
+    assert torch.equal(preprocess_video(frames.as_subclass(_SaysGpu), 10.0).source_pixels, frames[index])
+
+
 def test_nan_or_infinite_pixels_are_named_where_they_are_read():
     """NaN / inf pixels (a VAE decode in fp16 can make them) are refused, counted, where the pixels are first read:
     an image when its patches are made, a video's sampled frames (an unsampled frame is never read), a streamed

@@ -150,12 +150,15 @@ def test_a_previous_answer_keeps_the_markup_tokens_the_model_wrote(model):
 def test_vision_tokens_refused_in_the_system_prompt_or_previous_answer_name_that_text(model):
     """The refusal names the text that writes the token (not "the prompt" when the prompt is clean) and a fix
     that applies to it."""
-    from qwen35_fast.runtime import Qwen35Error
+    from qwen35_fast.runtime import Qwen35Error, encode_prompt
     from qwen35_fast.runtime.conversation import follow_up_ids
     with pytest.raises(Qwen35Error, match=r"^the system prompt writes <\|image_pad\|> .*remove them from the system "
                                           r"prompt \(or turn allow_special_tokens off\)"):
         build_prompt(model, "Hi <image>", [_input("image")], 1, system_prompt="Sys <|image_pad|>",
                      allow_special_tokens=True)
+    with pytest.raises(Qwen35Error, match=r"^the system prompt writes <\|image_pad\|> .*remove them from the system "
+                                          r"prompt"):
+        encode_prompt(model, "Hi", system_prompt="Sys <|image_pad|>", allow_special_tokens=True)  # (text only)
     with pytest.raises(Qwen35Error, match=r"^previous_answer writes <\|vision_start\|> .*remove them from "
                                           r"previous_answer"):
         follow_up_ids(model, "Next?", [], 0, "See <|vision_start|>", False, allow_special_tokens=True)
@@ -166,6 +169,8 @@ def test_vision_tokens_refused_in_the_system_prompt_or_previous_answer_name_that
     ("<image 0>", 2, r"names <image 0> but 2 image\(s\) .*counted from 1: name one of <image 1> to <image 2>"),
     ("<image 10>", 9, r"names <image 10> but 9 image\(s\) .*name one of <image 1> to <image 9> or connect more"),
     ("<image 1> here", 0, r"names <image 1> but 0 image\(s\) .*connect images or remove it"),
+    ("<image03>", 2, r"names <image03> but 2 image\(s\)"),  # as written
+    ("<image 1> and <image 1>", 2, r"places image 1 twice; name each image or video once"),  # no bare <image> in it
 ])
 def test_placeholder_errors_name_the_placeholder_and_the_fix(prompt, n_images, message):
     from qwen35_fast.runtime import Qwen35Error

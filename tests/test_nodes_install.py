@@ -319,6 +319,8 @@ def test_uv_installed_as_a_package_is_used_where_pip_is_missing(install, monkeyp
                         lambda name, *a: None if name == "pip" else object() if name == "uv" else real(name, *a))
     monkeypatch.setattr(install.shutil, "which", lambda name: None)
     assert install.installer() == [sys.executable, "-m", "uv", "pip", "install", "--python", sys.executable]
+    monkeypatch.setattr(install.importlib.util, "find_spec", lambda name, *a: object())  # both: pip, as ever
+    assert install.installer() == [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]
 
 
 def test_an_installer_that_cannot_start_is_reported_and_exits_0(install, monkeypatch, capsys, tmp_path):
@@ -334,3 +336,4 @@ def test_an_installer_that_cannot_start_is_reported_and_exits_0(install, monkeyp
     assert install.main([]) == 0
     out = capsys.readouterr().out
     assert "installing cupy-cuda13x" in out and f"could not run {uv}" in out
+    assert install.install("cupy-cuda13x") is False  # not installed: nothing goes on as if it were

@@ -413,3 +413,23 @@ def test_a_file_without_a_frame_count_is_decoded_once(comfy, tmp_path, monkeypat
     want = preprocess_video(parts.images, float(parts.frame_rate), pp)
     assert len(decodes) == 1 and parts.images.shape[0] == 40
     assert torch.equal(got.pixels, want.pixels) and (got.grid, got.timestamps) == (want.grid, want.timestamps)
+
+
+def test_a_stream_whose_packets_have_no_pts_is_counted_and_decoded_once(comfy, tmp_path, monkeypatch):
+    """A raw H.264 stream (.h264): no container, so no packet has a pts and ComfyUI's frame count fails (an OSError
+    from its seek; its get_components fails too). The reader counts its packets, those without a pts among them,
+    and one decode takes the sampled frames."""
+    from comfy_api.latest import InputImpl
+
+    from qwen35_fast.nodes.video import FileVideo, video_clip
+    path = write_video(tmp_path / "raw.h264", 20, 10)
+    with av.open(str(path)) as container:
+        assert all(p.pts is None for p in container.demux(container.streams.video[0]))
+    video = InputImpl.VideoFromFile(str(path))
+    with pytest.raises(OSError):
+        video.get_frame_count()
+    decodes = []
+    real = FileVideo._decode
+    monkeypatch.setattr(FileVideo, "_decode", lambda self, index, keep: decodes.append(index) or real(self, index, keep))
+    index, frames = _read(video_clip(video), lambda total: [0, total // 2, total - 1])
+    assert decodes == [[0, 10, 19]] and index == [0, 10, 19] and [_number(f) for f in frames] == index
