@@ -293,6 +293,11 @@ def test_unload_models_frees_it_and_the_next_run_loads_it_again(pack, models_dir
     # on the device ComfyUI manages (a GPU when there is one): "Unload models" frees that device only
     model = pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="auto", backend="torch",
                                            keep_loaded=True)[0]
+    # a model on ComfyUI's GPU waits on ComfyUI's offload device, one on the CPU on the CPU (--gpu-only's offload
+    # device is its GPU)
+    managed = model.managed
+    assert managed.offload_device == (managed.load_device if managed.load_device.type == "cpu"
+                                      else comfy.mm.text_encoder_offload_device())
     pf = _prefill(pack, model)
     comfy.mm.unload_all_models()  # what "Unload models" and POST /free {"unload_models": true} do
     assert not any(m.model is model.managed for m in comfy.mm.current_loaded_models)
