@@ -155,8 +155,7 @@ def test_on_a_cpu_each_token_is_read_before_the_next_step_and_no_step_follows_th
 
 
 def _scripted(monkeypatch, tokens):
-    """generate picks `tokens` in turn, whatever the logits say."""
-    import sys
+    """generate picks `tokens` in turn, whatever the logits say (the list may change between calls)."""
     gen = sys.modules["qwen35_fast.runtime.generate"]
     monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None: torch.tensor([tokens[n]]))
     return gen
@@ -351,25 +350,29 @@ class _AheadOnCpu:
         pass
 
 
+def _fixed_store(model, blocks: int):
+    """A fixed K/V store of `blocks` blocks of 64 positions (setup_kv() gives the default back)."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
+    store = model.setup_kv(blocks * block * 4 // 3 + 1)
+    assert store.num_blocks == blocks and not store.growable and store.block_size == 64
+    return store
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_an_answer_that_ends_where_a_fixed_cache_is_full_is_no_error(pair, monkeypatch, ahead):
     """A fixed K/V store with room for the prompt and the answer exactly: the answer ends there with an end-of-turn
     token. Run one step ahead (as on CUDA) the step queued behind that token needs one block more; the answer is
     whole, so that step's lack of room is no error."""
-    from qwen35_fast.runtime.kv_pool import model_sizes
     model = pair[1]
-    gen = sys.modules["qwen35_fast.runtime.generate"]
     if ahead:
-        monkeypatch.setattr(gen, "_HostTokens", _AheadOnCpu)
-    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
-    store = model.setup_kv(4 * block * 4 // 3 + 1)  # four blocks of 64 positions, fixed
+        monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
+    _fixed_store(model, 4)
     try:
-        assert store.num_blocks == 4 and not store.growable and store.block_size == 64
         pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)  # one block
         eos = model.tokenizer.eos_token_ids[0]
         answer = [100 + i for i in range(256 - 64)] + [eos]  # fills the other three blocks to the last position
-        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
-                            torch.tensor([answer[n]], device=logits.device))
+        _scripted(monkeypatch, answer)
         out = generate(model, pf, max_new_tokens=500)
         assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
         answer[-1] = 99  # an answer that goes on: no room, after the same tokens on both loops
@@ -385,15 +388,13 @@ def test_a_turn_that_ends_inside_its_thinking_is_the_answer(pair, monkeypatch):
     a length cut before `</think>` is thinking with no answer yet."""
     model = pair[1]
     tok = model.tokenizer
-    gen = sys.modules["qwen35_fast.runtime.generate"]
     eos, close = model.tokenizer.eos_token_ids[0], tok.token_id("</think>")
     hmm, fox = tok.encode("Let me look."), tok.encode("A red fox.")
     pf = prefill(model, "Describe it.", thinking=True)
     for answer, budget, want in [(hmm + [close] + fox + [eos], 64, ("Let me look.", "A red fox.", "stop")),
                                  (fox + [eos], 64, ("", "A red fox.", "stop")),
                                  (hmm + [close] + fox, len(hmm), ("Let me look.", "", "length"))]:
-        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None, a=answer:
-                            torch.tensor([a[n]], device=logits.device))
+        _scripted(monkeypatch, answer)
         out = generate(model, pf, max_new_tokens=budget)
         assert (out.thinking, out.text, out.finish_reason) == want
 
@@ -404,20 +405,15 @@ def test_a_fixed_store_short_of_the_rounded_room_still_gives_the_next_block(pair
     cannot give the next step (512 positions) but has the one block the next token needs: the answer goes on into it
     and ends at its last position. An answer of exactly the store's room, cut by max_new_tokens, is whole on both loops: no
     step is queued behind the budget's last token (one would find the store full)."""
-    from qwen35_fast.runtime.kv_pool import model_sizes
     model = pair[1]
-    gen = sys.modules["qwen35_fast.runtime.generate"]
     if ahead:
-        monkeypatch.setattr(gen, "_HostTokens", _AheadOnCpu)
-    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
-    store = model.setup_kv(5 * block * 4 // 3 + 1)  # five blocks of 64 positions, fixed
+        monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
+    _fixed_store(model, 5)
     try:
-        assert store.num_blocks == 5 and not store.growable and store.block_size == 64
         pf = prefill_ids(model, list(range(5000, 5192)), use_cache=False)  # three blocks
         eos = model.tokenizer.eos_token_ids[0]
         answer = [100 + i for i in range(320 - 192)] + [eos]  # the other two blocks, to the last position
-        monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
-                            torch.tensor([answer[n]], device=logits.device))
+        _scripted(monkeypatch, answer)
         out = generate(model, pf, max_new_tokens=500)
         assert out.finish_reason == "stop" and list(out.token_ids) == answer[:-1]
         answer[-1] = 99  # as many tokens as the store holds, the last one the budget's
@@ -439,8 +435,7 @@ def test_out_of_memory_behind_the_end_of_turn_token_is_no_error(pair, monkeypatc
     pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)
     eos = model.tokenizer.eos_token_ids[0]
     answer = [100 + i for i in range(256 - 64)] + [eos]  # its last step behind it wants more than 256 positions
-    monkeypatch.setattr(gen, "pick", lambda logits, p, seed, n, backend=None, marks=None:
-                        torch.tensor([answer[n]], device=logits.device))
+    _scripted(monkeypatch, answer)
     real, failure = cache_cls.reserve, []
 
     def reserve(self, capacity):
