@@ -1,7 +1,7 @@
 """Run by ComfyUI-Manager after requirements.txt: installs the CuPy that fits this PyTorch's CUDA.
 
-CuPy must match the CUDA major version PyTorch was built with (cupy-cuda12x or cupy-cuda13x), so it
-cannot be a plain requirement. This script:
+CuPy must match the CUDA major version PyTorch was built with (cupy-cuda12x or cupy-cuda13x; a `cupy` that runs
+that CUDA, as conda-forge's, counts too), so it cannot be a plain requirement. This script:
 - never installs, upgrades or removes torch (the versions of torch and numpy are held as they are);
 - does nothing when the right CuPy is already there (a second run changes nothing);
 - where that CuPy is there but cannot load NVRTC (the run-time compiler the kernels are built with: CUDA's
@@ -83,6 +83,22 @@ def headers_problem() -> str | None:
     return _fresh_python_problem([sys.executable, "-c", code, CUDA_BUILD])
 
 
+def cupy_cuda_major() -> int | None:
+    """The CUDA major version the installed CuPy runs (asked of a fresh Python, torch imported first as the pack
+    does); None where CuPy cannot be imported or asked. For the `cupy` distribution, whose name carries no CUDA
+    version: conda-forge's, or one built from source against a CUDA toolkit."""
+    code = "import torch, cupy; print(cupy.cuda.runtime.runtimeGetVersion())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, errors="replace",
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].strip().isdigit():
+        return None
+    return int(lines[-1]) // 1000
+
+
 def _fresh_python_problem(command: list[str]) -> str | None:
     """The last line of `command`'s error output where it fails (or cannot run); None where it succeeds."""
     try:
@@ -126,7 +142,10 @@ def plan() -> tuple[str | None, str]:
         return None, (f"PyTorch {torch_version} is built for CUDA {cuda}, for which there is no CuPy package "
                       f"here (known: {', '.join(CUPY_FOR_CUDA_MAJOR.values())}); the pack runs on PyTorch.")
     have = installed_version(want)
-    others = [f"{d} {installed_version(d)}" for d in cupy_distributions() if d != want]
+    present = cupy_distributions()
+    if not have and present == ["cupy"] and cupy_cuda_major() == major:
+        want, have = "cupy", installed_version("cupy")  # a CuPy of this CUDA without it in its name: it fits
+    others = [f"{d} {installed_version(d)}" for d in present if d != want]
     if have and others:  # checked first: two CuPy packages break `import cupy` even when one is the right one
         return None, (f"{want} {have} is installed for CUDA {cuda} (PyTorch {torch_version}), and so is "
                       f"{', '.join(others)}: two CuPy packages cannot live side by side (import cupy fails, and the "

@@ -56,14 +56,24 @@ def _torch_cuda_major() -> int:
         return 13
 
 
+# the CUDA major versions the kernels are built and tested with (install.py installs CuPy for these)
+CUDA_MAJORS = (12, 13)
+
+
 def _pip_hint(what: str) -> str:
     """The pip package for NVIDIA's `what` ("nvrtc" or "runtime") that matches torch's CUDA."""
     major = _torch_cuda_major()
     return f"'nvidia-cuda-{what}=={major}.*'" if major >= 13 else f"'nvidia-cuda-{what}-cu{major}'"
 
 
-def _cupy_hint() -> str:
-    return f"'cupy-cuda{_torch_cuda_major()}x'"
+def _older_cuda() -> str | None:
+    """The fix where torch is built for a CUDA older than the kernels take (no CuPy or NVRTC package fits it)."""
+    major = _torch_cuda_major()
+    if major >= CUDA_MAJORS[0]:
+        return None
+    return (f"the kernels need a PyTorch built for CUDA {' or '.join(map(str, CUDA_MAJORS))} (this one is built for "
+            f"CUDA {major}); install such a PyTorch, then run the pack's install.py. Until then the pack runs on "
+            f"PyTorch")
 
 
 def _nvrtc():
@@ -71,9 +81,9 @@ def _nvrtc():
         from cupy_backends.cuda.libs import nvrtc
         nvrtc.getVersion()
     except Exception as e:  # ImportError, or the NVRTC shared library itself is missing
-        raise KernelBuildError(
-            f"NVRTC is not available ({type(e).__name__}: {e}); install {_cupy_hint()} and "
-            f"{_pip_hint('nvrtc')} (pip; the CUDA major version of your torch), or a CUDA toolkit") from e
+        fix = _older_cuda() or (f"install 'cupy-cuda{_torch_cuda_major()}x' and {_pip_hint('nvrtc')} (pip; the "
+                                f"CUDA major version of your torch), or a CUDA toolkit")
+        raise KernelBuildError(f"NVRTC is not available ({type(e).__name__}: {e}); {fix}") from e
     return nvrtc
 
 
@@ -128,10 +138,11 @@ def cuda_include_dir() -> Path:
                 break
         else:
             tried = ", ".join(dict.fromkeys(str(d) for d in cands if "site-packages" not in str(d)))
+            fix = _older_cuda() or f"pip install {_pip_hint('runtime')}, or set CUDA_HOME to a CUDA toolkit"
             raise KernelBuildError(
                 f"CUDA headers not found: no {HEADER} under $CUDA_PATH, $CUDA_HOME, pip's nvidia/cu13/include "
                 f"or nvidia/cuda_runtime/include, the toolkit beside nvcc, or /usr/local/cuda (tried {tried}). "
-                f"Fix: pip install {_pip_hint('runtime')}, or set CUDA_HOME to a CUDA toolkit")
+                f"Fix: {fix}")
     return _include_dir
 
 

@@ -92,7 +92,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
     @classmethod
     def execute(cls, model, prompt="", images=None, video=None, frames=None, frame_rate=24.0, mode=ALL_IN_ONE,
                 system_prompt="", thinking=False, max_pixels=0) -> io.NodeOutput:
-        from ..runtime import Qwen35Error, prefill_multimodal
+        from ..runtime import Qwen35Error, prefill_multimodal, read_video
 
         with model.released_on_error():  # (bad input too: the loader put the weights on the GPU already)
             if video is not None and frames is not None:
@@ -105,15 +105,19 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             out, stats = [], []
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
 
-            def run(batch, bar: bool = True):
+            def run(batch, video=clip, bar: bool = True):
                 with cancellable(bar=bar):
-                    return prefill_multimodal(model.model, prompt, images=batch, video=clip,
+                    return prefill_multimodal(model.model, prompt, images=batch, video=video,
                                               system_prompt=system_prompt, thinking=thinking,
                                               max_pixels=max_pixels or None,
                                               reserve=lambda needed: model.load(memory_required=needed))
+            shared = clip
+            if clip is not None and len(batches) > 1:
+                with cancellable(bar=False):  # the video read once for all the prompts (a file decoded once); a
+                    shared = read_video(model.model, clip)  # prefill made again later reads `clip` itself
             for i, batch in enumerate(batches):
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
-                pf = run(batch, bar=bar is None)
+                pf = run(batch, shared, bar=bar is None)
                 note = ""
                 if pf.vision is not None and pf.vision.scaled_down:
                     per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"

@@ -16,9 +16,9 @@ from .errors import Qwen35Error
 from .generate import Generation, Prefill, encode_prompt, generate, prefill, prefill_ids
 from .loader import load_model
 from .model import Cache, Qwen35Model
-from .multimodal import prefill_multimodal
+from .multimodal import prefill_multimodal, read_video
 from .sampling import SamplingParams
 
 __all__ = ["Qwen35Error", "DeviceUnsupported", "Generation", "Prefill", "encode_prompt", "generate", "prefill", "prefill_ids",
-           "prefill_multimodal", "continue_prefill", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
+           "prefill_multimodal", "read_video", "continue_prefill", "load_model", "Cache", "Qwen35Model", "SamplingParams", "demo_checkpoint",
            "free_gpu_workspaces"]

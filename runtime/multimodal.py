@@ -191,11 +191,30 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
     return ids, parts, ordered
 
 
+def _resize_device(model: Qwen35Model) -> torch.device:
+    """Where inputs are resized: the model's GPU; on another accelerator (mps, xpu, ...) the CPU, whose
+    resampling is the one tested against the processor's and is there in every PyTorch."""
+    return torch.device("cpu") if is_other_accelerator(model.device) else model.device
+
+
+def read_video(model: Qwen35Model, video) -> VisionInput:
+    """A video as prefill_multimodal takes it ((frames, fps), a media.VideoSource or a VisionInput) -> its
+    VisionInput for this model: a file is decoded here, once, so that prompts sharing the video (one prompt per
+    image) read the result instead of the file again."""
+    if isinstance(video, VisionInput):
+        if video.kind != "video":
+            raise Qwen35Error(f"video must be a video; got a VisionInput of kind {video.kind!r} (pass images as images)")
+        return video
+    pp = read_preprocessing(getattr(model, "path", None))  # (max_pixels sets images only)
+    if isinstance(video, VideoSource):
+        return preprocess_video_source(video, pp, _resize_device(model), model.select_backend())  # hashes on its kernel
+    frames, fps = _video_pair(video)
+    return preprocess_video(frames, fps, pp, _resize_device(model))
+
+
 def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:
     pp = read_preprocessing(getattr(model, "path", None), max_pixels=max_pixels)
-    # resized on the model's GPU; on another accelerator (mps, xpu, ...) on the CPU, whose resampling is the one
-    # tested against the processor's and is there in every PyTorch
-    where = torch.device("cpu") if is_other_accelerator(model.device) else model.device
+    where = _resize_device(model)
     out: list[VisionInput] = []
     if images is not None:
         if isinstance(images, torch.Tensor):
@@ -211,13 +230,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
                                       f"them, or images from media.preprocess_images; got {_what(item)}")
     n_images = len(out)
     if video is not None:
-        if isinstance(video, VisionInput):
-            out.append(video)
-        elif isinstance(video, VideoSource):
-            out.append(preprocess_video_source(video, pp, where, model.select_backend()))  # hashes on its kernel
-        else:
-            frames, fps = _video_pair(video)
-            out.append(preprocess_video(frames, fps, pp, where))
+        out.append(read_video(model, video))
     return out, n_images
 
 
@@ -422,5 +435,5 @@ class VisionStats:
     grids: tuple[tuple[int, int, int], ...]
 
 
-__all__ = ["prefill_multimodal", "build_prompt", "user_message", "place_inputs", "media_spans", "vision_features",
+__all__ = ["prefill_multimodal", "read_video", "build_prompt", "user_message", "place_inputs", "media_spans", "vision_features",
            "TowerClock", "VisionStats", "VISION_START", "VISION_END", "IMAGE_PAD", "VIDEO_PAD"]

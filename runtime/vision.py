@@ -88,16 +88,20 @@ def vision_config_from_hf(cfg: dict, source: str = "config.json") -> VisionConfi
     v = cfg.get("vision_config")
     if not v:
         return None
+    def read(name: str, alias: str):  # transformers' attribute_map: the alias, where given, sets the attribute
+        return v[alias] if alias in v else v[name]
     try:
         rope = v.get("rope_parameters") or {}
         text = cfg.get("text_config", {})
         return VisionConfig(
-            depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
-            num_heads=v["num_heads"], out_hidden_size=v.get("out_hidden_size", text.get("hidden_size")),
+            depth=read("depth", "num_hidden_layers"), hidden_size=v["hidden_size"],
+            intermediate_size=v["intermediate_size"], num_heads=read("num_heads", "num_attention_heads"),
+            out_hidden_size=v.get("out_hidden_size", text.get("hidden_size")),
             patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
             spatial_merge_size=v.get("spatial_merge_size", 2), in_channels=v.get("in_channels", 3),
             num_position_embeddings=v.get("num_position_embeddings", 2304),
-            rope_theta=rope.get("rope_theta", 10_000.0))
+            # (an older config's rope_theta beside the sizes, as transformers reads it where rope_parameters has none)
+            rope_theta=rope.get("rope_theta", v.get("rope_theta", 10_000.0)))
     except KeyError as e:
         raise Qwen35Error(f"{source}: vision_config lacks {e.args[0]!r}; re-download the checkpoint's config.json")
 

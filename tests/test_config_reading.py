@@ -103,3 +103,26 @@ def test_null_min_max_pixels_leave_size_in_charge(tmp_path):
         "min_pixels": None, "max_pixels": None, "size": {"longest_edge": 1_000_000, "shortest_edge": 4096}}))
     pp = read_preprocessing(tmp_path)
     assert (pp.min_pixels, pp.max_pixels) == (4096, 1_000_000)
+
+
+@pytest.mark.parametrize("vision", [
+    {"rope_theta": 5000.0},
+    {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 7.0}},
+    {"num_attention_heads": 12, "num_hidden_layers": 5},
+    {"num_heads": 8, "num_attention_heads": 12, "depth": 8, "num_hidden_layers": 12},
+], ids=["theta-beside", "theta-both", "aliases", "both-names"])
+def test_the_vision_config_reads_what_transformers_reads(vision):
+    """transformers' Qwen3_5VisionConfig takes an older config's rope_theta beside the sizes (where rope_parameters
+    has none) and num_attention_heads / num_hidden_layers for num_heads / depth (the alias wins where both are
+    given): the tower reads the same, where it took 10,000 and a missing-key error."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+
+    from qwen35_fast.runtime.vision import vision_config_from_hf
+    base = {"hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 4096}
+    if not {"num_heads", "num_attention_heads"} & set(vision):
+        base |= {"num_heads": 16, "depth": 27}
+    v = base | vision
+    theirs = Qwen3_5VisionConfig.from_dict(copy.deepcopy(v))
+    ours = vision_config_from_hf({"vision_config": v})
+    assert (ours.num_heads, ours.depth, ours.rope_theta) == (theirs.num_heads, theirs.depth,
+                                                              theirs.rope_parameters["rope_theta"])

@@ -144,11 +144,37 @@ def test_targets():
         cuda_build.arch_for_capability(7, 5)
 
 
-def test_missing_headers_error(monkeypatch, tmp_path):
+@pytest.mark.parametrize("major, fix", [
+    (13, r"Fix: pip install 'nvidia-cuda-runtime==13\.\*', or set CUDA_HOME"),
+    (12, r"Fix: pip install 'nvidia-cuda-runtime-cu12', or set CUDA_HOME"),
+    (11, r"Fix: the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\)")])
+def test_missing_headers_error(monkeypatch, tmp_path, major, fix):
     monkeypatch.setattr(cuda_build, "_include_dir", None)
     monkeypatch.setattr(cuda_build, "_include_candidates", lambda: [tmp_path])
-    with pytest.raises(cuda_build.KernelBuildError, match="cuda_bf16.h"):
+    monkeypatch.setattr(cuda_build, "_torch_cuda_major", lambda: major)
+    with pytest.raises(cuda_build.KernelBuildError, match="cuda_bf16.h.*" + fix):
         cuda_build.cuda_include_dir()
+
+
+@pytest.mark.parametrize("major, fix", [
+    (13, r"install 'cupy-cuda13x' and 'nvidia-cuda-nvrtc==13\.\*'"),
+    (12, r"install 'cupy-cuda12x' and 'nvidia-cuda-nvrtc-cu12'"),
+    (11, r"the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\); install such a "
+         r"PyTorch, then run the pack's install.py")])
+def test_missing_nvrtc_error_names_the_packages_of_torchs_cuda(monkeypatch, major, fix):
+    """A CUDA 11 PyTorch is not told to install cupy-cuda11x, which install.py does not take (the kernels are built
+    for CUDA 12 and 13 only)."""
+    import builtins
+    real = builtins.__import__
+
+    def no_cupy(name, *args, **kw):
+        if name.startswith("cupy"):
+            raise ImportError("No module named 'cupy_backends'")
+        return real(name, *args, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    monkeypatch.setattr(cuda_build, "_torch_cuda_major", lambda: major)
+    with pytest.raises(cuda_build.KernelBuildError, match="NVRTC is not available .*" + fix):
+        cuda_build.nvrtc_version()
 
 
 @needs_nvrtc

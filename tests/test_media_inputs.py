@@ -201,3 +201,19 @@ def test_the_tower_clock_waits_for_other_accelerators(monkeypatch):
     now[0] += 0.25  # the tower's time on the CPU, spent while it is called
     cpu.stop()
     assert waited == [] and cpu.ms == 250.0
+
+
+def test_a_video_read_once_prefills_as_the_video_itself(model):
+    """read_video gives the VisionInput the prefill makes of the video (the same prompt and logits, read from it
+    by several prompts); an image's VisionInput given as the video is named."""
+    from qwen35_fast.runtime.media import preprocess_images
+    video = multimodal.read_video(model, (FRAMES, 2))
+    assert video.kind == "video" and multimodal.read_video(model, video) is video
+    model.kv.pool.clear()
+    a = prefill_multimodal(model, "What happens?", video=video)
+    model.kv.pool.clear()
+    b = prefill_multimodal(model, "What happens?", video=(FRAMES, 2))
+    assert a.token_ids == b.token_ids and a.media == b.media and torch.equal(a.logits, b.logits)
+    image = preprocess_images(IMAGE)[0]
+    with pytest.raises(Qwen35Error, match=r"video must be a video; got a VisionInput of kind 'image'"):
+        prefill_multimodal(model, "What happens?", video=image)

@@ -28,6 +28,7 @@ def fake_env(install, monkeypatch, cuda, installed, pip_ok=True, nvrtc_loads=lam
     monkeypatch.setattr(install, "installed_version", lambda dist: installed.get(dist))
     monkeypatch.setattr(install, "cupy_distributions", lambda: sorted(d for d in installed if d.startswith("cupy")))
     monkeypatch.setattr(install, "installer", lambda: ["pip", "install"])
+    monkeypatch.setattr(install, "cupy_cuda_major", lambda: None)  # (a `cupy` that cannot be asked, unless a test says)
     monkeypatch.setattr(install, "nvrtc_problem", lambda: None if nvrtc_loads(installed) else "libnvrtc not found")
     monkeypatch.setattr(install, "headers_problem",
                         lambda: None if headers_found(installed) else "KernelBuildError: CUDA headers not found")
@@ -214,6 +215,40 @@ def test_any_cupy_distribution_counts_as_one(install, monkeypatch, capsys):
     calls = fake_env(install, monkeypatch, "12.4", {"cupy-cuda117": "10.6.0"})
     assert install.main([]) == 0
     assert not calls and "pip uninstall cupy-cuda117" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("runs, fits", [(12, True), (13, False), (None, False)])
+def test_a_cupy_without_a_cuda_in_its_name_fits_where_it_runs_torchs_cuda(install, monkeypatch, capsys, runs, fits):
+    """conda-forge's CuPy (and one built from source) is the distribution `cupy`: where it runs torch's CUDA major
+    version it is the right one (checked for NVRTC and headers like cupy-cuda12x), else a mismatch to remove."""
+    calls = fake_env(install, monkeypatch, "12.8", {"cupy": "13.6.0"}, nvrtc_loads=lambda installed: False)
+    monkeypatch.setattr(install, "cupy_cuda_major", lambda: runs)
+    assert install.main([]) == 0
+    out = capsys.readouterr().out
+    if fits:
+        assert [c[0][-1] for c in calls] == ["nvidia-cuda-nvrtc-cu12"]
+        assert "cupy 13.6.0 is installed for CUDA 12.8, but it cannot load NVRTC" in out and "uninstall" not in out
+    else:
+        assert not calls and "needs cupy-cuda12x, but cupy 13.6.0 is installed" in out
+        assert "pip uninstall cupy && pip install cupy-cuda12x" in out
+
+
+@pytest.mark.parametrize("stdout, code, want", [("12080\n", 0, 12), ("warning\n13000\n", 0, 13), ("", 1, None),
+                                                ("not a number\n", 0, None)])
+def test_cupy_cuda_major_asks_a_fresh_python(install, monkeypatch, stdout, code, want):
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, code, stdout, "Traceback ...")
+    monkeypatch.setattr(install.subprocess, "run", run)
+    assert install.cupy_cuda_major() == want
+    assert seen[0][0] == sys.executable and "import torch, cupy" in seen[0][2]
+
+
+def test_the_cuda_versions_install_py_serves_are_the_kernels(install):
+    from qwen35_fast.kernels import cuda_build
+    assert tuple(sorted(install.CUPY_FOR_CUDA_MAJOR)) == cuda_build.CUDA_MAJORS
 
 
 def test_cupy_distributions_finds_what_provides_cupy(install, monkeypatch):
