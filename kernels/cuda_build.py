@@ -541,7 +541,7 @@ _streams: dict = {}
 _targets: dict = {}  # id(RawKernel) -> the NVRTC target get_function built it for (kept: _functions holds it)
 _kernels: dict = {}  # (id(RawKernel), device) -> (its loaded cupy Function, skipping RawKernel's own lookup;
 #                       whether it may be launched programmatically there)
-_smem_limit: dict = {}  # (id(RawKernel), device) -> dynamic shared memory the kernel is allowed
+_smem_limit: dict = {}  # (id(RawKernel), device) -> the most dynamic shared memory a launch asked of the kernel
 
 
 def _current_stream():
@@ -883,8 +883,10 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, prog
     where the kernel's build target takes it: programmatic_target); only for kernels that call grid_wait()
     (common.cuh) before they read another kernel's output or write anything."""
     dev, stream = _current_stream()
-    if shared_mem > 48 * 1024 and shared_mem > _smem_limit.get((id(fn), dev), 0):
-        fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
+    if shared_mem > _smem_limit.get((id(fn), dev), 0):
+        # past 48 KB with the kernel's static shared memory, the kernel must be allowed the dynamic part
+        if shared_mem + getattr(fn, "shared_size_bytes", 0) > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
         _smem_limit[(id(fn), dev)] = shared_mem
     known = _kernels.get((id(fn), dev))
     if known is None:  # a kernel not from get_function counts as built for the card

@@ -141,3 +141,22 @@ def test_a_driver_that_refuses_programmatic_launches_gets_plain_ones(monkeypatch
     calls.clear()
     cb.launch(old, (1,), (32,), (np.int32(1),), programmatic=True)
     assert calls == ["plain"] and go() == ["ex"]
+
+
+@pytest.mark.parametrize("static, dynamic, allowed", [(0, 48 * 1024, None), (32, 48 * 1024, 48 * 1024),
+                                                      (0, 48 * 1024 + 16, 48 * 1024 + 16), (1024, 40 * 1024, None)])
+def test_a_kernel_is_allowed_its_dynamic_shared_memory_past_48_kb_with_its_static_part(monkeypatch, static, dynamic,
+                                                                                      allowed):
+    """The fused add + norm gemv at its largest K asks exactly 48 KB of dynamic shared memory beside 32 bytes of
+    static: past 48 KB in all, the launch fails unless the kernel is allowed the dynamic part (only a dynamic part
+    above 48 KB was)."""
+    stream = type("S", (), {"ptr": 7})()
+    kern = type("K", (), {"ptr": 9})()
+    fn = type("F", (), {"kernel": kern, "shared_size_bytes": static, "max_dynamic_shared_size_bytes": None})()
+    monkeypatch.setattr(cb, "_current_stream", lambda: (0, stream))
+    monkeypatch.setattr(cb, "_driver_launch", lambda: lambda *a: 0)
+    monkeypatch.setattr(cb, "_kernels", {})
+    monkeypatch.setattr(cb, "_smem_limit", {})
+    monkeypatch.setitem(cb._targets, id(fn), "sm_80")
+    cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=dynamic)
+    assert fn.max_dynamic_shared_size_bytes == allowed

@@ -37,7 +37,7 @@ def causal_conv1d_prefill_ref(x, weight, bias=None, initial_state=None, cu_seqle
         if bias is not None:
             acc += bias.float()
         y[row, s:e] = F.silu(acc, inplace=True).to(x.dtype)
-    return y, torch.stack(states)
+    return y, torch.stack(states) if states else x.new_empty(0, C, W - 1)
 
 
 def causal_conv1d_update_ref(x, conv_state, weight, bias=None):

@@ -61,12 +61,13 @@ def gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state):
     if state.data_ptr() % 16:  # read and written in place in 16-byte vectors; a copy would not be updated
         raise ValueError(f"gdn_decode_step: state must start on a 16-byte boundary (it starts at byte "
                          f"{state.data_ptr() % 16} of one: a view at an offset); pass a tensor of its own")
+    # each pair in one dtype, the wider of the two (the reference computes in fp32: nothing rounded narrower)
     if k.dtype != q.dtype:
-        k = k.to(q.dtype)
+        q, k = (x.to(torch.promote_types(q.dtype, k.dtype)) for x in (q, k))
     if b.dtype != a.dtype:
-        b = b.to(a.dtype)
+        a, b = (x.to(torch.promote_types(a.dtype, b.dtype)) for x in (a, b))
     if dt_bias.dtype != A_log.dtype:
-        dt_bias = dt_bias.to(A_log.dtype)
+        A_log, dt_bias = (x.to(torch.promote_types(A_log.dtype, dt_bias.dtype)) for x in (A_log, dt_bias))
     q, k, v = _rows(q), _rows(k), _rows(v)
     if a.stride(1) != 1:
         a = a.contiguous()

@@ -44,7 +44,9 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
-    with B == 1, or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the final state
+    with B == 1 and cu_seqlens[-1] == T (the Hopper walk reads a partial chunk's rows up to its 64th, past the
+    last sequence too: rows there belong to none), or None (N = B). Returns o [B, T, Hv, 128] in v.dtype and the
+    final state
     [N, Hv, 128, 128] fp32. path ("hopper" / "portable"), dv_split, segments and arch (the NVRTC target,
     e.g. "compute_80") and fused_out (portable: o formed in the state walk) override plan.plan's choice;
     defines adds -D flags to every module (tests).
@@ -72,8 +74,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         a = a.float()
     if b.dtype not in _GATE:
         b = b.float()
-    if _GATE[b.dtype] != _GATE[a.dtype]:
-        b = b.to(a.dtype)
+    if b.dtype != a.dtype:  # one dtype for both, the wider (no gate rounded to the other's precision)
+        a, b = (x.to(torch.promote_types(a.dtype, b.dtype)) for x in (a, b))
     A_log = A_log.to(torch.float32).contiguous()
     dt_bias = dt_bias.to(torch.float32).contiguous()
     if initial_state is not None:

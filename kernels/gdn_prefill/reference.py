@@ -72,7 +72,7 @@ def gdn_prefill_recurrent_f64(q, k, v, a, b, A_log, dt_bias, initial_state=None,
             S = S + kt[:, :, None] * u[:, None, :]
             o[row, :, t] = torch.einsum("hd,hdv->hv", Q[row, :, t], S)
         states.append(S)
-    return o.transpose(1, 2), torch.stack(states)
+    return o.transpose(1, 2), _stacked(states, (Hv, D, Dv), torch.float64, q.device)
 
 
 def _chunked_one(Q, K, V, G, Beta, S):
@@ -141,7 +141,12 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_se
             out, S = _chunked_one(Q[0], K[0], V[0], G[0], Beta[0], S)
             o[row, lo:hi] = out.transpose(0, 1)
         states.append(S)
-    return o, torch.stack(states)
+    return o, _stacked(states, (Hv, D, Dv), torch.float32, q.device)
+
+
+def _stacked(states: list, shape: tuple, dtype, device) -> torch.Tensor:
+    """The sequences' final states [N, *shape]; [0, *shape] for a call without sequences (as the kernels give)."""
+    return torch.stack(states) if states else torch.empty(0, *shape, dtype=dtype, device=device)
 
 
 def segment_bytes(Hv: int, D: int, Dv: int, segment: int = SEGMENT) -> int:

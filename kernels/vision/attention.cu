@@ -21,6 +21,9 @@
 // block's Q and each 128-key tile of K and V (two stages each) with TMA; full barriers count the bytes in,
 // empty barriers one arrival per consumer warpgroup when its products have read a stage (Q: its block's last
 // S).
+// Rows of the next segment in a segment's last K / V tile: their scores are set to -inf, and their V rows
+// zeroed before the P V (P is 0 there, but a non-finite V would give 0 * inf = NaN), so one segment's values never
+// reach another's output.
 // Shared memory: Q [QK_CB][BM][64], K [2][QK_CB][BN][64], V [2][V_CB][BN][64] (128-byte rows, 1024-byte
 // aligned), the barriers: 181,328 bytes at head dim 72, 91,216 at 64 (launch.py: attention_smem).
 // bench/experiments/vision_attention_ws.cu keeps the variants measured against this one
@@ -334,6 +337,20 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
 #pragma unroll
         for (int i = 0; i < BN / 4; ++i) pk[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
     };
+    // a segment's last, partial tile: its V rows past the segment are the next segment's tokens, which P weighs
+    // with exact zeros, but 0 * inf is NaN: warpgroup 0, whose turn comes first, zeroes those rows (whole 128-byte
+    // rows: the swizzle only moves 16-byte pieces inside a row) before any warpgroup's P V reads the stage
+    auto zero_v_past = [&](int step, int keys) {
+        mbar_wait(full_v + step % STAGES, (step / STAGES) & 1);
+        const u32 vs = smem_u32(Vs + (step % STAGES) * V_ELEMS) + keys * 128;  // 128-byte rows
+#pragma unroll
+        for (int cb = 0; cb < V_CB; ++cb)
+            for (int i = tid & 127; i < (BN - keys) * 8; i += 128)  // (16-byte pieces)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(vs + cb * BN * 128 + 16 * i), "r"(0u)
+                             : "memory");
+        fence_proxy_async();  // the writes, before the tensor cores' reads of them
+        asm volatile("bar.sync 5, 128;\n" ::: "memory");
+    };
     // the turn to issue products: warpgroup w waits on barrier 1 + w, then hands it to the next warpgroup
     auto turn_wait = [&]() { asm volatile("bar.sync %0, 256;\n" :: "r"(1 + wg) : "memory"); };
     auto turn_pass = [&]() { asm volatile("bar.arrive %0, 256;\n" :: "r"(1 + (wg + 1) % CONSUMERS) : "memory"); };
@@ -394,8 +411,11 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
             pack();
         }
         turn_wait();
+        // (the item's last tile is the only one that can end its segment: the rows after it are another's)
+        const int keys = __shfl_sync(0xffffffffu, min(BN, len - (t1 - 1) * BN), 0);
+        if (__shfl_sync(0xffffffffu, wg == 0 && keys < BN, 0)) zero_v_past(step, keys);
         issue_pv(step);
-        turn_pass();
+        turn_pass();  // (warpgroups 1 and 2 issue theirs after this: the zeros are in)
         wg_wait<0>();
         wg_pin(o);
         if (signal) mbar_arrive(empty_v + step % STAGES);

@@ -1,0 +1,106 @@
+"""Edge cases of the GDN prefill / decode, conv1d and gemv launchers and references: the largest K the gemv takes,
+gates and operands given in two dtypes, calls without sequences. The GPU tests skip without CUDA; the reference
+tests run on the CPU."""
+
+import pytest
+import torch
+
+from qwen35_fast.kernels.conv1d.reference import causal_conv1d_prefill_ref
+from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_chunked, gdn_prefill_recurrent_f64
+
+from _models import rel
+
+gpu = pytest.mark.gpu
+
+
+def _gdn_inputs(T, Hk, Hv, n_states, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=g, device="cuda")
+    q, k, v = r(1, T, Hk, 128).bfloat16(), r(1, T, Hk, 128).bfloat16(), r(1, T, Hv, 128).bfloat16()
+    a, b = r(1, T, Hv), r(1, T, Hv)
+    A_log = torch.empty(Hv, device="cuda").uniform_(1.0, 16.0, generator=g).log()
+    dt_bias = r(Hv) * 0.5
+    h0 = r(n_states, Hv, 128, 128) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, h0
+
+
+# ---------------------------------------------------------------- gemv's fused norm at K = MAX_K
+@gpu
+def test_fused_add_norm_gemv_launches_at_the_largest_k_the_launcher_takes():
+    """gemv.launch takes K up to MAX_K = 24,576: 48 KB of x in dynamic shared memory, and the fused build's
+    static part[8] (32 bytes) besides; past 48 KB in all, the launch must allow the dynamic part (it was allowed
+    only above 48 KB of dynamic memory, and this launch failed)."""
+    from qwen35_fast.kernels.gemv.launch import MAX_K, gemv_add_rms_norm_cuda
+    from qwen35_fast.kernels.gemv.reference import gemv_add_rms_norm_ref
+    g = torch.Generator(device="cuda").manual_seed(3)
+    K, N = MAX_K, 16
+    res = torch.randn(K, generator=g, device="cuda").bfloat16()
+    x = torch.randn(K, generator=g, device="cuda").bfloat16()
+    norm_w = torch.randn(K, generator=g, device="cuda") * 0.1
+    weight = (torch.randn(N, K, generator=g, device="cuda") * 0.02).bfloat16()
+    s, y = gemv_add_rms_norm_cuda(res, x, norm_w, 1e-6, weight, fuse=True)
+    s_ref, y_ref = gemv_add_rms_norm_ref(res, x, norm_w, 1e-6, weight)
+    assert torch.equal(s, s_ref)
+    assert rel(y, y_ref) < 1e-2
+
+
+# ---------------------------------------------------------------- mixed dtypes rounded to the narrower one
+@gpu
+def test_prefill_gates_of_two_dtypes_are_not_rounded_to_the_narrower_one():
+    """a bf16 with b fp32: both go in as fp32 (b was rounded to bf16, where the reference takes it as given), so
+    the call equals the one with a given in fp32 (the same values), bit for bit."""
+    from qwen35_fast.kernels.gdn_prefill.launch import gdn_chunk_prefill_cuda
+    q, k, v, a, b, A_log, dt_bias, h0 = _gdn_inputs(200, 2, 4, 1, seed=5)
+    a16 = a.bfloat16()
+    o1, h1 = gdn_chunk_prefill_cuda(q, k, v, a16, b, A_log, dt_bias, h0)
+    o2, h2 = gdn_chunk_prefill_cuda(q, k, v, a16.float(), b, A_log, dt_bias, h0)
+    assert torch.equal(h1, h2) and torch.equal(o1, o2)
+
+
+@gpu
+def test_decode_step_of_mixed_dtypes_matches_the_reference():
+    """q, a, A_log in bf16 and k, b, dt_bias in fp32: each pair goes in as the wider dtype (k, b and dt_bias were
+    rounded to bf16, where the reference computes in fp32 from the values given: the state differed by ~1e-3,
+    against the 1e-5 the decode tests hold)."""
+    from qwen35_fast.kernels.gdn_decode.launch import gdn_decode_step_cuda
+    from qwen35_fast.kernels.gdn_decode.reference import gdn_decode_step_ref
+    g = torch.Generator(device="cuda").manual_seed(9)
+    N, Hk, Hv, D = 3, 2, 4, 128
+
+    def r(*s):
+        return torch.randn(*s, generator=g, device="cuda")
+    q, k, v = r(N, Hk, D).bfloat16(), r(N, Hk, D), r(N, Hv, D).bfloat16()
+    a, b = (r(N, Hv) * 2).bfloat16(), r(N, Hv) * 2
+    A_log = torch.empty(Hv, device="cuda").uniform_(1.0, 16.0, generator=g).log().bfloat16()
+    dt_bias = r(Hv) * 0.5 + 1.0
+    state = r(N, Hv, D, D) * 0.3
+    state_ref = state.clone()
+    o_ref = gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
+    o = gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state)
+    assert rel(state, state_ref) < 1e-5
+    assert rel(o, o_ref) < 1e-2
+
+
+# ---------------------------------------------------------------- the references and a call with no sequences
+def test_prefill_references_take_a_call_with_no_sequences():
+    """For N = 0 (cu_seqlens [0], or B = 0) the references (the op's CPU path) return o and an empty
+    [0, Hv, 128, 128] state, as the CUDA launcher and the op's fake do (they raised in torch.stack([]))."""
+    T, Hv = 5, 2
+    q, k = torch.randn(1, T, 1, 128), torch.randn(1, T, 1, 128)
+    v, a, b = torch.randn(1, T, Hv, 128), torch.randn(1, T, Hv), torch.randn(1, T, Hv)
+    A_log, dt_bias = torch.zeros(Hv), torch.zeros(Hv)
+    cu = torch.zeros(1, dtype=torch.int32)
+    for fn in (gdn_prefill_chunked, gdn_prefill_recurrent_f64):
+        o, ht = fn(q, k, v, a, b, A_log, dt_bias, None, cu)
+        assert o.shape == (1, T, Hv, 128) and ht.shape == (0, Hv, 128, 128)
+        o, ht = fn(*(x[:0] for x in (q, k, v, a, b)), A_log, dt_bias)
+        assert o.shape == (0, T, Hv, 128) and ht.shape == (0, Hv, 128, 128)
+
+
+def test_conv_reference_takes_a_call_with_no_sequences():
+    """The reference returns an empty [0, C, W-1] state for N = 0, as causal_conv1d_prefill_cuda does."""
+    x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
+    y, final = causal_conv1d_prefill_ref(x, w, None, None, torch.zeros(1, dtype=torch.int32))
+    assert y.shape == x.shape and final.shape == (0, 8, 3)
