@@ -1,5 +1,7 @@
-"""Cold NVRTC compile time of every kernel module a bf16 Qwen3.5 model loads (no GPU needed: NVRTC runs
-on the CPU; the GPU adds only the module load). Compiles into empty caches, so nothing is reused.
+"""Cold NVRTC compile time of the kernel modules of a bf16 Qwen3.5 model's GDN layers and RMSNorms (MODULES, a
+fixed list: a model loads more, the paged attention, gemv, sampling and vision modules among them, and the
+launchers' defines have grown since; bench/first_run.py times every compile of a real first run). No GPU needed:
+NVRTC runs on the CPU; the GPU adds only the module load. Compiles into empty caches, so nothing is reused.
 
     python bench/compile_time.py [--arch sm_90a] [--out bench/results/compile-time.json]
 """

@@ -32,25 +32,25 @@ from e2e import SHAPES, graphed_decode_at, greedy_tok_per_s, random_weights_, sh
 MODEL = {"gemv_add_rms_norm": kernels.gemv_add_rms_norm, "gemv_silu_mul": kernels.gemv_silu_mul}
 
 
-def _add_norm_fused(res, x, norm_w, eps, weight, backend=None):
-    return gemv_launch.gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight, fuse=True)
+def _add_norm_fused(res, x, norm_w, eps, weight, backend=None, scale=None):
+    return gemv_launch.gemv_add_rms_norm_cuda(res, x, norm_w, eps, weight, fuse=True, scale=scale)
 
 
-def _silu_mul_fused(gu, weight, backend=None):
-    return gemv_launch.gemv_silu_mul_cuda(gu, weight, fuse=True)
+def _silu_mul_fused(gu, weight, backend=None, scale=None):
+    return gemv_launch.gemv_silu_mul_cuda(gu, weight, fuse=True, scale=scale)
 
 
 FUSED = {"gemv_add_rms_norm": _add_norm_fused, "gemv_silu_mul": _silu_mul_fused}  # every one fused
 
 
-def _add_norm_apart(res, x, norm_w, eps, weight, backend=None):
+def _add_norm_apart(res, x, norm_w, eps, weight, backend=None, scale=None):
     s, n = (kernels.add_rms_norm(res, x, norm_w, eps, backend=backend) if x is not None
             else (res, kernels.rms_norm(res, norm_w, eps, backend=backend)))
-    return s, kernels.gemv(n, weight, backend=backend)
+    return s, kernels.gemv(n, weight, backend=backend, scale=scale)
 
 
-def _silu_mul_apart(gu, weight, backend=None):
-    return kernels.gemv(kernels.silu_mul(gu, backend=backend), weight, backend=backend)
+def _silu_mul_apart(gu, weight, backend=None, scale=None):
+    return kernels.gemv(kernels.silu_mul(gu, backend=backend), weight, backend=backend, scale=scale)
 
 
 APART = {"gemv_add_rms_norm": _add_norm_apart, "gemv_silu_mul": _silu_mul_apart}

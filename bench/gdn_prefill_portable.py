@@ -6,7 +6,7 @@ For each size of bench/gdn.py (Qwen3.5-9B GDN shapes, bf16, initial and final st
 state block, segments) the plan could pick: CUDA-graph replay median ms of the whole call, and the plan's own
 choice with its per-kernel split (CUDA events, eager). The step times in plan.PORTABLE_STEP_US come from here.
 --fused-out N also times each configuration whose segments have at most N chunks both ways, o formed in the
-state walk and by the output kernel (rows with "fused_out"), which sets plan.OUT_IN_WALK.
+state walk and by the output kernel (rows with "fused_out"), which sets plan.out_in_walk.
 """
 from __future__ import annotations
 

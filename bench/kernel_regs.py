@@ -4,10 +4,9 @@ Development only: NVRTC versions differ in what they spill, so run it where the 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from qwen35_fast.kernels import cuda_build as cb  # noqa: E402
+import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-import conftest  # noqa: E402,F401  (makes the repo importable as qwen35_fast)
+from qwen35_fast.kernels import cuda_build as cb
 
 
 def main():

@@ -2,7 +2,7 @@
 bandwidth and the 256+-token prefill's speed are issue 15's open goals; kernels/paged_attention/NOTES.md
 says what was guessed and measured so far). Run it under ncu on the GPU machine (Firecracker runtime):
 
-    ncu --clock-control none --kernel-name paged_attention_fwd --launch-skip 2 --launch-count 1 \\
+    ncu --clock-control none --kernel-name 'regex:paged_attention_(fwd|decode|wg)$' --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
         --section Occupancy --section SchedulerStats --section SourceCounters \\
         python3 bench/paged_ncu.py [--nq 1] [--nkv 65536] [--block 64]
@@ -37,7 +37,9 @@ def main():
     lens = torch.tensor([a.nkv], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, a.nq], dtype=torch.int32, device=DEV)
     table = tables[0]
-    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, card_of(DEV).sms, wgmma=card_of(DEV).wgmma))
+    card = card_of(DEV)
+    print(plan(a.nq, 1, HKV, H // HKV, table.shape[1] * a.block, card.sms, wgmma=card.wgmma,
+               smem_per_sm=card.smem_per_sm))
     times = []
     for _ in range(a.launches):
         torch.cuda.synchronize()

@@ -210,7 +210,9 @@ function onGenerateExecuted(view, output) {
   view.thinking.open = false;
   const all = output?.qwen35_generate ?? [];
   const s = all[0];
-  if (all.length === 1) {
+  if (!all.length) {  // an empty list of prefills came in: no answer, and nothing of the last one's stats
+    view.stats.textContent = "no answers: an empty list of prefills came in";
+  } else if (all.length === 1) {
     view.stats.textContent = `first token ${fmt(s.first_token_ms)} ms · ${fmt(s.decode_tokens_per_s)} tok/s decode · ` +
       `${s.n_tokens} tokens (${s.finish_reason})` + (s.note ? ` · ${s.note}` : "");
   } else if (all.length > 1) {  // one line: the answers' count, mean rates and all their tokens

@@ -4,7 +4,8 @@
 // padding a head to 128 columns, as cuDNN does for 72.
 //   q, k, v: [N, HEADS, HEAD_DIM] bf16, read through tensor maps (dims HEAD_DIM, HEADS, N; boxes of 64 columns
 //   x 64 tokens of one head, 128-byte swizzle, zeros outside the tensor: they pad a Q / K row to 80 columns,
-//   a V row to 128, and fill the rows past token N); cu_seqlens int32 [segments + 1];
+//   a V row to 128, and fill the rows past token N; v8_map / v1_map: V's in boxes of 8 and 1 tokens, for a
+//   segment's last tile); cu_seqlens int32 [segments + 1];
 //   out [N, HEADS, HEAD_DIM] contiguous.
 // The work: blocks of BM = 192 query rows of one (segment, head), ordered by segment, head, row block; each
 // walks its segment's 128-key tiles. A persistent grid of G blocks (one per SM) shares it out so that every
@@ -21,9 +22,6 @@
 // block's Q and each 128-key tile of K and V (two stages each) with TMA; full barriers count the bytes in,
 // empty barriers one arrival per consumer warpgroup when its products have read a stage (Q: its block's last
 // S).
-// Rows of the next segment in a segment's last K / V tile: their scores are set to -inf, and their V rows
-// zeroed before the P V (P is 0 there, but a non-finite V would give 0 * inf = NaN), so one segment's values never
-// reach another's output.
 // Shared memory: Q [QK_CB][BM][64], K [2][QK_CB][BN][64], V [2][V_CB][BN][64] (128-byte rows, 1024-byte
 // aligned), the barriers: 181,328 bytes at head dim 72, 91,216 at 64 (launch.py: attention_smem).
 // bench/experiments/vision_attention_ws.cu keeps the variants measured against this one
@@ -83,6 +81,24 @@ __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs,
     for (int cb = 0; cb < cbs; ++cb)
         for (int rb = 0; rb < rows / 64; ++rb)
             tma_load_3d(dst + cb * rows * 64 + rb * 64 * 64, map, 64 * cb, h, row + 64 * rb, bar);
+}
+
+// A segment's last, partial V tile: rows [0, keys) from the segment's rows [row, row + keys), the rest zeros. The
+// rows after the segment are the next one's, which P weighs with exact zeros, but 0 * inf is NaN (a segment whose
+// values overflow would reach the one before it). Boxes of 64, 8 and 1 rows (v_map, v8_map, v1_map) read the
+// segment's rows and zero the rest from far past the tensor (TMA's zero fill), never crossing `keys`; the bytes
+// are a whole tile's, as full_v expects.
+#define PAST_ROWS (1 << 30)  // a token row past every tensor: a box read there is zeros
+__device__ __forceinline__ void tma_v_tail(elem* dst, const TmaDesc* v_map, const TmaDesc* v8_map,
+                                           const TmaDesc* v1_map, int h, int row, int keys, unsigned long long* bar) {
+    for (int cb = 0; cb < V_CB; ++cb)
+        for (int r = 0; r < BN;) {
+            const int left = keys - r;  // the segment's rows from r on (none: 0 or less)
+            const bool whole = left >= 64 || left <= 0, eighth = left >= 8 || left <= 0;
+            const TmaDesc* map = r % 64 == 0 && whole ? v_map : r % 8 == 0 && eighth ? v8_map : v1_map;
+            tma_load_3d(dst + (cb * BN + r) * 64, map, 64 * cb, h, left > 0 ? row + r : PAST_ROWS, bar);
+            r += map == v_map ? 64 : map == v8_map ? 8 : 1;
+        }
 }
 
 // One block of the work: (segment, head, row block) and its key tiles; u0: where its cost starts in the
@@ -206,7 +222,8 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
 // one reader, returns it to zero at the kernel's end, so launches in stream order share one buffer, zeroed once)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
-                 const __grid_constant__ TmaDesc v_map, const int* __restrict__ cu_seqlens, int segments,
+                 const __grid_constant__ TmaDesc v_map, const __grid_constant__ TmaDesc v8_map,
+                 const __grid_constant__ TmaDesc v1_map, const int* __restrict__ cu_seqlens, int segments,
                  elem* __restrict__ out, float* __restrict__ partials, unsigned* __restrict__ flags, float scale_log2) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ Plan plan;
@@ -263,7 +280,11 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
                     tma_rows(Ks + st * K_ELEMS, &k_map, QK_CB, BN, it.b.h, it.b.s0 + j * BN, full_k + st);
                     if (reuse >= 0) mbar_wait(empty_v + st, reuse & 1);
                     mbar_expect_tx(full_v + st, V_ELEMS * 2);
-                    tma_rows(Vs + st * V_ELEMS, &v_map, V_CB, BN, it.b.h, it.b.s0 + j * BN, full_v + st);
+                    if (it.b.len - j * BN >= BN)  // (the common case kept to the fewest instructions: the
+                        tma_rows(Vs + st * V_ELEMS, &v_map, V_CB, BN, it.b.h, it.b.s0 + j * BN, full_v + st);
+                    else  // copies wait on this thread, the consumers on the copies)
+                        tma_v_tail(Vs + st * V_ELEMS, &v_map, &v8_map, &v1_map, it.b.h, it.b.s0 + j * BN,
+                                   it.b.len - j * BN, full_v + st);
                 }
             }
         }
@@ -337,20 +358,6 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
 #pragma unroll
         for (int i = 0; i < BN / 4; ++i) pk[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
     };
-    // a segment's last, partial tile: its V rows past the segment are the next segment's tokens, which P weighs
-    // with exact zeros, but 0 * inf is NaN: warpgroup 0, whose turn comes first, zeroes those rows (whole 128-byte
-    // rows: the swizzle only moves 16-byte pieces inside a row) before any warpgroup's P V reads the stage
-    auto zero_v_past = [&](int step, int keys) {
-        mbar_wait(full_v + step % STAGES, (step / STAGES) & 1);
-        const u32 vs = smem_u32(Vs + (step % STAGES) * V_ELEMS) + keys * 128;  // 128-byte rows
-#pragma unroll
-        for (int cb = 0; cb < V_CB; ++cb)
-            for (int i = tid & 127; i < (BN - keys) * 8; i += 128)  // (16-byte pieces)
-                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(vs + cb * BN * 128 + 16 * i), "r"(0u)
-                             : "memory");
-        fence_proxy_async();  // the writes, before the tensor cores' reads of them
-        asm volatile("bar.sync 5, 128;\n" ::: "memory");
-    };
     // the turn to issue products: warpgroup w waits on barrier 1 + w, then hands it to the next warpgroup
     auto turn_wait = [&]() { asm volatile("bar.sync %0, 256;\n" :: "r"(1 + wg) : "memory"); };
     auto turn_pass = [&]() { asm volatile("bar.arrive %0, 256;\n" :: "r"(1 + (wg + 1) % CONSUMERS) : "memory"); };
@@ -411,11 +418,8 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
             pack();
         }
         turn_wait();
-        // (the item's last tile is the only one that can end its segment: the rows after it are another's)
-        const int keys = __shfl_sync(0xffffffffu, min(BN, len - (t1 - 1) * BN), 0);
-        if (__shfl_sync(0xffffffffu, wg == 0 && keys < BN, 0)) zero_v_past(step, keys);
         issue_pv(step);
-        turn_pass();  // (warpgroups 1 and 2 issue theirs after this: the zeros are in)
+        turn_pass();
         wg_wait<0>();
         wg_pin(o);
         if (signal) mbar_arrive(empty_v + step % STAGES);

@@ -413,6 +413,23 @@ def test_one_caption_per_image_shows_every_answer(browser_env):
     assert len(prefill["text"].split("\n")) == 2 and prefill["title"] == prefill["text"] and prefill["hidden"] <= 1
 
 
+def test_an_empty_list_leaves_no_earlier_answer_or_stats(browser_env):
+    """Generate given an empty list of prefills sends no text and no stats (nodes/text.py's ui for it): after an
+    answer, the panel keeps neither that answer nor its stats."""
+    async def body(page):
+        await _load(page, _one_long_answer(), max_new_tokens=8)
+        return await page.evaluate("""() => { const n = app.graph.nodes.find(n => n.type === 'Qwen35Generate');
+            n.onExecuted({text: ['an answer'], thinking: [''], qwen35_generate: [{n_tokens: 3, first_token_ms: 12.5,
+                          decode_tokens_per_s: 40.0, finish_reason: 'stop'}]});
+            const before = n.qwen35.stats.textContent;
+            n.onExecuted({text: [], thinking: [], qwen35_generate: []});
+            return {before, answer: n.qwen35.answer.textContent, stats: n.qwen35.stats.textContent}; }""")
+
+    state = _in_browser(browser_env, body)
+    assert state["before"].startswith("first token "), state
+    assert state["answer"] == "" and "first token" not in state["stats"], state
+
+
 def test_cached_outputs_show_on_the_loader_and_prefill_in_a_new_page(browser_env):
     """A run whose every node comes from ComfyUI's cache, queued from a page that never saw the first run: the
     loader's and the prefill's panels show their stats too (ComfyUI sends their ui again), not only Generate's."""
