@@ -6,7 +6,7 @@ persistent grid and parameters. Each call timed inside a CUDA graph (no host tim
 against cuDNN's and against fp32 attention: images and video slices of one length (SHAPES), then segments of
 several lengths (RAGGED; --ragged-only: those alone). GPU only (sm_90a).
 
-    python3 bench/vision_attention_ab.py old.cu [--waves | --three-maps] [--ragged-only] [--rounds 5] [--out PATH]
+    python3 bench/vision_attention_ab.py old.cu [--waves | --a-maps 64,64,64] [--ragged-only] [--rounds 5] [--out PATH]
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ from vision_attention_variants import shape_inputs
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 
-from qwen35_fast.kernels.cuda_build import get_function, launch
+from qwen35_fast.kernels.cuda_build import TensorMap, get_function, launch
 from qwen35_fast.kernels.vision import launch as vision_launch
 from qwen35_fast.kernels.vision.launch import ATTN_ROWS, ATTN_THREADS, attention_map, vision_attention_cuda
 
@@ -90,17 +90,19 @@ def graph_ms(fn, calls=10, reps=10):
     return a.elapsed_time(b) / (reps * calls)
 
 
-def run_persistent(src, q, k, v, cu, length, smem_less=0, fill_flags=False, three_maps=False):
+def run_persistent(src, q, k, v, cu, length, smem_less=0, fill_flags=False, a_maps=None):
     """The shipped launcher with another source (smem_less: the bytes of dynamic shared memory it needs less;
-    fill_flags: flags zeroed by a fill each call, for sources whose readers leave them set; three_maps: a source
-    that takes the maps of q, k and v alone, before V's 8- and 1-token maps for a segment's last tile)."""
+    fill_flags: flags zeroed by a fill each call, for sources whose readers leave them set; a_maps: the tensor
+    maps the source takes instead of the shipped launcher's, as the tokens of their boxes: q's, k's, then v's)."""
     shipped, smem, flags, go = (vision_launch.ATTN_SRC, vision_launch.attention_smem, vision_launch.stream_flags,
                                 vision_launch.launch)
     vision_launch.ATTN_SRC, vision_launch.attention_smem = src, lambda hd: smem(hd) - smem_less
     if fill_flags:
         vision_launch.stream_flags = lambda device, n: torch.zeros(n, dtype=torch.int32, device=device)
-    if three_maps:
-        vision_launch.launch = lambda fn, grid, block, args, **kw: go(fn, grid, block, args[:3] + args[5:], **kw)
+    if a_maps:
+        maps = tuple(attention_map(x, rows) for x, rows in zip((q, k) + (v,) * (len(a_maps) - 2), a_maps))
+        vision_launch.launch = lambda fn, grid, block, args, **kw: go(
+            fn, grid, block, maps + tuple(x for x in args if not isinstance(x, TensorMap)), **kw)
     try:
         return vision_attention_cuda(q, k, v, cu, length)
     finally:
@@ -125,8 +127,9 @@ def main():
     ap.add_argument("--smem-less", type=int, default=0, help="A's dynamic shared memory: the shipped one's less this")
     ap.add_argument("--fill-flags", action="store_true",
                     help="A's flags zeroed by a fill each call (sources whose readers leave them set)")
-    ap.add_argument("--three-maps", action="store_true",
-                    help="A takes the maps of q, k, v alone (sources before V's tail maps)")
+    ap.add_argument("--a-maps", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    help="the maps A takes, as their boxes' tokens: q's, k's, v's (64,64,64 before V's tail maps; "
+                         "64,64,64,8,1 before the tile-high boxes)")
     ap.add_argument("--ragged-only", action="store_true", help="only the shapes of segments of several lengths")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vision-attention-ab-h200.json"))
@@ -134,7 +137,7 @@ def main():
     rows = []
     for shape, blocks, q, k, v, cu, length, ref, ref32 in cases(a.ragged_only):
         fa = (lambda: run_waves(a.old, q, k, v, cu, length)) if a.waves else \
-            (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less, a.fill_flags, a.three_maps))
+            (lambda: run_persistent(a.old, q, k, v, cu, length, a.smem_less, a.fill_flags, a.a_maps))
         fb = lambda: vision_attention_cuda(q, k, v, cu, length)  # noqa: E731
         err = [((f().float() - ref).norm() / ref.norm()).item() for f in (fa, fb)]
         err32 = [((x - ref32).norm() / ref32.norm()).item() for x in (fa().float(), fb().float(), ref)]

@@ -3,9 +3,9 @@
 // other, no causal mask, softmax scale 1 / sqrt(HEAD_DIM). Head dims 64 and 72 (every Qwen3.5 tower) without
 // padding a head to 128 columns, as cuDNN does for 72.
 //   q, k, v: [N, HEADS, HEAD_DIM] bf16, read through tensor maps (dims HEAD_DIM, HEADS, N; boxes of 64 columns
-//   x 64 tokens of one head, 128-byte swizzle, zeros outside the tensor: they pad a Q / K row to 80 columns,
-//   a V row to 128, and fill the rows past token N; v8_map / v1_map: V's in boxes of 8 and 1 tokens, for a
-//   segment's last tile); cu_seqlens int32 [segments + 1];
+//   x a block's BM tokens (Q) or a tile's BN (K, V) of one head, 128-byte swizzle, zeros outside the tensor: they
+//   pad a Q / K row to 80 columns, a V row to 128, and fill the rows past token N; v64_map / v8_map / v1_map: V's
+//   in boxes of 64, 8 and 1 tokens, for a segment's last tile); cu_seqlens int32 [segments + 1];
 //   out [N, HEADS, HEAD_DIM] contiguous.
 // The work: blocks of BM = 192 query rows of one (segment, head), ordered by segment, head, row block; each
 // walks its segment's 128-key tiles. A persistent grid of G blocks (one per SM) shares it out so that every
@@ -75,29 +75,27 @@ __device__ __forceinline__ void pv_step(float (&o)[NO], const u32 (&a)[4], unsig
 #endif
 }
 
-// rows [row, row + rows) of head h, columns [0, 64 cbs): one box per 64 columns x 64 rows
+// rows [row, row + rows) of head h, columns [0, 64 cbs): one box per 64 columns (the map's box: all the rows)
 __device__ __forceinline__ void tma_rows(elem* dst, const TmaDesc* map, int cbs, int rows, int h, int row,
                                          unsigned long long* bar) {
-    for (int cb = 0; cb < cbs; ++cb)
-        for (int rb = 0; rb < rows / 64; ++rb)
-            tma_load_3d(dst + cb * rows * 64 + rb * 64 * 64, map, 64 * cb, h, row + 64 * rb, bar);
+    for (int cb = 0; cb < cbs; ++cb) tma_load_3d(dst + cb * rows * 64, map, 64 * cb, h, row, bar);
 }
 
 // A segment's last, partial V tile: rows [0, keys) from the segment's rows [row, row + keys), the rest zeros. The
 // rows after the segment are the next one's, which P weighs with exact zeros, but 0 * inf is NaN (a segment whose
-// values overflow would reach the one before it). Boxes of 64, 8 and 1 rows (v_map, v8_map, v1_map) read the
+// values overflow would reach the one before it). Boxes of 64, 8 and 1 rows (v64_map, v8_map, v1_map) read the
 // segment's rows and zero the rest from far past the tensor (TMA's zero fill), never crossing `keys`; the bytes
 // are a whole tile's, as full_v expects.
 #define PAST_ROWS (1 << 30)  // a token row past every tensor: a box read there is zeros
-__device__ __forceinline__ void tma_v_tail(elem* dst, const TmaDesc* v_map, const TmaDesc* v8_map,
+__device__ __forceinline__ void tma_v_tail(elem* dst, const TmaDesc* v64_map, const TmaDesc* v8_map,
                                            const TmaDesc* v1_map, int h, int row, int keys, unsigned long long* bar) {
     for (int cb = 0; cb < V_CB; ++cb)
         for (int r = 0; r < BN;) {
             const int left = keys - r;  // the segment's rows from r on (none: 0 or less)
             const bool whole = left >= 64 || left <= 0, eighth = left >= 8 || left <= 0;
-            const TmaDesc* map = r % 64 == 0 && whole ? v_map : r % 8 == 0 && eighth ? v8_map : v1_map;
+            const TmaDesc* map = r % 64 == 0 && whole ? v64_map : r % 8 == 0 && eighth ? v8_map : v1_map;
             tma_load_3d(dst + (cb * BN + r) * 64, map, 64 * cb, h, left > 0 ? row + r : PAST_ROWS, bar);
-            r += map == v_map ? 64 : map == v8_map ? 8 : 1;
+            r += map == v64_map ? 64 : map == v8_map ? 8 : 1;
         }
 }
 
@@ -222,8 +220,9 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
 // one reader, returns it to zero at the kernel's end, so launches in stream order share one buffer, zeroed once)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ TmaDesc k_map,
-                 const __grid_constant__ TmaDesc v_map, const __grid_constant__ TmaDesc v8_map,
-                 const __grid_constant__ TmaDesc v1_map, const int* __restrict__ cu_seqlens, int segments,
+                 const __grid_constant__ TmaDesc v_map, const __grid_constant__ TmaDesc v64_map,
+                 const __grid_constant__ TmaDesc v8_map, const __grid_constant__ TmaDesc v1_map,
+                 const int* __restrict__ cu_seqlens, int segments,
                  elem* __restrict__ out, float* __restrict__ partials, unsigned* __restrict__ flags, float scale_log2) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ Plan plan;
@@ -283,7 +282,7 @@ vision_attention(const __grid_constant__ TmaDesc q_map, const __grid_constant__ 
                     if (it.b.len - j * BN >= BN)  // (the common case kept to the fewest instructions: the
                         tma_rows(Vs + st * V_ELEMS, &v_map, V_CB, BN, it.b.h, it.b.s0 + j * BN, full_v + st);
                     else  // copies wait on this thread, the consumers on the copies)
-                        tma_v_tail(Vs + st * V_ELEMS, &v_map, &v8_map, &v1_map, it.b.h, it.b.s0 + j * BN,
+                        tma_v_tail(Vs + st * V_ELEMS, &v64_map, &v8_map, &v1_map, it.b.h, it.b.s0 + j * BN,
                                    it.b.len - j * BN, full_v + st);
                 }
             }

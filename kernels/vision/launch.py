@@ -158,18 +158,18 @@ def attention_map(x: torch.Tensor, rows: int = 64):
     return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, rows))
 
 
-_v_maps: dict = {}  # (address, shape, strides) of v -> its maps of 64-, 8- and 1-token boxes (at most 256 kept)
+_v_maps: dict = {}  # (address, shape, strides) of v -> its maps of 128-, 64-, 8- and 1-token boxes (256 kept)
 
 
 def _v_tile_maps(v: torch.Tensor) -> tuple:
-    """v's maps in boxes of 64, 8 and 1 tokens (a segment's last tile reads its rows and zeros in them), found
-    with one lookup."""
+    """v's maps in boxes of a tile's tokens, and of 64, 8 and 1 (a segment's last tile reads its rows and zeros in
+    them), found with one lookup."""
     key = (v.data_ptr(), v.shape, v.stride())
     maps = _v_maps.get(key)
     if maps is None:
         if len(_v_maps) >= 256:
             _v_maps.clear()
-        maps = _v_maps[key] = tuple(attention_map(v, rows) for rows in (64, 8, 1))
+        maps = _v_maps[key] = tuple(attention_map(v, rows) for rows in (ATTN_KEYS, 64, 8, 1))
     return maps
 
 
@@ -193,7 +193,8 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         partials, flags = None, None
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
     launch(fn, (grid, 1, 1), (ATTN_THREADS, 1, 1),
-           (attention_map(q), attention_map(k), *_v_tile_maps(v), cu_seqlens.contiguous(), np.int32(segments), out,
+           (attention_map(q, ATTN_ROWS), attention_map(k, ATTN_KEYS), *_v_tile_maps(v), cu_seqlens.contiguous(),
+            np.int32(segments), out,
             partials, flags, np.float32(hd ** -0.5 * math.log2(math.e))),
            shared_mem=attention_smem(hd))
     return out
