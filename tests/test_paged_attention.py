@@ -271,6 +271,32 @@ def test_plan_takes_the_warpgroup_kernel_for_prefills_on_hopper():
         pa_launch.plan(256, 1, 4, 4, 65536, 132, kernel="wgmma")
 
 
+def test_the_launcher_names_pools_and_outputs_it_cannot_take_and_a_grid_past_its_limit():
+    """Before any launch (no GPU needed): pools or an output that start off a 16-byte boundary (views at an offset:
+    the kernels read and write them in 16-byte pieces) and more (sequence, kv head) rows than a grid's y dimension
+    holds are refused with what to pass instead."""
+    a = make_case(0, 16, [(20, 3)])
+    args = [a[k] for k in ("q", "k_new", "v_new", "k_pool", "v_pool", "block_table", "cache_lens", "cu_q")]
+
+    def shifted(t):  # the same values, one element past a 16-byte boundary
+        s = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+        return s.copy_(t)
+    for i, name in ((3, "k_pool"), (4, "v_pool")):
+        bad = list(args)
+        bad[i] = shifted(args[i])
+        with pytest.raises(ValueError, match=f"{name} must be on cpu and start on a 16-byte boundary, got cpu, byte 2"):
+            pa_launch.paged_attention_cuda(*bad, None, 3)
+    with pytest.raises(ValueError, match="out must be a contiguous .* starting on a 16-byte boundary, .* at byte 2"):
+        pa_launch.paged_attention_cuda(*args, None, 3, out=shifted(torch.empty_like(args[0])))
+    N, T = 16_384, 16_384  # one new token for each of 16,384 sequences, 4 kv heads: 65,536 grid rows
+    q, kv = torch.zeros(T, 16, 256, dtype=torch.bfloat16), torch.zeros(T, 4, 256, dtype=torch.bfloat16)
+    many = [q, kv, kv, args[3], args[4], torch.zeros(N, 1, dtype=torch.int32), torch.zeros(N, dtype=torch.int32),
+            torch.arange(N + 1, dtype=torch.int32)]
+    with pytest.raises(ValueError, match="16,384 sequences x 4 kv heads make 65,536 grid rows, more than the 65,535 "
+                                         "a launch takes; pass at most 16,383 sequences a call"):
+        pa_launch.paged_attention_cuda(*many, None, 1)
+
+
 def test_shared_memory_fits_consumer_cards():
     assert pa_launch.smem_bytes(4, 256) <= 101_376  # RTX 30/40/50 opt-in maximum
     assert pa_launch.smem_bytes(1, 256) <= 101_376

@@ -154,6 +154,10 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          f"k {tuple(k_pool.shape)}, v {tuple(v_pool.shape)}")
     if k_pool.dtype != torch.bfloat16 or v_pool.dtype != torch.bfloat16:
         raise TypeError(f"paged_attention: pools must be bfloat16, got {k_pool.dtype}, {v_pool.dtype}")
+    for t, name in ((k_pool, "k_pool"), (v_pool, "v_pool")):  # (read and written in 16-byte pieces)
+        if t.device != q.device or t.data_ptr() % 16:
+            raise ValueError(f"paged_attention: {name} must be on {q.device} and start on a 16-byte boundary, got "
+                             f"{t.device}, byte {t.data_ptr() % 16} of one (a view at an offset: pass a pool of its own)")
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads is not a multiple of {Hkv} kv heads")
     if D % 32 or bs & (bs - 1):
@@ -171,11 +175,16 @@ def paged_attention_cuda(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out is None:
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"paged_attention: out must be a contiguous {q.dtype} {(T, H, D)} tensor, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    elif (tuple(out.shape) != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device
+          or out.data_ptr() % 16):
+        raise ValueError(f"paged_attention: out must be a contiguous {q.dtype} {(T, H, D)} tensor on {q.device} "
+                         f"starting on a 16-byte boundary, got {out.dtype} {tuple(out.shape)} on {out.device} at byte "
+                         f"{out.data_ptr() % 16} of one")
     if T == 0 or N == 0:
         return out
+    if N * Hkv > 65535:  # the grid's y dimension: a CTA row per (sequence, kv head)
+        raise ValueError(f"paged_attention: {N:,} sequences x {Hkv} kv heads make {N * Hkv:,} grid rows, more than "
+                         f"the 65,535 a launch takes; pass at most {65535 // Hkv:,} sequences a call")
     group = H // Hkv
     card = card_of(q.device)
     sms, wgmma = card.sms, card.wgmma
