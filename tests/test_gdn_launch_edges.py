@@ -86,21 +86,38 @@ def test_decode_step_of_mixed_dtypes_matches_the_reference():
 # ---------------------------------------------------------------- the references and a call with no sequences
 def test_prefill_references_take_a_call_with_no_sequences():
     """For N = 0 (cu_seqlens [0], or B = 0) the references (the op's CPU path) return o and an empty
-    [0, Hv, 128, 128] state, as the CUDA launcher and the op's fake do (they raised in torch.stack([]))."""
-    T, Hv = 5, 2
-    q, k = torch.randn(1, T, 1, 128), torch.randn(1, T, 1, 128)
-    v, a, b = torch.randn(1, T, Hv, 128), torch.randn(1, T, Hv), torch.randn(1, T, Hv)
+    [0, Hv, D, Dv] state, as the CUDA launcher and the op's fake do (they raised in torch.stack([])): the state of
+    the dtype and per-sequence shape a call with one sequence gives (fp32 for the chunked walk whatever the
+    inputs' dtype, float64 for the recurrence) on the inputs' device, keys and values of different widths told
+    apart."""
+    from qwen35_fast.kernels.ops import _prefill_fake
+    T, Hv, D, Dv = 5, 2, 32, 16
+    q, k = torch.randn(1, T, 1, D).bfloat16(), torch.randn(1, T, 1, D).bfloat16()
+    v, a, b = torch.randn(1, T, Hv, Dv).bfloat16(), torch.randn(1, T, Hv), torch.randn(1, T, Hv)
     A_log, dt_bias = torch.zeros(Hv), torch.zeros(Hv)
-    cu = torch.zeros(1, dtype=torch.int32)
+    none = torch.zeros(1, dtype=torch.int32)
     for fn in (gdn_prefill_chunked, gdn_prefill_recurrent_f64):
-        o, ht = fn(q, k, v, a, b, A_log, dt_bias, None, cu)
-        assert o.shape == (1, T, Hv, 128) and ht.shape == (0, Hv, 128, 128)
+        _, one = fn(q, k, v, a, b, A_log, dt_bias, None, torch.tensor([0, T], dtype=torch.int32))
+        assert one.shape == (1, Hv, D, Dv)
+        o, ht = fn(q, k, v, a, b, A_log, dt_bias, None, none)
+        assert o.shape == (1, T, Hv, Dv) and ht.shape == (0, Hv, D, Dv) and ht.dtype == one.dtype
         o, ht = fn(*(x[:0] for x in (q, k, v, a, b)), A_log, dt_bias)
-        assert o.shape == (0, T, Hv, 128) and ht.shape == (0, Hv, 128, 128)
+        assert o.shape == (0, T, Hv, Dv) and ht.shape == (0, Hv, D, Dv) and ht.dtype == one.dtype
+        meta = [x[:0].to("meta") for x in (q, k, v, a, b)]  # on the inputs' device, wherever that is
+        assert fn(*meta, A_log.to("meta"), dt_bias.to("meta"))[1].device.type == "meta"
+    _, fake = _prefill_fake(q, k, v, a, b, A_log, dt_bias, None, none, False)
+    _, ht = gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, None, none)
+    assert (ht.shape, ht.dtype) == (fake.shape, fake.dtype)
 
 
-def test_conv_reference_takes_a_call_with_no_sequences():
-    """The reference returns an empty [0, C, W-1] state for N = 0, as causal_conv1d_prefill_cuda does."""
-    x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
-    y, final = causal_conv1d_prefill_ref(x, w, None, None, torch.zeros(1, dtype=torch.int32))
-    assert y.shape == x.shape and final.shape == (0, 8, 3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_reference_takes_a_call_with_no_sequences(dtype):
+    """The reference returns an empty [0, C, W-1] state in x's dtype for N = 0, as causal_conv1d_prefill_cuda
+    and the op's fake do."""
+    from qwen35_fast.kernels.ops import _conv_prefill_fake
+    x, w = torch.randn(1, 5, 8, dtype=dtype), torch.randn(8, 4)
+    none = torch.zeros(1, dtype=torch.int32)
+    y, final = causal_conv1d_prefill_ref(x, w, None, None, none)
+    _, fake = _conv_prefill_fake(x, w, None, None, none, False)
+    assert y.shape == x.shape and final.shape == (0, 8, 3) and final.dtype == dtype
+    assert (final.shape, final.dtype) == (fake.shape, fake.dtype)

@@ -160,3 +160,40 @@ def test_a_kernel_is_allowed_its_dynamic_shared_memory_past_48_kb_with_its_stati
     monkeypatch.setitem(cb._targets, id(fn), "sm_80")
     cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=dynamic)
     assert fn.max_dynamic_shared_size_bytes == allowed
+
+
+def test_a_kernels_shared_memory_allowance_is_set_once_and_never_lowered(monkeypatch):
+    """The allowance is a driver call (cuFuncSetAttribute) and the static size a query: a launch asking no more
+    dynamic shared memory than an earlier one of the kernel on that device makes neither, so a smaller launch
+    after a larger one keeps the larger allowance; a larger one raises it."""
+    stream = type("S", (), {"ptr": 7})()
+    asked, allowed = [], []
+
+    class Fn:
+        kernel = type("K", (), {"ptr": 9})()
+
+        @property
+        def shared_size_bytes(self):
+            asked.append(1)
+            return 32
+
+        max_dynamic_shared_size_bytes = property(lambda self: allowed[-1] if allowed else None,
+                                                 lambda self, n: allowed.append(n))
+    fn = Fn()
+    monkeypatch.setattr(cb, "_current_stream", lambda: (0, stream))
+    monkeypatch.setattr(cb, "_driver_launch", lambda: lambda *a: 0)
+    monkeypatch.setattr(cb, "_kernels", {})
+    monkeypatch.setattr(cb, "_smem_limit", {})
+    monkeypatch.setitem(cb._targets, id(fn), "sm_80")
+    for smem in (0, 60 * 1024, 60 * 1024, 50 * 1024, 0):
+        cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=smem)
+    assert allowed == [60 * 1024] and len(asked) == 1
+    cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=70 * 1024)
+    assert allowed == [60 * 1024, 70 * 1024] and fn.max_dynamic_shared_size_bytes == 70 * 1024
+    small = Fn()  # under 48 KB in all: nothing to allow, and the static size asked once
+    monkeypatch.setitem(cb._targets, id(small), "sm_80")
+    allowed.clear()
+    asked.clear()
+    for _ in range(3):
+        cb.launch(small, (1,), (32,), (np.int32(1),), shared_mem=16 * 1024)
+    assert allowed == [] and len(asked) == 1

@@ -146,6 +146,7 @@ def test_targets():
 
 @pytest.mark.parametrize("major, fix", [
     (13, r"Fix: pip install 'nvidia-cuda-runtime==13\.\*', or set CUDA_HOME"),
+    (14, r"Fix: pip install 'nvidia-cuda-runtime==14\.\*', or set CUDA_HOME"),
     (12, r"Fix: pip install 'nvidia-cuda-runtime-cu12', or set CUDA_HOME"),
     (11, r"Fix: the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\)")])
 def test_missing_headers_error(monkeypatch, tmp_path, major, fix):
@@ -158,12 +159,14 @@ def test_missing_headers_error(monkeypatch, tmp_path, major, fix):
 
 @pytest.mark.parametrize("major, fix", [
     (13, r"install 'cupy-cuda13x' and 'nvidia-cuda-nvrtc==13\.\*'"),
+    (14, r"install 'cupy-cuda14x' and 'nvidia-cuda-nvrtc==14\.\*'"),
     (12, r"install 'cupy-cuda12x' and 'nvidia-cuda-nvrtc-cu12'"),
     (11, r"the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\); install such a "
          r"PyTorch, then run the pack's install.py")])
 def test_missing_nvrtc_error_names_the_packages_of_torchs_cuda(monkeypatch, major, fix):
     """A CUDA 11 PyTorch is not told to install cupy-cuda11x, which install.py does not take (the kernels are built
-    for CUDA 12 and 13 only)."""
+    for CUDA 12 and 13 only); a PyTorch of a newer CUDA than the kernels were tested with is told its own packages,
+    not that it is too old."""
     import builtins
     real = builtins.__import__
 

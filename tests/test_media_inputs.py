@@ -217,3 +217,34 @@ def test_a_video_read_once_prefills_as_the_video_itself(model):
     image = preprocess_images(IMAGE)[0]
     with pytest.raises(Qwen35Error, match=r"video must be a video; got a VisionInput of kind 'image'"):
         prefill_multimodal(model, "What happens?", video=image)
+
+
+def test_a_video_read_once_is_read_with_the_checkpoints_settings_and_off_cuda_on_the_cpu(model, tmp_path):
+    """read_video takes the video settings of the model's checkpoint folder (here frames sampled at 1 per second,
+    not 2), as the prefill does; on an accelerator other than CUDA (mps here, which this machine lacks) frames and
+    images are resized on the CPU, on CUDA on the model's GPU."""
+    import json
+    import types
+
+    from qwen35_fast.runtime.media import preprocess_video, read_preprocessing
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1}))
+    other = types.SimpleNamespace(path=tmp_path, device=torch.device("mps"), select_backend=model.select_backend)
+    assert multimodal._resize_device(other) == torch.device("cpu")
+    assert multimodal._resize_device(types.SimpleNamespace(device=torch.device("cuda", 1))) == torch.device("cuda", 1)
+    frames = torch.rand(8, 32, 32, 3, generator=torch.Generator().manual_seed(4))
+    want = preprocess_video(frames, 2, read_preprocessing(tmp_path), torch.device("cpu"))
+    assert want.grid != multimodal.read_video(model, (frames, 2)).grid  # (the setting tells)
+
+    class Source:
+        fps = 2
+
+        def read(self, choose, keep):
+            for i in choose(frames.shape[0]):
+                keep(frames[i])
+    for video in ((frames, 2), Source()):
+        got = multimodal.read_video(other, video)
+        assert got.grid == want.grid and got.pixels.device.type == "cpu"
+        assert torch.equal(got.pixels, want.pixels)
+    inputs, n_images = multimodal._as_inputs(other, IMAGE, (frames, 2), None)
+    assert n_images == 1 and [x.kind for x in inputs] == ["image", "video"] and inputs[1].grid == want.grid
+    assert all(x.pixels.device.type == "cpu" for x in inputs)

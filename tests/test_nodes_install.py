@@ -234,16 +234,30 @@ def test_a_cupy_without_a_cuda_in_its_name_fits_where_it_runs_torchs_cuda(instal
 
 
 @pytest.mark.parametrize("stdout, code, want", [("12080\n", 0, 12), ("warning\n13000\n", 0, 13), ("", 1, None),
-                                                ("not a number\n", 0, None)])
+                                                ("not a number\n", 0, None), ("", 0, None), ("12080\n", 1, None)])
 def test_cupy_cuda_major_asks_a_fresh_python(install, monkeypatch, stdout, code, want):
+    """The version is the last line of a check that succeeds; no output, or a check that fails after printing it
+    (a crash on exit), is no answer. The check is given up after a while and its output decoded whatever its
+    bytes."""
     seen = []
 
     def run(cmd, **kwargs):
-        seen.append(cmd)
+        seen.append((cmd, kwargs))
         return subprocess.CompletedProcess(cmd, code, stdout, "Traceback ...")
     monkeypatch.setattr(install.subprocess, "run", run)
     assert install.cupy_cuda_major() == want
-    assert seen[0][0] == sys.executable and "import torch, cupy" in seen[0][2]
+    cmd, kwargs = seen[0]
+    assert cmd[0] == sys.executable and "import torch, cupy" in cmd[2]
+    assert kwargs.get("timeout", 0) > 0 and kwargs.get("errors") == "replace"
+
+
+@pytest.mark.parametrize("error", [subprocess.TimeoutExpired(["python"], 120), OSError(8, "Exec format error")])
+def test_cupy_cuda_major_when_the_check_cannot_run(install, monkeypatch, error):
+    """A check that hangs or cannot start is no answer (a `cupy` left as a mismatch), not a crash of the script."""
+    def run(cmd, **kw):
+        raise error
+    monkeypatch.setattr(install.subprocess, "run", run)
+    assert install.cupy_cuda_major() is None
 
 
 def test_the_cuda_versions_install_py_serves_are_the_kernels(install):

@@ -241,6 +241,51 @@ def test_rotary_launch_covers_every_output_with_the_kernels_hg(monkeypatch):
     assert need <= threads < need + got["block"][0]
 
 
+
+def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
+    """vision_attention_cuda passes attention.cu's tensor maps in its parameter order: Q in boxes of a tile's 192
+    rows, K of its 128 keys, V of 128, 64, 8 and 1 tokens (a segment's last, partial tile is read in the boxes that
+    never cross its end). V's four maps are made once per address, shape and strides: a view at the same address
+    with another shape or row stride, or another tensor of its shape, gets its own, and at most 256 are kept (on the CPU: the launch recorded, not
+    run)."""
+    from types import SimpleNamespace
+
+    from qwen35_fast.kernels.vision import launch as L
+    made, launched = [], []
+
+    def tensor_map(x, dims, strides, box):
+        made.append((x.data_ptr(), dims, strides, box))
+        return made[-1]
+    monkeypatch.setattr(L, "attention_takes", lambda *a: True)
+    monkeypatch.setattr(L, "card_of", lambda dev: SimpleNamespace(sms=4))
+    monkeypatch.setattr(L, "stream_flags", lambda dev, n: None)
+    monkeypatch.setattr(L, "get_function", lambda *a: "vision_attention")
+    monkeypatch.setattr(L, "tensor_map", tensor_map)
+    monkeypatch.setattr(L, "launch", lambda fn, grid, block, args, shared_mem: launched.append(args))
+    monkeypatch.setattr(L, "_v_maps", {})
+    n, h, hd = 300, 2, 72
+    qkv = torch.zeros(n, 3, h, hd, dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 100, n], dtype=torch.int32)
+    L.vision_attention_cuda(q, k, v, cu, 200)
+    dims, strides = (hd, h, n), (hd * 2, 3 * h * hd * 2)
+    assert launched[0][:6] == ((q.data_ptr(), dims, strides, (64, 1, L.ATTN_ROWS)),
+                               (k.data_ptr(), dims, strides, (64, 1, L.ATTN_KEYS)),
+                               *((v.data_ptr(), dims, strides, (64, 1, rows)) for rows in (L.ATTN_KEYS, 64, 8, 1)))
+    made.clear()
+    L.vision_attention_cuda(q, k, v, cu, 200)
+    assert [m[0] for m in made] == [q.data_ptr(), k.data_ptr()] and launched[1][2:6] == launched[0][2:6]
+    packed = qkv.view(-1)[2 * h * hd:][:n * h * hd].view(n, h, hd)  # v's address and shape, rows of its own
+    for other in (packed, v[:n - 1]):
+        maps = L._v_tile_maps(other)
+        assert [m[0] for m in maps] == [v.data_ptr()] * 4 and maps != L._v_tile_maps(v)
+        assert (maps[0][1][2], maps[0][2][1]) == (other.shape[0], other.stride(0) * 2)
+    assert [m[0] for m in L._v_tile_maps(k)] == [k.data_ptr()] * 4  # v's shape and strides at another address
+    for rows in range(1, 300):
+        L._v_tile_maps(v[:rows])
+    assert 0 < len(L._v_maps) <= 256
+
+
 @gpu
 def test_rotary_through_the_backend_and_fallback(impl):
     qkv, cos, sin = rotary_inputs(100, 4, 72, torch.bfloat16, DEV, 7)

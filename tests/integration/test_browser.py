@@ -415,7 +415,7 @@ def test_one_caption_per_image_shows_every_answer(browser_env):
 
 def test_an_empty_list_leaves_no_earlier_answer_or_stats(browser_env):
     """Generate given an empty list of prefills sends no text and no stats (nodes/text.py's ui for it): after an
-    answer, the panel keeps neither that answer nor its stats."""
+    answer, the panel keeps neither that answer nor its stats, and says that no answers came."""
     async def body(page):
         await _load(page, _one_long_answer(), max_new_tokens=8)
         return await page.evaluate("""() => { const n = app.graph.nodes.find(n => n.type === 'Qwen35Generate');
@@ -428,6 +428,7 @@ def test_an_empty_list_leaves_no_earlier_answer_or_stats(browser_env):
     state = _in_browser(browser_env, body)
     assert state["before"].startswith("first token "), state
     assert state["answer"] == "" and "first token" not in state["stats"], state
+    assert state["stats"].startswith("no answers"), state
 
 
 def test_cached_outputs_show_on_the_loader_and_prefill_in_a_new_page(browser_env):
