@@ -241,13 +241,12 @@ def test_rotary_launch_covers_every_output_with_the_kernels_hg(monkeypatch):
     assert need <= threads < need + got["block"][0]
 
 
-
 def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
     """vision_attention_cuda passes attention.cu's tensor maps in its parameter order: Q in boxes of a tile's 192
     rows, K of its 128 keys, V of 128, 64, 8 and 1 tokens (a segment's last, partial tile is read in the boxes that
     never cross its end). V's four maps are made once per address, shape and strides: a view at the same address
-    with another shape or row stride, or another tensor of its shape, gets its own, and at most 256 are kept (on the CPU: the launch recorded, not
-    run)."""
+    with another shape or row stride, or another tensor of its shape, gets its own, and at most 256 are kept (on
+    the CPU: the launch recorded, not run)."""
     from types import SimpleNamespace
 
     from qwen35_fast.kernels.vision import launch as L
