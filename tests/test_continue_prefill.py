@@ -232,6 +232,7 @@ def test_greedy_generation_after_a_follow_up_with_an_image_equals_transformers(p
     with torch.no_grad():
         out = hf.generate(**_hf_inputs(child, img1 + img2), max_new_tokens=len(mine.token_ids), do_sample=False,
                           eos_token_id=None, pad_token_id=0, min_new_tokens=len(mine.token_ids))
+    assert mine.n_tokens == 10  # the whole budget (random weights never end the turn here): all of it compared
     assert list(mine.token_ids) == out[0, child.n_tokens:].tolist()
     # the offset itself, and decode steps' logits (greedy tokens of a tiny random model barely see positions)
     with torch.no_grad():

@@ -315,6 +315,7 @@ def test_a_failing_header_check_does_not_break_the_listing(pack, models_dir, mon
     assert "qwen35-demo" in listed
     if (models_dir / "text_encoders" / "qwen35_demo_single.safetensors").exists():
         assert "qwen35_demo_single.safetensors" in listed  # listed: loading it will say what is wrong
+        assert calls  # the failing check ran (else neither its failure nor its count below was tried)
     checked = len(calls)
     assert _listed(pack) == listed and len(calls) == checked  # each file version checked (and logged) once
 

@@ -12,6 +12,7 @@ from test_vision_vs_transformers import SMALL, TOWERS, _check, _image, _make
 from qwen35_fast.runtime import Qwen35Error, load_model, memory, prefill, prefill_ids, prefill_multimodal, progress
 from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime import vision as vision_mod
+from qwen35_fast.runtime.config import LINEAR
 from qwen35_fast.runtime.media import preprocess_images, preprocess_video
 from qwen35_fast.runtime.model import Cache
 from qwen35_fast.runtime.vision import tower_passes
@@ -83,7 +84,8 @@ def test_pieces_equal_one_pass(text_model, monkeypatch, piece, prefix):
     for s, w in zip(kept, want_kept):
         assert s.rope_delta == w.rope_delta
         _states_close(s.conv, s.ssm, w.conv, w.ssm)
-        assert all(t is not None for t in s.ssm if t is not None) and any(t is not None for t in s.ssm)
+        gdn = [kind == LINEAR for kind in text_model.config.layer_types]  # a state for each GDN layer, no other
+        assert [t is not None for t in s.ssm] == [t is not None for t in s.conv] == gdn and any(gdn)
 
 
 def test_a_kept_state_at_a_piece_end_is_not_changed_by_the_next_piece(text_model, monkeypatch):

@@ -60,6 +60,10 @@ def test_a_changed_checkpoint_file_is_not_read_in_their_place(folder, tmp_path):
     shutil.copytree(folder, copy)
     model = load_model(copy, dtype="fp32", device="cpu", backend="torch")
     pf = prefill(model, "Hello there")
+
+    def held():  # the prefill's GDN states and its K/V in the store
+        return [t for t in pf.cache.conv + pf.cache.ssm if t is not None] + [t for kv in pf.cache.gather_kv() for t in kv]
+    before = [t.clone() for t in held()]
     model.drop_weights("cpu")
     weights = sorted(copy.glob("*.safetensors"))[0]
     st = weights.stat()
@@ -70,7 +74,8 @@ def test_a_changed_checkpoint_file_is_not_read_in_their_place(folder, tmp_path):
     weights.unlink()
     with pytest.raises(Qwen35Error, match=f"{weights.name} is gone"):
         model.reload_weights("cpu")
-    assert pf.cache is not None  # the prefill is untouched either way
+    after = held()  # the prefill is untouched either way
+    assert len(after) == len(before) > 0 and all(torch.equal(x, y) for x, y in zip(after, before))
 
 
 def test_a_changed_config_is_not_read_in_its_place(folder, tmp_path):
