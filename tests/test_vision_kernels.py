@@ -241,6 +241,26 @@ def test_rotary_launch_covers_every_output_with_the_kernels_hg(monkeypatch):
     assert need <= threads < need + got["block"][0]
 
 
+def test_kernels_are_not_handed_operands_on_another_device():
+    """A cos / sin, LayerNorm weight, residual, position grid or inv_freq on another device than the activations is
+    not the kernels' (they would read a host or foreign pointer, and a fault there ends the CUDA context): the
+    reference runs, and torch names the mismatch. Judged on CPU and meta tensors (no GPU needed)."""
+    from qwen35_fast.kernels.vision.launch import norm_takes, positions_takes, rotary_takes
+    meta = torch.device("meta")
+    qkv, cs = torch.zeros(5, 3, 2, 16, dtype=torch.bfloat16), torch.zeros(5, 16)
+    assert rotary_takes(qkv, cs, cs)
+    assert not rotary_takes(qkv, cs.to(meta), cs) and not rotary_takes(qkv, cs, cs.to(meta))
+    x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    assert norm_takes(x, x, w, w)
+    assert not norm_takes(x, None, w.to(meta), w) and not norm_takes(x, None, w, w.to(meta))
+    assert not norm_takes(x, x.to(meta), w, w)
+    grids, table = [1, 2, 2], torch.tensor([[1, 2, 2, 0]], dtype=torch.int32)
+    pos, inv = torch.zeros(4, 64, dtype=torch.bfloat16), torch.ones(4)
+    assert positions_takes(x, pos, table, grids, inv)
+    assert not positions_takes(x, pos.to(meta), table, grids, inv) and not positions_takes(x, pos, table, grids,
+                                                                                           inv.to(meta))
+
+
 def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
     """vision_attention_cuda passes attention.cu's tensor maps in its parameter order: Q in boxes of a tile's 192
     rows, K of its 128 keys, V of 128, 64, 8 and 1 tokens (a segment's last, partial tile is read in the boxes that

@@ -43,7 +43,7 @@ def positions_takes(x: torch.Tensor, pos_embed: torch.Tensor, table: torch.Tenso
     return (pos_embed.dtype == x.dtype and pos_embed.shape == (side * side, x.shape[1]) and side > 0
             and table.dtype == torch.int32 and table.shape == (len(grids) // 3, 4) and table.is_contiguous()
             and table.device == x.device and inv_freq.dtype == torch.float32 and inv_freq.dim() == 1
-            and inv_freq.is_contiguous() and inv_freq.numel() > 0)
+            and inv_freq.is_contiguous() and inv_freq.numel() > 0 and pos_embed.device == inv_freq.device == x.device)
 
 
 def vision_positions_cuda(x: torch.Tensor, pos_embed: torch.Tensor, table: torch.Tensor, grids: list[int],
@@ -69,7 +69,8 @@ def rotary_takes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> boo
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, _, _, hd = qkv.shape
-    return hd % 8 == 0 and all(t.dtype == torch.float32 and t.shape == (n, hd) for t in (cos, sin))
+    return hd % 8 == 0 and all(t.dtype == torch.float32 and t.shape == (n, hd) and t.device == qkv.device
+                               for t in (cos, sin))
 
 
 def vision_rotary_cuda(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,8 @@ def norm_takes(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor,
     D = x.shape[-1] if x.dim() else 0
     ok = (x.dtype in (torch.bfloat16, torch.float16) and D % 8 == 0 and 0 < D <= MAX_D
           and weight.dtype == x.dtype and bias.dtype == x.dtype
-          and weight.shape == (D,) and bias.shape == (D,))
-    return ok and (y is None or (y.shape == x.shape and y.dtype == x.dtype))
+          and weight.shape == (D,) and bias.shape == (D,) and weight.device == bias.device == x.device)
+    return ok and (y is None or (y.shape == x.shape and y.dtype == x.dtype and y.device == x.device))
 
 
 def _layer_norm(x: torch.Tensor, y: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
