@@ -87,26 +87,28 @@ def cupy_cuda_major() -> int | None:
     """The CUDA major version the installed CuPy runs (asked of a fresh Python, torch imported first as the pack
     does); None where CuPy cannot be imported or asked. For the `cupy` distribution, whose name carries no CUDA
     version: conda-forge's, or one built from source against a CUDA toolkit."""
-    code = "import torch, cupy; print(cupy.cuda.runtime.runtimeGetVersion())"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, errors="replace",
-                              timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
+    done = _fresh_python([sys.executable, "-c", "import torch, cupy; print(cupy.cuda.runtime.runtimeGetVersion())"])
+    if isinstance(done, Exception) or done.returncode != 0:
         return None
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].strip().isdigit():
-        return None
-    return int(lines[-1]) // 1000
+    return int(lines[-1]) // 1000 if lines and lines[-1].strip().isdigit() else None
+
+
+def _fresh_python(command: list[str]) -> subprocess.CompletedProcess | Exception:
+    """`command` run to its end, its output captured as text; the OSError or timeout where it could not run."""
+    try:
+        # errors="replace": output in another encoding than the locale's (PYTHONIOENCODING=utf-8 under a Windows code
+        # page, a path in it) must not end the script with a UnicodeDecodeError
+        return subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return e
 
 
 def _fresh_python_problem(command: list[str]) -> str | None:
     """The last line of `command`'s error output where it fails (or cannot run); None where it succeeds."""
-    try:
-        # errors="replace": output in another encoding than the locale's (PYTHONIOENCODING=utf-8 under a Windows code
-        # page, a path in it) must not end the script with a UnicodeDecodeError
-        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{type(e).__name__}: {e}"
+    done = _fresh_python(command)
+    if isinstance(done, Exception):
+        return f"{type(done).__name__}: {done}"
     if done.returncode == 0:
         return None
     lines = (done.stderr or done.stdout).strip().splitlines()
