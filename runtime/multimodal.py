@@ -30,6 +30,7 @@ from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
 from .media import (
+    Preprocessing,
     VideoSource,
     VisionInput,
     preprocess_images,
@@ -197,15 +198,15 @@ def _resize_device(model: Qwen35Model) -> torch.device:
     return torch.device("cpu") if is_other_accelerator(model.device) else model.device
 
 
-def read_video(model: Qwen35Model, video) -> VisionInput:
+def read_video(model: Qwen35Model, video, pp: Preprocessing | None = None) -> VisionInput:
     """A video as prefill_multimodal takes it ((frames, fps), a media.VideoSource or a VisionInput) -> its
     VisionInput for this model: a file is decoded here, once, so that prompts sharing the video (one prompt per
-    image) read the result instead of the file again."""
+    image) read the result instead of the file again. pp: the checkpoint's settings where the caller read them."""
     if isinstance(video, VisionInput):
         if video.kind != "video":
             raise Qwen35Error(f"video must be a video; got a VisionInput of kind {video.kind!r} (pass images as images)")
         return video
-    pp = read_preprocessing(getattr(model, "path", None))  # (max_pixels sets images only)
+    pp = pp or read_preprocessing(getattr(model, "path", None))  # (max_pixels sets images only)
     if isinstance(video, VideoSource):
         return preprocess_video_source(video, pp, _resize_device(model), model.select_backend())  # hashes on its kernel
     frames, fps = _video_pair(video)
@@ -230,7 +231,7 @@ def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tup
                                       f"them, or images from media.preprocess_images; got {_what(item)}")
     n_images = len(out)
     if video is not None:
-        out.append(read_video(model, video))
+        out.append(read_video(model, video, pp))
     return out, n_images
 
 
