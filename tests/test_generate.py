@@ -1,4 +1,5 @@
 """generate(): greedy equals transformers, sampling is reproducible, a prefill is never changed."""
+import contextlib
 import sys
 
 import pytest
@@ -359,17 +360,26 @@ def _fixed_store(model, blocks: int):
     return store
 
 
+@contextlib.contextmanager
+def _prompt_in_fixed_store(model, monkeypatch, blocks: int, prompt_tokens: int, ahead: bool):
+    """A prompt of `prompt_tokens` ids prefilled into a fixed K/V store of `blocks` blocks (_fixed_store), generated
+    from one step ahead (as on CUDA) where `ahead`; the default store given back after."""
+    if ahead:
+        monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
+    _fixed_store(model, blocks)
+    try:
+        yield prefill_ids(model, list(range(5000, 5000 + prompt_tokens)), use_cache=False)
+    finally:
+        model.setup_kv()
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_an_answer_that_ends_where_a_fixed_cache_is_full_is_no_error(pair, monkeypatch, ahead):
     """A fixed K/V store with room for the prompt and the answer exactly: the answer ends there with an end-of-turn
     token. Run one step ahead (as on CUDA) the step queued behind that token needs one block more; the answer is
     whole, so that step's lack of room is no error."""
     model = pair[1]
-    if ahead:
-        monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
-    _fixed_store(model, 4)
-    try:
-        pf = prefill_ids(model, list(range(5000, 5064)), use_cache=False)  # one block
+    with _prompt_in_fixed_store(model, monkeypatch, 4, 64, ahead) as pf:  # a prompt of one block
         eos = model.tokenizer.eos_token_ids[0]
         answer = [100 + i for i in range(256 - 64)] + [eos]  # fills the other three blocks to the last position
         _scripted(monkeypatch, answer)
@@ -378,8 +388,6 @@ def test_an_answer_that_ends_where_a_fixed_cache_is_full_is_no_error(pair, monke
         answer[-1] = 99  # an answer that goes on: no room, after the same tokens on both loops
         with pytest.raises(Qwen35Error, match=r"The answer had 193 tokens after a prompt of 64: lower max_new_tokens"):
             generate(model, pf, max_new_tokens=500)
-    finally:
-        model.setup_kv()
 
 
 def test_a_turn_that_ends_inside_its_thinking_is_the_answer(pair, monkeypatch):
@@ -406,11 +414,7 @@ def test_a_fixed_store_short_of_the_rounded_room_still_gives_the_next_block(pair
     and ends at its last position. An answer of exactly the store's room, cut by max_new_tokens, is whole on both loops: no
     step is queued behind the budget's last token (one would find the store full)."""
     model = pair[1]
-    if ahead:
-        monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
-    _fixed_store(model, 5)
-    try:
-        pf = prefill_ids(model, list(range(5000, 5192)), use_cache=False)  # three blocks
+    with _prompt_in_fixed_store(model, monkeypatch, 5, 192, ahead) as pf:  # a prompt of three blocks
         eos = model.tokenizer.eos_token_ids[0]
         answer = [100 + i for i in range(320 - 192)] + [eos]  # the other two blocks, to the last position
         _scripted(monkeypatch, answer)
@@ -419,8 +423,6 @@ def test_a_fixed_store_short_of_the_rounded_room_still_gives_the_next_block(pair
         answer[-1] = 99  # as many tokens as the store holds, the last one the budget's
         out = generate(model, pf, max_new_tokens=len(answer))
         assert out.finish_reason == "length" and list(out.token_ids) == answer
-    finally:
-        model.setup_kv()
 
 
 def test_out_of_memory_behind_the_end_of_turn_token_is_no_error(pair, monkeypatch):
