@@ -115,3 +115,13 @@ def spy_graphs(monkeypatch) -> list:
     steps, real = [], gen_mod.graphed_decode
     monkeypatch.setattr(gen_mod, "graphed_decode", lambda m, c, most: steps.append(real(m, c, most)) or steps[-1])
     return steps
+
+
+def fixed_store(model, blocks: int):
+    """A K/V store of exactly `blocks` blocks that does not grow, in place of the model's (model.setup_kv() gives the
+    default back)."""
+    from qwen35_fast.runtime.kv_pool import model_sizes
+    kv_block = model_sizes(model.config, model.kv.block_size, model.dtype.itemsize)["kv_block_bytes"]
+    store = model.setup_kv(int(blocks * kv_block / 0.75) + 1)  # `blocks` blocks of K/V, a budget that does not grow
+    assert store.num_blocks == blocks and not store.growable
+    return store

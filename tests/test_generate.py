@@ -8,7 +8,7 @@ import torch
 from qwen35_fast import kernels
 from qwen35_fast.runtime import Qwen35Error, SamplingParams, generate, load_model, prefill, prefill_ids
 
-from _models import make_hf_model, rel
+from _models import fixed_store, make_hf_model, rel
 
 SAMPLED = SamplingParams(do_sample=True, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01,
                          repetition_penalty=1.1, presence_penalty=0.3)
@@ -351,22 +351,13 @@ class _AheadOnCpu:
         pass
 
 
-def _fixed_store(model, blocks: int):
-    """A fixed K/V store of `blocks` blocks of 64 positions (setup_kv() gives the default back)."""
-    from qwen35_fast.runtime.kv_pool import model_sizes
-    block = model_sizes(model.config, 64, 4)["kv_block_bytes"]
-    store = model.setup_kv(blocks * block * 4 // 3 + 1)
-    assert store.num_blocks == blocks and not store.growable and store.block_size == 64
-    return store
-
-
 @contextlib.contextmanager
 def _prompt_in_fixed_store(model, monkeypatch, blocks: int, prompt_tokens: int, ahead: bool):
-    """A prompt of `prompt_tokens` ids prefilled into a fixed K/V store of `blocks` blocks (_fixed_store), generated
+    """A prompt of `prompt_tokens` ids prefilled into a fixed K/V store of `blocks` blocks of 64 positions, generated
     from one step ahead (as on CUDA) where `ahead`; the default store given back after."""
     if ahead:
         monkeypatch.setattr(sys.modules["qwen35_fast.runtime.generate"], "_HostTokens", _AheadOnCpu)
-    _fixed_store(model, blocks)
+    assert fixed_store(model, blocks).block_size == 64
     try:
         yield prefill_ids(model, list(range(5000, 5000 + prompt_tokens)), use_cache=False)
     finally:

@@ -13,7 +13,7 @@ from qwen35_fast.runtime.media import preprocess_images, preprocess_video
 from qwen35_fast.runtime.multimodal import VIDEO_PAD, VISION_END
 from qwen35_fast.runtime.prefix import system_end
 
-from _models import rel
+from _models import fixed_store, rel
 
 TOL = 1e-4
 SYSTEM = "You describe pictures for a painter. Answer in one short sentence, naming colours and shapes."
@@ -237,19 +237,11 @@ def test_snapshots_are_evicted_under_the_budget_and_a_huge_prompt_is_named(model
     assert prefill(model, "Describe a red circle.").n_tokens > 0  # still works after the error
 
 
-def _fixed_store(model, blocks: int):
-    from qwen35_fast.runtime.kv_pool import model_sizes
-    kv_block = model_sizes(model.config, model.kv.block_size, model.dtype.itemsize)["kv_block_bytes"]
-    model.setup_kv(int(blocks * kv_block / 0.75) + 1)  # `blocks` blocks of K/V, a budget that does not grow
-    assert model.kv.num_blocks == blocks and not model.kv.growable
-    return model.kv
-
-
 def test_a_prompt_longer_than_the_pool_is_named_so_with_its_prefix_cached(model):
     """A prompt that cannot fit the whole pool says so, also once its system prompt is cached: it was blamed on
     prefills still alive (there were none; the block it counted was the prompt's own copy of its prefix's last
     block) with the advice to free ComfyUI's node cache, and its need under-counted."""
-    store = _fixed_store(model, 8)
+    store = fixed_store(model, 8)
     import gc
     pf = prefill(model, "Hello there.", system_prompt=SYSTEM)
     del pf
@@ -275,7 +267,7 @@ def test_an_answer_that_fits_a_fixed_pool_is_not_refused_for_the_rounded_room(mo
     import dataclasses
     monkeypatch.setattr(model, "config", dataclasses.replace(model.config, eos_token_ids=()))  # answers run on
     monkeypatch.setattr(model.tokenizer, "eos_token_ids", ())
-    store = _fixed_store(model, 4)
+    store = fixed_store(model, 4)
     pf = prefill(model, "Describe a lighthouse at dusk.", use_chat_template=False, use_cache=False)
     # positions the pool has for the answer: the prefill's full blocks shared, its partly filled one copied, the
     # free ones (the last token's K/V is never written: room + 1 tokens fit)
