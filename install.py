@@ -10,7 +10,7 @@ that CUDA, as conda-forge's, counts too), so it cannot be a plain requirement. T
   Windows wheels ship CUDA's libraries but not its headers, and most Windows ComfyUI installs have no CUDA
   toolkit), installs NVIDIA's CUDA runtime package of torch's CUDA version, which carries them;
 - without CUDA, without a network, or with an unknown CUDA version, says so and exits 0: the pack
-  then runs its GDN math on PyTorch instead of its CUDA kernels.
+  then runs on PyTorch instead of its CUDA kernels.
 
     python install.py            # what ComfyUI-Manager runs
     python install.py --dry-run  # only say what it would do

@@ -24,7 +24,8 @@ BACKENDS = ("auto", "cuda", "torch")
 
 @dataclass(frozen=True)
 class Backend:
-    """What runs the GDN math: `name` is "cuda" or "torch"; `reason` says why, for the user."""
+    """What runs the custom kernels (GDN, norms, gemv, attention, sampling): `name` is "cuda" or "torch";
+    `reason` says why, for the user."""
     name: str
     reason: str
 

@@ -203,8 +203,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     the device's free memory, pick_int8; model.int8 says which).
     device: auto, cuda, cuda:N, cpu, or another
     accelerator PyTorch drives (mps, xpu, ...: the PyTorch path, checked there once on a short prompt;
-    DeviceUnsupported where it does not run). backend: auto, cuda, torch (what runs the GDN math; see
-    kernels.select_backend).
+    DeviceUnsupported where it does not run). backend: auto, cuda, torch (what runs every
+    custom kernel: GDN, norms, gemv, paged and vision attention, sampling; see kernels.select_backend).
     Raises Qwen35Error, naming the file and the fix, for anything wrong with the input; nothing
     stays allocated when it does.
     """

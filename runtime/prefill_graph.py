@@ -1,6 +1,6 @@
 """Short prefills after a cached prefix, replayed from CUDA graphs.
 
-A question after a reused system prompt and image is a few dozen tokens: its ~400 kernels take ~7 ms
+A question after a reused system prompt and image is a few dozen tokens: its ~490 kernels take ~6 ms
 on the GPU but ~30 ms to launch from Python (bench/ttft_profile.py before the graphs). Here such a prefill
 runs as one graph launch. Its token count is padded up to a bucket (BUCKETS), one graph per bucket,
 captured the first time the bucket is used and replayed for any prompt that fits it: the real count,

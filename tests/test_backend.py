@@ -1,4 +1,4 @@
-"""Which backend runs the GDN math, and the reason the user is given (decided without touching a GPU)."""
+"""Which backend runs the custom kernels, and the reason the user is given (decided without touching a GPU)."""
 import pytest
 import torch
 
