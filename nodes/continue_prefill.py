@@ -68,7 +68,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
                 raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from "
                                   "the prompt, or read the video in a Qwen3.5 Multimodal Prefill and continue from it")
 
-            def run():
+            def run(reuse_at_most=None):
                 parent = prefill.prefill  # (made again first where it was let go)
                 model.load()
                 # room for the new turn (its tokens and images), made once the turn is laid out
@@ -76,7 +76,8 @@ class Qwen35ContinuePrefill(io.ComfyNode):
                     return continue_prefill(model.model, parent, prompt, images=images,
                                             previous_answer=previous_answer, thinking=thinking,
                                             max_pixels=max_pixels or None,
-                                            reserve=lambda needed: model.load(memory_required=needed))
+                                            reserve=lambda needed: model.load(memory_required=needed),
+                                            reuse_at_most=reuse_at_most)
             pf = run()
         log.info("Qwen3.5 continue: %d tokens reused, %d new in %.1f ms (%s)", pf.cached_tokens, pf.new_tokens,
                  pf.ms, pf.backend)

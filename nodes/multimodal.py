@@ -28,27 +28,30 @@ def _stats(pf, scaled_note: str) -> dict:
             "note": scaled_note}
 
 
-def _check_per_image(images, prompt: str) -> None:
-    """What 'one prompt per image' needs: images, and a prompt that names no image after the first (each of its
-    prompts holds one image of the batch)."""
+def _per_image(images, prompt: str) -> list:
+    """The batches of 'one prompt per image', an image each, once the prompt is checked to name no image after the
+    first (each prompt holds one image of the batch). One [H, W, C] image, as the runtime takes it, is one batch."""
     from ..runtime import Qwen35Error
     from ..runtime.multimodal import PLACEHOLDER
 
     if images is None:
         raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
+    if images.dim() == 3:
+        images = images[None]
     if images.shape[0] == 0:
         raise Qwen35Error("the image batch is empty (0 images); connect an image")
-    bare = 0
+    placed = 0
     for m in PLACEHOLDER.finditer(prompt or ""):
-        bare += m.group(0).startswith("<image") and m.group(1) is None
-        if bare > 1:
-            raise Qwen35Error("the prompt has <image> twice, but in mode 'one prompt per image' each prompt holds one "
-                              f"image of the batch ({images.shape[0]} prompts); write <image> once, or choose 'all "
-                              "images in one prompt' to compare them")
         if m.group(1) is not None and int(m.group(1)) != 1:
             raise Qwen35Error(f"the prompt names <image {m.group(1)}>, but in mode 'one prompt per image' each prompt "
                               "holds one image of the batch; write <image> where it goes, or choose 'all images in "
                               "one prompt' to compare them")
+        placed += m.group(0).startswith("<image")
+        if placed > 1:
+            raise Qwen35Error("the prompt places an image twice (<image> or <image 1>), but in mode 'one prompt per "
+                              f"image' each prompt holds one image of the batch ({images.shape[0]} prompts); write "
+                              "<image> once, or choose 'all images in one prompt' to compare them")
+    return [images[i:i + 1] for i in range(images.shape[0])]
 
 
 class Qwen35MultimodalPrefill(io.ComfyNode):
@@ -98,19 +101,18 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             if video is not None and frames is not None:
                 raise Qwen35Error("both a video and frames are connected; connect one of them")
             clip = video_clip(video) if video is not None else (frames, frame_rate) if frames is not None else None
-            if mode == PER_IMAGE:
-                _check_per_image(images, prompt)
-            batches = [images[i:i + 1] for i in range(images.shape[0])] if mode == PER_IMAGE else [images]
+            batches = _per_image(images, prompt) if mode == PER_IMAGE else [images]
             model.load()
             out, stats = [], []
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
 
-            def run(batch, video=clip, bar: bool = True):
+            def run(batch, video=clip, bar: bool = True, reuse_at_most=None):
                 with cancellable(bar=bar):
                     return prefill_multimodal(model.model, prompt, images=batch, video=video,
                                               system_prompt=system_prompt, thinking=thinking,
                                               max_pixels=max_pixels or None,
-                                              reserve=lambda needed: model.load(memory_required=needed))
+                                              reserve=lambda needed: model.load(memory_required=needed),
+                                              reuse_at_most=reuse_at_most)
             shared = clip
             if clip is not None and len(batches) > 1:
                 with cancellable(bar=False):  # the video read once for all the prompts (a file decoded once); a

@@ -74,11 +74,11 @@ class Qwen35TextPrefill(io.ComfyNode):
             ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
                                 use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
 
-            def run():
+            def run(reuse_at_most=None):
                 model.load(memory_required=prefill_bytes(model.model, len(ids)))
                 with cancellable():
                     return prefill_ids(model.model, ids, thinking=thinking and use_chat_template,
-                                       chat_template=use_chat_template)
+                                       chat_template=use_chat_template, reuse_at_most=reuse_at_most)
             result = run()
         stats = {"n_tokens": result.n_tokens, "cached_tokens": result.cached_tokens,
                  "new_tokens": result.new_tokens, "ms": round(result.ms, 2),
@@ -206,13 +206,16 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     first_ms = result.first_token_ms - (0.0 if pf.made_in == running()[0] else pf.prefill.ms)
     stats = {"n_tokens": result.n_tokens, "first_token_ms": round(first_ms, 2),
              "decode_tokens_per_s": round(result.decode_tokens_per_s, 1), "finish_reason": result.finish_reason}
+    full = (f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} positions; "
+            "shorten the prompt")
     # (no </think>: generate's answer is empty, all of it thinking)
     if result.finish_reason == "length" and pf.prefill.thinking \
             and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
-        fix = ("raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else
-               f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} "
-               "positions; shorten the prompt")
+        fix = "raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else full
         stats["note"] = f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; {fix}"
+    elif result.finish_reason == "length" and result.n_tokens < max_new_tokens:  # cut short of max_new_tokens
+        stats["note"] = f"the answer stopped after {result.n_tokens} of max_new_tokens {max_new_tokens}: {full}"
+    if "note" in stats:
         log.warning("Qwen3.5 generate: %s", stats["note"])
     log.info("Qwen3.5 generate: %d tokens, first after %.1f ms, %.1f tok/s decode (%s)", result.n_tokens,
              first_ms, result.decode_tokens_per_s, result.finish_reason)

@@ -25,9 +25,10 @@ class ModelPrefill:
     A prefill node's earlier output is let go when the node runs again (`made`): ComfyUI's default cache keeps
     the outputs of every earlier prompt until system RAM runs short, and it cannot see that a prefill holds K/V
     blocks and GDN states in VRAM, so each edit of a prompt would keep the last one's there. An output let go
-    keeps how to make it again (`remake`: the node's runtime call on the same inputs, which the prefix cache
-    answers from the snapshots those tokens left, up to the generation prompt), and `prefill` makes it again
-    when ComfyUI hands it on once more (the prompt edited back)."""
+    keeps how to make it again (`remake`: the node's runtime call on the same inputs, given `reuse_at_most`), and
+    `prefill` makes it again when ComfyUI hands it on once more (the prompt edited back): from the cached prefix
+    the first read started from (its cached_tokens, not the longer one that read left), so its logits are the
+    first read's bit for bit while the store keeps that snapshot, and the same seed gives the same answer."""
 
     def __init__(self, model: ModelHandle, prefill: Any, item: int = 0, items: int = 1,
                  remake: Optional[Callable[[], Any]] = None, node: Optional[str] = None):
@@ -38,6 +39,7 @@ class ModelPrefill:
         self.node = node  # the id of the node that made it (None outside a ComfyUI run)
         self.made_in = running()[0]  # the prompt it was made in (None outside a ComfyUI run)
         self._prefill, self._remake = prefill, remake
+        self._cached = prefill.cached_tokens  # the cached prefix it was read from (made again from it)
 
     @property
     def prefill(self) -> Any:
@@ -45,7 +47,7 @@ class ModelPrefill:
         if self._prefill is None:
             log.info("Qwen3.5: reading a prefill of node %s again (its node has run with other inputs since; the "
                      "prefix cache holds what it can of it)", self.node)
-            pf = self._remake()
+            pf = self._remake(reuse_at_most=self._cached)
             self.model.track(pf)
             if self.items > 1:
                 self.model.park(pf)

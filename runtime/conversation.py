@@ -92,14 +92,16 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
 def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", images=None, video=None,
                      previous_answer: str | None = None, thinking: bool = False, max_pixels: int | None = None,
                      allow_special_tokens: bool = False, use_cache: bool = True,
-                     reserve: Callable[[int], None] | None = None) -> Prefill:
+                     reserve: Callable[[int], None] | None = None, reuse_at_most: int | None = None) -> Prefill:
     """A follow-up user turn after `parent` (a chat-template prefill of this model), optionally after
     `previous_answer` as the assistant's turn. Runs only the new tokens, from the parent's state at the
     end of its user turn; the result equals a prefill of the whole conversation in one go.
 
     images / video: as prefill_multimodal takes them, for this turn (placed with <image>, <video>).
     A snapshot an identical earlier follow-up left reaches further than the parent's turn end and is used
-    instead, unless use_cache is off (prefix.py); this turn's reuse points are kept for later ones.
+    instead, unless use_cache is off (prefix.py), or reuse_at_most (an earlier read's cached_tokens: read again
+    so, the same logits bit for bit where the store still keeps that snapshot) stops short of it; this turn's
+    reuse points are kept for later ones.
     reserve(bytes), when given, is called once the turn is laid out and before any device work, with what
     the tower and the new tokens will need (as prefill_multimodal's).
     Returns a Prefill with cached_tokens (taken from the parent), new_tokens and `ms` of the new part
@@ -153,7 +155,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
         points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
         run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
                               positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
-                              use_cache=use_cache, needed=[cached + turn_end])
+                              use_cache=use_cache, needed=[cached + turn_end], at_most=reuse_at_most)
         logits = host_logits(run.logits)
         synchronize(dev)
     except RuntimeError as e:

@@ -125,14 +125,15 @@ def generation_prompt_ids(model: Qwen35Model, thinking: bool) -> list[int]:
 @torch.compiler.disable
 @on_model_device
 def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat_template: bool = False,
-                use_cache: bool = True) -> Prefill:
+                use_cache: bool = True, reuse_at_most: int | None = None) -> Prefill:
     """Run token ids through the model. Returns the Prefill (logits of the last position only).
 
     chat_template: the ids end with the chat template's generation prompt (for `thinking`); the state
     before it is kept in Prefill.turn, so a follow-up turn can continue (conversation.continue_prefill).
     The longest prefix an earlier prompt left in the model's K/V store (the system prompt, the whole user
     turn) is reused and only the rest runs (Prefill.cached_tokens; prefix.py), unless use_cache is off;
-    this prompt's reuse points are kept for later ones.
+    this prompt's reuse points are kept for later ones. reuse_at_most: reuse at most this many tokens (an earlier read's cached_tokens: read again so, the
+    same logits bit for bit where the store still keeps that snapshot).
     """
     limit = model.config.max_position_embeddings
     shape = getattr(ids, "shape", None)
@@ -160,7 +161,7 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
         synchronize(model.device)
         t0 = time.perf_counter()
         run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
-                              needed=[turn_end] if turn_end else [])
+                              needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
         logits = host_logits(run.logits)
         synchronize(model.device)
     except RuntimeError as e:
@@ -175,14 +176,15 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
 
 
 def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
-            use_chat_template: bool = True, allow_special_tokens: bool = False, use_cache: bool = True) -> Prefill:
+            use_chat_template: bool = True, allow_special_tokens: bool = False, use_cache: bool = True,
+            reuse_at_most: int | None = None) -> Prefill:
     """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it,
-    reusing a cached prefix unless use_cache is off (prefill_ids). Special-token text in the prompt stays
-    text unless allow_special_tokens (see encode_prompt)."""
+    reusing a cached prefix unless use_cache is off (prefill_ids, as is reuse_at_most). Special-token text in
+    the prompt stays text unless allow_special_tokens (see encode_prompt)."""
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
     # raw text opens no thinking block
     return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template,
-                       use_cache=use_cache)
+                       use_cache=use_cache, reuse_at_most=reuse_at_most)
 
 
 OnToken = Callable[[str, int, int], None]

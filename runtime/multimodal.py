@@ -271,7 +271,8 @@ def _fewer_tokens(inputs: list[VisionInput]) -> str:
 def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None, system_prompt: str = "",
                        thinking: bool = False, use_chat_template: bool = True,
                        max_pixels: int | None = None, allow_special_tokens: bool = False,
-                       reserve: Callable[[int], None] | None = None, use_cache: bool = True) -> Prefill:
+                       reserve: Callable[[int], None] | None = None, use_cache: bool = True,
+                       reuse_at_most: int | None = None) -> Prefill:
     """Prefill a prompt with images and / or a video.
 
     images: a ComfyUI IMAGE tensor [B, H, W, C] (each image of the batch is one image of the prompt),
@@ -283,7 +284,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
       work, with what the tower and the prefill will need beyond the weights (runtime.memory), so that a
       caller can make room (the nodes ask ComfyUI's model management). A prefix an earlier prompt left in the
       K/V store (the same system prompt and images) is reused, the tower skipping its images, unless
-      use_cache is off (prefix.py). Returns a Prefill; generate()
+      use_cache is off (prefix.py); reuse_at_most bounds it (an earlier read's cached_tokens: read again so,
+      the same logits bit for bit where the store still keeps that snapshot). Returns a Prefill; generate()
       continues from it as from a text prefill. Running out of memory ends in a Qwen35Error that says what
       was needed and free; the model is unchanged.
     """
@@ -317,7 +319,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
         points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
         run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, clock),
                               positions, delta, limit=turn_end, use_cache=use_cache,
-                              needed=[turn_end] if turn_end else [])
+                              needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
         logits = host_logits(run.logits)
         synchronize(model.device)
         t2 = time.perf_counter()

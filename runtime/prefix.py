@@ -51,7 +51,8 @@ class Reuse:
 def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int], media: Sequence[MediaSpan] = (),
                     vision: Callable[[int], tuple | None] | None = None, positions: torch.Tensor | None = None,
                     rope_delta: int | None = None, start: GDNState | None = None, start_cache: Cache | None = None,
-                    limit: int | None = None, use_cache: bool = True, needed: Sequence[int] = ()) -> Reuse:
+                    limit: int | None = None, use_cache: bool = True, needed: Sequence[int] = (),
+                    at_most: int | None = None) -> Reuse:
     """Prefill `ids` from the longest cached prefix (a snapshot in the model's store), keeping the states
     at `points` (token counts; those inside the cached prefix are skipped) as snapshots for later prompts.
     With use_cache off no snapshot is looked up or saved: only a given `start` is continued from, and only
@@ -61,12 +62,17 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     n, or None (the tower runs only for images past the reused prefix). positions [3, len(ids)]: rotary
     ids of all the tokens (default: text). start / start_cache: a known state after the first
     start.length ids (a follow-up turn's parent), whose K/V are start_cache's; used when no snapshot
-    reaches further. limit: reuse at most this many tokens (default: all but the last). A short rest after
+    reaches further. limit: reuse at most this many tokens (default: all but the last); at_most, the caller's
+    bound on it: a prompt read again as an earlier read of it did (its cached_tokens) starts from the same
+    snapshot where the store still keeps it, and so gives the same logits bit for bit, where the longest
+    prefix (a snapshot that read left further on) would give them computed another way. A short rest after
     a cached prefix (at most 256 tokens, no image among them) runs as one CUDA-graph launch on CUDA
     (prefill_graph.py), the same computation as the eager pass; the cache keeps the blocks of its tokens
     either way.
     """
     store = model.kv
+    if at_most is not None:
+        limit = at_most if limit is None else min(limit, at_most)
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
     n = snap.num_tokens if snap is not None else 0
     if start is not None and start.length >= n:

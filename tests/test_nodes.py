@@ -741,6 +741,13 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
            "shorten the prompt" in s["note"]
     plain = _generate(pack, _prefill(pack, loaded), max_new_tokens=3, sampling=False).ui["qwen35_generate"][0]
     assert plain["finish_reason"] == "length" and "note" not in plain
+    # thinking off, the positions run out before max_new_tokens: the answer is cut, and the panel says why
+    pf = _prefill(pack, loaded)
+    room = limit - pf.prefill.n_tokens
+    s = _generate(pack, pf, max_new_tokens=room + 5, sampling=False).ui["qwen35_generate"][0]
+    assert s["n_tokens"] == room and s["finish_reason"] == "length"
+    assert s["note"] == (f"the answer stopped after {room} of max_new_tokens {room + 5}: the prompt and the answer "
+                         f"filled the model's {limit:,} positions; shorten the prompt")
 
 
 def test_a_load_shows_its_progress_and_a_cancel_lands_between_its_weights(pack, models_dir, comfy, monkeypatch):
@@ -821,15 +828,17 @@ def test_a_prefill_nodes_next_run_lets_its_earlier_output_go_and_a_later_use_mak
     import gc
     import weakref
 
+    import torch
     from comfy_execution.utils import CurrentNodeContext
 
     def at(prompt_id, node_id):
         return CurrentNodeContext(prompt_id, node_id)
 
     with at("p1", "5"):
-        first = _prefill(pack, loaded, "Name three colours.")
+        first = _prefill(pack, loaded, "Name three colours of a kingfisher.")
         listed_too = _prefill(pack, loaded, "Name three shapes.")  # the node's second list item in that prompt
     answer = _generate(pack, first, seed=3, sampling=False)[0]
+    logits, cached = first.prefill.logits.clone(), first.prefill.cached_tokens
     held = weakref.ref(first.prefill)
     assert not first.let_go and not listed_too.let_go
     with at("p2", "5"):
@@ -839,11 +848,16 @@ def test_a_prefill_nodes_next_run_lets_its_earlier_output_go_and_a_later_use_mak
     with at("p3", "9"):  # a Generate handed the first output again: made again, the second let go in its place
         assert _generate(pack, first, seed=3, sampling=False)[0] == answer
     assert not first.let_go and second.let_go and first.prefill.n_tokens == len(first.prefill.token_ids)
+    # made again from the prefix the first read started from (not the turn end that read left in the prefix
+    # cache, whose logits come out of another sum order): the same logits bit for bit
+    assert first.prefill.cached_tokens == cached < first.prefill.n_tokens - 5
+    assert torch.equal(first.prefill.logits, logits)
     # outside a ComfyUI run (scripts, the tests above) nothing is let go
     assert not _prefill(pack, loaded, "Name three trees.").let_go and not first.let_go
 
 
 def test_a_continue_let_go_with_its_parent_is_made_again_after_it(pack, loaded):
+    import torch
     from comfy_execution.utils import CurrentNodeContext
 
     def run(prompt_id, parent_prompt):
@@ -853,13 +867,16 @@ def test_a_continue_let_go_with_its_parent_is_made_again_after_it(pack, loaded):
             return parent, pack.Qwen35ContinuePrefill.execute(prefill=parent, prompt="And three more?", images=None,
                                                               previous_answer="Red, green, blue.", thinking=False,
                                                               max_pixels=0)[0]
-    parent, child = run("p1", "Name three colours.")
+    parent, child = run("p1", "Name three colours of a jay.")
     answer = _generate(pack, child, seed=1, sampling=False)[0]
+    logits, cached = child.prefill.logits.clone(), child.prefill.cached_tokens
     run("p2", "Name three animals.")
     assert parent.let_go and child.let_go
     with CurrentNodeContext("p3", "7"):
         assert _generate(pack, child, seed=1, sampling=False)[0] == answer
     assert not parent.let_go and not child.let_go
+    # both made again from where they were first read (not from the turn ends those reads left): the same logits
+    assert child.prefill.cached_tokens == cached and torch.equal(child.prefill.logits, logits)
 
 
 def test_the_first_token_counts_the_prompts_time_only_in_the_run_that_read_it(pack, loaded):

@@ -267,11 +267,17 @@ def test_one_prompt_per_image_names_one_image_a_prompt(pack, loaded):
     with pytest.raises(Qwen35Error, match=r"names <image 2>, but in mode 'one prompt per image' each prompt holds "
                                           r"one image.*write <image>"):
         _run(pack, loaded, images=images, mode="one prompt per image", prompt="Compare <image> and <image 2>.")
-    with pytest.raises(Qwen35Error, match=r"the prompt has <image> twice, but in mode 'one prompt per image' each "
-                                          r"prompt holds one image of the batch \(2 prompts\); write <image> once"):
-        _run(pack, loaded, images=images, mode="one prompt per image", prompt="Compare <image> and <image>.")
+    for twice in ("Compare <image> and <image>.", "Compare <image 1> and <image>.", "<image> beside <image 1>"):
+        with pytest.raises(Qwen35Error, match=r"the prompt places an image twice \(<image> or <image 1>\), but in mode "
+                                              r"'one prompt per image' each prompt holds one image of the batch "
+                                              r"\(2 prompts\); write <image> once"):
+            _run(pack, loaded, images=images, mode="one prompt per image", prompt=twice)
     out = _run(pack, loaded, images=images, mode="one prompt per image", prompt="What is in <image 1>?")
     assert len(out[0]) == 2
+    # one [H, W, C] image (the runtime takes it as one image) is one prompt, as in the other mode, not a prompt a row
+    one = _run(pack, loaded, images=images[0], mode="one prompt per image", prompt="What is in <image>?")
+    assert len(one[0]) == 1
+    assert one[0][0].prefill.vision.grids == _run(pack, loaded, images=images[0], prompt="<image>")[0][0].prefill.vision.grids
     with pytest.raises(Qwen35Error, match=r"more <image> placeholders than the 0 image\(s\) connected; connect more "
                                           r"images or remove the extra <image>"):
         _run(pack, loaded, prompt="What is in <image>?")
@@ -289,3 +295,19 @@ def test_an_image_with_nan_values_is_named_before_the_model_runs(pack, loaded):
     frames[2, 0, 0, 0] = float("nan")
     with pytest.raises(Qwen35Error, match="NaN or infinite"):
         _run(pack, loaded, prompt="<video> What moves?", frames=frames, frame_rate=2.0)
+
+
+def test_prefills_let_go_are_made_again_from_where_they_were_first_read(pack, loaded):
+    """One prompt per image, let go when the node runs in a later prompt, made again when handed on: each from the
+    cached prefix its first read started from (not the turn end that read left), so with the same logits."""
+    from comfy_execution.utils import CurrentNodeContext
+    images = torch.rand(2, 64, 64, 3, generator=torch.Generator().manual_seed(4))
+    with CurrentNodeContext("p1", "5"):
+        prefills = _run(pack, loaded, images=images, mode="one prompt per image", prompt="What is in <image>?")[0]
+    first = [(p.prefill.logits.clone(), p.prefill.cached_tokens) for p in prefills]
+    with CurrentNodeContext("p2", "5"):
+        _run(pack, loaded, images=images[:1], prompt="Describe <image> briefly.")
+    assert all(p.let_go for p in prefills)
+    with CurrentNodeContext("p3", "9"):
+        for p, (logits, cached) in zip(prefills, first):
+            assert p.prefill.cached_tokens == cached and torch.equal(p.prefill.logits, logits)

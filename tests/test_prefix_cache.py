@@ -87,6 +87,19 @@ def test_a_second_question_reuses_the_system_prompt(pair, model):
     assert rel(again.logits, cold.logits) <= TOL
 
 
+def test_a_prompt_read_again_from_where_an_earlier_read_started_gives_its_logits(model):
+    """reuse_at_most: the same prompt read again from the prefix its first read started from (its cached_tokens)
+    gives that read's logits bit for bit, where the longest prefix (the turn end that read left) gives them within
+    rounding only: for a prompt first read cold, and for one that reused the system prompt."""
+    for prompt in ("Describe a red circle.", "Describe a green cone."):  # the first cold, the second reusing
+        first = prefill(model, prompt, system_prompt=SYSTEM)
+        assert first.cached_tokens == (0 if prompt.endswith("circle.") else system_end(model, first.token_ids))
+        longest = prefill(model, prompt, system_prompt=SYSTEM)
+        assert longest.cached_tokens > first.cached_tokens and not torch.equal(longest.logits, first.logits)
+        same = prefill(model, prompt, system_prompt=SYSTEM, reuse_at_most=first.cached_tokens)
+        assert same.cached_tokens == first.cached_tokens and torch.equal(same.logits, first.logits)
+
+
 def test_the_system_prompts_snapshot_ends_after_its_newline(model):
     """The system turn as the template writes it, "<|im_start|>system\\n...<|im_end|>\\n", newline included, is
     what a question with another user prompt reuses."""

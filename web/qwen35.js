@@ -217,10 +217,15 @@ function onGenerateExecuted(view, output) {
       `${s.n_tokens} tokens (${s.finish_reason})` + (s.note ? ` · ${s.note}` : "");
   } else if (all.length > 1) {  // one line: the answers' count, mean rates and all their tokens
     const mean = (k) => all.reduce((a, x) => a + x[k], 0) / all.length;
-    const unanswered = all.filter((x) => x.note).length;  // (stopped while thinking)
+    // the notes nodes/text.py gives: stopped while thinking, and / or cut where the model's positions ran out
+    const count = (test) => all.filter((x) => x.note && test(x.note)).length;
+    const unanswered = count((n) => n.startsWith("stopped while thinking"));
+    const full = count((n) => n.includes("filled the model's"));
     view.stats.textContent = `${all.length} answers · first token ${fmt(mean("first_token_ms"))} ms · ` +
       `${fmt(mean("decode_tokens_per_s"))} tok/s decode (means) · ${all.reduce((a, x) => a + x.n_tokens, 0)} tokens` +
-      (unanswered ? ` · ${unanswered} stopped while thinking, with no answer: raise max_new_tokens` : "");
+      (unanswered ? ` · ${unanswered} stopped while thinking, with no answer` : "") +
+      (full ? ` · ${full} stopped where the prompt and the answer filled the model's positions: shorten the prompt`
+        : unanswered ? ": raise max_new_tokens" : "");
   }
 }
 
