@@ -50,6 +50,22 @@ def _seed_from_test_id(request):
     torch.manual_seed(seed)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_folders_go_with_the_module(request, tmp_path_factory):
+    """The folders a module's fixtures made (checkpoints of 60-150 MB each, the real vocabulary's embedding)
+    go when its tests all passed, as pyproject's retention policy does for each test's own folder: kept to
+    the run's end they came to 2 GB. Session fixtures are set up before this one, so theirs stay. Each folder
+    stays, empty, so that a later module's mktemp does not take its name (a cache keyed by path would see it)."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.config.getini("tmp_path_retention_policy") == "failed" and request.session.testsfailed == failed:
+        import shutil
+        for path in set(base.iterdir()) - before:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir(exist_ok=True)
+
 
 @pytest.fixture(scope="module")
 def impl():
