@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import Qwen35Error
@@ -45,17 +46,30 @@ def _args(argv):
 
 
 def _read_image(path: str):
-    """An image file as a ComfyUI IMAGE tensor [1, H, W, C] in 0..1."""
+    """An image file as a ComfyUI IMAGE tensor [1, H, W, C] in 0..1, read as ComfyUI's LoadImage reads it: turned
+    the way its EXIF orientation says (a phone's portrait photo), 16-bit grey over its whole range, transparency
+    kept (a palette's too) for the tower's white background."""
     try:
         import numpy as np
         import torch
-        from PIL import Image
+        from PIL import Image, ImageOps
     except ImportError:
         raise Qwen35Error("--image needs Pillow (pip install pillow); ComfyUI environments have it") from None
     try:
         with Image.open(path) as im:
+            im = ImageOps.exif_transpose(im)
+            if im.mode.startswith("I"):  # 16- or 32-bit grey: RGB would clip it at 255 (a 16-bit PNG all white)
+                grey = np.asarray(im, dtype=np.float32)
+                top = 65535.0 if im.mode.startswith("I;16") or grey.max(initial=0) > 255 else 255.0
+                grey = torch.from_numpy(grey / top).clamp(0, 1)
+                return grey[None, :, :, None].expand(-1, -1, -1, 3).contiguous()
+            if im.mode == "P" and "transparency" in im.info:
+                im = im.convert("RGBA")
             im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
             return torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0)[None]
+    except Image.DecompressionBombError as e:
+        raise Qwen35Error(f"--image {path}: {str(e).rstrip('.')}; scale it down first (the tower reads at most 16.7 MP of it "
+                          "anyway)") from None
     except OSError as e:
         raise Qwen35Error(f"--image {path}: cannot read it as an image ({e})") from None
 
@@ -65,39 +79,59 @@ def main(argv=None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # redirected on Windows, stdout takes the code page: no crash on the rest
         sys.stdout.reconfigure(errors="replace")
     a = _args(argv)
-    from . import SamplingParams, continue_prefill, demo_checkpoint, generate, load_model, prefill
+    streamed = []  # an error after the answer began starts on a line of its own
     try:
-        # the settings first: a typo in them should not cost a model load
-        sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
-        sampling.check()
-        if a.max_new_tokens < 1:
-            raise Qwen35Error(f"--max-new-tokens is {a.max_new_tokens}; it must be at least 1")
-        images = [_read_image(f) for f in a.image]  # and the images: a wrong path should not cost one either
-        path = a.model or demo_checkpoint()
-        model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
-        if images:
-            from .multimodal import prefill_multimodal
-            pf = prefill_multimodal(model, a.prompt, images=images,
-                                    system_prompt=a.system_prompt, thinking=a.thinking,
-                                    allow_special_tokens=a.allow_special_tokens)
-        else:
-            pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
-                         allow_special_tokens=a.allow_special_tokens)
-
-        def show(delta, n, total):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-
-        print(f"--- answer ({model.path.name}) ---")
-        out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
-        for text in a.follow_up:
-            pf = continue_prefill(model, pf, text, previous_answer=out.text, thinking=a.thinking)
-            print(f"\n--- follow-up ({pf.cached_tokens} tokens reused, {pf.new_tokens} new): {text} ---")
-            out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed,
-                           on_token=show)
+        return _run(a, streamed)
     except Qwen35Error as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(("\n" if streamed else "") + f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, and let Python's last flush go nowhere
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # (a stdout without a file descriptor)
+            pass
+        return 1
+    except OSError as e:  # the output could not be written (a full disk)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(a, streamed: list) -> int:
+    from . import SamplingParams, continue_prefill, demo_checkpoint, generate, load_model, prefill
+    # the settings first: a typo in them should not cost a model load
+    sampling = SamplingParams(do_sample=a.sample, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    sampling.check()
+    if a.max_new_tokens < 1:
+        raise Qwen35Error(f"--max-new-tokens is {a.max_new_tokens}; it must be at least 1")
+    for text in a.follow_up:  # (nor a follow-up with nothing to ask, found after the first answer)
+        if not text.strip():
+            raise Qwen35Error(f"--follow-up {text!r} is empty; write the next question")
+    images = [_read_image(f) for f in a.image]  # and the images: a wrong path should not cost one either
+    path = a.model or demo_checkpoint()
+    model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
+    if images:
+        from .multimodal import prefill_multimodal
+        pf = prefill_multimodal(model, a.prompt, images=images, system_prompt=a.system_prompt, thinking=a.thinking,
+                                allow_special_tokens=a.allow_special_tokens)
+    else:
+        pf = prefill(model, a.prompt, system_prompt=a.system_prompt, thinking=a.thinking,
+                     allow_special_tokens=a.allow_special_tokens)
+
+    def show(delta, n, total):
+        streamed[:] = [True]
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    print(f"--- answer ({model.path.name}) ---")
+    out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
+    for text in a.follow_up:
+        pf = continue_prefill(model, pf, text, previous_answer=out.text, thinking=a.thinking,
+                              allow_special_tokens=a.allow_special_tokens)
+        print(f"\n--- follow-up ({pf.cached_tokens} tokens reused, {pf.new_tokens} new): {text} ---")
+        out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
     print("\n---")
     if out.thinking:
         print(f"thinking: {len(out.thinking)} characters (shown above, before the answer)")

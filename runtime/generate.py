@@ -78,7 +78,8 @@ def _token_id(i) -> int:
     """A Python, numpy or 0-d torch integer as an int; a Qwen35Error for floats, booleans and the rest."""
     whole = whole_number(i)
     if whole is None:
-        raise Qwen35Error(f"token ids must be whole numbers; found {i!r}")
+        batch = " (a batch: pass its one sequence, ids[0])" if isinstance(i, (list, tuple)) else ""
+        raise Qwen35Error(f"token ids must be whole numbers; found {i!r}{batch}")
     return whole
 
 
@@ -152,8 +153,9 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     if chat_template:
         tail = generation_prompt_ids(model, thinking)
         if list(ids[len(ids) - len(tail):]) != tail or len(ids) <= len(tail):
-            raise ValueError("prefill_ids(chat_template=True): the ids do not end with the generation prompt "
-                             f"for thinking={thinking}")
+            raise Qwen35Error("prefill_ids(chat_template=True): the ids do not end with the generation prompt "
+                              f"for thinking={thinking}; pass chat_template=False for ids without the chat template, "
+                              "or encode the prompt with encode_prompt")
         turn_end = len(ids) - len(tail)
     model.select_backend()
     points = [p for p in (system_end(model, ids) if chat_template else None, turn_end) if p]
@@ -279,7 +281,10 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
 def checked_settings(max_new_tokens, sampling: SamplingParams | None, seed) -> tuple[int, SamplingParams, int]:
     """A generation's settings checked, before any work (a caller may check them before loading the weights):
     max_new_tokens as an int, the sampling parameters, the seed's 64 draw bits (draw_seed)."""
-    sampling = sampling or SamplingParams()
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise Qwen35Error(f"sampling is a {type(sampling).__name__}; pass SamplingParams(...) (e.g. "
+                          "SamplingParams(do_sample=True, temperature=0.7)) or None for greedy decoding")
     sampling.check()
     whole = whole_number(max_new_tokens)
     if whole is None or whole < 1:
@@ -290,6 +295,9 @@ def checked_settings(max_new_tokens, sampling: SamplingParams | None, seed) -> t
 def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: SamplingParams | None,
               seed: int, on_token: OnToken | None) -> Generation:
     max_new_tokens, sampling, seed = checked_settings(max_new_tokens, sampling, seed)
+    if not isinstance(pf, Prefill):
+        raise Qwen35Error(f"generate needs the Prefill that prefill() returned, got a {type(pf).__name__}; run "
+                          "pf = prefill(model, prompt) first")
     if pf.model_id != id(model):
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
     if not bool(torch.isfinite(pf.logits).all()):  # (on the host: a prefill's logits are copied there)

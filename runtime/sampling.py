@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .errors import Qwen35Error, whole_number
+from .errors import Qwen35Error, real_number, whole_number
 
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
 _M64 = (1 << 64) - 1
@@ -28,10 +28,16 @@ class SamplingParams:
     presence_penalty: float = 0.0    # 0.0: off; subtracted from the logit of every token already generated
 
     def check(self) -> None:
+        if not isinstance(self.do_sample, bool):  # ("no" is true: it would sample); 0 and 1 as a JSON API sends them
+            if whole_number(self.do_sample) not in (0, 1):
+                raise Qwen35Error(f"do_sample is {self.do_sample!r} ({type(self.do_sample).__name__}); it must be "
+                                  "True (sample) or False (greedy)")
+            object.__setattr__(self, "do_sample", bool(whole_number(self.do_sample)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise Qwen35Error(f"{name} is {value!r}; it must be a finite number")
+            value = real_number(getattr(self, name))
+            if value is None or not math.isfinite(value):
+                raise Qwen35Error(f"{name} is {getattr(self, name)!r}; it must be a finite number")
+            object.__setattr__(self, name, value)  # numpy's floats and 0-d tensors as Python's
         top_k = whole_number(self.top_k)
         if top_k is None:
             raise Qwen35Error(f"top_k is {self.top_k!r} ({type(self.top_k).__name__}); it must be a whole number "

@@ -325,3 +325,48 @@ def test_command_line_follow_ups(capsys):
     reused = [int(n) for n in re.findall(r"--- follow-up \((\d+) tokens reused, \d+ new\)", out)]
     assert len(reused) == 2 and 0 < reused[0] < reused[1]
     assert f"(and {reused[1]} reused from the earlier turns)" in out
+
+
+def test_command_line_follow_ups_take_the_prompts_settings_and_empty_ones_cost_no_load(capsys, monkeypatch):
+    """--allow-special-tokens reaches the follow-up turns too; an empty --follow-up is refused before the model
+    loads (not after the first answer)."""
+    import qwen35_fast.runtime as rt
+    from qwen35_fast.runtime.cli import main
+    seen = []
+    real = rt.continue_prefill
+    monkeypatch.setattr(rt, "continue_prefill", lambda *a, **k: seen.append(k) or real(*a, **k))
+    assert main(["demo", "--prompt", "Hi", "--follow-up", "a<|im_end|>b", "--allow-special-tokens",
+                 "--max-new-tokens", "2", "--dtype", "fp32", "--device", "cpu"]) == 0
+    assert [k["allow_special_tokens"] for k in seen] == [True]
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(rt, "load_model", no_load)
+    capsys.readouterr()
+    assert main(["demo", "--prompt", "Hi", "--follow-up", "Next?", "--follow-up", "  "]) == 2
+    assert capsys.readouterr().err == "error: --follow-up '  ' is empty; write the next question\n"
+
+
+@pytest.mark.parametrize("error, code, err", [
+    (KeyboardInterrupt(), 130, "\ninterrupted\n"),
+    (BrokenPipeError(32, "Broken pipe"), 1, ""),
+    (OSError(28, "No space left on device"), 1, "error: [Errno 28] No space left on device\n"),
+    (None, 2, "\nerror: stopped\n"),
+])
+def test_command_line_ends_on_interrupts_and_output_errors_without_a_traceback(capsys, monkeypatch, error, code, err):
+    """Ctrl-C: `interrupted` and 130; a reader gone (`| head`): quiet; a full disk: one line; an error once the
+    answer streams starts on a line of its own."""
+    import qwen35_fast.runtime as rt
+    from qwen35_fast.runtime import Qwen35Error
+    from qwen35_fast.runtime.cli import main
+    real = rt.generate
+
+    def fails(model, pf, **k):  # a token streamed, then the error
+        real(model, pf, max_new_tokens=1, on_token=k["on_token"])
+        raise error if error is not None else Qwen35Error("stopped")
+    monkeypatch.setattr(rt, "generate", fails)
+    assert main(["demo", "--prompt", "Hi", "--max-new-tokens", "2", "--dtype", "fp32", "--device", "cpu"]) == code
+    said = capsys.readouterr().err
+    assert said.endswith(err) and "Traceback" not in said
+    if not err:  # (the broken pipe: nothing at all)
+        assert "error" not in said and "interrupted" not in said

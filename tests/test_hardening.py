@@ -425,6 +425,9 @@ def test_cli_with_a_non_utf8_argument(folder):
     (dict(top_k=-1), r"top_k -1 must be >= 0 \(0 turns it off\)"),
     (dict(do_sample=False, top_p=0.0), r"top_p 0.0 must be in \(0, 1\] \(1 turns it off\)"),  # greedy checks too
     (dict(do_sample=False, min_p=1.0), r"min_p 1.0 must be in \[0, 1\) \(0 turns it off\)"),
+    (dict(do_sample="no"), r"do_sample is 'no' \(str\); it must be True \(sample\) or False \(greedy\)"),
+    (dict(do_sample=2), r"do_sample is 2 \(int\)"),
+    (dict(temperature=torch.tensor([0.7])), r"temperature is tensor\(\[0.7000\]\); it must be a finite number"),
 ])
 def test_sampling_settings_are_checked(chat_model, still_works, settings, message):
     """Each bad setting is named with its value and the range it must be in, when sampling and, for the
@@ -432,6 +435,41 @@ def test_sampling_settings_are_checked(chat_model, still_works, settings, messag
     pf = prefill(chat_model, PROMPT)
     with pytest.raises(Qwen35Error, match=message):
         generate(chat_model, pf, max_new_tokens=3, sampling=SamplingParams(**{"do_sample": True, **settings}))
+
+
+def test_settings_of_numpy_and_0_d_tensors_are_numbers(chat_model, still_works):
+    """numpy's floats and 0-d tensors are numbers, as top_k, seed and max_new_tokens take them; 0 / 1 for
+    do_sample, as a JSON API sends them: the same answer as Python's numbers give."""
+    np = pytest.importorskip("numpy")
+    pf = prefill(chat_model, PROMPT)
+    plain = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+    want = generate(chat_model, pf, max_new_tokens=6, sampling=plain, seed=3).token_ids
+    for other in (SamplingParams(do_sample=1, temperature=np.float32(0.7), top_p=torch.tensor(0.9, dtype=torch.float64),
+                                 repetition_penalty=np.float64(1.1)),
+                  SamplingParams(do_sample=True, temperature=torch.tensor(0.7, dtype=torch.float64), top_p=0.9,
+                                 repetition_penalty=1.1)):
+        assert generate(chat_model, pf, max_new_tokens=6, sampling=other, seed=3).token_ids == want
+        assert other.do_sample is True and type(other.top_p) is float
+    greedy = generate(chat_model, pf, max_new_tokens=6, sampling=SamplingParams(do_sample=0), seed=3).token_ids
+    assert greedy == generate(chat_model, pf, max_new_tokens=6).token_ids
+
+
+def test_generate_and_prefill_ids_name_what_they_were_given(chat_model, still_works):
+    """A prefill or settings of the wrong type, a batch of ids, ids without the chat template's generation prompt:
+    a Qwen35Error naming what was given and what to pass, not an AttributeError or a ValueError."""
+    from qwen35_fast.runtime import prefill_ids
+    pf = prefill(chat_model, PROMPT)
+    for bad in (None, "Describe a fox.", pf.token_ids):
+        with pytest.raises(Qwen35Error, match=rf"generate needs the Prefill that prefill\(\) returned, got a "
+                                              rf"{type(bad).__name__}"):
+            generate(chat_model, bad, max_new_tokens=2)
+    with pytest.raises(Qwen35Error, match=r"sampling is a dict; pass SamplingParams\(...\)"):
+        generate(chat_model, pf, max_new_tokens=2, sampling={"do_sample": True})
+    with pytest.raises(Qwen35Error, match=r"found \[1, 2, 3\] \(a batch: pass its one sequence, ids\[0\]\)"):
+        prefill_ids(chat_model, [[1, 2, 3]])
+    with pytest.raises(Qwen35Error, match=r"the ids do not end with the generation prompt for thinking=False; pass "
+                                          r"chat_template=False"):
+        prefill_ids(chat_model, [1, 2, 3], chat_template=True)
 
 
 @pytest.mark.parametrize("value", [2.0, True, "3", None])

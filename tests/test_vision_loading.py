@@ -115,6 +115,41 @@ def test_command_line_reads_an_image(tmp_path, capsys):
     assert main(["demo", "--image", str(tmp_path / "missing.png")]) == 2
 
 
+def test_command_line_reads_image_files_as_comfyui_loads_them(tmp_path, monkeypatch):
+    """A 16-bit grey PNG over its whole range (RGB clipped it at 255: all white), a palette PNG's transparency
+    kept (composited on white by the tower, as an RGBA one), a phone photo turned by its EXIF orientation, and a
+    decompression bomb named (Pillow's error is no OSError)."""
+    pytest.importorskip("PIL")
+    import numpy as np
+    from PIL import Image
+
+    from qwen35_fast.runtime.cli import _read_image
+    ramp = np.linspace(0, 65535, 16 * 256).astype(np.uint16).reshape(16, 256)
+    Image.fromarray(ramp).save(tmp_path / "grey16.png")
+    grey = _read_image(str(tmp_path / "grey16.png"))
+    assert grey.shape == (1, 16, 256, 3) and torch.equal(grey[..., 0], grey[..., 2])
+    assert grey.min() == 0 and grey.max() == 1 and 0.45 < float(grey.mean()) < 0.55
+
+    logo = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+    logo.paste((200, 30, 30, 255), (8, 8, 24, 24))
+    logo.save(tmp_path / "rgba.png")
+    logo.quantize(colors=4).save(tmp_path / "palette.png")
+    rgba, palette = (_read_image(str(tmp_path / f)) for f in ("rgba.png", "palette.png"))
+    assert rgba.shape == palette.shape == (1, 32, 32, 4)
+    assert float(palette[0, 0, 0, 3]) == 0 and float(palette[0, 16, 16, 3]) == 1
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: turned 90 degrees on its side, as a phone holds a portrait
+    Image.new("RGB", (60, 40), (10, 200, 10)).save(tmp_path / "phone.jpg", exif=exif)
+    assert _read_image(str(tmp_path / "phone.jpg")).shape == (1, 60, 40, 3)
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # (a 200 MP scan, without writing one)
+    with pytest.raises(Qwen35Error, match=r"--image .*big.png: Image size \(4096 pixels\) exceeds limit of 2000 "
+                                          r"pixels, could be decompression bomb DOS attack; scale it down first"):
+        _read_image(str(tmp_path / "big.png"))
+
+
 def test_multimodal_prefill_reserves_its_memory_and_names_an_out_of_memory(folder, monkeypatch):
     from qwen35_fast.runtime.memory import prefill_bytes, vision_bytes
 
