@@ -31,7 +31,7 @@ class ModelPrefill:
     first read's bit for bit while the store keeps that snapshot, and the same seed gives the same answer."""
 
     def __init__(self, model: ModelHandle, prefill: Any, item: int = 0, items: int = 1,
-                 remake: Optional[Callable[[], Any]] = None, node: Optional[str] = None):
+                 remake: Optional[Callable[..., Any]] = None, node: Optional[str] = None):
         self.model = model
         # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
         # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
