@@ -177,6 +177,7 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
 
 
+@on_model_device
 def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: bool = False,
             use_chat_template: bool = True, allow_special_tokens: bool = False, use_cache: bool = True,
             reuse_at_most: int | None = None) -> Prefill:

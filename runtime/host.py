@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from .errors import Qwen35Error
+
 # bytes above which a copy to the GPU is staged in pinned memory first (the driver stages smaller pageable
 # copies itself without waiting: measured up to 1 MB, tests/test_host.py)
 PINNED_ABOVE = 1 << 20
@@ -48,10 +50,15 @@ def host_logits(logits: torch.Tensor) -> torch.Tensor:
 def on_model_device(fn):
     """Runs fn(model, ...) with the model's GPU as the current CUDA device when it is another one: our kernels
     launch on the current device's stream, with the kernel modules loaded there (a model on cuda:1 while the
-    current device is 0 would otherwise launch on GPU 0). Elsewhere fn runs as it is."""
+    current device is 0 would otherwise launch on GPU 0). Elsewhere fn runs as it is. Anything but a model
+    (a path, say) is a Qwen35Error that says to load one."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        dev = (args[0] if args else kwargs["model"]).device
+        model = args[0] if args else kwargs.get("model")
+        dev = getattr(model, "device", None)
+        if not isinstance(dev, torch.device) or not hasattr(model, "config"):
+            raise Qwen35Error(f"{fn.__name__} needs the model that load_model returns, got a {type(model).__name__}; "
+                              "load it first: model = load_model(path)")
         if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
             return fn(*args, **kwargs)
         with torch.cuda.device(dev):

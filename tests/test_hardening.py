@@ -470,6 +470,13 @@ def test_generate_and_prefill_ids_name_what_they_were_given(chat_model, still_wo
     with pytest.raises(Qwen35Error, match=r"the ids do not end with the generation prompt for thinking=False; pass "
                                           r"chat_template=False"):
         prefill_ids(chat_model, [1, 2, 3], chat_template=True)
+    from qwen35_fast.runtime import continue_prefill, prefill_multimodal
+    for call in (lambda: prefill("models/LLM/Qwen3.5-9B", PROMPT), lambda: generate("a model", pf),
+                 lambda: prefill_ids(model=None, ids=[1, 2]), lambda: prefill_multimodal(pf, PROMPT),
+                 lambda: continue_prefill(chat_model.tokenizer, pf, "And?")):
+        with pytest.raises(Qwen35Error, match=r"\w+ needs the model that load_model returns, got a \w+; load it "
+                                              r"first: model = load_model\(path\)"):
+            call()
 
 
 @pytest.mark.parametrize("value", [2.0, True, "3", None])
