@@ -46,6 +46,8 @@ def test_the_runtime_runs_on_the_models_gpu_when_another_is_current(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device", fake_device)
 
     class Model:
+        config = None
+
         def __init__(self, device):
             self.device = torch.device(device)
 
@@ -58,3 +60,7 @@ def test_the_runtime_runs_on_the_models_gpu_when_another_is_current(monkeypatch)
     entered.pop()
     assert step(Model("cuda:0"), 2) == 3 and step(Model("cpu"), 2) == 3 and len(entered) == 1
     assert step.__name__ == "step"
+    from qwen35_fast.runtime import Qwen35Error
+    for other in ("models/LLM/Qwen3.5-9B", None, torch.device("cpu")):  # anything but a model: load one
+        with pytest.raises(Qwen35Error, match=r"step needs the model that load_model returns, got a \w+"):
+            step(other, 2)
