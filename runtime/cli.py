@@ -68,8 +68,8 @@ def _read_image(path: str):
             im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
             return torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0)[None]
     except Image.DecompressionBombError as e:
-        raise Qwen35Error(f"--image {path}: {str(e).rstrip('.')}; scale it down first (the tower reads at most 16.7 MP of it "
-                          "anyway)") from None
+        raise Qwen35Error(f"--image {path}: {str(e).rstrip('.')}; scale it down first (the tower reads at most "
+                          "16.7 MP of it anyway)") from None
     except OSError as e:
         raise Qwen35Error(f"--image {path}: cannot read it as an image ({e})") from None
 

@@ -133,8 +133,9 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     before it is kept in Prefill.turn, so a follow-up turn can continue (conversation.continue_prefill).
     The longest prefix an earlier prompt left in the model's K/V store (the system prompt, the whole user
     turn) is reused and only the rest runs (Prefill.cached_tokens; prefix.py), unless use_cache is off;
-    this prompt's reuse points are kept for later ones. reuse_at_most: reuse at most this many tokens (an earlier read's cached_tokens: read again so, the
-    same logits bit for bit where the store still keeps that snapshot).
+    this prompt's reuse points are kept for later ones. reuse_at_most: reuse at most this many tokens (an
+    earlier read's cached_tokens: read again so, the same logits bit for bit where the store still keeps that
+    snapshot).
     """
     limit = model.config.max_position_embeddings
     shape = getattr(ids, "shape", None)

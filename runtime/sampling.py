@@ -29,10 +29,11 @@ class SamplingParams:
 
     def check(self) -> None:
         if not isinstance(self.do_sample, bool):  # ("no" is true: it would sample); 0 and 1 as a JSON API sends them
-            if whole_number(self.do_sample) not in (0, 1):
+            flag = whole_number(self.do_sample)
+            if flag not in (0, 1):
                 raise Qwen35Error(f"do_sample is {self.do_sample!r} ({type(self.do_sample).__name__}); it must be "
                                   "True (sample) or False (greedy)")
-            object.__setattr__(self, "do_sample", bool(whole_number(self.do_sample)))
+            object.__setattr__(self, "do_sample", bool(flag))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
             value = real_number(getattr(self, name))
             if value is None or not math.isfinite(value):
