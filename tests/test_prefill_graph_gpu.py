@@ -119,3 +119,20 @@ def test_the_pytorch_path_replays_short_prefills_from_a_graph_too(tmp_path):
     assert rel(second.logits, cold.logits) <= BF16
     assert (generate(model, second, max_new_tokens=12, sampling=GREEDY).token_ids
             == generate(model, cold, max_new_tokens=12, sampling=GREEDY).token_ids)
+
+
+def test_a_prompt_read_again_from_where_its_first_read_started_gives_its_logits(model):
+    """reuse_at_most on the kernels (what ModelPrefill does for an output ComfyUI hands on after the node ran
+    with other inputs): the same prompt read again from its first read's cached_tokens gives that read's logits
+    bit for bit, for a first read that was cold and for one that reused the system prompt through the graph;
+    the read from the longest prefix (the turn end the first read left) is within rounding only."""
+    model.setup_kv()
+    system = "You caption photographs for a catalogue. One sentence, no adjectives of taste. " * 6
+    for prompt in ("A red bicycle against a wall.", "Two cups on a wooden table.", "A dog asleep on a rug."):
+        first = prefill(model, prompt, system_prompt=system)
+        again = prefill(model, prompt, system_prompt=system, reuse_at_most=first.cached_tokens)
+        assert again.cached_tokens == first.cached_tokens and torch.equal(again.logits, first.logits)
+        longest = prefill(model, prompt, system_prompt=system)
+        assert longest.cached_tokens > first.cached_tokens
+        assert rel(longest.logits, first.logits) <= BF16 and longest.logits.argmax() == first.logits.argmax()
+    assert model.graphs[("prefill", BUCKETS[0])].graph is not None  # the reusing reads replayed it
