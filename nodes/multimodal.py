@@ -96,6 +96,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
     def execute(cls, model, prompt="", images=None, video=None, frames=None, frame_rate=24.0, mode=ALL_IN_ONE,
                 system_prompt="", thinking=False, max_pixels=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error, prefill_multimodal, read_video
+        from ..runtime.media import check_finite, range_note
 
         with model.released_on_error():  # (bad input too: the loader put the weights on the GPU already)
             if video is not None and frames is not None:
@@ -120,14 +121,17 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             for i, batch in enumerate(batches):
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
                 pf = run(batch, shared, bar=bar is None)
-                note = ""
+                notes = []
                 if pf.vision is not None and pf.vision.scaled_down:
                     per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
                     limits = ([per_image] if batch is not None else []) \
                         + (["the checkpoint's pixel budget over a video's frames"] if clip is not None else [])
-                    note = (f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
-                            f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
-                    log.info("Qwen3.5 multimodal prefill: %s", note)
+                    notes.append(f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
+                                 f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
+                    log.info("Qwen3.5 multimodal prefill: %s", notes[-1])
+                if batch is not None:  # (the runtime warns in the log as it reads them: not logged again)
+                    notes.append(range_note(*check_finite(batch)))
+                note = "; ".join(n for n in notes if n)
                 v = pf.vision
                 log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",
                          v.vision_tokens if v else 0, v.text_tokens if v else pf.n_tokens,

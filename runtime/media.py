@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import weakref
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from .. import kernels
 from .errors import Qwen35Error, whole_number
 from .fingerprint import StreamedHash
 from .host import upload
+
+log = logging.getLogger(__name__)
 
 # Qwen3.5 checkpoints' preprocessor_config.json / video_preprocessor_config.json
 IMAGE_MIN_PIXELS = 65_536
@@ -193,22 +196,49 @@ def _check_images(images) -> tuple[int, int, int, int]:
     return b, h, w, c
 
 
-def check_finite(images: torch.Tensor) -> None:
+def check_finite(images: torch.Tensor) -> tuple[float, float]:
     """Refuses NaN and infinite pixels, naming how many (to_rgb's clamp would keep NaN, and make inf a white or black
-    pixel). Its answer is read on the host: the callers check the pixels where they were given, before moving them
-    to the device (on the CPU, ComfyUI's place for an IMAGE, that waits for nothing; an input already on a GPU is
-    checked before any of the prompt's GPU work is queued, not in the middle of it)."""
-    if not bool(torch.isfinite(images).all()):
+    pixel); returns the pixels' (lowest, highest), from the same one pass (NaN and inf reach its minimum or maximum).
+    Its answer is read on the host: the callers check the pixels where they were given, before moving them to the
+    device (on the CPU, ComfyUI's place for an IMAGE, that waits for nothing; an input already on a GPU is checked
+    before any of the prompt's GPU work is queued, not in the middle of it)."""
+    if images.numel() == 0:
+        return 0.0, 0.0
+    lo, hi = (float(v) for v in torch.aminmax(images))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         bad = int((~torch.isfinite(images)).sum())
         raise Qwen35Error(f"an image (or video frame) holds {bad:,} NaN or infinite values of its "
                           f"{images.numel():,}; the node that made it produced them (a VAE decode in fp16 can): fix "
                           "that node's output")
+    return lo, hi
+
+
+# A ComfyUI IMAGE holds 0..1, and resizes with bicubic or Lanczos filters overshoot it a little; pixels further
+# out than RANGE_SLACK are named (all are clamped to 0..1, as ComfyUI's Save Image clamps them)
+RANGE_SLACK = 0.5
+
+
+def range_note(lo: float, hi: float) -> str:
+    """"" for pixels from lo to hi within 0..1 (give or take RANGE_SLACK); else what the clamp did to them, and the
+    fix."""
+    if lo >= -RANGE_SLACK and hi <= 1 + RANGE_SLACK:
+        return ""
+    return (f"pixel values run from {lo:.4g} to {hi:.4g}, but an IMAGE holds 0..1: they were clamped to it, so a "
+            "picture in 0..255 reads as white (divide it by 255) and one in -1..1 loses its dark half (use "
+            "(x + 1) / 2)")
+
+
+def _checked(x: torch.Tensor) -> None:
+    """check_finite, and a warning in the log where the pixels lie outside 0..1 (range_note)."""
+    note = range_note(*check_finite(x))
+    if note:
+        log.warning("qwen35: %s", note)
 
 
 def _moved(x: torch.Tensor, device) -> torch.Tensor:
-    """x on `device` (None: where it is); pixels on the CPU are checked first (check_finite), there."""
+    """x on `device` (None: where it is); pixels on the CPU are checked first (_checked), there."""
     if x.device.type == "cpu":
-        check_finite(x)
+        _checked(x)
     return x if device is None else x.to(device)
 
 
@@ -366,7 +396,7 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
     scaled = limited_by_max(h, w, size, pp.factor, pp.min_pixels)
 
     if given.device.type != "cpu":
-        check_finite(given)  # now, before the tower's work is queued (on the CPU: when first read, in _moved)
+        _checked(given)  # now, before the tower's work is queued (on the CPU: when first read, in _moved)
 
     @functools.cache
     def on_device() -> torch.Tensor:  # moved when first needed: a cached image is never copied
@@ -409,7 +439,7 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     _check_images(frames)
     if frames.device.type != "cpu":  # checked now, as for images (preprocess_images); the frames checked are kept
         picked = frames[index]
-        check_finite(picked)
+        _checked(picked)
         chosen = functools.cache(lambda: picked if device is None else picked.to(device))
     else:  # (gathered when first needed: a cached video is never copied)
         chosen = functools.cache(lambda: _moved(frames[index], device))
@@ -545,5 +575,5 @@ def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], 
                        _recipe(layout.size, pp), origin)
 
 
-__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "to_rgb", "VisionInput",
+__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "range_note", "to_rgb", "VisionInput",
            "preprocess_images", "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]

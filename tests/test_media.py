@@ -516,3 +516,30 @@ def test_nan_or_infinite_pixels_are_named_where_they_are_read():
         preprocess_video(frames, 4.0, pp).pixels  # noqa: B018
     with pytest.raises(Qwen35Error, match="holds 1 NaN or infinite values of its 3,072"):
         preprocess_video_source(TensorSource(frames, 4.0), pp)
+
+
+def test_pixels_outside_0_to_1_are_clamped_and_named(caplog):
+    """An IMAGE holds 0..1: pixels far outside it (a picture in 0..255, or in -1..1) are clamped as before and
+    named, with the fix, in the log where they are read; a resize's small overshoot is not. check_finite returns the
+    range it read."""
+    from qwen35_fast.runtime.media import check_finite, range_note
+    image = torch.rand(1, 32, 32, 3)
+    image[0, 0, 0] = torch.tensor([0.0, 1.0, 0.5])
+    assert check_finite(image) == (0.0, 1.0) and range_note(0.0, 1.0) == ""
+    assert range_note(-0.04, 1.06) == ""  # a bicubic resize's overshoot
+    assert check_finite(torch.empty(0, 4, 4, 3)) == (0.0, 0.0)
+    note = range_note(0.0, 255.0)
+    assert note.startswith("pixel values run from 0 to 255, but an IMAGE holds 0..1: they were clamped to it")
+    assert "divide it by 255" in note and "(x + 1) / 2" in range_note(-1.0, 1.0)
+    with caplog.at_level("WARNING", logger="qwen35_fast.runtime.media"):
+        caplog.clear()
+        preprocess_images(image)[0].pixels  # noqa: B018
+        assert not caplog.records
+        wide = image * 255
+        got = preprocess_images(wide)[0].pixels
+        assert [r.getMessage() for r in caplog.records] == [f"qwen35: {range_note(0.0, 255.0)}"]
+        assert torch.equal(got, preprocess_images(wide.clamp(0, 1))[0].pixels)  # clamped, as it always was
+        caplog.clear()
+        frames = torch.rand(8, 32, 32, 3) * 2 - 1
+        preprocess_video(frames, 4.0, read_preprocessing(None)).pixels  # noqa: B018
+        assert len(caplog.records) == 1 and "(x + 1) / 2" in caplog.records[0].getMessage()
