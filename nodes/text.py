@@ -209,11 +209,14 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     full = (f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} positions; "
             "shorten the prompt")
     # (no </think>: generate's answer is empty, all of it thinking)
-    if result.finish_reason == "length" and pf.prefill.thinking \
-            and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids:
-        fix = "raise max_new_tokens (or turn thinking off)" if result.n_tokens >= max_new_tokens else full
+    # (the page's summary of a list of answers counts these two flags)
+    stats["no_answer"] = result.finish_reason == "length" and pf.prefill.thinking \
+        and model.model.tokenizer.token_id(THINK_CLOSE) not in result.token_ids
+    stats["positions_ran_out"] = result.finish_reason == "length" and result.n_tokens < max_new_tokens
+    if stats["no_answer"]:
+        fix = full if stats["positions_ran_out"] else "raise max_new_tokens (or turn thinking off)"
         stats["note"] = f"stopped while thinking, after {result.n_tokens} tokens: no answer yet; {fix}"
-    elif result.finish_reason == "length" and result.n_tokens < max_new_tokens:  # cut short of max_new_tokens
+    elif stats["positions_ran_out"]:  # cut short of max_new_tokens
         stats["note"] = f"the answer stopped after {result.n_tokens} of max_new_tokens {max_new_tokens}: {full}"
     if "note" in stats:
         log.warning("Qwen3.5 generate: %s", stats["note"])

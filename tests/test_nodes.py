@@ -732,6 +732,7 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     s = out.ui["qwen35_generate"][0]
     assert s["finish_reason"] == "length" and out[0] == [""] and out[1][0]
     assert "stopped while thinking, after 3 tokens: no answer yet; raise max_new_tokens" in s["note"]
+    assert s["no_answer"] and not s["positions_ran_out"]  # (the flags the page's summary of a list counts)
     limit = loaded.model.config.max_position_embeddings  # the positions run out first: shorten the prompt
     pf = _prefill(pack, loaded, thinking=True)
     room = limit - pf.prefill.n_tokens
@@ -739,8 +740,10 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     assert s["n_tokens"] == room and s["finish_reason"] == "length"
     assert f"after {room} tokens: no answer yet; the prompt and the answer filled the model's {limit:,} positions; " \
            "shorten the prompt" in s["note"]
+    assert s["no_answer"] and s["positions_ran_out"]
     plain = _generate(pack, _prefill(pack, loaded), max_new_tokens=3, sampling=False).ui["qwen35_generate"][0]
     assert plain["finish_reason"] == "length" and "note" not in plain
+    assert not plain["no_answer"] and not plain["positions_ran_out"]
     # thinking off, the positions run out before max_new_tokens: the answer is cut, and the panel says why
     pf = _prefill(pack, loaded)
     room = limit - pf.prefill.n_tokens
@@ -748,6 +751,7 @@ def test_an_answer_cut_off_while_thinking_says_so(pack, loaded):
     assert s["n_tokens"] == room and s["finish_reason"] == "length"
     assert s["note"] == (f"the answer stopped after {room} of max_new_tokens {room + 5}: the prompt and the answer "
                          f"filled the model's {limit:,} positions; shorten the prompt")
+    assert not s["no_answer"] and s["positions_ran_out"]
 
 
 def test_a_load_shows_its_progress_and_a_cancel_lands_between_its_weights(pack, models_dir, comfy, monkeypatch):

@@ -217,10 +217,9 @@ function onGenerateExecuted(view, output) {
       `${s.n_tokens} tokens (${s.finish_reason})` + (s.note ? ` · ${s.note}` : "");
   } else if (all.length > 1) {  // one line: the answers' count, mean rates and all their tokens
     const mean = (k) => all.reduce((a, x) => a + x[k], 0) / all.length;
-    // the notes nodes/text.py gives: stopped while thinking, and / or cut where the model's positions ran out
-    const count = (test) => all.filter((x) => x.note && test(x.note)).length;
-    const unanswered = count((n) => n.startsWith("stopped while thinking"));
-    const full = count((n) => n.includes("filled the model's"));
+    // nodes/text.py's flags: stopped while thinking (no answer), and / or cut where the model's positions ran out
+    const unanswered = all.filter((x) => x.no_answer).length;
+    const full = all.filter((x) => x.positions_ran_out).length;
     view.stats.textContent = `${all.length} answers · first token ${fmt(mean("first_token_ms"))} ms · ` +
       `${fmt(mean("decode_tokens_per_s"))} tok/s decode (means) · ${all.reduce((a, x) => a + x.n_tokens, 0)} tokens` +
       (unanswered ? ` · ${unanswered} stopped while thinking, with no answer` : "") +

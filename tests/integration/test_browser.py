@@ -431,6 +431,28 @@ def test_an_empty_list_leaves_no_earlier_answer_or_stats(browser_env):
     assert state["stats"].startswith("no answers"), state
 
 
+def test_a_list_of_answers_counts_the_ones_cut_short(browser_env):
+    """The summary of a list of answers counts, from nodes/text.py's flags (not its wording), the answers that
+    stopped while thinking and those cut where the model's positions ran out, with the fix for each."""
+    async def body(page):
+        await _load(page, _one_long_answer(), max_new_tokens=8)
+        return await page.evaluate("""() => { const n = app.graph.nodes.find(n => n.type === 'Qwen35Generate');
+            const one = (extra) => ({n_tokens: 4, first_token_ms: 10, decode_tokens_per_s: 50, finish_reason: 'length',
+                                     no_answer: false, positions_ran_out: false, ...extra});
+            const said = (list) => { n.onExecuted({text: list.map(() => ''), thinking: list.map(() => ''),
+                                                   qwen35_generate: list}); return n.qwen35.stats.textContent; };
+            return [said([one({}), one({no_answer: true, note: 'any wording'}), one({no_answer: true})]),
+                    said([one({positions_ran_out: true}), one({no_answer: true, positions_ran_out: true})]),
+                    said([one({note: 'stopped while thinking'}), one({})])]; }""")
+
+    thinking, full, plain = _in_browser(browser_env, body)
+    assert thinking.startswith("3 answers · ") and thinking.endswith(
+        " · 12 tokens · 2 stopped while thinking, with no answer: raise max_new_tokens"), thinking
+    assert full.endswith(" · 1 stopped while thinking, with no answer · 2 stopped where the prompt and the answer "
+                         "filled the model's positions: shorten the prompt"), full
+    assert plain.endswith(" · 8 tokens"), plain
+
+
 def test_cached_outputs_show_on_the_loader_and_prefill_in_a_new_page(browser_env):
     """A run whose every node comes from ComfyUI's cache, queued from a page that never saw the first run: the
     loader's and the prefill's panels show their stats too (ComfyUI sends their ui again), not only Generate's."""
