@@ -40,10 +40,8 @@ typedef __nv_bfloat16 elem;
 #define BM (16 * WARPS_M)
 #define THREADS (32 * WARPS_M)
 #define LDS (HEAD_DIM + 8)  // padded row: the 8 rows one ldmatrix reads fall in distinct banks
-#define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per row
 
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM must be a multiple of 32");
-static_assert((BN * CHUNKS) % THREADS == 0, "every lane must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -71,43 +69,11 @@ paged_attention_fwd(PAGED_PARAMS) {
         return;
     }
 
-    for (int c = tid; c < BM * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, ch = c % CHUNKS, gr = r0 + r;
-        const bool ok = gr < rows;
-        const int t = ok ? gr / GROUP : 0, h = kvh * GROUP + (ok ? gr % GROUP : 0);
-        cp_async16(Qs + r * LDS + ch * 8, q + (long long)(q0 + t) * q_st + (long long)h * q_sh + ch * 8, ok);
-    }
+    copy_q_rows<BM, THREADS, LDS>(Qs, q, q_st, q_sh, q0, r0, rows, kvh, tid);
 
-    // Tile j's rows: lane r computes row r's K and V source address (the pool slot through the block
-    // table, the new token's row, or none: zero fill), tagged valid in bit 0 (rows are 16-byte aligned);
-    // the copy loop only shuffles the addresses to the copying lanes. (Computing the address per 16-byte
-    // piece took ~50 instructions for every 2 copies: decode blocks of one warp were bound by issue.)
-    auto load_kv = [&](int j, int stage) {
-        elem* ks = Ks + stage * BN * LDS;
-        elem* vs = Vs + stage * BN * LDS;
-        unsigned long long ka = reinterpret_cast<unsigned long long>(kn);
-        unsigned long long va = reinterpret_cast<unsigned long long>(vn);
-        {
-            const int p = j * BN + lane;
-            if (p < L) {
-                const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
-                ka = reinterpret_cast<unsigned long long>(k_pool + off) | 1ull;
-                va = reinterpret_cast<unsigned long long>(v_pool + off) | 1ull;
-            } else if (p < L + nq) {
-                ka = reinterpret_cast<unsigned long long>(kn + (long long)(p - L) * kn_st) | 1ull;
-                va = reinterpret_cast<unsigned long long>(vn + (long long)(p - L) * vn_st) | 1ull;
-            }  // else: past the sequence, zeros (P = 0 times V stays 0); kn / vn only as harmless addresses
-        }
-#pragma unroll
-        for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
-            const int c = tid + i * THREADS, r = c / CHUNKS, ch = c % CHUNKS;
-            const unsigned long long kr = __shfl_sync(0xffffffffu, ka, r);
-            const unsigned long long vr = __shfl_sync(0xffffffffu, va, r);
-            const bool ok = kr & 1ull;
-            cp_async16(ks + r * LDS + ch * 8, reinterpret_cast<const elem*>(kr & ~1ull) + ch * 8, ok);
-            cp_async16(vs + r * LDS + ch * 8, reinterpret_cast<const elem*>(vr & ~1ull) + ch * 8, ok);
-        }
-        cp_async_commit();
+    auto load_kv = [&](int j, int stage) {  // tile j's K and V rows into the stage's buffers
+        copy_kv_tile<THREADS, LDS>(Ks + stage * BN * LDS, Vs + stage * BN * LDS, j, bt, L, nq, Hkv, kvh, k_pool,
+                                   v_pool, kn, kn_st, vn, vn_st, tid, lane);
     };
 
     float o[HEAD_DIM / 8][4];

@@ -1,6 +1,6 @@
 // What the paged-attention kernels share (paged_attention.cu on mma.sync, paged_decode.cu, paged_attention_wg.cu on
 // wgmma): their arguments, which rows and key tiles a block takes, the block-table lookup, the append of the
-// new tokens' K/V, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of
+// new tokens' K/V, the mma.sync kernels' copies of Q and of a K/V tile, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of
 // a row (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
 // a launch passes every one) and the including kernel's `elem` (bf16): included right after it.
 #pragma once
@@ -100,6 +100,57 @@ __device__ __forceinline__ void append_kv(elem* k_pool, elem* v_pool, const elem
         *reinterpret_cast<uint4*>(k_pool + dst) = *reinterpret_cast<const uint4*>(kn + tk * kn_st + ch * 8);
         *reinterpret_cast<uint4*>(v_pool + dst) = *reinterpret_cast<const uint4*>(vn + tk * vn_st + ch * 8);
     }
+}
+
+// The mma.sync kernels' copies into shared memory (paged_attention.cu, paged_decode.cu): rows of HEAD_DIM
+// elements `lds` apart, in 16-byte cp.async pieces.
+
+// The block's Q rows r0 .. r0 + bm (row r: token r / GROUP at q head kvh GROUP + r % GROUP; rows past the
+// sequence: zeros) into qs; not committed (they join the first tile's group).
+template <int bm, int threads, int lds>
+__device__ __forceinline__ void copy_q_rows(elem* qs, const elem* q, long long q_st, long long q_sh, int q0, int r0,
+                                            int rows, int kvh, int tid) {
+    constexpr int chunks = HEAD_DIM / 8;
+    for (int c = tid; c < bm * chunks; c += threads) {
+        const int r = c / chunks, ch = c % chunks, gr = r0 + r;
+        const bool ok = gr < rows;
+        const int t = ok ? gr / GROUP : 0, h = kvh * GROUP + (ok ? gr % GROUP : 0);
+        cp_async16(qs + r * lds + ch * 8, q + (long long)(q0 + t) * q_st + (long long)h * q_sh + ch * 8, ok);
+    }
+}
+
+// The 32 key rows of tile j (keys 32 j ..) of K into ks and of V into vs, committed as one group. Lane r of
+// every warp computes row r's K and V source address (the pool slot through the block table, the new token's
+// row in kn / vn, or none: zero fill), tagged valid in bit 0 (rows are 16-byte aligned); the copy loop only
+// shuffles the addresses to the copying lanes. (Computing the address per 16-byte piece took ~50 instructions
+// for every 2 copies: decode blocks of one warp were bound by issue.)
+template <int threads, int lds>
+__device__ __forceinline__ void copy_kv_tile(elem* ks, elem* vs, int j, const int* bt, int L, int nq, int Hkv, int kvh,
+                                             const elem* k_pool, const elem* v_pool, const elem* kn, long long kn_st,
+                                             const elem* vn, long long vn_st, int tid, int lane) {
+    constexpr int chunks = HEAD_DIM / 8;
+    static_assert((32 * chunks) % threads == 0, "every thread must run the tile-copy loop equally often");
+    unsigned long long ka = reinterpret_cast<unsigned long long>(kn);
+    unsigned long long va = reinterpret_cast<unsigned long long>(vn);
+    const int p = j * 32 + lane;
+    if (p < L) {
+        const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
+        ka = reinterpret_cast<unsigned long long>(k_pool + off) | 1ull;
+        va = reinterpret_cast<unsigned long long>(v_pool + off) | 1ull;
+    } else if (p < L + nq) {
+        ka = reinterpret_cast<unsigned long long>(kn + (long long)(p - L) * kn_st) | 1ull;
+        va = reinterpret_cast<unsigned long long>(vn + (long long)(p - L) * vn_st) | 1ull;
+    }  // else: past the sequence, zeros (P = 0 times V stays 0); kn / vn only as harmless addresses
+#pragma unroll
+    for (int i = 0; i < 32 * chunks / threads; ++i) {
+        const int c = tid + i * threads, r = c / chunks, ch = c % chunks;
+        const unsigned long long kr = __shfl_sync(0xffffffffu, ka, r);
+        const unsigned long long vr = __shfl_sync(0xffffffffu, va, r);
+        const bool ok = kr & 1ull;
+        cp_async16(ks + r * lds + ch * 8, reinterpret_cast<const elem*>(kr & ~1ull) + ch * 8, ok);
+        cp_async16(vs + r * lds + ch * 8, reinterpret_cast<const elem*>(vr & ~1ull) + ch * 8, ok);
+    }
+    cp_async_commit();
 }
 
 // (token, q head) row r of sequence n's rows: its [total_q * H] index.

@@ -25,10 +25,8 @@ typedef __nv_bfloat16 elem;
 #define THREADS (32 * NW)
 #define DW (HEAD_DIM / NW)  // head dims (of S's sum, of the output) per warp
 #define LDS (HEAD_DIM + 8)  // padded row: the 8 rows one ldmatrix reads fall in distinct banks
-#define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per row
 
 static_assert(HEAD_DIM % (16 * NW) == 0, "HEAD_DIM must be a multiple of 64");
-static_assert((BN * CHUNKS) % THREADS == 0, "every thread must run the tile-copy loop equally often");
 static_assert(BN == 32, "one lane per key row of a tile");
 #define SP_BYTES (NW * (BN / 8) * 32 * 16)  // the four warps' partial S, fragment order
 #define Q_BYTES (BM * LDS * 2 > SP_BYTES ? BM * LDS * 2 : SP_BYTES)  // Q, then the partial S
@@ -62,43 +60,12 @@ paged_attention_decode(PAGED_PARAMS) {
         return;
     }
 
-    for (int c = tid; c < BM * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, ch = c % CHUNKS, gr = r0 + r;
-        const bool ok = gr < rows;
-        const int t = ok ? gr / GROUP : 0, h = kvh * GROUP + (ok ? gr % GROUP : 0);
-        cp_async16(Qs + r * LDS + ch * 8, q + (long long)(q0 + t) * q_st + (long long)h * q_sh + ch * 8, ok);
-    }
+    copy_q_rows<BM, THREADS, LDS>(Qs, q, q_st, q_sh, q0, r0, rows, kvh, tid);
     cp_async_commit();
 
-    // Tile j's rows: lane r of every warp computes row r's K and V source address (the pool slot through the
-    // block table, the new token's row, or none: zero fill), tagged valid in bit 0; the copy loop shuffles
-    // the addresses to the copying lanes (as paged_attention.cu's load_kv).
-    auto load_kv = [&](int j, int stage) {
-        elem* ks = Ks + stage * BN * LDS;
-        elem* vs = Vs + stage * BN * LDS;
-        unsigned long long ka = reinterpret_cast<unsigned long long>(kn);
-        unsigned long long va = reinterpret_cast<unsigned long long>(vn);
-        {
-            const int p = j * BN + lane;
-            if (p < L) {
-                const long long off = (slot_of(bt, p) * Hkv + kvh) * HEAD_DIM;
-                ka = reinterpret_cast<unsigned long long>(k_pool + off) | 1ull;
-                va = reinterpret_cast<unsigned long long>(v_pool + off) | 1ull;
-            } else if (p < L + nq) {
-                ka = reinterpret_cast<unsigned long long>(kn + (long long)(p - L) * kn_st) | 1ull;
-                va = reinterpret_cast<unsigned long long>(vn + (long long)(p - L) * vn_st) | 1ull;
-            }  // else: past the sequence, zeros (P = 0 times V stays 0)
-        }
-#pragma unroll
-        for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
-            const int c = tid + i * THREADS, r = c / CHUNKS, ch = c % CHUNKS;
-            const unsigned long long kr = __shfl_sync(0xffffffffu, ka, r);
-            const unsigned long long vr = __shfl_sync(0xffffffffu, va, r);
-            const bool ok = kr & 1ull;
-            cp_async16(ks + r * LDS + ch * 8, reinterpret_cast<const elem*>(kr & ~1ull) + ch * 8, ok);
-            cp_async16(vs + r * LDS + ch * 8, reinterpret_cast<const elem*>(vr & ~1ull) + ch * 8, ok);
-        }
-        cp_async_commit();
+    auto load_kv = [&](int j, int stage) {  // tile j's K and V rows into the stage's buffers
+        copy_kv_tile<THREADS, LDS>(Ks + stage * BN * LDS, Vs + stage * BN * LDS, j, bt, L, nq, Hkv, kvh, k_pool,
+                                   v_pool, kn, kn_st, vn, vn_st, tid, lane);
     };
 
     load_kv(j0, 0);
