@@ -1,8 +1,9 @@
 // What the paged-attention kernels share (paged_attention.cu on mma.sync, paged_decode.cu, paged_attention_wg.cu on
 // wgmma): their arguments, which rows and key tiles a block takes, the block-table lookup, the append of the
-// new tokens' K/V, the mma.sync kernels' copies of Q and of a K/V tile, the rows of an empty key share, the mma.sync kernels' online softmax step, and the end of
-// a row (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below;
-// a launch passes every one) and the including kernel's `elem` (bf16): included right after it.
+// new tokens' K/V, the mma.sync kernels' copies of Q and of a K/V tile, the rows of an empty key share, the
+// mma.sync kernels' online softmax step, and the end of a row (normalise, gate, store; or the share's partial
+// output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below; a
+// launch passes every one) and the including kernel's `elem` (bf16): included right after it.
 #pragma once
 
 #ifndef HEAD_DIM
