@@ -52,14 +52,16 @@ def _in_browser(env, body):
     from playwright.async_api import async_playwright
 
     async def run():
-        async with async_playwright() as p:
-            ctx, page, errors = await _open(p, env.url, tempfile.mkdtemp(prefix="qwen35-chromium-"))
-            try:
-                out = await body(page)
-                assert not errors, errors
-                return out
-            finally:
-                await ctx.close()
+        # the browser's profile (~7 MB) goes with the test: the machine's disk is shared with later runs
+        with tempfile.TemporaryDirectory(prefix="qwen35-chromium-", ignore_cleanup_errors=True) as user_dir:
+            async with async_playwright() as p:
+                ctx, page, errors = await _open(p, env.url, user_dir)
+                try:
+                    out = await body(page)
+                    assert not errors, errors
+                    return out
+                finally:
+                    await ctx.close()
 
     return asyncio.run(run())
 
