@@ -129,7 +129,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                     notes.append(f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "
                                  f"(grids {', '.join('x'.join(map(str, g)) for g in pf.vision.grids)})")
                     log.info("Qwen3.5 multimodal prefill: %s", notes[-1])
-                if batch is not None:  # (the runtime warns in the log as it reads them: not logged again)
+                # read here as well as in the runtime (which warns in the log as it reads them): an image the
+                # prefix cache answered is not read there, and its note belongs on this run's panel too
+                if batch is not None:
                     notes.append(range_note(*check_finite(batch)))
                 note = "; ".join(n for n in notes if n)
                 v = pf.vision
