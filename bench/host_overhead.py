@@ -103,6 +103,7 @@ def vision_parts(reps: int) -> None:
     v = qkv[:, 2]
     cu, sms = pl.cu_seqlens, cb.card_of(dev).sms
     blk = tower.blocks[0]
+    ours: list = []  # the tower's answer of whether our attention takes its q, k, v (asked at its first layer)
     parts = [
         ("kernels.add_layer_norm", lambda: kernels.add_layer_norm(x, y, w, b, 1e-6, backend=be)),
         ("add_layer_norm_cuda", lambda: V.add_layer_norm_cuda(x, y, w, b, 1e-6)),
@@ -121,12 +122,12 @@ def vision_parts(reps: int) -> None:
         ("card_of", lambda: cb.card_of(dev)),
         ("get_function (attention)", lambda: cb.get_function(V.ATTN_SRC, "vision_attention", dev,
                                                               {"HEAD_DIM": hd, "HEADS": H})),
-        ("tower._attention", lambda: tower._attention(blk, x, cos, sin, pl, be)),
+        ("tower._attention", lambda: tower._attention(blk, x, cos, sin, pl, be, ours)),
         ("tower._mlp", lambda: tower._mlp(blk, x)),
     ]
 
     def block():
-        kernels.add_layer_norm(x, tower._attention(blk, x, cos, sin, pl, be), w, b, 1e-6, backend=be)
+        kernels.add_layer_norm(x, tower._attention(blk, x, cos, sin, pl, be, ours), w, b, 1e-6, backend=be)
         kernels.add_layer_norm(x, tower._mlp(blk, x), w, b, 1e-6, backend=be)
     print("== vision tower launches, us per call, host / GPU")
     with torch.inference_mode():

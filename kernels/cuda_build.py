@@ -486,10 +486,12 @@ def get_function(src_path, name: str, device, defines: dict | None = None, arch:
     Returns a cupy.RawKernel; cached in memory and on disk."""
     import torch
 
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    dkey = tuple(sorted((defines or {}).items()))
-    fast = (str(src_path), name, dkey, index, arch)
+    index = device.index if isinstance(device, torch.device) else None  # (with its index: no conversion)
+    if index is None:
+        device = torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    dkey = tuple(sorted(defines.items())) if defines else ()
+    fast = (src_path, name, dkey, index, arch)
     fn = _by_path.get(fast)
     if fn is None:
         src_path = Path(src_path).resolve()  # one cache key however the pack's folder is reached (a symlink)
@@ -539,16 +541,16 @@ def _load_function(source: str, src_path: Path, arch: str, defines: dict | None,
 
 _streams: dict = {}
 _targets: dict = {}  # id(RawKernel) -> the NVRTC target get_function built it for (kept: _functions holds it)
-_kernels: dict = {}  # (id(RawKernel), device) -> (its loaded cupy Function, skipping RawKernel's own lookup;
-#                       whether it may be launched programmatically there)
-_smem_limit: dict = {}  # (id(RawKernel), device) -> the most dynamic shared memory a launch asked of the kernel
+_kernels: dict = {}  # (id(RawKernel), device) -> [its loaded cupy Function (skipping RawKernel's own lookup),
+#                       whether it may be launched programmatically there (None: as the card), the most dynamic
+#                       shared memory a launch asked of it there]
 
 
 def _current_stream():
     """(device, CuPy's view of torch's current stream on it), cached per stream."""
     import torch
     try:  # the raw handle without building a torch.cuda.Stream object: a few microseconds per launch
-        dev = torch.cuda.current_device()
+        dev = torch._C._cuda_getDevice()
         ptr = torch._C._cuda_getCurrentRawStream(dev)
     except (AttributeError, RuntimeError):
         s = torch.cuda.current_stream()
@@ -705,6 +707,9 @@ def card_of(device) -> Card:
     """The Card of a torch CUDA device (asked once per device)."""
     import torch
 
+    card = _cards.get(device.index) if isinstance(device, torch.device) else None
+    if card is not None:  # (a torch.device with its index: every launch asks)
+        return card
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx not in _cards:
@@ -728,7 +733,7 @@ def card_of(device) -> Card:
 # parameter (128 bytes, by value) points at the map itself. Without the driver library launches go
 # through CuPy.
 
-_SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "8x"}  # struct codes of the parameter kinds
+_SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "Q"}  # struct codes of the parameter kinds
 _NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
 _tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
 _driver_fns: dict = {}  # name -> ctypes function, or False where it is not there
@@ -773,42 +778,56 @@ class _Packed:
         self.ptrs = (ctypes.c_void_p * max(1, len(kinds)))(*(base + 8 * i for i in range(len(kinds))))
 
 
-def pack_params(args: tuple) -> _Packed:
-    """`args` packed for cuLaunchKernel (the buffer is reused by the next launch of the same kinds on this
-    thread: the driver has copied the values by then)."""
-    kinds, vals, maps = "", [], None
-    for a in args:  # the common kinds inline (a launch has ~25 arguments), the rest through _param
-        k = _NP_KIND.get(type(a))
-        if k is not None:
-            v = a  # struct takes numpy scalars as they are
-        elif a is None:
-            k, v = "p", 0
-        else:
-            ptr = getattr(a, "data_ptr", None)
-            if ptr is not None:
-                k, v = "p", ptr()
-            else:
-                k, v = _param(a)
-                if k == "m":
-                    maps = maps or {}
-                    maps[len(kinds)] = v
-                    kinds += k
-                    continue
+def _signature(args: tuple) -> tuple:
+    """What pack_params does with arguments of these types: (the _Packed of their kinds on this thread, the
+    positions of tensors (their data_ptr), of None (0) and of TensorMaps (their address in kernelParams));
+    every other value is packed as it is. Raises on an argument of no kind (_param names it)."""
+    kinds, tensors, nones, maps = "", [], [], []
+    for i, a in enumerate(args):
+        k, _ = _param(a)
         kinds += k
-        vals.append(v)
+        if a is None:
+            nones.append(i)
+        elif k == "m":
+            maps.append(i)
+        elif k == "p" and type(a) not in _NP_KIND:
+            tensors.append(i)
     cache = getattr(_tls, "packed", None)
     if cache is None:
         cache = _tls.packed = {}
     p = cache.get(kinds)
     if p is None:
         p = cache[kinds] = _Packed(kinds)
+    return p, tuple(tensors), tuple(nones), tuple(maps)
+
+
+def pack_params(args: tuple) -> _Packed:
+    """`args` packed for cuLaunchKernel (the buffer is reused by the next launch of the same kinds on this
+    thread: the driver has copied the values by then). What each argument becomes is looked up once per tuple
+    of argument types (a launch has ~25 arguments, and a prefill makes hundreds of launches)."""
+    types = tuple(map(type, args))
+    sigs = getattr(_tls, "sigs", None)
+    if sigs is None:
+        sigs = _tls.sigs = {}
+    sig = sigs.get(types)
+    if sig is None:
+        sig = sigs[types] = _signature(args)
+    p, tensors, nones, maps = sig
+    vals = list(args)
+    for i in tensors:
+        vals[i] = vals[i].data_ptr()
+    for i in nones:
+        vals[i] = 0
+    for i in maps:
+        vals[i] = 0  # (its slot unused: kernelParams points at the map)
     try:
         struct.pack_into(p.fmt, p.buf, 0, *vals)
-    except struct.error as e:
-        raise OverflowError(f"a kernel argument does not fit its parameter: {e}") from None
-    if maps:
-        for i, addr in maps.items():
-            p.ptrs[i] = addr
+    except struct.error:
+        for a in args:
+            _param(a)  # an int past int32 is named there
+        raise OverflowError("a kernel argument does not fit its parameter") from None
+    for i in maps:
+        p.ptrs[i] = args[i].addr
     return p
 
 
@@ -883,23 +902,23 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, prog
     where the kernel's build target takes it: programmatic_target); only for kernels that call grid_wait()
     (common.cuh) before they read another kernel's output or write anything."""
     dev, stream = _current_stream()
-    if shared_mem > _smem_limit.get((id(fn), dev), 0):
-        # past 48 KB with the kernel's static shared memory, the kernel must be allowed the dynamic part
-        if shared_mem + getattr(fn, "shared_size_bytes", 0) > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
-        _smem_limit[(id(fn), dev)] = shared_mem
     known = _kernels.get((id(fn), dev))
     if known is None:  # a kernel not from get_function counts as built for the card
         target = _targets.get(id(fn))
-        known = _kernels[(id(fn), dev)] = (fn.kernel, programmatic_target(target) if target else None)
-    kern, built_to_wait = known
+        known = _kernels[(id(fn), dev)] = [fn.kernel, programmatic_target(target) if target else None, 0]
+    kern, built_to_wait, allowed = known
+    if shared_mem > allowed:
+        # past 48 KB with the kernel's static shared memory, the kernel must be allowed the dynamic part
+        if shared_mem + getattr(fn, "shared_size_bytes", 0) > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = shared_mem  # on the current device's copy of the kernel
+        known[2] = shared_mem
     cu = _driver_launch()
     if cu is None:
         kern(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
         return
     p = pack_params(args)
-    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    bx, by, bz = (tuple(block) + (1, 1))[:3]
+    gx, gy, gz = grid if len(grid) == 3 else (tuple(grid) + (1, 1))[:3]
+    bx, by, bz = block if len(block) == 3 else (tuple(block) + (1, 1))[:3]
     ex = (_driver_launch_ex() if programmatic and PROGRAMMATIC and dev not in _plain_only
           and (card_of(dev).programmatic if built_to_wait is None else built_to_wait) else None)
     if ex is not None:
@@ -932,7 +951,11 @@ def stream_flags(device, n: int):
     device = torch.device(device)
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:  # the raw handle, as _current_stream takes it (a torch.cuda.Stream object costs microseconds)
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+    except (AttributeError, RuntimeError):
+        key = (index, torch.cuda.current_stream(index).cuda_stream)
     f = _FLAGS.get(key)
     if f is None or f.numel() < n:
         f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)

@@ -516,14 +516,18 @@ class VisionTower(nn.Module):
         return kernels.vision_attention_takes(q, q, q, torch.empty(2, dtype=torch.int32, device=dev), backend=backend)
 
     def _attention(self, blk: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: VisionPlan,
-                   be: kernels.Backend | None) -> torch.Tensor:
+                   be: kernels.Backend | None, ours: list) -> torch.Tensor:
+        """ours: [whether our attention kernel takes the layers' q, k, v], asked at the first layer (every layer's
+        have the same shapes, strides, dtype and device) and kept there for the others: one check a call."""
         vc = self.config
         n, d = x.shape
         qkv = F.linear(x, blk.qkv_w, blk.qkv_b).view(n, 3, vc.num_heads, vc.head_dim)
         # 2-D rotary over the whole head (h features, then w features), q and k together, in fp32
         q, k = kernels.vision_rotary(qkv, cos, sin, backend=be).unbind(0)
         v = qkv[:, 2]
-        if kernels.vision_attention_takes(q, k, v, p.cu_seqlens, backend=be):  # ours: sm_90a, head dim 64 / 72
+        if not ours:
+            ours.append(kernels.vision_attention_takes(q, k, v, p.cu_seqlens, backend=be))
+        if ours[0]:  # ours: sm_90a, head dim 64 / 72
             out = kernels.vision_attention(q, k, v, p.cu_seqlens, p.max_len, backend=be)
             return F.linear(out.reshape(n, d), blk.proj_w, blk.proj_b)
         if (len(p.groups) > 1 or p.padded) and be is not None and be.use_cuda and _varlen_attn() is not None:
@@ -573,9 +577,10 @@ class VisionTower(nn.Module):
         # its attention, the next block's norm1 (the merger's norm after the last block) after its MLP
         norms = [(blk.norm1_w, blk.norm1_b) for blk in self.blocks] + [(self.merge_norm_w, self.merge_norm_b)]
         h = kernels.layer_norm(x, *norms[0], LAYER_NORM_EPS, backend=backend)
+        ours: list = []
         for blk, next_norm in zip(self.blocks, norms[1:]):
-            x, h = kernels.add_layer_norm(x, self._attention(blk, h, cos, sin, p, backend), blk.norm2_w, blk.norm2_b,
-                                          LAYER_NORM_EPS, backend=backend)
+            x, h = kernels.add_layer_norm(x, self._attention(blk, h, cos, sin, p, backend, ours), blk.norm2_w,
+                                          blk.norm2_b, LAYER_NORM_EPS, backend=backend)
             x, h = kernels.add_layer_norm(x, self._mlp(blk, h), *next_norm, LAYER_NORM_EPS, backend=backend)
         h = h.reshape(-1, vc.hidden_size * vc.merge_unit)
         return F.linear(F.gelu(F.linear(h, self.merge_fc1_w, self.merge_fc1_b)), self.merge_fc2_w, self.merge_fc2_b)

@@ -29,6 +29,16 @@ def test_each_argument_packs_as_cupy_would_pass_it():
     assert _slot(p, 10) == np.float64(0.1).tobytes()  # a double (numpy.float64 is a Python float too)
 
 
+def test_each_call_packs_its_own_values_whatever_types_came_before():
+    """What each argument becomes is kept per tuple of argument types: an optional tensor given or None, a
+    tensor subclass (a Parameter), other values of known types, all land in their slots."""
+    a, b = torch.zeros(3), torch.nn.Parameter(torch.zeros(5))
+    for args in ((a, None, np.int32(1)), (None, a, np.int32(2)), (b, a, np.int32(3)), (a, None, np.int32(4))):
+        p = cb.pack_params(args)
+        for i, x in enumerate(args):
+            assert _slot(p, i, len(cb._arg(x).tobytes())) == cb._arg(x).tobytes(), (args, i)
+
+
 def test_tensor_maps_pass_by_address():
     tm = cb.TensorMap.zero()
     p = cb.pack_params((np.int32(3), tm, torch.zeros(2)))
@@ -52,6 +62,9 @@ def test_buffer_reused_per_kinds_and_rewritten_whole():
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(OverflowError, match="2147483648"):
         cb.pack_params((2 ** 31,))
+    cb.pack_params((np.int32(1), 5))  # these types' packing known: a value past int32 is still named
+    with pytest.raises(OverflowError, match="2147483648"):
+        cb.pack_params((np.int32(1), 2 ** 31))
     with pytest.raises(TypeError, match="str"):
         cb.pack_params(("x",))
     with pytest.raises(TypeError, match="int16"):
@@ -156,7 +169,6 @@ def test_a_kernel_is_allowed_its_dynamic_shared_memory_past_48_kb_with_its_stati
     monkeypatch.setattr(cb, "_current_stream", lambda: (0, stream))
     monkeypatch.setattr(cb, "_driver_launch", lambda: lambda *a: 0)
     monkeypatch.setattr(cb, "_kernels", {})
-    monkeypatch.setattr(cb, "_smem_limit", {})
     monkeypatch.setitem(cb._targets, id(fn), "sm_80")
     cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=dynamic)
     assert fn.max_dynamic_shared_size_bytes == allowed
@@ -183,7 +195,6 @@ def test_a_kernels_shared_memory_allowance_is_set_once_and_never_lowered(monkeyp
     monkeypatch.setattr(cb, "_current_stream", lambda: (0, stream))
     monkeypatch.setattr(cb, "_driver_launch", lambda: lambda *a: 0)
     monkeypatch.setattr(cb, "_kernels", {})
-    monkeypatch.setattr(cb, "_smem_limit", {})
     monkeypatch.setitem(cb._targets, id(fn), "sm_80")
     for smem in (0, 60 * 1024, 60 * 1024, 50 * 1024, 0):
         cb.launch(fn, (1,), (32,), (np.int32(1),), shared_mem=smem)

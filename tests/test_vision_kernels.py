@@ -264,9 +264,9 @@ def test_kernels_are_not_handed_operands_on_another_device():
 def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
     """vision_attention_cuda passes attention.cu's tensor maps in its parameter order: Q in boxes of a tile's 192
     rows, K of its 128 keys, V of 128, 64, 8 and 1 tokens (a segment's last, partial tile is read in the boxes that
-    never cross its end). V's four maps are made once per address, shape and strides: a view at the same address
-    with another shape or row stride, or another tensor of its shape, gets its own, and at most 256 are kept (on
-    the CPU: the launch recorded, not run)."""
+    never cross its end). The six are made once per addresses, shape and row strides of q, k and v: a view at the
+    same addresses with another shape or row stride, or q, k, v at other addresses, gets its own, and at most 256
+    are kept (on the CPU: the launch recorded, not run)."""
     from types import SimpleNamespace
 
     from qwen35_fast.kernels.vision import launch as L
@@ -281,7 +281,7 @@ def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
     monkeypatch.setattr(L, "get_function", lambda *a: "vision_attention")
     monkeypatch.setattr(L, "tensor_map", tensor_map)
     monkeypatch.setattr(L, "launch", lambda fn, grid, block, args, shared_mem: launched.append(args))
-    monkeypatch.setattr(L, "_v_maps", {})
+    monkeypatch.setattr(L, "_qkv_maps", {})
     n, h, hd = 300, 2, 72
     qkv = torch.zeros(n, 3, h, hd, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(1)
@@ -293,16 +293,18 @@ def test_attention_launch_hands_the_kernel_its_six_maps(monkeypatch):
                                *((v.data_ptr(), dims, strides, (64, 1, rows)) for rows in (L.ATTN_KEYS, 64, 8, 1)))
     made.clear()
     L.vision_attention_cuda(q, k, v, cu, 200)
-    assert [m[0] for m in made] == [q.data_ptr(), k.data_ptr()] and launched[1][2:6] == launched[0][2:6]
+    assert made == [] and launched[1][:6] == launched[0][:6]
     packed = qkv.view(-1)[2 * h * hd:][:n * h * hd].view(n, h, hd)  # v's address and shape, rows of its own
     for other in (packed, v[:n - 1]):
-        maps = L._v_tile_maps(other)
-        assert [m[0] for m in maps] == [v.data_ptr()] * 4 and maps != L._v_tile_maps(v)
-        assert (maps[0][1][2], maps[0][2][1]) == (other.shape[0], other.stride(0) * 2)
-    assert [m[0] for m in L._v_tile_maps(k)] == [k.data_ptr()] * 4  # v's shape and strides at another address
+        maps = L._attention_maps(q[:other.shape[0]], k[:other.shape[0]], other)
+        assert [m[0] for m in maps] == [q.data_ptr(), k.data_ptr()] + [v.data_ptr()] * 4
+        assert maps != L._attention_maps(q, k, v)
+        assert (maps[2][1][2], maps[2][2][1]) == (other.shape[0], other.stride(0) * 2)
+    maps = L._attention_maps(k, q, v)  # q's and k's shapes and strides at each other's address
+    assert [m[0] for m in maps[:2]] == [k.data_ptr(), q.data_ptr()] and maps[2:] == L._attention_maps(q, k, v)[2:]
     for rows in range(1, 300):
-        L._v_tile_maps(v[:rows])
-    assert 0 < len(L._v_maps) <= 256
+        L._attention_maps(q[:rows], k[:rows], v[:rows])
+    assert 0 < len(L._qkv_maps) <= 256
 
 
 @gpu

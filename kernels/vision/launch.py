@@ -137,12 +137,13 @@ def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     contiguous; rows any multiple of 16 bytes apart, as the copy engine reads them), on an sm_90a card."""
     if not (q.is_cuda and q.dim() == 3 and q.dtype == torch.bfloat16 and q.shape[-1] in ATTN_HEAD_DIMS):
         return False
-    n, h, hd = q.shape
+    shape, index, hd = q.shape, q.get_device(), q.shape[2]
     for x in (q, k, v):
-        if (x.shape != q.shape or x.dtype != q.dtype or x.device != q.device or x.stride(2) != 1
-                or x.stride(1) != hd or x.stride(0) * x.element_size() % 16):
+        s = x.stride()
+        if (x.shape != shape or x.dtype != torch.bfloat16 or x.get_device() != index or s[2] != 1 or s[1] != hd
+                or s[0] % 8):  # (rows 16 bytes apart: 8 bf16 elements)
             return False
-    return cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device and card_of(q.device).wgmma
+    return cu_seqlens.dtype == torch.int32 and cu_seqlens.get_device() == index and card_of(q.device).wgmma
 
 
 def attention_smem(head_dim: int) -> int:
@@ -159,18 +160,20 @@ def attention_map(x: torch.Tensor, rows: int = 64):
     return tensor_map(x, (hd, h, n), (hd * x.element_size(), x.stride(0) * x.element_size()), (64, 1, rows))
 
 
-_v_maps: dict = {}  # (address, shape, strides) of v -> its maps of 128-, 64-, 8- and 1-token boxes (256 kept)
+_qkv_maps: dict = {}  # (addresses, shape, row strides) of q, k, v -> the kernel's six maps (256 kept)
 
 
-def _v_tile_maps(v: torch.Tensor) -> tuple:
-    """v's maps in boxes of a tile's tokens, and of 64, 8 and 1 (a segment's last tile reads its rows and zeros in
-    them), found with one lookup."""
-    key = (v.data_ptr(), v.shape, v.stride())
-    maps = _v_maps.get(key)
+def _attention_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """The kernel's maps, found with one lookup (the tower's layers come back to the same few addresses): q's in
+    boxes of a block's rows, k's of a tile's keys, v's of a tile's keys and of 64, 8 and 1 (a segment's last
+    tile reads its rows and zeros in them)."""
+    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, q.stride(0), k.stride(0), v.stride(0))
+    maps = _qkv_maps.get(key)
     if maps is None:
-        if len(_v_maps) >= 256:
-            _v_maps.clear()
-        maps = _v_maps[key] = tuple(attention_map(v, rows) for rows in (ATTN_KEYS, 64, 8, 1))
+        if len(_qkv_maps) >= 256:
+            _qkv_maps.clear()
+        maps = _qkv_maps[key] = (attention_map(q, ATTN_ROWS), attention_map(k, ATTN_KEYS),
+                                 *(attention_map(v, rows) for rows in (ATTN_KEYS, 64, 8, 1)))
     return maps
 
 
@@ -194,7 +197,7 @@ def vision_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         partials, flags = None, None
     fn = get_function(ATTN_SRC, "vision_attention", q.device, {"HEAD_DIM": hd, "HEADS": h})
     launch(fn, (grid, 1, 1), (ATTN_THREADS, 1, 1),
-           (attention_map(q, ATTN_ROWS), attention_map(k, ATTN_KEYS), *_v_tile_maps(v), cu_seqlens.contiguous(),
+           (*_attention_maps(q, k, v), cu_seqlens.contiguous(),
             np.int32(segments), out,
             partials, flags, np.float32(hd ** -0.5 * math.log2(math.e))),
            shared_mem=attention_smem(hd))
