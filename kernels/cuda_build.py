@@ -730,12 +730,15 @@ def card_of(device) -> Card:
 # reused buffer with struct.pack_into (24 arguments: 3.9 us on a CI core against 7.0 us for the numpy
 # scalars CuPy is handed): one 8-byte slot per parameter (4-byte values in its low half; the driver copies
 # as many bytes as the kernel's parameter has) and an array of pointers to the slots; a TensorMap
-# parameter (128 bytes, by value) points at the map itself. Without the driver library launches go
-# through CuPy.
+# parameter (128 bytes, by value) points at the map itself. What each argument becomes (its slot, a
+# tensor's data_ptr, None's 0) is found once per tuple of argument types, not per argument per launch: 23
+# arguments 2.8 -> 1.9 us, 29 with six TensorMaps (the GDN walk's) 4.8 -> 2.2 us on one CPU core. Without
+# the driver library launches go through CuPy.
 
 _SLOT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "d": "d", "m": "Q"}  # struct codes of the parameter kinds
 _NP_KIND = {np.int32: "i", np.int64: "q", np.uint64: "p", np.float32: "f", np.float64: "d"}
-_tls = threading.local()  # per thread: the packed-parameter buffers by kinds (launches may come from any thread)
+_tls = threading.local()  # per thread: the packed-parameter buffers by kinds and the argument types' plans
+#                           (launches may come from any thread)
 _driver_fns: dict = {}  # name -> ctypes function, or False where it is not there
 _plain_only: set = set()  # devices whose driver refused a programmatic launch
 
