@@ -47,7 +47,7 @@ def launch_parts(reps: int) -> None:
     """Host us of each step of one launch through our path (add_rms_norm at a 1,300-token text layer)."""
     from qwen35_fast.kernels import cuda_build as cb
     from qwen35_fast.kernels.rms_norm import launch as L
-    dev, bf = torch.device("cuda"), torch.bfloat16
+    dev, bf = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16  # (indexed, as a tensor's device)
     x, w = torch.randn(1, 1300, 4096, device=dev, dtype=bf), torch.ones(4096, device=dev, dtype=bf)
     y, s = torch.empty_like(x), torch.empty_like(x)
     defines = {"DIM": 4096, "IN_T": 2, "W_T": 2, "GATED": 0, "ROPE": 0, "RES": 1, "TPR": L._tpr(4096)}
@@ -90,7 +90,7 @@ def vision_parts(reps: int) -> None:
     from qwen35_fast.runtime.vision import plan as vision_plan
 
     from vision import random_weights_
-    dev, bf = torch.device("cuda"), torch.bfloat16
+    dev, bf = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16  # (indexed, as a tensor's device)
     be = kernels.select_backend("auto", dev, bf)
     vc = VisionConfig(depth=1, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096)
     tower = random_weights_(VisionTower(vc, bf, dev))
@@ -150,7 +150,7 @@ def main():
         return launch_parts(args.reps)
     if args.vision_parts:
         return vision_parts(args.reps)
-    dev, bf = torch.device("cuda"), torch.bfloat16
+    dev, bf = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16  # (indexed, as a tensor's device)
     be = kernels.select_backend("auto", dev, bf)
     r = lambda *s: torch.randn(*s, device=dev, dtype=bf) * 0.05  # noqa: E731
 
