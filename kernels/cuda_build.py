@@ -795,13 +795,20 @@ def _signature(args: tuple) -> tuple:
             maps.append(i)
         elif k == "p" and type(a) not in _NP_KIND:
             tensors.append(i)
-    cache = getattr(_tls, "packed", None)
-    if cache is None:
-        cache = _tls.packed = {}
+    cache = _thread_dict("packed")
     p = cache.get(kinds)
     if p is None:
         p = cache[kinds] = _Packed(kinds)
     return p, tuple(tensors), tuple(nones), tuple(maps)
+
+
+def _thread_dict(name: str) -> dict:
+    """This thread's dict `name` of _tls (made on first use)."""
+    d = getattr(_tls, name, None)
+    if d is None:
+        d = {}
+        setattr(_tls, name, d)
+    return d
 
 
 def pack_params(args: tuple) -> _Packed:
@@ -809,9 +816,7 @@ def pack_params(args: tuple) -> _Packed:
     thread: the driver has copied the values by then). What each argument becomes is looked up once per tuple
     of argument types (a launch has ~25 arguments, and a prefill makes hundreds of launches)."""
     types = tuple(map(type, args))
-    sigs = getattr(_tls, "sigs", None)
-    if sigs is None:
-        sigs = _tls.sigs = {}
+    sigs = _thread_dict("sigs")
     sig = sigs.get(types)
     if sig is None:
         sig = sigs[types] = _signature(args)
