@@ -546,15 +546,24 @@ _kernels: dict = {}  # (id(RawKernel), device) -> [its loaded cupy Function (ski
 #                       shared memory a launch asked of it there]
 
 
+def _raw_stream(index: int) -> int:
+    """The handle of torch's current stream on device `index`, without building a torch.cuda.Stream object
+    where this torch allows (a few microseconds per launch)."""
+    import torch
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)
+    except (AttributeError, RuntimeError):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
 def _current_stream():
     """(device, CuPy's view of torch's current stream on it), cached per stream."""
     import torch
-    try:  # the raw handle without building a torch.cuda.Stream object: a few microseconds per launch
+    try:
         dev = torch._C._cuda_getDevice()
-        ptr = torch._C._cuda_getCurrentRawStream(dev)
     except (AttributeError, RuntimeError):
-        s = torch.cuda.current_stream()
-        dev, ptr = s.device_index, s.cuda_stream
+        dev = torch.cuda.current_device()
+    ptr = _raw_stream(dev)
     cs = _streams.get(ptr)
     if cs is None:
         import cupy
@@ -830,10 +839,10 @@ def pack_params(args: tuple) -> _Packed:
         vals[i] = 0  # (its slot unused: kernelParams points at the map)
     try:
         struct.pack_into(p.fmt, p.buf, 0, *vals)
-    except struct.error:
+    except struct.error as e:
         for a in args:
             _param(a)  # an int past int32 is named there
-        raise OverflowError("a kernel argument does not fit its parameter") from None
+        raise OverflowError(f"a kernel argument does not fit its parameter: {e}") from None
     for i in maps:
         p.ptrs[i] = args[i].addr
     return p
@@ -960,10 +969,7 @@ def stream_flags(device, n: int):
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    try:  # the raw handle, as _current_stream takes it (a torch.cuda.Stream object costs microseconds)
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-    except (AttributeError, RuntimeError):
-        key = (index, torch.cuda.current_stream(index).cuda_stream)
+    key = (index, _raw_stream(index))
     f = _FLAGS.get(key)
     if f is None or f.numel() < n:
         f = _FLAGS[key] = torch.zeros(max(n, card_of(device).sms), dtype=torch.int32, device=device)
