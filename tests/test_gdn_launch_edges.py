@@ -121,3 +121,103 @@ def test_conv_reference_takes_a_call_with_no_sequences(dtype):
     _, fake = _conv_prefill_fake(x, w, None, None, none, False)
     assert y.shape == x.shape and final.shape == (0, 8, 3) and final.dtype == dtype
     assert (final.shape, final.dtype) == (fake.shape, fake.dtype)
+
+
+# ---------------------------------------------------------------- what the prefill launcher looks up once
+CARDS = {"H100": ("sm_90a", 132, 232448, 233472), "A100": ("sm_80", 108, 166912, 167936)}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """gdn_chunk_prefill_cuda on the CPU with its lookups and launches recorded, not run: get_function returns
+    the kernel's name, tensor_map the map's address, dims, strides and box."""
+    from qwen35_fast.kernels import cuda_build as cb
+    from qwen35_fast.kernels.gdn_prefill import launch as L
+    rec = {"functions": [], "maps": [], "launches": [], "card": CARDS["H100"]}
+
+    def get_function(src, name, dev, defines, arch):
+        rec["functions"].append((name, dict(defines), arch))
+        return name
+
+    def tensor_map(x, dims, strides, box):
+        rec["maps"].append((x.data_ptr(), dims, strides, box))
+        return rec["maps"][-1]
+    monkeypatch.setattr(L, "card_of", lambda dev: cb.Card(*rec["card"]))
+    monkeypatch.setattr(L, "get_function", get_function)
+    monkeypatch.setattr(L, "_map", lambda x, dims, strides, box: tensor_map(x, dims, strides, box))
+    monkeypatch.setattr(L, "launch", lambda fn, grid, block, args, shared_mem: rec["launches"].append((fn, args)))
+    monkeypatch.setattr(L, "_kernel_sets", {})
+    monkeypatch.setattr(L, "_walk_maps", {})
+    return L, rec
+
+
+def _cpu_inputs(T, Hk, Hv):
+    g = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(1, T, Hk, 128, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, T, Hv, 128, generator=g).bfloat16()
+    a, b = torch.randn(1, T, Hv, generator=g), torch.randn(1, T, Hv, generator=g)
+    return q, k, v, a, b, torch.zeros(Hv), torch.zeros(Hv)
+
+
+@pytest.mark.parametrize("card", list(CARDS))
+def test_prefill_launcher_looks_its_kernels_up_once_per_plan_dtypes_and_defines(recorded, card):
+    """Each layer of a prefill asks for the same kernels: they are looked up on the first call of a plan and kept
+    (Hopper: prep and the walk; portable: prep, the state walk and, unless o is formed in the walk, the out
+    kernel). Another gate dtype or defines get their own; the launches name the kernels in order."""
+    L, rec = recorded
+    rec["card"] = CARDS[card]
+    x = _cpu_inputs(300, 2, 4)
+    L.gdn_chunk_prefill_cuda(*x)
+    first = [f[0] for f in rec["functions"]]
+    walk = ["gdn_chunk_prefill_fwd"] if card == "H100" else ["gdn_chunk_state", "gdn_chunk_out"]
+    assert sorted(first) == sorted(["gdn_chunk_prep"] + walk[:len(first) - 1]) and len(first) >= 2
+    assert [fn for fn, _ in rec["launches"]] == ["gdn_chunk_prep", *(n for n in walk if n in first)]
+    assert all(arch == CARDS[card][0] for _, _, arch in rec["functions"])
+    for _ in range(3):
+        L.gdn_chunk_prefill_cuda(*x)
+    assert len(rec["functions"]) == len(first) and len(rec["launches"]) == 4 * len(first)
+    q, k, v, a, b, A_log, dt_bias = x
+    L.gdn_chunk_prefill_cuda(q, k, v, a.bfloat16(), b.bfloat16(), A_log, dt_bias)
+    assert rec["functions"][len(first)] == ("gdn_chunk_prep", {**rec["functions"][0][1], "AB_T": 2},
+                                            CARDS[card][0])
+    n = len(rec["functions"])
+    L.gdn_chunk_prefill_cuda(*x, defines={"X": 1})
+    assert len(rec["functions"]) == n + len(first) and all(f[1]["X"] == 1 for f in rec["functions"][n:])
+
+
+def test_walk_maps_come_from_one_lookup_per_addresses_and_strides(recorded):
+    """The Hopper walk's six maps (k, q, v, T, P, o) are encoded once per addresses, strides and sizes and found
+    again by the next call with the same ones; another address or stride gets its own, a packed copy (strides the
+    copy engine refuses) is handed to the caller to hold and its maps are not kept, and at most 256 are kept."""
+    L, rec = recorded
+    q, k, v, *_ = _cpu_inputs(200, 2, 4)
+    B, T, Hk, Hv = 1, 200, 2, 4
+    Tg, Pg = torch.empty(2, 4, Hv, 64, 64, dtype=torch.bfloat16).unbind(0)
+    o = torch.empty(B, T, Hv, 128, dtype=torch.bfloat16)
+    keep: list = []
+    maps = L._tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
+    row = lambda x: (x.stride(2) * 2, x.stride(1) * 2, x.stride(0) * 2)  # noqa: E731
+    assert [m[0] for m in maps] == [x.data_ptr() for x in (k, q, v, Tg, Pg, o)] and keep == []
+    assert maps[2] == (v.data_ptr(), (128, Hv, T, B), row(v), (64, 1, 64, 1))
+    assert maps[3][1:] == ((64, 4 * Hv * 64), (128,), (64, 64))
+    assert L._tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep) is maps and len(rec["maps"]) == 6
+    other = torch.empty_like(o)
+    assert L._tensor_maps(q, k, v, Tg, Pg, other, B, T, Hk, Hv, keep)[:5] == maps[:5]
+    wide = torch.empty(1, T, Hk, 256, dtype=torch.bfloat16)[..., :128]  # q's shape, another row stride
+    assert L._tensor_maps(wide, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)[1][2] == row(wide)
+    assert len(rec["maps"]) == 18
+
+    def refuse_heads_outermost(x, dims, strides, box):
+        if len(strides) == 3 and strides[0] > strides[1]:
+            raise ValueError("strides")
+        return (x.data_ptr(), dims, strides, box)
+    L._map = refuse_heads_outermost  # (the fixture's monkeypatch restores it)
+    heads_out = q.transpose(1, 2).contiguous().transpose(1, 2)
+    maps = L._tensor_maps(heads_out, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
+    assert len(keep) == 1 and torch.equal(keep[0], heads_out) and maps[1][0] == keep[0].data_ptr()
+    n = len(L._walk_maps)
+    L._tensor_maps(heads_out, k, v, Tg, Pg, o, B, T, Hk, Hv, [])
+    assert len(L._walk_maps) == n
+    for t in range(1, 300):
+        L._tensor_maps(q[:, :t], k[:, :t], v[:, :t], Tg, Pg, o, B, t, Hk, Hv, [])
+    assert 0 < len(L._walk_maps) <= 256

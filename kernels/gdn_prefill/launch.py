@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..cuda_build import TensorMap, aligned16, card_of, get_function, launch, tensor_map
-from .plan import PORTABLE_OUT_THREADS, D, Plan, out_ranks, plan
+from .plan import PORTABLE_OUT_THREADS, D, Plan, hopper_walk_smem, out_ranks, plan
 
 HERE = Path(__file__).resolve().parent
 SRC_PREP = HERE / "prep.cu"
@@ -90,61 +90,70 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     if T == 0:  # no tokens: each state as it came in (the walk's tensor maps take no empty dimension)
         return o, ht.copy_(initial_state) if initial_state is not None else ht.zero_()
     p = plan(B, T, N, Hk, Hv, cu_seqlens is not None, card_of(dev), path, dv_split, segments, arch, fused_out)
+    prep, walk, out = _kernels(p, dev, v.dtype, a.dtype, defines)
     i64 = np.int64
     qs, ks = tuple(i64(x) for x in q.stride()[:3]), tuple(i64(x) for x in k.stride()[:3])
     vs = tuple(i64(x) for x in v.stride()[:3])
-    abs_ = (*(i64(x) for x in a.stride()), *(i64(x) for x in b.stride()))
-    base = {"IN_T": _ELEM[v.dtype], **(defines or {})}
-    # Chunk-local matrices T, P (16-bit) and per-token vectors (G, beta, rk, rq), one slot per
+    # Chunk-local matrices T, P (16-bit; one allocation) and per-token vectors (G, beta, rk, rq), one slot per
     # (chunk, head); packed sequences use slot bos // 64 + n (see first_slot in seq.cuh).
-    Tg = torch.empty(p.slots, Hv, 64, 64, dtype=v.dtype, device=dev)
-    Pg = torch.empty_like(Tg)
+    Tg, Pg = torch.empty(2, p.slots, Hv, 64, 64, dtype=v.dtype, device=dev).unbind(0)
     Fg = torch.empty(p.slots, Hv, 4, 64, dtype=torch.float32, device=dev)
     if p.slots:
-        fn = _function(SRC_PREP, "gdn_chunk_prep", dev, p, {**base, "AB_T": _GATE[a.dtype], "PREP_SMEM": p.prep_smem})
-        launch(fn, (Hv // p.prep_heads, p.slots, 1), (THREADS, 1, 1),
+        launch(prep, (Hv // p.prep_heads, p.slots, 1), (THREADS, 1, 1),
                (q, k, a, b, A_log, dt_bias, cu_seqlens, Tg, Pg, Fg, np.int32(T), np.int32(Hk), np.int32(Hv),
-                np.int32(N), np.int32(p.prep_heads), *qs, *ks, *abs_),
+                np.int32(N), np.int32(p.prep_heads), *qs, *ks, *(i64(x) for x in a.stride()),
+                *(i64(x) for x in b.stride())),
                shared_mem=p.prep_smem)
     if p.path == "hopper":
-        _hopper(p, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base)
+        keep: list = []  # packed copies the maps point at, alive until the kernel is queued
+        maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
+        launch(walk, p.grid(Hv, N), (THREADS, 1, 1),
+               (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
+                *qs, *ks, *vs, np.int32(p.segments > 1), *maps),
+               shared_mem=p.walk_smem)
     else:
-        _portable(p, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base)
+        _portable(p, walk, out, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs)
     return o, ht
 
 
-def _function(src: Path, name: str, dev, p: Plan, defines: dict):
-    return get_function(src, name, dev, defines, arch=p.arch)
+_kernel_sets: dict = {}
 
 
-def _hopper(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base):
-    from .plan import hopper_walk_smem
-    defines = {**base, "DVS": p.dv_split, "WALK_SMEM": hopper_walk_smem(p.dv_split), "WALK128_SMEM": hopper_walk_smem(D)}
-    fn = _function(SRC_HOPPER, "gdn_chunk_prefill_fwd", o.device, p, defines)
-    keep: list = []  # packed copies the maps point at, alive until the kernel is queued
-    maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
-    launch(fn, p.grid(Hv, N), (THREADS, 1, 1),
-           (q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
-            *qs, *ks, *vs, np.int32(p.segments > 1), *maps),
-           shared_mem=p.walk_smem)
+def _kernels(p: Plan, dev: torch.device, dtype: torch.dtype, gate: torch.dtype, defines: Optional[dict]) -> tuple:
+    """The plan's kernels (prep, then the walk or the portable state kernel, then the portable out kernel or
+    None), found once per plan, dtypes, device and defines: a prefill call asks for them again at every layer."""
+    key = (p, dtype, gate, dev.index, tuple(sorted(defines.items())) if defines else ())
+    fns = _kernel_sets.get(key)
+    if fns is None:
+        base = {"IN_T": _ELEM[dtype], **(defines or {})}
+        prep = get_function(SRC_PREP, "gdn_chunk_prep", dev,
+                            {**base, "AB_T": _GATE[gate], "PREP_SMEM": p.prep_smem}, arch=p.arch)
+        if p.path == "hopper":
+            walk_defines = {**base, "DVS": p.dv_split, "WALK_SMEM": hopper_walk_smem(p.dv_split),
+                            "WALK128_SMEM": hopper_walk_smem(D)}
+            fns = (prep, get_function(SRC_HOPPER, "gdn_chunk_prefill_fwd", dev, walk_defines, arch=p.arch), None)
+        else:
+            state_defines = {**base, "DVS": p.dv_split, "OUT_IN_WALK": int(p.fused_out),
+                             "STATE_SMEM": p.walk_smem, "OUT_SMEM": p.out_smem}
+            out = None if p.fused_out else get_function(SRC_PORTABLE, "gdn_chunk_out", dev, state_defines,
+                                                         arch=p.arch)
+            fns = (prep, get_function(SRC_PORTABLE, "gdn_chunk_state", dev, state_defines, arch=p.arch), out)
+        _kernel_sets[key] = fns
+    return fns
 
 
-def _portable(p: Plan, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs, base):
+def _portable(p: Plan, state, out, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs):
     dev = o.device
-    defines = {**base, "DVS": p.dv_split, "OUT_IN_WALK": int(p.fused_out), "STATE_SMEM": p.walk_smem,
-               "OUT_SMEM": p.out_smem}
     if p.fused_out:  # o formed in the walk
         Hs = Ug = None
     else:
         Hs = torch.empty(p.slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
         Ug = torch.empty(p.slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
-    fn = _function(SRC_PORTABLE, "gdn_chunk_state", dev, p, defines)
-    launch(fn, p.grid(Hv, N), (THREADS, 1, 1),
+    launch(state, p.grid(Hv, N), (THREADS, 1, 1),
            (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, q, Pg, o if p.fused_out else None,
             np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(p.segments), *ks, *vs, *qs),
            shared_mem=p.walk_smem)
     if p.slots and not p.fused_out:
-        out = _function(SRC_PORTABLE, "gdn_chunk_out", dev, p, defines)
         ranks = out_ranks(B, T, cu_seqlens is not None, p.segments, p.slots)
         launch(out, (ranks, Hv, 1), (PORTABLE_OUT_THREADS, 1, 1),
                (q, Pg, Fg, Hs, Ug, cu_seqlens, o, np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(N),
@@ -159,12 +168,29 @@ def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
     return tensor_map(x, dims, strides, box, L2_PROMOTION)
 
 
-def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> list:
+_walk_maps: dict = {}
+
+
+def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
     """Tensor maps of the wgmma walk's copies, in kernel order k, q, v, T, P, o: K, Q, V as [B][T][H][128]
     tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows, and the
-    output o (contiguous [B, T, Hv, 128]) in the tiles of V, which the walk stores full chunks through. A packed
-    copy made for strides the copy engine refuses goes to `keep`: the caller holds it until the launch
-    is queued (after that, stream order protects it)."""
+    output o (contiguous [B, T, Hv, 128]) in the tiles of V, which the walk stores full chunks through. The six
+    come from one lookup keyed by the addresses and strides (each layer of a prefill asks again; at most 256
+    kept). A packed copy made for strides the copy engine refuses goes to `keep`: the caller holds it until
+    the launch is queued (after that, stream order protects it); maps of such copies are not kept."""
+    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(), k.stride(), v.stride(), Tg.data_ptr(),
+           Pg.data_ptr(), Tg.shape[0], o.data_ptr(), B, T, Hk, Hv)
+    maps = _walk_maps.get(key)
+    if maps is None:
+        maps = _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
+        if not keep:
+            if len(_walk_maps) >= 256:
+                _walk_maps.clear()
+            _walk_maps[key] = maps
+    return maps
+
+
+def _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
     out = []
     for x, H in ((k, Hk), (q, Hk), (v, Hv)):
         try:
@@ -179,4 +205,4 @@ def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> list:
     out += [_map(x, (64, rows), (128,), (64, 64)) for x in (Tg, Pg)]
     row = Hv * D * o.element_size()
     out.append(_map(o, (D, Hv, T, B), (D * o.element_size(), row, row * T), (64, 1, 64, 1)))
-    return out
+    return tuple(out)
