@@ -176,6 +176,9 @@ def test_prefill_launcher_looks_its_kernels_up_once_per_plan_dtypes_and_defines(
     for _ in range(3):
         L.gdn_chunk_prefill_cuda(*x)
     assert len(rec["functions"]) == len(first) and len(rec["launches"]) == 4 * len(first)
+    for T in (290, 310, 400):  # other lengths, other plans (slots): the same builds
+        L.gdn_chunk_prefill_cuda(*_cpu_inputs(T, 2, 4))
+    assert len(rec["functions"]) == len(first) and len(L._kernel_sets) == 1
     q, k, v, a, b, A_log, dt_bias = x
     L.gdn_chunk_prefill_cuda(q, k, v, a.bfloat16(), b.bfloat16(), A_log, dt_bias)
     assert rec["functions"][len(first)] == ("gdn_chunk_prep", {**rec["functions"][0][1], "AB_T": 2},

@@ -121,8 +121,10 @@ _kernel_sets: dict = {}
 
 def _kernels(p: Plan, dev: torch.device, dtype: torch.dtype, gate: torch.dtype, defines: Optional[dict]) -> tuple:
     """The plan's kernels (prep, then the walk or the portable state kernel, then the portable out kernel or
-    None), found once per plan, dtypes, device and defines: a prefill call asks for them again at every layer."""
-    key = (p, dtype, gate, dev.index, tuple(sorted(defines.items())) if defines else ())
+    None), found once per build (the plan's fields its modules' defines take, dtypes, device and defines): each
+    layer of a prefill asks again. Keyed by the builds, not by plans, which differ with every prompt length."""
+    key = (p.path, p.arch, p.dv_split, p.fused_out, p.prep_smem, p.walk_smem, p.out_smem, dtype, gate, dev.index,
+           tuple(sorted(defines.items())) if defines else ())
     fns = _kernel_sets.get(key)
     if fns is None:
         base = {"IN_T": _ELEM[dtype], **(defines or {})}
