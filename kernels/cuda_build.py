@@ -652,17 +652,26 @@ class TensorMap:
 
 
 _maps: dict = {}
+MAPS_KEPT = 256  # entries of each cache of tensor maps keyed by device addresses
+
+
+def keep_map(cache: dict, key, value):
+    """cache[key] = value, the cache emptied first when it holds MAPS_KEPT entries (maps are keyed by device
+    addresses: the allocator's reuse brings calls back to a few, but a cache must not grow with every new one).
+    Returns value."""
+    if len(cache) >= MAPS_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def tensor_map(x, dims: tuple, strides: tuple, box: tuple, promotion: int = 2) -> TensorMap:
     """TensorMap(x.data_ptr(), ...), encoded once per address, dims, strides, box and promotion: a CUDA graph's
-    captures and the allocator's reuse of addresses find the map made before (at most 256 kept)."""
+    captures and the allocator's reuse of addresses find the map made before (keep_map)."""
     key = (x.data_ptr(), tuple(dims), tuple(strides), tuple(box), promotion)
     m = _maps.get(key)
     if m is None:
-        if len(_maps) >= 256:
-            _maps.clear()
-        m = _maps[key] = TensorMap(x.data_ptr(), dims, strides, box, promotion)
+        m = keep_map(_maps, key, TensorMap(x.data_ptr(), dims, strides, box, promotion))
     return m
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import TensorMap, aligned16, card_of, get_function, launch, tensor_map
+from ..cuda_build import TensorMap, aligned16, card_of, get_function, keep_map, launch, tensor_map
 from .plan import PORTABLE_OUT_THREADS, D, Plan, hopper_walk_smem, out_ranks, plan
 
 HERE = Path(__file__).resolve().parent
@@ -186,9 +186,7 @@ def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
     if maps is None:
         maps = _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
         if not keep:
-            if len(_walk_maps) >= 256:
-                _walk_maps.clear()
-            _walk_maps[key] = maps
+            keep_map(_walk_maps, key, maps)
     return maps
 
 

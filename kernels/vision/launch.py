@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cuda_build import aligned16, card_of, get_function, launch, stream_flags, tensor_map
+from ..cuda_build import aligned16, card_of, get_function, keep_map, launch, stream_flags, tensor_map
 from .reference import add_layer_norm_ref, layer_norm_ref, vision_attention_ref, vision_positions_ref, vision_rotary_ref
 
 POSITIONS_SRC = Path(__file__).with_name("positions.cu")
@@ -170,10 +170,8 @@ def _attention_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, q.stride(0), k.stride(0), v.stride(0))
     maps = _qkv_maps.get(key)
     if maps is None:
-        if len(_qkv_maps) >= 256:
-            _qkv_maps.clear()
-        maps = _qkv_maps[key] = (attention_map(q, ATTN_ROWS), attention_map(k, ATTN_KEYS),
-                                 *(attention_map(v, rows) for rows in (ATTN_KEYS, 64, 8, 1)))
+        maps = keep_map(_qkv_maps, key, (attention_map(q, ATTN_ROWS), attention_map(k, ATTN_KEYS),
+                                         *(attention_map(v, rows) for rows in (ATTN_KEYS, 64, 8, 1))))
     return maps
 
 
