@@ -238,11 +238,7 @@ paged_attention_wg(PAGED_PARAMS) {
         if (j + 1 < j1) tile(j + 1, sb, sa);
     }
 
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    quad_sums(l);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? rB : rA;

@@ -1,9 +1,10 @@
 // What the paged-attention kernels share (paged_attention.cu on mma.sync, paged_decode.cu, paged_attention_wg.cu on
-// wgmma): their arguments, which rows and key tiles a block takes, the block-table lookup, the append of the
-// new tokens' K/V, the mma.sync kernels' copies of Q and of a K/V tile, the rows of an empty key share, the
-// mma.sync kernels' online softmax step, and the end of a row (normalise, gate, store; or the share's partial
-// output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP, BLOCK_SIZE, SPLIT, GATE (their defaults below; a
-// launch passes every one) and the including kernel's `elem` (bf16): included right after it.
+// wgmma): their arguments, which rows and key tiles a block takes, the block-table lookup, the append of the new
+// tokens' K/V, the mma.sync kernels' copies of Q and of a K/V tile, the rows of an empty key share, the mma.sync
+// kernels' online softmax step and P V product, the quad sums of a row's running sum, and the end of a row
+// (normalise, gate, store; or the share's partial output and log2-sum-exp). Uses the defines HEAD_DIM, GROUP,
+// BLOCK_SIZE, SPLIT, GATE (their defaults below; a launch passes every one) and the including kernel's `elem`
+// (bf16): included right after it.
 #pragma once
 
 #ifndef HEAD_DIM
@@ -226,6 +227,36 @@ __device__ __forceinline__ void online_softmax(float (&s)[bn / 8][4], float (&o)
     }
     l[0] += rs[0];
     l[1] += rs[1];
+}
+
+// O += P V over one key tile of bn keys on mma.sync: the S accumulators (P, after online_softmax) are,
+// pairwise, the A fragments of P; vs: the tile's V rows (row stride lds) from the first of the NO * 8 output
+// columns the thread's o holds.
+template <int bn, int NO, int lds>
+__device__ __forceinline__ void pv_product(float (&o)[NO][4], const float (&s)[bn / 8][4], const elem* vs, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < bn / 16; ++kk) {
+        const u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                          pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                          pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dn = 0; dn < NO / 2; ++dn) {
+            u32 b[4];
+            ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + dn * 16 + (lane >> 4) * 8);
+            mma16816_bf16(o[2 * dn], a, b[0], b[1]);
+            mma16816_bf16(o[2 * dn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The running sums of a thread's two rows, each over the four threads of its quad (which hold the row's
+// columns): the whole row's sum in each of them.
+__device__ __forceinline__ void quad_sums(float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
 }
 
 // The end of row r (< rows) with running max m and sum l: out = o / l * sigmoid(gate), or with SPLIT the

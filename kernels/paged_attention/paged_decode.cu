@@ -125,28 +125,10 @@ paged_attention_decode(PAGED_PARAMS) {
         // mask (causal, and past the sequence) where the tile needs it, online softmax in the log2 domain
         online_softmax<BN, DW / 8>(s, o, m, l, j, lane, limA, limB, lim0, scale_log2);
 
-        // O[:, warp DW ..] += P V: the S accumulators are, pairwise, the A fragments of P
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int dn = 0; dn < DW / 16; ++dn) {
-                u32 b[4];
-                ldsm4t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * DW + dn * 16 +
-                              (lane >> 4) * 8);
-                mma16816_bf16(o[2 * dn], a, b[0], b[1]);
-                mma16816_bf16(o[2 * dn + 1], a, b[2], b[3]);
-            }
-        }
+        pv_product<BN, DW / 8, LDS>(o, s, vs + warp * DW, lane);  // O[:, warp DW ..] += P V
     }
 
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    quad_sums(l);
     auto val = [&](int half) { return [&, half](int i, int e) { return o[i][2 * half + e]; }; };
     if (rA < rows)
         finish_row<DW / 8>(rA, m[0], l[0], lane & 3, q0, kvh, H, total_q, gate, g_st, g_sh, out, o_part, lse_part,
