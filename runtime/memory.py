@@ -13,7 +13,7 @@ import os
 import torch
 
 from .. import kernels
-from ..kernels.gdn_prefill.reference import segment_bytes
+from ..kernels.gdn_prefill.reference import segment_bytes, segment_for
 from ..kernels.paged_attention.reference import SCORE_BYTES
 from .config import TextConfig, expected_shapes
 from .devices import empty_cache
@@ -81,7 +81,8 @@ def reference_gdn_bytes(model: Qwen35Model) -> int:
     if model.backend is not None and model.backend.use_cuda:
         return 0
     c = model.config
-    return segment_bytes(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    return segment_bytes(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                         segment_for(model.device))
 
 
 def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) -> int:

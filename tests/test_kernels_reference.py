@@ -23,6 +23,7 @@ from qwen35_fast.kernels.gdn_prefill.reference import (
     gdn_prefill_chunked,
     gdn_prefill_recurrent_f64,
     segment_bytes,
+    segment_for,
 )
 
 from _models import rel
@@ -130,6 +131,30 @@ def test_chunked_working_set_does_not_grow_with_the_prompt():
         peak = _peak_bytes(lambda: gdn_prefill_chunked(*inputs, segment=segment))
         output = T * Hv * Dv * 2 + Hv * D * Dv * 4
         assert peak - output <= segment_bytes(Hv, D, Dv, segment), (T, peak, output)
+
+
+def test_segment_follows_the_device():
+    """The CPU walks 256 tokens at a time (its cache); a GPU 1,024 (each segment's small operations are launched
+    from Python); the call's default takes its inputs' device, and runtime.memory counts that segment's bytes."""
+    from types import SimpleNamespace
+
+    from qwen35_fast.kernels.gdn_prefill import reference
+    from qwen35_fast.runtime.memory import reference_gdn_bytes
+
+    assert segment_for(torch.device("cpu")) == segment_for("cpu") == reference.SEGMENT == 256
+    assert segment_for(torch.device("cuda", 1)) == segment_for("mps") == reference.GPU_SEGMENT == 1024
+    inputs = gdn_inputs(1, 600, 2, 4, 32, 32, "mid", dtype=torch.bfloat16, seed=5)
+    o, s = gdn_prefill_chunked(*inputs)
+    o256, s256 = gdn_prefill_chunked(*inputs, segment=256)
+    assert torch.equal(o, o256) and torch.equal(s, s256)
+    o1k, s1k = gdn_prefill_chunked(*inputs, segment=1024)  # the same sums in other segments: within fp32 rounding
+    assert rel(o1k.float(), o.float()) < 1e-2 and rel(s1k, s) < 1e-5
+    config = SimpleNamespace(linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128)
+    for device, segment in (("cpu", 256), ("cuda", 1024)):
+        model = SimpleNamespace(backend=None, config=config, device=torch.device(device))
+        assert reference_gdn_bytes(model) == segment_bytes(32, 128, 128, segment)
+    model = SimpleNamespace(backend=SimpleNamespace(use_cuda=True), config=config, device=torch.device("cuda"))
+    assert reference_gdn_bytes(model) == 0
 
 
 def test_chunked_bf16_inputs():
