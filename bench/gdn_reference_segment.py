@@ -1,7 +1,7 @@
 """The PyTorch GDN prefill (kernels/gdn_prefill/reference.gdn_prefill_chunked, the path of cards the kernels do
 not run on) at several segment lengths: the time of one 9B-shaped layer's call and the memory it holds beyond its
-inputs and output. Each segment is ~50 small operations launched from Python, so on a GPU a short segment is
-paid for in host time; the CPU computes the same work in any segment length and keeps the short one for memory.
+inputs and output, and the aten operations it runs (each one launch from Python on a GPU: a short segment is paid
+for in host time there; the CPU does the same arithmetic in any segment length and runs the short one faster).
 
     python3 bench/gdn_reference_segment.py [--tokens 4096] [--segments 256 512 1024 2048 4096] [--out PATH]
 """
@@ -10,11 +10,24 @@ import json
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
 from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_chunked, segment_bytes
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten operations run inside it: what an eager call launches (or dispatches, on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main():
@@ -45,7 +58,9 @@ def main():
             call()
             sync()
             times.append((time.perf_counter() - t0) * 1000)
-        row = {"segment": seg, "ms": round(sorted(times)[len(times) // 2], 2),
+        with OpCount() as count:
+            call()
+        row = {"segment": seg, "ms": round(sorted(times)[len(times) // 2], 2), "aten_ops": count.n,
                "segment_bytes": segment_bytes(Hv, D, D, seg)}
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -152,10 +152,12 @@ def _stacked(states: list, shape: tuple, dtype, device) -> torch.Tensor:
 
 
 def segment_for(device: torch.device) -> int:
-    """Tokens gdn_prefill_chunked walks at a time on `device`. Each segment is ~50 small operations launched from
-    Python, the same work in any segment length: on the CPU the short segment keeps the working set in cache (a
-    9B-shaped layer's 1,024 tokens took 102 ms in segments of 256 against 123 in one, 2 cores); on a GPU each
-    segment costs its launches (bench/gdn_reference_segment.py)."""
+    """Tokens gdn_prefill_chunked walks at a time on `device`. A segment adds ~128 operations to the chunks' own
+    (a 9B-shaped layer's 4,096 tokens: 4,547 aten operations in segments of 256, 3,011 of 1,024, 2,626 in one),
+    and on a GPU each is a launch from Python: ~1,500 launches a layer between 256 and 1,024. On the CPU the
+    short segment keeps the working set in cache (the same call took 394 ms in segments of 256, 398 of 1,024,
+    687 of 2,048, 2 cores; bench/gdn_reference_segment.py, results/gdn-reference-segment-cpu.json); on a GPU
+    1,024 holds 252 MiB at the 9B's shapes where 256 holds 66."""
     return SEGMENT if torch.device(device).type == "cpu" else GPU_SEGMENT
 
 
