@@ -36,6 +36,7 @@ class ModelPrefill:
         # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
         # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
         self.item, self.items = item, items
+        self._run_per_item = False  # its place is one of a node's runs over a list input (listed)
         self.node = node  # the id of the node that made it (None outside a ComfyUI run)
         self.made_in = running()[0]  # the prompt it was made in (None outside a ComfyUI run)
         self._prefill, self._remake = prefill, remake
@@ -58,6 +59,15 @@ class ModelPrefill:
     @property
     def let_go(self) -> bool:
         return self._prefill is None
+
+    def listed(self, item: int, items: int) -> None:
+        """One of a list its node made one run per item (a list input: ComfyUI runs the node once per item before
+        any node after it): its place, where its node gave none, and its states off the GPU until its Generate
+        (ManagedModel.park), as one prompt per image's."""
+        if self.items == 1 or self._run_per_item:
+            self.item, self.items, self._run_per_item = item, items, True
+        if self._prefill is not None:
+            self.model.park(self._prefill)
 
     def let_go_now(self) -> None:
         """Drops the runtime Prefill (its blocks go back to the K/V store, where the prefix cache's snapshots keep
@@ -84,7 +94,8 @@ _LATEST: dict[str, tuple[Optional[str], list]] = {}
 def made(node: Optional[str], outputs: list[ModelPrefill]) -> None:
     """Records `outputs` as what node's prefills are now (made by its run, or made again): the outputs of its
     runs in earlier prompts are let go (ModelPrefill). A node that runs once per item of a list keeps every item's
-    output of this prompt."""
+    output of this prompt, and from its second run on each of them waits with its states off the GPU: made
+    before any Generate runs, a list's states would otherwise sit in VRAM that ComfyUI does not count."""
     if node is None:
         return
     run = running()[0]
@@ -95,7 +106,12 @@ def made(node: Optional[str], outputs: list[ModelPrefill]) -> None:
             if old is not None and all(old is not o for o in outputs):
                 old.let_go_now()
         refs = []
-    _LATEST[node] = (run, refs + [weakref.ref(o) for o in outputs])
+    earlier = [o for o in (ref() for ref in refs) if o is not None and all(o is not n for n in outputs)]
+    mine = earlier + list(outputs)
+    if earlier:
+        for i, o in enumerate(mine):
+            o.listed(i, len(mine))
+    _LATEST[node] = (run, [weakref.ref(o) for o in mine])
 
 
 def shown_again() -> dict:

@@ -109,8 +109,11 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
         if not isinstance(cfg, dict):
             continue
         size = cfg.get("size") or {}
-        lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else size.get("shortest_edge")
-        hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else size.get("longest_edge")
+        lo, hi = size.get("shortest_edge"), size.get("longest_edge")
+        if not prefix:  # the image processor lets min_pixels / max_pixels override size; the video processor
+            # (Qwen3-VL's) reads size alone
+            lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else lo
+            hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else hi
         if lo is not None:
             values[prefix + "min_pixels"] = int(lo)
         if hi is not None:
@@ -516,6 +519,7 @@ class _StreamedFrames:
     def choose(self, total: int) -> list[int]:
         self.index = sample_frames(total, self.fps, self.pp)
         self.hash, self.layout, self.frames, self.kept = StreamedHash(self.backend), None, None, 0
+        self.lo, self.hi = math.inf, -math.inf  # the pixels' range over the frames kept (range_note)
         return list(self.index)
 
     def keep(self, frame: torch.Tensor) -> None:
@@ -533,7 +537,8 @@ class _StreamedFrames:
         elif (tuple(frame.shape), frame.dtype) != (self.shape, self.dtype):
             raise Qwen35Error(f"a video changes from {list(self.shape)} {self.dtype} frames to {list(frame.shape)} "
                               f"{frame.dtype} at its sampled frame {self.kept}; re-encode it at one size")
-        check_finite(frame)  # (a frame as the reader gave it, before it moves)
+        lo, hi = check_finite(frame)  # (a frame as the reader gave it, before it moves)
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         x = frame.to(self.device) if self.device is not None else frame
         self.hash.add(x)
         small = _resize(to_rgb(x[None]), self.layout.size)[0]
@@ -550,6 +555,9 @@ class _StreamedFrames:
             raise Qwen35Error(f"a video reader ({reader}) {got}; it must call choose, then keep once per index")
         frames, layout, pp = self.frames, self.layout, self.pp
         frames[self.kept:] = frames[self.kept - 1]
+        note = range_note(self.lo, self.hi)  # (once a video, as preprocess_video's frames are checked)
+        if note:
+            log.warning("qwen35: %s", note)
 
         def patches() -> torch.Tensor:
             return _patchify(_normalise(frames, pp), pp)[0]

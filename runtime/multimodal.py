@@ -104,10 +104,11 @@ def _vision_tokens(inp: VisionInput, tokenizer, merge: int, lead: str = "",
     t, h, w = inp.grid
     hm, wm = h // merge, w // merge
     slices = 1 if inp.kind == "image" else len(inp.timestamps)
-    if t != slices or h < merge or w < merge or h % merge or w % merge:  # (its pads would not be its tokens)
+    if t < 1 or t != slices or h < merge or w < merge or h % merge or w % merge:  # (pads that are not its tokens)
         raise Qwen35Error(f"{inp.kind} grid {tuple(inp.grid)} is not one the tower reads: h and w must be whole "
-                          f"numbers of {merge}x{merge} patch blocks and t {slices} (an image: 1; a video: one per "
-                          "timestamp); make the input with media.preprocess_images / preprocess_video")
+                          f"numbers of {merge}x{merge} patch blocks and t {max(slices, 1)} (an image: 1; a video: "
+                          "one per timestamp, at least one); make the input with media.preprocess_images / "
+                          "preprocess_video")
     if inp.kind == "image":
         return [VISION_START] + [IMAGE_PAD] * (t * hm * wm) + [VISION_END], [TextRun(1), VisionSpan(hm, wm),
                                                                            TextRun(1)]

@@ -105,6 +105,22 @@ def test_null_min_max_pixels_leave_size_in_charge(tmp_path):
     assert (pp.min_pixels, pp.max_pixels) == (4096, 1_000_000)
 
 
+def test_min_max_pixels_beside_size_count_for_images_and_not_for_video(tmp_path):
+    """The image processor lets min_pixels / max_pixels override size; Qwen3-VL's video processor reads size alone
+    (its resize takes size's two edges): stale keys beside a video config's size change nothing there."""
+    stale = {"min_pixels": 1024, "max_pixels": 1_000_000, "size": {"shortest_edge": 4096, "longest_edge": 25_165_824}}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(stale))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(stale))
+    pp = read_preprocessing(tmp_path)
+    assert (pp.min_pixels, pp.max_pixels) == (1024, 1_000_000)
+    assert (pp.video_min_pixels, pp.video_max_pixels) == (4096, 25_165_824)
+    # nor without size: the video limits stay the defaults
+    (tmp_path / "video_preprocessor_config.json").write_text('{"min_pixels": 2048, "max_pixels": 3000000}')
+    pp = read_preprocessing(tmp_path)
+    assert (pp.video_min_pixels, pp.video_max_pixels) == (Preprocessing().video_min_pixels,
+                                                          Preprocessing().video_max_pixels)
+
+
 @pytest.mark.parametrize("vision", [
     {"rope_theta": 5000.0},
     {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 7.0}},

@@ -543,3 +543,9 @@ def test_pixels_outside_0_to_1_are_clamped_and_named(caplog):
         frames = torch.rand(8, 32, 32, 3) * 2 - 1
         preprocess_video(frames, 4.0, read_preprocessing(None)).pixels  # noqa: B018
         assert len(caplog.records) == 1 and "(x + 1) / 2" in caplog.records[0].getMessage()
+        caplog.clear()  # a reader streaming the same frames: named once for the video, as the tensor's are
+        preprocess_video_source(TensorSource(frames, 4.0), read_preprocessing(None))
+        assert len(caplog.records) == 1 and "(x + 1) / 2" in caplog.records[0].getMessage()
+        caplog.clear()
+        preprocess_video_source(TensorSource(frames.clamp(0, 1), 4.0), read_preprocessing(None))
+        assert not caplog.records

@@ -860,6 +860,33 @@ def test_a_prefill_nodes_next_run_lets_its_earlier_output_go_and_a_later_use_mak
     assert not _prefill(pack, loaded, "Name three trees.").let_go and not first.let_go
 
 
+def test_a_prefill_node_run_once_per_item_of_a_list_parks_every_items_states(pack, loaded, monkeypatch):
+    """A list into a prefill node (a list of prompts): ComfyUI runs the node once per item before any Generate,
+    so from its second run in one prompt every item's GDN states wait on the offload device, as one prompt per
+    image's do, each with its place in the list; a node's one run keeps them where the model runs."""
+    import torch
+    from comfy_execution.utils import CurrentNodeContext
+
+    monkeypatch.setattr(loaded.managed, "offload_device", torch.device("meta"))  # (the CPU is the load device here)
+
+    def where(out):
+        return {t.device.type for t in out.prefill.cache.ssm + out.prefill.turn.ssm if t is not None}
+
+    try:
+        with CurrentNodeContext("p1", "5"):
+            first = _prefill(pack, loaded, "Name three rivers.")
+            assert where(first) == {"cpu"} and (first.item, first.items) == (0, 1)
+            second = _prefill(pack, loaded, "Name three lakes.")
+            third = _prefill(pack, loaded, "Name three seas.")
+        assert [where(o) for o in (first, second, third)] == [{"meta"}] * 3
+        assert [(o.item, o.items) for o in (first, second, third)] == [(0, 3), (1, 3), (2, 3)]
+        with CurrentNodeContext("p2", "5"):
+            alone = _prefill(pack, loaded, "Name three mountains.")
+        assert where(alone) == {"cpu"} and (alone.item, alone.items) == (0, 1)
+    finally:
+        loaded.model.kv.pool.clear()  # (the snapshots of the parked turns were moved with them)
+
+
 def test_a_continue_let_go_with_its_parent_is_made_again_after_it(pack, loaded):
     import torch
     from comfy_execution.utils import CurrentNodeContext
@@ -892,5 +919,8 @@ def test_the_first_token_counts_the_prompts_time_only_in_the_run_that_read_it(pa
     pf._prefill = type(runtime_pf)(**{**runtime_pf.__dict__, "ms": 5000.0})  # a prompt that took 5 s to read
     with CurrentNodeContext("p1", "9"):  # the same run: the wait for the first token was the prompt's and more
         assert _generate(pack, pf, max_new_tokens=2).ui["qwen35_generate"][0]["first_token_ms"] >= 5000.0
+    with CurrentNodeContext("p1", "9"):  # a list of seeds on it: the prompt was read once, before the first answer
+        shown = _generate(pack, pf, max_new_tokens=2, seed=[1, 2]).ui["qwen35_generate"]
+        assert shown[0]["first_token_ms"] >= 5000.0 > shown[1]["first_token_ms"]
     with CurrentNodeContext("p2", "9"):  # a later run (a new seed): ComfyUI's cache gave the prefill, at no cost
         assert _generate(pack, pf, max_new_tokens=2, seed=1).ui["qwen35_generate"][0]["first_token_ms"] < 5000.0

@@ -474,11 +474,12 @@ def test_a_grid_that_is_no_whole_number_of_merged_blocks_is_refused(folder, grid
 @pytest.mark.parametrize("kind,grid,stamps", [("image", (1, 5, 6), ()), ("image", (2, 4, 4), ()),
                                               ("video", (2, 4, 4), (0.0,)), ("video", (1, 4, 4), (0.0, 1.0)),
                                               ("image", (1, 4, 5), ()), ("image", (1, 0, 4), ()),
-                                              ("image", (1, 4, 0), ()), ("video", (1, 4, 4), ())])
+                                              ("image", (1, 4, 0), ()), ("video", (1, 4, 4), ()),
+                                              ("video", (0, 4, 4), ())])
 def test_a_hand_made_input_whose_pads_would_not_be_its_tokens_is_refused(folder, kind, grid, stamps):
     """A VisionInput made by hand (not by media.py) with a grid of odd sides, an image of several temporal
-    patches, or a video with another number of timestamps than slices: refused by name before any work, not an
-    IndexError / index_copy_ mismatch from the pad slots."""
+    patches, or a video with another number of timestamps than slices, or none: refused by name before any work,
+    not an IndexError / index_copy_ mismatch from the pad slots (a video of no slice lost the text before it)."""
     from qwen35_fast.runtime.media import VisionInput
     model = load_model(folder, dtype="fp32", device="cpu", backend="torch")
     inp = VisionInput(kind, torch.zeros(grid[0] * grid[1] * grid[2], model.vision.config.patch_dim), grid, (64, 64),
