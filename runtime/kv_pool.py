@@ -318,7 +318,11 @@ class KVPool:
         copy for the caller to make in every layer before anything else allocates. The parent's blocks are
         held while the fresh one is allocated, so eviction (of a snapshot that alone held them) cannot take
         them; `keep` (the snapshot `seq` comes from) is not evicted for it, so a failed fork leaves its
-        blocks where they were. The parent is not changed."""
+        blocks where they were. Where no block is to be had and `keep` alone holds the partly filled block, the
+        child takes that block over instead of a copy: the snapshot reads only its first tokens, which the child
+        never writes (a later fork from the snapshot copies it, as it would any shared block), so a prompt that
+        fits the pool read cold is not refused for resuming from its own cached prefix. The parent is not
+        changed."""
         nfull, part = divmod(seq.num_tokens, self.block_size)
         held = seq.blocks[:nfull + (1 if part else 0)]
         self.retain(held)
@@ -326,6 +330,12 @@ class KVPool:
             return SequenceBlocks(list(held), seq.num_tokens), []
         try:
             dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
+        except PoolExhausted:
+            last = held[nfull]
+            if keep is None or last not in keep.blocks or self.refcount[last] != 2:  # (keep's and this fork's)
+                self.release(held)
+                raise
+            return SequenceBlocks(list(held), seq.num_tokens), []
         except BaseException:  # a Ctrl+C too: the held blocks go back
             self.release(held)
             raise
@@ -336,9 +346,9 @@ class KVPool:
     @_locked
     def match(self, token_ids: Sequence[int], media: Sequence[MediaSpan] = (),
               max_tokens: Optional[int] = None) -> Optional[Snapshot]:
-        """The snapshot of the longest prefix of token_ids (at most max_tokens; default all but the last
-        token, which must be run to get logits) that is cached, or None. Marks it recently used."""
-        limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
+        """The snapshot of the longest prefix of token_ids (at most max_tokens, and never the last token, which
+        must be run to get logits) that is cached, or None. Marks it recently used."""
+        limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids) - 1)
         lengths = sorted((n for n in self._snapshot_lengths if 0 < n <= limit), reverse=True)
         if not lengths:
             return None

@@ -256,6 +256,8 @@ def test_match_never_takes_the_whole_prompt_and_respects_max_tokens():
     assert pool.match(t).num_tokens == 32  # the last token must run to give logits
     assert pool.match(t + [5]).num_tokens == 64
     assert pool.match(t + [5], max_tokens=40).num_tokens == 32
+    for most in (64, 999):  # a bound at or past the prompt's length still leaves its last token to run
+        assert pool.match(t, max_tokens=most).num_tokens == 32
 
 
 def test_fork_is_copy_on_write():
@@ -275,10 +277,13 @@ def test_fork_is_copy_on_write():
     assert pool.num_free == 16
 
 
-def test_a_failed_fork_from_a_snapshot_leaves_its_blocks():
-    """Resuming from a snapshot in a full pool: the fork may not evict that snapshot to find its one
-    block (its blocks would be freed when the fork gives up, and a grown store's retry would find them
-    gone); other snapshots may go."""
+def test_a_fork_from_a_snapshot_in_a_full_pool_takes_its_partly_filled_block_over():
+    """Resuming from a snapshot in a full pool: the fork may not evict that snapshot to find its one block (its
+    blocks would be freed when the fork gives up, and a grown store's retry would find them gone); where the
+    snapshot alone holds the partly filled block, the child takes it over instead of a copy (the snapshot reads
+    only its first tokens, which the child never writes), so a prompt that fits the pool cold is not refused for
+    its cached prefix. A second fork, the block now shared with the first, needs its copy: refused in the full
+    pool with nothing changed, made once a block is free."""
     pool = KVPool(8, 16)
     t = _toks(40)
     seq = _admit(pool, t)[0]
@@ -287,12 +292,19 @@ def test_a_failed_fork_from_a_snapshot_leaves_its_blocks():
     pool.free(seq)  # only the snapshot holds its 3 blocks now
     held = pool.allocate(pool.num_free)
     parent = SequenceBlocks(list(snap.blocks), 40)
+    child, copies = pool.fork(parent, keep=snap)
+    assert child.blocks == snap.blocks and copies == [] and child.num_tokens == 40
+    assert pool.snapshots == [snap] and all(pool.refcount[b] == 2 for b in snap.blocks)
     with pytest.raises(PoolExhausted):
         pool.fork(parent, keep=snap)
-    assert pool.snapshots == [snap] and all(pool.refcount[b] == 1 for b in snap.blocks)
+    assert pool.snapshots == [snap] and all(pool.refcount[b] == 2 for b in snap.blocks)
     pool.release(held[:1])
-    child, copies = pool.fork(parent, keep=snap)  # the retry (a grown store's) finds the blocks
-    assert child.blocks[:2] == snap.blocks[:2] and copies == [(snap.blocks[2], child.blocks[2])]
+    second, copies = pool.fork(parent, keep=snap)
+    assert second.blocks[:2] == snap.blocks[:2] and copies == [(snap.blocks[2], second.blocks[2])]
+    for s in (child, second):
+        pool.free(s)
+    pool.release(held[1:])
+    assert all(pool.refcount[b] == 1 for b in snap.blocks) and pool.num_free == 8 - 3
 
 
 def test_lru_eviction_frees_blocks_for_new_prompts():
