@@ -175,13 +175,14 @@ class Qwen35ModelLoader(io.ComfyNode):
 def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str, weights: str):
     """(the runtime model read from `path`, a note when it went to the cpu instead of `target`)."""
     from ..runtime import DeviceUnsupported, load_model
+    from ..runtime.loader import resolve_dtype
 
     for key in [k for k, ref in _loaded.items() if ref() is None]:
         del _loaded[key]
     if target.type != "cpu":
         # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
         # (auto: room for the full weights, so that int8 is taken only where they cannot fit)
-        need = weights_bytes(path, 4 if dtype == "fp32" else 2, int8=weights == "int8")
+        need = weights_bytes(path, resolve_dtype(dtype, target).itemsize, int8=weights == "int8")
         mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
     try:
         with cancellable():  # a progress bar over the weights read; Cancel lands between them

@@ -157,7 +157,8 @@ def find_model(name: str) -> Path | None:
 def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int:
     """Bytes the model's weights take once loaded with `element_bytes` per number (2: bf16 / fp16), from the
     safetensors headers (an FP8 file takes twice its size, an fp32 one half); with int8, the text model's
-    matrices (2-D, outside the vision tower) at a byte a number; 0 for what cannot be read: loading it says why."""
+    matrices (2-D, outside the vision tower) at a byte a number; 0 for what cannot be read: loading it says why.
+    The multi-token-prediction layer some checkpoints carry (mtp.*) is never loaded, so not counted."""
     from ..runtime.checkpoint import read_header
     from ..runtime.errors import Qwen35Error
     try:
@@ -165,6 +166,7 @@ def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int
         files = [path] if path.is_file() else [p for p in checkpoint_files(path) if p.is_file()]
         return sum(math.prod(t["shape"]) * (1 if int8 and len(t["shape"]) == 2 and "visual." not in name
                                              else element_bytes)
-                   for f in files for name, t in read_header(f).items())
+                   for f in files for name, t in read_header(f).items()
+                   if not name.startswith(("mtp.", "model.mtp.")))
     except (OSError, Qwen35Error):
         return 0

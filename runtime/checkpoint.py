@@ -182,15 +182,20 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
 def _comfy_formats(notes: dict[str, tuple[Path, str]], source: Path) -> dict[str, str]:
     """weight -> the "format" of its ComfyUI comfy_quant note (a uint8 tensor holding JSON), each file opened
     once."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     formats = {}
     with ExitStack() as stack:
         handles = {}
         for weight, (file, name) in notes.items():
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             try:
-                fmt = json.loads(handles[file].get_tensor(name).numpy().tobytes()).get("format")
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                note = handles[file].get_tensor(name)
+            except SafetensorError as e:  # (what the header check passes and safetensors refuses: trailing bytes)
+                raise Qwen35Error(f"{file}: safetensors cannot read it ({e}); the file is damaged or was written by "
+                                  "another tool: re-download it") from None
+            try:
+                fmt = json.loads(note.numpy().tobytes()).get("format")
                 if not isinstance(fmt, str):
                     raise TypeError("no format")
             except (ValueError, TypeError, AttributeError, RecursionError):
@@ -451,9 +456,13 @@ def _check_sizes(config: TextConfig, source: Path) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise Qwen35Error(f"{source}: {name} is {value!r}; it must be a number above 0. Re-download config.json")
-    if not all(type(s) is int and s >= 0 for s in config.mrope_section):
-        raise Qwen35Error(f"{source}: mrope_section is {list(config.mrope_section)}; it must be whole numbers. "
-                          "Re-download config.json")
+    if len(config.mrope_section) != 3 or not all(type(s) is int and s >= 0 for s in config.mrope_section):
+        raise Qwen35Error(f"{source}: mrope_section is {list(config.mrope_section)}; it must be three whole numbers "
+                          "(the t, h, w sections). Re-download config.json")
+    if not 0 < config.rotary_dim <= config.head_dim or config.rotary_dim % 2:
+        raise Qwen35Error(f"{source}: partial_rotary_factor {config.partial_rotary_factor!r} gives a rotary width "
+                          f"of {config.rotary_dim} of head_dim {config.head_dim}; it must be an even number of at "
+                          "most head_dim dims. Re-download config.json")
     bad = [t for t in config.layer_types if t not in (LINEAR, FULL)]
     if bad:
         raise Qwen35Error(f"{source}: layer_types holds {bad[0]!r}; Qwen3.5 layers are {LINEAR!r} or {FULL!r}")
@@ -638,5 +647,11 @@ def locate(path: str | Path) -> Checkpoint:
     if config.num_hidden_layers != in_files:
         raise Qwen35Error(f"{cfg_file}: the config has {config.num_hidden_layers} layers but the weights hold "
                           f"{in_files}; the config does not belong to these weights, re-download it")
+    if config.tie_word_embeddings and "lm_head.weight" in shapes:
+        # the weights hold their own output layer: transformers uses it where it differs from the embedding (and
+        # the result is the same where it does not), so it is loaded rather than left unread
+        log.info("%s: the config ties the output layer to the embedding, but the weights hold an lm_head.weight: "
+                 "it is used", cfg_file)
+        config = replace(config, tie_word_embeddings=False)
     check_shapes(config, shapes, path)
     return Checkpoint(path, config, tensors, path if (path / "tokenizer.json").exists() else None, fp8, other)

@@ -11,6 +11,7 @@ DEFAULT_ROPE_THETA = 10_000_000.0
 DEFAULT_PARTIAL_ROTARY = 0.25
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 DEFAULT_MAX_POSITIONS = 262_144
+HF_DEFAULT_ROPE_THETA = 10_000.0  # transformers' for a config.json that names no rope_theta (its rope mixin's default)
 DEFAULT_HEAD_DIM = 256  # transformers' Qwen3_5TextConfig default (hidden / heads is 128 for the 0.8B, 213 for the 27B)
 DEFAULT_EOS = (248044, 248046)  # <|endoftext|>, <|im_end|>
 MAX_LAYERS = 1024  # the largest Qwen3.5 has 64
@@ -97,7 +98,7 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
             linear_value_head_dim=text["linear_value_head_dim"],
             linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA)),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", HF_DEFAULT_ROPE_THETA)),
             partial_rotary_factor=rope.get("partial_rotary_factor",
                                            text.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY)),
             mrope_section=tuple(rope.get("mrope_section", DEFAULT_MROPE_SECTION)),

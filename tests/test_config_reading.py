@@ -105,6 +105,16 @@ def test_null_min_max_pixels_leave_size_in_charge(tmp_path):
     assert (pp.min_pixels, pp.max_pixels) == (4096, 1_000_000)
 
 
+def test_a_config_without_rope_theta_takes_transformers_default():
+    """A config.json naming no rope_theta anywhere: transformers' rope mixin gives 10,000 (the 1e7 of every released
+    Qwen3.5 is only for single files, which have no config)."""
+    from transformers import Qwen3_5Config
+    cfg = released("9B")
+    del cfg["text_config"]["rope_parameters"]["rope_theta"]
+    theirs = Qwen3_5Config(**copy.deepcopy(cfg)).text_config.rope_parameters["rope_theta"]
+    assert from_hf_dict(cfg).rope_theta == theirs == 10_000.0
+
+
 def test_min_max_pixels_beside_size_count_for_images_and_not_for_video(tmp_path):
     """The image processor lets min_pixels / max_pixels override size; Qwen3-VL's video processor reads size alone
     (its resize takes size's two edges): stale keys beside a video config's size change nothing there."""

@@ -208,6 +208,17 @@ def test_fp8_weights_dequantized_on_the_gpu_equal_the_cpus(folder, tmp_path, for
         assert torch.equal(v, b.vision.state_dict()[k]), k
 
 
+def test_a_comfy_quant_file_safetensors_refuses_is_named(folder, tmp_path):
+    """A file whose header reads but which safetensors refuses (bytes after its last tensor) fails where its
+    comfy_quant notes are read: the file named and the fix, not safetensors' bare error."""
+    fp8, _ = _quantize(_tensors(folder), "comfy_quant")
+    out = _write(folder, tmp_path / "fp8", fp8)
+    with open(out / "model.safetensors", "ab") as f:
+        f.write(bytes(64))
+    with pytest.raises(Qwen35Error, match=r"model.safetensors: safetensors cannot read it .*re-download it"):
+        load_model(out, dtype="fp32", device="cpu")
+
+
 @pytest.mark.parametrize("rows_per_step", [4096, 24, 48])
 def test_dequantize_is_the_blockwise_product_in_any_steps(rows_per_step):
     """q * scale per 24 x 10 block (the last row block and column block partial), in steps of whole row

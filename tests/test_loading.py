@@ -64,6 +64,39 @@ def test_other_key_layouts_load_with_their_own_output_layer(folder, model, tmp_p
     assert rel(prefill_ids(other, ids).logits, prefill_ids(model, ids).logits) == 0.0
 
 
+def test_a_tied_config_beside_weights_with_their_own_output_layer_uses_that_layer(folder, model, tmp_path):
+    """config.json says tie_word_embeddings but the files hold an lm_head.weight of their own (an untied model's
+    weights under an edited config, or the tie only in text_config, which transformers' top level leaves untied):
+    transformers uses the stored layer, and so does the loader (it was left unread: other logits)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(folder, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = True
+    (ck / "config.json").write_text(json.dumps(cfg))
+    other = load_model(ck, dtype="fp32", device="cpu")
+    assert not other.config.tie_word_embeddings and other.lm_head is not None
+    ids = list(range(1000, 1040))
+    assert rel(prefill_ids(other, ids).logits, prefill_ids(model, ids).logits) == 0.0
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"mrope_section": [16, 16]}, r"mrope_section is \[16, 16\]; it must be three whole numbers"),
+    ({"mrope_section": [8, 8, 8, 8]}, r"mrope_section is \[8, 8, 8, 8\]"),
+    ({"partial_rotary_factor": 2.0}, r"partial_rotary_factor 2.0 gives a rotary width of 512 of head_dim 256"),
+    ({"partial_rotary_factor": 0.001}, r"rotary width of 0 of head_dim 256"),
+])
+def test_rotary_settings_the_layers_cannot_take_are_named(folder, tmp_path, rope, message):
+    """mrope_section of other than three sections, or a rotary wider than a head (or none): refused by name at
+    load, not a ValueError in the model's construction or a size mismatch at the first prompt."""
+    ck = tmp_path / "ck"
+    shutil.copytree(folder, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"].update(rope)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Qwen35Error, match=message):
+        load_model(ck, dtype="fp32", device="cpu")
+
+
 def test_a_nine_b_wide_file_without_its_output_layer_is_named(tmp_path):
     """A 4096-wide (9B) or 5120-wide (27B) file without lm_head.weight is a text-encoder export: those sizes have
     an output layer of their own, so it is refused by name instead of tying the embedding (gibberish)."""

@@ -659,6 +659,12 @@ def test_weights_bytes_counts_numbers_not_file_bytes(pack, tmp_path):
                "model.language_model.norm.weight": torch.zeros(64),
                "model.visual.blocks.0.attn.qkv.weight": torch.zeros(96, 32)}, str(mixed))
     assert pack.models_folder.weights_bytes(mixed, 2, int8=True) == 64 * 32 + 2 * 64 + 2 * 96 * 32
+    # the multi-token-prediction layer some checkpoints carry is never loaded
+    with_mtp = tmp_path / "mtp" / "model.safetensors"
+    with_mtp.parent.mkdir()
+    save_file({"model.language_model.norm.weight": torch.zeros(64), "mtp.fc.weight": torch.zeros(64, 128),
+               "model.mtp.norm.weight": torch.zeros(64)}, str(with_mtp))
+    assert pack.models_folder.weights_bytes(with_mtp) == 2 * 64
     (tmp_path / "bad.safetensors").write_bytes(b"\x00")
     assert pack.models_folder.weights_bytes(tmp_path / "bad.safetensors") == 0
 
