@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import math
+import numbers
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -416,13 +417,18 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
                         functools.partial(lambda k: on_device()[k], k), recipe, (given, k)) for k in range(b)]
 
 
+def frame_rate_ok(fps) -> bool:
+    """Whether fps is a number of frames per second above 0 (not a bool, a string or None)."""
+    return isinstance(fps, numbers.Real) and not isinstance(fps, bool) and math.isfinite(fps) and fps > 0
+
+
 def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]:
     """Indices of the frames to keep: `pp.fps` per second of video, within [min_frames, max_frames]
     and at most every frame; spread evenly from the first frame to the last."""
     if total <= 0:
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
-    if source_fps is None or not math.isfinite(source_fps) or source_fps <= 0:
-        raise Qwen35Error(f"the video's frame rate is {source_fps}; it must be a number of frames per second above 0")
+    if not frame_rate_ok(source_fps):
+        raise Qwen35Error(f"the video's frame rate is {source_fps!r}; it must be a number of frames per second above 0")
     n = int(min(total / source_fps * pp.fps, pp.max_frames))  # (a tiny frame rate makes it inf)
     n = min(max(n, pp.min_frames), pp.max_frames, total)
     # in float64, as the processor's numpy: torch's float32 linspace rounds some indices (and .5 ties) otherwise
@@ -475,6 +481,10 @@ def preprocess_video_source(source: VideoSource, pp: Preprocessing | None = None
     1080p, up to 19 GB at the 768-frame cap.) `backend`: the one that hashes the frames where they lie (one
     kernel a frame on the CUDA backend; the torch expression without one), the same key either way."""
     pp = pp or Preprocessing()
+    fps = getattr(source, "fps", None)
+    if not frame_rate_ok(fps):
+        raise Qwen35Error(f"the video's frame rate is {fps!r} ({type(source).__name__}.fps); it must be a number of "
+                          "frames per second above 0")
     frames = _StreamedFrames(float(source.fps), pp, device, backend)
     source.read(frames.choose, frames.keep)
     return frames.finish(type(source).__name__)

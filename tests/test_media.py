@@ -1,5 +1,6 @@
 """Preprocessing of ComfyUI IMAGE / VIDEO tensors against transformers' Qwen2-VL image processor (PIL)."""
 import math
+import re
 import weakref
 
 import numpy as np
@@ -367,6 +368,11 @@ def test_a_video_source_keeps_the_runtime_messages():
     with pytest.raises(Qwen35Error, match=r"the video's frame rate is -24.0; it must be a number of frames per second "
                                           r"above 0"):
         preprocess_video(torch.rand(4, 64, 64, 3), -24.0)
+    for fps in ("24", None, True):  # not a number: named, not a TypeError / ValueError from the arithmetic
+        with pytest.raises(Qwen35Error, match=rf"frame rate is {re.escape(repr(fps))}"):
+            preprocess_video(torch.rand(4, 64, 64, 3), fps)
+        with pytest.raises(Qwen35Error, match=rf"frame rate is {re.escape(repr(fps))} \(TensorSource.fps\)"):
+            preprocess_video_source(TensorSource(torch.rand(4, 64, 64, 3), fps))
     # a frame rate so small that the clip lasts longer than a float holds: every frame, to max_frames
     assert sample_frames(10, 1e-310, Preprocessing()) == list(range(10))
     assert len(sample_frames(10_000, 1e-310, Preprocessing())) == Preprocessing().max_frames
