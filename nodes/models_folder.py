@@ -159,7 +159,7 @@ def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int
     safetensors headers (an FP8 file takes twice its size, an fp32 one half); with int8, the text model's
     matrices (2-D, outside the vision tower) at a byte a number; 0 for what cannot be read: loading it says why.
     The multi-token-prediction layer some checkpoints carry (mtp.*) is never loaded, so not counted."""
-    from ..runtime.checkpoint import read_header
+    from ..runtime.checkpoint import MTP_PREFIXES, read_header
     from ..runtime.errors import Qwen35Error
     try:
         from ..runtime.checkpoint import checkpoint_files
@@ -167,6 +167,6 @@ def weights_bytes(path: Path, element_bytes: int = 2, int8: bool = False) -> int
         return sum(math.prod(t["shape"]) * (1 if int8 and len(t["shape"]) == 2 and "visual." not in name
                                              else element_bytes)
                    for f in files for name, t in read_header(f).items()
-                   if not name.startswith(("mtp.", "model.mtp.")))
+                   if not name.startswith(MTP_PREFIXES))
     except (OSError, Qwen35Error):
         return 0

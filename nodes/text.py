@@ -158,12 +158,12 @@ class Qwen35Generate(io.ComfyNode):
         with ExitStack() as released:
             for handle in handles:
                 released.enter_context(handle.released_on_error())
-            answered = []  # the prefills answered so far: a prompt read in this run counts in its first answer only
+            answered = set()  # ids of the prefills answered so far (a prompt read in this run counts in its first)
             for i in range(max(len(values) for values in lists)):
                 pf = prefill[min(i, len(prefill) - 1)]
-                result, stats = _answer(pf, i, node_id, display_node, again=any(pf is a for a in answered),
+                result, stats = _answer(pf, i, node_id, display_node, again=id(pf) in answered,
                                         **{k: v[min(i, len(v) - 1)] for k, v in settings.items()})
-                answered.append(pf)
+                answered.add(id(pf))
                 texts.append(result.text)
                 thinkings.append(result.thinking)
                 shown.append(stats)

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 # Where the text model's tensors live in the files people have, most specific first.
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # (ComfyUI lists .sft files as safetensors too)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "language_model.", "model.", "")
-IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")  # the multi-token-prediction layer some checkpoints carry: never loaded
+IGNORED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)
 
 
 @dataclass(frozen=True)

@@ -168,12 +168,12 @@ SAMPLER_ROWS = 12
 
 
 def generate_bytes(model: Qwen35Model, n_prompt: int, max_new_tokens: int) -> int:
-    """Device memory a generation needs beyond the weights and the K/V store: its copy of the GDN states (the
-    K/V blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits and
-    the sampler's rows of the vocabulary (SAMPLER_ROWS), and the larger pools an auto store grows to when its free blocks do not hold the answer's K/V
-    (generation_growth_bytes; a fixed store holds them or the generation stops with an error); where the
-    attention runs in PyTorch, what it gathers over the whole context (reference_attention_bytes); with 8-bit weights the piece
-    of a matrix dequantized at once (quant.dequant_bytes)."""
+    """Device memory a generation needs beyond the weights and the K/V store: its copy of the GDN states (the K/V
+    blocks are shared with the prefill), the prompt and answer ids, one token's activations, the logits and the
+    sampler's rows of the vocabulary (SAMPLER_ROWS), and the larger pools an auto store grows to when its free
+    blocks do not hold the answer's K/V (generation_growth_bytes; a fixed store holds them or the generation stops
+    with an error); where the attention runs in PyTorch, what it gathers over the whole context
+    (reference_attention_bytes); with 8-bit weights the piece of a matrix dequantized at once (quant.dequant_bytes)."""
     answer = max(0, min(max_new_tokens, model.config.max_position_embeddings - n_prompt))
     return (state_bytes(model) + 8 * (n_prompt + 1) + SAMPLER_ROWS * model.config.vocab_size * 4
             + _activation_bytes_per_token(model) + generation_growth_bytes(model, n_prompt, answer)
