@@ -154,7 +154,7 @@ def _norm_rope_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torc
                     use_cuda: bool) -> torch.Tensor:
     if use_cuda:
         return _cuda().rms_norm_rope_cuda(x, weight, eps, cos, sin)
-    return rms_norm_rope_ref(x, weight, eps, cos, sin)
+    return rms_norm_rope_ref(x, weight, eps, cos, sin).to(x.dtype, memory_format=torch.contiguous_format)  # as the fake
 
 
 def _norm_rope_fake(x, weight, eps, cos, sin, use_cuda):

@@ -110,7 +110,12 @@ def test_ops_on_strided_inputs_return_what_their_fakes_say():
     cases = [(ops.add_rms_norm_op, (x, y, w, 1e-6, False)), (ops.silu_mul_op, (strided(6, 32), False)),
              (ops.add_layer_norm_op, (x, y, w, b, 1e-6, False)),
              (ops.vision_positions_op, (strided(16, 8), torch.randn(9, 8), torch.zeros(1, 4, dtype=torch.int32),
-                                        [1, 4, 4], torch.randn(2), 2, False))]
+                                        [1, 4, 4], torch.randn(2), 2, False)),
+             # x with T fastest (channels_last), cos / sin in fp32 beside a bf16 x: still x's dtype, contiguous
+             (ops.rms_norm_rope_op, (torch.randn(1, 5, 4, 64).to(memory_format=torch.channels_last), torch.randn(64),
+                                     1e-6, torch.randn(5, 32), torch.randn(5, 32), False)),
+             (ops.rms_norm_rope_op, (torch.randn(1, 5, 4, 64, dtype=torch.bfloat16), torch.randn(64), 1e-6,
+                                     torch.randn(5, 32), torch.randn(5, 32), False))]
     for op, args in cases:
         real = op(*args)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -116,8 +116,8 @@ def rms_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: t
     ok = (_kernel_takes(x, weight, None) and x.dim() == 4 and cos.dim() == 2 and cos.shape == sin.shape
           and cos.shape[0] == x.shape[1] and cos.dtype == x.dtype and sin.dtype == x.dtype
           and rope_supported(x.shape[-1], cos.shape[1]))
-    if not ok:
-        return rms_norm_rope_ref(x, weight, eps, cos, sin)
+    if not ok:  # x's dtype and a contiguous result whatever the inputs' (the op's fake says so)
+        return rms_norm_rope_ref(x, weight, eps, cos, sin).to(x.dtype, memory_format=torch.contiguous_format)
     return _norm(x, None, weight, eps, (aligned16(cos), aligned16(sin)))  # read in 16-byte vectors
 
 
