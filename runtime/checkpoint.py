@@ -30,7 +30,9 @@ IGNORED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)
 @dataclass(frozen=True)
 class Fp8Weight:
     """How one FP8 weight becomes real numbers: w = q * its scale (one for the tensor when block is None, else
-    one per block of block[0] rows x block[1] columns), or w = q when it has no scale."""
+    one per block of block[0] rows x block[1] columns), or w = q when it has no scale. (Also a bf16 / fp16 / fp32
+    weight beside one scale: older ComfyUI scaled_fp8 files give layers they kept in high precision one, which
+    ComfyUI multiplies by.)"""
     scale: tuple[Path, str] | None  # (file, name in file) of its scale tensor
     block: tuple[int, int] | None
     view: str | None = None  # stored as bytes: the torch FP8 dtype to read them as
@@ -128,10 +130,11 @@ def read_header(file: Path) -> dict:
     return header
 
 
-def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
-                block: tuple[int, int] | None) -> tuple[set[str], dict[str, Fp8Weight]]:
+def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path, block: tuple[int, int] | None,
+                quantized: str | None = None) -> tuple[set[str], dict[str, Fp8Weight]]:
     """The names among `entries` (name in file -> (file, header entry)) that are FP8 scales or side data, not
-    weights, and how each FP8 weight is dequantized. block: the config's weight_block_size, if it has one."""
+    weights, and how each FP8 weight is dequantized. block: the config's weight_block_size, if it has one;
+    quantized: the config's quant_method, if it has a quantization_config (then every FP8 weight has a scale)."""
     side, scale_of, notes = set(), {}, {}
     for name, (file, _) in entries.items():
         stem, _, suffix = name.rpartition(".")
@@ -163,11 +166,16 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path,
             if scale is not None and dtype in ("U8", "I8"):
                 raise Qwen35Error(f"{source}: {name} is {dtype} with a scale: int8 or 4-bit quantized weights are "
                                   "not supported: use the bf16 or FP8 release of this model")
-            if scale is not None:
+            if scale is not None and (dtype not in LOADABLE_DTYPES or math.prod(entries[scale][1]["shape"]) != 1):
                 raise Qwen35Error(f"{source}: {scale} is an FP8 scale but {name} is {dtype}, not FP8; the "
                                   "file mixes formats, re-download it")
-            continue
-        if scale is None:
+            if scale is None:
+                continue
+        elif scale is None:
+            if quantized is not None:
+                raise Qwen35Error(f"{source}: {name} is FP8 without a scale beside it, but config.json's "
+                                  f"quantization_config ({quantized}) gives every FP8 weight one; the download is "
+                                  "incomplete or mixes files of two downloads: re-download the model's files")
             fp8[name] = Fp8Weight(None, None, view)
             continue
         sfile, smeta = entries[scale]
@@ -221,28 +229,36 @@ def _fp8_block(name: str, shape: list[int], scale: str, sshape: list[int], block
                       f"{hint} of {name} {list(shape)}; the scales do not fit their weight, re-download it")
 
 
-def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: int = 4096, device=None):
-    """An FP8 tensor as `dtype` on `device` (default: q's): q * scale in fp32, rounded once, a few thousand rows
-    at a time (a 1 GB FP8 embedding never exists as 4 GB of fp32), each step's FP8 rows moved there first."""
+def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: int = 4096, device=None, out=None):
+    """An FP8 tensor as `dtype` on `device` (default: q's), or written into `out` (q's shape, any dtype and
+    device): q * scale in fp32, rounded once, a few thousand rows at a time (a 1 GB FP8 embedding never exists as
+    4 GB of fp32), each step's FP8 rows moved there first."""
     import torch
-    out = torch.empty(q.shape, dtype=dtype, device=device if device is not None else q.device)
-    dev = out.device
-    if scale is None:
-        return out.copy_(q.to(dev))
-    s = scale.to(dev).float()
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=device if device is not None else q.device)
+    for r0, part in dequantized_rows(q, scale, block, out.device, rows_per_step):
+        out[r0:r0 + part.shape[0]].copy_(part)
+    return out
+
+
+def dequantized_rows(q, scale, block: tuple[int, int] | None, device, rows_per_step: int = 4096):
+    """(first row, rows of q * scale in fp32 on `device`), a few thousand rows at a time (q alone without a
+    scale)."""
+    s = None if scale is None else scale.to(device).float()
     step = rows_per_step if block is None else max(1, rows_per_step // block[0]) * block[0]
     for r0 in range(0, q.shape[0], step):
         r1 = min(q.shape[0], r0 + step)
-        part = q[r0:r1].to(dev).float()
-        if block is None:
+        part = q[r0:r1].to(device).float()
+        if s is None:
+            pass
+        elif block is None:
             part.mul_(s.reshape(()))
         else:
             sb = s.reshape(s.shape[0], -1)[r0 // block[0]:-(-r1 // block[0])].repeat_interleave(block[0], 0)[:r1 - r0]
             if sb.shape[1] > 1:
                 sb = sb.repeat_interleave(block[1], 1)[:, :q.shape[1]]
             part.mul_(sb)
-        out[r0:r1].copy_(part)
-    return out
+        yield r0, part
 
 
 class WeightReader:
@@ -261,28 +277,53 @@ class WeightReader:
     def __exit__(self, *exc):
         self._stack.close()
 
-    def _raw(self, file: Path, name: str):
+    def _raw(self, file: Path, name: str, shape_only: bool = False):
         from safetensors import SafetensorError, safe_open
         try:
             if file not in self._handles:
                 self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            if shape_only:
+                return tuple(self._handles[file].get_slice(name).get_shape())
             return self._handles[file].get_tensor(name)
         except SafetensorError as e:  # what the header check passes and safetensors refuses (trailing bytes, ...)
             raise Qwen35Error(f"{file}: safetensors cannot read it ({e}); the file is damaged or was written by "
                               "another tool: re-download it") from None
 
-    def get(self, file: Path, name: str, dtype, device=None):
-        t = self._raw(file, name)
+    def shape(self, file: Path, name: str) -> tuple[int, ...]:
+        """The shape of a tensor, from its file's header (nothing read)."""
+        return self._raw(file, name, shape_only=True)
+
+    def get(self, file: Path, name: str, dtype, device=None, out=None):
+        """The tensor `name` of `file`: as stored, on the CPU, or, an FP8 weight, dequantized to `dtype` on `device`.
+        out: a tensor of its shape to write it into instead (an FP8 weight then never exists whole in `dtype`
+        beside it: its rows are dequantized straight into `out`)."""
+        if name not in self.fp8:
+            t = self._raw(file, name)
+            return t if out is None else out.copy_(t)
+        import torch
+        for r0, part in self.rows(file, name, device if out is None else out.device):
+            if out is None:  # where the rows come (the CPU where this torch cannot convert FP8 on `device`)
+                out = torch.empty(self.shape(file, name), dtype=dtype, device=part.device)
+            out[r0:r0 + part.shape[0]].copy_(part)
+        return out if out is not None else torch.empty(self.shape(file, name), dtype=dtype)
+
+    def rows(self, file: Path, name: str, device=None):
+        """(first row, rows) of the tensor `name` of `file`: a tensor as stored comes whole, on the CPU; an FP8
+        weight dequantized in fp32 on `device` (the CPU where this torch cannot convert FP8 there), a few thousand
+        rows at a time."""
         how = self.fp8.get(name)
+        t = self._raw(file, name)
         if how is None:
-            return t
+            yield 0, t
+            return
         if how.view is not None:
             import torch
             t = t.view(getattr(torch, how.view))
         scale = None if how.scale is None else self._raw(*how.scale)
         if device is not None and str(device) != "cpu" and self._on_device:
+            steps = dequantized_rows(t, scale, how.block, device)
             try:
-                return dequantize(t, scale, how.block, dtype, device=device)
+                first = next(steps, None)
             except (RuntimeError, NotImplementedError, TypeError) as e:  # MPS: TypeError
                 from .memory import is_out_of_memory  # (imported here: like torch, not needed to read headers)
                 if is_out_of_memory(e):
@@ -290,7 +331,12 @@ class WeightReader:
                 self._on_device = False  # no FP8 conversion for this device in this torch: the rest on the CPU too
                 log.warning("Qwen3.5: FP8 weights are dequantized on the CPU, not on %s, which cannot convert FP8 "
                             "in this PyTorch (%s: %s); loading takes longer", device, type(e).__name__, e)
-        return dequantize(t, scale, how.block, dtype)
+            else:
+                if first is not None:
+                    yield first
+                yield from steps
+                return
+        yield from dequantized_rows(t, scale, how.block, "cpu")
 
 
 def _strip(name: str, prefixes: tuple[str, ...] = TEXT_PREFIXES) -> str | None:
@@ -326,9 +372,10 @@ def _text_or_its_fp8(name: str, prefixes: tuple[str, ...] = TEXT_PREFIXES) -> bo
     return _strip(name, prefixes) is not None
 
 
-def _collect(files: list[Path], block: tuple[int, int] | None = None):
+def _collect(files: list[Path], block: tuple[int, int] | None = None, quantized: str | None = None):
     """(tensors, shapes, others, fp8) of the text model in `files`, others: the header entries of the tensors
-    that are not the text model's (name in file -> (file, entry)); block: the config's FP8 block size."""
+    that are not the text model's (name in file -> (file, entry)); block, quantized: the config's FP8 block size
+    and quant_method (fp8_weights)."""
     entries: dict[str, tuple[Path, dict]] = {}
     for file in files:
         for name, meta in read_header(file).items():
@@ -341,7 +388,8 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None):
     prefixes = _prefixes_of(entries)
     side, fp8 = set(), {}
     if qwen35:  # the text model's FP8 scales (the vision tower's are the vision loader's business)
-        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n, prefixes)}, source, block)
+        side, fp8 = fp8_weights({n: e for n, e in entries.items() if _text_or_its_fp8(n, prefixes)}, source, block,
+                                  quantized)
     tensors, shapes, other, dtypes = {}, {}, {}, {}
     for name, (file, meta) in entries.items():
         key = None if name in side else _strip(name, prefixes)
@@ -528,6 +576,12 @@ def _unloadable_quantization(q) -> str:
     return str(method)
 
 
+def quant_method_of(cfg: dict) -> str | None:
+    """The quant_method of a config's quantization_config ('?' where it names none), or None without one."""
+    q = cfg.get("quantization_config")
+    return None if q is None else str(q.get("quant_method", "?") if isinstance(q, dict) else "?")
+
+
 def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:
     """The weight_block_size of a config's FP8 quantization_config, or None."""
     q = cfg.get("quantization_config")
@@ -640,7 +694,7 @@ def locate(path: str | Path) -> Checkpoint:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""
         raise Qwen35Error(f"{path}: no .safetensors weights{hint}")
-    tensors, shapes, other, fp8 = _collect(files, block)
+    tensors, shapes, other, fp8 = _collect(files, block, quant_method_of(cfg))
     if not _is_qwen35(_all_names(tensors, other)):
         raise _not_qwen35(path, _all_names(tensors, other))
     in_files = 1 + max((int(k.split(".")[1]) for k in shapes if k.split(".")[0] == "layers"

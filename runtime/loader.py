@@ -99,17 +99,18 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint, report: bool = False) -> None:
                             s + "v_proj.weight": (m.qkv, 2 * qd + kd), s + "o_proj.weight": (m.o_proj, 0),
                             s + "q_norm.weight": (m.q_norm, 0), s + "k_norm.weight": (m.k_norm, 0)})
     # one blocking copy_ into the parameter: from a CPU tensor it converts the dtype on the host, so no weight has
-    # a second, file-dtype copy in device memory (FP8 weights come already dequantized on the device); an 8-bit
-    # matrix quantizes its rows a slice at a time on its device
+    # a second, file-dtype copy in device memory; FP8 weights are dequantized on the device a few thousand rows at
+    # a time, straight into the parameter; an 8-bit matrix quantizes its rows a slice at a time on its device
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for done, (name, (param, row)) in enumerate(targets.items(), 1):
-            t = reader.get(*ckpt.tensors[name], param.dtype, param.device)
-            if name.endswith("conv1d.weight"):
-                t = t[:, 0]
-            if isinstance(param, Int8Weight):
-                fill_rows(param, row, t)
+            file, stored = ckpt.tensors[name]
+            if isinstance(param, Int8Weight):  # (an FP8 weight's rows rounded to the model's dtype first, as before)
+                for r0, part in reader.rows(file, stored, param.device):
+                    fill_rows(param, row + r0, part.to(param.dtype) if stored in ckpt.fp8 else part)
             else:
-                param[row:row + t.shape[0]].copy_(t)
+                shape = reader.shape(file, stored)
+                into = param[row:row + shape[0]]
+                reader.get(file, stored, param.dtype, out=into.unsqueeze(1) if name.endswith("conv1d.weight") else into)
             if report:
                 progress.report("load", done, len(targets))
 

@@ -38,7 +38,16 @@ from torch import nn
 
 from .. import kernels
 from . import progress
-from .checkpoint import LOADABLE_DTYPES, Checkpoint, Fp8Weight, WeightReader, fp8_block_of, fp8_weights, read_config
+from .checkpoint import (
+    LOADABLE_DTYPES,
+    Checkpoint,
+    Fp8Weight,
+    WeightReader,
+    fp8_block_of,
+    fp8_weights,
+    quant_method_of,
+    read_config,
+)
 from .errors import Qwen35Error
 from .host import upload
 
@@ -633,7 +642,8 @@ def locate_vision(ckpt: Checkpoint) -> VisionCheckpoint | None:
     cfg = None
     if path.is_dir() and (path / "config.json").exists():
         cfg = read_config(path / "config.json")  # UTF-8 whatever the locale; a bad file named
-    side, fp8 = fp8_weights(entries, path, fp8_block_of(cfg, path / "config.json") if cfg else None)
+    side, fp8 = fp8_weights(entries, path, fp8_block_of(cfg, path / "config.json") if cfg else None,
+                            quant_method_of(cfg) if cfg else None)
     tensors, shapes = {}, {}
     for name, (file, meta) in entries.items():
         if name in side:

@@ -239,3 +239,73 @@ def test_dequantize_on_a_device_given_equals_in_place():
     s = torch.rand(3, 1) + 0.5
     on_gpu = dequantize(q, s, (24, 30), torch.float32, device="cuda")
     assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), dequantize(q, s, (24, 30), torch.float32))
+
+
+@pytest.mark.parametrize("where", ["text", "vision"])
+def test_a_quantized_folder_with_an_fp8_weight_missing_its_scale_is_refused_by_name(folder, tmp_path, where,
+                                                                                    caplog):
+    """A config that declares FP8 quantization gives every FP8 weight a scale: one without (shards of two
+    downloads, a converter that dropped it) would load as a plain cast, hundreds of times too large. The text
+    model's is an error; the vision tower's leaves the tower out, said (text prompts still run)."""
+    fp8, _ = _quantize(_tensors(folder), "hf_block")
+    victim = next(k for k in fp8 if k.endswith("_scale_inv") and ("visual" in k) == (where == "vision"))
+    del fp8[victim]
+    quant = {"quant_method": "fp8", "weight_block_size": [24, 40], "activation_scheme": "dynamic"}
+    said = re.escape(victim[:-len("_scale_inv")]) + ".*FP8 without a scale.*quantization_config \\(fp8\\)"
+    path = _write(folder, tmp_path / "fp8", fp8, quant)
+    if where == "text":
+        with pytest.raises(Qwen35Error, match=said):
+            load_model(path, dtype="fp32", device="cpu")
+        return
+    model = load_model(path, dtype="fp32", device="cpu")
+    assert model.vision is None and any(re.search(said, r.getMessage()) for r in caplog.records)
+
+
+def test_a_scaled_fp8_file_with_a_scale_beside_a_high_precision_layer_loads_it_times_the_scale(folder, tmp_path):
+    """Older ComfyUI scaled_fp8 files give layers kept in bf16 a scale too (1.0 as a rule; ComfyUI multiplies by
+    it): such a layer loads as its weight times its scale. A scale of another size beside a bf16 weight is still
+    refused."""
+    fp8, ref = _quantize(_tensors(folder), "comfy_scaled")
+    head = next(k for k in fp8 if k.endswith("embed_tokens.weight"))
+    fp8[head] = ref[head] = fp8[head] if fp8[head].dtype != torch.float8_e4m3fn else ref[head].bfloat16()
+    fp8[head[:-len(".weight")] + ".scale_weight"] = torch.tensor(2.0)
+    ref[head] = ref[head].float() * 2
+    a = load_model(_write(folder, tmp_path / "fp8", fp8) / "model.safetensors", dtype="fp32", device="cpu")
+    b = load_model(_write(folder, tmp_path / "ref", ref) / "model.safetensors", dtype="fp32", device="cpu")
+    pa, pb = a.state_dict(), b.state_dict()
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    fp8[head[:-len(".weight")] + ".scale_weight"] = torch.full((fp8[head].shape[0],), 2.0)
+    with pytest.raises(Qwen35Error, match=r"scale_weight is an FP8 scale but .*embed_tokens.weight is BF16"):
+        load_model(_write(folder, tmp_path / "rows", fp8) / "model.safetensors", dtype="fp32", device="cpu")
+
+
+def test_fp8_weights_are_dequantized_into_their_parameters_a_few_rows_at_a_time(folder, tmp_path, monkeypatch):
+    """An FP8 weight never exists whole in the model's dtype beside its parameter (the 9B's embedding would be
+    2 GiB more device memory at load): its rows go straight into the parameter, or, for 8-bit weights, each
+    piece is quantized as it comes. The same parameters as in one piece."""
+    from qwen35_fast.runtime import checkpoint as checkpoint_mod
+    fp8, _ = _quantize(_tensors(folder), "per_row")
+    path = _write(folder, tmp_path / "fp8", fp8)
+    whole = {w: load_model(path, dtype="fp32", device="cpu", weights=w).state_dict() for w in ("full", "int8")}
+    real_rows, real_get, pieces, whole_fp8 = checkpoint_mod.dequantized_rows, checkpoint_mod.WeightReader.get, [], []
+
+    def few_rows(q, scale, block, device, rows_per_step=4096):
+        for r0, part in real_rows(q, scale, block, device, 7):
+            pieces.append(part.shape[0])
+            yield r0, part
+
+    def get(self, file, name, dtype, device=None, out=None):
+        if name in self.fp8 and out is None and not name.startswith("model.visual."):
+            whole_fp8.append(name)
+        return real_get(self, file, name, dtype, device, out)
+    monkeypatch.setattr(checkpoint_mod, "dequantized_rows", few_rows)
+    monkeypatch.setattr(checkpoint_mod.WeightReader, "get", get)
+    for w in ("full", "int8"):
+        pieces.clear()
+        got = load_model(path, dtype="fp32", device="cpu", weights=w).state_dict()
+        assert pieces and max(pieces) == 7 and not whole_fp8, w
+        assert got.keys() == whole[w].keys()
+        for k in got:
+            assert torch.equal(got[k], whole[w][k]), (w, k)
