@@ -31,8 +31,8 @@ IGNORED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)
 class Fp8Weight:
     """How one FP8 weight becomes real numbers: w = q * its scale (one for the tensor when block is None, else
     one per block of block[0] rows x block[1] columns), or w = q when it has no scale. (Also a bf16 / fp16 / fp32
-    weight beside one scale: older ComfyUI scaled_fp8 files give layers they kept in high precision one, which
-    ComfyUI multiplies by.)"""
+    weight beside one scale_weight: older ComfyUI scaled_fp8 files give layers they kept in high precision one,
+    which ComfyUI multiplies by.)"""
     scale: tuple[Path, str] | None  # (file, name in file) of its scale tensor
     block: tuple[int, int] | None
     view: str | None = None  # stored as bytes: the torch FP8 dtype to read them as
@@ -166,7 +166,9 @@ def fp8_weights(entries: dict[str, tuple[Path, dict]], source: Path, block: tupl
             if scale is not None and dtype in ("U8", "I8"):
                 raise Qwen35Error(f"{source}: {name} is {dtype} with a scale: int8 or 4-bit quantized weights are "
                                   "not supported: use the bf16 or FP8 release of this model")
-            if scale is not None and (dtype not in LOADABLE_DTYPES or math.prod(entries[scale][1]["shape"]) != 1):
+            legacy = scale is not None and scale.endswith(".scale_weight") and dtype in LOADABLE_DTYPES \
+                and math.prod(entries[scale][1]["shape"]) == 1  # an older ComfyUI scaled_fp8 file's bf16 layer
+            if scale is not None and not legacy:
                 raise Qwen35Error(f"{source}: {scale} is an FP8 scale but {name} is {dtype}, not FP8; the "
                                   "file mixes formats, re-download it")
             if scale is None:
