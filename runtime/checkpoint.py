@@ -251,11 +251,9 @@ def dequantized_rows(q, scale, block: tuple[int, int] | None, device, rows_per_s
     for r0 in range(0, q.shape[0], step):
         r1 = min(q.shape[0], r0 + step)
         part = q[r0:r1].to(device).float()
-        if s is None:
-            pass
-        elif block is None:
+        if s is not None and block is None:
             part.mul_(s.reshape(()))
-        else:
+        elif s is not None:
             sb = s.reshape(s.shape[0], -1)[r0 // block[0]:-(-r1 // block[0])].repeat_interleave(block[0], 0)[:r1 - r0]
             if sb.shape[1] > 1:
                 sb = sb.repeat_interleave(block[1], 1)[:, :q.shape[1]]

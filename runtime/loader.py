@@ -104,7 +104,7 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint, report: bool = False) -> None:
     with WeightReader(ckpt.fp8) as reader, torch.no_grad():
         for done, (name, (param, row)) in enumerate(targets.items(), 1):
             file, stored = ckpt.tensors[name]
-            if isinstance(param, Int8Weight):  # (an FP8 weight's rows rounded to the model's dtype first, as before)
+            if isinstance(param, Int8Weight):  # (FP8 rows rounded to the model's dtype first: a bf16 file's int8 rows)
                 for r0, part in reader.rows(file, stored, param.device):
                     fill_rows(param, row + r0, part.to(param.dtype) if stored in ckpt.fp8 else part)
             else:
