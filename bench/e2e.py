@@ -119,11 +119,7 @@ def main():
         row = {"backend": chosen.name, "reason": chosen.reason, "layers": a.layers, "tokens": a.tokens,
                "prefill_ms": round(ms, 2), "decode_tok_per_s": round(tps, 1)}
         # the same greedy decode replayed from a CUDA graph, as generate() runs it (either backend)
-        tok = int(lg.argmax())
-        t0 = time.perf_counter()
-        for _ in range(a.decode):
-            tok = int(step(tok).argmax())
-        row["decode_graph_tok_per_s"] = round(a.decode / (time.perf_counter() - t0), 1)
+        row["decode_graph_tok_per_s"] = round(greedy_tok_per_s(step, int(lg.argmax()), a.decode), 1)
         del step
         rows.append(row)
     contexts = decode_at_contexts(model, a.contexts, a.decode)

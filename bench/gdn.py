@@ -222,15 +222,23 @@ def rel(a, b):
 
 
 def accuracy(impls, L=300):
+    """Each implementation against the float64 recurrence of the inputs it was given: ours forms beta from b in
+    fp32; the peers are handed beta rounded to bf16 (prefill_inputs), so theirs is the recurrence of that beta
+    (b = logit(beta) in float64), and the rounding of their input is not counted as their error."""
     from qwen35_fast.kernels.gdn_prefill.reference import gdn_prefill_recurrent_f64
     x = prefill_inputs(1, L, seed=1)
-    o_ref, S_ref = gdn_prefill_recurrent_f64(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["h0"])
+    beta = x["beta"].double()
+    refs = {b: gdn_prefill_recurrent_f64(x["q"], x["k"], x["v"], x["a"], bv, x["A_log"], x["dt_bias"], x["h0"])
+            for b, bv in (("fp32 from b", x["b"]), ("bf16 as given", beta.log() - (-beta).log1p()))}
     out = {}
     for name, f in impls.items():
         try:
             o, S = f(x)
             torch.cuda.synchronize()
-            out[name] = {"out_rel": float(f"{rel(o, o_ref):.3e}"), "state_rel": float(f"{rel(S, S_ref):.3e}")}
+            given = "fp32 from b" if name.startswith("ours") else "bf16 as given"
+            o_ref, S_ref = refs[given]
+            out[name] = {"out_rel": float(f"{rel(o, o_ref):.3e}"), "state_rel": float(f"{rel(S, S_ref):.3e}"),
+                         "beta": given}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(f"accuracy {name}: {out[name]}", flush=True)
