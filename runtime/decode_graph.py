@@ -48,8 +48,15 @@ def capture_graph(dev: torch.device, run, restore=None, measure: bool = True):
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
-    with torch.cuda.graph(graph, stream=side):
-        out = run()
+    # cuBLAS's workspace, made by the warm-up outside the graph's pool, is let go before the capture, so that the
+    # captured products take one inside it (as torch's own graph trees do): free_gpu_workspaces (a model unloaded)
+    # can then never free memory a kept graph of another model writes to
+    free_gpu_workspaces()
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            out = run()
+    finally:
+        free_gpu_workspaces()  # (the pool keeps the graph's; eager products take a new one outside it)
     return graph, out, None if before is None else torch.cuda.memory_reserved(dev) - before
 
 

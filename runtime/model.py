@@ -378,8 +378,12 @@ class Qwen35Model(nn.Module):
                           "budget, or set it to 0 (auto: sized to the free memory, grown when a prompt needs it)")
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+        # the graphs read the weights where they are: dropped before the move, which may fail part-way (out of RAM)
+        # with some weights moved and their memory freed, the model still reported on its device
         getattr(self, "graphs", {}).clear()
+        if getattr(self, "vision", None) is not None:
+            self.vision.forget_kept()
+        super()._apply(fn, recurse)
         if getattr(self, "_kv", None) is not None:  # the store moves with the weights
             self._kv.apply(fn)
         return self

@@ -20,7 +20,7 @@ from .chat import IM_END, IM_START
 from .host import upload
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
-from .prefill_graph import PaddedPrefill, padded_prefill
+from .prefill_graph import PaddedPrefill, drop_stale, padded_prefill
 
 
 def system_end(model: Qwen35Model, ids: Sequence[int]) -> int | None:
@@ -71,6 +71,7 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     either way.
     """
     store = model.kv
+    drop_stale(model)  # passes of a store that grew since (whatever path this prompt takes: they never run again)
     if at_most is not None:
         limit = at_most if limit is None else min(limit, at_most)
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None

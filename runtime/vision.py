@@ -414,11 +414,16 @@ class VisionTower(nn.Module):
         return p
 
     def _apply(self, fn, recurse=True):
+        self.forget_kept()
+        return super()._apply(fn, recurse)
+
+    def forget_kept(self) -> None:
+        """Drops the plans and the graph kept for the weights where they are: before a move (Qwen35Model._apply
+        calls it first, so that a move failing part-way leaves no graph over freed weights)."""
         self._plans.clear()  # their tensors are where the weights were
         self._graph = self._last = self._last_bucket = None  # and the graph reads the weights' old addresses
         self._replays.clear()  # (another device or dtype may take other kernels)
         self._no_graph.clear()  # (a capture that failed for want of memory may succeed there)
-        return super()._apply(fn, recurse)
 
     def graph_bytes(self) -> int:
         """Device memory of the kept CUDA graph (0 without one)."""

@@ -229,6 +229,33 @@ def test_stale_passes_are_dropped_when_a_pass_is_looked_up(model):
     assert not model.graphs
 
 
+def test_a_prompt_that_takes_no_padded_pass_drops_the_stale_ones_too(model):
+    """A cold chat prompt with a system prompt (two reuse points) or an image never looks a pass up: the passes of
+    a store that grew since go all the same, at the start of every prompt."""
+    model.graphs[("prefill", BUCKETS[1])] = PaddedPrefill(model, BUCKETS[1], capture=False)
+    model.kv.grow(model.kv.num_blocks + 4)
+    prefill(model, "Question: " + "word " * 40, system_prompt=SYSTEM)
+    assert ("prefill", BUCKETS[1]) not in model.graphs
+
+
+def test_a_move_that_fails_part_way_leaves_no_graph_over_the_weights(pair):
+    """The kept graphs read the weights where they are: they go before a move, so one that fails part-way (out of
+    RAM, some weights moved and freed, the model still reporting its device) leaves none to replay."""
+    _, ours = pair
+    ours.graphs[("prefill", 64)] = "kept graph"
+    ours.vision._graph = "tower graph"
+    calls = []
+
+    def fails_at_the_fifth(t):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("out of memory part-way through the move")
+        return t
+    with pytest.raises(torch.OutOfMemoryError):
+        ours._apply(fails_at_the_fifth)
+    assert ours.graphs == {} and ours.vision._graph is None
+
+
 def test_a_failed_capture_keeps_only_a_marker(model, monkeypatch):
     """A capture that fails (not for memory) leaves the pass to finish this call uncaptured, and in
     model.graphs only a marker that the bucket failed: no buffers kept or counted; a later lookup keeps it."""

@@ -312,3 +312,23 @@ def test_an_answer_that_ends_where_a_fixed_store_is_full_is_whole_on_the_graphed
     answer[-1] = 99
     with pytest.raises(Qwen35Error, match=r"The answer had 193 tokens after a prompt of 64: lower max_new_tokens"):
         generate(model, pf, max_new_tokens=500)
+
+
+def test_a_kept_graph_keeps_its_cublas_workspace_when_workspaces_are_freed():
+    """capture_graph lets cuBLAS's workspace go before the capture, so that the captured products take one inside
+    the graph's pool: free_gpu_workspaces (another model unloaded) then frees nothing a kept graph writes to, and
+    memory handed out after it is never written by a replay."""
+    from qwen35_fast.runtime.decode_graph import capture_graph, free_gpu_workspaces
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(96, 4096, device=dev, dtype=torch.bfloat16, generator=g)  # few rows: a split-K product
+    b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16, generator=g)
+    out = torch.empty(96, 4096, device=dev, dtype=torch.bfloat16)
+    graph, _, _ = capture_graph(dev, lambda: torch.matmul(a, b, out=out))
+    free_gpu_workspaces()
+    taken = [torch.zeros(2**20, dtype=torch.uint8, device=dev) for _ in range(256)]  # what was freed, handed out
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, a.float() @ b.float()) < 1e-2
+    assert not any(t.any() for t in taken)
