@@ -355,7 +355,8 @@ def test_rms_norm_rope_is_the_norm_kernel_then_the_rotary(impl, D, rd, T, H, dty
 
 def test_rms_norm_rope_falls_back_where_the_kernel_does_not_apply(impl):
     """Rotary widths the kernel does not take (not a multiple of 16, a sixteenth not a power of two, past the
-    first warp's vectors), fp32, and cos / sin of another dtype run the reference exactly."""
+    first warp's vectors), fp32, and cos / sin of another dtype run the reference exactly (in x's dtype, as the
+    op's fake says)."""
     g = torch.Generator(device=DEV).manual_seed(3)
     for D, rd, dtype, cdtype in [(256, 24, torch.bfloat16, torch.bfloat16), (256, 48, torch.bfloat16, torch.bfloat16),
                                  (2048, 512, torch.bfloat16, torch.bfloat16), (128, 32, torch.float32, torch.float32),
@@ -363,7 +364,8 @@ def test_rms_norm_rope_falls_back_where_the_kernel_does_not_apply(impl):
         x = torch.randn(1, 9, 4, D, generator=g, device=DEV).to(dtype)
         w = torch.randn(D, generator=g, device=DEV) * 0.1
         cos, sin = _rope_tables(9, rd, cdtype, g)
-        assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin), rms_norm_rope_ref(x, w, 1e-6, cos, sin))
+        assert torch.equal(impl.rms_norm_rope_cuda(x, w, 1e-6, cos, sin),
+                           rms_norm_rope_ref(x, w, 1e-6, cos, sin).to(dtype))
 
 
 def test_rms_norm_rope_takes_cos_sin_at_an_odd_offset(impl):
