@@ -42,16 +42,17 @@ def capture_graph(dev: torch.device, run, restore=None, measure: bool = True):
         if restore is not None:
             restore()
     graph = torch.cuda.CUDAGraph()
+    # cuBLAS's workspace, made by the warm-up outside the graph's pool, is let go before the capture, so that the
+    # captured products take one inside it (as torch's own graph trees do): free_gpu_workspaces (a model unloaded)
+    # can then never free memory a kept graph of another model writes to. (Before the measure: the capture
+    # gives the allocator's unused cache back on entering, the released workspace with it.)
+    free_gpu_workspaces()
     before = None
     if measure:
         torch.cuda.synchronize(dev)
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
-    # cuBLAS's workspace, made by the warm-up outside the graph's pool, is let go before the capture, so that the
-    # captured products take one inside it (as torch's own graph trees do): free_gpu_workspaces (a model unloaded)
-    # can then never free memory a kept graph of another model writes to
-    free_gpu_workspaces()
     try:
         with torch.cuda.graph(graph, stream=side):
             out = run()
