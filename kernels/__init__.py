@@ -281,8 +281,10 @@ def compile_ahead(device) -> int:
 def hash_words(words, seeds: tuple[int, int], backend: Backend | None = None):
     """The prefix cache's content hash lanes over int64 words [N]: int64 [2] on words' device, lane s the
     wrapping sum of mix(w_i ^ mix(i + seeds[s])) (content_hash/reference.py). One kernel on the CUDA backend
-    (the same bits as the reference), else the torch expression. Not an operator: no compiled graph reads it."""
-    if backend is not None and backend.use_cuda and words.is_cuda:
+    (the same bits as the reference), else the torch expression. Not an operator: no compiled graph reads it.
+    The kernel runs on the current device (the model's, which the backend was chosen for): words on another GPU
+    (a source image left where ComfyUI made it) take the torch expression there, ordered on its own stream."""
+    if backend is not None and backend.use_cuda and words.is_cuda and words.device.index == torch.cuda.current_device():
         from .content_hash.launch import hash_words_cuda
         return hash_words_cuda(words, seeds)
     from .content_hash.reference import hash_words_ref

@@ -527,6 +527,17 @@ def test_hash_words_is_the_reference_bit_for_bit(impl, n):
     assert torch.equal(got, hash_words_ref(words, seeds)) and torch.equal(got.cpu(), hash_words_ref(words.cpu(), seeds))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_words_on_another_gpu_are_hashed_there_not_on_the_current_one(impl):
+    """A source image on cuda:1 while the model's device (the current one) is cuda:0: its key is the torch
+    expression on cuda:1, never the kernel launched on cuda:0 over cuda:1's memory."""
+    from qwen35_fast.kernels.content_hash.reference import hash_words_ref
+    be = kernels.select_backend("cuda", "cuda:0", torch.bfloat16)
+    words = torch.randint(-2 ** 63, 2 ** 63 - 1, (70_001,), dtype=torch.int64, device="cuda:1")
+    with torch.cuda.device(0):
+        got = kernels.hash_words(words, (3, 5), be)
+    assert got.device == words.device and torch.equal(got.cpu(), hash_words_ref(words.cpu(), (3, 5)))
+
 def test_content_hash_is_the_same_on_the_kernel_and_on_the_cpu(impl):
     """An image's key does not depend on where it was hashed: the kernel, torch on the GPU, torch on the CPU;
     a change of one pixel changes it."""
