@@ -231,13 +231,11 @@ def _fp8_block(name: str, shape: list[int], scale: str, sshape: list[int], block
                       f"{hint} of {name} {list(shape)}; the scales do not fit their weight, re-download it")
 
 
-def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: int = 4096, device=None, out=None):
-    """An FP8 tensor as `dtype` on `device` (default: q's), or written into `out` (q's shape, any dtype and
-    device): q * scale in fp32, rounded once, a few thousand rows at a time (a 1 GB FP8 embedding never exists as
-    4 GB of fp32), each step's FP8 rows moved there first."""
+def dequantize(q, scale, block: tuple[int, int] | None, dtype, rows_per_step: int = 4096, device=None):
+    """An FP8 tensor as `dtype` on `device` (default: q's): q * scale in fp32, rounded once, a few thousand rows
+    at a time (a 1 GB FP8 embedding never exists as 4 GB of fp32), each step's FP8 rows moved there first."""
     import torch
-    if out is None:
-        out = torch.empty(q.shape, dtype=dtype, device=device if device is not None else q.device)
+    out = torch.empty(q.shape, dtype=dtype, device=device if device is not None else q.device)
     for r0, part in dequantized_rows(q, scale, block, out.device, rows_per_step):
         out[r0:r0 + part.shape[0]].copy_(part)
     return out
@@ -563,7 +561,7 @@ def read_config(cfg_file: Path) -> dict:
 def _unloadable_quantization(q) -> str:
     """'' when the loader dequantizes the weights of this quantization_config (FP8 with the scales FP8_SCALES
     describes), else what it is."""
-    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    method = _quant_method(q)
     if method == "fp8":
         return ""
     if method == "compressed-tensors":  # llm-compressor's FP8: F8_E4M3 weights, weight_scale per tensor or row
@@ -576,10 +574,15 @@ def _unloadable_quantization(q) -> str:
     return str(method)
 
 
+def _quant_method(q) -> str:
+    """The quant_method a quantization_config names, '?' where it names none."""
+    return str(q.get("quant_method", "?") if isinstance(q, dict) else "?")
+
+
 def quant_method_of(cfg: dict) -> str | None:
-    """The quant_method of a config's quantization_config ('?' where it names none), or None without one."""
+    """The quant_method of a config's quantization_config, or None without one."""
     q = cfg.get("quantization_config")
-    return None if q is None else str(q.get("quant_method", "?") if isinstance(q, dict) else "?")
+    return None if q is None else _quant_method(q)
 
 
 def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:
