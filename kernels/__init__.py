@@ -37,6 +37,21 @@ class Backend:
 _warned: set[str] = set()
 
 
+def card_unfit(device: torch.device) -> str:
+    """Why the CUDA kernels cannot run on the CUDA `device` whatever is installed ("" where they may): checked
+    before CuPy is imported, so that an AMD or an older card is told that rather than to install CuPy."""
+    if not torch.cuda.is_available():
+        return "CUDA kernels need a CUDA device, and torch sees none"
+    if getattr(torch.version, "hip", None):  # ROCm: AMD GPUs are CUDA devices to PyTorch, NVRTC builds nothing for them
+        return f"CUDA kernels need an NVIDIA GPU; this PyTorch runs AMD GPUs through ROCm {torch.version.hip}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 0):
+        return (f"CUDA kernels need compute capability 8.0 or newer; {torch.cuda.get_device_name(index)} "
+                f"(compute capability {major}.{minor}) is older")
+    return ""
+
+
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
     """Pick the kernel backend for tensors of `dtype` on `device`. `requested` is "auto", "cuda" or "torch".
 
@@ -58,11 +73,14 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
                                "load it as bf16/fp16, or choose backend 'auto'/'torch'")
         return Backend("torch", f"PyTorch path: the CUDA kernels take bf16/fp16, the model is "
                                 f"{str(dtype).replace('torch.', '')}")
-    try:
-        from . import cuda_impl
-        ok, reason = cuda_impl.cuda_status(device)
-    except ImportError as e:  # CuPy or the CUDA headers are missing
-        ok, reason = False, f"CUDA kernels unavailable: {e}"
+    ok, reason = False, card_unfit(device)
+    if not reason:
+        try:
+            from . import cuda_impl
+            ok, reason = cuda_impl.cuda_status(device)
+        except ImportError as e:  # CuPy (what else the kernels need is checked inside cuda_status)
+            reason = (f"CuPy is not installed ({e}); run `python install.py` in the pack's folder with ComfyUI's "
+                      "Python (it installs the CuPy that matches this PyTorch's CUDA), then restart ComfyUI")
     if ok:
         compile_ahead(device)
     if ok and dtype == torch.float16:  # (the paged attention kernel takes bf16; the op's reference runs fp16)

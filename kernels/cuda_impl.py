@@ -10,6 +10,7 @@ from pathlib import Path
 import cupy  # noqa: F401  (an ImportError here tells select_backend that CuPy is missing)
 import torch
 
+from . import card_unfit
 from .content_hash.launch import hash_words_cuda
 from .conv1d.launch import causal_conv1d_prefill_cuda, causal_conv1d_states_cuda, causal_conv1d_update_cuda
 from .dequant.launch import dequant_rows_cuda
@@ -47,26 +48,21 @@ def cuda_status(device) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"CUDA kernels need a CUDA device, not {device}"
-    if not torch.cuda.is_available():
-        return False, "CUDA kernels need a CUDA device, and torch sees none"
-    if getattr(torch.version, "hip", None):  # ROCm: AMD GPUs are CUDA devices to PyTorch, NVRTC builds nothing for them
-        return False, f"CUDA kernels need an NVIDIA GPU; this PyTorch runs AMD GPUs through ROCm {torch.version.hip}"
+    unfit = card_unfit(device)
+    if unfit:
+        return False, unfit
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _status:
         return _status[index]
-    name = torch.cuda.get_device_name(index)
     major, minor = torch.cuda.get_device_capability(index)
-    card = f"{name} (compute capability {major}.{minor})"
-    if (major, minor) < (8, 0):
-        result = (False, f"CUDA kernels need compute capability 8.0 or newer; {card} is older")
-    else:
-        try:
-            from .cuda_build import arch_for_capability
-            arch = arch_for_capability(major, minor)
-            _probe(torch.device("cuda", index))
-            result = (True, f"CUDA kernels on {card}, built with NVRTC for {arch}")
-        except Exception as e:  # compile errors, missing headers, driver too old for the cubin, ...
-            result = (False, f"CUDA kernels failed on {card}: {type(e).__name__}: {e}")
+    card = f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor})"
+    try:
+        from .cuda_build import arch_for_capability
+        arch = arch_for_capability(major, minor)
+        _probe(torch.device("cuda", index))
+        result = (True, f"CUDA kernels on {card}, built with NVRTC for {arch}")
+    except Exception as e:  # compile errors, missing headers, driver too old for the cubin, ...
+        result = (False, f"CUDA kernels failed on {card}: {type(e).__name__}: {e}")
     _status[index] = result
     return result
 

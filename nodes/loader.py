@@ -92,11 +92,12 @@ class Qwen35ModelLoader(io.ComfyNode):
                 io.Int.Input("cache_budget_mb", default=0, min=0, max=1 << 20, step=256, advanced=True,
                              optional=True, display_name="K/V cache budget (MiB)",
                              tooltip="Memory for the paged K/V cache that every prefill and generation of this "
-                                     "model shares, with the saved states that let a later prompt reuse an "
-                                     "earlier one's system prompt and images (a quarter, with room for at least 8 "
-                                     "states). Counted with the model in ComfyUI's memory management. 0: auto (room for 64K tokens, at most a quarter of the "
-                                     "memory free after loading; it grows when a prompt needs more). A fixed "
-                                     "budget never grows: a prompt that does not fit is an error."),
+                                     "model shares; a quarter of it holds the saved states that let a later "
+                                     "prompt reuse an earlier one's system prompt and images (room for at least "
+                                     "8). Counted with the model in ComfyUI's memory management. 0: auto (room "
+                                     "for 64K tokens, at most a quarter of the memory free after loading; it "
+                                     "grows when a prompt needs more). A fixed budget never grows: a prompt that "
+                                     "does not fit is an error."),
                 io.Combo.Input("weights", options=WEIGHTS, default="auto", advanced=True, optional=True,
                                tooltip="How the text model's weight matrices are kept. full: in the dtype. int8: "
                                        "in 8 bits with a scale per row, computed in the dtype: half the memory of "

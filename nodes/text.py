@@ -51,12 +51,14 @@ class Qwen35TextPrefill(io.ComfyNode):
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="The user message."),
                 io.String.Input("system_prompt", multiline=True, default="",
-                                tooltip="Optional system message (with the chat template)."),
+                                tooltip="Optional system message. With use_chat_template off it goes before the "
+                                        "prompt, a blank line between them."),
                 io.Boolean.Input("thinking", default=False,
                                  tooltip="Let the model think before it answers; the thinking comes out "
                                          "of Generate separately."),
                 io.Boolean.Input("use_chat_template", default=True, advanced=True,
-                                 tooltip="Off: the prompt goes in as raw text, for completion."),
+                                 tooltip="Off: the system prompt (if any) and the prompt go in as raw text, for "
+                                         "completion; thinking is then off."),
                 io.Boolean.Input("allow_special_tokens", default=False, advanced=True, optional=True,
                                  tooltip="On: special tokens written in the prompt (<|im_start|>, <think>...) "
                                          "act as such. Off: they stay plain text and cannot open a chat turn."),
@@ -109,7 +111,8 @@ class Qwen35Generate(io.ComfyNode):
                 io.Boolean.Input("sampling", default=True, label_on="sample", label_off="greedy",
                                  tooltip="Off: always the most likely token after the repetition and presence "
                                          "penalties (temperature, top_k, top_p and min_p are ignored)."),
-                io.Float.Input("temperature", default=0.7, min=0.01, max=2.0, step=0.01),
+                io.Float.Input("temperature", default=0.7, min=0.01, max=2.0, step=0.01,
+                               tooltip="Lower: closer to greedy; ignored when sampling is off."),
                 io.Int.Input("top_k", default=20, min=0, max=1000, tooltip="0: no limit."),
                 io.Float.Input("top_p", default=0.8, min=0.01, max=1.0, step=0.01,
                                tooltip="Keep the most likely tokens up to this much probability; 1: off."),
@@ -117,8 +120,12 @@ class Qwen35Generate(io.ComfyNode):
                                tooltip="Drop tokens less likely than this times the top one; 0: off."),
                 io.Float.Input("repetition_penalty", default=1.0, min=0.01, max=5.0, step=0.01, advanced=True,
                                tooltip="Above 1 discourages tokens already in the prompt or answer; 1: off."),
-                io.Float.Input("presence_penalty", default=0.0, min=0.0, max=5.0, step=0.01, advanced=True),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Float.Input("presence_penalty", default=0.0, min=0.0, max=5.0, step=0.01, advanced=True,
+                               tooltip="Subtracted from the logit of every token already in the answer; 0: off. "
+                                       "1.5 helps where answers loop."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="The sampling's seed: the same prefill, settings and seed give the same text "
+                                     "on the same machine."),
             ],
             outputs=[
                 io.String.Output(display_name="text", is_output_list=True),

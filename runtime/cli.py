@@ -110,6 +110,8 @@ def _run(a, streamed: list) -> int:
         if not text.strip():
             raise Qwen35Error(f"--follow-up {text!r} is empty; write the next question")
     images = [_read_image(f) for f in a.image]  # and the images: a wrong path should not cost one either
+    if not a.prompt.strip() and not images:  # (nor an empty prompt: prefill's own check comes after the load)
+        raise Qwen35Error("--prompt is empty; write a prompt (or give an --image to describe)")
     path = a.model or demo_checkpoint()
     model = load_model(path, dtype=a.dtype, device=a.device, backend=a.backend, weights=a.weights)
     if images:

@@ -189,7 +189,8 @@ def _check_images(images) -> tuple[int, int, int, int]:
     if b == 0:
         raise Qwen35Error("the image batch is empty (0 images); connect an image or leave the input empty")
     if h == 0 or w == 0:
-        raise Qwen35Error(f"an image is {w}x{h} pixels; both sides must be at least 1")
+        raise Qwen35Error(f"an image input is {w}x{h} pixels (width x height); both sides must be at least 1: "
+                          "check the node that made it (a crop or resize to 0 pixels)")
     if c not in (1, 2, 3, 4):
         raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA) "
                           "(a MASK [batch, height, width] is no IMAGE: convert it with ComfyUI's Convert Mask to "

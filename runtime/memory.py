@@ -263,15 +263,19 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
     empty_cache(dev)  # what the failed run held goes back, so `free` is what a retry would find
     free, total = free_bytes(dev)
     gib = 2 ** 30
-    halve = "" if model.int8 else "with int8 weights (the loader's weights input: half the memory), "
     on_cpu = dev.type == "cpu"
+    loads = [] if model.int8 else ["with int8 weights (the loader's weights input: half the memory)"]
+    if model.dtype == torch.float32:
+        loads.append("as bf16")
+    if not on_cpu:
+        loads.append("on the cpu")
+    other = f"load the model {' or '.join(loads)}, or load a smaller Qwen3.5" if loads else "load a smaller Qwen3.5"
     return Qwen35Error(
         f"out of memory on {dev} {what}: that needs about "
         f"{needed / gib:.2f} GiB beyond the model's {model.size_bytes() / gib:.2f} GiB of weights and K/V cache, and "
         f"{free / gib:.2f} GiB of {total / gib:.2f} GiB is free. Shorten the prompt (or max_new_tokens), free "
-        f"memory (ComfyUI's 'Unload models', or close other programs{'' if on_cpu else ' on the GPU'}), or load the "
-        f"model {halve}in a smaller dtype{'' if on_cpu else ' or on the cpu'}. The model is unchanged: the same run "
-        "works once there is room")
+        f"memory (ComfyUI's 'Unload models', or close other programs{'' if on_cpu else ' on the GPU'}), or {other}. "
+        "The model is unchanged: the same run works once there is room")
 
 
 __all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "generation_growth_bytes",

@@ -32,12 +32,49 @@ def test_fp16_models_are_told_where_attention_runs(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "qwen35_fast.kernels.cuda_impl", fake)
     monkeypatch.setattr(kernels, "cuda_impl", fake, raising=False)
     monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(kernels, "card_unfit", lambda device: "")
     with caplog.at_level("WARNING"):
         half = [kernels.select_backend("auto", "cuda", torch.float16) for _ in range(2)]
         bf16 = kernels.select_backend("auto", "cuda", torch.bfloat16)
     assert half[0].name == "cuda" and "fp16: attention over the K/V cache runs on the PyTorch path" in half[0].reason
     assert bf16.name == "cuda" and bf16.reason == "CUDA kernels on a test card"
     assert sum("load the model as bf16" in r.getMessage() for r in caplog.records) == 1
+
+
+def fake_card(monkeypatch, capability=(8, 9), hip=None, cupy=True):
+    """A CUDA card of `capability` as torch reports it (ROCm where `hip` is a version), with or without CuPy."""
+    import sys
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Test Card")
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(kernels, "_warned", set())
+    if not cupy:
+        monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+        monkeypatch.delitem(sys.modules, "qwen35_fast.kernels.cuda_impl", raising=False)
+        monkeypatch.delattr(kernels, "cuda_impl", raising=False)
+
+
+@pytest.mark.parametrize("cupy", [True, False])
+def test_cards_the_kernels_cannot_run_on_are_named_before_cupy_is_asked(monkeypatch, cupy):
+    """An AMD card (ROCm) or one older than compute capability 8.0 is told so whether CuPy is there or not (a
+    ROCm install gets no CuPy from install.py: "install CuPy" would be the wrong fix)."""
+    fake_card(monkeypatch, hip="6.4", cupy=cupy)
+    b = kernels.select_backend("auto", "cuda", torch.bfloat16)
+    assert b.name == "torch" and "need an NVIDIA GPU; this PyTorch runs AMD GPUs through ROCm 6.4" in b.reason
+    fake_card(monkeypatch, capability=(7, 5), cupy=cupy)
+    with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer; Test Card \(compute capability 7.5\)"):
+        kernels.select_backend("cuda", "cuda", torch.bfloat16)
+
+
+def test_a_card_without_cupy_is_told_how_to_install_it(monkeypatch, caplog):
+    fake_card(monkeypatch, cupy=False)
+    with caplog.at_level("WARNING"):
+        b = kernels.select_backend("auto", "cuda", torch.bfloat16)
+    assert b.name == "torch" and b.reason.startswith("PyTorch fallback: CuPy is not installed (")
+    assert "run `python install.py` in the pack's folder with ComfyUI's Python" in b.reason
+    assert "then restart ComfyUI" in caplog.text
 
 
 def test_unknown_backend():

@@ -329,7 +329,7 @@ def test_command_line_follow_ups(capsys):
 
 def test_command_line_follow_ups_take_the_prompts_settings_and_empty_ones_cost_no_load(capsys, monkeypatch):
     """--allow-special-tokens reaches the follow-up turns too; an empty --follow-up is refused before the model
-    loads (not after the first answer)."""
+    loads (not after the first answer), and so is an empty --prompt."""
     import qwen35_fast.runtime as rt
     from qwen35_fast.runtime.cli import main
     seen = []
@@ -345,6 +345,8 @@ def test_command_line_follow_ups_take_the_prompts_settings_and_empty_ones_cost_n
     capsys.readouterr()
     assert main(["demo", "--prompt", "Hi", "--follow-up", "Next?", "--follow-up", "  "]) == 2
     assert capsys.readouterr().err == "error: --follow-up '  ' is empty; write the next question\n"
+    assert main(["demo", "--prompt", " \n"]) == 2  # nor an empty prompt
+    assert capsys.readouterr().err == "error: --prompt is empty; write a prompt (or give an --image to describe)\n"
 
 
 @pytest.mark.parametrize("error, code, err", [
