@@ -59,6 +59,16 @@ def test_prefill_gates_of_two_dtypes_are_not_rounded_to_the_narrower_one():
     assert torch.equal(h1, h2) and torch.equal(o1, o2)
 
 
+def test_decode_step_refuses_more_sequences_than_its_grid_takes():
+    """The launch's grid has one z index a sequence (at most 65,535): more is refused by name before any launch
+    (the driver's bare "CUresult 1" otherwise). Checked before the tensors' device is asked, so on any machine."""
+    from qwen35_fast.kernels.gdn_decode.launch import MAX_N, gdn_decode_step_cuda
+    N = MAX_N + 1
+    q, v, ab = torch.zeros(N, 1, 16), torch.zeros(N, 1, 32), torch.zeros(N, 1)
+    with pytest.raises(ValueError, match="65536 sequences in one call; the kernel takes at most 65,535"):
+        gdn_decode_step_cuda(q, q, v, ab, ab, torch.zeros(1), torch.zeros(1), torch.zeros(1))
+
+
 @gpu
 def test_decode_step_of_mixed_dtypes_matches_the_reference():
     """q, a, A_log in bf16 and k, b, dt_bias in fp32: each pair goes in as the wider dtype (k, b and dt_bias were

@@ -10,7 +10,17 @@ import torch.nn.functional as F
 
 from qwen35_fast import kernels
 from qwen35_fast.kernels.gemv import launch as gemv_launch
-from qwen35_fast.kernels.gemv.launch import BLOCKS_PER_SM, MAX_K, MIN_RUN, ROWS, WARPS, grid_blocks, split_of, takes
+from qwen35_fast.kernels.gemv.launch import (
+    BLOCKS_PER_SM,
+    MAX_K,
+    MIN_RUN,
+    ROWS,
+    WARPS,
+    grid_blocks,
+    per_sm_of,
+    split_of,
+    takes,
+)
 
 from _models import int8_rows, poison_allocator
 
@@ -20,13 +30,24 @@ ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp, at 
 @pytest.mark.parametrize("n_rows", [1, 2, 3, 15, 16, 17, 2560, 4096, 12352, 248320])
 @pytest.mark.parametrize("sms", [46, 132])
 @pytest.mark.parametrize("split", [1, 2, 4])
-def test_grid_gives_every_warp_the_same_row_groups(n_rows, sms, split):
-    blocks = grid_blocks(n_rows, sms, split)
+@pytest.mark.parametrize("per_sm", [BLOCKS_PER_SM, 3, 2])
+def test_grid_gives_every_warp_the_same_row_groups(n_rows, sms, split, per_sm):
+    blocks = grid_blocks(n_rows, sms, split, per_sm)
     groups, per_block = -(-n_rows // ROWS), WARPS // split  # row groups, and those a block takes at once
     rounds = -(-groups // (blocks * per_block))  # row groups of the busiest warp
-    assert 1 <= blocks <= sms * BLOCKS_PER_SM
-    assert rounds == -(-groups // (sms * BLOCKS_PER_SM * per_block))  # no more than the fullest grid gives
+    assert 1 <= blocks <= sms * per_sm  # one wave of the blocks the card holds at once
+    assert rounds == -(-groups // (sms * per_sm * per_block))  # no more than the fullest grid gives
     assert (blocks - 1) * per_block * rounds < groups  # no block without work
+
+
+@pytest.mark.parametrize("k,smem_per_sm,per_sm", [
+    (17408, 102400, 2), (12288, 102400, 4), (9216, 102400, 4),  # RTX 30 / 40 / 50: the 27B's down fits two
+    (17408, 167936, 4), (MAX_K, 233472, 4), (MAX_K, 102400, 2), (17408, 65536, 1)])  # A100, H100; a small SM
+def test_blocks_an_sm_holds_count_x_in_shared_memory(k, smem_per_sm, per_sm):
+    """The grid's blocks an SM are those its shared memory holds (x's K bf16 values and the runtime's 1 KB a
+    block): a grid of four an SM where two fit ran a second, short wave of blocks on a 27B int8 model's down."""
+    assert per_sm_of(2 * k, smem_per_sm) == per_sm
+    assert per_sm_of(2 * 12288 + WARPS * ROWS * 4, 102400) == 3  # a split's partial sums tip the 9B's down
 
 
 @pytest.mark.parametrize("n_rows,k,sms,split", [

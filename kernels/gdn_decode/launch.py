@@ -31,6 +31,9 @@ def _code(t: torch.Tensor, name: str) -> int:
         raise TypeError(f"gdn_decode_step: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16") from None
 
 
+MAX_N = 65535  # sequences a launch: the grid's z (Dv // VT, Hv, N)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[N, H, X] with each sequence's H*X elements contiguous (any sequence stride)."""
     st = t.stride()
@@ -55,6 +58,9 @@ def gdn_decode_step_cuda(q, k, v, a, b, A_log, dt_bias, state):
                          f"a {tuple(a.shape)}, b {tuple(b.shape)} do not match [N, Hk, D], [N, Hv, Dv], [N, Hv]")
     if Hv % Hk:
         raise ValueError(f"gdn_decode_step: value heads ({Hv}) must be a multiple of q/k heads ({Hk})")
+    if N > MAX_N:  # (the runtime steps one sequence a call)
+        raise ValueError(f"gdn_decode_step: {N} sequences in one call; the kernel takes at most {MAX_N:,} (its "
+                         "grid's z): step them in calls of up to that many")
     if state.dtype != torch.float32 or state.shape != (N, Hv, D, Dv) or not state.is_contiguous():
         raise ValueError(f"gdn_decode_step: state must be a contiguous float32 [N, Hv, D, Dv] = {(N, Hv, D, Dv)} "
                          f"tensor, got {state.dtype} {tuple(state.shape)} contiguous={state.is_contiguous()}")

@@ -28,9 +28,17 @@ SPLITS = (4, 2, 1)  # warps a row group may take (gemv.cu SPLIT)
 MIN_RUN = 32 * 4 * 2 * 8
 
 
-def split_of(n_rows: int, k: int, sms: int) -> int:
+def per_sm_of(smem: int, smem_per_sm: int) -> int:
+    """Blocks of `smem` bytes of dynamic shared memory (x's K values, and a split's partial sums) one SM holds at
+    once: BLOCKS_PER_SM, fewer where those and the 1 KB the runtime reserves a block pass the SM's: the 27B's
+    down projection (K = 17,408: 34 KB of x) fits two on the 100 KB SM of an RTX 30 / 40 / 50 card, four on an
+    A100 or H100."""
+    return max(1, min(BLOCKS_PER_SM, smem_per_sm // (smem + 1024)))
+
+
+def split_of(n_rows: int, k: int, sms: int, per_sm: int = BLOCKS_PER_SM) -> int:
     """Warps per row group of a plain product: the most of SPLITS whose warps still fit one full grid
-    (BLOCKS_PER_SM blocks an SM) and leave each warp at least MIN_RUN weights of a row; 1 where the row groups
+    (per_sm blocks an SM: per_sm_of) and leave each warp at least MIN_RUN weights of a row; 1 where the row groups
     alone fill the grid. (The fused products keep 1: every block forms the whole x, a norm or the MLP's gate,
     so twice the blocks for the same rows cost more staging than the shared rows save: 9B-shaped graph decode
     206.4 tok/s with them split against 207.7, results/gemv-split-ab-h200.json; where a product splits, its
@@ -41,12 +49,12 @@ def split_of(n_rows: int, k: int, sms: int) -> int:
     results/gemv-int8-split-ab-h100-*.json)."""
     groups = -(-n_rows // ROWS)
     for s in SPLITS:
-        if groups * s <= sms * BLOCKS_PER_SM * WARPS and k // s >= MIN_RUN:
+        if groups * s <= sms * per_sm * WARPS and k // s >= MIN_RUN:
             return s
     return 1
 
 
-def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
+def fuses(pro: int, n_rows: int, k: int, sms: int, per_sm: int = BLOCKS_PER_SM) -> bool:
     """Whether a product's fused launch (PRO 1: the residual add and RMSNorm staged as x; PRO 2: the MLP's
     gate) beats the two launches it replaces; else those run (the norm or the gate, then the plain product).
     Graph decode of each dense size at 4K context (results/decode-mixed-*-ab-h200.json, tok/s fused / with the
@@ -59,19 +67,24 @@ def fuses(pro: int, n_rows: int, k: int, sms: int) -> bool:
       warps (five vectors a lane, results/decode-mixed-4b-tpr64-ab-h200.json) 315.7 / 323.1 / 307.0 / 313.6,
       the norms fused winning as at the other sizes (9B 207.8 against 203.2 apart). No Qwen3.5 hidden size
       is one warp's row now; the guard stays for any other."""
-    if split_of(n_rows, k, sms) > 1:
+    if split_of(n_rows, k, sms, per_sm) > 1:
         return False
     tpr = norm_threads_per_row(k)  # gemv.cu's PRO 1 forms the row with these threads (its launcher passes them)
     return pro != 1 or tpr > 32 or tpr == k // 8  # more than one warp a row, or one vector a thread
 
 
-def grid_blocks(n_rows: int, sms: int, split: int = 1) -> int:
-    """Blocks for n_rows rows, `split` warps a row group: at most BLOCKS_PER_SM a multiprocessor, and as few as
+def grid_blocks(n_rows: int, sms: int, split: int = 1, per_sm: int = BLOCKS_PER_SM) -> int:
+    """Blocks for n_rows rows, `split` warps a row group: at most per_sm a multiprocessor, and as few as
     give every warp the same number of row groups (ROWS rows each) as the fullest one (no wave of a few warps
     at the end)."""
     groups, per_block = -(-n_rows // ROWS), WARPS // split
-    rounds = -(-groups // (sms * BLOCKS_PER_SM * per_block))  # row groups per warp
+    rounds = -(-groups // (sms * per_sm * per_block))  # row groups per warp
     return max(1, -(-groups // (rounds * per_block)))
+
+
+def _fuses_on(pro: int, n_rows: int, k: int, device) -> bool:
+    card = card_of(device)
+    return fuses(pro, n_rows, k, card.sms, per_sm_of(2 * k, card.smem_per_sm))  # (x: a 16-bit type)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
@@ -103,10 +116,11 @@ def _launch(weight: torch.Tensor, x, y: torch.Tensor, K: int, defines: dict, res
     N = weight.shape[0]
     defines = {"IN_T": _CODE[y.dtype], "SPLIT": split, **defines, **({"Q8": 1} if scale is not None else {})}
     fn = get_function(SRC, "gemv", y.device, defines)
-    launch(fn, (grid_blocks(N, card_of(y.device).sms, split), 1, 1), (THREADS, 1, 1),
+    card, smem = card_of(y.device), K * y.element_size() + (WARPS * ROWS * 4 if split > 1 else 0)
+    launch(fn, (grid_blocks(N, card.sms, split, per_sm_of(smem, card.smem_per_sm)), 1, 1), (THREADS, 1, 1),
            (weight, x, y, np.int32(N), np.int32(K), np.int64(weight.stride(0)), res, norm_w, s, np.float32(eps),
             scale),
-           shared_mem=K * y.element_size() + (WARPS * ROWS * 4 if split > 1 else 0), programmatic=True)
+           shared_mem=smem, programmatic=True)
 
 
 def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None,
@@ -118,7 +132,8 @@ def gemv_cuda(x: torch.Tensor, weight: torch.Tensor, split: int | None = None,
     N, K = weight.shape
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     if split is None:
-        split = split_of(N, K, card_of(x.device).sms)
+        card = card_of(x.device)
+        split = split_of(N, K, card.sms, per_sm_of(K * x.element_size(), card.smem_per_sm))
     _launch(weight, _aligned_row(x, K), y, K, {}, split=split, scale=scale)
     return y
 
@@ -134,7 +149,7 @@ def gemv_add_rms_norm_cuda(res: torch.Tensor, x: torch.Tensor | None, norm_w: to
     ok = (takes(res, weight, scale) and K % 256 == 0 and norm_w.shape == (K,)
           and norm_w.dtype in (*_CODE, torch.float32) and norm_w.is_cuda
           and (x is None or (x.shape == res.shape and x.dtype == res.dtype))
-          and (fuse if fuse is not None else fuses(1, weight.shape[0], K, card_of(res.device).sms)))
+          and (fuse if fuse is not None else _fuses_on(1, weight.shape[0], K, res.device)))
     if not ok:
         s, n = add_rms_norm_cuda(res, x, norm_w, eps) if x is not None else (res, rms_norm_cuda(res, norm_w, eps))
         return s, gemv_cuda(n, weight, scale=scale)
@@ -154,7 +169,7 @@ def gemv_silu_mul_cuda(gu: torch.Tensor, weight: torch.Tensor, fuse: bool | None
     gemv_cuda(..., split=1) does); what it does not take runs as the two launches."""
     K = weight.shape[-1]
     ok = (gu.shape[-1] == 2 * K and takes(gu[..., :K], weight, scale)
-          and (fuse if fuse is not None else fuses(2, weight.shape[0], K, card_of(gu.device).sms)))
+          and (fuse if fuse is not None else _fuses_on(2, weight.shape[0], K, gu.device)))
     if not ok:
         return gemv_cuda(silu_mul_cuda(gu), weight, scale=scale)
     y = torch.empty(*gu.shape[:-1], weight.shape[0], dtype=gu.dtype, device=gu.device)
