@@ -5,12 +5,17 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import kernels
 from .errors import Qwen35Error, real_number, whole_number
 
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
+# the penalties' range: logits divided or multiplied by the repetition penalty, or less the presence penalty, stay
+# far inside fp32 (a penalty of 1e-38 made them inf, every weight NaN, and the draw the last id)
+REPETITION_RANGE = (1e-3, 1e3)
+MAX_PRESENCE = 1e4
 _M64 = (1 << 64) - 1
 
 
@@ -28,6 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0    # 0.0: off; subtracted from the logit of every token already generated
 
     def check(self) -> None:
+        if isinstance(self.do_sample, np.bool_):  # (no integer to operator.index)
+            object.__setattr__(self, "do_sample", bool(self.do_sample))
         if not isinstance(self.do_sample, bool):  # ("no" is true: it would sample); 0 and 1 as a JSON API sends them
             flag = whole_number(self.do_sample)
             if flag not in (0, 1):
@@ -53,8 +60,13 @@ class SamplingParams:
             raise Qwen35Error(f"top_p {self.top_p} must be in (0, 1] (1 turns it off)")
         if not 0.0 <= self.min_p < 1.0:
             raise Qwen35Error(f"min_p {self.min_p} must be in [0, 1) (0 turns it off)")
-        if not self.repetition_penalty > 0:
-            raise Qwen35Error(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off)")
+        lo, hi = REPETITION_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise Qwen35Error(f"repetition_penalty {self.repetition_penalty} must be in [{lo:g}, {hi:g}] (1 turns it "
+                              "off; above 1 discourages repeats)")
+        if not abs(self.presence_penalty) <= MAX_PRESENCE:
+            raise Qwen35Error(f"presence_penalty {self.presence_penalty} must be within +-{MAX_PRESENCE:g} (0 turns it "
+                              "off)")
 
 
 def draw_seed(seed: int) -> int:

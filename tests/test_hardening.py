@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -421,7 +422,10 @@ def test_cli_with_a_non_utf8_argument(folder):
     (dict(temperature="0.7"), r"temperature is '0.7'; it must be a finite number"),
     (dict(top_p=0.0), r"top_p 0.0 must be in \(0, 1\]"),
     (dict(min_p=1.0), r"min_p 1.0 must be in \[0, 1\)"),
-    (dict(repetition_penalty=0.0), r"repetition_penalty 0.0 must be > 0"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty 0.0 must be in \[0.001, 1000\] \(1 turns it off"),
+    (dict(repetition_penalty=1e-38), r"repetition_penalty 1e-38 must be in \[0.001, 1000\]"),  # (logits past fp32)
+    (dict(presence_penalty=-3.5e38), r"presence_penalty -3.5e\+38 must be within \+-10000 \(0 turns it off\)"),
+    (dict(do_sample=np.bool_(True), top_p=0.0), r"top_p 0.0 must be in"),  # numpy's bool taken as a bool
     (dict(top_k=-1), r"top_k -1 must be >= 0 \(0 turns it off\)"),
     (dict(do_sample=False, top_p=0.0), r"top_p 0.0 must be in \(0, 1\] \(1 turns it off\)"),  # greedy checks too
     (dict(do_sample=False, min_p=1.0), r"min_p 1.0 must be in \[0, 1\) \(0 turns it off\)"),

@@ -202,7 +202,7 @@ def test_every_value_the_generate_node_offers_runs(pack, models_dir, still_works
     ("top_k", 20.5, r"top_k is 20.5 \(float\)"),
     ("top_p", 0.0, r"top_p 0.0 must be in \(0, 1\]"),
     ("min_p", 1.0, r"min_p 1.0 must be in \[0, 1\)"),
-    ("repetition_penalty", 0.0, "repetition_penalty 0.0 must be > 0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty 0.0 must be in \[0.001, 1000\]"),
     ("seed", 1.5, r"seed is 1.5 \(float\)"),
 ])
 def test_generate_node_names_bad_settings(pack, models_dir, still_works, name, value, message):

@@ -47,7 +47,8 @@ def _penalise_marked(logits, marks, repetition, presence):
 
 def order_keys(logits: torch.Tensor) -> torch.Tensor:
     """int64 [V] keys, unique, ordered as the candidates are: the logit's fp32 bits in signed order (negatives'
-    magnitude bits flipped; NaN above +inf, as torch.topk ranks it) in the high word, 0xFFFFFFFF - id below."""
+    magnitude bits flipped; a positive NaN above +inf, as torch.topk ranks it, a negative one, as inf - inf
+    gives on the CPU, below -inf) in the high word, 0xFFFFFFFF - id below."""
     bits = logits.contiguous().view(torch.int32)
     hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     ids = torch.arange(logits.numel(), dtype=torch.int64, device=logits.device)
