@@ -308,8 +308,9 @@ class VisionInput:
     cache's key of the input can come from its source (content_key), the same for the same pixels and
     settings, without making the patches. `origin` (the caller's tensor and which part of it the input is)
     lets a tensor seen before skip even that (SeenTensors). `source_hash` stands for the source's fingerprint
-    where the source is not kept: a VideoSource's sampled frames, hashed one by one as they were read
-    (fingerprint.content_hash of them stacked, so the key is the one their tensor would have)."""
+    where the source is not kept: a video's sampled frames hashed one by one (fingerprint.content_hash of them
+    stacked, so the key is the one their tensor would have), as a VideoSource's were read, or a function that
+    hashes a tensor's so when the key is first asked."""
     kind: str  # "image" | "video"
     patches: torch.Tensor | Callable[[], torch.Tensor]
     grid: tuple[int, int, int]
@@ -321,7 +322,7 @@ class VisionInput:
     source: torch.Tensor | Callable[[], torch.Tensor] | None = None
     recipe: str = ""
     origin: tuple[torch.Tensor, object] | None = None
-    source_hash: str = ""
+    source_hash: str | Callable[[], str] = ""
 
     @functools.cached_property
     def pixels(self) -> torch.Tensor:
@@ -343,6 +344,10 @@ class VisionInput:
         """What the prefix cache knows this input by: its kind, grid and `fingerprint` (a content hash) of its
         source (or its source_hash) and recipe, or of its patches when it came without a source."""
         grid = "x".join(map(str, self.grid))
+        if callable(self.source_hash):  # hashed when first asked, once a tensor and part (SEEN)
+            digest = self.source_hash if self.origin is None else \
+                functools.partial(SEEN.get, *self.origin, self.source_hash)
+            return f"{self.kind}:{grid}:{self.recipe}:{digest()}"
         if self.source_hash:
             return f"{self.kind}:{grid}:{self.recipe}:{self.source_hash}"
         if self.source is None:
@@ -436,9 +441,16 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
     return [round(x) for x in np.linspace(0, total - 1, n).round().tolist()]
 
 
-def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None, device=None) -> VisionInput:
-    """A video as ComfyUI frames [F, H, W, C] in 0..1 at `fps` frames per second -> one VisionInput.
-    device: where to resize; only the sampled frames are moved there."""
+def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None = None, device=None,
+                     backend: kernels.Backend | None = None) -> VisionInput:
+    """A video as ComfyUI frames [F, H, W, C] in 0..1 at `fps` frames per second -> one VisionInput: the same
+    patches, grid, timestamps and content key as preprocess_video_source gives for a reader of these frames.
+    device: where to resize; backend: the one that hashes the frames where they lie (content_key).
+
+    Only the sampled frames are read, one at a time, in each of the two passes made when needed: the content
+    key's hash (none for a tensor hashed before: SEEN) and the patches (none for a video inside a cached prefix).
+    Each pass moves one frame at a time to `device`, so that holds one source frame and the resized frames, which
+    the pixel budget bounds, never the sampled frames at source size (768 frames of 1080p are 19 GB in fp32)."""
     pp = pp or Preprocessing()
     if isinstance(frames, torch.Tensor) and frames.dim() == 4 and frames.shape[0] == 0:
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
@@ -447,13 +459,54 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
     _check_images(frames)
-    if frames.device.type != "cpu":  # checked now, as for images (preprocess_images); the frames checked are kept
-        picked = frames[index]
-        _checked(picked)
-        chosen = functools.cache(lambda: picked if device is None else picked.to(device))
-    else:  # (gathered when first needed: a cached video is never copied)
-        chosen = functools.cache(lambda: _moved(frames[index], device))
-    return _sampled_video(chosen, frames.shape[1:], index, fps, pp, (frames, tuple(index)))
+    h, w = frames.shape[1:3]
+    layout = _video_layout(h, w, index, fps, pp)
+    checked = frames.device.type != "cpu"
+    if checked:  # now, as for images (preprocess_images): before the tower's work is queued
+        _checked_range(frames[i] for i in index)
+
+    def sampled():
+        """Each sampled frame [1, H, W, C] on `device`; on the CPU checked there, the first time through."""
+        nonlocal checked
+        seen = []
+        for i in index:
+            x = frames[i:i + 1]
+            if not checked:
+                seen.append(check_finite(x))
+            yield x if device is None else x.to(device)
+        if not checked:
+            checked = True
+            _checked_range(seen)
+
+    def digest() -> str:  # content_hash of the sampled frames stacked, as a reader's stream of them gives it
+        hashed = StreamedHash(backend)
+        for x in sampled():
+            hashed.add(x)
+        return hashed.digest((len(index), *frames.shape[1:]), frames.dtype)
+
+    def patches() -> torch.Tensor:
+        small = None  # all of them, the odd count's fill included: [F, 3, h, w]
+        for k, x in enumerate(sampled()):
+            one = _resize(to_rgb(x), layout.size)[0]
+            if small is None:
+                small = one.new_empty(len(index) + layout.fill, *one.shape)
+            small[k] = one
+        small[len(index):] = small[len(index) - 1]
+        return _patchify(_normalise(small, pp), pp)[0]
+
+    return VisionInput("video", patches, layout.grid, (h, w), layout.timestamps, layout.scaled_down,
+                       recipe=_recipe(layout.size, pp), origin=(frames, tuple(index)), source_hash=digest)
+
+
+def _checked_range(ranges) -> None:
+    """check_finite over frames (or their (lowest, highest) pairs), and range_note's warning, once for them all."""
+    lo, hi = math.inf, -math.inf
+    for r in ranges:
+        a, b = check_finite(r) if isinstance(r, torch.Tensor) else r
+        lo, hi = min(lo, a), max(hi, b)
+    note = range_note(lo, hi) if lo <= hi else ""
+    if note:
+        log.warning("qwen35: %s", note)
 
 
 @runtime_checkable
@@ -575,23 +628,6 @@ class _StreamedFrames:
 
         return VisionInput("video", patches, layout.grid, self.shape[:2], layout.timestamps, layout.scaled_down,
                            recipe=_recipe(layout.size, pp), source_hash=self.hash.digest((self.kept, *self.shape), self.dtype))
-
-
-def _sampled_video(chosen: Callable[[], torch.Tensor], shape, index: list[int], fps: float, pp: Preprocessing,
-                   origin) -> VisionInput:
-    """The VisionInput of a video's sampled frames: chosen() gives them [n, H, W, C] (on the resizing device),
-    `index` their places in the video (the timestamps), `origin` the caller's tensor and the part sampled."""
-    h, w, _ = shape
-    layout = _video_layout(h, w, index, fps, pp)
-
-    def patches() -> torch.Tensor:
-        rgb = to_rgb(chosen())
-        if layout.fill:
-            rgb = torch.cat([rgb, rgb[-1:].expand(layout.fill, -1, -1, -1)])
-        return _patchify(_normalise(_resize(rgb, layout.size), pp), pp)[0]
-
-    return VisionInput("video", patches, layout.grid, (h, w), layout.timestamps, layout.scaled_down, chosen,
-                       _recipe(layout.size, pp), origin)
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "range_note", "to_rgb", "VisionInput",

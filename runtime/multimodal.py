@@ -211,7 +211,7 @@ def read_video(model: Qwen35Model, video, pp: Preprocessing | None = None) -> Vi
     if isinstance(video, VideoSource):
         return preprocess_video_source(video, pp, _resize_device(model), model.select_backend())  # hashes on its kernel
     frames, fps = _video_pair(video)
-    return preprocess_video(frames, fps, pp, _resize_device(model))
+    return preprocess_video(frames, fps, pp, _resize_device(model), model.select_backend())
 
 
 def _as_inputs(model: Qwen35Model, images, video, max_pixels: int | None) -> tuple[list[VisionInput], int]:

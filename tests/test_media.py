@@ -472,29 +472,35 @@ class _SaysGpu(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_a_gpu_videos_sampled_frames_are_gathered_once():
-    """A video on the GPU has its sampled frames checked (NaN / inf) before any GPU work is queued: the frames
-    checked are the ones resized, not gathered a second time (a copy of every sampled frame at source size)."""
+def test_a_gpu_videos_sampled_frames_are_checked_at_once_and_never_gathered():
+    """A video on the GPU has its sampled frames checked (NaN / inf) before any GPU work is queued, one frame at a
+    time, not gathered (a copy of every sampled frame at source size; the key's and the patches' passes read one
+    frame at a time as well: the next test)."""
     frames = torch.rand(40, 32, 48, 3, generator=torch.Generator().manual_seed(3))
     _SaysGpu.gathers = []
     v = preprocess_video(frames.as_subclass(_SaysGpu), 10.0)
-    index = sample_frames(40, 10.0, Preprocessing())
-    assert torch.equal(v.source_pixels, frames[index])  # what the patches and the cache key are made from
-    assert _SaysGpu.gathers == [index]
+    assert _SaysGpu.gathers == [] and v.grid == preprocess_video(frames, 10.0).grid
     bad = frames.clone()
-    bad[index[2], 1, 1, 0] = float("nan")
+    bad[sample_frames(40, 10.0, Preprocessing())[2], 1, 1, 0] = float("nan")
     with pytest.raises(Qwen35Error, match="holds 1 NaN or infinite values"):
         preprocess_video(bad.as_subclass(_SaysGpu), 10.0)  # at once, not when the patches are made
 
 
-def test_a_gpu_videos_sampled_frames_move_to_the_resizing_device():
-    """preprocess_video's device (the tower's): a video on another device has its sampled frames, checked where they
-    are, moved there to be resized (not left on the device they came on)."""
-    frames = torch.rand(40, 32, 48, 3, generator=torch.Generator().manual_seed(3))
-    index = sample_frames(40, 10.0, Preprocessing())
-    v = preprocess_video(frames.as_subclass(_SaysGpu), 10.0, device="meta")
-    assert v.source_pixels.is_meta and v.source_pixels.shape == (len(index), 32, 48, 3)
-    assert torch.equal(preprocess_video(frames.as_subclass(_SaysGpu), 10.0).source_pixels, frames[index])
+def test_a_videos_frames_move_to_the_resizing_device_one_at_a_time(monkeypatch):
+    """preprocess_video's device (the tower's): each sampled frame, checked where it is, moves there alone to be
+    hashed or resized, so the device never holds the sampled frames at source size (3 copies of them, one kept
+    through the prefill, before: 4 GB for 120 frames of 720p); the patches and key are the whole batch's."""
+    from qwen35_fast.runtime import media
+    from qwen35_fast.runtime.fingerprint import content_hash
+    frames = torch.rand(9, 32, 48, 3, generator=torch.Generator().manual_seed(4))
+    moved, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda x, *a, **k: moved.append(tuple(x.shape)) or to(x, *a, **k))
+    v = media.preprocess_video(frames, 10.0, device="cpu")
+    key, pixels = v.content_key(content_hash), v.pixels
+    n = len(sample_frames(9, 10.0, Preprocessing()))
+    assert [m for m in moved if m[1:] == (32, 48, 3)] == [(1, 32, 48, 3)] * (2 * n)  # the key's pass, the patches'
+    monkeypatch.undo()
+    assert torch.equal(pixels, preprocess_video(frames, 10.0).pixels) and key == v.content_key(content_hash)
 
 
 def test_nan_or_infinite_pixels_are_named_where_they_are_read():
