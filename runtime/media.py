@@ -67,6 +67,11 @@ class Preprocessing:
     max_frames: int = VIDEO_MAX_FRAMES
     mean: tuple[float, ...] = MEAN
     std: tuple[float, ...] = STD
+    # qwen-vl-utils' per-frame cap, where a checkpoint's video processor asks for it (transformers'
+    # cap_pixels_per_frame, off by default): a frame's pixels at most max_video_tokens patches of factor^2 or the
+    # budget's even share, at least 1.05 x video_min_pixels, so that a short clip is not read at full size
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
 
     @property
     def factor(self) -> int:
@@ -123,7 +128,7 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
             if key in cfg and not prefix:
                 values[key] = int(cfg[key])
         if prefix:
-            for key in ("fps", "min_frames", "max_frames"):
+            for key in ("fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens"):
                 if cfg.get(key) is not None:
                     values[key] = cfg[key]
         elif cfg.get("image_mean") and cfg.get("image_std"):
@@ -555,13 +560,16 @@ class _VideoLayout(NamedTuple):
 
 
 def _video_layout(h: int, w: int, index: list[int], fps: float, pp: Preprocessing) -> _VideoLayout:
-    """The layout of a video of h x w frames sampled at `index`: one pixel budget over all the sampled frames,
-    frames in pairs (an odd count repeats the last), a slice's timestamp the mean time of its two frames."""
+    """The layout of a video of h x w frames sampled at `index`: one pixel budget over all the sampled frames
+    (with a checkpoint's per-frame cap: Preprocessing.cap_pixels_per_frame), frames in pairs (an odd count repeats the last), a slice's timestamp the mean time of its two frames."""
     tp, sampled = pp.temporal_patch_size, len(index)
     fill = -sampled % tp
     index = index + [index[-1]] * fill
-    size = smart_resize(h, w, pp.factor, pp.video_min_pixels, pp.video_max_pixels, frames=sampled,
-                        temporal_factor=tp)
+    budget = pp.video_max_pixels
+    if pp.cap_pixels_per_frame:
+        per_frame = min(pp.max_video_tokens * pp.factor ** 2, pp.video_max_pixels // sampled)
+        budget = max(per_frame, int(pp.video_min_pixels * 1.05)) * sampled
+    size = smart_resize(h, w, pp.factor, pp.video_min_pixels, budget, frames=sampled, temporal_factor=tp)
     grid = (len(index) // tp, size[0] // pp.patch_size, size[1] // pp.patch_size)
     times = [i / fps for i in index]
     stamps = tuple((times[g] + times[g + tp - 1]) / 2 for g in range(0, len(times), tp))

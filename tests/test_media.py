@@ -1,4 +1,5 @@
 """Preprocessing of ComfyUI IMAGE / VIDEO tensors against transformers' Qwen2-VL image processor (PIL)."""
+import json
 import math
 import re
 import weakref
@@ -10,6 +11,7 @@ import torch
 from qwen35_fast.runtime.errors import Qwen35Error
 from qwen35_fast.runtime.media import (
     Preprocessing,
+    _video_layout,
     preprocess_images,
     preprocess_video,
     preprocess_video_source,
@@ -171,6 +173,32 @@ def test_video_resize_and_sampling_equal_transformers(frames, h, w):
     for fps in (24.0, 30.0, 2.0):
         want = proc.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps), fps=2).tolist()
         assert sample_frames(frames, fps, pp) == want
+
+
+@pytest.mark.parametrize("frames,h,w,fps", [(60, 1080, 1920, 30.0), (8, 720, 1280, 2.0), (400, 360, 640, 24.0),
+                                            (3, 64, 80, 2.0), (2000, 1080, 1920, 30.0)])
+def test_a_checkpoints_per_frame_cap_sizes_a_video_as_transformers_does(tmp_path, monkeypatch, frames, h, w, fps):
+    """A video_preprocessor_config.json with cap_pixels_per_frame (qwen-vl-utils' rule; transformers' default is
+    off) caps each frame's pixels: the size is the one transformers' resize asks for (its torchvision resize stood
+    in for by the size it is handed), and the tokens with it (a 1080p clip of 2 s: 4.25x fewer than uncapped)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "cap_pixels_per_frame": True,
+         "max_video_tokens": 512}))
+    pp = read_preprocessing(tmp_path)
+    assert pp.cap_pixels_per_frame and pp.max_video_tokens == 512
+    monkeypatch.setattr(BaseVideoProcessor, "resize", lambda self, image, size, resample=None, **kw: torch.empty(
+        *image.shape[:-2], size.height, size.width))
+    proc = Qwen3VLVideoProcessor(size={"shortest_edge": 4096, "longest_edge": 25165824}, max_video_tokens=512)
+    index = proc.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps), fps=2).tolist()
+    assert sample_frames(frames, fps, pp) == index
+    for cap in (True, False):
+        want = proc.resize(torch.empty(1, len(index), 3, h, w), size=proc.size, resample=None, factor=32,
+                           temporal_factor=2, cap_pixels_per_frame=cap).shape[-2:]
+        got = _video_layout(h, w, index, fps, pp if cap else Preprocessing())
+        assert got.size == tuple(want), cap
 
 
 def test_frame_sampling_equals_transformers_on_ties_and_long_clips():
