@@ -65,7 +65,8 @@ def place_inputs(prompt: str, n_images: int, has_video: bool) -> tuple[list, lis
         elif match.group(1) is not None:
             k = int(match.group(1))
             if not 1 <= k <= n_images:
-                fix = f"name one of <image 1> to <image {n_images}> or connect more images" if n_images else \
+                names = "<image 1>" if n_images == 1 else f"one of <image 1> to <image {n_images}>"
+                fix = f"name {names} or connect more images" if n_images else \
                     "connect images or remove it from the prompt"
                 raise Qwen35Error(f"the prompt names {match.group(0)} but {n_images} image(s) are connected; images "
                                   f"are counted from 1: {fix}")

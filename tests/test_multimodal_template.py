@@ -169,6 +169,7 @@ def test_vision_tokens_refused_in_the_system_prompt_or_previous_answer_name_that
     ("<image 0>", 2, r"names <image 0> but 2 image\(s\) .*counted from 1: name one of <image 1> to <image 2>"),
     ("<image 10>", 9, r"names <image 10> but 9 image\(s\) .*name one of <image 1> to <image 9> or connect more"),
     ("<image 1> here", 0, r"names <image 1> but 0 image\(s\) .*connect images or remove it"),
+    ("<image 2>", 1, r"names <image 2> but 1 image\(s\) .*counted from 1: name <image 1> or connect more images"),
     ("<image03>", 2, r"names <image03> but 2 image\(s\)"),  # as written
     ("<image 1> and <image 1>", 2, r"places image 1 twice; name each image or video once"),  # no bare <image> in it
 ])
