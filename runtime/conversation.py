@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .chat import IM_END, IM_START, THINK_CLOSE
+from .chat import IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .devices import synchronize
 from .errors import Qwen35Error
 from .generate import Prefill, check_vocabulary, generation_prompt_ids
@@ -43,11 +43,25 @@ from .rope import TextRun, layout_positions
 from .tokenizer import NON_SPECIAL_ADDED_TOKENS, check_text, user_encoder
 
 
-def earlier_answer(answer: str) -> str:
+def earlier_answer(answer: str, keep_thinking: bool = False) -> str:
     """An answer as the chat template writes it in an earlier assistant turn: trimmed, and anything up
-    to its last `</think>` left out (the template never shows earlier thinking)."""
+    to its last `</think>` left out (the template shows no thinking of a turn before the last user question).
+    keep_thinking: the turn comes after the last question (a tool's result follows it), where the template
+    writes its thinking, up to its first `</think>`, trimmed, in a `<think>` block (empty for none)."""
     answer = answer.strip()
-    return answer.split(THINK_CLOSE)[-1].lstrip("\n") if THINK_CLOSE in answer else answer
+    content = answer.split(THINK_CLOSE)[-1].lstrip("\n") if THINK_CLOSE in answer else answer
+    if not keep_thinking:
+        return content
+    thought = answer.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n").strip() \
+        if THINK_CLOSE in answer else ""
+    return f"{THINK_OPEN}\n{thought}\n{THINK_CLOSE}\n\n{content}"
+
+
+def tool_result(prompt: str | None) -> bool:
+    """Whether a user message is a tool's result (its text wrapped in <tool_response> tags), which the chat
+    template does not count as a question."""
+    text = (prompt or "").strip()
+    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
 
 
 def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, previous_answer: str | None,
@@ -68,7 +82,7 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
     if previous_answer is not None:
         # "assistant\n" read with the answer, as in the rendered text: a newline joins the whitespace after it;
         # the answer's own markup (<tool_call>: added tokens that are not special) as the tokens the model wrote
-        answer = f"assistant\n{earlier_answer(previous_answer)}"
+        answer = f"assistant\n{earlier_answer(previous_answer, keep_thinking=not inputs and tool_result(prompt))}"
         head += tok.encode(IM_START) + (user(answer, "previous_answer") if allow_special_tokens else
                                         tok.encode_with(answer, NON_SPECIAL_ADDED_TOKENS)) + tok.encode(f"{IM_END}\n")
     head += tok.encode(f"{IM_START}user\n")

@@ -115,6 +115,24 @@ def test_earlier_thinking_is_left_out_as_the_template_does(template, pair, raw_a
     assert list(child.token_ids) == ours.tokenizer.encode(want)
 
 
+@pytest.mark.parametrize("raw_answer", ["<think>\nI should call f.\n</think>\n\n<tool_call>\n<function=f>\n</function>\n"
+                                        "</tool_call>", "<tool_call>\n<function=f>\n</function>\n</tool_call>",
+                                        "<think>a</think>b</think>\n\n<tool_call>\n</tool_call>"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_tool_result_keeps_the_calls_thinking_as_the_template_does(template, pair, raw_answer, thinking):  # noqa: F811
+    """A follow-up that is a tool's result (<tool_response> tags) is no question to the template: the answer before
+    it, after the last question, keeps its thinking in a <think> block (empty where it had none)."""
+    _, ours = pair
+    parent = prefill(ours, "Use f.", system_prompt=SYSTEM, thinking=True)
+    result = "<tool_response>\n42\n</tool_response>"
+    child = continue_prefill(ours, parent, result, previous_answer=raw_answer, thinking=thinking,
+                             allow_special_tokens=True)  # (<tool_response> as its token, as the template's text)
+    want = _render(template, [{"role": "user", "content": "Use f."}, {"role": "assistant", "content": raw_answer},
+                              {"role": "user", "content": result}], thinking)
+    assert ours.tokenizer.decode(child.token_ids) == want and "<think>\n" in want.split("Use f.")[1]
+    assert list(child.token_ids) == ours.tokenizer.encode(want)
+
+
 def test_three_turns_and_siblings(template, pair):  # noqa: F811
     """A follow-up continued again equals the three-turn conversation; siblings of one parent do not
     disturb each other or the parent."""
