@@ -1,7 +1,7 @@
 """A / B of two versions of a paged-attention kernel source on the GPU in hand, at the 9B shape (16 q / 4 kv
 heads, head dim 256, bf16, block 16, shuffled table): CUDA-graph ms per call of the plan's launch for each
 Nq x Nkv case, the source swapped between rounds (A B A B ..., so that clock drift falls on both), and
-whether the two give the same output bit for bit.
+whether the two give the same output bit for bit (and B's relative difference from A).
 
     python3 bench/paged_source_ab.py kernels/paged_attention/paged_attention_b.cu [--cases 1x16384,256x1024]
         [--rounds 4] [--kernel mma] [--out ab.json]
@@ -80,7 +80,8 @@ def main():
                     cuda_build.PROGRAMMATIC = True
         row = {"Nq": Nq, "Nkv": Nkv, "ms_a": round(statistics.median(times["a"]), 5),
                "ms_b": round(statistics.median(times["b"]), 5), "rounds_a": [round(x, 5) for x in times["a"]],
-               "rounds_b": [round(x, 5) for x in times["b"]], "same_output": bool(torch.equal(outs["a"], outs["b"]))}
+               "rounds_b": [round(x, 5) for x in times["b"]], "same_output": bool(torch.equal(outs["a"], outs["b"])),
+               "rel_diff": float(f'{((outs["b"].float() - outs["a"].float()).norm() / outs["a"].float().norm()):.2e}')}
         row["b_over_a"] = round(row["ms_b"] / row["ms_a"], 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
