@@ -189,4 +189,4 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
 
 
-__all__ = ["continue_prefill", "follow_up_ids", "earlier_answer"]
+__all__ = ["continue_prefill", "follow_up_ids", "earlier_answer", "tool_result"]
