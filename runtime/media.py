@@ -561,7 +561,8 @@ class _VideoLayout(NamedTuple):
 
 def _video_layout(h: int, w: int, index: list[int], fps: float, pp: Preprocessing) -> _VideoLayout:
     """The layout of a video of h x w frames sampled at `index`: one pixel budget over all the sampled frames
-    (with a checkpoint's per-frame cap: Preprocessing.cap_pixels_per_frame), frames in pairs (an odd count repeats the last), a slice's timestamp the mean time of its two frames."""
+    (with a checkpoint's per-frame cap: Preprocessing.cap_pixels_per_frame), frames in pairs (an odd count
+    repeats the last), a slice's timestamp the mean time of its two frames."""
     tp, sampled = pp.temporal_patch_size, len(index)
     fill = -sampled % tp
     index = index + [index[-1]] * fill

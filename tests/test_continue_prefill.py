@@ -115,11 +115,13 @@ def test_earlier_thinking_is_left_out_as_the_template_does(template, pair, raw_a
     assert list(child.token_ids) == ours.tokenizer.encode(want)
 
 
-@pytest.mark.parametrize("raw_answer", ["<think>\nI should call f.\n</think>\n\n<tool_call>\n<function=f>\n</function>\n"
-                                        "</tool_call>", "<tool_call>\n<function=f>\n</function>\n</tool_call>",
+CALL = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("raw_answer", [f"<think>\nI should call f.\n</think>\n\n{CALL}", CALL,
                                         "<think>a</think>b</think>\n\n<tool_call>\n</tool_call>"])
 @pytest.mark.parametrize("thinking", [True, False])
-def test_a_tool_result_keeps_the_calls_thinking_as_the_template_does(template, pair, raw_answer, thinking):  # noqa: F811
+def test_a_tool_result_keeps_the_calls_thinking(template, pair, raw_answer, thinking):  # noqa: F811
     """A follow-up that is a tool's result (<tool_response> tags) is no question to the template: the answer before
     it, after the last question, keeps its thinking in a <think> block (empty where it had none)."""
     _, ours = pair

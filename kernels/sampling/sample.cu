@@ -8,7 +8,8 @@
 //
 // Candidates are ordered by the 64-bit key (logit, then the lower id first): the high word is the float's
 // bits mapped to an unsigned order (negatives flipped, positives with the sign bit set; a positive NaN above
-// +inf, as torch.topk ranks it, a negative one below -inf), the low word 0xFFFFFFFF - id. Keys are unique, so "the k largest keys" is exactly k
+// +inf, as torch.topk ranks it, a negative one below -inf), the low word 0xFFFFFFFF - id. Keys are unique,
+// so "the k largest keys" is exactly k
 // candidates whatever the logits tie on; key 0 is no candidate (an empty slot).
 //
 // Two stages in the one launch. Each of the BLOCKS blocks holds its CHUNK of the vocabulary in registers (PER
