@@ -468,7 +468,7 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
     layout = _video_layout(h, w, index, fps, pp)
     checked = frames.device.type != "cpu"
     if checked:  # now, as for images (preprocess_images): before the tower's work is queued
-        _checked_range(frames[i] for i in index)
+        _checked_range(check_finite(frames[i]) for i in index)
 
     def sampled():
         """Each sampled frame [1, H, W, C] on `device`; on the CPU checked there, the first time through."""
@@ -490,24 +490,19 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         return hashed.digest((len(index), *frames.shape[1:]), frames.dtype)
 
     def patches() -> torch.Tensor:
-        small = None  # all of them, the odd count's fill included: [F, 3, h, w]
-        for k, x in enumerate(sampled()):
-            one = _resize(to_rgb(x), layout.size)[0]
-            if small is None:
-                small = one.new_empty(len(index) + layout.fill, *one.shape)
-            small[k] = one
-        small[len(index):] = small[len(index) - 1]
-        return _patchify(_normalise(small, pp), pp)[0]
+        stack = _FrameStack(layout, len(index))
+        for x in sampled():
+            stack.add(x)
+        return _patchify(_normalise(stack.filled(), pp), pp)[0]
 
     return VisionInput("video", patches, layout.grid, (h, w), layout.timestamps, layout.scaled_down,
                        recipe=_recipe(layout.size, pp), origin=(frames, tuple(index)), source_hash=digest)
 
 
 def _checked_range(ranges) -> None:
-    """check_finite over frames (or their (lowest, highest) pairs), and range_note's warning, once for them all."""
+    """range_note's warning, once, over frames' (lowest, highest) pixels (check_finite's answers)."""
     lo, hi = math.inf, -math.inf
-    for r in ranges:
-        a, b = check_finite(r) if isinstance(r, torch.Tensor) else r
+    for a, b in ranges:
         lo, hi = min(lo, a), max(hi, b)
     note = range_note(lo, hi) if lo <= hi else ""
     if note:
@@ -578,12 +573,33 @@ def _video_layout(h: int, w: int, index: list[int], fps: float, pp: Preprocessin
     return _VideoLayout(size, fill, grid, stamps, scaled)
 
 
+class _FrameStack:
+    """A video's sampled frames resized one at a time, in order, into [F, 3, h, w], F with the odd count's fill
+    (copies of the last). to_rgb and _resize act on each frame of a batch by itself, so the result is the batch's
+    bit for bit (tests/test_media.py checks it over sizes, channels and counts)."""
+
+    def __init__(self, layout: _VideoLayout, count: int):
+        self.layout, self.count, self.frames, self.kept = layout, count, None, 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """The next frame [1, H, W, C], on the device it is resized on."""
+        small = _resize(to_rgb(x), self.layout.size)[0]
+        if self.frames is None:
+            self.frames = small.new_empty(self.count + self.layout.fill, *small.shape)
+        self.frames[self.kept] = small
+        self.kept += 1
+
+    def filled(self) -> torch.Tensor:
+        """The frames, the fill copied from the last one added."""
+        self.frames[self.kept:] = self.frames[self.kept - 1]
+        return self.frames
+
+
 class _StreamedFrames:
     """The choose and keep preprocess_video_source reads a VideoSource with. choose(count) samples the indices and
     starts over; keep(frame) adds the source frame to the content hash and stores it converted to RGB and resized
-    on `device`, to the size set at the first frame (from its size and the number of frames sampled). Each frame
-    goes through to_rgb and _resize alone: both act on each frame of a batch by itself, so the result is the
-    batch's bit for bit (tests/test_media.py checks it over sizes, channels and counts)."""
+    on `device` (_FrameStack), to the size set at the first frame (from its size and the number of frames
+    sampled)."""
 
     def __init__(self, fps: float, pp: Preprocessing, device, backend: kernels.Backend | None = None):
         self.fps, self.pp, self.device, self.backend = fps, pp, device, backend
@@ -591,9 +607,13 @@ class _StreamedFrames:
 
     def choose(self, total: int) -> list[int]:
         self.index = sample_frames(total, self.fps, self.pp)
-        self.hash, self.layout, self.frames, self.kept = StreamedHash(self.backend), None, None, 0
-        self.lo, self.hi = math.inf, -math.inf  # the pixels' range over the frames kept (range_note)
+        self.hash, self.layout, self.stack = StreamedHash(self.backend), None, None
+        self.ranges = []  # each kept frame's (lowest, highest) pixel (range_note)
         return list(self.index)
+
+    @property
+    def kept(self) -> int:
+        return self.stack.kept if self.stack is not None else 0
 
     def keep(self, frame: torch.Tensor) -> None:
         if self.index is None or self.kept == len(self.index):
@@ -607,18 +627,14 @@ class _StreamedFrames:
         if self.layout is None:
             self.shape, self.dtype = tuple(frame.shape), frame.dtype
             self.layout = _video_layout(frame.shape[0], frame.shape[1], self.index, self.fps, self.pp)
+            self.stack = _FrameStack(self.layout, len(self.index))
         elif (tuple(frame.shape), frame.dtype) != (self.shape, self.dtype):
             raise Qwen35Error(f"a video changes from {list(self.shape)} {self.dtype} frames to {list(frame.shape)} "
                               f"{frame.dtype} at its sampled frame {self.kept}; re-encode it at one size")
-        lo, hi = check_finite(frame)  # (a frame as the reader gave it, before it moves)
-        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        self.ranges.append(check_finite(frame))  # (a frame as the reader gave it, before it moves)
         x = frame.to(self.device) if self.device is not None else frame
         self.hash.add(x)
-        small = _resize(to_rgb(x[None]), self.layout.size)[0]
-        if self.frames is None:  # all of them, the odd count's fill included: [F, 3, h, w]
-            self.frames = small.new_empty(len(self.index) + self.layout.fill, *small.shape)
-        self.frames[self.kept] = small
-        self.kept += 1
+        self.stack.add(x[None])
 
     def finish(self, reader: str) -> VisionInput:
         """The VisionInput of the frames kept (after the reader's last choose)."""
@@ -626,11 +642,8 @@ class _StreamedFrames:
             got = "asked for no frames" if self.index is None else \
                 f"kept {self.kept} frames for {len(self.index)} frame indices"
             raise Qwen35Error(f"a video reader ({reader}) {got}; it must call choose, then keep once per index")
-        frames, layout, pp = self.frames, self.layout, self.pp
-        frames[self.kept:] = frames[self.kept - 1]
-        note = range_note(self.lo, self.hi)  # (once a video, as preprocess_video's frames are checked)
-        if note:
-            log.warning("qwen35: %s", note)
+        frames, layout, pp = self.stack.filled(), self.layout, self.pp
+        _checked_range(self.ranges)  # (once a video, as preprocess_video's frames are checked)
 
         def patches() -> torch.Tensor:
             return _patchify(_normalise(frames, pp), pp)[0]
