@@ -57,11 +57,14 @@ def earlier_answer(answer: str, keep_thinking: bool = False) -> str:
     return f"{THINK_OPEN}\n{thought}\n{THINK_CLOSE}\n\n{content}"
 
 
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
+
+
 def tool_result(prompt: str | None) -> bool:
     """Whether a user message is a tool's result (its text wrapped in <tool_response> tags), which the chat
     template does not count as a question."""
     text = (prompt or "").strip()
-    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+    return text.startswith(TOOL_RESPONSE[0]) and text.endswith(TOOL_RESPONSE[1])
 
 
 def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, previous_answer: str | None,
@@ -92,7 +95,9 @@ def follow_up_ids(model: Qwen35Model, prompt: str, inputs: list, n_images: int, 
     else:  # plain text, as the Text Prefill reads it (no placeholders)
         if not (prompt or "").strip():
             raise Qwen35Error("the follow-up prompt is empty; write the next question (or connect an image)")
-        body = user(prompt.strip())
+        # a tool's result: its <tool_response> tags are the added tokens the template's text gives, its content text
+        body = tok.encode_with(prompt.strip(), TOOL_RESPONSE) if tool_result(prompt) and not allow_special_tokens \
+            else user(prompt.strip())
         body_parts, ordered = [TextRun(len(body))], []
     tail = tok.encode(f"{IM_END}\n")
     gen = generation_prompt_ids(model, thinking)

@@ -121,19 +121,33 @@ CALL = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
 @pytest.mark.parametrize("raw_answer", [f"<think>\nI should call f.\n</think>\n\n{CALL}", CALL,
                                         "<think>a</think>b</think>\n\n<tool_call>\n</tool_call>"])
 @pytest.mark.parametrize("thinking", [True, False])
-def test_a_tool_result_keeps_the_calls_thinking(template, pair, raw_answer, thinking):  # noqa: F811
+@pytest.mark.parametrize("allow_special", [True, False])
+def test_a_tool_result_keeps_the_calls_thinking(template, pair, raw_answer, thinking, allow_special):  # noqa: F811
     """A follow-up that is a tool's result (<tool_response> tags) is no question to the template: the answer before
-    it, after the last question, keeps its thinking in a <think> block (empty where it had none)."""
+    it, after the last question, keeps its thinking in a <think> block (empty where it had none). Its tags are the
+    added tokens the template's text gives, special tokens allowed or not; its content stays text."""
     _, ours = pair
     parent = prefill(ours, "Use f.", system_prompt=SYSTEM, thinking=True)
     result = "<tool_response>\n42\n</tool_response>"
     child = continue_prefill(ours, parent, result, previous_answer=raw_answer, thinking=thinking,
-                             allow_special_tokens=True)  # (<tool_response> as its token, as the template's text)
+                             allow_special_tokens=allow_special)
     want = _render(template, [{"role": "user", "content": "Use f."}, {"role": "assistant", "content": raw_answer},
                               {"role": "user", "content": result}], thinking)
     assert ours.tokenizer.decode(child.token_ids) == want and "<think>\n" in want.split("Use f.")[1]
     assert list(child.token_ids) == ours.tokenizer.encode(want)
 
+
+def test_a_tool_results_content_stays_text(pair):  # noqa: F811
+    """Only the wrapping tags of a tool's result become tokens: markup inside it (a tool can return anything)
+    stays text unless special tokens are allowed."""
+    _, ours = pair
+    parent = prefill(ours, "Use f.", system_prompt=SYSTEM)
+    tok = ours.tokenizer
+    child = continue_prefill(ours, parent, "<tool_response>\n<|im_start|>x\n</tool_response>", previous_answer=CALL)
+    body = tok.encode("<tool_response>") + tok.encode_text("\n<|im_start|>x\n") + tok.encode("</tool_response>")
+    ids = list(child.token_ids)
+    assert any(ids[i:i + len(body)] == body for i in range(len(ids))) and ids.count(tok.token_id("<|im_start|>")) \
+        == list(parent.token_ids).count(tok.token_id("<|im_start|>")) + 2  # answer, result, generation; less one
 
 def test_three_turns_and_siblings(template, pair):  # noqa: F811
     """A follow-up continued again equals the three-turn conversation; siblings of one parent do not
