@@ -101,7 +101,7 @@ def _scan_llm(base: Path, rel: Path = Path(), depth: int = 0):
                     yield (rel / entry.name).as_posix(), path
             elif depth + 1 < MAX_DEPTH:
                 yield from _scan_llm(base, rel / entry.name, depth + 1)
-        elif path.suffix in SAFETENSORS_SUFFIXES and _is_qwen35_file(path):
+        elif path.suffix.lower() in SAFETENSORS_SUFFIXES and _is_qwen35_file(path):
             yield (rel / entry.name).as_posix(), path
 
 
@@ -127,7 +127,7 @@ def available_models() -> dict[str, Path]:
         log.exception("Qwen3.5: cannot list models/text_encoders")
         names = []
     for name in names:
-        if name.endswith(SAFETENSORS_SUFFIXES) and name not in found:
+        if name.lower().endswith(SAFETENSORS_SUFFIXES) and name not in found:  # (ComfyUI's case-blind list)
             full = folder_paths.get_full_path(TEXT_ENCODERS, name)
             if full and _is_qwen35_file(Path(full)):
                 found[name] = Path(full)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import stat
 import struct
 from contextlib import ExitStack
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 # Where the text model's tensors live in the files people have, most specific first.
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # (ComfyUI lists .sft files as safetensors too)
+SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")  # a Hugging Face shard: model-00001-of-00004.safetensors
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "language_model.", "model.", "")
 MTP_PREFIXES = ("mtp.", "model.mtp.")  # the multi-token-prediction layer some checkpoints carry: never loaded
 IGNORED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)
@@ -70,6 +72,7 @@ FP8_MARKERS = ("scaled_fp8",)
 COMFY_FP8 = ("float8_e4m3fn", "float8_e5m2")  # comfy_quant formats that are FP8 with one scale a tensor
 SCALE_DTYPES = ("F32", "BF16", "F16")
 FP8_BLOCK = (128, 128)
+LFS_POINTER = b"version https://git-lfs"  # how the text file git leaves in place of a Git LFS file starts
 
 
 def read_header(file: Path) -> dict:
@@ -80,7 +83,13 @@ def read_header(file: Path) -> dict:
         if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
             raise Qwen35Error(f"{file}: not a regular file; a checkpoint's weights are files")
         with open(file, "rb") as f:
-            head = f.read(8)
+            start = f.read(len(LFS_POINTER))
+            head = start[:8]
+            f.seek(len(head))  # (the header's length is the first 8 bytes; LFS_POINTER is longer)
+            if start == LFS_POINTER:
+                raise Qwen35Error(f"{file}: a Git LFS pointer ({size} bytes), not the weights: the checkpoint was "
+                                  "cloned with git without Git LFS. Run `git lfs install` and `git lfs pull` in its "
+                                  "folder, or download the files with huggingface-cli / the browser")
             if len(head) < 8:
                 raise Qwen35Error(f"{file}: {size} bytes is too short to be a safetensors file; re-download it")
             (n,) = struct.unpack("<Q", head)
@@ -394,6 +403,11 @@ def _collect(files: list[Path], block: tuple[int, int] | None = None, quantized:
         if key is None:
             other[name] = (file, meta)
             continue
+        if qwen35 and key in tensors:  # (one name each in every layout: two are two checkpoints' copies)
+            file_a, a = tensors[key]
+            raise Qwen35Error(f"{source}: the text model's {key} is there twice, as {a!r} in {file_a.name} and as "
+                              f"{name!r} in {file.name}; a checkpoint holds each weight once, so these are two "
+                              "checkpoints' weights (say a Hugging Face download and a single-file one): keep one")
         tensors[key] = (file, name)
         shapes[key] = tuple(meta["shape"])
         dtypes[key] = meta["dtype"]
@@ -412,7 +426,12 @@ def looks_like(names: list[str]) -> str:
     joined = "\n".join(names)
     def has(*parts):
         return any(p in joined for p in parts)
-    if has("diffusion_model.", "double_blocks.", "joint_blocks.", "transformer_blocks."):
+    if not names:
+        return "an empty safetensors file (no tensors)"
+    if has(".lora_A.", ".lora_B.", ".lora_down.", ".lora_up."):  # checked first: a LoRA's names hold its model's
+        kind = ("a LoRA (adapter weights that change a base model and do not run alone; this pack does not apply "
+                "LoRAs: load the base model, or a checkpoint with the LoRA merged into its weights)")
+    elif has("diffusion_model.", "double_blocks.", "joint_blocks.", "transformer_blocks."):
         kind = "a diffusion model"
     elif has("first_stage_model.", "decoder.up.", "encoder.down."):
         kind = "a VAE"
@@ -424,6 +443,9 @@ def looks_like(names: list[str]) -> str:
         kind = "a mixture-of-experts model with Gated DeltaNet layers (Qwen3.5 MoE or Qwen3-Next)"
     elif has(".mlp.experts."):
         kind = "a mixture-of-experts language model"
+    elif has("linear_attn."):  # Gated DeltaNet layers, dense, without the embedding
+        kind = ("Qwen3.5 layers without the token embedding (embed_tokens): a part of a checkpoint, such as one "
+                "shard of a model split into several files; load the folder that holds all of them")
     elif has("visual.blocks.", "visual.merger.") and has("layers."):
         kind = "a vision-language model without Gated DeltaNet layers (Qwen2.5-VL or Qwen3-VL)"
     elif has("self_attn.q_norm."):
@@ -651,9 +673,16 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{path}: not a regular file or a folder; point the loader at a checkpoint folder or a "
                           ".safetensors file")
     if path.is_file():
-        if path.suffix not in SAFETENSORS_SUFFIXES:
+        if path.suffix.lower() not in SAFETENSORS_SUFFIXES:  # (ComfyUI lists them whatever the case)
             raise Qwen35Error(f"{path}: only .safetensors weights are loaded (never pickle .bin/.pt/.ckpt); "
                               "convert the file to safetensors")
+        shard = SHARD_NAME.search(path.name.lower())
+        if shard and int(shard[2]) > 1:
+            where = (f"load the folder {path.parent}" if (path.parent / "config.json").is_file() else
+                     "put all of them and the model's config.json and tokenizer files in one folder under "
+                     "models/LLM/ and load that folder")
+            raise Qwen35Error(f"{path}: one shard of a checkpoint split into {int(shard[2])} files (shard "
+                              f"{int(shard[1])}); it holds only part of the model's weights: {where}")
         tensors, shapes, other, fp8 = _collect([path])
         if not _is_qwen35(_all_names(tensors, other)):
             raise _not_qwen35(path, _all_names(tensors, other))

@@ -74,6 +74,9 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> TextConfig:
                               f"{MAX_LAYERS} layers. Re-download config.json")
         layer_types = text.get("layer_types") or [
             LINEAR if (i + 1) % text.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
+        if len(layer_types) != n_layers:  # (transformers refuses it too; the loader would count layer_types)
+            raise Qwen35Error(f"{source}: num_hidden_layers is {n_layers} but layer_types lists {len(layer_types)} "
+                              "layers; they must agree. Re-download config.json, or fix the one that was edited")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         kind = rope.get("rope_type") or rope.get("type") or "default"
         if kind not in ("default", "mrope"):  # (mrope: Qwen2-VL's name for the plain one)

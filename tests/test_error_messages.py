@@ -110,7 +110,35 @@ def _write(path, data: bytes):
     return path
 
 
+def _one_shard(folder, single, tmp_path):
+    """One shard of a split checkpoint picked alone (as a file path, its folder beside it)."""
+    ck = make_checkpoint(tmp_path / "sharded", seed=3, max_shard_size="20MB")
+    return ck / "model-00001-of-00002.safetensors"
+
+
+def _lora(folder, single, tmp_path):
+    """A PEFT LoRA of Qwen3.5: its names hold the base model's, Gated DeltaNet layers among them."""
+    base = "base_model.model.model.language_model.layers.0."
+    save_file({f"{base}{m}.{ab}.weight": torch.zeros(8, 8) for m in ("linear_attn.in_proj_qkv", "self_attn.q_proj")
+               for ab in ("lora_A", "lora_B")}, str(tmp_path / "adapter_model.safetensors"))
+    return tmp_path / "adapter_model.safetensors"
+
+
+def _two_checkpoints(folder, single, tmp_path):
+    """A checkpoint folder with a single-file copy of its text model (ComfyUI's "model." names) put beside it."""
+    ck = _copy(folder, tmp_path)
+    tensors = load_file(str(single))
+    save_file({k.replace(TEXT, "model."): v for k, v in tensors.items() if not k.startswith(VISUAL)},
+              str(ck / "qwen35_comfy.safetensors"))
+    return ck
+
+
+def _layer_types(count):
+    return lambda c: c["text_config"].update(layer_types=c["text_config"]["layer_types"][:count])
+
+
 HTML = b"<!DOCTYPE html><html><body>Sign in to download this file</body></html>\n"
+LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 1234567\n"
 SCALES = (QPROJ.replace(".weight", ".weight_scale_inv"), QPROJ.replace(".weight", ".weight_scale"))
 
 
@@ -145,8 +173,29 @@ def _two_scales(t):
     (lambda folder, single, tmp: _single_with(single, tmp, _drop(TEXT + "layers.1.linear_attn.")),
      r"changed\.safetensors: layer 1 has neither linear_attn nor self_attn weights \(the file is cut short or "
      r"was saved without them\); re-download it"),
+    # a file git left in place of a Git LFS one (a clone without git-lfs): named, with the command that fetches it
+    (lambda folder, single, tmp: _write(tmp / "model.safetensors", LFS),
+     r"model\.safetensors: a Git LFS pointer \(132 bytes\), not the weights: .* `git lfs pull`"),
+    # one shard of a split checkpoint: it was refused as if it were a broken whole (every layer GDN, another model)
+    (_one_shard, r"model-00001-of-00002\.safetensors: one shard of a checkpoint split into 2 files \(shard 1\); "
+                 r"it holds only part of the model's weights: load the folder .*sharded"),
+    # a LoRA and a part of a checkpoint without the embedding hold Gated DeltaNet layers: they were named "a
+    # Llama-style language model" / "Qwen2.5-VL or Qwen3-VL", both "no Gated DeltaNet layers"
+    (_lora, r"this is not a Qwen3\.5 checkpoint: found a LoRA \(adapter weights .* this pack does not apply LoRAs"),
+    (lambda folder, single, tmp: _single_with(single, tmp, _drop(TEXT + "embed_tokens.")),
+     r"found Qwen3\.5 layers without the token embedding \(embed_tokens\): a part of a checkpoint"),
+    # two copies of the text model under two prefixes: the later file's silently replaced the other's
+    (_two_checkpoints, r"ck: the text model's embed_tokens\.weight is there twice, as "
+                       r"'model\.language_model\.embed_tokens\.weight' in model\.safetensors and as "
+                       r"'model\.embed_tokens\.weight' in qwen35_comfy\.safetensors; .*keep one"),
+    # the loader counted layer_types: "the config has 2 layers" with num_hidden_layers 4, or loaded 4 with it 8
+    (lambda folder, single, tmp: _edit_config(folder, tmp, _layer_types(2)),
+     r"config\.json: num_hidden_layers is 4 but layer_types lists 2 layers; they must agree"),
+    (lambda folder, single, tmp: _edit_config(folder, tmp, lambda c: c["text_config"].update(num_hidden_layers=8)),
+     r"config\.json: num_hidden_layers is 8 but layer_types lists 4 layers; they must agree"),
 ], ids=["missing-shard", "two-missing-shards", "pickle-only", "short-file", "html-page", "cut-in-header",
-        "two-fp8-scales", "config-lacks-key", "cannot-infer", "layer-without-attention"])
+        "two-fp8-scales", "config-lacks-key", "cannot-infer", "layer-without-attention", "git-lfs-pointer",
+        "one-shard", "lora", "no-embedding", "two-checkpoints", "fewer-layer-types", "more-layers"])
 def test_a_checkpoint_that_cannot_load_says_what_is_wrong(folder, single, tmp_path, make, message):
     """Each message names the file (or the setting, or the tensor) at fault, what was found and, where there is
     one, the fix."""

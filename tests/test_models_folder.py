@@ -187,3 +187,15 @@ def test_the_list_is_sorted_regardless_of_case(pack, folders):
     for name in ("qwen-small", "Qwen-Big", "alpha", "Zeta"):
         _checkpoint_folder(folders.llm / name)
     assert _listed(pack) == ["alpha", "Qwen-Big", "qwen-small", "Zeta"]
+
+
+def test_a_file_whose_suffix_is_in_capitals_is_listed_and_loads(pack, folders):
+    """ComfyUI lists text_encoders/X.SAFETENSORS (it compares suffixes case-blind, as Windows does): the loader
+    listed it nowhere, and the runtime refused it as pickle weights to convert to safetensors."""
+    _qwen_file(folders.te / "Qwen3.5.SAFETENSORS")
+    _qwen_file(folders.llm / "mine" / "qwen3.5_tiny.SafeTensors")
+    assert _listed(pack) == ["mine/qwen3.5_tiny.SafeTensors", "Qwen3.5.SAFETENSORS"]
+    for name in _listed(pack):
+        model = pack.Qwen35ModelLoader.execute(model=name, dtype="fp32", device="cpu", backend="torch",
+                                               keep_loaded=False)[0]
+        model.release()
