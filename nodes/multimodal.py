@@ -54,6 +54,21 @@ def _per_image(images, prompt: str) -> list:
     return [images[i:i + 1] for i in range(images.shape[0])]
 
 
+def _frames_note(model, clip) -> str:
+    """range_note of a video given as frames (the frames input, or a VIDEO held in memory), over the frames the
+    runtime samples: as for images, a video the prefix cache answered is not read in the runtime, and frames in
+    0..255 read as white. A file's frames are decoded into 0..1 (clip is then a FileVideo)."""
+    from ..runtime.media import check_finite, range_note, read_preprocessing, sample_frames
+
+    if not isinstance(clip, tuple):
+        return ""
+    frames, fps = clip
+    index = sample_frames(frames.shape[0], fps, read_preprocessing(getattr(model, "path", None)))
+    ranges = [check_finite(frames[i]) for i in index]
+    note = range_note(min(lo for lo, _ in ranges), max(hi for _, hi in ranges))
+    return f"the video's {note}" if note else ""
+
+
 class Qwen35MultimodalPrefill(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -118,6 +133,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             if clip is not None and len(batches) > 1:
                 with cancellable(bar=False):  # the video read once for all the prompts (a file decoded once); a
                     shared = read_video(model.model, clip)  # prefill made again later reads `clip` itself
+            video_note = None  # (read once the first prefill has checked the clip)
             for i, batch in enumerate(batches):
                 mm.throw_exception_if_processing_interrupted()  # Cancel between the prompts of a batch
                 pf = run(batch, shared, bar=bar is None)
@@ -133,6 +149,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                 # prefix cache answered is not read there, and its note belongs on this run's panel too
                 if batch is not None:
                     notes.append(range_note(*check_finite(batch)))
+                if video_note is None:
+                    video_note = _frames_note(model.model, clip)
+                notes.append(video_note)
                 note = "; ".join(n for n in notes if n)
                 v = pf.vision
                 log.info("Qwen3.5 multimodal prefill: %d vision + %d text tokens; vision %.1f ms, prefill %.1f ms",

@@ -303,6 +303,23 @@ def test_an_image_with_nan_values_is_named_before_the_model_runs(pack, loaded):
         _run(pack, loaded, prompt="<video> What moves?", frames=frames, frame_rate=2.0)
 
 
+def test_video_frames_outside_0_to_1_are_named_on_the_panel(pack, loaded):
+    """Frames in 0..255 (the frames input, or a VIDEO held in memory) are clamped to white as images are: the panel
+    says so, also when the prefix cache answers the video and the runtime does not read it; frames in 0..1 and
+    a file's frames (decoded into 0..1) get no note."""
+    from comfy_api.latest import InputImpl, Types
+    frames = torch.rand(8, 64, 80, 3, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):  # (the second run reads the video from the prefix cache)
+        note = _run(pack, loaded, prompt="<video> What?", frames=frames * 255, frame_rate=4.0).ui["qwen35_prefill"]
+        assert note[0]["note"].startswith("the video's pixel values run from") and "divide it by 255" in note[0]["note"]
+    video = InputImpl.VideoFromComponents(Types.VideoComponents(images=frames * 255, frame_rate=Fraction(4)))
+    assert "divide it by 255" in _run(pack, loaded, prompt="<video> What?", video=video).ui["qwen35_prefill"][0]["note"]
+    out = _run(pack, loaded, images=torch.rand(2, 64, 64, 3), frames=frames * 255, frame_rate=4.0,
+               mode="one prompt per image")
+    assert all("the video's pixel values" in s["note"] for s in out.ui["qwen35_prefill"])
+    assert _run(pack, loaded, prompt="<video> What?", frames=frames, frame_rate=4.0).ui["qwen35_prefill"][0]["note"] == ""
+
+
 def test_prefills_let_go_are_made_again_from_where_they_were_first_read(pack, loaded):
     """One prompt per image, let go when the node runs in a later prompt, made again when handed on: each from the
     cached prefix its first read started from (not the turn end that read left), so with the same logits."""
