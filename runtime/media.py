@@ -184,9 +184,9 @@ def limited_by_max(height: int, width: int, size: tuple[int, int], factor: int, 
     return size != smart_resize(height, width, factor, min_pixels, math.inf, frames, temporal_factor)
 
 
-def _check_images(images) -> tuple[int, int, int, int]:
+def _check_images(images, what: str = "an image") -> tuple[int, int, int, int]:
     """(batch, height, width, channels) of a ComfyUI IMAGE [B, H, W, C] (or one [H, W, C]), or a Qwen35Error
-    that names what is wrong with it."""
+    that names what is wrong with it (`what`: "an image", or "a video frame")."""
     if not isinstance(images, torch.Tensor) or images.dim() not in (3, 4):
         shape = list(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise Qwen35Error(f"an image input must be a tensor [batch, height, width, channels], got {shape}")
@@ -194,14 +194,14 @@ def _check_images(images) -> tuple[int, int, int, int]:
     if b == 0:
         raise Qwen35Error("the image batch is empty (0 images); connect an image or leave the input empty")
     if h == 0 or w == 0:
-        raise Qwen35Error(f"an image input is {w}x{h} pixels (width x height); both sides must be at least 1: "
+        raise Qwen35Error(f"{what} input is {w}x{h} pixels (width x height); both sides must be at least 1: "
                           "check the node that made it (a crop or resize to 0 pixels)")
     if c not in (1, 2, 3, 4):
-        raise Qwen35Error(f"an image has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA) "
+        raise Qwen35Error(f"{what} has {c} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA) "
                           "(a MASK [batch, height, width] is no IMAGE: convert it with ComfyUI's Convert Mask to "
                           "Image node)")
     if not images.is_floating_point():  # 0..255 or a 0/1 mask: the scale is not guessed (clamped, 0..255 was white)
-        raise Qwen35Error(f"an image tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float in 0..1: "
+        raise Qwen35Error(f"{what} tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float in 0..1: "
                           "convert 8-bit pixels (0..255) with .float() / 255")
     return b, h, w, c
 
@@ -463,7 +463,7 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
-    _check_images(frames)
+    _check_images(frames, "a video frame")
     h, w = frames.shape[1:3]
     layout = _video_layout(h, w, index, fps, pp)
     checked = frames.device.type != "cpu"
@@ -623,7 +623,7 @@ class _StreamedFrames:
         if not isinstance(frame, torch.Tensor) or frame.dim() != 3:
             got = list(frame.shape) if isinstance(frame, torch.Tensor) else type(frame).__name__
             raise Qwen35Error(f"a video reader gave a frame {got}; keep takes one frame [height, width, channels]")
-        _check_images(frame)
+        _check_images(frame, "a video frame")
         if self.layout is None:
             self.shape, self.dtype = tuple(frame.shape), frame.dtype
             self.layout = _video_layout(frame.shape[0], frame.shape[1], self.index, self.fps, self.pp)

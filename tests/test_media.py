@@ -404,8 +404,9 @@ def test_a_video_source_keeps_the_runtime_messages():
     # a frame rate so small that the clip lasts longer than a float holds: every frame, to max_frames
     assert sample_frames(10, 1e-310, Preprocessing()) == list(range(10))
     assert len(sample_frames(10_000, 1e-310, Preprocessing())) == Preprocessing().max_frames
-    with pytest.raises(Qwen35Error, match=r"dtype torch.uint8"):
-        preprocess_video_source(TensorSource(torch.zeros(4, 64, 64, 3, dtype=torch.uint8), 2.0))
+    for read in (lambda x: preprocess_video_source(TensorSource(x, 2.0)), lambda x: preprocess_video(x, 2.0)):
+        with pytest.raises(Qwen35Error, match=r"^a video frame tensor has dtype torch.uint8"):  # (not "an image")
+            read(torch.zeros(4, 64, 64, 3, dtype=torch.uint8))
 
     class Short(TensorSource):  # a reader that gives fewer frames than it was asked for
         def read(self, choose, keep):
