@@ -121,6 +121,7 @@ class Qwen35ModelLoader(io.ComfyNode):
     def execute(cls, model, dtype="auto", device="auto", backend="auto", keep_loaded=True,
                 cache_budget_mb=0, weights="auto") -> io.NodeOutput:
         from ..runtime import Qwen35Error
+        from ..runtime.loader import _clear_frames
 
         path = find_model(model)
         if path is None:
@@ -142,8 +143,11 @@ class Qwen35ModelLoader(io.ComfyNode):
             runtime_model, device_note = _load(path, dtype, device, target, backend, weights)
             try:
                 runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
-            except BaseException:
-                del runtime_model  # a new model's weights go with it (the traceback keeps this frame)
+            except BaseException as e:
+                # a new model's weights go with it before the cache is emptied: the traceback keeps this frame
+                # and setup_kv's, whose `self` is the model (cleared here; the error and its message stay)
+                _clear_frames(e)
+                del runtime_model
                 mm.soft_empty_cache()
                 raise
             load_device = torch.device("cpu") if device_note else target

@@ -679,6 +679,43 @@ def releases_counted(pack, monkeypatch):
     return model, released
 
 
+def test_a_cache_budget_that_does_not_fit_lets_the_new_model_go_before_emptying_the_cache(pack, models_dir, comfy,
+                                                                                          monkeypatch):
+    """A K/V budget the device cannot hold fails after the weights were read: the loader's error names the budget,
+    and the new model is gone when it empties ComfyUI's cache (the error's traceback holds setup_kv's frame, whose
+    `self` is the model), so its memory goes back with that call, not at a later garbage collection."""
+    import gc
+    import weakref
+
+    import qwen35_fast.runtime.model as model_mod
+    from qwen35_fast.runtime import Qwen35Error
+    made, alive_at_release = [], []
+    real_load = pack.loader._load
+
+    def load(*args):
+        runtime_model, note = real_load(*args)
+        made.append(weakref.ref(runtime_model))
+        return runtime_model, note
+
+    def no_room(*args, **kwargs):  # what the CPU allocator raises for a pool larger than the RAM
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 824633720832 bytes")
+
+    monkeypatch.setattr(pack.loader, "_load", load)
+    monkeypatch.setattr(model_mod, "KVStore", no_room)
+    monkeypatch.setattr(comfy.mm, "soft_empty_cache", lambda *a, **k: alive_at_release.append(made[0]() is not None))
+    caught = None
+    try:
+        pack.Qwen35ModelLoader.execute(model="qwen35-demo", dtype="fp32", device="cpu", backend="torch",
+                                       keep_loaded=True, cache_budget_mb=3 << 10)
+    except Qwen35Error as e:
+        caught = e
+    assert caught is not None and "a K/V cache of 3072 MiB does not fit on cpu" in str(caught)
+    assert len(made) == 1 and alive_at_release[:1] == [False]
+    del caught
+    gc.collect()
+    assert made[0]() is None
+
+
 def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, models_dir, monkeypatch):
     from qwen35_fast.runtime import Qwen35Error
     model, released = releases_counted(pack, monkeypatch)
