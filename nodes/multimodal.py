@@ -58,14 +58,13 @@ def _frames_note(model, clip) -> str:
     """range_note of a video given as frames (the frames input, or a VIDEO held in memory), over the frames the
     runtime samples: as for images, a video the prefix cache answered is not read in the runtime, and frames in
     0..255 read as white. A file's frames are decoded into 0..1 (clip is then a FileVideo)."""
-    from ..runtime.media import check_finite, range_note, read_preprocessing, sample_frames
+    from ..runtime.media import check_finite, frames_range_note, read_preprocessing, sample_frames
 
     if not isinstance(clip, tuple):
         return ""
     frames, fps = clip
     index = sample_frames(frames.shape[0], fps, read_preprocessing(getattr(model, "path", None)))
-    ranges = [check_finite(frames[i]) for i in index]
-    note = range_note(min(lo for lo, _ in ranges), max(hi for _, hi in ranges))
+    note = frames_range_note(check_finite(frames[i]) for i in index)
     return f"the video's {note}" if note else ""
 
 

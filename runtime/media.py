@@ -499,12 +499,17 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
                        recipe=_recipe(layout.size, pp), origin=(frames, tuple(index)), source_hash=digest)
 
 
-def _checked_range(ranges) -> None:
-    """range_note's warning, once, over frames' (lowest, highest) pixels (check_finite's answers)."""
+def frames_range_note(ranges) -> str:
+    """range_note over frames' (lowest, highest) pixels (check_finite's answers), once for them all."""
     lo, hi = math.inf, -math.inf
     for a, b in ranges:
         lo, hi = min(lo, a), max(hi, b)
-    note = range_note(lo, hi) if lo <= hi else ""
+    return range_note(lo, hi) if lo <= hi else ""
+
+
+def _checked_range(ranges) -> None:
+    """frames_range_note's warning in the log."""
+    note = frames_range_note(ranges)
     if note:
         log.warning("qwen35: %s", note)
 
@@ -652,5 +657,6 @@ class _StreamedFrames:
                            recipe=_recipe(layout.size, pp), source_hash=self.hash.digest((self.kept, *self.shape), self.dtype))
 
 
-__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "range_note", "to_rgb", "VisionInput",
-           "preprocess_images", "preprocess_video", "VideoSource", "preprocess_video_source", "sample_frames"]
+__all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "range_note", "frames_range_note",
+           "to_rgb", "VisionInput", "preprocess_images", "preprocess_video", "VideoSource", "preprocess_video_source",
+           "sample_frames"]
