@@ -128,7 +128,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     """
     if not isinstance(parent, Prefill):
         raise Qwen35Error(f"continue_prefill needs a Prefill to continue, got {type(parent).__name__}")
-    if parent.model_id != id(model):
+    if parent.model_id != model.serial:
         raise Qwen35Error("this prefill was made by another model (or the same checkpoint loaded again); "
                           "continue a prefill made by this model, or run the first prefill again with it")
     if parent.turn is None:
@@ -188,7 +188,7 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
             stats = VisionStats(n_vision, new - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                                 sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
         return Prefill(whole, logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
-                       id(model), vision=stats, turn=run.states.get(cached + turn_end),
+                       model.serial, vision=stats, turn=run.states.get(cached + turn_end),
                        cached_tokens=run.cached_tokens, media=media)
     run = None
     raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)

@@ -38,7 +38,7 @@ class Prefill:
     ms: float
     backend: str
     thinking: bool = False
-    model_id: int = 0  # id() of the model that made it: a prefill only fits that model
+    model_id: int = 0  # the serial of the model that made it (Qwen35Model.serial): a prefill only fits that model
     vision: object = None  # multimodal.VisionStats when the prompt (its new part) had images or video
     # the state at the end of the last user turn, before the generation prompt (None without the chat
     # template): a follow-up turn restarts from it (conversation.continue_prefill); its K/V are cache's
@@ -172,7 +172,7 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
             raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
     else:
         ms = (time.perf_counter() - t0) * 1000
-        return Prefill(tuple(ids), logits, run.cache, ms, model.backend.name, thinking, id(model),
+        return Prefill(tuple(ids), logits, run.cache, ms, model.backend.name, thinking, model.serial,
                        turn=run.states.get(turn_end), cached_tokens=run.cached_tokens)
     run = None
     raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
@@ -300,7 +300,7 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     if not isinstance(pf, Prefill):
         raise Qwen35Error(f"generate needs the Prefill that prefill() returned, got a {type(pf).__name__}; run "
                           "pf = prefill(model, prompt) first")
-    if pf.model_id != id(model):
+    if pf.model_id != model.serial:
         raise Qwen35Error("this prefill was made by another model; run the prefill again with this model")
     if not bool(torch.isfinite(pf.logits).all()):  # (on the host: a prefill's logits are copied there)
         raise not_finite(model, f"after the prompt of {pf.n_tokens:,} tokens")

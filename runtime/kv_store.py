@@ -9,6 +9,7 @@ system RAM while its model is unloaded is still whole when the model comes back.
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from typing import Sequence
@@ -72,9 +73,12 @@ class KVStore:
         num_blocks = int(budget_bytes * (1 - SNAPSHOT_SHARE)) // sizes["kv_block_bytes"]
         snapshot_budget = max(int(budget_bytes * SNAPSHOT_SHARE), MIN_SNAPSHOTS * sizes["snapshot_bytes"])
         if num_blocks < 1:
+            least_mib = math.ceil(sizes["kv_block_bytes"] / (1 - SNAPSHOT_SHARE) / 2**20)
             raise Qwen35Error(f"a K/V cache budget of {budget_bytes / 2**20:.1f} MiB holds no block of "
                               f"{block_size} tokens ({sizes['kv_block_bytes'] / 2**20:.1f} MiB of K/V with the "
-                              f"snapshots' {SNAPSHOT_SHARE:.0%}); raise the loader's cache budget")
+                              f"snapshots' {SNAPSHOT_SHARE:.0%}); raise the loader's cache budget to at least "
+                              f"{least_mib} MiB (a prompt takes a block per {block_size} tokens), or 0 to size "
+                              "it from the free VRAM")
         self.block_size = block_size
         self.budget_bytes = int(budget_bytes)
         self.k, self.v = pool_tensors(config, num_blocks, block_size, device, dtype)

@@ -7,6 +7,7 @@ PyTorch references according to the backend picked at load.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -314,6 +315,9 @@ def rope_delta_after(cache: Cache, positions: torch.Tensor | None, k: int) -> in
     return int(positions[:, :k].max()) + 1 - (cache.length + k)  # host positions: no synchronisation
 
 
+_SERIALS = itertools.count(1)
+
+
 class Qwen35Model(nn.Module):
     """Qwen3.5 dense text model. Weights only; `forward_*` are the prefill and decode passes. With int8 the
     weight matrices (projections, MLPs, embedding, LM head) are kept in 8 bits and computed in `dtype`
@@ -321,6 +325,8 @@ class Qwen35Model(nn.Module):
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, int8: bool = False):
         super().__init__()
+        # names this model for the prefills it makes (id() may return a freed model's number to the next)
+        self.serial = next(_SERIALS)
         self.config = config
         self.dtype = dtype
         self.int8 = int8

@@ -340,7 +340,7 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
     # (raw text opens no thinking block)
     return Prefill(tuple(ids), logits, run.cache, (t2 - t0) * 1000, model.backend.name,
-                   thinking and use_chat_template, id(model), vision=stats, turn=run.states.get(turn_end),
+                   thinking and use_chat_template, model.serial, vision=stats, turn=run.states.get(turn_end),
                    cached_tokens=run.cached_tokens, media=tuple(spans))
 
 

@@ -210,3 +210,16 @@ def test_decoding_from_an_empty_cache_equals_the_prefill(model):
     for t in range(9):
         got = model.forward_decode(ids[0, t:t + 1], cache)
     assert cache.length == 9 and torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_prefill_fits_only_the_model_that_made_it(folder, model):
+    """A prefill names its model by a serial number, not by id(): CPython hands a freed model's address to the
+    next object, so a model loaded after another was freed could take a stale prefill (of the freed model's
+    blocks) as its own."""
+    pf = prefill(model, "Hello.")
+    other = load_model(folder, dtype="fp32", device="cpu", backend="torch")
+    assert other.serial != model.serial
+    assert pf.model_id == model.serial
+    with pytest.raises(Qwen35Error, match="^this prefill was made by another model"):
+        generate(other, pf, max_new_tokens=1)
+    assert generate(model, pf, max_new_tokens=1).token_ids
