@@ -440,6 +440,10 @@ def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]
         raise Qwen35Error("the video has 0 frames; connect a video with at least one frame")
     if not frame_rate_ok(source_fps):
         raise Qwen35Error(f"the video's frame rate is {source_fps!r}; it must be a number of frames per second above 0")
+    # in float64, as the processor counts with its float metadata fps: a Fraction (ComfyUI's frame_rate) would count
+    # exactly and a numpy float32 in float32, each picking other frames at some lengths (925 frames at 25/3 fps:
+    # 222 exactly, where the processor and a VideoSource, whose fps is a float, take 221)
+    source_fps = float(source_fps)
     n = int(min(total / source_fps * pp.fps, pp.max_frames))  # (a tiny frame rate makes it inf)
     n = min(max(n, pp.min_frames), pp.max_frames, total)
     # in float64, as the processor's numpy: torch's float32 linspace rounds some indices (and .5 ties) otherwise
@@ -463,6 +467,9 @@ def preprocess_video(frames: torch.Tensor, fps: float, pp: Preprocessing | None 
         got = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise Qwen35Error(f"a video must be frames [count, height, width, channels], got {got}")
     index = sample_frames(frames.shape[0], fps, pp)
+    # (checked there) a float from here on, as preprocess_video_source's: a Fraction's timestamps could not be
+    # formatted as the prompt's `<{t:.1f} seconds>` (a TypeError on Python 3.11)
+    fps = float(fps)
     _check_images(frames, "a video frame")
     h, w = frames.shape[1:3]
     layout = _video_layout(h, w, index, fps, pp)
@@ -654,7 +661,8 @@ class _StreamedFrames:
             return _patchify(_normalise(frames, pp), pp)[0]
 
         return VisionInput("video", patches, layout.grid, self.shape[:2], layout.timestamps, layout.scaled_down,
-                           recipe=_recipe(layout.size, pp), source_hash=self.hash.digest((self.kept, *self.shape), self.dtype))
+                           recipe=_recipe(layout.size, pp),
+                           source_hash=self.hash.digest((self.kept, *self.shape), self.dtype))
 
 
 __all__ = ["Preprocessing", "read_preprocessing", "smart_resize", "check_finite", "range_note", "frames_range_note",
