@@ -79,8 +79,14 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
             from . import cuda_impl
             ok, reason = cuda_impl.cuda_status(device)
         except ImportError as e:  # CuPy (what else the kernels need is checked inside cuda_status)
-            reason = (f"CuPy is not installed ({e}); run `python install.py` in the pack's folder with ComfyUI's "
-                      "Python (it installs the CuPy that matches this PyTorch's CUDA), then restart ComfyUI")
+            from .cuda_build import _older_cuda  # (a PyTorch for CUDA 11: install.py has no CuPy for it)
+            reason = f"CuPy is not installed ({e}); " + (
+                _older_cuda() or "run `python install.py` in the pack's folder with ComfyUI's Python (it installs "
+                                 "the CuPy that matches this PyTorch's CUDA), then restart ComfyUI")
+        except Exception as e:  # noqa: BLE001 - a CuPy that fails on import (built for another NumPy or CUDA)
+            reason = (f"CuPy is installed but cannot be imported ({type(e).__name__}: {e}); reinstall the CuPy that "
+                      "matches this PyTorch's CUDA (`python install.py` in the pack's folder, run with ComfyUI's "
+                      "Python, names it and any other CuPy in the way), then restart ComfyUI")
     if ok:
         compile_ahead(device)
     if ok and dtype == torch.float16:  # (the paged attention kernel takes bf16; the op's reference runs fp16)
@@ -93,7 +99,8 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
     if ok:
         return Backend("cuda", reason)
     if requested == "cuda":
-        raise RuntimeError(reason)
+        raise RuntimeError(f"kernel backend 'cuda' chosen, but {reason}; choose kernel backend 'auto' or 'torch' "
+                           "(the PyTorch path)")
     if reason not in _warned:
         _warned.add(reason)
         log.warning("Qwen3.5 GDN kernels fall back to PyTorch: %s", reason)

@@ -158,6 +158,12 @@ def arch_for_capability(major: int, minor: int) -> str:
     cc = 10 * major + minor
     if cc < 80:
         raise KernelBuildError(f"compute capability {major}.{minor} is below 8.0, which the kernels need")
+    have = nvrtc_version()
+    if have[0] < CUDA_MAJORS[0]:  # a CuPy for CUDA 11: its NVRTC builds the probe, not every kernel
+        fix = _older_cuda() or (f"install 'cupy-cuda{_torch_cuda_major()}x' in place of this CuPy, and "
+                                f"{_pip_hint('nvrtc')} (pip; the CUDA major version of your torch)")
+        raise KernelBuildError(f"NVRTC {have[0]}.{have[1]} is older than the kernels take (CUDA "
+                               f"{' or '.join(map(str, CUDA_MAJORS))}); {fix}")
     archs = supported_archs()
     if cc in archs:
         return "sm_90a" if cc == 90 else f"sm_{cc}"
@@ -528,6 +534,8 @@ def _load_function(source: str, src_path: Path, arch: str, defines: dict | None,
     except RuntimeError as e:  # CuPy's CUDADriverError is one
         if "OUT_OF_MEMORY" in str(e):
             raise
+        if "UNSUPPORTED_PTX_VERSION" in str(e):  # the driver is older than NVRTC: compiled again, refused again
+            raise KernelBuildError(f"the CUDA driver refused the kernel module {path} ({e}){_driver_behind()}") from e
         log.warning("Qwen3.5: the cached kernel module %s could not be loaded (%s); compiling it again", path, e)
         path.unlink(missing_ok=True)
     path = _load_or_compile(source, src_path, arch, defines)
@@ -536,7 +544,30 @@ def _load_function(source: str, src_path: Path, arch: str, defines: dict | None,
     except RuntimeError as e:
         if "OUT_OF_MEMORY" in str(e):
             raise
-        raise KernelBuildError(f"the CUDA driver refused the kernel module {path}, compiled just now ({e})") from e
+        raise KernelBuildError(f"the CUDA driver refused the kernel module {path}, compiled just now "
+                               f"({e}){_driver_behind()}") from e
+
+
+def _driver_behind() -> str:
+    """Where the NVIDIA driver runs an older CUDA than the NVRTC that compiled a module it refused (PTX it cannot
+    JIT: CUDA_ERROR_UNSUPPORTED_PTX_VERSION; a cubin of a newer CUDA major), "; " and the fix; else ""."""
+    try:
+        import cupy
+        d = int(cupy.cuda.runtime.driverGetVersion())  # e.g. 12040 for CUDA 12.4
+        nvrtc = tuple(nvrtc_version())[:2]
+    except Exception:  # noqa: BLE001 - only shapes a hint
+        return ""
+    driver = (d // 1000, d % 1000 // 10)
+    if driver >= nvrtc:
+        return ""
+    if driver[0] < nvrtc[0]:  # (CuPy loads only the NVRTC of its own CUDA major)
+        fix = f"update the NVIDIA driver to one for CUDA {nvrtc[0]}.{nvrtc[1]} or newer"
+    else:
+        pin = (f"'nvidia-cuda-nvrtc=={driver[0]}.{driver[1]}.*'" if driver[0] >= 13
+               else f"'nvidia-cuda-nvrtc-cu{driver[0]}=={driver[0]}.{driver[1]}.*'")
+        fix = f"update the NVIDIA driver, or pip install {pin} (an NVRTC this driver runs)"
+    return (f"; the NVIDIA driver runs CUDA {driver[0]}.{driver[1]}, older than the NVRTC {nvrtc[0]}.{nvrtc[1]} that "
+            f"compiled it: {fix}, then restart ComfyUI")
 
 
 _streams: dict = {}

@@ -77,8 +77,10 @@ class Qwen35ModelLoader(io.ComfyNode):
                                tooltip="Checkpoint folders in models/LLM/<name>/ and single .safetensors files "
                                        "in models/LLM or models/text_encoders."),
                 io.Combo.Input("dtype", options=DTYPES, default="auto",
-                               tooltip="Weight precision. auto: bf16 on a CUDA GPU (cards before Ampere emulate it), on "
-                                       "other GPUs where a bf16 matmul runs there; else fp32."),
+                               tooltip="Weight precision. auto: bf16 on a GPU where a bf16 matmul runs (from "
+                                       "Ampere natively; V100, T4 and RTX 20xx emulate it, slower but right), else "
+                                       "fp32 (GTX 10xx and older; the CPU). fp16 (half of fp32's memory) runs on "
+                                       "any GPU, but Qwen's activations can overflow it."),
                 io.Combo.Input("device", options=DEVICES, default="auto",
                                tooltip="auto: the device ComfyUI runs on (cpu when started with --cpu). On "
                                        "Apple (mps), Intel (xpu) and other non-CUDA GPUs the PyTorch path runs "

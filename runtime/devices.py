@@ -45,6 +45,22 @@ def bf16_works(device: torch.device) -> bool:
         return False
 
 
+def cuda_auto_dtype(device: torch.device) -> torch.dtype:
+    """What dtype 'auto' computes in on the CUDA `device`: bf16 from compute capability 8.0 (Ampere and newer;
+    AMD GPUs under ROCm too) and on the older cards where a bf16 matmul runs (Volta, Turing: V100, T4, RTX 20xx,
+    where PyTorch emulates it in fp32, slower than their fp16 but right), fp32 where it does not (Pascal and
+    before: cuBLAS refuses bf16 products, CUBLAS_STATUS_NOT_SUPPORTED). Never fp16 by default: Qwen models are
+    trained in bf16, and their activations overflow fp16's 65,504 in some layers (Qwen2 on V100 in fp16 answers
+    with NaN, QwenLM/Qwen3 issues 826 and 868); fp16 stays a choice, and a NaN there is named with the fix.
+    (torch.cuda.is_bf16_supported() would not tell: it counts the emulation, and asks the current device.)"""
+    if getattr(torch.version, "hip", None):
+        return torch.bfloat16
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 8 or bf16_works(device):
+        return torch.bfloat16
+    return torch.float32
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` (for timings); nothing on the CPU."""
     if device.type == "cuda":

@@ -13,7 +13,15 @@ from .. import kernels
 from . import progress
 from .checkpoint import Checkpoint, WeightReader, locate
 from .config import LINEAR, describe
-from .devices import DeviceUnsupported, bf16_works, check_device, empty_cache, is_other_accelerator, usable
+from .devices import (
+    DeviceUnsupported,
+    bf16_works,
+    check_device,
+    cuda_auto_dtype,
+    empty_cache,
+    is_other_accelerator,
+    usable,
+)
 from .errors import Qwen35Error
 from .memory import free_bytes, is_out_of_memory, loading_out_of_memory, text_weight_bytes
 from .model import Qwen35Model
@@ -57,12 +65,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
                               f"{', '.join(map(str, DTYPES.values()))}): the model computes in these; FP8 checkpoints "
                               "load dequantized to one of them")
         return dtype
-    if dtype == "auto":  # bf16 on GPUs (other accelerators: where their bf16 matmul runs), fp32 on the CPU
-        if device.type == "cuda" or (is_other_accelerator(device) and bf16_works(device)):
+    if dtype == "auto":  # bf16 on GPUs that compute in it (other accelerators: where their bf16 matmul runs)
+        if device.type == "cuda":
+            return cuda_auto_dtype(device)
+        if is_other_accelerator(device) and bf16_works(device):
             return torch.bfloat16
         return torch.float32
     if dtype not in DTYPES:
         raise Qwen35Error(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    if dtype == "bf16" and device.type == "cuda" and cuda_auto_dtype(device) != torch.bfloat16:
+        # Pascal's cuBLAS refuses bf16 products: told here, not mid-prompt
+        (major, minor), card = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+        raise Qwen35Error(f"dtype 'bf16' chosen, but a bf16 matmul does not run on {card} (compute capability "
+                          f"{major}.{minor}, before Volta: no bf16 there); choose dtype 'auto' (fp32 there) or "
+                          "'fp16' (half the memory, but Qwen's activations can overflow fp16: NaN logits are named)")
     return DTYPES[dtype]
 
 
@@ -198,7 +214,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                backend: str = "auto", weights: str = "full") -> Qwen35Model:
     """Load a Qwen3.5 checkpoint (a Hugging Face folder or one .safetensors file).
 
-    dtype: auto (bf16 on CUDA and where another accelerator's bf16 matmul runs, else fp32), bf16, fp16, fp32:
+    dtype: auto (bf16 on CUDA where a bf16 matmul runs, fp32 on older cards: devices.cuda_auto_dtype; bf16 where
+    another accelerator's bf16 matmul runs; else fp32), bf16, fp16, fp32:
     what the model computes in. weights: full (the text model's matrices in dtype), int8 (in 8 bits with a scale
     a row, computed in dtype: half the memory of bf16, quant.py), auto (int8 where the full ones would not fit
     the device's free memory, pick_int8; model.int8 says which).
