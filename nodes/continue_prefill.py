@@ -6,21 +6,27 @@ import logging
 
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Prefill, cancellable, made, running, shown_again
+from .types import ModelPrefill, Qwen35Prefill, cancellable, linked, made, running, shown_again
 
 log = logging.getLogger(__name__)
 
 
-def _stats(pf) -> dict:
+def _stats(pf, images=None) -> dict:
     """What a prefill node shows: tokens (reused from a parent and new), time, and the vision part."""
+    from ..runtime.media import check_finite, range_note
+
     v = pf.vision
     stats = {"n_tokens": pf.n_tokens, "cached_tokens": pf.cached_tokens, "new_tokens": pf.new_tokens,
              "ms": round(pf.ms, 2), "tokens_per_s": round(pf.tokens_per_s, 1), "backend": pf.backend,
              "thinking": pf.thinking}
     if v is not None:  # this turn had images
-        note = f"{v.scaled_down} input(s) scaled down to fit their pixel limit" if v.scaled_down else ""
+        notes = [f"{v.scaled_down} input(s) scaled down to fit their pixel limit" if v.scaled_down else ""]
+        # read here as in the Multimodal Prefill (the runtime only warns in the log, and not at all where the
+        # prefix cache answered the image): pixels outside 0..1 belong on this run's panel
+        if images is not None:
+            notes.append(range_note(*check_finite(images)))
         stats.update(vision_tokens=v.vision_tokens, text_tokens=v.text_tokens, vision_ms=round(v.vision_ms, 2),
-                     prefill_ms=round(v.prefill_ms, 2), note=note)
+                     prefill_ms=round(v.prefill_ms, 2), note="; ".join(n for n in notes if n))
     return stats
 
 
@@ -62,7 +68,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
                 max_pixels=0) -> io.NodeOutput:
         from ..runtime import Qwen35Error, continue_prefill
 
-        model = prefill.model
+        model = linked(prefill, "prefill").model
         with model.released_on_error():  # (bad input too: the weights may be on the GPU already)
             if images is not None and "<video>" in (prompt or ""):  # with images the prompt's placeholders are read
                 raise Qwen35Error("the prompt names <video>, but this node takes images only; remove <video> from "
@@ -86,4 +92,4 @@ class Qwen35ContinuePrefill(io.ComfyNode):
             model.park(pf)
         out = ModelPrefill(model, pf, prefill.item, prefill.items, remake=run, node=running()[1])
         made(out.node, [out])
-        return io.NodeOutput(out, ui={"qwen35_prefill": [_stats(pf)]})
+        return io.NodeOutput(out, ui={"qwen35_prefill": [_stats(pf, images)]})

@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, made, running, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, linked, made, running, shown_again
 from .video import video_clip
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                         "the batch, so one Generate node captions each image on its own.",
             search_aliases=["qwen", "vl", "vision", "caption", "image to text", "describe image", "video"],
             inputs=[
-                Qwen35Model.Input("model"),
+                Qwen35Model.Input("model", tooltip="The model of a Qwen3.5 Model Loader (a checkpoint with its "
+                                                   "vision tower, for images and video)."),
                 io.String.Input("prompt", multiline=True, default="Describe this image.",
                                 tooltip="The user message; <image>, <image 2>, <video> place the inputs."),
                 io.Image.Input("images", optional=True,
@@ -112,7 +113,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
         from ..runtime import Qwen35Error, prefill_multimodal, read_video
         from ..runtime.media import check_finite, range_note
 
-        with model.released_on_error():  # (bad input too: the loader put the weights on the GPU already)
+        with linked(model, "model").released_on_error():  # (bad input too: the loader put the weights on the GPU)
             if video is not None and frames is not None:
                 raise Qwen35Error("both a video and frames are connected; connect one of them")
             clip = video_clip(video) if video is not None else (frames, frame_rate) if frames is not None else None

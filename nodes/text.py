@@ -9,7 +9,7 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, made, running, shown_again
+from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, linked, made, running, shown_again
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Qwen35TextPrefill(io.ComfyNode):
                         "Generate nodes can continue from it without reading the prompt again.",
             search_aliases=["qwen", "llm", "prompt", "chat"],
             inputs=[
-                Qwen35Model.Input("model"),
+                Qwen35Model.Input("model", tooltip="The model of a Qwen3.5 Model Loader."),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="The user message."),
                 io.String.Input("system_prompt", multiline=True, default="",
@@ -72,7 +72,7 @@ class Qwen35TextPrefill(io.ComfyNode):
         from ..runtime import encode_prompt, prefill_ids
         from ..runtime.memory import prefill_bytes
 
-        with model.released_on_error():  # (a bad prompt too: the loader put the weights on the GPU already)
+        with linked(model, "model").released_on_error():  # (a bad prompt too: the weights are on the GPU already)
             ids = encode_prompt(model.model, prompt, system_prompt=system_prompt, thinking=thinking,
                                 use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
 
@@ -105,7 +105,9 @@ class Qwen35Generate(io.ComfyNode):
                         "gives the same text, and the prefill is left as it was.",
             search_aliases=["qwen", "llm", "generate text", "prompt enhancer"],
             inputs=[
-                Qwen35Prefill.Input("prefill"),
+                Qwen35Prefill.Input("prefill", tooltip="The prompt as a Qwen3.5 Text, Multimodal or Continue node "
+                                                       "read it; a list of them (one prompt per image) is answered "
+                                                       "one after the other."),
                 io.Int.Input("max_new_tokens", default=256, min=1, max=32768,
                              tooltip="Stops after this many tokens if the model has not finished."),
                 io.Boolean.Input("sampling", default=True, label_on="sample", label_off="greedy",
@@ -159,7 +161,7 @@ class Qwen35Generate(io.ComfyNode):
             display_node = hidden.dynprompt.get_display_node_id(node_id)
         handles = []  # the models of these prefills, each once (a list can join the prefills of two loaders)
         for item in prefill:
-            if all(item.model is not h for h in handles):
+            if all(linked(item, "prefill").model is not h for h in handles):
                 handles.append(item.model)
         texts, thinkings, shown = [], [], []
         with ExitStack() as released:

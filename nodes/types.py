@@ -76,6 +76,24 @@ class ModelPrefill:
             self._prefill = None
 
 
+# what each link type carries, and the nodes whose output it is
+_SOURCES = {"model": ("a Qwen3.5 model", "a Qwen3.5 Model Loader"),
+            "prefill": ("a Qwen3.5 prefill", "a Qwen3.5 Text Prefill, Multimodal Prefill or Continue node")}
+
+
+def linked(value: Any, name: str) -> Any:
+    """`value`, the `model` (a ModelHandle) or `prefill` (a ModelPrefill) input of a node; anything else is a
+    Qwen35Error that names it: ComfyUI checks a link's type, but an output typed '*' (a switch or reroute node of
+    another pack) passes any value, which would otherwise fail as an AttributeError deep in the node."""
+    kind = ModelHandle if name == "model" else ModelPrefill
+    if not isinstance(value, kind):
+        from ..runtime import Qwen35Error
+        what, source = _SOURCES[name]
+        raise Qwen35Error(f"the {name} input got a {type(value).__name__}, not {what}; connect the {name} output "
+                          f"of {source}")
+    return value
+
+
 def running() -> tuple[Optional[str], Optional[str]]:
     """(prompt id, node id) of the node ComfyUI is running; (None, None) outside a ComfyUI run (tests, scripts, a
     ComfyUI without comfy_execution.utils)."""
