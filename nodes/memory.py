@@ -81,9 +81,11 @@ class ManagedModel:
         if self._on(device):
             return 0
         if self.model.weights_dropped:
+            from .types import cancellable  # (types.py imports this module)
             log.info("Qwen3.5: reading %s onto %s again (%.0f MiB)", self.model.path, device,
                      self.model_size() / 2**20)
-            self.model.reload_weights(torch.device(device))
+            with cancellable():  # a progress bar over the weights read, and Cancel between them (none stay)
+                self.model.reload_weights(torch.device(device))
         else:
             log.info("Qwen3.5: moving %s to %s (%.0f MiB)", self.model.path, device, self.model_size() / 2**20)
             try:

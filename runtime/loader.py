@@ -133,9 +133,10 @@ def _fill(model: Qwen35Model, ckpt: Checkpoint, report: bool = False) -> None:
 
 def refill(model: Qwen35Model) -> None:
     """Reads the weights of `model` (text and vision tower) again from the checkpoint load_model read them from,
-    into its parameters where they are now (Qwen35Model.reload_weights)."""
+    into its parameters where they are now (Qwen35Model.reload_weights), with progress.report("load", ...) after
+    each text-model tensor as load_model's (a caller's cancel lands there: reload_weights lets them go again)."""
     ckpt = model.checkpoint
-    _fill(model, ckpt)
+    _fill(model, ckpt, report=True)
     if model.vision is not None:
         from .vision import fill_vision, locate_vision
         fill_vision(model.vision, locate_vision(ckpt))

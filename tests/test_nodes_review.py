@@ -4,7 +4,16 @@ and a value of the wrong kind on a link named rather than an AttributeError."""
 # ruff: noqa: F811  (the fixtures imported from test_nodes are parameters of the tests)
 import pytest
 import torch
-from test_nodes import _prefill, comfy, listed, loaded, models_dir, pack  # noqa: F401  (fixtures)
+from test_nodes import (  # noqa: F401  (fixtures)
+    _generate,
+    _prefill,
+    comfy,
+    interrupt_at,
+    listed,
+    loaded,
+    models_dir,
+    pack,
+)
 
 pytestmark = pytest.mark.comfyui
 
@@ -58,3 +67,33 @@ def test_a_value_of_another_kind_on_a_link_is_named(pack, loaded):
     # the right kinds still run
     assert listed(pack.Qwen35Generate, prefill=pf, max_new_tokens=2, sampling=False, temperature=0.7, top_k=20,
                   top_p=0.8, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, seed=0)[0]
+
+
+def test_a_reload_of_let_go_weights_shows_progress_and_cancels_cleanly(pack, loaded, comfy, monkeypatch):
+    """Weights let go where RAM was short are read again by the next run's load: its Cancel lands between the
+    weights (none stay half-read: the model counts as let go, and the run after it reads them all), and the
+    node's progress bar follows the read."""
+    pf = _prefill(pack, loaded)
+    text = _generate(pack, pf, seed=3, sampling=False)[0][0]
+    model, managed = loaded.model, loaded.managed
+    import comfy.utils as cu
+    bars = []
+
+    class Bar(cu.ProgressBar):
+        def update_absolute(self, value, total=None, preview=None):
+            bars.append((value, total))
+            super().update_absolute(value, total, preview)
+    monkeypatch.setattr(cu, "ProgressBar", Bar)
+    # (a model is let go only off its load device, where RAM is short: on this CPU-only machine the offload
+    # device stands apart as "meta", so that the load to the CPU reads the weights again)
+    monkeypatch.setattr(managed, "offload_device", torch.device("meta"))
+    model.drop_weights("cpu")
+    checks = interrupt_at(comfy, monkeypatch, 3)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        managed.partially_load(torch.device("cpu"))
+    assert checks["n"] == 3 and model.weights_dropped and all(p.is_meta for p in model.parameters())
+    assert not comfy.mm.processing_interrupted() and bars[-1][0] == 2  # two weights read before the third check
+    bars.clear()
+    managed.partially_load(torch.device("cpu"))
+    assert not model.weights_dropped and bars and bars[-1][0] == bars[-1][1]
+    assert _generate(pack, pf, seed=3, sampling=False)[0][0] == text
