@@ -26,6 +26,7 @@ def fake_card(monkeypatch, capability=(8, 6), name="Test Card", hip=None, cuda="
     monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     monkeypatch.setattr(torch.version, "cuda", None if hip else cuda, raising=False)
     monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(cb, "_cards", {})  # (on a GPU machine the real card is kept there by the tests before)
     if not cupy:
         monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
         monkeypatch.delitem(sys.modules, "qwen35_fast.kernels.cuda_impl", raising=False)
