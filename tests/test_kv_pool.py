@@ -335,6 +335,9 @@ def test_snapshot_byte_budget():
     pool.save_snapshot(seq, t, 64, "again", 10)  # same key: replaced, not added
     assert [s.states for s in pool.snapshots] == [48, "again"]
     _check_refcounts(pool, [seq])
+    big = pool.save_snapshot(seq, t, 80, "big", 30)  # alone over the budget: the older ones go, never the new one
+    assert pool.snapshots == [big] and pool.snapshot_bytes == 30 and pool.match(t).states == "big"
+    _check_refcounts(pool, [seq])
     pool.clear()
     pool.free(seq)
     assert pool.num_free == 64 and pool.snapshot_bytes == 0
@@ -391,7 +394,7 @@ def test_block_table_tensor_is_what_paged_attention_reads():
     s1, s2 = _admit(pool, t1)[0], _admit(pool, t2)[0]
     table = block_table_tensor([s1, s2])
     assert table.dtype == torch.int32 and table.shape == (2, 5) and table.is_contiguous()
-    assert table[0, 3:].tolist() == [PAD, PAD]
+    assert table.tolist() == [s1.blocks + [PAD, PAD], s2.blocks]  # each row: the blocks in position order
     assert block_table_tensor([s1], max_blocks=8).shape == (1, 8)
     with pytest.raises(ValueError, match="more than max_blocks"):
         block_table_tensor([s2], max_blocks=2)
@@ -409,13 +412,20 @@ def test_block_table_tensor_is_what_paged_attention_reads():
     assert torch.isfinite(out).all()
     assert torch.equal(gather_kv(k_pool, table[1], 70), k_new[37:])
     assert torch.equal(gather_kv(v_pool, table[0], 37), v_new[:37])
+    # the documented format read directly (not through the reference that wrote it): position p of sequence n
+    # is row p % block_size of block table[n, p // block_size]
+    for n, (start, length) in enumerate(((0, 37), (37, 70))):
+        for p in range(length):
+            block = int(table[n, p // 16])
+            assert torch.equal(k_pool[block, p % 16], k_new[start + p]), (n, p)
+            assert torch.equal(v_pool[block, p % 16], v_new[start + p]), (n, p)
     # a forked child sees the same K/V through its own table once the copy-on-write copy is made
     s1.num_tokens = 37
     child, copies = pool.fork(s1)
     for src, dst in copies:
         k_pool[dst] = k_pool[src]
+    assert copies and block_table_tensor([child]).tolist() == [child.blocks]
     assert torch.equal(gather_kv(k_pool, block_table_tensor([child])[0], 37), k_new[:37])
-    assert isinstance(child, SequenceBlocks)
 
 
 def test_blocks_given_back_from_another_thread():
@@ -434,14 +444,27 @@ def test_blocks_given_back_from_another_thread():
     other.start()
     for i in range(3000):
         seq = SequenceBlocks()
-        pool.reserve(seq, 16 * (1 + i % 7))
-        shared, _ = pool.fork(seq)
+        n = 16 * (1 + i % 7) - i % 3  # every third time or so a partly filled last block: the fork copies it
+        pool.reserve(seq, n)
+        seq.num_tokens = n  # written: the fork shares its full blocks (a fork of an empty sequence shares none)
+        shared, copies = pool.fork(seq)
+        assert shared.blocks[:n // 16] == seq.blocks[:n // 16] and len(copies) == (1 if n % 16 else 0)
         handed.put(seq)
         handed.put(shared)
     handed.put(None)
     other.join()
     assert pool.num_free == pool.num_blocks and sorted(pool._free) == list(range(pool.num_blocks))
     assert all(r == 0 for r in pool.refcount)
+    # the books are kept by the lock: a free from another thread waits while it is held here, then goes through
+    seq = SequenceBlocks()
+    pool.reserve(seq, 64)
+    done = threading.Event()
+    late = threading.Thread(target=lambda: (pool.free(seq), done.set()))
+    with pool._lock:
+        late.start()
+        assert not done.wait(0.2) and pool.num_free == pool.num_blocks - 4
+    late.join()
+    assert done.is_set() and pool.num_free == pool.num_blocks
 
 
 @pytest.mark.parametrize("stop", [RuntimeError("no room"), KeyboardInterrupt()])

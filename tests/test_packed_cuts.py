@@ -49,8 +49,11 @@ def _cache(model, warm: bool, seed: int):
 
 @pytest.mark.parametrize("cuts", [(1,), (2, 3), (5, 64, 65, 100), (63,), (129,)])
 @pytest.mark.parametrize("warm", [False, True])
-def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
+def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm, monkeypatch):
     i, m = _gdn_layer(model)
+    calls, real = [], model_mod.Qwen35Model._gdn_prefill_packed
+    monkeypatch.setattr(model_mod.Qwen35Model, "_gdn_prefill_packed",
+                        lambda self, *a: calls.append(1) or real(self, *a))
     T, n = 130, len(model.blocks)
     x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(len(cuts) + 7 * warm))
     parts, packed = _cache(model, warm, 3), _cache(model, warm, 3)
@@ -58,8 +61,10 @@ def test_one_packed_call_gives_the_states_of_the_parts(model, cuts, warm):
     cut_packed = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
     with torch.inference_mode():
         want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
+        assert not calls  # the parts, one by one
         got = model._gdn_prefill(m, x, packed, i, TORCH, cut_packed,
                                  PackedCuts.build(cuts, T, "cpu"))
+    assert calls == [1], "the packed form did not run"  # else the parts were compared with themselves
     assert got.shape == want.shape and rel(got, want) < 1e-5
     assert torch.equal(packed.conv[i], parts.conv[i]) and rel(packed.ssm[i], parts.ssm[i]) < 1e-5
     for (c, a), (_, b) in zip(cut_packed, cut_parts):

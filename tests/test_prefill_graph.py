@@ -52,6 +52,15 @@ def uncaptured(monkeypatch):
     return made
 
 
+def _count_runs(monkeypatch) -> list:
+    """The token counts of the padded passes run from here on (a pass made is not a pass run: it may be made and the
+    prompt still run eagerly, where the store has no room for its filler)."""
+    runs, real = [], PaddedPrefill.__call__
+    monkeypatch.setattr(PaddedPrefill, "__call__", lambda self, cache, ids, *a: runs.append(len(ids)) or
+                        real(self, cache, ids, *a))
+    return runs
+
+
 def test_packed_states_lie_in_one_tensor():
     """GDNState.packed: each kind of state as views of one flat tensor (what the padded pass copies in at
     once), the same values; flat_view finds such a run and nothing else."""
@@ -287,12 +296,14 @@ def test_prefill_refuses_what_does_not_fit(model):
         run(_fork(base), [1, 2, 3], None, None, [1, 2])
 
 
-def test_reused_system_prompt_through_the_padded_pass(pair, model, uncaptured):
+def test_reused_system_prompt_through_the_padded_pass(pair, model, uncaptured, monkeypatch):
     hf, _ = pair
+    runs = _count_runs(monkeypatch)
     prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
-    assert not uncaptured  # the first prompt reads everything: nothing cached before it
+    assert not uncaptured and not runs  # the first prompt reads everything: nothing cached before it
     second = prefill(model, "Describe a blue square.", system_prompt=SYSTEM)
     assert second.cached_tokens > 0 and set(uncaptured) == {BUCKETS[0]}
+    assert runs == [second.n_tokens - second.cached_tokens]  # the rest of the prompt ran in the padded pass
     cold = prefill(model, "Describe a blue square.", system_prompt=SYSTEM, use_cache=False)
     assert rel(second.logits, cold.logits) <= 1e-4
     assert rel(second.logits, _hf_logits(hf, second)) <= 1e-4
@@ -304,12 +315,14 @@ def test_reused_system_prompt_through_the_padded_pass(pair, model, uncaptured):
     assert rel(again.logits, cold.logits) <= 1e-4
 
 
-def test_question_after_a_cached_image_through_the_padded_pass(pair, model, uncaptured):
+def test_question_after_a_cached_image_through_the_padded_pass(pair, model, uncaptured, monkeypatch):
     hf, _ = pair
     image = preprocess_images(_image(64, 96, 7), SMALL)
     prefill_multimodal(model, "What colour is it?", images=image, system_prompt=SYSTEM)
+    runs = _count_runs(monkeypatch)
     second = prefill_multimodal(model, "And what shape?", images=image, system_prompt=SYSTEM)
     assert second.cached_tokens > second.vision.vision_tokens and uncaptured
+    assert runs == [second.n_tokens - second.cached_tokens]  # the question ran in the padded pass
     cold = prefill_multimodal(model, "And what shape?", images=image, system_prompt=SYSTEM, use_cache=False)
     assert rel(second.logits, cold.logits) <= 1e-4  # rotary positions after the image continue
     assert rel(second.logits, _hf_logits(hf, second, [image[0]])) <= 1e-4
