@@ -196,6 +196,14 @@ def _held_versions() -> str:
     return f.name
 
 
+def by_hand(command: list[str], package: str) -> str:
+    """The command that installs `package` later, to paste into a terminal: into this Python, as `command` does
+    (a bare `pip` may be another Python's, as on ComfyUI's Windows portable build, whose Python is its own)."""
+    at = command.index("install") + 1 if "install" in command else len(command)
+    words = command[:at] + [package] + [w for w in command[at:] if w != "--disable-pip-version-check"]
+    return " ".join(f'"{w}"' if " " in w or "*" in w else w for w in words)
+
+
 def install(package: str) -> bool:
     command = installer()
     if command is None:
@@ -210,7 +218,7 @@ def install(package: str) -> bool:
             done = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log.warning("installing %s took over %d s (no network?); gave up. The pack runs on PyTorch; "
-                        "install it later with: pip install %s", package, PIP_TIMEOUT_S, package)
+                        "install it later with: %s", package, PIP_TIMEOUT_S, by_hand(command, package))
             return False
         except OSError as e:  # the installer cannot be started (a broken uv on PATH: exec format, permission)
             log.warning("could not run %s (%s: %s); the pack runs on PyTorch; install it later with: pip install %s",
@@ -221,7 +229,7 @@ def install(package: str) -> bool:
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
         log.warning("could not install %s (no network, or no wheel for this platform?):\n%s\nThe pack runs on "
-                    "PyTorch; install it later with: pip install %s", package, tail, package)
+                    "PyTorch; install it later with: %s", package, tail, by_hand(command, package))
         return False
     importlib.invalidate_caches()
     name = package.split("==")[0]
@@ -241,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(4):  # CuPy, then (asked again once it is there) the NVRTC and the headers it may lack, a last look
         package, message = plan()
         log.info("%s", message)
+        if package and args.dry_run:
+            log.info("dry run: %s not installed (run without --dry-run to install it)", package)
         if not package or args.dry_run or not install(package):
             break
     return 0  # never fail the pack's install: without CuPy it runs on PyTorch

@@ -15,8 +15,8 @@ def _args(argv):
     ap = argparse.ArgumentParser(prog="python -m qwen35_fast",
                                  description="Prefill a prompt through Qwen3.5 and generate an answer.")
     sub = ap.add_subparsers(dest="command", required=True)
-    for name, text in (("demo", "run on the embedded tiny checkpoint (random weights, real tokenizer) "
-                                "unless --model is given"),
+    for name, text in (("demo", "run on a tiny checkpoint with random weights and the real tokenizer (made on "
+                                "first use and cached), unless --model is given"),
                        ("run", "run a checkpoint given with --model")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--model", help="checkpoint folder or .safetensors file", required=name == "run")
@@ -127,7 +127,9 @@ def _run(a, streamed: list) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    print(f"--- answer ({model.path.name}) ---")
+    # the demo's weights are random: its text is noise, and the speed lines after it are what it shows
+    noise = "" if a.model else ": random weights, so the text is noise; the speeds below are the point"
+    print(f"--- answer ({model.path.name}{noise}) ---")
     out = generate(model, pf, max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed, on_token=show)
     for text in a.follow_up:
         pf = continue_prefill(model, pf, text, previous_answer=out.text, thinking=a.thinking,
