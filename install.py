@@ -156,7 +156,7 @@ def plan() -> tuple[str | None, str]:
         problem = nvrtc_problem()
         if problem is not None:
             nvrtc = NVRTC_FOR_CUDA_MAJOR[major]
-            pin = _pinned(nvrtc, major)
+            pin = _pinned(nvrtc, cuda)
             if installed_version(nvrtc) is None:
                 return pin, (f"{want} {have} is installed for CUDA {cuda}, but it cannot load NVRTC ({problem}): "
                              f"installing {pin}.")
@@ -166,7 +166,7 @@ def plan() -> tuple[str | None, str]:
         problem = headers_problem()
         if problem is not None:
             runtime = HEADERS_FOR_CUDA_MAJOR[major]
-            pin = _pinned(runtime, major)
+            pin = _pinned(runtime, cuda)
             if installed_version(runtime) is None:
                 return pin, (f"{want} {have} is installed for CUDA {cuda} and loads NVRTC, but the CUDA headers the "
                              f"kernels are compiled with are missing ({problem}): installing {pin}, which "
@@ -183,9 +183,13 @@ def plan() -> tuple[str | None, str]:
     return want, f"PyTorch {torch_version} is built for CUDA {cuda}: installing {want}."
 
 
-def _pinned(dist: str, major: int) -> str:
-    """NVIDIA's package `dist` held to CUDA `major` (the CUDA 13 packages carry no major in their name)."""
-    return f"{dist}=={major}.*" if major >= 13 else dist
+def _pinned(dist: str, cuda: str) -> str:
+    """NVIDIA's package `dist` held to torch's CUDA version `cuda` ("12.4": 12.4.*), not the newest of its major: a
+    driver runs the CUDA torch was built for (or torch would not run), while an NVRTC newer than the driver makes
+    PTX it refuses (CUDA_ERROR_UNSUPPORTED_PTX_VERSION; the kernels' PTX for cards NVRTC knows no cubin for)."""
+    major, _, rest = cuda.partition(".")
+    minor = rest.split(".")[0]
+    return f"{dist}=={major}.{minor}.*" if minor.isdigit() else f"{dist}=={major}.*"
 
 
 def _held_versions() -> str:

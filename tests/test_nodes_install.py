@@ -60,8 +60,8 @@ def test_picks_the_cupy_for_torchs_cuda_and_does_nothing_the_second_time(install
     assert f"installing {package}" in out and "Nothing to do" in out
 
 
-@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc==13.*"),
-                                                ("12.8", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc-cu12")])
+@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc==13.0.*"),
+                                                ("12.8", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc-cu12==12.8.*")])
 def test_a_cupy_without_nvrtc_gets_nvidias_nvrtc_package(install, monkeypatch, capsys, cuda, package, pin):
     """CuPy there but NVRTC not loading (what the kernels' "NVRTC is not available" error says to fix): the NVRTC
     package of torch's CUDA major version is installed, once; where it is there and NVRTC still does not load,
@@ -87,12 +87,13 @@ def test_a_fresh_cupy_is_asked_for_nvrtc_in_the_same_run(install, monkeypatch, c
     installed = {"torch": "2.14.1", "numpy": "2.2.0"}
     calls = fake_env(install, monkeypatch, "13.0", installed, nvrtc_loads=lambda inst: "nvidia-cuda-nvrtc" in inst)
     assert install.main([]) == 0
-    assert [c[0][-1] for c in calls] == ["cupy-cuda13x", "nvidia-cuda-nvrtc==13.*"]
+    assert [c[0][-1] for c in calls] == ["cupy-cuda13x", "nvidia-cuda-nvrtc==13.0.*"]
     assert "Nothing to do" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-runtime", "nvidia-cuda-runtime==13.*"),
-                                                ("12.8", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu12")])
+@pytest.mark.parametrize("cuda, package, pin", [("13.0", "nvidia-cuda-runtime", "nvidia-cuda-runtime==13.0.*"),
+                                                ("12.8", "nvidia-cuda-runtime-cu12",
+                                                 "nvidia-cuda-runtime-cu12==12.8.*")])
 def test_missing_cuda_headers_get_nvidias_runtime_package(install, monkeypatch, capsys, cuda, package, pin):
     """CuPy and NVRTC there but no cuda_bf16.h where the kernels look (torch's Windows wheels, no toolkit): the
     runtime package of torch's CUDA major version, which carries the headers, is installed once; where it is there
@@ -120,7 +121,8 @@ def test_a_fresh_install_gets_cupy_nvrtc_and_headers_in_one_run(install, monkeyp
     calls = fake_env(install, monkeypatch, "12.8", installed, nvrtc_loads=lambda inst: "nvidia-cuda-nvrtc-cu12" in inst,
                      headers_found=lambda inst: "nvidia-cuda-runtime-cu12" in inst)
     assert install.main([]) == 0
-    assert [c[0][-1] for c in calls] == ["cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"]
+    assert [c[0][-1] for c in calls] == ["cupy-cuda12x", "nvidia-cuda-nvrtc-cu12==12.8.*",
+                                          "nvidia-cuda-runtime-cu12==12.8.*"]
     assert "Nothing to do" in capsys.readouterr().out
 
 
@@ -226,7 +228,7 @@ def test_a_cupy_without_a_cuda_in_its_name_fits_where_it_runs_torchs_cuda(instal
     assert install.main([]) == 0
     out = capsys.readouterr().out
     if fits:
-        assert [c[0][-1] for c in calls] == ["nvidia-cuda-nvrtc-cu12"]
+        assert [c[0][-1] for c in calls] == ["nvidia-cuda-nvrtc-cu12==12.8.*"]
         assert "cupy 13.6.0 is installed for CUDA 12.8, but it cannot load NVRTC" in out and "uninstall" not in out
     else:
         assert not calls and "needs cupy-cuda12x, but cupy 13.6.0 is installed" in out
@@ -386,3 +388,12 @@ def test_an_installer_that_cannot_start_is_reported_and_exits_0(install, monkeyp
     out = capsys.readouterr().out
     assert "installing cupy-cuda13x" in out and f"could not run {uv}" in out
     assert install.install("cupy-cuda13x") is False  # not installed: nothing goes on as if it were
+
+
+def test_nvidias_packages_are_held_to_torchs_cuda_version(install):
+    """NVRTC and the headers' package of torch's own CUDA version, not the newest of its major (an NVRTC newer than
+    the driver makes PTX the driver refuses); a version without its minor holds the major only."""
+    assert install._pinned("nvidia-cuda-nvrtc-cu12", "12.4") == "nvidia-cuda-nvrtc-cu12==12.4.*"
+    assert install._pinned("nvidia-cuda-nvrtc-cu12", "12.8.1") == "nvidia-cuda-nvrtc-cu12==12.8.*"
+    assert install._pinned("nvidia-cuda-nvrtc", "13.0") == "nvidia-cuda-nvrtc==13.0.*"
+    assert install._pinned("nvidia-cuda-runtime-cu12", "12") == "nvidia-cuda-runtime-cu12==12.*"
