@@ -82,6 +82,11 @@ def _quantize(tensors, form):
             q = (w / s.float()).to(torch.float8_e4m3fn)
             fp8[name], fp8[name[:-len(".weight")] + ".weight_scale"] = q, s
             ref[name] = q.float() * s.float()
+        elif form == "per_tensor":  # one fp32 scale a tensor, of shape [1] (compressed-tensors' tensor strategy)
+            s = w.abs().max().reshape(1) / FP8_MAX
+            q = (w / s).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name[:-len(".weight")] + ".weight_scale"] = q, s
+            ref[name] = q.float() * s
         else:  # a plain cast to FP8 (e5m2 here), no scale
             q = w.to(torch.float8_e5m2)
             fp8[name], ref[name] = q, q.float()
@@ -141,7 +146,7 @@ def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, for
 def test_compressed_tensors_fp8_loads_as_its_dequantized_weights(folder, tmp_path, strategy, loads):
     """llm-compressor's FP8 (quant_method compressed-tensors: F8_E4M3 weights, a weight_scale per row or tensor)
     loads as its dequantized weights; another of its schemes is refused by name."""
-    fp8, ref = _quantize(_tensors(folder), "per_row")
+    fp8, ref = _quantize(_tensors(folder), "per_tensor" if strategy == "tensor" else "per_row")
     quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                  "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
@@ -156,6 +161,8 @@ def test_compressed_tensors_fp8_loads_as_its_dequantized_weights(folder, tmp_pat
     b = load_model(_write(folder, tmp_path / "ref", ref), dtype="fp32", device="cpu")
     ids = [5, 77, 300, 12, 9]
     assert torch.equal(prefill_ids(a, ids).logits, prefill_ids(b, ids).logits)
+    pa, pb = a.state_dict(), b.state_dict()
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 def test_a_single_fp8_file_takes_128_x_128_blocks(tmp_path):
     """Without a config, block scales are taken as the fine-grained FP8 releases make them (128 x 128)."""

@@ -6,6 +6,7 @@ import torch
 from test_vision_vs_transformers import TOWERS, _image, _make
 
 from qwen35_fast.runtime import continue_prefill, prefill_multimodal
+from qwen35_fast.runtime.multimodal import VISION_END
 
 from _models import rel
 
@@ -29,4 +30,13 @@ def test_inference_mode_images_and_video(model):
         again = prefill_multimodal(model, "And the colour?", images=image_i[0:1], video=(frames_i, 2.0),
                                    system_prompt="Be brief.")
         follow = continue_prefill(model, again, "Why?", images=image_i)
-    assert again.cached_tokens > 0 and follow.n_tokens > again.n_tokens
+        cold = prefill_multimodal(model, "And the colour?", images=image_i[0:1], video=(frames_i, 2.0),
+                                  system_prompt="Be brief.", use_cache=False)
+        follow_cold = continue_prefill(model, again, "Why?", images=image_i, use_cache=False)
+    # resumed after the image and the video (their last <|vision_end|>), not just after the system prompt: the
+    # inference tensors (a new view of the image among them) keyed by their content as the first time
+    ids = list(again.token_ids)
+    assert again.cached_tokens == len(ids) - ids[::-1].index(VISION_END) and cold.cached_tokens == 0
+    assert rel(again.logits, cold.logits) <= 1e-4
+    assert follow.n_tokens > again.n_tokens and follow.vision.vision_tokens > 0
+    assert follow.cached_tokens == again.turn.length and rel(follow.logits, follow_cold.logits) <= 1e-4

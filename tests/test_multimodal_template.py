@@ -19,8 +19,9 @@ def _text(t):
     return {"type": "text", "text": t}
 
 
-def _input(kind):  # one token per image / per 2-frame slice
-    return VisionInput(kind, torch.zeros(4, 1536), (1, 2, 2), (32, 32), (0.5,) if kind == "video" else ())
+def _input(kind, tokens=1):  # `tokens` tokens per image / per 2-frame slice (a 2 x 2 merge of a 2 x 2*tokens grid)
+    return VisionInput(kind, torch.zeros(4 * tokens, 1536), (1, 2, 2 * tokens), (32, 32 * tokens),
+                       (0.5,) if kind == "video" else ())
 
 
 # (our prompt, number of images, video?, the same message as a content list)
@@ -38,6 +39,8 @@ CASES = [
     ("Watch:<video> what happens?", 0, True, [_text("Watch:"), VIDEO, _text(" what happens?")]),
     ("<image>, then:<video>", 1, True, [IMAGE, _text(", then:"), VIDEO]),
 ]
+# the images in the order the template's image slots take them, where not the order they are connected in
+SLOTS = {3: [1, 0]}
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +51,23 @@ def model():
 @pytest.mark.parametrize("thinking", [False, True])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_layout_equals_the_chat_template(template, model, case, thinking):  # noqa: F811
+    """Image i has i + 1 tokens, so the text shows which image fills each of the template's slots (identical
+    images would read the same whichever order they were placed in)."""
     prompt, n_images, video, content = CASES[case]
-    inputs = [_input("image") for _ in range(n_images)] + ([_input("video")] if video else [])
-    ids, parts, _ = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.", thinking=thinking)
+    inputs = [_input("image", i + 1) for i in range(n_images)] + ([_input("video")] if video else [])
+    ids, parts, ordered = build_prompt(model, prompt, inputs, n_images, system_prompt="Be brief.", thinking=thinking)
     ours = model.tokenizer.decode(ids)
     want = template.render(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}],
                            add_generation_prompt=True, enable_thinking=thinking)
     # a video's span becomes its timestamped slices (Qwen's processor replaces the template's span)
     want = want.replace("<|vision_start|><|video_pad|><|vision_end|>",
                         "<0.5 seconds><|vision_start|><|video_pad|><|vision_end|>")
+    # the processor expands each slot's pad to its image's tokens: the k-th slot takes image slots[k]
+    slots = iter(SLOTS.get(case, range(n_images)))
+    want = re.sub(re.escape("<|image_pad|>"), lambda _: "<|image_pad|>" * (next(slots) + 1), want)
+    placed = iter(SLOTS.get(case, range(n_images)))
+    assert [[i for i, y in enumerate(inputs) if y is x] for x in ordered] == [
+        [n_images if c is VIDEO else next(placed)] for c in content if c in (IMAGE, VIDEO)]
     assert ours == want
     assert ids == model.tokenizer.encode(want)  # the ids too: the whole text tokenised at once, as the processor does
     assert sum(p.n for p in parts) == len(ids)

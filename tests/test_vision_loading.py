@@ -66,6 +66,11 @@ def test_token_layout_and_placeholders(folder):
     first, second = [i for i, t in enumerate(ids) if t == VISION_START]
     assert model.tokenizer.decode(ids[:first]).endswith("user\n")
     assert model.tokenizer.decode(ids[ids.index(VISION_END) + 1:second]) == "Left "
+    # which image is where (both have 4 tokens): the spans' keys are their own pixels'
+    from qwen35_fast.runtime.fingerprint import content_hash
+    keys = [x.content_key(content_hash) for x in inputs]
+    assert keys[0] != keys[1] and [m.content_hash for m in pf.media] == keys
+    assert [m.start for m in pf.media] == [first + 1, second + 1]
     with pytest.raises(Qwen35Error, match="<image 3> but 2 image"):
         prefill_multimodal(model, "see <image 3>", images=inputs)
     with pytest.raises(Qwen35Error, match="places image 1 twice"):
