@@ -61,9 +61,18 @@ CUDA_MAJORS = (12, 13)
 
 
 def _pip_hint(what: str) -> str:
-    """The pip package for NVIDIA's `what` ("nvrtc" or "runtime") that matches torch's CUDA."""
+    """The pip package for NVIDIA's `what` ("nvrtc" or "runtime") that matches torch's CUDA, held to torch's minor
+    version where torch names it (12.4: ==12.4.*; the newest of the major may make PTX the driver refuses)."""
     major = _torch_cuda_major()
-    return f"'nvidia-cuda-{what}=={major}.*'" if major >= 13 else f"'nvidia-cuda-{what}-cu{major}'"
+    try:
+        import torch
+        version = torch.version.cuda or ""
+    except Exception:  # noqa: BLE001 - only shapes a hint
+        version = ""
+    minor = version.split(".")[1] if version.startswith(f"{major}.") else ""
+    held = f"{major}.{minor}" if minor.isdigit() else str(major)
+    name = f"nvidia-cuda-{what}" if major >= 13 else f"nvidia-cuda-{what}-cu{major}"
+    return f"'{name}=={held}.*'"
 
 
 def _older_cuda() -> str | None:

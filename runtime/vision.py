@@ -252,9 +252,9 @@ def pad_grids(grids: tuple[tuple[int, int, int], ...], total: int, merge: int) -
 # A call over more than TOWER_PASS_PATCHES patches runs the tower in passes of whole images and 2-frame video
 # slices, as equal as those allow. The tower's attention never crosses an image or a slice, and every other
 # operator works patch by patch, so the tokens are those of one pass; what a layer holds at once is one pass's
-# activations: on the 27 x 1152 tower, by runtime/memory.py's estimate, ~45 KB a patch, 4.1 GiB for a video at
-# the default pixel budget (98,304 patches) in one pass, 1.4 GiB in passes of 32,768, which keep the GEMMs at
-# their full rate.
+# activations: on the 27 x 1152 tower, by runtime/memory.py's estimate, ~48 KB a patch, 2.2 GiB for a video at
+# the default pixel budget (at most 49,152 patches: a patch covers two frames) in one pass, 1.1 GiB in two passes
+# of 24,576; passes of up to 32,768 keep the GEMMs at their full rate.
 TOWER_PASS_PATCHES = 32768
 
 

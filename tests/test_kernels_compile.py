@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from qwen35_fast.kernels import cuda_build
 from qwen35_fast.kernels.gdn_prefill import plan as _P
@@ -147,12 +148,13 @@ def test_targets():
 @pytest.mark.parametrize("major, fix", [
     (13, r"Fix: pip install 'nvidia-cuda-runtime==13\.\*', or set CUDA_HOME"),
     (14, r"Fix: pip install 'nvidia-cuda-runtime==14\.\*', or set CUDA_HOME"),
-    (12, r"Fix: pip install 'nvidia-cuda-runtime-cu12', or set CUDA_HOME"),
+    (12, r"Fix: pip install 'nvidia-cuda-runtime-cu12==12\.\*', or set CUDA_HOME"),
     (11, r"Fix: the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\)")])
 def test_missing_headers_error(monkeypatch, tmp_path, major, fix):
     monkeypatch.setattr(cuda_build, "_include_dir", None)
     monkeypatch.setattr(cuda_build, "_include_candidates", lambda: [tmp_path])
     monkeypatch.setattr(cuda_build, "_torch_cuda_major", lambda: major)
+    monkeypatch.setattr(torch.version, "cuda", None, raising=False)  # no minor version to hold to
     with pytest.raises(cuda_build.KernelBuildError, match="cuda_bf16.h.*" + fix):
         cuda_build.cuda_include_dir()
 
@@ -160,7 +162,7 @@ def test_missing_headers_error(monkeypatch, tmp_path, major, fix):
 @pytest.mark.parametrize("major, fix", [
     (13, r"install 'cupy-cuda13x' and 'nvidia-cuda-nvrtc==13\.\*'"),
     (14, r"install 'cupy-cuda14x' and 'nvidia-cuda-nvrtc==14\.\*'"),
-    (12, r"install 'cupy-cuda12x' and 'nvidia-cuda-nvrtc-cu12'"),
+    (12, r"install 'cupy-cuda12x' and 'nvidia-cuda-nvrtc-cu12==12\.\*'"),
     (11, r"the kernels need a PyTorch built for CUDA 12 or 13 \(this one is built for CUDA 11\); install such a "
          r"PyTorch, then run the pack's install.py")])
 def test_missing_nvrtc_error_names_the_packages_of_torchs_cuda(monkeypatch, major, fix):
@@ -176,8 +178,17 @@ def test_missing_nvrtc_error_names_the_packages_of_torchs_cuda(monkeypatch, majo
         return real(name, *args, **kw)
     monkeypatch.setattr(builtins, "__import__", no_cupy)
     monkeypatch.setattr(cuda_build, "_torch_cuda_major", lambda: major)
+    monkeypatch.setattr(torch.version, "cuda", None, raising=False)  # no minor version to hold to
     with pytest.raises(cuda_build.KernelBuildError, match="NVRTC is not available .*" + fix):
         cuda_build.nvrtc_version()
+
+
+@pytest.mark.parametrize("cuda, nvrtc", [("12.4", "'nvidia-cuda-nvrtc-cu12==12.4.*'"),
+                                         ("13.0", "'nvidia-cuda-nvrtc==13.0.*'")])
+def test_the_nvrtc_named_is_held_to_torchs_cuda_version(monkeypatch, cuda, nvrtc):
+    """As install.py installs it: the newest NVRTC of the major may make PTX that a driver of torch's CUDA refuses."""
+    monkeypatch.setattr(torch.version, "cuda", cuda, raising=False)
+    assert cuda_build._pip_hint("nvrtc") == nvrtc
 
 
 @needs_nvrtc

@@ -137,7 +137,7 @@ def test_a_cupy_that_fails_on_import_is_the_pytorch_path_not_a_traceback(monkeyp
 
 
 @pytest.mark.parametrize("torch_cuda, fix", [
-    ("12.8", "install 'cupy-cuda12x' in place of this CuPy, and 'nvidia-cuda-nvrtc-cu12'"),
+    ("12.8", "install 'cupy-cuda12x' in place of this CuPy, and 'nvidia-cuda-nvrtc-cu12==12.8.*'"),
     ("11.8", "the kernels need a PyTorch built for CUDA 12 or 13 (this one is built for CUDA 11)")])
 def test_an_nvrtc_older_than_cuda_12_is_refused_before_it_builds_the_probe(monkeypatch, torch_cuda, fix):
     """A CuPy for CUDA 11 loads NVRTC 11, which builds the probe kernel but not every kernel: without this the
