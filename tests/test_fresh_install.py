@@ -1,6 +1,6 @@
 """What a new user meets on a fresh machine: the README's two commands, install.py's messages (a dry run, a retry by
 hand into the right Python), the demo's output, and the registry fields of pyproject.toml. CPU, no network."""
-import importlib.util
+# ruff: noqa: F811  (the fixture imported from test_nodes_install is a parameter of the tests)
 import re
 import shlex
 import subprocess
@@ -9,16 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_nodes_install import install  # noqa: F401  (the fixture: install.py as a module)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def install():
-    spec = importlib.util.spec_from_file_location("qwen35_install_fresh", ROOT / "install.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cuda_torch_without_cupy(install, monkeypatch, command, returncode=1):
