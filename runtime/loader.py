@@ -77,7 +77,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         # Pascal's cuBLAS refuses bf16 products: told here, not mid-prompt
         (major, minor), card = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
         raise Qwen35Error(f"dtype 'bf16' chosen, but a bf16 matmul does not run on {card} (compute capability "
-                          f"{major}.{minor}, before Volta: no bf16 there); choose dtype 'auto' (fp32 there) or "
+                          f"{major}.{minor}, whose cuBLAS takes no bf16 products); choose dtype 'auto' (fp32 there) or "
                           "'fp16' (half the memory, but Qwen's activations can overflow fp16: NaN logits are named)")
     return DTYPES[dtype]
 
