@@ -297,9 +297,11 @@ class PaddedCut:
         return PaddedCut((torch.arange(T, device=device) >= ends[:, None]).view(2, T, 1), ends)
 
 
-def _rows(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight matrix as kernels.gemv takes it: (matrix, None), or an Int8Weight's (int8 rows, their scales)."""
-    return (weight.q, weight.scale) if isinstance(weight, Int8Weight) else (weight, None)
+def _rows(weight, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight matrix (its rows lo .. hi-1 for rows = (lo, hi)) as kernels.gemv takes it: (matrix, None), or an
+    Int8Weight's (int8 rows, their scales)."""
+    s = slice(*rows) if rows is not None else slice(None)
+    return (weight.q[s], weight.scale[s]) if isinstance(weight, Int8Weight) else (weight[s], None)
 
 
 def text_positions(cache: Cache, T: int, device) -> torch.Tensor:
@@ -431,15 +433,30 @@ class Qwen35Model(nn.Module):
 
     def flops(self, tokens: int, logits: int = 1) -> float:
         """Matmul FLOPs of a cold prefill of `tokens` tokens that keeps `logits` positions' logits: the layers'
-        projections and MLPs, the full-attention layers' causal scores and values, the LM head. The GDN
-        recurrence is not counted (a few % of a 1K-token prompt on 9B shapes): a floor, not an estimate."""
+        projections and MLPs, the full-attention layers' causal scores and values, the LM head; the last layer
+        as _attention_last runs it (the K/V rows of its projection for every token, the rest for the last
+        token alone). The GDN recurrence is not counted (a few % of a 1K-token prompt on 9B shapes): a floor,
+        not an estimate."""
         c = self.config
-        weights = sum(p.numel() for b in self.blocks for p in (b.gate_up, b.down, *(
-            (b.mixer.in_proj, b.mixer.out_proj) if b.kind == LINEAR else (b.mixer.qkv, b.mixer.o_proj))))
+        *body, last = self.blocks
+        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+        def mats(b):
+            return (b.gate_up, b.down, *((b.mixer.in_proj, b.mixer.out_proj) if b.kind == LINEAR
+                                         else (b.mixer.qkv, b.mixer.o_proj)))
+        per_token = sum(p.numel() for b in body for p in mats(b))
+        once = last.gate_up.numel() + last.down.numel()  # the last token's
+        if last.kind == LINEAR:
+            per_token += last.mixer.in_proj.numel() + last.mixer.out_proj.numel()
+        else:
+            kv_rows = 2 * Hkv * hd * c.hidden_size
+            per_token += kv_rows
+            once += last.mixer.qkv.numel() - kv_rows + last.mixer.o_proj.numel()
         pairs = tokens * (tokens + 1) // 2  # causal (query, key) pairs
-        full = sum(1 for b in self.blocks if b.kind != LINEAR)
+        full = sum(1 for b in body if b.kind != LINEAR)
+        attention = 4 * H * hd * (full * pairs + (tokens if last.kind != LINEAR else 0))
         head = self.embed if self.lm_head is None else self.lm_head
-        return 2 * tokens * weights + full * 4 * c.num_attention_heads * c.head_dim * pairs + 2 * logits * head.numel()
+        return 2 * tokens * per_token + 2 * once + attention + 2 * logits * head.numel()
 
     def select_backend(self) -> kernels.Backend:
         """Pick the GDN backend for the device the weights are on now (again after a move)."""
@@ -476,13 +493,13 @@ class Qwen35Model(nn.Module):
         return rope.cos_sin(positions, self.inv_freq, self.rope_section, self.dtype)
 
     # --- layers -----------------------------------------------------------------------------
-    def _proj(self, x, weight, be: kernels.Backend):
-        """x @ weight^T; one row (a decode step) through kernels.gemv where the backend prefers it (int8 rows
-        with their scales), else quant.linear."""
+    def _proj(self, x, weight, be: kernels.Backend, rows: tuple[int, int] | None = None):
+        """x @ weight^T (weight's rows lo .. hi-1 alone for rows = (lo, hi)); one row (a decode step) through
+        kernels.gemv where the backend prefers it (int8 rows with their scales), else quant.linear."""
         if self._gemv and x.numel() == x.shape[-1]:
-            w, scale = _rows(weight)
+            w, scale = _rows(weight, rows)
             return kernels.gemv(x, w, backend=be, scale=scale)
-        return linear(x, weight, be)
+        return linear(x, weight, be, rows)
 
     def _split_gdn(self, m: GDNLayer, x, be: kernels.Backend):
         return self._gdn_parts(self._proj(x, m.in_proj, be))
@@ -614,11 +631,44 @@ class Qwen35Model(nn.Module):
             out = out.reshape(B, T, H * hd)
         return self._proj(out, m.o_proj, be)
 
+    def _attention_last(self, m: AttentionLayer, x, cache: Cache, i: int, cos, sin, be: kernels.Backend,
+                        kv: KVStep):
+        """The last layer of a prefill as an attention layer, where only the last token's output is read (its
+        logits): the K/V of all T tokens go to the cache, the query, attention and o_proj run for that token
+        alone. kv: the T tokens' slots, and where tokens are cached before them the paged attention's table
+        and cache_lens [1] = cache length + T - 1 (the last token's own K/V written again by that launch)."""
+        c = self.config
+        B, T, _ = x.shape
+        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        nq, nkv = 2 * H * hd, 2 * Hkv * hd  # the projection's query and gate rows for the last token, K/V for all
+        qg, kvp = self._proj(x[:, -1:], m.qkv, be, (0, nq)), linear(x, m.qkv, be, (nq, nq + nkv))
+        k, v = kvp.split([Hkv * hd, Hkv * hd], dim=-1)
+        q, gate = qg.view(B, 1, H, 2 * hd).chunk(2, dim=-1)
+        q = kernels.rms_norm_rope(q, m.q_norm, c.rms_norm_eps, cos[-1:], sin[-1:], backend=be)
+        k = kernels.rms_norm_rope(k.view(B, T, Hkv, hd), m.k_norm, c.rms_norm_eps, cos, sin, backend=be)
+        v = v.view(B, T, Hkv, hd)
+        store = cache.store
+        store.write(i, kv.slots, k[0], v[0])
+        if kv.table is None:  # nothing cached before: the last token sees all T
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 scale=hd ** -0.5, enable_gqa=H != Hkv)
+            out = (out.transpose(1, 2) * torch.sigmoid(gate)).reshape(B, 1, H * hd)
+        else:
+            j = store.index[i]
+            out = kernels.paged_attention(q[0], k[0, -1:], v[0, -1:], store.k[j], store.v[j], kv.table, kv.lens,
+                                          kv.cu_q, gate[0], max_q=1, scale=hd ** -0.5, backend=be)
+            out = out.reshape(B, 1, H * hd)
+        return self._proj(out, m.o_proj, be)
+
     def _mlp(self, blk: Block, x, be: kernels.Backend):
         return self._proj(kernels.silu_mul(self._proj(x, blk.gate_up, be), backend=be), blk.down, be)
 
     def _layers(self, h, cache: Cache, decode: bool, kv: KVStep, slot=None, positions=None, cut=(),
-                pad: tuple[Padding, "GDNState"] | None = None):
+                pad: tuple[Padding, "GDNState"] | None = None, kv_last: KVStep | None = None):
+        """The blocks over h [B, T, hidden]; returns the residual stream after the last. With kv_last (a
+        prefill whose last token's logits alone are read, _kv_last) the last block forms the output of the
+        last token only and returns [B, 1, hidden]: the K/V and GDN states of all T tokens are kept as in a
+        full pass, the query, attention output and MLP of the others (1/L of the layers' work) are not run."""
         c = self.config
         T = h.shape[1]
         if positions is None:  # text: the slot (the cache's, or the graphed step's) plus the offset images left
@@ -634,12 +684,18 @@ class Qwen35Model(nn.Module):
             return self._decode_gemv(h, cache, kv, cos, sin, be)
         x = kernels.rms_norm(h, blocks[0].input_norm, eps, backend=be)
         for i, blk in enumerate(blocks):
+            last = kv_last is not None and i + 1 == len(blocks)
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, padded, pad[1]) if pad is not None
                      else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, packed))
+                x = x[:, -1:] if last else x
+            elif last:
+                x = self._attention_last(blk.mixer, x, cache, i, cos, sin, be, kv_last)
             else:
                 x = self._attention(blk.mixer, x, cache, i, cos, sin, be, kv)
+            if last:
+                h = h[:, -1:]
             h, x = kernels.add_rms_norm(h, x, blk.post_norm, eps, backend=be)  # the residual add, then the norm
             x = self._mlp(blk, x, be)
             if i + 1 < len(blocks):
@@ -709,6 +765,15 @@ class Qwen35Model(nn.Module):
         return KVStep(table=store.table(cache.seq), lens=upload([start], torch.int32, dev),
                       cu_q=upload([0, T], torch.int32, dev), max_q=T)
 
+    def _kv_last(self, cache: Cache, start: int, T: int, kv: KVStep) -> KVStep:
+        """_attention_last's K/V addressing of T new tokens after `start` cached ones (kv: _kv_step's for them):
+        the slots of all T and, with tokens cached before them, the paged attention's for the last token alone."""
+        store, dev = cache.store, self.device
+        if start == 0:
+            return kv  # the cold step's: the T slots, no table
+        return KVStep(slots=store.slots(cache.seq, start, start + T), table=store.table(cache.seq), lens=upload([start + T - 1], torch.int32, dev),
+                      cu_q=upload([0, 1], torch.int32, dev))
+
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
                         rope_delta: int | None = None) -> torch.Tensor:
         """Run prompt ids [1, T] into `cache` after the `cache.length` tokens it holds (0 for a new cache):
@@ -754,7 +819,8 @@ class Qwen35Model(nn.Module):
             kv = self._kv_step(cache, start + lo, hi - lo)
             pos = None if positions is None else positions[:, lo:hi]
             cut = [(k - lo, s) for k, s in kept if lo < k < hi]
-            h = self._layers(x[:, lo:hi], cache, False, kv, positions=pos, cut=cut)
+            h = self._layers(x[:, lo:hi], cache, False, kv, positions=pos, cut=cut,
+                             kv_last=self._kv_last(cache, start + lo, hi - lo, kv))
             cache.length = start + hi
             for k, s in kept:
                 if k == hi:  # a point at a piece's end: the cache's states there (the next piece replaces them)

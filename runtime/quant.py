@@ -95,22 +95,26 @@ def matrix(rows: int, cols: int, dtype: torch.dtype, device, int8: bool):
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
-def linear(x: torch.Tensor, w, backend: kernels.Backend | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, backend: kernels.Backend | None = None, rows: tuple[int, int] | None = None
+           ) -> torch.Tensor:
     """x @ w^T for a weight w that is a tensor or an Int8Weight (dequantized piece by piece, on `backend`'s
-    kernel; on the CPU torch's int8 matmul)."""
+    kernel; on the CPU torch's int8 matmul); rows (lo, hi): with w's rows lo .. hi-1 alone."""
+    lo, hi = rows if rows is not None else (0, w.shape[0])
     if not isinstance(w, Int8Weight):
-        return F.linear(x, w)
+        return F.linear(x, w if rows is None else w[lo:hi])
+    n = hi - lo
     if x.device.type == "cpu" and x.shape[-1] % 64 == 0 and cpu_int8_matmul():
         a = torch.empty(x.numel() // x.shape[-1], x.shape[-1], dtype=torch.bfloat16)
         a.copy_(x.reshape(a.shape))  # contiguous and aligned, as its loads want
-        y = torch._weight_int8pack_mm(a, w.q, torch.ones(w.shape[0], dtype=torch.bfloat16))
-        return (y.float() * w.scale.float()).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
-    step, n = w.rows_per_piece(), w.shape[0]
+        y = torch._weight_int8pack_mm(a, w.q[lo:hi], torch.ones(n, dtype=torch.bfloat16))
+        return (y.float() * w.scale[lo:hi].float()).to(x.dtype).reshape(*x.shape[:-1], n)
+    step = w.rows_per_piece()
     if step >= n:
-        return F.linear(x, w.rows(backend=backend))
+        return F.linear(x, w.rows(lo, hi, backend))
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    for lo in range(0, n, step):  # each piece's product into its columns: one piece and its output at a time
-        y[..., lo:lo + step] = F.linear(x, w.rows(lo, lo + step, backend))
+    for a in range(lo, hi, step):  # each piece's product into its columns: one piece and its output at a time
+        b = min(hi, a + step)
+        y[..., a - lo:b - lo] = F.linear(x, w.rows(a, b, backend))
     return y
 
 

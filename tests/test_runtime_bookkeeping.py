@@ -185,7 +185,8 @@ def test_the_content_hash_sees_every_byte():
 def test_the_prefill_flop_floor_counts_what_the_prefill_multiplies(tmp_path, tie):
     """Qwen35Model.flops (the first token's floor in bench/vision.py): its projection, MLP and LM-head part is
     the weight matmuls' FLOPs a prefill runs (torch's FLOP counter over a prefill on the PyTorch path, which
-    keeps the last position's logits), its attention part the causal pairs of each full-attention layer."""
+    keeps the last position's logits), its attention part the causal pairs of each full-attention layer but
+    the last, whose one query (the last token's: its logits are all a prefill reads) sees all T keys."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from _models import make_hf_model
@@ -197,7 +198,8 @@ def test_the_prefill_flop_floor_counts_what_the_prefill_multiplies(tmp_path, tie
         with FlopCounterMode(display=False) as fc:
             prefill_ids(m, list(range(3, 3 + T)))
         mm = fc.get_flop_counts()["Global"][torch.ops.aten.mm]
-        attention = full * 4 * c.num_attention_heads * c.head_dim * T * (T + 1) // 2
+        assert c.layer_types[-1] == "full_attention"
+        attention = 4 * c.num_attention_heads * c.head_dim * ((full - 1) * T * (T + 1) // 2 + T)
         assert m.flops(T) - attention == mm, T
     assert m.flops(16, logits=3) - m.flops(16) == 2 * 2 * c.vocab_size * c.hidden_size
 
