@@ -64,7 +64,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 if [ "$tests" = 1 ]; then
   default_tests="tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_paged_attention.py
     tests/test_runtime_gpu.py tests/test_vision_gpu.py tests/test_vision_kernels.py tests/test_continue_gpu.py tests/test_prefill_graph_gpu.py
-    tests/test_host.py tests/test_fp8.py tests/test_gemv.py tests/test_dequant.py tests/test_packed_cuts.py tests/test_sampling.py tests/test_compile_ahead.py
+    tests/test_host.py tests/test_fp8.py tests/test_gemv.py tests/test_dequant.py tests/test_kept_cuts.py tests/test_last_layer.py tests/test_sampling.py tests/test_compile_ahead.py
     tests/test_gdn_launch_edges.py tests/test_vision_attention_segments.py tests/test_kernel_launch.py"
   # shellcheck disable=SC2086  # a list of paths
   python3 -m pytest -q --tb=short --maxfail=30 -p no:cacheprovider ${GPU_TESTS:-$default_tests} \

@@ -293,16 +293,17 @@ def e2e(args, tower: VisionTower, rate: float):
         pf = prefill_multimodal(model, question, images=image, use_cache=False)
         return int(pf.logits.argmax())
 
-    def ttft_cut_in_parts():  # A/B: the turn end's state from the recurrence run in parts, not the packed recompute
+    def ttft_cut_in_parts():  # A/B: the kept states from the recurrence run in parts, not the kept walk
         from qwen35_fast.runtime import model as model_mod
-        keep, model_mod.PACKED_CUT_TOKENS = model_mod.PACKED_CUT_TOKENS, 0
+        plan = model_mod.KeptCuts.plan
+        model_mod.KeptCuts.plan = staticmethod(lambda cuts, be, device: None)
         try:
             return ttft()
         finally:
-            model_mod.PACKED_CUT_TOKENS = keep
+            model_mod.KeptCuts.plan = staticmethod(plan)
 
-    both = timed_in_turn({"packed": ttft, "parts": ttft_cut_in_parts}, args.reps)
-    ms = both["packed"]
+    both = timed_in_turn({"kept": ttft, "parts": ttft_cut_in_parts}, args.reps)
+    ms = both["kept"]
     pf = prefill_multimodal(model, question, images=image, use_cache=False)
     flop = tower.flops(pf.vision.grids) + model.flops(pf.n_tokens)  # the image's tower, the whole prompt's LM
     rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "floor_ms": round(flop / rate * 1000, 2),
@@ -311,7 +312,7 @@ def e2e(args, tower: VisionTower, rate: float):
              "vision_ms": round(pf.vision.vision_ms, 2), "prefill_ms": round(pf.vision.prefill_ms, 2),
              "ttft_ms_cut_in_parts": round(both["parts"], 2), "backend": model.backend.name}]
     print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms); the turn end's "
-          f"state from parts instead of the packed call: {both['parts']:.1f} ms")
+          f"states from parts instead of the kept walk: {both['parts']:.1f} ms")
     if not args.smoke:
         try:
             rows.append(bucket_e2e(model, question, args.reps))

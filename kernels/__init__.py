@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 
 from . import ops
+from .gdn_prefill.reference import CHUNK as GDN_CHUNK
+from .gdn_prefill.reference import MAX_KEEP as GDN_MAX_KEEP
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +124,23 @@ def hopper_card(device: torch.device | str) -> bool:
 
 
 def gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state: Optional[torch.Tensor] = None,
-                      cu_seqlens: Optional[torch.Tensor] = None, backend: Backend | None = None):
+                      cu_seqlens: Optional[torch.Tensor] = None, backend: Backend | None = None,
+                      keep: Optional[list] = None):
     """Gated delta rule over a prompt, gates, beta and q/k L2-norm fused.
 
     q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv] (Hv a multiple of Hk); a, b: [B, T, Hv] raw projections;
     A_log, dt_bias: [Hv]; initial_state: [N, Hv, D, Dv] fp32 or None; cu_seqlens: int32 [N + 1]
     with B == 1 for packed sequences, else None (N = B).
-    Returns o: [B, T, Hv, Dv] (v.dtype) and the final state [N, Hv, D, Dv] (fp32).
+    Returns o: [B, T, Hv, Dv] (v.dtype) and the final state [N, Hv, D, Dv] (fp32). keep (one sequence, B == 1, no
+    cu_seqlens): token counts, multiples of 64 in 0 .. T - 1, at most 8: the states after each come third
+    [len(keep), Hv, D, Dv] (fp32), from the same walk (the kernels store them as they pass; the reference cuts its
+    walk there).
     """
+    if keep is not None:
+        if cu_seqlens is not None:
+            raise ValueError("gdn_chunk_prefill: keep takes one sequence, not packed ones (cu_seqlens)")
+        return ops.run(ops.gdn_chunk_prefill_keep_op, q, k, v, a, b, A_log, dt_bias, initial_state,
+                       [int(c) for c in keep], bool(backend and backend.use_cuda))
     return ops.run(ops.gdn_chunk_prefill_op, q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens,
                                     bool(backend and backend.use_cuda))
 
@@ -352,7 +363,7 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
     return ops.run(ops.add_layer_norm_op, x, y, weight, bias, float(eps), bool(backend and backend.use_cuda))
 
 
-__all__ = ["Backend", "BACKENDS", "select_backend", "card_unfit", "gdn_chunk_prefill", "gdn_decode_step",
+__all__ = ["GDN_CHUNK", "GDN_MAX_KEEP", "Backend", "BACKENDS", "select_backend", "card_unfit", "gdn_chunk_prefill", "gdn_decode_step",
            "causal_conv1d_prefill", "causal_conv1d_states", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "dequant_rows", "gemv",
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",

@@ -67,10 +67,10 @@ def cuda_status(device) -> tuple[bool, str]:
     return result
 
 
-def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None):
+def gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, keep=None):
     """Chunked GDN prefill (kernels/gdn_prefill/launch.py); same contract as gdn_prefill_chunked."""
     from .gdn_prefill.launch import gdn_chunk_prefill_cuda as prefill
-    return prefill(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens)
+    return prefill(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, keep=keep)
 
 
 __all__ = ["cuda_status", "hash_words_cuda", "gdn_chunk_prefill_cuda", "gdn_decode_step_cuda",

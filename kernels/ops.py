@@ -93,6 +93,20 @@ def _prefill_fake(q, k, v, a, b, A_log, dt_bias, initial_state, cu_seqlens, use_
     return v.new_empty(B, T, Hv, Dv), v.new_empty(N, Hv, q.shape[-1], Dv, dtype=torch.float32)
 
 
+def _prefill_keep_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+                       keep: list[int], use_cuda: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_cuda:
+        return _cuda().gdn_chunk_prefill_cuda(q, k, v, a, b, A_log, dt_bias, initial_state, keep=keep)
+    return gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state, keep=keep)
+
+
+def _prefill_keep_fake(q, k, v, a, b, A_log, dt_bias, initial_state, keep, use_cuda):
+    B, T, Hv, Dv = v.shape
+    return (v.new_empty(B, T, Hv, Dv), v.new_empty(B, Hv, q.shape[-1], Dv, dtype=torch.float32),
+            v.new_empty(len(keep), Hv, q.shape[-1], Dv, dtype=torch.float32))
+
+
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                  A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, use_cuda: bool) -> torch.Tensor:
     if use_cuda:
@@ -325,6 +339,7 @@ def _add_layer_norm_fake(x, y, weight, bias, eps, use_cuda):
 
 
 gdn_chunk_prefill_op = _register("gdn_chunk_prefill", _prefill_impl, _prefill_fake)
+gdn_chunk_prefill_keep_op = _register("gdn_chunk_prefill_keep", _prefill_keep_impl, _prefill_keep_fake)
 gdn_decode_step_op = _register("gdn_decode_step", _decode_impl, _decode_fake, mutates_args=("state",))
 causal_conv1d_prefill_op = _register("causal_conv1d_prefill", _conv_prefill_impl, _conv_prefill_fake)
 causal_conv1d_states_op = _register("causal_conv1d_states", _conv_states_impl, _conv_states_fake)

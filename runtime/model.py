@@ -26,17 +26,13 @@ from .packed import apply_packed, flat_view, pack_views, views_like
 from .quant import Int8Weight, embedding, linear, matrix
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
-# the user turn) runs the recurrence once per part: in each of the 24 GDN layers a conv and a GDN call per
-# part, host work the GPU waits for on a short prompt. Where the GPU outruns the host (the Hopper cards) and
-# the prompt and the prefixes before the cuts add up to at most PACKED_CUT_TOKENS, one packed GDN call walks
-# the prompt and each prefix again from the same initial state (a prefix's final state is the state at its
-# cut). H200, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), parts / packed wall ms on
-# two hosts: T = 600 35.0 / 22.1, 1,300 40.3 / 37.4 and 55.8 / 37.7, 1,500 54.5 / 43.5; past the bound the
-# recompute and the shorter sequence split of a packed call cost more than the calls: 2,600 65.0 / 71.5,
-# 4,096 99.3 / 112.2 (bench/results/gdn-cuts-packed-ab-h200.json). The recompute is ~2% more GPU work at
-# 1,300 tokens (41.6 against 40.8 ms); on cards with a fraction of the H200's bf16 rate (A100, RTX) the same
-# prompt is GPU-bound, the host's calls hide under its GEMMs, and the parts run.
-PACKED_CUT_TOKENS = 5120
+# the user turn) takes them, on the CUDA kernels, from the prompt's own walk: the walk stores the state at each
+# cut's chunk boundary (the cut rounded down to 64 tokens) as it passes it (kernels.gdn_chunk_prefill keep), and
+# one more call walks the rest of each cut's chunk from there (under 64 tokens a cut, every cut's in one packed
+# call). Two GDN calls a layer whatever the number of cuts, and no token walked twice but those tails. (Before:
+# one packed call walked the prompt and each prefix again, ~2x the GDN work and a copy of the rows for a
+# multimodal prompt whose cuts lie near its end; or a call per part.) The PyTorch path runs the recurrence in
+# parts, one call per part.
 
 # A prompt longer than PREFILL_PIECE tokens is read in pieces of that many, each attending to the K/V the
 # pieces before it left in the cache and starting from their GDN states: what a layer holds at once is one
@@ -48,29 +44,29 @@ PREFILL_PIECE = 8192
 
 
 @dataclass(frozen=True)
-class PackedCuts:
-    """A prefill's cuts as extra sequences of one GDN kernel call: the T tokens, then the first c tokens for
-    each cut c (cu_seqlens), and the cuts on the device, where the conv states are gathered."""
+class KeptCuts:
+    """A prefill's cuts as the GDN kernels take them (the comment above): the chunk boundaries the walk keeps the
+    states at, and the tails after them as packed sequences of one more call, from those states."""
     cuts: tuple
-    cu_seqlens: torch.Tensor  # int32 [2 + len(cuts)], on the device
+    bounds: tuple  # each cut rounded down to a chunk boundary: the walk's keep
+    tails: tuple  # (boundary, cut) of the cuts off a boundary, in order
+    cu_tails: torch.Tensor | None  # int32 [len(tails) + 1] on the device
     ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
 
     @staticmethod
-    def plan(cuts, T: int, be: kernels.Backend, device) -> "PackedCuts | None":
-        """The packed form for cuts (increasing, inside the T tokens), or None where the parts run one by one
-        (no cuts, not on a Hopper card with the kernels, or more than PACKED_CUT_TOKENS in all)."""
+    def plan(cuts, be: kernels.Backend, device) -> "KeptCuts | None":
+        """The kernels' form for cuts (increasing, inside the prompt), or None where the parts run one by one
+        (no cuts, the PyTorch path, or more cuts than the walk keeps states)."""
         cuts = tuple(int(c) for c in cuts)
-        if not cuts or not be.use_cuda or T + sum(cuts) > PACKED_CUT_TOKENS or not kernels.hopper_card(device):
+        if not cuts or not be.use_cuda or len(cuts) > kernels.GDN_MAX_KEEP:
             return None
-        return PackedCuts.build(cuts, T, device)
-
-    @staticmethod
-    def build(cuts, T: int, device) -> "PackedCuts":
-        cuts = tuple(int(c) for c in cuts)
-        bounds = [0, T]
-        for c in cuts:
-            bounds.append(bounds[-1] + c)
-        return PackedCuts(cuts, upload(bounds, torch.int32, device), upload(list(cuts), torch.long, device))
+        bounds = tuple(c - c % kernels.GDN_CHUNK for c in cuts)
+        tails = tuple((b, c) for b, c in zip(bounds, cuts) if b < c)
+        cu = [0]
+        for b, c in tails:
+            cu.append(cu[-1] + c - b)
+        return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device) if tails else None,
+                        upload(list(cuts), torch.long, device))
 
 
 class GDNLayer(nn.Module):
@@ -524,13 +520,13 @@ class Qwen35Model(nn.Module):
         return self._proj(o.flatten(-2), m.out_proj, be)
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=(),
-                     packed: PackedCuts | None = None):
+                     kept: KeptCuts | None = None):
         # a cache that already holds tokens continues from its states (None in a fresh cache). With
         # cut = [(c, state), ...] the recurrence runs in parts split at each c and the states at each cut go
-        # to its state: the projections and norms still run once over all T tokens. With `packed`, one
-        # call walks the T tokens and each prefix (PACKED_CUT_TOKENS).
-        if packed is not None:
-            return self._gdn_prefill_packed(m, x, cache, i, be, cut, packed)
+        # to its state: the projections and norms still run once over all T tokens. With `kept`, the walk
+        # keeps them (KeptCuts).
+        if kept is not None:
+            return self._gdn_prefill_kept(m, x, cache, i, be, cut, kept)
         mixed, z, b, a = self._split_gdn(m, x, be)
         T = x.shape[1]
         bounds = (0, *(c for c, _ in cut), T)
@@ -546,29 +542,34 @@ class Qwen35Model(nn.Module):
             outs.append(o)
         return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
 
-    def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
+    def _gdn_prefill_kept(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, kc: KeptCuts):
         c = self.config
         hv = c.linear_num_value_heads
         mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T = mixed.shape[1]
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
         # the conv state at each cut, as the conv kernel leaves it after that many tokens
-        convs = kernels.causal_conv1d_states(mixed, conv0, pc.ends, m.conv_w.shape[1], backend=be)[:, None]
+        convs = kernels.causal_conv1d_states(mixed, conv0, kc.ends, m.conv_w.shape[1], backend=be)[:, None]
+        q, k, v = self._qkv_heads(y)
+        b, a = ba.split([hv, hv], dim=-1)
+        o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=cache.ssm[i],
+                                                        keep=list(kc.bounds), backend=be)
+        states = list(hk.unbind(0))
+        if kc.tails:  # each cut's rest of its chunk, from the state at its boundary
+            tails = [n for n, (b0, c0) in enumerate(zip(kc.bounds, kc.cuts)) if b0 < c0]
 
-        def rows(t):  # the T tokens, then the first c of them for each cut, packed
-            return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
-        q, k, v = self._qkv_heads(rows(y))
-        b, a = rows(ba).split([hv, hv], dim=-1)
-        h0 = cache.ssm[i]
-        if h0 is not None:
-            h0 = h0.expand(1 + len(cut), *h0.shape[1:])
-        o, ht = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0,
-                                          cu_seqlens=pc.cu_seqlens, backend=be)
-        cache.ssm[i] = ht[:1].clone()  # its own: a view would keep every cut's state alive with the prompt's
+            def rows(t):
+                return torch.cat([t[:, b0:c0] for b0, c0 in kc.tails], dim=1)
+            qt, kt, vt = self._qkv_heads(rows(y))
+            bt, at = rows(ba).split([hv, hv], dim=-1)
+            _, ht = kernels.gdn_chunk_prefill(qt, kt, vt, at, bt, m.A_log, m.dt_bias,
+                                              initial_state=torch.stack([states[n] for n in tails]),
+                                              cu_seqlens=kc.cu_tails, backend=be)
+            for j, n in enumerate(tails):
+                states[n] = ht[j]
         for n, (_, state) in enumerate(cut):
-            state.conv[i], state.ssm[i] = convs[n], ht[n + 1:n + 2]
-        return self._gdn_out(m, o[:, :T], z, be)
+            state.conv[i], state.ssm[i] = convs[n], states[n][None]
+        return self._gdn_out(m, o, z, be)
 
     def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pc: PaddedCut,
                             kept: "GDNState"):
@@ -677,8 +678,7 @@ class Qwen35Model(nn.Module):
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         eps, blocks = c.rms_norm_eps, self.blocks
-        packed = (PackedCuts.plan([k for k, _ in cut], T, be, h.device)
-                  if cut and not decode and pad is None else None)
+        kept = KeptCuts.plan([k for k, _ in cut], be, h.device) if cut and not decode and pad is None else None
         padded = PaddedCut.of(pad[0], T, h.device) if pad is not None else None
         if decode and self._gemv and h.numel() == h.shape[-1]:
             return self._decode_gemv(h, cache, kv, cos, sin, be)
@@ -688,7 +688,7 @@ class Qwen35Model(nn.Module):
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, padded, pad[1]) if pad is not None
-                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, packed))
+                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, kept))
                 x = x[:, -1:] if last else x
             elif last:
                 x = self._attention_last(blk.mixer, x, cache, i, cos, sin, be, kv_last)

@@ -380,3 +380,42 @@ def test_an_initial_state_at_an_odd_offset_gives_the_same_result(path):
     o, ht = _launcher()(q, k, v, a, b, A_log, dt_bias, h0, **PATHS[path])
     o2, ht2 = _launcher()(q, k, v, a, b, A_log, dt_bias, odd, **PATHS[path])
     assert torch.equal(o, o2) and torch.equal(ht, ht2) and torch.equal(odd, h0)
+
+
+# keep: the states after those token counts, stored by the walk as it passes them. Against the f64 recurrence
+# over each prefix, on every path and split: at chunk 0 (the initial state), inside a segment, at the sequence
+# split's segment boundaries (2 segments of 33 chunks on the Hopper walk at 4,097 tokens, 4 of 17 on
+# portable_seg), twice the same; outputs poisoned, and o and the final state as a call without keep gives them.
+KEEP_CASES = [(1000, (0, 64, 512, 960), "model", True), (4097, (64, 1088, 2112, 4032, 4032), "model", False),
+              (700, (640,), "weak", True), (65, (0, 64), "strong", False),
+              (300, (0, 64, 128, 192, 256, 256, 128, 64), "model", True)]
+_kept_ref: dict = {}
+
+
+@pytest.mark.parametrize("path", ALL)
+@pytest.mark.parametrize("T,keep,decay,with_h0", KEEP_CASES)
+def test_kept_states_vs_f64(path, T, keep, decay, with_h0):
+    inputs = make_inputs(1, T, 2, 4, torch.bfloat16, decay, 1 if with_h0 else None, seed=T + len(keep))
+    q, k, v, a, b, A_log, dt_bias, h0 = inputs
+    key = (T, keep, decay, with_h0)
+    if key not in _kept_ref:
+        _kept_ref.clear()
+        _kept_ref[key] = {c: (h0[0].double() if h0 is not None else torch.zeros(4, 128, 128, device="cuda",
+                                                                                 dtype=torch.float64)) if c == 0
+                          else gdn_prefill_recurrent_f64(*(x[:, :c] for x in (q, k, v, a, b)), A_log, dt_bias, h0)[1][0]
+                          for c in set(keep)}
+    poison_allocator(((len(keep), 4, 128, 128), torch.float32), ((1, T, 4, 128), torch.bfloat16))
+    o, ht, hk = _launcher()(*inputs, keep=list(keep), **PATHS[path])
+    o0, ht0 = _launcher()(*inputs, **PATHS[path])
+    assert torch.equal(o, o0) and torch.equal(ht, ht0)
+    assert hk.shape == (len(keep), 4, 128, 128) and torch.isfinite(hk).all()
+    for e, c in enumerate(keep):
+        assert rel(hk[e], _kept_ref[key][c]) <= STATE_TOL, (e, c)
+
+
+def test_keep_is_checked():
+    inputs = make_inputs(2, 200, 2, 4, torch.bfloat16, "model", None)
+    for keep, B, match in (([64], 2, "one sequence"), ([30], 1, "multiples of 64"), ([256], 1, "0 .. 199"),
+                           ([0] * 9, 1, "at most 8")):
+        with pytest.raises(ValueError, match=match):
+            _launcher()(*(x[:B] if x is not None and x.dim() > 1 else x for x in inputs), keep=keep)

@@ -442,6 +442,10 @@ def test_gdn_and_conv_ops_pass_opcheck(packed):
     utils = ("test_schema", "test_faketensor")
     for h in (None, h0):
         torch.library.opcheck(ops.gdn_chunk_prefill_op, (q, k, v, a, b, A_log, dt_bias, h, cu, False), test_utils=utils)
+    if not packed:  # the states kept on the way: one sequence, [len(keep), Hv, D, Dv] fp32
+        one = [x[:1] for x in (q, k, v, a, b)]
+        torch.library.opcheck(ops.gdn_chunk_prefill_keep_op, (*one, A_log, dt_bias, h0[:1], [0, 0], False),
+                              test_utils=utils)
     for init in (None, conv0):
         torch.library.opcheck(ops.causal_conv1d_prefill_op, (x, w, None, init, cu, False), test_utils=utils)
     torch.library.opcheck(ops.gdn_decode_step_op, (q[:1, 0], k[:1, 0], v[:1, 0], a[:1, 0], b[:1, 0], A_log,
@@ -569,3 +573,30 @@ def test_conv_update_takes_conv1d_weights_as_its_launcher_does():
         s2, s3 = state.clone(), state.clone()
         y = causal_conv1d_update_ref(x, s2, w)
         assert torch.equal(causal_conv1d_update_ref(x, s3, w[:, None]), y) and torch.equal(s3, s2)
+
+
+@pytest.mark.parametrize("T,keep,segment,with_h0", [(300, [64, 128, 256], 256, True), (130, [0, 128, 64, 64], 64, False),
+                                                    (1000, [576, 960], 256, True), (64, [0], 64, True)])
+def test_gdn_chunked_keeps_the_states_of_the_prefixes(T, keep, segment, with_h0):
+    """keep: the state after each of those token counts (against the f64 recurrence over the prefix), from the
+    same walk: o and the final state as without keep, bit for bit (the walk is cut on chunk boundaries only)."""
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(1, T, 1, 2, 32, 32, seed=T)
+    h0 = torch.randn(1, 2, 32, 32, generator=torch.Generator().manual_seed(1)) * 0.1 if with_h0 else None
+    o, ht, hk = gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, h0, segment=segment, keep=keep)
+    o0, ht0 = gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, h0, segment=segment)
+    assert torch.equal(o, o0) and torch.equal(ht, ht0) and hk.shape == (len(keep), 2, 32, 32)
+    for e, c in enumerate(keep):
+        want = (h0[0] if h0 is not None else torch.zeros(2, 32, 32)) if c == 0 else gdn_prefill_recurrent_f64(
+            *(x[:, :c] for x in (q, k, v, a, b)), A_log, dt_bias, h0)[1][0]
+        assert rel(hk[e], want) < 1e-5, (e, c)
+    got = kernels.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, keep=keep)  # the op, on the reference
+    assert all(torch.equal(x, y) for x, y in zip(got, gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, h0, keep=keep)))
+
+
+@pytest.mark.parametrize("keep,cu,match", [([32], None, "multiples of 64"), ([128], None, "0 .. 99"),
+                                           ([0] * 9, None, "at most 8"), ([0], [0, 50, 100], "cu_seqlens")])
+def test_gdn_keep_is_checked(keep, cu, match):
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(1, 100, 1, 2, 16, 16)
+    cu = torch.tensor(cu, dtype=torch.int32) if cu else None
+    with pytest.raises(ValueError, match=match):
+        kernels.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, keep=keep)

@@ -40,6 +40,8 @@ struct Walk {
     int hk, batch, bos;        // tile coordinates of the tensor-map copies: q/k head, batch row, first token
     int cw, cbeg, cend;
     bool from_h0, write_ht;    // start from h0 (else zero); store the final state
+    KeepAt keep;               // states kept on the way (seq.cuh), into hkeep
+    float* hkeep;
 };
 
 #include "walk_mma.cuh"
@@ -51,7 +53,8 @@ static_assert(WALK_SMEM == (DVS == 128 ? GeoWG::TOTAL : Geo<DVS>::TOTAL),
 static_assert(WALK128_SMEM == GeoWG::TOTAL, "plan.py's hopper_walk_smem(128) disagrees with GeoWG::TOTAL");
 #endif
 
-// Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128].
+// Grid: (128 / DVS, Hv, N). Strides in elements; o is contiguous [B, T, Hv, 128]. keep, hkeep: states kept on the
+// way (seq.cuh; one sequence).
 // Dynamic shared memory: Geo<DVS>::TOTAL (DVS 128: GeoWG::TOTAL), the larger of the two when seg is set.
 // seg: with DVS < 128, a sequence of at least SEG_MIN_CHUNKS chunks is split into 128 / DVS segments, one
 // per block of its head; a head whose gates refuse the split keeps the column split.
@@ -59,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
                       const elem* __restrict__ Tg, const elem* __restrict__ Pg, const float* __restrict__ Fg,
                       const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
-                      elem* __restrict__ o, float* __restrict__ ht,
+                      elem* __restrict__ o, float* __restrict__ ht, const KeepAt keep, float* __restrict__ hkeep,
                       int T, int Hk, int Hv,
                       long long q_sb, long long q_st, long long q_sh,
                       long long k_sb, long long k_st, long long k_sh,
@@ -90,6 +93,8 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     wk.cw = wk.cbeg = 0;
     wk.cend = nchunks;
     wk.from_h0 = wk.write_ht = true;
+    wk.keep = keep;
+    wk.hkeep = hkeep;
     if (DVS < 128 && seg && seg_count(DK / DVS, nchunks) > 1) {
         __shared__ int warm[SEG_MAX];
         SegWalk sw;

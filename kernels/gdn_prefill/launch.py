@@ -13,6 +13,7 @@ import torch
 
 from ..cuda_build import TensorMap, aligned16, card_of, get_function, keep_map, launch, tensor_map
 from .plan import PORTABLE_OUT_THREADS, D, Plan, hopper_walk_smem, out_ranks, plan
+from .reference import CHUNK, MAX_KEEP, check_keep
 
 HERE = Path(__file__).resolve().parent
 SRC_PREP = HERE / "prep.cu"
@@ -39,8 +40,9 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            segments: Optional[int] = None,
                            arch: Optional[str] = None,
                            defines: Optional[dict] = None,
-                           fused_out: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked.
+                           fused_out: Optional[bool] = None, keep: Optional[list] = None) -> tuple:
+    """Gated delta rule prefill on the GPU; same contract as reference.gdn_prefill_chunked (keep: the states
+    after those token counts too, stored by the walk as it passes them).
 
     q, k: [B, T, Hk, 128]; v: [B, T, Hv, 128] (bf16 or fp16, Hv a multiple of Hk); a, b: [B, T, Hv];
     A_log, dt_bias: [Hv] fp32; initial_state: [N, Hv, 128, 128] fp32 or None; cu_seqlens: int32 [N + 1]
@@ -83,12 +85,17 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
             raise ValueError(f"initial_state must be [{N}, {Hv}, 128, 128], got {tuple(initial_state.shape)}")
         initial_state = aligned16(initial_state.to(torch.float32))  # read in 8-byte pairs
 
+    if keep is not None:
+        check_keep(keep, N, T)
     o = torch.empty(B, T, Hv, D, dtype=v.dtype, device=dev)
     ht = torch.empty(N, Hv, D, D, dtype=torch.float32, device=dev)
+    hk = torch.empty(len(keep or ()), Hv, D, D, dtype=torch.float32, device=dev)
+    keep_at = [np.int32(c // CHUNK) for c in keep or ()] + [np.int32(-1)] * (MAX_KEEP - len(keep or ()))
     if N == 0:
-        return o, ht
+        return (o, ht) if keep is None else (o, ht, hk)
     if T == 0:  # no tokens: each state as it came in (the walk's tensor maps take no empty dimension)
-        return o, ht.copy_(initial_state) if initial_state is not None else ht.zero_()
+        ht = ht.copy_(initial_state) if initial_state is not None else ht.zero_()
+        return (o, ht) if keep is None else (o, ht, hk)
     p = plan(B, T, N, Hk, Hv, cu_seqlens is not None, card_of(dev), path, dv_split, segments, arch, fused_out)
     prep, walk, out = _kernels(p, dev, v.dtype, a.dtype, defines)
     i64 = np.int64
@@ -108,12 +115,13 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         keep: list = []  # packed copies the maps point at, alive until the kernel is queued
         maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
         launch(walk, p.grid(Hv, N), (THREADS, 1, 1),
-               (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, np.int32(T), np.int32(Hk), np.int32(Hv),
-                *qs, *ks, *vs, np.int32(p.segments > 1), *maps),
+               (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, *keep_at, hk, np.int32(T), np.int32(Hk),
+                np.int32(Hv), *qs, *ks, *vs, np.int32(p.segments > 1), *maps),
                shared_mem=p.walk_smem)
     else:
-        _portable(p, walk, out, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs)
-    return o, ht
+        _portable(p, walk, out, q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, keep_at, hk, B, T, Hk, Hv, N,
+                  qs, ks, vs)
+    return (o, ht) if keep is None else (o, ht, hk)
 
 
 _kernel_sets: dict = {}
@@ -144,7 +152,8 @@ def _kernels(p: Plan, dev: torch.device, dtype: torch.dtype, gate: torch.dtype, 
     return fns
 
 
-def _portable(p: Plan, state, out, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B, T, Hk, Hv, N, qs, ks, vs):
+def _portable(p: Plan, state, out, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, keep_at, hk, B, T, Hk, Hv, N, qs, ks,
+              vs):
     dev = o.device
     if p.fused_out:  # o formed in the walk
         Hs = Ug = None
@@ -152,7 +161,7 @@ def _portable(p: Plan, state, out, q, k, v, Tg, Pg, Fg, h0, cu_seqlens, o, ht, B
         Hs = torch.empty(p.slots, Hv, D, D, dtype=v.dtype, device=dev)  # 16-bit state entering each chunk
         Ug = torch.empty(p.slots, Hv, 64, D, dtype=v.dtype, device=dev)  # u of each chunk
     launch(state, p.grid(Hv, N), (THREADS, 1, 1),
-           (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, q, Pg, o if p.fused_out else None,
+           (k, v, Tg, Fg, h0, cu_seqlens, Hs, Ug, ht, *keep_at, hk, q, Pg, o if p.fused_out else None,
             np.int32(T), np.int32(Hk), np.int32(Hv), np.int32(p.segments), *ks, *vs, *qs),
            shared_mem=p.walk_smem)
     if p.slots and not p.fused_out:

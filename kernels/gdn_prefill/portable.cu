@@ -120,12 +120,14 @@ __device__ __forceinline__ void store_rows(elem* dst, const elem* src, int tid) 
 // Grid: (128 / DVS * nseg, Hv, N): block x takes columns (x % (128 / DVS)) * DVS.. of segment x / (128 / DVS).
 // OUT_IN_WALK: o (contiguous [B, T, Hv, 128]) for rows < the sequence's length; Hs, Ug unused. Else
 // Hs: [slots, Hv, 128, 128] 16-bit, state entering each chunk; Ug: [slots, Hv, 64, 128] 16-bit u of each
-// chunk (all 64 rows; rows past a sequence's end are not used); q, Pg, o unused. Strides in elements.
+// chunk (all 64 rows; rows past a sequence's end are not used); q, Pg, o unused. Strides in elements. keep, hkeep:
+// states kept on the way (seq.cuh; one sequence).
 extern "C" __global__ void __launch_bounds__(NTHR, 2)
 gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const elem* __restrict__ Tg, const float* __restrict__ Fg,
                 const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
                 elem* __restrict__ Hs, elem* __restrict__ Ug, float* __restrict__ ht,
+                const KeepAt keep, float* __restrict__ hkeep,
                 const elem* __restrict__ q, const elem* __restrict__ Pg, elem* __restrict__ o,
                 int T, int Hk, int Hv, int nseg,
                 long long k_sb, long long k_st, long long k_sh,
@@ -202,6 +204,14 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
 
     // The state slice rows [16 warp, 16 warp + 16) x DVS columns, as mma accumulators.
     float s[NJ][4];
+    auto store_state = [&](float* st) {  // the slice's part of the state [128][128] fp32 at st
+        float* hp = st + 16 * warp * DK + v0;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
+            *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
+        }
+    };
     if (from_h0 && h0) {
         const float* hp = h0 + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
 #pragma unroll
@@ -255,6 +265,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
         const bool out = c >= sw.cbeg;  // else a warm-up chunk: state only
+        keep_state(keep, c, sw.cbeg, [&](int e) { store_state(hkeep + ((long long)e * Hv + h) * DK * DK); });
         cp_async_wait<0>();
         __syncthreads();  // also: the last step's update has read the scaled u that phase 1 overwrites
         if (c + 1 < sw.cend) load_kf(c + 1, (i + 1) & 1);
@@ -400,13 +411,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
         else store_ug(sw.cend - 1);
     }
 
-    if (!write_ht) return;
-    float* hp = ht + (((long long)n * Hv + h) * DK + 16 * warp) * DK + v0;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        *reinterpret_cast<float2*>(hp + g * DK + 8 * j + 2 * t) = make_float2(s[j][0], s[j][1]);
-        *reinterpret_cast<float2*>(hp + (g + 8) * DK + 8 * j + 2 * t) = make_float2(s[j][2], s[j][3]);
-    }
+    if (write_ht) store_state(ht + ((long long)n * Hv + h) * DK * DK);
 }
 
 // ---------------------------------------------------------------- output kernel: all chunks at once

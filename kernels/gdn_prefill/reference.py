@@ -115,35 +115,62 @@ def _chunked_one(Q, K, V, G, Beta, S):
     return out.reshape(H, n * CHUNK, -1)[:, :T], S
 
 
-def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, segment=None):
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, initial_state=None, cu_seqlens=None, segment=None, keep=None):
     """Chunked gated delta rule in fp32 (PyTorch path).
 
     q, k: [B, T, Hk, D]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv] raw gate projections;
     A_log, dt_bias: [Hv]; initial_state: [N, Hv, D, Dv] fp32 or None;
     cu_seqlens: int32 [N + 1] with B == 1 for packed sequences, else None (N = B).
-    Returns o: [B, T, Hv, Dv] in v.dtype (contiguous), final state: [N, Hv, D, Dv] fp32.
+    Returns o: [B, T, Hv, Dv] in v.dtype (contiguous), final state: [N, Hv, D, Dv] fp32; with keep (token
+    counts, see check_keep) also the states after the first k tokens for each k of keep [len(keep), Hv, D, Dv].
 
-    Each sequence is walked `segment` tokens at a time (a multiple of CHUNK; default segment_for(q.device)):
-    the fp32 working set (segment_bytes) stays that of one segment whatever the prompt's length.
+    Each sequence is walked `segment` tokens at a time (a multiple of CHUNK; default segment_for(q.device)),
+    also cut at each k of keep (on chunk boundaries: the chunks, and so the numbers, are the same): the fp32
+    working set (segment_bytes) stays that of one segment whatever the prompt's length.
     """
     segment = segment_for(q.device) if segment is None else segment
     if segment <= 0 or segment % CHUNK:
         raise ValueError(f"segment must be a positive multiple of {CHUNK} tokens, got {segment}")
     B, T, _, D = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
+    seqs = _split(cu_seqlens, B, T)
+    if keep is not None:
+        check_keep(keep, len(seqs), T)
+    kept = {}
     o = torch.empty(B, T, Hv, Dv, dtype=v.dtype, device=q.device)
     states = []
-    for n, (row, s, e) in enumerate(_split(cu_seqlens, B, T)):
+    for n, (row, s, e) in enumerate(seqs):
         S = (torch.zeros(Hv, D, Dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state[n].to(torch.float32))
-        for lo in range(s, e, segment):
-            hi = min(lo + segment, e)
+        bounds = sorted({*range(s, e, segment), *(s + c for c in keep or ()), e})
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if lo - s in (keep or ()):
+                kept[lo - s] = S
             Q, K, V, G, Beta = _prepare(*(x[row:row + 1, lo:hi] for x in (q, k, v, a, b)), A_log, dt_bias,
                                         torch.float32)
             out, S = _chunked_one(Q[0], K[0], V[0], G[0], Beta[0], S)
             o[row, lo:hi] = out.transpose(0, 1)
         states.append(S)
-    return o, _stacked(states, (Hv, D, Dv), torch.float32, q.device)
+    ht = _stacked(states, (Hv, D, Dv), torch.float32, q.device)
+    if keep is None:
+        return o, ht
+    return o, ht, _stacked([kept[c] for c in keep], (Hv, D, Dv), torch.float32, q.device)
+
+
+MAX_KEEP = 8  # the kernels' (seq.cuh)
+
+
+def check_keep(keep, N: int, T: int) -> None:
+    """keep, the token counts whose states a prefill call also returns: at most MAX_KEEP, each a multiple of CHUNK
+    with 0 <= k < T (the state after T is the final one), in a call of one sequence; else a ValueError."""
+    if N != 1:
+        raise ValueError(f"keep: states are kept in a call of one sequence, this one has {N}")
+    if len(keep) > MAX_KEEP:
+        raise ValueError(f"keep: at most {MAX_KEEP} states, got {len(keep)}")
+    bad = [c for c in keep if c % CHUNK or not 0 <= c < T]
+    if bad:
+        raise ValueError(f"keep: token counts must be multiples of {CHUNK} in 0 .. {T - 1} (the call's {T} tokens), "
+                         f"got {bad}")
 
 
 def _stacked(states: list, shape: tuple, dtype, device) -> torch.Tensor:

@@ -50,3 +50,22 @@ __device__ __forceinline__ SeqSpan slot_sequence(const int* cu_seqlens, int slot
     }
     return seq_span(cu_seqlens, n, T);
 }
+
+// The states a call of one sequence keeps besides its final one: the state entering chunk c[e] (after its first
+// 64 c[e] tokens) goes to hkeep[e] ([MAX_KEEP][Hv][128][128] fp32); -1 keeps none. Passed by value (the launcher
+// packs MAX_KEEP int32 parameters). Each walk block stores the chunks it writes o for, so every (state,
+// column) is stored once, by the block whose walk is exact there.
+#define MAX_KEEP 8
+struct KeepAt {
+    int c[MAX_KEEP];
+};
+
+// This thread's part of the state entering chunk c into hkeep[e] for every e kept there; store(e) stores it. c and
+// cbeg are warp-uniform, so is the branch.
+template <class Store>
+__device__ __forceinline__ void keep_state(const KeepAt& keep, int c, int cbeg, Store store) {
+    if (c < cbeg) return;  // a warm-up chunk: another block's walk writes this state
+#pragma unroll
+    for (int e = 0; e < MAX_KEEP; ++e)
+        if (keep.c[e] == c) store(e);
+}

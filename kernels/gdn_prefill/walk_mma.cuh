@@ -157,6 +157,13 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
 
     // This warp's part of the state slice (srow, scol above), as mma accumulators.
     float s[NJ_][4];
+    auto store_state = [&](float* hp) {  // the slice's columns of the state [128][128] fp32 at hp
+#pragma unroll
+        for (int j = 0; j < NJ_; ++j) {
+            *reinterpret_cast<float2*>(hp + v0 + srow(j) * DK + scol(j)) = make_float2(s[j][0], s[j][1]);
+            *reinterpret_cast<float2*>(hp + v0 + (srow(j) + 8) * DK + scol(j)) = make_float2(s[j][2], s[j][3]);
+        }
+    };
     if (wk.from_h0 && h0) {
         const float* hp = h0 + ((long long)wk.n * Hv + h) * DK * DK + v0;
 #pragma unroll
@@ -191,6 +198,7 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
+        keep_state(wk.keep, c, wk.cbeg, [&](int e) { store_state(wk.hkeep + ((long long)e * Hv + h) * DK * DK); });
         cp_async_wait<NST_ - 2>();
         __syncthreads();
         if (c + NST_ - 1 < wk.cend) load_chunk(c + NST_ - 1, (i + NST_ - 1) % NST_);
@@ -297,11 +305,5 @@ __device__ __forceinline__ void walk_chunks(unsigned char* smem, const Walk& wk,
     }
     cp_async_wait<0>();
 
-    if (!wk.write_ht) return;
-    float* hp = ht + ((long long)wk.n * Hv + h) * DK * DK + v0;
-#pragma unroll
-    for (int j = 0; j < NJ_; ++j) {
-        *reinterpret_cast<float2*>(hp + srow(j) * DK + scol(j)) = make_float2(s[j][0], s[j][1]);
-        *reinterpret_cast<float2*>(hp + (srow(j) + 8) * DK + scol(j)) = make_float2(s[j][2], s[j][3]);
-    }
+    if (wk.write_ht) store_state(ht + ((long long)wk.n * Hv + h) * DK * DK);
 }

@@ -75,6 +75,13 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
     };
 
     float s[64];  // this thread's state entries (accumulator layout of wgmma.cuh)
+    auto store_state = [&](float* hp) {  // the state [128][128] fp32 at hp
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            *reinterpret_cast<float2*>(hp + srow * DK + 8 * j + 2 * t) = make_float2(s[4 * j], s[4 * j + 1]);
+            *reinterpret_cast<float2*>(hp + (srow + 8) * DK + 8 * j + 2 * t) = make_float2(s[4 * j + 2], s[4 * j + 3]);
+        }
+    };
     if (wk.from_h0 && h0) {
         const float* hp = h0 + ((long long)wk.n * Hv + h) * DK * DK;
 #pragma unroll
@@ -111,6 +118,7 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
         const float* Bt = Gc + CH;
         const float* Rk = Bt + CH;
         const float* Rq = Rk + CH;
+        keep_state(wk.keep, c, cbeg, [&](int e) { store_state(wk.hkeep + ((long long)e * Hv + h) * DK * DK); });
         mbar_wait(bars + buf, (i >> 1) & 1);
         __syncthreads();
         if (tid == 0 && c + 1 < cend) issue_chunk(c + 1, buf ^ 1);  // its stage was last read in chunk c - 1
@@ -292,11 +300,5 @@ __device__ __forceinline__ void walk_chunks_wg(unsigned char* smem_raw, const Wa
 
     if ((tid & 127) == 0) bulk_wait();  // the o stores this thread issued
 
-    if (!wk.write_ht) return;
-    float* hp = ht + ((long long)wk.n * Hv + h) * DK * DK;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<float2*>(hp + srow * DK + 8 * j + 2 * t) = make_float2(s[4 * j], s[4 * j + 1]);
-        *reinterpret_cast<float2*>(hp + (srow + 8) * DK + 8 * j + 2 * t) = make_float2(s[4 * j + 2], s[4 * j + 3]);
-    }
+    if (wk.write_ht) store_state(ht + ((long long)wk.n * Hv + h) * DK * DK);
 }

@@ -1,0 +1,146 @@
+"""The GDN states at a prefill's cuts from the prompt's own walk (runtime/model.py KeptCuts: the walk keeps the
+state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there) against the
+recurrence run part by part: the conv states bit for bit, outputs and recurrent states within fp32 rounding;
+and whole prefills that keep states, and prompts that reuse them, as with the parts. The kept form runs on the
+CUDA kernels; here it is forced onto the CPU's references (the GPU tests run it on the kernels)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_vision_vs_transformers import SMALL, TOWERS, _image, _make
+
+from qwen35_fast import kernels
+from qwen35_fast.runtime import model as model_mod
+from qwen35_fast.runtime import prefill, prefill_multimodal
+from qwen35_fast.runtime.config import LINEAR
+from qwen35_fast.runtime.media import preprocess_images
+from qwen35_fast.runtime.model import GDNState, KeptCuts
+
+from _models import rel
+
+TORCH = kernels.Backend("torch", "test")
+CUDA = kernels.Backend("cuda", "test")
+SYSTEM = "You describe pictures for a painter. Answer in one short sentence, naming colours and shapes."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("kept"), TOWERS["d2w32h2"], seed=11)[1]
+
+
+def _gdn_layer(model):
+    i = next(i for i, blk in enumerate(model.blocks) if blk.kind == LINEAR)
+    return i, model.blocks[i].mixer
+
+
+def _cache(model, warm: bool, seed: int):
+    """A stand-in with the conv / recurrent state lists _gdn_prefill reads and writes: empty, or random
+    states as a continued prompt has them."""
+    n = len(model.blocks)
+    cache = SimpleNamespace(conv=[None] * n, ssm=[None] * n)
+    if warm:
+        g = torch.Generator().manual_seed(seed)
+        c = model.config
+        i, m = _gdn_layer(model)
+        cache.conv[i] = torch.randn(1, c.conv_dim, m.conv_w.shape[1] - 1, generator=g)
+        cache.ssm[i] = torch.randn(1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                   generator=g) * 0.1
+    return cache
+
+
+def _spy(monkeypatch) -> list:
+    """Counts the kept form's runs (else a test would compare the parts with themselves)."""
+    calls, real = [], model_mod.Qwen35Model._gdn_prefill_kept
+    monkeypatch.setattr(model_mod.Qwen35Model, "_gdn_prefill_kept", lambda self, *a: calls.append(1) or real(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("cuts", [(1,), (2, 3), (5, 64, 65, 100), (63,), (129,), (64, 128), (1, 2, 3, 4, 5, 6, 7, 129)])
+@pytest.mark.parametrize("warm", [False, True])
+def test_the_kept_walk_gives_the_states_of_the_parts(model, cuts, warm, monkeypatch):
+    i, m = _gdn_layer(model)
+    calls = _spy(monkeypatch)
+    T, n = 130, len(model.blocks)
+    x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(len(cuts) + 7 * warm))
+    parts, kept = _cache(model, warm, 3), _cache(model, warm, 3)
+    cut_parts = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
+    cut_kept = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
+    with torch.inference_mode():
+        want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
+        assert not calls  # the parts, one by one
+        got = model._gdn_prefill(m, x, kept, i, TORCH, cut_kept, KeptCuts.plan(cuts, CUDA, "cpu"))
+    assert calls == [1], "the kept form did not run"
+    assert got.shape == want.shape and rel(got, want) < 1e-5
+    assert torch.equal(kept.conv[i], parts.conv[i]) and rel(kept.ssm[i], parts.ssm[i]) < 1e-5
+    for (c, a), (_, b) in zip(cut_kept, cut_parts):
+        assert a.conv[i].shape == b.conv[i].shape and torch.equal(a.conv[i], b.conv[i]), f"conv state at {c}"
+        assert a.ssm[i].shape == b.ssm[i].shape and rel(a.ssm[i], b.ssm[i]) < 1e-5, f"recurrent state at {c}"
+
+
+def test_the_kept_form_is_planned_on_the_kernels():
+    assert KeptCuts.plan((10, 50), TORCH, "cpu") is None  # the PyTorch path: the parts (its keep would cut the walk)
+    assert KeptCuts.plan((), CUDA, "cpu") is None
+    assert KeptCuts.plan(tuple(range(1, 10)), CUDA, "cpu") is None  # more cuts than the walk keeps states: the parts
+    p = KeptCuts.plan((10, 64, 200, 250), CUDA, "cpu")
+    assert p.cuts == (10, 64, 200, 250) and p.bounds == (0, 64, 192, 192)
+    assert p.tails == ((0, 10), (192, 200), (192, 250)) and p.cu_tails.tolist() == [0, 10, 18, 76]
+    assert p.ends.tolist() == [10, 64, 200, 250]  # where the conv states are gathered
+    p = KeptCuts.plan((64, 128), CUDA, "cpu")
+    assert p.tails == () and p.cu_tails is None  # on chunk boundaries: the walk's states alone
+
+
+def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
+    """A system prompt, an image and two questions: the first prompt keeps its states through the kept walk,
+    the second reuses them; the logits and the kept states as when the parts run one by one."""
+    image = preprocess_images(_image(64, 96, 7), SMALL)
+
+    def run():
+        model.setup_kv()  # a fresh store
+        first = prefill_multimodal(model, "What colour is it?", images=image, system_prompt=SYSTEM)
+        second = prefill_multimodal(model, "How many shapes are there?", images=image, system_prompt=SYSTEM)
+        text = prefill(model, "Describe a red circle.", system_prompt=SYSTEM)
+        return first, second, text
+
+    parts = run()
+    real = KeptCuts.plan
+    monkeypatch.setattr(model_mod.KeptCuts, "plan", staticmethod(lambda cuts, be, device: real(cuts, CUDA, device)))
+    calls = _spy(monkeypatch)
+    kept = run()
+    assert calls, "the kept form did not run"
+    for a, b in zip(kept, parts):
+        assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
+        assert rel(a.logits, b.logits) <= 1e-5
+        # the prefill (cached by ComfyUI) holds its own states, not views of the walk's kept ones
+        ssm = [t for t in a.cache.ssm if t is not None]
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ssm}
+        assert sum(held.values()) == sum(t.nbytes for t in ssm)
+    assert kept[1].cached_tokens > 0  # the second question reused the first one's image
+
+
+@pytest.mark.gpu
+def test_on_the_kernels_the_kept_walk_matches_the_parts(tmp_path_factory, monkeypatch):
+    """The CUDA path (bf16, the walk keeping states, the tails' packed call): the logits and every kept state as
+    the parts give them (the first GDN layer's conv states bit for bit, as its input is the same; the rest within
+    bf16 rounding, since the layers before differ by it; the same greedy token)."""
+    from _models import kernels_model
+    model = kernels_model(tmp_path_factory.mktemp("kept_gpu"), seed=9)
+    g = torch.Generator().manual_seed(4)
+    for T, cuts in ((300, [37, 200, 296]), (80, [1, 2, 79]), (1000, [64, 900]), (2000, [128, 1024, 1920]),
+                    (5000, [200, 4935, 4995])):
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g).cuda()
+        with monkeypatch.context() as m:
+            m.setattr(model_mod.KeptCuts, "plan", staticmethod(lambda cuts, be, device: None))  # the parts
+            want, want_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
+        with monkeypatch.context() as m:
+            calls = _spy(m)
+            got, got_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
+        assert calls, "the kept form did not run"
+        assert torch.isfinite(got).all() and rel(got, want) <= 2e-2 and got.argmax() == want.argmax()
+        assert len(got_kept) == len(want_kept) == len(cuts)
+        first = next(i for i, x in enumerate(want_kept[0].conv) if x is not None)
+        for a, b in zip(got_kept, want_kept):
+            assert a.length == b.length and torch.equal(a.conv[first], b.conv[first])
+            for x, y in zip(a.conv, b.conv):
+                assert (x is None and y is None) or rel(x, y) <= 2e-2
+            for x, y in zip(a.ssm, b.ssm):
+                assert (x is None and y is None) or rel(x, y) <= 2e-2
