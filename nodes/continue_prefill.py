@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Prefill, cancellable, linked, made, running, shown_again
+from .types import ModelPrefill, Qwen35Prefill, cancellable, linked, made, running, shown_again, workflow_id
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
                                      "the checkpoint's setting."),
             ],
             outputs=[Qwen35Prefill.Output(display_name="prefill")],
+            hidden=[io.Hidden.extra_pnginfo],  # the workflow's id (workflow_id); not part of ComfyUI's cache key
         )
 
     @classmethod
@@ -90,6 +91,7 @@ class Qwen35ContinuePrefill(io.ComfyNode):
         model.track(pf)
         if prefill.items > 1:  # one of a list: its states wait off the GPU, as its parent's (ManagedModel.park)
             model.park(pf)
-        out = ModelPrefill(model, pf, prefill.item, prefill.items, remake=run, node=running()[1])
-        made(out.node, [out])
+        out = ModelPrefill(model, pf, prefill.item, prefill.items, remake=run, node=running()[1],
+                           workflow=workflow_id(cls.hidden))
+        made(out.node, [out], out.workflow)
         return io.NodeOutput(out, ui={"qwen35_prefill": [_stats(pf, images)]})

@@ -9,7 +9,17 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, linked, made, running, shown_again
+from .types import (
+    ModelPrefill,
+    Qwen35Model,
+    Qwen35Prefill,
+    cancellable,
+    linked,
+    made,
+    running,
+    shown_again,
+    workflow_id,
+)
 from .video import video_clip
 
 log = logging.getLogger(__name__)
@@ -105,6 +115,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                                      "down. 0: the checkpoint's setting (16.7 MP). Fewer pixels, fewer tokens."),
             ],
             outputs=[Qwen35Prefill.Output(display_name="prefill", is_output_list=True)],
+            hidden=[io.Hidden.extra_pnginfo],  # the workflow's id (workflow_id); not part of ComfyUI's cache key
         )
 
     @classmethod
@@ -120,6 +131,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             batches = _per_image(images, prompt) if mode == PER_IMAGE else [images]
             model.load()
             out, stats = [], []
+            node, workflow = running()[1], workflow_id(cls.hidden)
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
 
             def run(batch, video=clip, bar: bool = True, reuse_at_most=None):
@@ -161,9 +173,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                 if len(batches) > 1:  # (all of the list's states would wait in VRAM for their Generate)
                     model.park(pf)
                 out.append(ModelPrefill(model, pf, item=i, items=len(batches),
-                                        remake=functools.partial(run, batch), node=running()[1]))
+                                        remake=functools.partial(run, batch), node=node, workflow=workflow))
                 stats.append(_stats(pf, note))
                 if bar is not None:
                     bar.update(1)
-        made(running()[1], out)
+        made(node, out, workflow)
         return io.NodeOutput(out, ui={"qwen35_prefill": stats})

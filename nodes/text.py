@@ -9,7 +9,17 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from .types import ModelPrefill, Qwen35Model, Qwen35Prefill, cancellable, linked, made, running, shown_again
+from .types import (
+    ModelPrefill,
+    Qwen35Model,
+    Qwen35Prefill,
+    cancellable,
+    linked,
+    made,
+    running,
+    shown_again,
+    workflow_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ class Qwen35TextPrefill(io.ComfyNode):
                                          "act as such. Off: they stay plain text and cannot open a chat turn."),
             ],
             outputs=[Qwen35Prefill.Output(display_name="prefill")],
+            hidden=[io.Hidden.extra_pnginfo],  # the workflow's id (workflow_id); not part of ComfyUI's cache key
         )
 
     @classmethod
@@ -89,8 +100,8 @@ class Qwen35TextPrefill(io.ComfyNode):
         log.info("Qwen3.5 prefill: %d tokens in %.1f ms (%.0f tok/s, %s)", result.n_tokens, result.ms,
                  result.tokens_per_s, result.backend)
         model.track(result)
-        out = ModelPrefill(model, result, remake=run, node=running()[1])
-        made(out.node, [out])
+        out = ModelPrefill(model, result, remake=run, node=running()[1], workflow=workflow_id(cls.hidden))
+        made(out.node, [out], out.workflow)
         return io.NodeOutput(out, ui={"qwen35_prefill": [stats]})
 
 

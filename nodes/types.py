@@ -31,13 +31,15 @@ class ModelPrefill:
     first read's bit for bit while the store keeps that snapshot, and the same seed gives the same answer."""
 
     def __init__(self, model: ModelHandle, prefill: Any, item: int = 0, items: int = 1,
-                 remake: Optional[Callable[..., Any]] = None, node: Optional[str] = None):
+                 remake: Optional[Callable[..., Any]] = None, node: Optional[str] = None,
+                 workflow: Optional[str] = None):
         self.model = model
         # its place in a list of prefills one node run made (the one-prompt-per-image mode; a Continue after one
         # keeps its parent's): such a prefill's states wait off the GPU (ManagedModel.park)
         self.item, self.items = item, items
         self._run_per_item = False  # its place is one of a node's runs over a list input (listed)
         self.node = node  # the id of the node that made it (None outside a ComfyUI run)
+        self.workflow = workflow  # the id of that node's workflow (workflow_id; None where the prompt has none)
         self.made_in = running()[0]  # the prompt it was made in (None outside a ComfyUI run)
         self._prefill, self._remake = prefill, remake
         self._cached = prefill.cached_tokens  # the cached prefix it was read from (made again from it)
@@ -53,7 +55,7 @@ class ModelPrefill:
             if self.items > 1:
                 self.model.park(pf)
             self._prefill, self.made_in = pf, running()[0]
-            made(self.node, [self])
+            made(self.node, [self], self.workflow)
         return self._prefill
 
     @property
@@ -105,19 +107,35 @@ def running() -> tuple[Optional[str], Optional[str]]:
     return (context.prompt_id, context.node_id) if context is not None else (None, None)
 
 
-# node id -> (the prompt run that made or used them, that node's live outputs, weakly)
-_LATEST: dict[str, tuple[Optional[str], list]] = {}
+def workflow_id(hidden: Any) -> Optional[str]:
+    """The id of the workflow whose prompt runs the node, from its hidden extra_pnginfo (io.Hidden.extra_pnginfo:
+    ComfyUI's page sends the workflow there, its id with it); None where there is none (a prompt sent to the API
+    without it, a node called outside a ComfyUI run: hidden is None there). Node ids are per workflow: two tabs
+    each have a node "5"."""
+    pnginfo = getattr(hidden, "extra_pnginfo", None)
+    workflow = pnginfo.get("workflow") if isinstance(pnginfo, dict) else None
+    found = workflow.get("id") if isinstance(workflow, dict) else None
+    return str(found) if found else None
 
 
-def made(node: Optional[str], outputs: list[ModelPrefill]) -> None:
+# (workflow id, node id) -> (the prompt run that made or used them, that node's live outputs, weakly)
+_LATEST: dict[tuple[Optional[str], str], tuple[Optional[str], list]] = {}
+
+
+def made(node: Optional[str], outputs: list[ModelPrefill], workflow: Optional[str] = None) -> None:
     """Records `outputs` as what node's prefills are now (made by its run, or made again): the outputs of its
-    runs in earlier prompts are let go (ModelPrefill). A node that runs once per item of a list keeps every item's
-    output of this prompt, and from its second run on each of them waits with its states off the GPU: made
-    before any Generate runs, a list's states would otherwise sit in VRAM that ComfyUI does not count."""
+    runs in earlier prompts are let go (ModelPrefill). A node is its id in its workflow (workflow_id; the id
+    alone where the prompt names no workflow), so that another tab's node of the same id keeps its own. A node
+    that runs once per item of a list keeps every item's output of this prompt, and from its second run on each
+    of them waits with its states off the GPU: made before any Generate runs, a list's states would otherwise sit
+    in VRAM that ComfyUI does not count."""
     if node is None:
         return
-    run = running()[0]
-    was, refs = _LATEST.get(node, (None, []))
+    run, key = running()[0], (workflow, node)
+    if key not in _LATEST:  # (nodes of every workflow run: those whose outputs are all gone leave the table)
+        for gone in [k for k, (_, refs) in _LATEST.items() if all(ref() is None for ref in refs)]:
+            del _LATEST[gone]
+    was, refs = _LATEST.get(key, (None, []))
     if was != run:
         for ref in refs:
             old = ref()
@@ -129,7 +147,7 @@ def made(node: Optional[str], outputs: list[ModelPrefill]) -> None:
     if earlier:
         for i, o in enumerate(mine):
             o.listed(i, len(mine))
-    _LATEST[node] = (run, [weakref.ref(o) for o in mine])
+    _LATEST[key] = (run, [weakref.ref(o) for o in mine])
 
 
 def shown_again() -> dict:

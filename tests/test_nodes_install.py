@@ -397,3 +397,28 @@ def test_nvidias_packages_are_held_to_torchs_cuda_version(install):
     assert install._pinned("nvidia-cuda-nvrtc-cu12", "12.8.1") == "nvidia-cuda-nvrtc-cu12==12.8.*"
     assert install._pinned("nvidia-cuda-nvrtc", "13.0") == "nvidia-cuda-nvrtc==13.0.*"
     assert install._pinned("nvidia-cuda-runtime-cu12", "12") == "nvidia-cuda-runtime-cu12==12.*"
+
+
+def _project() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def test_the_metadata_says_where_the_kernels_run_and_where_pytorch_does():
+    """The CUDA kernels run on NVIDIA GPUs and the same model on PyTorch everywhere else, the CPU included: the one
+    accelerator classifier is NVIDIA CUDA (the one both PyPI and the Comfy registry know), and the description
+    (one line, as the metadata's Summary) says what no classifier can."""
+    project = _project()
+    accelerators = [c for c in project["classifiers"] if c.startswith("Environment ::")]
+    assert accelerators == ["Environment :: GPU :: NVIDIA CUDA"]
+    description = project["description"]
+    assert "\n" not in description
+    assert all(word in description for word in ("NVIDIA", "CUDA kernels", "PyTorch", "CPU")), description
+
+
+def test_every_classifier_is_one_pypi_takes():
+    trove = pytest.importorskip("trove_classifiers")
+    classifiers = _project()["classifiers"]
+    assert len(set(classifiers)) == len(classifiers)
+    assert set(classifiers) <= trove.classifiers, set(classifiers) - trove.classifiers
+    assert not set(classifiers) & set(trove.deprecated_classifiers)
