@@ -65,6 +65,9 @@ else:
                                torch.tensor([0, 77, T], dtype=torch.int32, device=dev), **kw)
         if i == 0:
             plan_mod.prep_heads = keep
+        # one sequence keeping states on the way (chunk 0, inside a segment, at a boundary, the last chunk)
+        gdn_chunk_prefill_cuda(qp, kp, vp, ap, bp, torch.rand(Hv, device=dev), torch.randn(Hv, device=dev),
+                               torch.randn(1, Hv, D, D, device=dev), keep=[0, 320, 384, 640], **kw)
 from qwen35_fast.kernels.rms_norm.launch import (  # noqa: E402
     add_rms_norm_cuda,
     gated_rms_norm_cuda,

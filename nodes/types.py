@@ -22,8 +22,8 @@ class ModelPrefill:
     """A runtime Prefill and the model it belongs to. ComfyUI caches it and may hand it to many
     Generate nodes; the runtime never changes a Prefill, so each run starts from the same state.
 
-    A prefill node's earlier output is let go when the node runs again (`made`): ComfyUI's default cache keeps
-    the outputs of every earlier prompt until system RAM runs short, and it cannot see that a prefill holds K/V
+    A prefill node's earlier output is let go when the node runs again (`made`): ComfyUI's cache can keep the
+    outputs of earlier prompts (--cache-lru, older versions' default), and it cannot see that a prefill holds K/V
     blocks and GDN states in VRAM, so each edit of a prompt would keep the last one's there. An output let go
     keeps how to make it again (`remake`: the node's runtime call on the same inputs, given `reuse_at_most`), and
     `prefill` makes it again when ComfyUI hands it on once more (the prompt edited back): from the cached prefix
