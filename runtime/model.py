@@ -51,6 +51,7 @@ class KeptCuts:
     bounds: tuple  # each cut rounded down to a chunk boundary: the walk's keep
     tails: tuple  # (boundary, cut) of the cuts off a boundary, in order
     cu_tails: torch.Tensor | None  # int32 [len(tails) + 1] on the device
+    tailed: torch.Tensor | None  # long [len(tails)] on the device: the cuts (their indices) the tails end at
     ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
 
     @staticmethod
@@ -61,12 +62,13 @@ class KeptCuts:
         if not cuts or not be.use_cuda or len(cuts) > kernels.GDN_MAX_KEEP:
             return None
         bounds = tuple(c - c % kernels.GDN_CHUNK for c in cuts)
-        tails = tuple((b, c) for b, c in zip(bounds, cuts) if b < c)
+        tailed = [n for n, (b, c) in enumerate(zip(bounds, cuts)) if b < c]
+        tails = tuple((bounds[n], cuts[n]) for n in tailed)
         cu = [0]
         for b, c in tails:
             cu.append(cu[-1] + c - b)
         return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device) if tails else None,
-                        upload(list(cuts), torch.long, device))
+                        upload(tailed, torch.long, device) if tails else None, upload(list(cuts), torch.long, device))
 
 
 class GDNLayer(nn.Module):
@@ -554,21 +556,18 @@ class Qwen35Model(nn.Module):
         b, a = ba.split([hv, hv], dim=-1)
         o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=cache.ssm[i],
                                                         keep=list(kc.bounds), backend=be)
-        states = list(hk.unbind(0))
-        if kc.tails:  # each cut's rest of its chunk, from the state at its boundary
-            tails = [n for n, (b0, c0) in enumerate(zip(kc.bounds, kc.cuts)) if b0 < c0]
+        if kc.tails:  # each cut's rest of its chunk, from the state at its boundary, into that cut's place
 
             def rows(t):
                 return torch.cat([t[:, b0:c0] for b0, c0 in kc.tails], dim=1)
             qt, kt, vt = self._qkv_heads(rows(y))
             bt, at = rows(ba).split([hv, hv], dim=-1)
             _, ht = kernels.gdn_chunk_prefill(qt, kt, vt, at, bt, m.A_log, m.dt_bias,
-                                              initial_state=torch.stack([states[n] for n in tails]),
-                                              cu_seqlens=kc.cu_tails, backend=be)
-            for j, n in enumerate(tails):
-                states[n] = ht[j]
+                                              initial_state=hk.index_select(0, kc.tailed), cu_seqlens=kc.cu_tails,
+                                              backend=be)
+            hk.index_copy_(0, kc.tailed, ht)
         for n, (_, state) in enumerate(cut):
-            state.conv[i], state.ssm[i] = convs[n], states[n][None]
+            state.conv[i], state.ssm[i] = convs[n], hk[n:n + 1]
         return self._gdn_out(m, o, z, be)
 
     def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pc: PaddedCut,
@@ -637,7 +636,7 @@ class Qwen35Model(nn.Module):
         """The last layer of a prefill as an attention layer, where only the last token's output is read (its
         logits): the K/V of all T tokens go to the cache, the query, attention and o_proj run for that token
         alone. kv: the T tokens' slots, and where tokens are cached before them the paged attention's table
-        and cache_lens [1] = cache length + T - 1 (the last token's own K/V written again by that launch)."""
+        and cache_lens [1] = cache length + T - 1 (the last token's K/V given to it, stored already)."""
         c = self.config
         B, T, _ = x.shape
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -657,7 +656,7 @@ class Qwen35Model(nn.Module):
         else:
             j = store.index[i]
             out = kernels.paged_attention(q[0], k[0, -1:], v[0, -1:], store.k[j], store.v[j], kv.table, kv.lens,
-                                          kv.cu_q, gate[0], max_q=1, scale=hd ** -0.5, backend=be)
+                                          kv.cu_q, gate[0], max_q=1, scale=hd ** -0.5, write_kv=False, backend=be)
             out = out.reshape(B, 1, H * hd)
         return self._proj(out, m.o_proj, be)
 
@@ -771,8 +770,8 @@ class Qwen35Model(nn.Module):
         store, dev = cache.store, self.device
         if start == 0:
             return kv  # the cold step's: the T slots, no table
-        return KVStep(slots=store.slots(cache.seq, start, start + T), table=store.table(cache.seq), lens=upload([start + T - 1], torch.int32, dev),
-                      cu_q=upload([0, 1], torch.int32, dev))
+        return KVStep(slots=store.slots(cache.seq, start, start + T), table=kv.table,
+                      lens=upload([start + T - 1], torch.int32, dev), cu_q=upload([0, 1], torch.int32, dev))
 
     def forward_prefill(self, ids: torch.Tensor, cache: Cache, vision=None, positions=None,
                         rope_delta: int | None = None) -> torch.Tensor:

@@ -198,6 +198,35 @@ def test_prefill_launcher_looks_its_kernels_up_once_per_plan_dtypes_and_defines(
     assert len(rec["functions"]) == n + len(first) and all(f[1]["X"] == 1 for f in rec["functions"][n:])
 
 
+@pytest.mark.parametrize("card", list(CARDS))
+@pytest.mark.parametrize("keep", [None, [0, 64, 256]])
+def test_prefill_launches_pass_each_kernel_the_parameters_it_declares(recorded, card, keep):
+    """Each launch of a prefill passes as many values as its kernel declares (the driver takes one per declared
+    parameter, in order: a value too many or too few shifts every later one, and the kernel reads garbage), the
+    kept states' included; counted in the PTX NVRTC builds for the plan's defines. The call returns the kept
+    states only when asked for them."""
+    import re
+
+    from qwen35_fast.kernels import cuda_build as cb
+    try:
+        cb.nvrtc_version()
+    except cb.KernelBuildError as e:
+        pytest.skip(f"NVRTC is not installed: {e}")
+    L, rec = recorded
+    rec["card"] = CARDS[card]
+    out = L.gdn_chunk_prefill_cuda(*_cpu_inputs(300, 2, 4), keep=keep)
+    assert len(out) == (2 if keep is None else 3)
+    found = {name: (defines, arch) for name, defines, arch in rec["functions"]}
+    src = {"gdn_chunk_prep": L.SRC_PREP, "gdn_chunk_prefill_fwd": L.SRC_HOPPER, "gdn_chunk_state": L.SRC_PORTABLE,
+           "gdn_chunk_out": L.SRC_PORTABLE}
+    assert len(rec["launches"]) >= 2
+    for name, args in rec["launches"]:
+        defines, arch = found[name]
+        ptx = cb.compile_cubin(src[name], arch.replace("sm_", "compute_"), defines).decode()
+        entry = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S)
+        assert entry and entry.group(1).count(".param") == len(args), (name, len(args))
+
+
 def test_walk_maps_come_from_one_lookup_per_addresses_and_strides(recorded):
     """The Hopper walk's six maps (k, q, v, T, P, o) are encoded once per addresses, strides and sizes and found
     again by the next call with the same ones; another address or stride gets its own, a packed copy (strides the

@@ -384,9 +384,11 @@ def test_an_initial_state_at_an_odd_offset_gives_the_same_result(path):
 
 # keep: the states after those token counts, stored by the walk as it passes them. Against the f64 recurrence
 # over each prefix, on every path and split: at chunk 0 (the initial state), inside a segment, at the sequence
-# split's segment boundaries (2 segments of 33 chunks on the Hopper walk at 4,097 tokens, 4 of 17 on
-# portable_seg), twice the same; outputs poisoned, and o and the final state as a call without keep gives them.
-KEEP_CASES = [(1000, (0, 64, 512, 960), "model", True), (4097, (64, 1088, 2112, 4032, 4032), "model", False),
+# split's segment boundaries (4 segments of 17 chunks at 4,097 tokens, 2 value heads a q/k head: the Hopper
+# walk's plan, 32 columns, and portable_seg's), twice the same; outputs poisoned, and o and the final state as a
+# call without keep gives them.
+KEEP_CASES = [(1000, (0, 64, 512, 960), "model", True),
+              (4097, (64, 1088, 2176, 2240, 3264, 4032, 4032), "model", False),
               (700, (640,), "weak", True), (65, (0, 64), "strong", False),
               (300, (0, 64, 128, 192, 256, 256, 128, 64), "model", True)]
 _kept_ref: dict = {}

@@ -84,9 +84,10 @@ def test_the_kept_form_is_planned_on_the_kernels():
     p = KeptCuts.plan((10, 64, 200, 250), CUDA, "cpu")
     assert p.cuts == (10, 64, 200, 250) and p.bounds == (0, 64, 192, 192)
     assert p.tails == ((0, 10), (192, 200), (192, 250)) and p.cu_tails.tolist() == [0, 10, 18, 76]
+    assert p.tailed.tolist() == [0, 2, 3]
     assert p.ends.tolist() == [10, 64, 200, 250]  # where the conv states are gathered
     p = KeptCuts.plan((64, 128), CUDA, "cpu")
-    assert p.tails == () and p.cu_tails is None  # on chunk boundaries: the walk's states alone
+    assert p.tails == () and p.cu_tails is None and p.tailed is None  # on chunk boundaries: the walk's states alone
 
 
 def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
@@ -110,7 +111,8 @@ def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monke
     for a, b in zip(kept, parts):
         assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
         assert rel(a.logits, b.logits) <= 1e-5
-        # the prefill (cached by ComfyUI) holds its own states, not views of the walk's kept ones
+        # the prefill (cached by ComfyUI) holds its own states, not views of the walk's kept ones (each cut's
+        # states are views of one tensor a layer, all of them the cuts')
         ssm = [t for t in a.cache.ssm if t is not None]
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ssm}
         assert sum(held.values()) == sum(t.nbytes for t in ssm)

@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, const elem* __restrict__ v,
                       const elem* __restrict__ Tg, const elem* __restrict__ Pg, const float* __restrict__ Fg,
                       const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
-                      elem* __restrict__ o, float* __restrict__ ht, const KeepAt keep, float* __restrict__ hkeep,
+                      elem* __restrict__ o, float* __restrict__ ht, KEEP_PARAMS, float* __restrict__ hkeep,
                       int T, int Hk, int Hv,
                       long long q_sb, long long q_st, long long q_sh,
                       long long k_sb, long long k_st, long long k_sh,
@@ -93,7 +93,7 @@ gdn_chunk_prefill_fwd(const elem* __restrict__ q, const elem* __restrict__ k, co
     wk.cw = wk.cbeg = 0;
     wk.cend = nchunks;
     wk.from_h0 = wk.write_ht = true;
-    wk.keep = keep;
+    wk.keep = KEEP_AT;
     wk.hkeep = hkeep;
     if (DVS < 128 && seg && seg_count(DK / DVS, nchunks) > 1) {
         __shared__ int warm[SEG_MAX];

@@ -112,8 +112,8 @@ def gdn_chunk_prefill_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                 *(i64(x) for x in b.stride())),
                shared_mem=p.prep_smem)
     if p.path == "hopper":
-        keep: list = []  # packed copies the maps point at, alive until the kernel is queued
-        maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
+        held: list = []  # packed copies the maps point at, alive until the kernel is queued
+        maps = _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, held)
         launch(walk, p.grid(Hv, N), (THREADS, 1, 1),
                (q, k, v, Tg, Pg, Fg, initial_state, cu_seqlens, o, ht, *keep_at, hk, np.int32(T), np.int32(Hk),
                 np.int32(Hv), *qs, *ks, *vs, np.int32(p.segments > 1), *maps),
@@ -182,24 +182,24 @@ def _map(x: torch.Tensor, dims: tuple, strides: tuple, box: tuple) -> TensorMap:
 _walk_maps: dict = {}
 
 
-def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
+def _tensor_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, held: list) -> tuple:
     """Tensor maps of the wgmma walk's copies, in kernel order k, q, v, T, P, o: K, Q, V as [B][T][H][128]
     tiles of 64 tokens x 64 columns, T and P as 64 x 64 tiles of their [slots * Hv * 64][64] rows, and the
     output o (contiguous [B, T, Hv, 128]) in the tiles of V, which the walk stores full chunks through. The six
     come from one lookup keyed by the addresses and strides (each layer of a prefill asks again; at most 256
-    kept). A packed copy made for strides the copy engine refuses goes to `keep`: the caller holds it until
+    kept). A packed copy made for strides the copy engine refuses goes to `held`: the caller holds it until
     the launch is queued (after that, stream order protects it); maps of such copies are not kept."""
     key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(), k.stride(), v.stride(), Tg.data_ptr(),
            Pg.data_ptr(), Tg.shape[0], o.data_ptr(), B, T, Hk, Hv)
     maps = _walk_maps.get(key)
     if maps is None:
-        maps = _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep)
-        if not keep:
+        maps = _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, held)
+        if not held:
             keep_map(_walk_maps, key, maps)
     return maps
 
 
-def _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
+def _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, held: list) -> tuple:
     out = []
     for x, H in ((k, Hk), (q, Hk), (v, Hv)):
         try:
@@ -207,7 +207,7 @@ def _encode_maps(q, k, v, Tg, Pg, o, B, T, Hk, Hv, keep: list) -> tuple:
             out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
         except ValueError:  # strides the copy engine does not take (e.g. heads outermost): a packed copy
             x = x.contiguous()
-            keep.append(x)
+            held.append(x)
             sb, st, sh = (int(s) * x.element_size() for s in x.stride()[:3])
             out.append(_map(x, (D, H, T, B), (sh, st, sb), (64, 1, 64, 1)))
     rows = Tg.shape[0] * Hv * 64

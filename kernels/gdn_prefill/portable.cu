@@ -127,7 +127,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
                 const elem* __restrict__ Tg, const float* __restrict__ Fg,
                 const float* __restrict__ h0, const int* __restrict__ cu_seqlens,
                 elem* __restrict__ Hs, elem* __restrict__ Ug, float* __restrict__ ht,
-                const KeepAt keep, float* __restrict__ hkeep,
+                KEEP_PARAMS, float* __restrict__ hkeep,
                 const elem* __restrict__ q, const elem* __restrict__ Pg, elem* __restrict__ o,
                 int T, int Hk, int Hv, int nseg,
                 long long k_sb, long long k_st, long long k_sh,
@@ -164,6 +164,7 @@ gdn_chunk_state(const elem* __restrict__ k, const elem* __restrict__ v,
     }
     if (sg > 0 && (sw.cbeg == 0 || sw.cbeg == sw.cend)) return;  // not split (no segment here), or an empty tail
     const bool from_h0 = sw.cw == 0, write_ht = sw.cend == nchunks;
+    const KeepAt keep = KEEP_AT;
 
     // 64 rows of 128 columns of x (K or Q: zero past the end) for chunk c -> dst (row stride KST)
     auto load_rows128 = [&](elem* dst, const elem* xb, long long x_st, int c) {

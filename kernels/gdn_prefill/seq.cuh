@@ -52,20 +52,27 @@ __device__ __forceinline__ SeqSpan slot_sequence(const int* cu_seqlens, int slot
 }
 
 // The states a call of one sequence keeps besides its final one: the state entering chunk c[e] (after its first
-// 64 c[e] tokens) goes to hkeep[e] ([MAX_KEEP][Hv][128][128] fp32); -1 keeps none. Passed by value (the launcher
-// packs MAX_KEEP int32 parameters). Each walk block stores the chunks it writes o for, so every (state,
-// column) is stored once, by the block whose walk is exact there.
+// 64 c[e] tokens) goes to hkeep[e] ([MAX_KEEP][Hv][128][128] fp32); -1 keeps none. They come as MAX_KEEP int32
+// kernel parameters (KEEP_PARAMS; the launcher passes one value each), gathered in the kernel (KEEP_AT). Each
+// walk block stores the chunks it writes o for, so every (state, column) is stored once, by the block whose walk
+// is exact there.
 #define MAX_KEEP 8
+#define KEEP_PARAMS int keep0, int keep1, int keep2, int keep3, int keep4, int keep5, int keep6, int keep7
+#define KEEP_AT {{keep0, keep1, keep2, keep3, keep4, keep5, keep6, keep7}}
 struct KeepAt {
     int c[MAX_KEEP];
 };
 
-// This thread's part of the state entering chunk c into hkeep[e] for every e kept there; store(e) stores it. c and
-// cbeg are warp-uniform, so is the branch.
+// This thread's part of the state entering chunk c into hkeep[e] for every e kept there; store(e) stores it (one
+// copy of the stores in the loop, however many are kept). c and cbeg are warp-uniform, so are the branches.
 template <class Store>
 __device__ __forceinline__ void keep_state(const KeepAt& keep, int c, int cbeg, Store store) {
     if (c < cbeg) return;  // a warm-up chunk: another block's walk writes this state
+    unsigned m = 0;
 #pragma unroll
-    for (int e = 0; e < MAX_KEEP; ++e)
-        if (keep.c[e] == c) store(e);
+    for (int e = 0; e < MAX_KEEP; ++e) m |= (unsigned)(keep.c[e] == c) << e;
+    while (m) {
+        store(__ffs(m) - 1);
+        m &= m - 1;
+    }
 }
