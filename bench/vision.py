@@ -294,26 +294,42 @@ def e2e(args, tower: VisionTower, rate: float):
         pf = prefill_multimodal(model, question, images=image, use_cache=False)
         return int(pf.logits.argmax())
 
-    def ttft_cut_in_parts():  # A/B: the kept states from the recurrence run in parts, not the kept walk
-        from qwen35_fast.runtime import model as model_mod
-        plan = model_mod.KeptCuts.plan
-        model_mod.KeptCuts.plan = staticmethod(lambda cuts, be, device: None)
-        try:
-            return ttft()
-        finally:
-            model_mod.KeptCuts.plan = staticmethod(plan)
+    from gdn_cuts_ab import packed_gdn
 
-    both = timed_in_turn({"kept": ttft, "parts": ttft_cut_in_parts}, args.reps)
-    ms = both["kept"]
+    from qwen35_fast.runtime import model as model_mod
+    from qwen35_fast.runtime.model import Qwen35Model
+
+    def variant(plan=None, gdn=None, full_last=False):
+        """ttft with the cut states from another form (A/B; gdn_cuts_ab.py's forms) or the last layer run for every
+        token (the runtime runs it for the last one)."""
+        real_plan, real_gdn, real_layers = model_mod.KeptCuts.plan, Qwen35Model._gdn_prefill_kept, Qwen35Model._layers
+
+        def run():
+            if plan is not None:
+                model_mod.KeptCuts.plan = staticmethod(plan)
+            if gdn is not None:
+                Qwen35Model._gdn_prefill_kept = gdn
+            if full_last:
+                Qwen35Model._layers = lambda self, h, *a, kv_last=None, **kw: real_layers(self, h, *a, **kw)[:, -1:]
+            try:
+                return ttft()
+            finally:
+                model_mod.KeptCuts.plan = staticmethod(real_plan)
+                Qwen35Model._gdn_prefill_kept, Qwen35Model._layers = real_gdn, real_layers
+        return run
+
+    forms = timed_in_turn({"kept": ttft, "parts": variant(plan=lambda cuts, be, device: None),
+                           "packed": variant(gdn=packed_gdn), "full_last_layer": variant(full_last=True)}, args.reps)
+    ms = forms["kept"]
     pf = prefill_multimodal(model, question, images=image, use_cache=False)
     flop = tower.flops(pf.vision.grids) + model.flops(pf.n_tokens)  # the image's tower, the whole prompt's LM
     rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "floor_ms": round(flop / rate * 1000, 2),
              "tflop": round(flop / 1e12, 2), "prompt_tokens": pf.n_tokens,
              "image_tokens": sum(1 for t in pf.token_ids if t == IMAGE_PAD), "question_tokens": n_q,
              "vision_ms": round(pf.vision.vision_ms, 2), "prefill_ms": round(pf.vision.prefill_ms, 2),
-             "ttft_ms_cut_in_parts": round(both["parts"], 2), "backend": model.backend.name}]
-    print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms); the turn end's "
-          f"states from parts instead of the kept walk: {both['parts']:.1f} ms")
+             **{f"ttft_ms_{k}": round(v, 2) for k, v in forms.items() if k != "kept"}, "backend": model.backend.name}]
+    print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms); A/B forms: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in forms.items()))
     if not args.smoke:
         try:
             rows.append(bucket_e2e(model, question, args.reps))
