@@ -29,7 +29,9 @@ import _import  # noqa: F401  (the repo as `qwen35_fast`)
 from _import import host_cpu
 
 from qwen35_fast import kernels
+from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime.media import Preprocessing, preprocess_images, preprocess_video
+from qwen35_fast.runtime.model import KeptCuts, PackedCuts, Qwen35Model
 from qwen35_fast.runtime.vision import VisionConfig, VisionTower, _targets, tower_passes
 from qwen35_fast.runtime.vision import plan as vision_plan
 
@@ -262,7 +264,6 @@ def bucket_row(ours: VisionTower, be, rate: float, reps: int) -> dict:
 
 def e2e(args, tower: VisionTower, rate: float):
     """Time to first token, 9B-shaped random model, one 1024x1024 image and a 50-token question."""
-    from qwen35_fast.runtime.model import Qwen35Model
     from qwen35_fast.runtime.multimodal import IMAGE_PAD, prefill_multimodal
     from qwen35_fast.runtime.tokenizer import load_tokenizer
 
@@ -294,40 +295,34 @@ def e2e(args, tower: VisionTower, rate: float):
         pf = prefill_multimodal(model, question, images=image, use_cache=False)
         return int(pf.logits.argmax())
 
-    from gdn_cuts_ab import packed_gdn
-
-    from qwen35_fast.runtime import model as model_mod
-    from qwen35_fast.runtime.model import Qwen35Model
-
-    def variant(plan=None, gdn=None, full_last=False):
-        """ttft with the cut states from another form (A/B; gdn_cuts_ab.py's forms) or the last layer run for every
-        token (the runtime runs it for the last one)."""
-        real_plan, real_gdn, real_layers = model_mod.KeptCuts.plan, Qwen35Model._gdn_prefill_kept, Qwen35Model._layers
+    def variant(form=None, full_last=False):
+        """ttft with the cut states in another form than cut_form's (A/B; bench/gdn_cuts_ab.py's forms) or the last
+        layer run for every token (the runtime runs it for the last one)."""
+        real_form, real_layers = model_mod.cut_form, Qwen35Model._layers
 
         def run():
-            if plan is not None:
-                model_mod.KeptCuts.plan = staticmethod(plan)
-            if gdn is not None:
-                Qwen35Model._gdn_prefill_kept = gdn
+            if form is not None:
+                model_mod.cut_form = form
             if full_last:
                 Qwen35Model._layers = lambda self, h, *a, kv_last=None, **kw: real_layers(self, h, *a, **kw)[:, -1:]
             try:
                 return ttft()
             finally:
-                model_mod.KeptCuts.plan = staticmethod(real_plan)
-                Qwen35Model._gdn_prefill_kept, Qwen35Model._layers = real_gdn, real_layers
+                model_mod.cut_form, Qwen35Model._layers = real_form, real_layers
         return run
 
-    forms = timed_in_turn({"kept": ttft, "parts": variant(plan=lambda cuts, be, device: None),
-                           "packed": variant(gdn=packed_gdn), "full_last_layer": variant(full_last=True)}, args.reps)
-    ms = forms["kept"]
+    forms = timed_in_turn({"runtime": ttft, "parts": variant(form=lambda cuts, T, be, device: None),
+                           "kept": variant(form=lambda cuts, T, be, device: KeptCuts.plan(cuts, be, device)),
+                           "packed": variant(form=lambda cuts, T, be, device: PackedCuts.build(cuts, T, device)),
+                           "full_last_layer": variant(full_last=True)}, args.reps)
+    ms = forms["runtime"]
     pf = prefill_multimodal(model, question, images=image, use_cache=False)
     flop = tower.flops(pf.vision.grids) + model.flops(pf.n_tokens)  # the image's tower, the whole prompt's LM
     rows = [{"impl": "ours-e2e", "ttft_ms": round(ms, 2), "floor_ms": round(flop / rate * 1000, 2),
              "tflop": round(flop / 1e12, 2), "prompt_tokens": pf.n_tokens,
              "image_tokens": sum(1 for t in pf.token_ids if t == IMAGE_PAD), "question_tokens": n_q,
              "vision_ms": round(pf.vision.vision_ms, 2), "prefill_ms": round(pf.vision.prefill_ms, 2),
-             **{f"ttft_ms_{k}": round(v, 2) for k, v in forms.items() if k != "kept"}, "backend": model.backend.name}]
+             **{f"ttft_ms_{k}": round(v, 2) for k, v in forms.items() if k != "runtime"}, "backend": model.backend.name}]
     print(f"ours e2e: ttft {ms:.1f} ms ({pf.n_tokens} tokens; vision {pf.vision.vision_ms:.1f} ms); A/B forms: "
           + ", ".join(f"{k} {v:.1f}" for k, v in forms.items()))
     if not args.smoke:

@@ -363,7 +363,8 @@ def add_layer_norm(x, y, weight, bias, eps: float, backend: Backend | None = Non
     return ops.run(ops.add_layer_norm_op, x, y, weight, bias, float(eps), bool(backend and backend.use_cuda))
 
 
-__all__ = ["GDN_CHUNK", "GDN_MAX_KEEP", "Backend", "BACKENDS", "select_backend", "card_unfit", "gdn_chunk_prefill", "gdn_decode_step",
+__all__ = ["GDN_CHUNK", "GDN_MAX_KEEP",
+           "Backend", "BACKENDS", "select_backend", "card_unfit", "gdn_chunk_prefill", "gdn_decode_step",
            "causal_conv1d_prefill", "causal_conv1d_states", "causal_conv1d_update", "rms_norm", "rms_norm_rope", "add_rms_norm", "silu_mul", "dequant_rows", "gemv",
            "gemv_add_rms_norm", "gemv_silu_mul", "gemv_preferred",
            "gated_rms_norm",

@@ -26,13 +26,21 @@ from .packed import apply_packed, flat_view, pack_views, views_like
 from .quant import Int8Weight, embedding, linear, matrix
 
 # A prefill that keeps the GDN states at cuts (prefix.py: the end of the system prompt, of the last image, of
-# the user turn) takes them, on the CUDA kernels, from the prompt's own walk: the walk stores the state at each
-# cut's chunk boundary (the cut rounded down to 64 tokens) as it passes it (kernels.gdn_chunk_prefill keep), and
-# one more call walks the rest of each cut's chunk from there (under 64 tokens a cut, every cut's in one packed
-# call). Two GDN calls a layer whatever the number of cuts, and no token walked twice but those tails. (Before:
-# one packed call walked the prompt and each prefix again, ~2x the GDN work and a copy of the rows for a
-# multimodal prompt whose cuts lie near its end; or a call per part.) The PyTorch path runs the recurrence in
-# parts, one call per part.
+# the user turn) gets them, on the CUDA kernels, in one of two forms (cut_form), and on the PyTorch path from the
+# recurrence run in parts (a conv and a GDN call per part in each of the 24 GDN layers):
+# - kept (KeptCuts): the prompt's own walk stores the state at each cut's chunk boundary (the cut rounded down to
+#   64 tokens) as it passes it (kernels.gdn_chunk_prefill keep), and one more call walks the rest of each cut's
+#   chunk from there, every cut's in one packed call: two GDN calls a layer, no token walked twice but the tails.
+# - packed (PackedCuts): one GDN call walks the prompt and each prefix before a cut again, as packed sequences from
+#   the same initial state: one call a layer, for the GDN work and a copy of the rows of the prefixes again.
+# Where the GPU outruns the host (Hopper cards) a short prompt waits for the host's calls, and the packed form's
+# single call wins; past PACKED_CUT_TOKENS (the prompt and the prefixes together) its recompute costs more than
+# the kept form's second call. H100, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), kept /
+# parts / packed wall ms: T = 600 26.1 / 35.2 / 23.1, 1,300 40.8 / 56.5 / 36.5; 2,600 63.6 / 64.7 / 67.6, 4,096
+# 99.0 / 98.2 / 104.6, 8,192 192.5 / 195.4 / 209.9 (bench/results/gdn-cuts-kept-ab-h100.json; the H200's parts /
+# packed, bench/results/gdn-cuts-packed-ab-h200.json, put the bound at the same place). Other cards are GPU-bound
+# (the host's calls hide under their GEMMs): there the kept form walks each token once in two calls a layer.
+PACKED_CUT_TOKENS = 5120
 
 # A prompt longer than PREFILL_PIECE tokens is read in pieces of that many, each attending to the K/V the
 # pieces before it left in the cache and starting from their GDN states: what a layer holds at once is one
@@ -41,6 +49,35 @@ from .quant import Int8Weight, embedding, linear, matrix
 # full rate. The same computation as one pass, up to the rounding of where the recurrence and the attention's
 # blocks are cut.
 PREFILL_PIECE = 8192
+
+
+@dataclass(frozen=True)
+class PackedCuts:
+    """A prefill's cuts as extra sequences of one GDN kernel call: the T tokens, then the first c tokens for
+    each cut c (cu_seqlens), and the cuts on the device, where the conv states are gathered."""
+    cuts: tuple
+    cu_seqlens: torch.Tensor  # int32 [2 + len(cuts)], on the device
+    ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
+
+    @staticmethod
+    def build(cuts, T: int, device) -> "PackedCuts":
+        cuts = tuple(int(c) for c in cuts)
+        bounds = [0, T]
+        for c in cuts:
+            bounds.append(bounds[-1] + c)
+        return PackedCuts(cuts, upload(bounds, torch.int32, device), upload(list(cuts), torch.long, device))
+
+
+def cut_form(cuts, T: int, be: kernels.Backend, device) -> "PackedCuts | KeptCuts | None":
+    """How a prefill of T tokens gets its GDN states at cuts (increasing, inside the T tokens; the comment
+    above): packed on a Hopper card while the prompt and the prefixes add up to at most PACKED_CUT_TOKENS, else
+    kept, on the kernels; None (the parts, one by one) without cuts, on the PyTorch path, or with more cuts than
+    the walk keeps states."""
+    if not cuts or not be.use_cuda:
+        return None
+    if T + sum(cuts) <= PACKED_CUT_TOKENS and kernels.hopper_card(device):
+        return PackedCuts.build(cuts, T, device)
+    return KeptCuts.plan(cuts, be, device)
 
 
 @dataclass(frozen=True)
@@ -56,8 +93,8 @@ class KeptCuts:
 
     @staticmethod
     def plan(cuts, be: kernels.Backend, device) -> "KeptCuts | None":
-        """The kernels' form for cuts (increasing, inside the prompt), or None where the parts run one by one
-        (no cuts, the PyTorch path, or more cuts than the walk keeps states)."""
+        """The kept form for cuts (increasing, inside the prompt), or None where the parts run one by one (no
+        cuts, the PyTorch path, or more cuts than the walk keeps states)."""
         cuts = tuple(int(c) for c in cuts)
         if not cuts or not be.use_cuda or len(cuts) > kernels.GDN_MAX_KEEP:
             return None
@@ -68,7 +105,8 @@ class KeptCuts:
         for b, c in tails:
             cu.append(cu[-1] + c - b)
         return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device) if tails else None,
-                        upload(tailed, torch.long, device) if tails else None, upload(list(cuts), torch.long, device))
+                        upload(tailed, torch.long, device) if tails else None,
+                        upload(list(cuts), torch.long, device))
 
 
 class GDNLayer(nn.Module):
@@ -522,13 +560,15 @@ class Qwen35Model(nn.Module):
         return self._proj(o.flatten(-2), m.out_proj, be)
 
     def _gdn_prefill(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut=(),
-                     kept: KeptCuts | None = None):
+                     form: "PackedCuts | KeptCuts | None" = None):
         # a cache that already holds tokens continues from its states (None in a fresh cache). With
         # cut = [(c, state), ...] the recurrence runs in parts split at each c and the states at each cut go
-        # to its state: the projections and norms still run once over all T tokens. With `kept`, the walk
-        # keeps them (KeptCuts).
-        if kept is not None:
-            return self._gdn_prefill_kept(m, x, cache, i, be, cut, kept)
+        # to its state: the projections and norms still run once over all T tokens. With a form (cut_form),
+        # the kernels' calls of that form give them.
+        if isinstance(form, PackedCuts):
+            return self._gdn_prefill_packed(m, x, cache, i, be, cut, form)
+        if isinstance(form, KeptCuts):
+            return self._gdn_prefill_kept(m, x, cache, i, be, cut, form)
         mixed, z, b, a = self._split_gdn(m, x, be)
         T = x.shape[1]
         bounds = (0, *(c for c, _ in cut), T)
@@ -544,6 +584,30 @@ class Qwen35Model(nn.Module):
             outs.append(o)
         return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
 
+    def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
+        c = self.config
+        hv = c.linear_num_value_heads
+        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
+        T = mixed.shape[1]
+        conv0 = cache.conv[i]
+        y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
+        # the conv state at each cut, as the conv kernel leaves it after that many tokens
+        convs = kernels.causal_conv1d_states(mixed, conv0, pc.ends, m.conv_w.shape[1], backend=be)[:, None]
+
+        def rows(t):  # the T tokens, then the first c of them for each cut, packed
+            return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
+        q, k, v = self._qkv_heads(rows(y))
+        b, a = rows(ba).split([hv, hv], dim=-1)
+        h0 = cache.ssm[i]
+        if h0 is not None:
+            h0 = h0.expand(1 + len(cut), *h0.shape[1:])
+        o, ht = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=h0,
+                                          cu_seqlens=pc.cu_seqlens, backend=be)
+        cache.ssm[i] = ht[:1].clone()  # its own: a view would keep every cut's state alive with the prompt's
+        for n, (_, state) in enumerate(cut):
+            state.conv[i], state.ssm[i] = convs[n], ht[n + 1:n + 2]
+        return self._gdn_out(m, o[:, :T], z, be)
+
     def _gdn_prefill_kept(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, kc: KeptCuts):
         c = self.config
         hv = c.linear_num_value_heads
@@ -554,8 +618,8 @@ class Qwen35Model(nn.Module):
         convs = kernels.causal_conv1d_states(mixed, conv0, kc.ends, m.conv_w.shape[1], backend=be)[:, None]
         q, k, v = self._qkv_heads(y)
         b, a = ba.split([hv, hv], dim=-1)
-        o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias, initial_state=cache.ssm[i],
-                                                        keep=list(kc.bounds), backend=be)
+        o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias,
+                                                        initial_state=cache.ssm[i], keep=list(kc.bounds), backend=be)
         if kc.tails:  # each cut's rest of its chunk, from the state at its boundary, into that cut's place
 
             def rows(t):
@@ -677,7 +741,7 @@ class Qwen35Model(nn.Module):
         cos, sin = self.rope(positions)
         be = self.select_backend()  # once per forward pass; every operator below takes it
         eps, blocks = c.rms_norm_eps, self.blocks
-        kept = KeptCuts.plan([k for k, _ in cut], be, h.device) if cut and not decode and pad is None else None
+        form = cut_form([k for k, _ in cut], T, be, h.device) if cut and not decode and pad is None else None
         padded = PaddedCut.of(pad[0], T, h.device) if pad is not None else None
         if decode and self._gemv and h.numel() == h.shape[-1]:
             return self._decode_gemv(h, cache, kv, cos, sin, be)
@@ -687,7 +751,7 @@ class Qwen35Model(nn.Module):
             if blk.kind == LINEAR:
                 x = (self._gdn_decode(blk.mixer, x, cache, i, be) if decode
                      else self._gdn_prefill_padded(blk.mixer, x, cache, i, be, padded, pad[1]) if pad is not None
-                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, kept))
+                     else self._gdn_prefill(blk.mixer, x, cache, i, be, cut, form))
                 x = x[:, -1:] if last else x
             elif last:
                 x = self._attention_last(blk.mixer, x, cache, i, cos, sin, be, kv_last)

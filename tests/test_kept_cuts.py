@@ -1,8 +1,9 @@
-"""The GDN states at a prefill's cuts from the prompt's own walk (runtime/model.py KeptCuts: the walk keeps the
-state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there) against the
-recurrence run part by part: the conv states bit for bit, outputs and recurrent states within fp32 rounding;
-and whole prefills that keep states, and prompts that reuse them, as with the parts. The kept form runs on the
-CUDA kernels; here it is forced onto the CPU's references (the GPU tests run it on the kernels)."""
+"""The GDN states at a prefill's cuts in the kernels' two forms (runtime/model.py cut_form): kept (the prompt's own
+walk keeps the state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there)
+and packed (one call walks the prompt and each prefix again), against the recurrence run part by part: the conv
+states bit for bit, outputs and recurrent states within fp32 rounding; and whole prefills that keep states, and
+prompts that reuse them, as with the parts. The forms run on the CUDA kernels; here they are forced onto the CPU's
+references (the GPU tests run them on the kernels)."""
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from qwen35_fast.runtime import model as model_mod
 from qwen35_fast.runtime import prefill, prefill_multimodal
 from qwen35_fast.runtime.config import LINEAR
 from qwen35_fast.runtime.media import preprocess_images
-from qwen35_fast.runtime.model import GDNState, KeptCuts
+from qwen35_fast.runtime.model import PACKED_CUT_TOKENS, GDNState, KeptCuts, PackedCuts, cut_form
 
 from _models import rel
 
@@ -48,33 +49,53 @@ def _cache(model, warm: bool, seed: int):
     return cache
 
 
-def _spy(monkeypatch) -> list:
-    """Counts the kept form's runs (else a test would compare the parts with themselves)."""
-    calls, real = [], model_mod.Qwen35Model._gdn_prefill_kept
-    monkeypatch.setattr(model_mod.Qwen35Model, "_gdn_prefill_kept", lambda self, *a: calls.append(1) or real(self, *a))
+FORMS = {"kept": lambda cuts, T: KeptCuts.plan(cuts, CUDA, "cpu"),
+         "packed": lambda cuts, T: PackedCuts.build(cuts, T, "cpu")}
+
+
+def _spy(monkeypatch, form: str) -> list:
+    """Counts the form's runs (else a test would compare the parts with themselves)."""
+    name = f"_gdn_prefill_{form}"
+    calls, real = [], getattr(model_mod.Qwen35Model, name)
+    monkeypatch.setattr(model_mod.Qwen35Model, name, lambda self, *a: calls.append(1) or real(self, *a))
     return calls
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("cuts", [(1,), (2, 3), (5, 64, 65, 100), (63,), (129,), (64, 128), (1, 2, 3, 4, 5, 6, 7, 129)])
 @pytest.mark.parametrize("warm", [False, True])
-def test_the_kept_walk_gives_the_states_of_the_parts(model, cuts, warm, monkeypatch):
+def test_each_form_gives_the_states_of_the_parts(model, form, cuts, warm, monkeypatch):
     i, m = _gdn_layer(model)
-    calls = _spy(monkeypatch)
+    calls = _spy(monkeypatch, form)
     T, n = 130, len(model.blocks)
     x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(len(cuts) + 7 * warm))
-    parts, kept = _cache(model, warm, 3), _cache(model, warm, 3)
+    parts, formed = _cache(model, warm, 3), _cache(model, warm, 3)
     cut_parts = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
-    cut_kept = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
+    cut_formed = [(c, GDNState([None] * n, [None] * n, c)) for c in cuts]
     with torch.inference_mode():
         want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
         assert not calls  # the parts, one by one
-        got = model._gdn_prefill(m, x, kept, i, TORCH, cut_kept, KeptCuts.plan(cuts, CUDA, "cpu"))
-    assert calls == [1], "the kept form did not run"
+        got = model._gdn_prefill(m, x, formed, i, TORCH, cut_formed, FORMS[form](cuts, T))
+    assert calls == [1], f"the {form} form did not run"
     assert got.shape == want.shape and rel(got, want) < 1e-5
-    assert torch.equal(kept.conv[i], parts.conv[i]) and rel(kept.ssm[i], parts.ssm[i]) < 1e-5
-    for (c, a), (_, b) in zip(cut_kept, cut_parts):
+    assert torch.equal(formed.conv[i], parts.conv[i]) and rel(formed.ssm[i], parts.ssm[i]) < 1e-5
+    for (c, a), (_, b) in zip(cut_formed, cut_parts):
         assert a.conv[i].shape == b.conv[i].shape and torch.equal(a.conv[i], b.conv[i]), f"conv state at {c}"
         assert a.ssm[i].shape == b.ssm[i].shape and rel(a.ssm[i], b.ssm[i]) < 1e-5, f"recurrent state at {c}"
+
+
+def test_the_form_is_packed_on_hopper_cards_within_the_budget_else_kept(monkeypatch):
+    assert cut_form((10, 50), 100, TORCH, "cpu") is None  # the PyTorch path: the parts
+    assert cut_form((), 100, CUDA, "cpu") is None
+    assert isinstance(cut_form((10, 50), 100, CUDA, "cpu"), KeptCuts)  # not a Hopper card: kept
+    monkeypatch.setattr(kernels, "hopper_card", lambda device: True)
+    # the prompt and the prefixes walked again: at most PACKED_CUT_TOKENS in all
+    assert isinstance(cut_form((10, 50), PACKED_CUT_TOKENS - 60, CUDA, "cpu"), PackedCuts)
+    assert isinstance(cut_form((10, 50), PACKED_CUT_TOKENS - 59, CUDA, "cpu"), KeptCuts)
+    assert cut_form(tuple(range(1, 10)), 6000, CUDA, "cpu") is None  # more cuts than the walk keeps: the parts
+    p = cut_form((10, 50), 100, CUDA, "cpu")
+    assert p.cuts == (10, 50) and p.cu_seqlens.tolist() == [0, 100, 110, 160]
+    assert p.ends.tolist() == [10, 50]  # where the conv states are gathered
 
 
 def test_the_kept_form_is_planned_on_the_kernels():
@@ -90,9 +111,10 @@ def test_the_kept_form_is_planned_on_the_kernels():
     assert p.tails == () and p.cu_tails is None and p.tailed is None  # on chunk boundaries: the walk's states alone
 
 
-def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monkeypatch):
-    """A system prompt, an image and two questions: the first prompt keeps its states through the kept walk,
-    the second reuses them; the logits and the kept states as when the parts run one by one."""
+@pytest.mark.parametrize("form", list(FORMS))
+def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, form, monkeypatch):
+    """A system prompt, an image and two questions: the first prompt keeps its states through the form, the second
+    reuses them; the logits and the kept states as when the parts run one by one."""
     image = preprocess_images(_image(64, 96, 7), SMALL)
 
     def run():
@@ -103,40 +125,43 @@ def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, monke
         return first, second, text
 
     parts = run()
-    real = KeptCuts.plan
-    monkeypatch.setattr(model_mod.KeptCuts, "plan", staticmethod(lambda cuts, be, device: real(cuts, CUDA, device)))
-    calls = _spy(monkeypatch)
-    kept = run()
-    assert calls, "the kept form did not run"
-    for a, b in zip(kept, parts):
+    monkeypatch.setattr(model_mod, "cut_form", lambda cuts, T, be, device: FORMS[form](cuts, T) if cuts else None)
+    calls = _spy(monkeypatch, form)
+    formed = run()
+    assert calls, f"the {form} form did not run"
+    for a, b in zip(formed, parts):
         assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
         assert rel(a.logits, b.logits) <= 1e-5
-        # the prefill (cached by ComfyUI) holds its own states, not views of the walk's kept ones (each cut's
-        # states are views of one tensor a layer, all of them the cuts')
+        # the prefill (cached by ComfyUI) holds its own states, not views of the form's states of every cut
         ssm = [t for t in a.cache.ssm if t is not None]
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ssm}
         assert sum(held.values()) == sum(t.nbytes for t in ssm)
-    assert kept[1].cached_tokens > 0  # the second question reused the first one's image
+    assert formed[1].cached_tokens > 0  # the second question reused the first one's image
 
 
 @pytest.mark.gpu
-def test_on_the_kernels_the_kept_walk_matches_the_parts(tmp_path_factory, monkeypatch):
-    """The CUDA path (bf16, the walk keeping states, the tails' packed call): the logits and every kept state as
-    the parts give them (the first GDN layer's conv states bit for bit, as its input is the same; the rest within
-    bf16 rounding, since the layers before differ by it; the same greedy token)."""
+@pytest.mark.parametrize("form", ["kept", "packed"])
+def test_on_the_kernels_each_form_matches_the_parts(tmp_path_factory, monkeypatch, form):
+    """The CUDA path (bf16; kept: the walk keeping states and the tails' packed call; packed: the prompt and each
+    prefix in one call): the logits and every kept state as the parts give them (the first GDN layer's conv states
+    bit for bit, as its input is the same; the rest within bf16 rounding, since the layers before differ by it;
+    the same greedy token)."""
     from _models import kernels_model
-    model = kernels_model(tmp_path_factory.mktemp("kept_gpu"), seed=9)
+    model = kernels_model(tmp_path_factory.mktemp(f"{form}_gpu"), seed=9)
+    make = {"kept": lambda cuts, T, device: KeptCuts.plan(cuts, CUDA, device),
+            "packed": lambda cuts, T, device: PackedCuts.build(cuts, T, device)}[form]
     g = torch.Generator().manual_seed(4)
     for T, cuts in ((300, [37, 200, 296]), (80, [1, 2, 79]), (1000, [64, 900]), (2000, [128, 1024, 1920]),
                     (5000, [200, 4935, 4995])):
         ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g).cuda()
         with monkeypatch.context() as m:
-            m.setattr(model_mod.KeptCuts, "plan", staticmethod(lambda cuts, be, device: None))  # the parts
+            m.setattr(model_mod, "cut_form", lambda cuts, T, be, device: None)  # the parts
             want, want_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
         with monkeypatch.context() as m:
-            calls = _spy(m)
+            m.setattr(model_mod, "cut_form", lambda cuts, T, be, device: make(cuts, T, device))
+            calls = _spy(m, form)
             got, got_kept = model.forward_prefill_kept(ids, model.new_cache(1, T), cuts)
-        assert calls, "the kept form did not run"
+        assert calls, f"the {form} form did not run"
         assert torch.isfinite(got).all() and rel(got, want) <= 2e-2 and got.argmax() == want.argmax()
         assert len(got_kept) == len(want_kept) == len(cuts)
         first = next(i for i, x in enumerate(want_kept[0].conv) if x is not None)
