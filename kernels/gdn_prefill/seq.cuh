@@ -52,7 +52,7 @@ __device__ __forceinline__ SeqSpan slot_sequence(const int* cu_seqlens, int slot
 }
 
 // The states a call of one sequence keeps besides its final one: the state entering chunk c[e] (after its first
-// 64 c[e] tokens) goes to hkeep[e] ([MAX_KEEP][Hv][128][128] fp32); -1 keeps none. They come as MAX_KEEP int32
+// 64 c[e] tokens) goes to hkeep[e] ([kept][Hv][128][128] fp32); -1 keeps none. They come as MAX_KEEP int32
 // kernel parameters (KEEP_PARAMS; the launcher passes one value each), gathered in the kernel (KEEP_AT). Each
 // walk block stores the chunks it writes o for, so every (state, column) is stored once, by the block whose walk
 // is exact there.
