@@ -89,6 +89,7 @@ class KeptCuts:
     tails: tuple  # (boundary, cut) of the cuts off a boundary, in order
     cu_tails: torch.Tensor | None  # int32 [len(tails) + 1] on the device
     tailed: torch.Tensor | None  # long [len(tails)] on the device: the cuts (their indices) the tails end at
+    tail_rows: torch.Tensor | None  # long [sum of the tails' lengths] on the device: the prompt rows they walk
     ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
 
     @staticmethod
@@ -104,9 +105,11 @@ class KeptCuts:
         cu = [0]
         for b, c in tails:
             cu.append(cu[-1] + c - b)
-        return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device) if tails else None,
-                        upload(tailed, torch.long, device) if tails else None,
-                        upload(list(cuts), torch.long, device))
+        if not tails:
+            return KeptCuts(cuts, bounds, tails, None, None, None, upload(list(cuts), torch.long, device))
+        rows = [r for b, c in tails for r in range(b, c)]
+        return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device), upload(tailed, torch.long, device),
+                        upload(rows, torch.long, device), upload(list(cuts), torch.long, device))
 
 
 class GDNLayer(nn.Module):
@@ -584,15 +587,21 @@ class Qwen35Model(nn.Module):
             outs.append(o)
         return self._gdn_out(m, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z, be)
 
-    def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
+    def _gdn_conv_cut(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, ends):
+        """A cut prefill's GDN layer up to its recurrence: the in_proj product split into the conv's input, z and
+        (b, a), the conv's output y (the cache's conv state advanced past the T tokens) and the conv state at each
+        of `ends` [n, 1, C, W - 1], as the conv kernel leaves it after that many tokens."""
         c = self.config
-        hv = c.linear_num_value_heads
-        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        T = mixed.shape[1]
+        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * c.linear_num_value_heads], dim=-1)
         conv0 = cache.conv[i]
         y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
-        # the conv state at each cut, as the conv kernel leaves it after that many tokens
-        convs = kernels.causal_conv1d_states(mixed, conv0, pc.ends, m.conv_w.shape[1], backend=be)[:, None]
+        convs = kernels.causal_conv1d_states(mixed, conv0, ends, m.conv_w.shape[1], backend=be)[:, None]
+        return y, z, ba, convs
+
+    def _gdn_prefill_packed(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, pc: PackedCuts):
+        hv = self.config.linear_num_value_heads
+        y, z, ba, convs = self._gdn_conv_cut(m, x, cache, i, be, pc.ends)
+        T = y.shape[1]
 
         def rows(t):  # the T tokens, then the first c of them for each cut, packed
             return torch.cat([t, *(t[:, :c] for c in pc.cuts)], dim=1)
@@ -609,23 +618,15 @@ class Qwen35Model(nn.Module):
         return self._gdn_out(m, o[:, :T], z, be)
 
     def _gdn_prefill_kept(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, cut, kc: KeptCuts):
-        c = self.config
-        hv = c.linear_num_value_heads
-        mixed, z, ba = linear(x, m.in_proj, be).split([c.conv_dim, c.value_dim, 2 * hv], dim=-1)
-        conv0 = cache.conv[i]
-        y, cache.conv[i] = kernels.causal_conv1d_prefill(mixed, m.conv_w, initial_state=conv0, backend=be)
-        # the conv state at each cut, as the conv kernel leaves it after that many tokens
-        convs = kernels.causal_conv1d_states(mixed, conv0, kc.ends, m.conv_w.shape[1], backend=be)[:, None]
+        hv = self.config.linear_num_value_heads
+        y, z, ba, convs = self._gdn_conv_cut(m, x, cache, i, be, kc.ends)
         q, k, v = self._qkv_heads(y)
         b, a = ba.split([hv, hv], dim=-1)
         o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias,
                                                         initial_state=cache.ssm[i], keep=list(kc.bounds), backend=be)
         if kc.tails:  # each cut's rest of its chunk, from the state at its boundary, into that cut's place
-
-            def rows(t):
-                return torch.cat([t[:, b0:c0] for b0, c0 in kc.tails], dim=1)
-            qt, kt, vt = self._qkv_heads(rows(y))
-            bt, at = rows(ba).split([hv, hv], dim=-1)
+            qt, kt, vt = self._qkv_heads(y.index_select(1, kc.tail_rows))
+            bt, at = ba.index_select(1, kc.tail_rows).split([hv, hv], dim=-1)
             _, ht = kernels.gdn_chunk_prefill(qt, kt, vt, at, bt, m.A_log, m.dt_bias,
                                               initial_state=hk.index_select(0, kc.tailed), cu_seqlens=kc.cu_tails,
                                               backend=be)

@@ -106,9 +106,10 @@ def test_the_kept_form_is_planned_on_the_kernels():
     assert p.cuts == (10, 64, 200, 250) and p.bounds == (0, 64, 192, 192)
     assert p.tails == ((0, 10), (192, 200), (192, 250)) and p.cu_tails.tolist() == [0, 10, 18, 76]
     assert p.tailed.tolist() == [0, 2, 3]
+    assert p.tail_rows.tolist() == [*range(0, 10), *range(192, 200), *range(192, 250)]
     assert p.ends.tolist() == [10, 64, 200, 250]  # where the conv states are gathered
     p = KeptCuts.plan((64, 128), CUDA, "cpu")
-    assert p.tails == () and p.cu_tails is None and p.tailed is None  # on chunk boundaries: the walk's states alone
+    assert p.tails == () and p.cu_tails is None and p.tailed is None and p.tail_rows is None  # the walk's alone
 
 
 @pytest.mark.parametrize("form", list(FORMS))
