@@ -3,7 +3,7 @@ prompts): wall time, host-device synchronisations, the host functions that cost 
 GPU time in kernels for the first question (read cold) and the second (system prompt and image reused).
 Development only.
 
-    python3 bench/ttft_profile.py [--layers 32] [--rows 18]
+    python3 bench/ttft_profile.py [--layers 32] [--rows 18] [--kernels 8] [--form runtime|packed|kept|parts]
 """
 import argparse
 import cProfile
@@ -33,7 +33,14 @@ def main():
     ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     ap.add_argument("--order", type=int, default=0,
                     help="also print the reused prompt's first ORDER kernels in launch order (one layer of each kind)")
+    ap.add_argument("--form", choices=("runtime", "packed", "kept", "parts"), default="runtime",
+                    help="how the cold prompt gets its GDN states at the cuts (runtime/model.py cut_form)")
     a = ap.parse_args()
+    if a.form != "runtime":
+        forced = {"packed": lambda cuts, T, be, device: model_mod.PackedCuts.build(cuts, T, device),
+                  "kept": lambda cuts, T, be, device: model_mod.KeptCuts.plan(cuts, be, device),
+                  "parts": lambda cuts, T, be, device: None}[a.form]
+        model_mod.cut_form = forced
     model, system, questions, image = build(a.layers, smoke=not torch.cuda.is_available())
 
     def first():
