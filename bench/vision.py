@@ -3,7 +3,9 @@ transformers' default attention), and the time to first token for a 9B-shaped mo
 question about one 1024x1024 image. Writes bench/results/vision-h200.json (or --out):
 
   {"impl": "ours" | "ours-torch" | "transformers", "tower": "27x1152", "images": ..., "ms", "floor_ms", ...}
-  {"impl": "ours-e2e" | "transformers-e2e" | "transformers-e2e-generate", "ttft_ms": ...}
+  {"impl": "ours-e2e" | "transformers-e2e" | "transformers-e2e-generate", "ttft_ms": ...}: use_cache off (no
+    states kept); ours-e2e's A/B keys: ttft_ms_full_last_layer (the last layer for every token), ttft_ms_cuts_<form>
+    (the runtime's default: read cold with the states kept at the cuts; runtime / parts / kept / packed forms)
   {"impl": "ours-bucket", "ms", "ms_eager", ...}: images of two sizes of one graph bucket in turn (bucket_row)
   {"impl": "ours-e2e-bucket", "ttft_ms", "ttft_ms_tower_eager", ...}: the first token about them (bucket_e2e)
 
@@ -295,9 +297,14 @@ def e2e(args, tower: VisionTower, rate: float):
         pf = prefill_multimodal(model, question, images=image, use_cache=False)
         return int(pf.logits.argmax())
 
-    def variant(form=None, full_last=False):
-        """ttft with the cut states in another form than cut_form's (A/B; bench/gdn_cuts_ab.py's forms) or the last
-        layer run for every token (the runtime runs it for the last one)."""
+    def cold_kept():  # use_cache on, nothing cached: the prompt is read cold and its states kept at the cuts
+        model.kv.pool.clear()
+        pf = prefill_multimodal(model, question, images=image)
+        return int(pf.logits.argmax())
+
+    def variant(run_one=ttft, form=None, full_last=False):
+        """run_one with the cut states in another form than cut_form's (A/B; bench/gdn_cuts_ab.py's forms) or the
+        last layer run for every token (the runtime runs it for the last one)."""
         real_form, real_layers = model_mod.cut_form, Qwen35Model._layers
 
         def run():
@@ -306,15 +313,19 @@ def e2e(args, tower: VisionTower, rate: float):
             if full_last:
                 Qwen35Model._layers = lambda self, h, *a, kv_last=None, **kw: real_layers(self, h, *a, **kw)[:, -1:]
             try:
-                return ttft()
+                return run_one()
             finally:
                 model_mod.cut_form, Qwen35Model._layers = real_form, real_layers
         return run
 
-    forms = timed_in_turn({"runtime": ttft, "parts": variant(form=lambda cuts, T, be, device: None),
-                           "kept": variant(form=lambda cuts, T, be, device: KeptCuts.plan(cuts, be, device)),
-                           "packed": variant(form=lambda cuts, T, be, device: PackedCuts.build(cuts, T, device)),
-                           "full_last_layer": variant(full_last=True)}, args.reps)
+    # ttft reads the prompt without keeping states (use_cache off: no cuts); the cuts_* rows read it cold with
+    # the runtime's default, the states kept at the cuts (end of the image, of the user turn) in each form
+    forms = timed_in_turn({"runtime": ttft, "full_last_layer": variant(full_last=True), "cuts_runtime": cold_kept,
+                           "cuts_parts": variant(cold_kept, form=lambda cuts, T, be, device: None),
+                           "cuts_kept": variant(cold_kept, form=lambda cuts, T, be, device: KeptCuts.plan(cuts, be,
+                                                                                                          device)),
+                           "cuts_packed": variant(cold_kept, form=lambda cuts, T, be, device: PackedCuts.build(
+                               cuts, T, device))}, args.reps)
     ms = forms["runtime"]
     pf = prefill_multimodal(model, question, images=image, use_cache=False)
     flop = tower.flops(pf.vision.grids) + model.flops(pf.n_tokens)  # the image's tower, the whole prompt's LM
