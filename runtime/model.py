@@ -8,7 +8,7 @@ PyTorch references according to the backend picked at load.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,16 +30,17 @@ from .quant import Int8Weight, embedding, linear, matrix
 # recurrence run in parts (a conv and a GDN call per part in each of the 24 GDN layers):
 # - kept (KeptCuts): the prompt's own walk stores the state at each cut's chunk boundary (the cut rounded down to
 #   64 tokens) as it passes it (kernels.gdn_chunk_prefill keep), and one more call walks the rest of each cut's
-#   chunk from there, every cut's in one packed call: two GDN calls a layer, no token walked twice but the tails.
+#   chunk from there for TAIL_LAYERS layers at once (the layers as heads): no token walked twice but the tails.
 # - packed (PackedCuts): one GDN call walks the prompt and each prefix before a cut again, as packed sequences from
 #   the same initial state: one call a layer, for the GDN work and a copy of the rows of the prefixes again.
 # Where the GPU outruns the host (Hopper cards) a short prompt waits for the host's calls, and the packed form's
-# single call wins; past PACKED_CUT_TOKENS (the prompt and the prefixes together) its recompute costs more than
-# the kept form's second call. H100, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), kept /
-# parts / packed wall ms: T = 600 26.1 / 35.2 / 23.1, 1,300 40.8 / 56.5 / 36.5; 2,600 63.6 / 64.7 / 67.6, 4,096
-# 99.0 / 98.2 / 104.6, 8,192 192.5 / 195.4 / 209.9 (bench/results/gdn-cuts-kept-ab-h100.json; the H200's parts /
-# packed, bench/results/gdn-cuts-packed-ab-h200.json, put the bound at the same place). Other cards are GPU-bound
-# (the host's calls hide under their GEMMs): there the kept form walks each token once in two calls a layer.
+# single call won against the kept form when that took a second call in every layer; past PACKED_CUT_TOKENS (the
+# prompt and the prefixes together) its recompute costs more than the kept form's calls. H100, a 9B-shaped model,
+# cold prefill with cuts at (200, T - 65, T - 5), kept (a tails call a layer) / parts / packed wall ms: T = 600
+# 26.1 / 35.2 / 23.1, 1,300 40.8 / 56.5 / 36.5; 2,600 63.6 / 64.7 / 67.6, 4,096 99.0 / 98.2 / 104.6, 8,192
+# 192.5 / 195.4 / 209.9 (bench/results/gdn-cuts-kept-ab-h100.json; the H200's parts / packed,
+# bench/results/gdn-cuts-packed-ab-h200.json, put the bound at the same place). Other cards are GPU-bound (the
+# host's calls hide under their GEMMs): there the kept form walks each token once.
 PACKED_CUT_TOKENS = 5120
 
 # A prompt longer than PREFILL_PIECE tokens is read in pieces of that many, each attending to the K/V the
@@ -80,10 +81,12 @@ def cut_form(cuts, T: int, be: kernels.Backend, device) -> "PackedCuts | KeptCut
     return KeptCuts.plan(cuts, be, device)
 
 
-@dataclass(frozen=True)
+@dataclass
 class KeptCuts:
     """A prefill's cuts as the GDN kernels take them (the comment above): the chunk boundaries the walk keeps the
-    states at, and the tails after them as packed sequences of one more call, from those states."""
+    states at, and the tails after them as packed sequences of one more call, from those states. One per prefill:
+    each GDN layer leaves its tails' rows and its boundary states here (gather), and one call walks the tails of
+    TAIL_LAYERS layers at a time (walk_tails), the layers side by side as heads."""
     cuts: tuple
     bounds: tuple  # each cut rounded down to a chunk boundary: the walk's keep
     tails: tuple  # (boundary, cut) of the cuts off a boundary, in order
@@ -91,6 +94,7 @@ class KeptCuts:
     tailed: torch.Tensor | None  # long [len(tails)] on the device: the cuts (their indices) the tails end at
     tail_rows: torch.Tensor | None  # long [sum of the tails' lengths] on the device: the prompt rows they walk
     ends: torch.Tensor  # long [len(cuts)], on the device: the points whose conv states are kept
+    gathered: list = field(default_factory=list)  # (layer, conv rows, (b, a) rows, boundary states) of each layer
 
     @staticmethod
     def plan(cuts, be: kernels.Backend, device) -> "KeptCuts | None":
@@ -110,6 +114,43 @@ class KeptCuts:
         rows = [r for b, c in tails for r in range(b, c)]
         return KeptCuts(cuts, bounds, tails, upload(cu, torch.int32, device), upload(tailed, torch.long, device),
                         upload(rows, torch.long, device), upload(list(cuts), torch.long, device))
+
+    def gather(self, i: int, y, ba, hk, model: "Qwen35Model", be: kernels.Backend) -> None:
+        """GDN layer i's part of the tails: its conv output's and (b, a)'s rows of them ([1, T, ...]) and the
+        states its walk kept at the boundaries hk [cuts, Hv, 128, 128], into which the tails' states go. Every
+        TAIL_LAYERS layers (and after the last, walk_tails) one call walks the tails of the layers gathered."""
+        self.gathered.append((i, y[0].index_select(0, self.tail_rows), ba[0].index_select(0, self.tail_rows), hk))
+        if len(self.gathered) == TAIL_LAYERS:
+            self.walk_tails(model, be)
+
+    def walk_tails(self, model: "Qwen35Model", be: kernels.Backend) -> None:
+        """The gathered layers' tails in one GDN call from their boundary states, each tail's end state into its
+        cut's place in its layer's hk. The layers stand side by side as heads: value head h of the l-th layer is
+        head l Hv + h, its q / k head l Hk + h // (Hv / Hk), the kernels' map of value heads to q / k heads."""
+        if not self.gathered:
+            return
+        c = model.config
+        hv, d = c.linear_num_value_heads, c.linear_key_head_dim
+        layers, ys, bas, kept = zip(*self.gathered)
+        self.gathered.clear()
+        rows, n = self.tail_rows.shape[0], len(layers)
+        y = torch.stack(ys, dim=1)  # [rows, layers, conv_dim]
+        q, k, v = (t.reshape(1, rows, -1, d) for t in y.split([c.key_dim, c.key_dim, c.value_dim], dim=-1))
+        b, a = (t.reshape(1, rows, n * hv) for t in torch.stack(bas, dim=1).split([hv, hv], dim=-1))
+        h0 = torch.stack(kept, dim=1).index_select(0, self.tailed).view(-1, n * hv, d, d)
+        mixers = [model.blocks[i].mixer for i in layers]
+        A_log, dt_bias = torch.cat([m.A_log for m in mixers]), torch.cat([m.dt_bias for m in mixers])
+        _, ht = kernels.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, initial_state=h0,
+                                          cu_seqlens=self.cu_tails, backend=be)
+        ht = ht.view(-1, n, hv, d, d)
+        for l, hk in enumerate(kept):
+            hk.index_copy_(0, self.tailed, ht[:, l])
+
+
+# The kept form walks its cuts' tails (KeptCuts.walk_tails) in one call per this many GDN layers: fewer calls
+# (each ~0.15 ms of host) against the tails' inputs and boundary states held meanwhile (2 x tails x 2 MiB a
+# layer on the 9B: 96 MiB for three tails of eight layers).
+TAIL_LAYERS = 8
 
 
 class GDNLayer(nn.Module):
@@ -624,15 +665,10 @@ class Qwen35Model(nn.Module):
         b, a = ba.split([hv, hv], dim=-1)
         o, cache.ssm[i], hk = kernels.gdn_chunk_prefill(q, k, v, a, b, m.A_log, m.dt_bias,
                                                         initial_state=cache.ssm[i], keep=list(kc.bounds), backend=be)
-        if kc.tails:  # each cut's rest of its chunk, from the state at its boundary, into that cut's place
-            qt, kt, vt = self._qkv_heads(y.index_select(1, kc.tail_rows))
-            bt, at = ba.index_select(1, kc.tail_rows).split([hv, hv], dim=-1)
-            _, ht = kernels.gdn_chunk_prefill(qt, kt, vt, at, bt, m.A_log, m.dt_bias,
-                                              initial_state=hk.index_select(0, kc.tailed), cu_seqlens=kc.cu_tails,
-                                              backend=be)
-            hk.index_copy_(0, kc.tailed, ht)
         for n, (_, state) in enumerate(cut):
             state.conv[i], state.ssm[i] = convs[n], hk[n:n + 1]
+        if kc.tails:  # the cuts off a boundary: their states go into hk when the tails are walked
+            kc.gather(i, y, ba, hk, self, be)
         return self._gdn_out(m, o, z, be)
 
     def _gdn_prefill_padded(self, m: GDNLayer, x, cache: Cache, i: int, be: kernels.Backend, pc: PaddedCut,
@@ -766,6 +802,8 @@ class Qwen35Model(nn.Module):
                 h, x = kernels.add_rms_norm(h, x, blocks[i + 1].input_norm, eps, backend=be)
             else:
                 h = h + x
+        if isinstance(form, KeptCuts):
+            form.walk_tails(self, be)  # the tails of the layers since the last TAIL_LAYERS
         return h
 
     def _decode_gemv(self, h, cache: Cache, kv: KVStep, cos, sin, be: kernels.Backend):

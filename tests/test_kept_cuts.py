@@ -1,6 +1,7 @@
 """The GDN states at a prefill's cuts in the kernels' two forms (runtime/model.py cut_form): kept (the prompt's own
-walk keeps the state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there)
-and packed (one call walks the prompt and each prefix again), against the recurrence run part by part: the conv
+walk keeps the state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there
+for several layers at once) and packed (one call walks the prompt and each prefix again), against the recurrence
+run part by part: the conv
 states bit for bit, outputs and recurrent states within fp32 rounding; and whole prefills that keep states, and
 prompts that reuse them, as with the parts. The forms run on the CUDA kernels; here they are forced onto the CPU's
 references (the GPU tests run them on the kernels)."""
@@ -75,7 +76,10 @@ def test_each_form_gives_the_states_of_the_parts(model, form, cuts, warm, monkey
     with torch.inference_mode():
         want = model._gdn_prefill(m, x, parts, i, TORCH, cut_parts)
         assert not calls  # the parts, one by one
-        got = model._gdn_prefill(m, x, formed, i, TORCH, cut_formed, FORMS[form](cuts, T))
+        f = FORMS[form](cuts, T)
+        got = model._gdn_prefill(m, x, formed, i, TORCH, cut_formed, f)
+        if isinstance(f, KeptCuts):
+            f.walk_tails(model, TORCH)  # as _layers does after the last layer
     assert calls == [1], f"the {form} form did not run"
     assert got.shape == want.shape and rel(got, want) < 1e-5
     assert torch.equal(formed.conv[i], parts.conv[i]) and rel(formed.ssm[i], parts.ssm[i]) < 1e-5
@@ -112,10 +116,12 @@ def test_the_kept_form_is_planned_on_the_kernels():
     assert p.tails == () and p.cu_tails is None and p.tailed is None and p.tail_rows is None  # the walk's alone
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, form, monkeypatch):
+@pytest.mark.parametrize("form, tail_layers", [("kept", 1), ("kept", 2), ("kept", 8), ("packed", 8)])
+def test_prefills_that_keep_states_and_reuse_them_as_with_the_parts(model, form, tail_layers, monkeypatch):
     """A system prompt, an image and two questions: the first prompt keeps its states through the form, the second
-    reuses them; the logits and the kept states as when the parts run one by one."""
+    reuses them; the logits and the kept states as when the parts run one by one. The kept form's tails of the
+    model's three GDN layers walked a layer a call, two and then one, and all three in one call (layers as heads)."""
+    monkeypatch.setattr(model_mod, "TAIL_LAYERS", tail_layers)
     image = preprocess_images(_image(64, 96, 7), SMALL)
 
     def run():
