@@ -2,8 +2,8 @@
 random weights: `runtime` (what cut_form picks), `kept` (the walk stores the state at each cut's chunk boundary,
 one packed call walks the tails of eight layers at a time), `parts` (the recurrence cut into parts, a conv and a
 GDN call per part: the PyTorch path's form) and `packed` (one GDN call over the prompt and each prefix again, as
-packed sequences), each forced. Wall ms of forward_prefill_kept around a synchronisation, median of --reps, the forms in turn; and the
-logits' and kept states' relative difference from the parts.
+packed sequences), each forced. Wall ms of forward_prefill_kept around a synchronisation, median of --reps, the
+forms in turn; and the logits' and kept states' relative difference from the parts.
 
     python3 bench/gdn_cuts_ab.py [--layers 32] [--reps 7] [--out bench/results/gdn-cuts-kept-ab-h200.json]
 """
