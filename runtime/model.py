@@ -148,8 +148,8 @@ class KeptCuts:
 
 
 # The kept form walks its cuts' tails (KeptCuts.walk_tails) in one call per this many GDN layers: fewer calls
-# (each ~0.15 ms of host) against the tails' inputs and boundary states held meanwhile (2 x tails x 2 MiB a
-# layer on the 9B: 96 MiB for three tails of eight layers).
+# (each ~0.15 ms of host) against the memory of the call (the states at the cuts gathered, at the tails' starts and
+# at their ends: 144 MiB for three cuts of eight layers on the 9B, whose state is 2 MiB a layer).
 TAIL_LAYERS = 8
 
 
