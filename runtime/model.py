@@ -34,14 +34,15 @@ from .quant import Int8Weight, embedding, linear, matrix
 # - packed (PackedCuts): one GDN call walks the prompt and each prefix before a cut again, as packed sequences from
 #   the same initial state: one call a layer, for the GDN work and a copy of the rows of the prefixes again.
 # Where the GPU outruns the host (Hopper cards) a short prompt waits for the host's calls, and the packed form's
-# single call won against the kept form when that took a second call in every layer; past PACKED_CUT_TOKENS (the
-# prompt and the prefixes together) its recompute costs more than the kept form's calls. H100, a 9B-shaped model,
-# cold prefill with cuts at (200, T - 65, T - 5), kept (a tails call a layer) / parts / packed wall ms: T = 600
-# 26.1 / 35.2 / 23.1, 1,300 40.8 / 56.5 / 36.5; 2,600 63.6 / 64.7 / 67.6, 4,096 99.0 / 98.2 / 104.6, 8,192
-# 192.5 / 195.4 / 209.9 (bench/results/gdn-cuts-kept-ab-h100.json; the H200's parts / packed,
-# bench/results/gdn-cuts-packed-ab-h200.json, put the bound at the same place). Other cards are GPU-bound (the
-# host's calls hide under their GEMMs): there the kept form walks each token once.
-PACKED_CUT_TOKENS = 5120
+# single call a layer wins; past PACKED_CUT_TOKENS (the prompt and the prefixes together) its recompute costs more
+# than the kept form's calls. H100, a 9B-shaped model, cold prefill with cuts at (200, T - 65, T - 5), kept / parts
+# / packed wall ms (bench/results/gdn-cuts-tails8-ab-h100.json): T = 600 (1,930 tokens packed) 26.2 / 37.1 /
+# 23.0; 1,088 (cuts 1,023, 1,083) 28.6 / 29.7 / 30.3; 1,300 33.4 / 35.3 / 35.6; 2,600 63.6 / 65.8 / 68.5; 4,096
+# 99.9 / 103.3 / 106.7; 8,192 196.0 / 195.9 / 210.6. The 1,088-token image prompt read cold with its states kept
+# (bench/results/vision-e2e-cuts-h100.json): kept 41.8, parts 42.6, packed 44.3 ms (the tower's CUDA graph keeps
+# the GPU busy while the host queues the text layers). Other cards are GPU-bound (the host's calls hide under their
+# GEMMs): there the kept form walks each token once.
+PACKED_CUT_TOKENS = 2048
 
 # A prompt longer than PREFILL_PIECE tokens is read in pieces of that many, each attending to the K/V the
 # pieces before it left in the cache and starting from their GDN states: what a layer holds at once is one
