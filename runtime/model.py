@@ -136,7 +136,7 @@ class KeptCuts:
         self.gathered.clear()
         rows, n = self.tail_rows.shape[0], len(layers)
         y = torch.stack(ys, dim=1)  # [rows, layers, conv_dim]
-        q, k, v = (t.reshape(1, rows, -1, d) for t in y.split([c.key_dim, c.key_dim, c.value_dim], dim=-1))
+        q, k, v = (t.reshape(1, rows, -1, d) for t in model._qkv_heads(y))  # [1, rows, layers x heads, d]
         b, a = (t.reshape(1, rows, n * hv) for t in torch.stack(bas, dim=1).split([hv, hv], dim=-1))
         h0 = torch.stack(kept, dim=1).index_select(0, self.tailed).view(-1, n * hv, d, d)
         mixers = [model.blocks[i].mixer for i in layers]

@@ -1,10 +1,9 @@
 """The GDN states at a prefill's cuts in the kernels' two forms (runtime/model.py cut_form): kept (the prompt's own
 walk keeps the state at each cut's chunk boundary, one packed call walks each cut's rest of its chunk from there
 for several layers at once) and packed (one call walks the prompt and each prefix again), against the recurrence
-run part by part: the conv
-states bit for bit, outputs and recurrent states within fp32 rounding; and whole prefills that keep states, and
-prompts that reuse them, as with the parts. The forms run on the CUDA kernels; here they are forced onto the CPU's
-references (the GPU tests run them on the kernels)."""
+run part by part: the conv states bit for bit, outputs and recurrent states within fp32 rounding; and whole
+prefills that keep states, and prompts that reuse them, as with the parts. The forms run on the CUDA kernels;
+here they are forced onto the CPU's references (the GPU tests run them on the kernels)."""
 from types import SimpleNamespace
 
 import pytest
