@@ -690,9 +690,21 @@ class TensorMap:
     def zero() -> "TensorMap":
         return TensorMap()
 
+    def at(self, ptr: int) -> "TensorMap":
+        """This map's copy for the address ptr (its dims, strides, box and promotion): the 128 bytes copied and
+        their address replaced by the driver (cuTensorMapReplaceAddress), without encoding again."""
+        m = TensorMap()
+        ctypes.memmove(m.addr, self.addr, 128)
+        rc = _driver_function("cuTensorMapReplaceAddress", (ctypes.c_void_p, ctypes.c_void_p))(m.addr, ptr)
+        if rc != 0:
+            raise ValueError(f"cuTensorMapReplaceAddress failed (CUresult {rc}) for address {ptr:#x}: it must be "
+                             f"16-byte aligned")
+        return m
+
 
 _maps: dict = {}
-MAPS_KEPT = 256  # entries of each cache of tensor maps keyed by device addresses
+_shapes: dict = {}  # (dims, strides, box, promotion) -> the first map encoded for them, which new addresses copy
+MAPS_KEPT = 256  # entries of each cache of tensor maps keyed by device addresses (and of _shapes)
 
 
 def keep_map(cache: dict, key, value):
@@ -706,12 +718,20 @@ def keep_map(cache: dict, key, value):
 
 
 def tensor_map(x, dims: tuple, strides: tuple, box: tuple, promotion: int = 2) -> TensorMap:
-    """TensorMap(x.data_ptr(), ...), encoded once per address, dims, strides, box and promotion: a CUDA graph's
-    captures and the allocator's reuse of addresses find the map made before (keep_map)."""
-    key = (x.data_ptr(), tuple(dims), tuple(strides), tuple(box), promotion)
+    """TensorMap(x.data_ptr(), ...), made once per address, dims, strides, box and promotion: a CUDA graph's
+    captures and the allocator's reuse of addresses find the map made before (keep_map). A new address of a
+    shape seen before copies that shape's map with the address replaced (TensorMap.at), a driver call of two
+    arguments instead of the encode's twelve."""
+    ptr, shape = x.data_ptr(), (tuple(dims), tuple(strides), tuple(box), promotion)
+    key = (ptr, *shape)
     m = _maps.get(key)
     if m is None:
-        m = keep_map(_maps, key, TensorMap(x.data_ptr(), dims, strides, box, promotion))
+        first = _shapes.get(shape)
+        if first is None:
+            m = keep_map(_shapes, shape, TensorMap(ptr, dims, strides, box, promotion))
+        else:
+            m = first.at(ptr)
+        keep_map(_maps, key, m)
     return m
 
 

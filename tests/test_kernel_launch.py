@@ -1,8 +1,10 @@
 """The kernel parameters cuda_build.launch hands the driver (cuLaunchKernel's kernelParams): each argument's
 bytes in its slot, as CuPy's own conversion (cuda_build._arg) gives them; TensorMaps by address; the buffer
-reused per sequence of argument kinds; bad arguments refused with the value named. CPU only: the launch
-itself runs in the GPU tests (every kernel goes through it)."""
+reused per sequence of argument kinds; bad arguments refused with the value named; TMA tensor maps made once per
+shape and copied for new addresses. CPU only but for the driver's tensor maps: the launch itself runs in the GPU
+tests (every kernel goes through it)."""
 import ctypes
+import struct
 
 import numpy as np
 import pytest
@@ -208,3 +210,64 @@ def test_a_kernels_shared_memory_allowance_is_set_once_and_never_lowered(monkeyp
     for _ in range(3):
         cb.launch(small, (1,), (32,), (np.int32(1),), shared_mem=16 * 1024)
     assert allowed == [] and len(asked) == 1
+
+
+def _fake_map_driver(monkeypatch) -> list:
+    """cuTensorMapEncodeTiled and cuTensorMapReplaceAddress stood in for by Python functions: a map's bytes are its
+    address (8 bytes) and its dims, strides, box and promotion; the calls are recorded."""
+    calls = []
+
+    def encode(addr, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, promotion, fill):
+        calls.append("encode")
+        body = struct.pack(f"<Q{rank}Q{rank - 1}Q{rank}Ii", ptr, *dims[:rank], *strides[:rank - 1], *box[:rank],
+                           promotion)
+        ctypes.memmove(addr, body.ljust(128, b"\0"), 128)
+        return 0
+
+    def replace(addr, ptr):
+        calls.append("replace")
+        ctypes.memmove(addr, struct.pack("<Q", ptr), 8)
+        return 0
+
+    monkeypatch.setattr(cb, "_encode_tiled", encode)
+    monkeypatch.setattr(cb, "_driver_fns", {"cuTensorMapReplaceAddress": replace})
+    monkeypatch.setattr(cb, "_maps", {})
+    monkeypatch.setattr(cb, "_shapes", {})
+    return calls
+
+
+def test_a_new_address_of_a_known_shape_copies_its_map_with_the_address_replaced(monkeypatch):
+    """tensor_map: a shape's first map is encoded; another address of it copies that map and has the driver replace
+    the address (the bytes an encode would give); an address seen before gets its map back; a new box encodes."""
+    calls = _fake_map_driver(monkeypatch)
+    x, y = torch.zeros(64, 64), torch.zeros(64, 64)
+    shape = ((64, 64), (256,), (64, 64))
+    mx = cb.tensor_map(x, *shape)
+    my = cb.tensor_map(y, *shape)
+    assert calls == ["encode", "replace"]
+    direct = cb.TensorMap(y.data_ptr(), *shape)
+    assert ctypes.string_at(my.addr, 128) == ctypes.string_at(direct.addr, 128) != ctypes.string_at(mx.addr, 128)
+    assert cb.tensor_map(y, *shape) is my and cb.tensor_map(x, *shape) is mx and calls[2:] == ["encode"]
+    cb.tensor_map(y, (64, 64), (256,), (32, 64))
+    assert calls[3:] == ["encode"]
+
+
+def test_a_refused_address_replacement_names_the_address(monkeypatch):
+    _fake_map_driver(monkeypatch)
+    cb._driver_fns["cuTensorMapReplaceAddress"] = lambda addr, ptr: 1  # CUDA_ERROR_INVALID_VALUE
+    m = cb.TensorMap(4096, (64, 64), (256,), (64, 64))
+    with pytest.raises(ValueError, match=r"cuTensorMapReplaceAddress failed \(CUresult 1\) for address 0x1008"):
+        m.at(4104)
+
+
+@pytest.mark.gpu
+def test_the_drivers_replaced_address_gives_the_bytes_of_an_encode():
+    """On the GPU's driver: a map copied with its address replaced is byte for byte the map encoded for that
+    address (every wgmma kernel's operands take this path once the allocator hands out a new address)."""
+    x = torch.zeros(4, 96, 8, 128, dtype=torch.bfloat16, device="cuda")
+    for dims, strides, box, promotion in (((128, 8, 96, 4), (256, 2048, 196608), (64, 1, 64, 1), 2),
+                                          ((64, 4096), (128,), (64, 64), 2), ((72, 512), (144,), (64, 64), 0)):
+        first = cb.TensorMap(x.data_ptr(), dims, strides, box, promotion)
+        for off in (1 << 10, 3 << 12, 1 << 20):
+            direct = cb.TensorMap(x.data_ptr() + off, dims, strides, box, promotion)
+            assert ctypes.string_at(first.at(x.data_ptr() + off).addr, 128) == ctypes.string_at(direct.addr, 128)
