@@ -6,7 +6,8 @@
 #   bench/int8_dequant_ab.py (an int8 prompt's dequantization: kernel against the torch expression),
 #   bench/vision.py, bench/gdn.py, bench/paged_attention.py,
 #   bench/prefix_reuse.py.
-# Logs and the benchmark JSON go under $OUT (default ./gpu-out). Peers come from .whl/ when present
+# Logs and the benchmark JSON go under $OUT (default ./gpu-out), each JSON named for the card (gdn-h200.json,
+# gdn-h100.json, ...). Peers come from .whl/ when present
 # (bash ../shared/tools/peer-wheels.sh beforehand, and carry .whl).
 # The nodes' tests (tests/test_nodes*.py, the VRAM test among them; test_video_decode.py, test_models_folder.py) run against a real
 # ComfyUI when .whl3/comfyui.tgz is carried (a ComfyUI checkout without .git, packed as comfyui/) with the wheels of
@@ -60,6 +61,12 @@ if [ -f .whl3/comfyui.tgz ]; then
 fi
 export FLA_FLASH_QLA=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+# the card in each result's name (bench/results keeps one file per card: an H100 run never overwrites the H200's)
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$gpu_name" in
+  *H200*) card=h200 ;; *H100*) card=h100 ;;
+  *) card=$(printf '%s' "$gpu_name" | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//; s/geforce-//; s/[^a-z0-9-]//g') ;;
+esac
 
 if [ "$tests" = 1 ]; then
   default_tests="tests/test_kernels_cuda.py tests/test_kernels_rtx_build.py tests/test_gdn_prefill_cuda.py tests/test_paged_attention.py
@@ -112,36 +119,37 @@ if [ "$sanitizer" = 1 ]; then
 fi
 
 if [ "$e2e" = 1 ]; then
-  python3 bench/e2e.py --out "$OUT/e2e-h200.json" 2>&1 | tee "$OUT/e2e.log" | tail -8
+  python3 bench/e2e.py --out "$OUT/e2e-$card.json" 2>&1 | tee "$OUT/e2e.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/continue_prefill.py --out "$OUT/continue-h200.json" 2>&1 | tee "$OUT/continue.log" | tail -16
+  python3 bench/continue_prefill.py --out "$OUT/continue-$card.json" 2>&1 | tee "$OUT/continue.log" | tail -16
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/prefill_pieces.py --out "$OUT/prefill-pieces-h200.json" 2>&1 | tee "$OUT/prefill-pieces.log" | tail -6
+  python3 bench/prefill_pieces.py --out "$OUT/prefill-pieces-$card.json" 2>&1 | tee "$OUT/prefill-pieces.log" | tail -6
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/int8_weights.py --out "$OUT/int8-weights-h200.json" 2>&1 | tee "$OUT/int8-weights.log" | tail -3
+  python3 bench/int8_weights.py --out "$OUT/int8-weights-$card.json" 2>&1 | tee "$OUT/int8-weights.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/gemv_int8_ab.py --out "$OUT/gemv-int8-ab-h200.json" 2>&1 | tee "$OUT/gemv-int8-ab.log" | tail -4
+  python3 bench/gemv_int8_ab.py --out "$OUT/gemv-int8-ab-$card.json" 2>&1 | tee "$OUT/gemv-int8-ab.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/int8_dequant_ab.py --out "$OUT/int8-dequant-ab-h200.json" 2>&1 | tee "$OUT/int8-dequant-ab.log" | tail -4
+  python3 bench/int8_dequant_ab.py --out "$OUT/int8-dequant-ab-$card.json" 2>&1 | tee "$OUT/int8-dequant-ab.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$vision" = 1 ]; then
-  python3 bench/vision.py --out "$OUT/vision-h200.json" --compile-budget-s "${VISION_COMPILE_S:-150}" 2>&1 \
+  python3 bench/vision.py --out "$OUT/vision-$card.json" --compile-budget-s "${VISION_COMPILE_S:-150}" 2>&1 \
     | tee "$OUT/vision.log" | grep -v '^ ' | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$bench" = 1 ]; then
   extra=(); [ "$peers" = 1 ] || extra+=(--no-peers)
-  python3 bench/gdn.py --out "$OUT/gdn-h200.json" --budget-s "${BENCH_BUDGET_S:-420}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
+  python3 bench/gdn.py --out "$OUT/gdn-$card.json" --budget-s "${BENCH_BUDGET_S:-420}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' 
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 bench/paged_attention.py --out "$OUT/paged-h200.json" 2>&1 | tee "$OUT/paged-bench.log" | grep -v '^{'
+  python3 bench/paged_attention.py --out "$OUT/paged-$card.json" 2>&1 | tee "$OUT/paged-bench.log" | grep -v '^{'
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if [ "$bench" = 1 ] || [ "$e2e" = 1 ]; then  # time to first token with prefix reuse, into paged-h200.json's "ttft"
-  [ -f "$OUT/paged-h200.json" ] || cp bench/results/paged-h200.json "$OUT/paged-h200.json"
-  python3 bench/prefix_reuse.py --out "$OUT/paged-h200.json" 2>&1 | tee "$OUT/prefix-reuse.log" | tail -22
+if [ "$bench" = 1 ] || [ "$e2e" = 1 ]; then  # time to first token with prefix reuse, into paged-<card>.json's "ttft"
+  [ -f "$OUT/paged-$card.json" ] || [ ! -f "bench/results/paged-$card.json" ] \
+    || cp "bench/results/paged-$card.json" "$OUT/paged-$card.json"
+  python3 bench/prefix_reuse.py --out "$OUT/paged-$card.json" 2>&1 | tee "$OUT/prefix-reuse.log" | tail -22
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status
