@@ -37,6 +37,20 @@ def test_sampling_filters():
     assert penalise_ref(logits, marks, 2.0, 1.5).tolist() == [2.5, 2.5, 1.0, -4.0]
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-46, 1e-300, 5e-324])
+def test_a_top_p_below_fp32s_range_keeps_the_most_likely_candidate(top_p):
+    """A top_p in (0, 1] too small for fp32 (below 7e-46 it rounds to 0 there) keeps the first candidate, as any
+    top_p below its probability does: before, every weight was 0 and the draw took the last candidate, the least
+    likely token of the vocabulary."""
+    logits = torch.tensor([5.0, 1.0, 0.0, -3.0])
+    p = SamplingParams(do_sample=True, top_p=top_p)
+    p.check()
+    weights, ids = _candidates(logits, p)
+    assert ids.tolist() == [0, 1, 2, 3] and weights[0] > 0 and not weights[1:].any()
+    assert {int(pick(logits, p, 7, n)) for n in range(20)} == {0}
+    assert int(sample_ref(logits, 2, 1.0, 0.0, top_p, 0.99)[0]) == 0  # with top_k too
+
+
 def test_penalties_mark_what_they_see():
     """The marks start with the prompt's ids; each pick marks its id as seen and answered; greedy with penalties
     takes the penalised argmax."""
@@ -189,7 +203,7 @@ def test_draws_follow_the_weights():
 
 KERNEL_VOCABS = [VOCAB, 151936, 4097, 1000, 65]
 KERNEL_SETTINGS = [(20, 0.7, 0.0, 0.8), (1, 1.0, 0.0, 1.0), (2, 0.5, 0.0, 1.0), (40, 0.8, 0.05, 0.9),
-                   (64, 1.3, 0.0, 1.0), (64, 0.3, 0.1, 0.5), (7, 1e-3, 0.0, 0.99)]
+                   (64, 1.3, 0.0, 1.0), (64, 0.3, 0.1, 0.5), (7, 1e-3, 0.0, 0.99), (16, 1.0, 0.0, 1e-300)]
 
 
 def _logits(kind: str, v: int, g: torch.Generator) -> torch.Tensor:

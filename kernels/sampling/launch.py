@@ -12,6 +12,7 @@ from ..cuda_build import get_function, launch, stream_flags
 from .reference import sample_ref
 
 SRC = Path(__file__).with_name("sample.cu")
+FLT_MIN = float(np.finfo(np.float32).tiny)  # fp32's smallest normal
 THREADS, BLOCKS, K_MAX = 512, 64, 64  # as in sample.cu
 
 
@@ -26,7 +27,7 @@ def sample_cuda(logits: torch.Tensor, top_k: int, temperature: float, min_p: flo
                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as reference.sample_ref; what the kernel does not take runs the reference. top_p 1 reaches
     the kernel as infinity: the reference skips top_p there, and a running mass rounded above 1 must not drop
-    the last candidate."""
+    the last candidate; one below fp32's smallest normal as that normal."""
     marks = None if penalties is None else penalties[0]
     if not sample_takes(logits, top_k) or (marks is not None and not _marks_fit(marks, logits)):
         return sample_ref(logits, top_k, temperature, min_p, top_p, u, penalties)
@@ -37,7 +38,9 @@ def sample_cuda(logits: torch.Tensor, top_k: int, temperature: float, min_p: flo
     weights = torch.empty(top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(top_k, dtype=torch.int64, device=dev)
     fn = get_function(SRC, "sample_top_k", dev, {"VOCAB": logits.numel()})
-    top_p = top_p if top_p < 1.0 else float("inf")
+    # (a top_p below fp32's smallest normal would round to 0 and drop every candidate: raised to it, the first
+    # candidate stays, as the reference keeps it)
+    top_p = max(top_p, FLT_MIN) if top_p < 1.0 else float("inf")
     launch(fn, (BLOCKS, 1, 1), (THREADS, 1, 1),
            (logits, marks, np.float32(rep), np.float32(presence), np.int32(top_k), np.float32(temperature),
             np.float32(min_p), np.float32(top_p), np.float64(u), part, stream_flags(dev, 1), out, weights, ids))

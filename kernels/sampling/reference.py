@@ -98,8 +98,10 @@ def candidates_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: 
     probs = torch.softmax(x / temperature, dim=-1)
     if min_p > 0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-    if top_p < 1.0:
-        probs = probs * (probs.cumsum(0) - probs < top_p)
+    if top_p < 1.0:  # the first candidate always stays (nothing comes before it: a top_p of 1e-300 is above 0)
+        keep = probs.cumsum(0) - probs < top_p
+        keep[0] = True
+        probs = probs * keep
     return probs, ids
 
 
