@@ -429,8 +429,15 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
 
 
 def frame_rate_ok(fps) -> bool:
-    """Whether fps is a number of frames per second above 0 (not a bool, a string or None)."""
-    return isinstance(fps, numbers.Real) and not isinstance(fps, bool) and math.isfinite(fps) and fps > 0
+    """Whether fps is a number of frames per second above 0 (not a bool, a string or None; an integer past
+    float's range is not finite)."""
+    if not isinstance(fps, numbers.Real) or isinstance(fps, bool):
+        return False
+    try:
+        fps = float(fps)
+    except OverflowError:
+        return False
+    return math.isfinite(fps) and fps > 0
 
 
 def sample_frames(total: int, source_fps: float, pp: Preprocessing) -> list[int]:

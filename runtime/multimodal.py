@@ -33,6 +33,7 @@ from .media import (
     Preprocessing,
     VideoSource,
     VisionInput,
+    frame_rate_ok,
     preprocess_images,
     preprocess_video,
     preprocess_video_source,
@@ -249,7 +250,7 @@ def _video_pair(video) -> tuple[torch.Tensor, float]:
     pair = isinstance(video, (tuple, list)) and len(video) == 2
     if pair and isinstance(video[0], torch.Tensor) and isinstance(video[1], numbers.Real) \
             and not isinstance(video[1], bool):
-        return video[0], float(video[1])
+        return video[0], float(video[1]) if frame_rate_ok(video[1]) else video[1]  # (a bad one: sample_frames says)
     got = f"a tensor {list(video.shape)}" if isinstance(video, torch.Tensor) else \
         f"({', '.join(type(v).__name__ for v in video)})" if isinstance(video, (tuple, list)) else type(video).__name__
     raise Qwen35Error(f"a video must be (frames [count, height, width, channels], fps), a media.VideoSource or a "

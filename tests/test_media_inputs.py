@@ -12,6 +12,7 @@ from qwen35_fast.runtime.demo_checkpoint import make_checkpoint
 from qwen35_fast.runtime.errors import Qwen35Error
 from qwen35_fast.runtime.generate import prefill
 from qwen35_fast.runtime.loader import load_model
+from qwen35_fast.runtime.media import frame_rate_ok
 from qwen35_fast.runtime.multimodal import IMAGE_PAD, VIDEO_PAD, TowerClock, prefill_multimodal
 
 IMAGE = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(0))
@@ -45,10 +46,12 @@ def test_images_that_are_not_tensors_are_named(model, images, got):
     assert prefill_multimodal(model, "What is it?", images=[IMAGE, IMAGE[0]]).vision.grids == ((1, 14, 20),) * 2
 
 
-@pytest.mark.parametrize("fps", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("fps", [float("nan"), float("inf"), -1.0, 10 ** 400], ids=["nan", "inf", "-1", "10**400"])
 def test_a_frame_rate_that_is_no_positive_number_is_named(model, fps):
+    """(An integer past float's range too: it raised OverflowError from the conversion.)"""
     with pytest.raises(Qwen35Error, match=f"frame rate is {fps}; it must be a number of frames per second above 0"):
         prefill_multimodal(model, "What happens?", video=(FRAMES, fps))
+    assert not frame_rate_ok(fps)
 
 
 def test_a_video_source_prefills_as_its_frames_do(model):
