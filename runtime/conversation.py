@@ -23,7 +23,7 @@ import torch
 
 from .chat import IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 from .devices import synchronize
-from .errors import Qwen35Error
+from .errors import Qwen35Error, flag
 from .generate import Prefill, check_vocabulary, generation_prompt_ids
 from .host import host_logits, on_model_device
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
@@ -126,6 +126,8 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     Returns a Prefill with cached_tokens (taken from the parent), new_tokens and `ms` of the new part
     (the copy of the parent's state, the vision tower and the new tokens). `parent` is unchanged.
     """
+    thinking, allow_special_tokens = flag("thinking", thinking), flag("allow_special_tokens", allow_special_tokens)
+    use_cache = flag("use_cache", use_cache)
     if not isinstance(parent, Prefill):
         raise Qwen35Error(f"continue_prefill needs a Prefill to continue, got {type(parent).__name__}")
     if parent.model_id != model.serial:

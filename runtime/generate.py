@@ -20,7 +20,7 @@ from .chat import (
 )
 from .decode_graph import graphed_decode
 from .devices import synchronize
-from .errors import Qwen35Error, whole_number
+from .errors import Qwen35Error, flag, whole_number
 from .host import host_logits, on_model_device
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
@@ -98,6 +98,8 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     """Prompt ids: the chat template's markers as special tokens, the user's text (prompt and system
     prompt) as plain text, so `<|im_start|>` or `</think>` typed in it cannot open a turn. With
     allow_special_tokens the user's text is parsed for special tokens too (for hand-written templates)."""
+    thinking, use_chat_template = flag("thinking", thinking), flag("use_chat_template", use_chat_template)
+    allow_special_tokens = flag("allow_special_tokens", allow_special_tokens)
     if not isinstance(prompt, str):
         raise Qwen35Error(f"the prompt must be text, got {type(prompt).__name__}")
     if not prompt.strip():
@@ -137,6 +139,8 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
     earlier read's cached_tokens: read again so, the same logits bit for bit where the store still keeps that
     snapshot).
     """
+    thinking, chat_template = flag("thinking", thinking), flag("chat_template", chat_template)
+    use_cache = flag("use_cache", use_cache)
     limit = model.config.max_position_embeddings
     shape = getattr(ids, "shape", None)
     if shape is not None and len(shape) != 1:  # a batch [1, T] as transformers takes it, say
@@ -185,6 +189,7 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
     """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it,
     reusing a cached prefix unless use_cache is off (prefill_ids, as is reuse_at_most). Special-token text in
     the prompt stays text unless allow_special_tokens (see encode_prompt)."""
+    thinking, use_chat_template = flag("thinking", thinking), flag("use_chat_template", use_chat_template)
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
     # raw text opens no thinking block
     return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template,

@@ -24,7 +24,7 @@ import torch
 from .. import kernels
 from .chat import chat_layout
 from .devices import is_other_accelerator, synchronize
-from .errors import Qwen35Error
+from .errors import Qwen35Error, flag
 from .fingerprint import content_hash
 from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
@@ -292,6 +292,8 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
       continues from it as from a text prefill. Running out of memory ends in a Qwen35Error that says what
       was needed and free; the model is unchanged.
     """
+    thinking, use_chat_template = flag("thinking", thinking), flag("use_chat_template", use_chat_template)
+    allow_special_tokens, use_cache = flag("allow_special_tokens", allow_special_tokens), flag("use_cache", use_cache)
     has_vision = images is not None or video is not None
     if has_vision and model.vision is None:
         note = getattr(model, "vision_note", "")

@@ -5,11 +5,10 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .. import kernels
-from .errors import Qwen35Error, real_number, whole_number
+from .errors import Qwen35Error, flag, real_number, whole_number
 
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay far inside fp32; below it sampling is greedy anyway
 # the penalties' range: logits divided or multiplied by the repetition penalty, or less the presence penalty, stay
@@ -33,14 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0    # 0.0: off; subtracted from the logit of every token already generated
 
     def check(self) -> None:
-        if isinstance(self.do_sample, np.bool_):  # (no integer to operator.index)
-            object.__setattr__(self, "do_sample", bool(self.do_sample))
-        if not isinstance(self.do_sample, bool):  # ("no" is true: it would sample); 0 and 1 as a JSON API sends them
-            flag = whole_number(self.do_sample)
-            if flag not in (0, 1):
-                raise Qwen35Error(f"do_sample is {self.do_sample!r} ({type(self.do_sample).__name__}); it must be "
-                                  "True (sample) or False (greedy)")
-            object.__setattr__(self, "do_sample", bool(flag))
+        object.__setattr__(self, "do_sample", flag("do_sample", self.do_sample, "True (sample) or False (greedy)"))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
             value = real_number(getattr(self, name))
             if value is None or not math.isfinite(value):

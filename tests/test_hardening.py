@@ -458,6 +458,31 @@ def test_settings_of_numpy_and_0_d_tensors_are_numbers(chat_model, still_works):
     assert greedy == generate(chat_model, pf, max_new_tokens=6).token_ids
 
 
+def test_prompt_switches_given_as_text_are_refused(chat_model):
+    """thinking, use_chat_template, allow_special_tokens, use_cache (and prefill_ids' chat_template) take True /
+    False, numpy's and 0-d tensors' bools and 0 / 1 as do_sample does: text such as "false" was true to Python, so it
+    opened a thinking block, wrapped raw text in the template or parsed typed role markers as real turns."""
+    from qwen35_fast.runtime import continue_prefill, prefill_ids, prefill_multimodal
+    np = pytest.importorskip("numpy")
+    pf = prefill(chat_model, PROMPT)
+    calls = [(lambda: prefill(chat_model, PROMPT, thinking="false"), "thinking", "'false'"),
+             (lambda: prefill(chat_model, PROMPT, use_chat_template="false"), "use_chat_template", "'false'"),
+             (lambda: prefill(chat_model, PROMPT, allow_special_tokens="no"), "allow_special_tokens", "'no'"),
+             (lambda: prefill(chat_model, PROMPT, use_cache=2), "use_cache", "2"),
+             (lambda: prefill_ids(chat_model, pf.token_ids, chat_template="yes"), "chat_template", "'yes'"),
+             (lambda: prefill_multimodal(chat_model, PROMPT, thinking="off"), "thinking", "'off'"),
+             (lambda: continue_prefill(chat_model, pf, "And then?", thinking="false"), "thinking", "'false'"),
+             (lambda: continue_prefill(chat_model, pf, "And then?", allow_special_tokens=None),
+              "allow_special_tokens", "None")]
+    for call, name, shown in calls:
+        with pytest.raises(Qwen35Error, match=rf"^{name} is {shown} \(\w+\); it must be True or False$"):
+            call()
+    off = prefill(chat_model, PROMPT, thinking=False).token_ids
+    for same in (0, np.bool_(False), torch.tensor(False)):
+        assert prefill(chat_model, PROMPT, thinking=same).token_ids == off
+    assert prefill(chat_model, PROMPT, thinking=1).thinking and prefill(chat_model, PROMPT, thinking=np.bool_(True)).thinking
+
+
 def test_generate_and_prefill_ids_name_what_they_were_given(chat_model, still_works):
     """A prefill or settings of the wrong type, a batch of ids, ids without the chat template's generation prompt:
     a Qwen35Error naming what was given and what to pass, not an AttributeError or a ValueError."""
