@@ -6,7 +6,8 @@ packed sequences), each forced. Wall ms of forward_prefill_kept around a synchro
 returns), median of --reps, the forms in turn; the TMA tensor maps each call encodes (cache misses: a few µs of
 driver each); and the logits' and kept states' relative difference from the parts.
 
-    python3 bench/gdn_cuts_ab.py [--layers 32] [--reps 7] [--max-tokens N] [--out bench/results/gdn-cuts-kept-ab-h200.json]
+    python3 bench/gdn_cuts_ab.py [--layers 32] [--reps 7] [--max-tokens N]
+        [--out bench/results/gdn-cuts-kept-ab-h200.json]
 """
 import argparse
 import json

@@ -480,7 +480,8 @@ def test_prompt_switches_given_as_text_are_refused(chat_model):
     off = prefill(chat_model, PROMPT, thinking=False).token_ids
     for same in (0, np.bool_(False), torch.tensor(False)):
         assert prefill(chat_model, PROMPT, thinking=same).token_ids == off
-    assert prefill(chat_model, PROMPT, thinking=1).thinking and prefill(chat_model, PROMPT, thinking=np.bool_(True)).thinking
+    for on in (1, np.bool_(True)):
+        assert prefill(chat_model, PROMPT, thinking=on).thinking
 
 
 def test_generate_and_prefill_ids_name_what_they_were_given(chat_model, still_works):

@@ -358,9 +358,10 @@ def test_the_auto_store_grows_for_a_long_prompt_and_answer(model, monkeypatch):
 
 
 def test_a_second_question_fits_a_one_block_store_its_first_filled_with_two_reuse_points(model):
-    """A system prompt and a short question end in the store's one block: two snapshots share it. Another question
-    with that system prompt fits the block read cold, and so it must when it resumes from the cached system prompt (it was
-    refused: "forking a sequence needs 1 K/V blocks but only 0 of the pool's 1 are free")."""
+    """A system prompt and a short question end in the store's one block: two snapshots share it. Another
+    question with that system prompt fits the block read cold, and so it must when it resumes from the cached
+    system prompt (it was refused: "forking a sequence needs 1 K/V blocks but only 0 of the pool's 1 are
+    free")."""
     import gc
     system = "Be brief."
     fixed_store(model, 1)
