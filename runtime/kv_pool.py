@@ -318,12 +318,11 @@ class KVPool:
         copy for the caller to make in every layer before anything else allocates. The parent's blocks are
         held while the fresh one is allocated, so eviction (of a snapshot that alone held them) cannot take
         them; `keep` (the snapshot `seq` comes from) is not evicted for it, so a failed fork leaves its
-        blocks where they were. Where no block is to be had and `keep` alone holds the partly filled block (other
-        snapshots that alone share it with `keep`, two reuse points in one block, are dropped for it, as a cold
-        read would evict them), the child takes that block over instead of a copy: the snapshot reads only its
-        first tokens, which the child never writes (a later fork from the snapshot copies it, as it would any
-        shared block), so a prompt that fits the pool read cold is not refused for resuming from its own cached
-        prefix. The parent is not changed."""
+        blocks where they were. Where no block is to be had and `keep` alone holds the partly filled block, the
+        child takes that block over instead of a copy: the snapshot reads only its first tokens, which the child
+        never writes (a later fork from the snapshot copies it, as it would any shared block), so a prompt that
+        fits the pool read cold is not refused for resuming from its own cached prefix. The parent is not
+        changed."""
         nfull, part = divmod(seq.num_tokens, self.block_size)
         held = seq.blocks[:nfull + (1 if part else 0)]
         self.retain(held)
@@ -333,10 +332,6 @@ class KVPool:
             dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
         except PoolExhausted:
             last = held[nfull]
-            others = [s for s in self._snapshots.values() if s is not keep and last in s.blocks]
-            if keep is not None and last in keep.blocks and self.refcount[last] == 2 + len(others):
-                for snap in others:
-                    self._drop(snap)
             if keep is None or last not in keep.blocks or self.refcount[last] != 2:  # (keep's and this fork's)
                 self.release(held)
                 raise

@@ -307,26 +307,6 @@ def test_a_fork_from_a_snapshot_in_a_full_pool_takes_its_partly_filled_block_ove
     assert all(pool.refcount[b] == 1 for b in snap.blocks) and pool.num_free == 8 - 3
 
 
-def test_a_fork_from_a_snapshot_takes_over_a_block_other_snapshots_alone_share():
-    """Two reuse points in one block (a system prompt's end and a short turn's end): a prompt resumed from the
-    first in a full pool fits, as it does read cold. The other snapshot, sharing the partly filled block with
-    `keep` alone, is dropped and the child takes the block over (it was refused: the block's three references
-    blocked the take-over, and keep's blocks count as nothing allocate may free)."""
-    pool = KVPool(3, 16)
-    t = _toks(46)
-    seq = _admit(pool, t)[0]
-    seq.num_tokens = 46
-    first = pool.save_snapshot(seq, t, 40, "s", 1)
-    pool.save_snapshot(seq, t, 45, "turn", 1)
-    pool.free(seq)  # the two snapshots alone hold the 3 blocks
-    new = t[:42] + [t[42] + 1, 7, 8, 9]
-    assert pool.match(new) is first
-    child, copies = pool.fork(SequenceBlocks(list(first.blocks), 40), keep=first)
-    assert child.blocks == first.blocks and copies == [] and pool.snapshots == [first]
-    pool.reserve(child, 46)
-    assert len(child.blocks) == 3 and all(pool.refcount[b] == 2 for b in first.blocks)
-
-
 def test_lru_eviction_frees_blocks_for_new_prompts():
     pool = KVPool(12, 16)
     snaps = []

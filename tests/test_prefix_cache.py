@@ -355,20 +355,3 @@ def test_the_auto_store_grows_for_a_long_prompt_and_answer(model, monkeypatch):
     cold = prefill(model, long_prompt, use_cache=False)
     assert rel(grown.logits, cold.logits) <= TOL
     assert generate(model, cold, max_new_tokens=150).token_ids == out.token_ids
-
-
-def test_a_second_question_fits_a_one_block_store_its_first_filled_with_two_reuse_points(model):
-    """A system prompt and a short question end in the store's one block: two snapshots share it. Another
-    question with that system prompt fits the block read cold, and so it must when it resumes from the cached
-    system prompt (it was refused: "forking a sequence needs 1 K/V blocks but only 0 of the pool's 1 are
-    free")."""
-    import gc
-    system = "Be brief."
-    fixed_store(model, 1)
-    assert prefill(model, "Name a colour.", system_prompt=system, use_cache=False).n_tokens <= 64
-    gc.collect()
-    prefill(model, "Name an animal.", system_prompt=system)
-    gc.collect()
-    assert len(model.kv.pool.snapshots) == 2
-    second = prefill(model, "Name a colour.", system_prompt=system)
-    assert second.cached_tokens > 0
