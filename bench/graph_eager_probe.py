@@ -8,6 +8,7 @@ reads memory nothing wrote shows as a difference or a NaN), and generate() greed
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -67,7 +68,6 @@ def main() -> None:
         for name, s in (("greedy", SamplingParams()),
                         ("sampled", SamplingParams(do_sample=True, temperature=0.8, top_p=0.9))):
             for mode in ("1", "0"):
-                import os
                 os.environ["QWEN35_CUDA_GRAPHS"] = mode
                 ids = tuple(generate(model, pf, max_new_tokens=24, sampling=s, seed=3).token_ids)
                 seqs.setdefault(f"{name} graphs={mode}", set()).add(ids)

@@ -189,7 +189,6 @@ def prefill(model: Qwen35Model, prompt: str, system_prompt: str = "", thinking: 
     """Tokenise `prompt` (through the chat template unless use_chat_template is False) and prefill it,
     reusing a cached prefix unless use_cache is off (prefill_ids, as is reuse_at_most). Special-token text in
     the prompt stays text unless allow_special_tokens (see encode_prompt)."""
-    thinking, use_chat_template = flag("thinking", thinking), flag("use_chat_template", use_chat_template)
     ids = encode_prompt(model, prompt, system_prompt, thinking, use_chat_template, allow_special_tokens)
     # raw text opens no thinking block
     return prefill_ids(model, ids, thinking and use_chat_template, chat_template=use_chat_template,
