@@ -312,7 +312,8 @@ class KVPool:
         seq.blocks, seq.num_tokens = [], 0
 
     @_locked
-    def fork(self, seq: SequenceBlocks, keep: Optional[Snapshot] = None) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
+    def fork(self, seq: SequenceBlocks, keep: Optional[Snapshot] = None,
+             last_resort: bool = False) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
         """A copy-on-write child of `seq` (a Generate forked from a Prefill, a prompt resumed from a snapshot):
         full blocks shared; a partly filled last block is replaced by a fresh one, returned as a (src, dst)
         copy for the caller to make in every layer before anything else allocates. The parent's blocks are
@@ -321,8 +322,10 @@ class KVPool:
         blocks where they were. Where no block is to be had and `keep` alone holds the partly filled block, the
         child takes that block over instead of a copy: the snapshot reads only its first tokens, which the child
         never writes (a later fork from the snapshot copies it, as it would any shared block), so a prompt that
-        fits the pool read cold is not refused for resuming from its own cached prefix. The parent is not
-        changed."""
+        fits the pool read cold is not refused for resuming from its own cached prefix. `last_resort` (a pool that
+        cannot grow): where other snapshots share that block with `keep` and no live sequence holds it, they are
+        dropped (the child writes over their later tokens, as a cold read would evict them) and the child takes it
+        over; a store that grows passes False and grows instead, keeping them. The parent is not changed."""
         nfull, part = divmod(seq.num_tokens, self.block_size)
         held = seq.blocks[:nfull + (1 if part else 0)]
         self.retain(held)
@@ -332,9 +335,14 @@ class KVPool:
             dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
         except PoolExhausted:
             last = held[nfull]
-            if keep is None or last not in keep.blocks or self.refcount[last] != 2:  # (keep's and this fork's)
+            sharers = [s for s in self._snapshots.values() if last in s.blocks]
+            alone = any(s is keep for s in sharers) and self.refcount[last] == 1 + len(sharers)  # (the fork's, theirs)
+            if not alone or (len(sharers) > 1 and not last_resort):
                 self.release(held)
                 raise
+            for snap in sharers:
+                if snap is not keep:
+                    self._drop(snap)
             return SequenceBlocks(list(held), seq.num_tokens), []
         except BaseException:  # a Ctrl+C too: the held blocks go back
             self.release(held)

@@ -156,7 +156,7 @@ class KVStore:
         with room for `capacity`, released when `owner` is collected. keep: the snapshot the blocks come
         from (not evicted to make room for the fork)."""
         parent = SequenceBlocks(list(blocks[:self.pool.blocks_for(num_tokens)]), num_tokens)
-        seq, copies = self._with_room(lambda: self.pool.fork(parent, keep), 1)
+        seq, copies = self._with_room(lambda: self.pool.fork(parent, keep, last_resort=not self.growable), 1)
         weakref.finalize(owner, self.pool.free, seq)
         try:
             for src, dst in copies:

@@ -307,6 +307,42 @@ def test_a_fork_from_a_snapshot_in_a_full_pool_takes_its_partly_filled_block_ove
     assert all(pool.refcount[b] == 1 for b in snap.blocks) and pool.num_free == 8 - 3
 
 
+def test_a_pool_that_cannot_grow_drops_the_snapshots_sharing_a_resumed_prompts_partly_filled_block():
+    """Two reuse points in one block (a system prompt's at 40 tokens, a short turn's at 45): a prompt resumed from
+    the first writes its tokens from 40 on into that block, over the second's. In a full pool that cannot grow,
+    the fork drops the second snapshot (a cold read would evict it) and takes the block over, so the prompt that
+    fits the pool cold is not refused; a pool that grows (last_resort False) is refused with nothing changed, and
+    grows instead. A block a live sequence holds too is never taken."""
+    pool = KVPool(3, 16)
+    t = _toks(45)
+    seq = _admit(pool, t)[0]
+    seq.num_tokens = 45
+    at40 = pool.save_snapshot(seq, t, 40, "s40", 1)
+    at45 = pool.save_snapshot(seq, t, 45, "s45", 1)
+    pool.free(seq)
+    assert pool.num_free == 0
+    u = t[:40] + _toks(6, 7)
+    assert pool.match(u) is at40
+    parent = SequenceBlocks(list(at40.blocks), 40)
+    with pytest.raises(PoolExhausted):
+        pool.fork(parent, keep=at40)
+    assert {s.states for s in pool.snapshots} == {"s40", "s45"}
+    _check_refcounts(pool, [])
+    live = SequenceBlocks(list(at45.blocks), 45)  # a prefill still alive on the turn
+    pool.retain(live.blocks)
+    with pytest.raises(PoolExhausted):
+        pool.fork(parent, keep=at40, last_resort=True)
+    assert {s.states for s in pool.snapshots} == {"s40", "s45"}
+    pool.free(live)
+    child, copies = pool.fork(parent, keep=at40, last_resort=True)
+    assert child.blocks == at40.blocks and copies == [] and child.num_tokens == 40
+    assert pool.snapshots == [at40]
+    pool.reserve(child, len(u))
+    _check_refcounts(pool, [child])
+    pool.free(child)
+    assert pool.match(u) is at40 and pool.num_free == 0
+
+
 def test_lru_eviction_frees_blocks_for_new_prompts():
     pool = KVPool(12, 16)
     snaps = []

@@ -276,6 +276,25 @@ def test_a_prompt_longer_than_the_pool_is_named_so_with_its_prefix_cached(model)
     assert prefill(model, "Describe a red circle.", system_prompt=SYSTEM).cached_tokens > 0  # and reuse works
 
 
+def test_a_question_after_a_cached_system_prompt_fits_a_full_one_block_store(model):
+    """A short system prompt and a question fit one block: the system prompt's reuse point and the prompt's own
+    end lie in it. The next question resumes from the first and writes over the second's tokens; in a full store
+    of one block that cannot grow it was refused ("forking a sequence needs 1 K/V blocks but only 0 ... are
+    free") though it fits read cold. The turn's snapshot goes (as a cold read would evict it), the block is taken
+    over, and the logits are a cold read's."""
+    import gc
+    store = fixed_store(model, 1)
+    cold = prefill(model, "Name a colour.", system_prompt="Be brief.", use_cache=False).logits
+    gc.collect()
+    first = prefill(model, "Name an animal.", system_prompt="Be brief.")
+    assert first.n_tokens < store.block_size and len(store.pool.snapshots) >= 2
+    del first
+    gc.collect()
+    second = prefill(model, "Name a colour.", system_prompt="Be brief.")
+    assert second.cached_tokens > 0
+    assert rel(second.logits, cold) < 1e-5
+
+
 def prefill_ids_of(model, prompt, system_prompt):
     from qwen35_fast.runtime import encode_prompt
     return encode_prompt(model, prompt, system_prompt=system_prompt)
