@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .errors import Qwen35Error, whole_number
+from .errors import Qwen35Error, flag, whole_number
 from .fingerprint import StreamedHash
 from .host import upload
 
@@ -88,19 +88,56 @@ def _pixel_limit(name: str, value) -> int:
 
 
 def _read_json(file: Path):
-    """A JSON file's content, None where it is absent; a Qwen35Error naming it when it is not JSON."""
+    """A JSON file's content, None where it is absent; a Qwen35Error naming it when it cannot be read or is not
+    JSON."""
     if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
+    except UnicodeDecodeError as e:
+        raise Qwen35Error(f"{file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is corrupt, "
+                          "re-download it") from None
+    except (json.JSONDecodeError, RecursionError) as e:
         raise Qwen35Error(f"{file}: not valid JSON ({e}); re-download it") from None
+
+
+def _count(file, key: str, value) -> int:
+    """A count a processor file gives (pixels, patch sides, frames, tokens): a whole number of at least 1, as an
+    int (JSON may write it as 2.0); else a Qwen35Error naming the file, the key and the value."""
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+            and value == int(value) and value >= 1:
+        return int(value)
+    raise Qwen35Error(f"{file}: {key} is {value!r}, which is not a whole number above 0; fix the file or "
+                      "re-download it (without the file Qwen3.5's defaults apply)")
+
+
+def _rate(file, key: str, value) -> float:
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise Qwen35Error(f"{file}: {key} is {value!r}, which is not a number above 0; fix the file or re-download it "
+                      "(without the file Qwen3.5's defaults apply)")
+
+
+def _per_channel(file, key: str, value, nonzero: bool) -> tuple[float, ...]:
+    """image_mean / image_std: three numbers, or one for every channel (as transformers' processors take it)."""
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        value = [value] * 3
+    ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(
+        not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and (x != 0 or not nonzero)
+        for x in value)
+    if not ok:
+        raise Qwen35Error(f"{file}: {key} is {value!r}, which is not three {'non-zero ' if nonzero else ''}numbers "
+                          "(one per RGB channel); fix the file or re-download it")
+    return tuple(float(x) for x in value)
 
 
 def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
     """Preprocessing settings from a checkpoint folder's processor_config.json (transformers 5 nests the image and
     video processors' settings there, and reads them first), else its preprocessor_config.json and
-    video_preprocessor_config.json, where present, else Qwen3.5's defaults; `overrides` win.
+    video_preprocessor_config.json, where present, else Qwen3.5's defaults; `overrides` win. A value in a file
+    that the processor could not use (a size of 0, text for a number) is a Qwen35Error naming the file and key.
 
     A max_pixels (video_max_pixels) given below the checkpoint's min_pixels (video_min_pixels) lowers that too:
     otherwise smart_resize would scale small inputs up to the minimum, past the limit the caller set."""
@@ -110,29 +147,43 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
     nested = nested if isinstance(nested, dict) else {}
     for name, key, prefix in (("preprocessor_config.json", "image_processor", ""),
                               ("video_preprocessor_config.json", "video_processor", "video_")):
-        cfg = nested.get(key) if isinstance(nested.get(key), dict) else (
-            _read_json(folder / name) if folder is not None else None)
+        if isinstance(nested.get(key), dict):
+            cfg, file = nested[key], f"{folder / 'processor_config.json'} ({key})"
+        else:
+            cfg, file = (_read_json(folder / name) if folder is not None else None), folder and folder / name
         if not isinstance(cfg, dict):
             continue
         size = cfg.get("size") or {}
-        lo, hi = size.get("shortest_edge"), size.get("longest_edge")
+        if not isinstance(size, dict):
+            raise Qwen35Error(f"{file}: size is {size!r}, not an object with shortest_edge / longest_edge (pixel "
+                              "counts); fix the file or re-download it")
+        lo, hi = ("size.shortest_edge", size.get("shortest_edge")), ("size.longest_edge", size.get("longest_edge"))
         if not prefix:  # the image processor lets min_pixels / max_pixels override size; the video processor
             # (Qwen3-VL's) reads size alone
-            lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else lo
-            hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else hi
-        if lo is not None:
-            values[prefix + "min_pixels"] = int(lo)
-        if hi is not None:
-            values[prefix + "max_pixels"] = int(hi)
+            lo = ("min_pixels", cfg["min_pixels"]) if cfg.get("min_pixels") is not None else lo
+            hi = ("max_pixels", cfg["max_pixels"]) if cfg.get("max_pixels") is not None else hi
+        if lo[1] is not None:
+            values[prefix + "min_pixels"] = _count(file, *lo)
+        if hi[1] is not None:
+            values[prefix + "max_pixels"] = _count(file, *hi)
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
             if key in cfg and not prefix:
-                values[key] = int(cfg[key])
+                values[key] = _count(file, key, cfg[key])
         if prefix:
-            for key in ("fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens"):
+            for key in ("min_frames", "max_frames", "max_video_tokens"):
                 if cfg.get(key) is not None:
-                    values[key] = cfg[key]
+                    values[key] = _count(file, key, cfg[key])
+            if cfg.get("fps") is not None:
+                values["fps"] = _rate(file, "fps", cfg["fps"])
+            if cfg.get("cap_pixels_per_frame") is not None:
+                values["cap_pixels_per_frame"] = flag(f"{file}: cap_pixels_per_frame", cfg["cap_pixels_per_frame"])
+            if values.get("min_frames", VIDEO_MIN_FRAMES) > values.get("max_frames", VIDEO_MAX_FRAMES):
+                raise Qwen35Error(f"{file}: min_frames {values.get('min_frames', VIDEO_MIN_FRAMES)} is above "
+                                  f"max_frames {values.get('max_frames', VIDEO_MAX_FRAMES)}; fix the file or "
+                                  "re-download it")
         elif cfg.get("image_mean") and cfg.get("image_std"):
-            values["mean"], values["std"] = tuple(cfg["image_mean"]), tuple(cfg["image_std"])
+            values["mean"] = _per_channel(file, "image_mean", cfg["image_mean"], nonzero=False)
+            values["std"] = _per_channel(file, "image_std", cfg["image_std"], nonzero=True)
     given = {k: _pixel_limit(k, v) if any(k in pair for pair in PIXEL_LIMITS) else v
              for k, v in overrides.items() if v is not None}
     for lo, hi in PIXEL_LIMITS:

@@ -152,3 +152,49 @@ def test_the_vision_config_reads_what_transformers_reads(vision):
     ours = vision_config_from_hf({"vision_config": v})
     assert (ours.num_heads, ours.depth, ours.rope_theta) == (theirs.num_heads, theirs.depth,
                                                               theirs.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("preprocessor_config.json", b'{"size": {"longest_edge": 1000000, "shortest_edge": 4096, "x": "caf\xe9"}}',
+     "not UTF-8 text"),
+    ("preprocessor_config.json", b"[" * 100_000, "not valid JSON"),
+    ("preprocessor_config.json", '{"size": [4096, 1000000]}', r"size is \[4096, 1000000\], not an object"),
+    ("preprocessor_config.json", '{"min_pixels": "lots"}', "min_pixels is 'lots', which is not a whole number"),
+    ("preprocessor_config.json", '{"max_pixels": 0}', "max_pixels is 0, which is not a whole number above 0"),
+    ("preprocessor_config.json", '{"size": {"shortest_edge": 0, "longest_edge": 0}}', "size.shortest_edge is 0"),
+    ("preprocessor_config.json", '{"merge_size": 0}', "merge_size is 0"),
+    ("preprocessor_config.json", '{"patch_size": 16.5}', "patch_size is 16.5"),
+    ("preprocessor_config.json", '{"image_mean": [0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}', "image_mean is"),
+    ("preprocessor_config.json", '{"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0, 0.5]}',
+     "image_std is .* three non-zero numbers"),
+    ("video_preprocessor_config.json", '{"max_frames": 0}', "max_frames is 0"),
+    ("video_preprocessor_config.json", '{"min_frames": 8, "max_frames": 4}', "min_frames 8 is above max_frames 4"),
+    ("video_preprocessor_config.json", '{"size": {"shortest_edge": 4096, "longest_edge": 0}}',
+     "size.longest_edge is 0"),
+    ("video_preprocessor_config.json", '{"fps": "2"}', "fps is '2', which is not a number above 0"),
+    ("video_preprocessor_config.json", '{"fps": 0}', "fps is 0"),
+    ("video_preprocessor_config.json", '{"cap_pixels_per_frame": "yes"}', "cap_pixels_per_frame is 'yes'"),
+])
+def test_a_processor_file_the_processor_could_not_use_is_named_with_its_key(tmp_path, name, content, message):
+    """A checkpoint's processor files are read before any image: a value no processor could use (a pixel budget
+    of 0, text for a number, a size given as a list, bytes that are not UTF-8) raised ZeroDivisionError,
+    IndexError, TypeError or UnicodeDecodeError from deep in the resize or the frame sampling; now a Qwen35Error
+    names the file, the key and the value."""
+    (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(Qwen35Error, match=message) as e:
+        read_preprocessing(tmp_path)
+    assert name in str(e.value)
+
+
+def test_processor_file_numbers_as_json_writes_them_are_taken(tmp_path):
+    """Counts written as 2.0, an fps of 1, one image_mean / image_std for every channel (transformers takes a
+    number there too): read as the processor reads them."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": 4096.0, "longest_edge": 1e6}, "merge_size": 2.0, "image_mean": 0.5,
+        "image_std": [0.25, 0.5, 1]}))
+    (tmp_path / "video_preprocessor_config.json").write_text('{"fps": 1, "max_frames": 64.0, "min_frames": 2}')
+    pp = read_preprocessing(tmp_path)
+    assert (pp.min_pixels, pp.max_pixels, pp.merge_size) == (4096, 1_000_000, 2)
+    assert type(pp.max_pixels) is int and type(pp.merge_size) is int
+    assert pp.mean == (0.5, 0.5, 0.5) and pp.std == (0.25, 0.5, 1.0)
+    assert (pp.fps, pp.max_frames, pp.min_frames) == (1.0, 64, 2)
