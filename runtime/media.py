@@ -254,6 +254,9 @@ def _check_images(images, what: str = "an image") -> tuple[int, int, int, int]:
     if not images.is_floating_point():  # 0..255 or a 0/1 mask: the scale is not guessed (clamped, 0..255 was white)
         raise Qwen35Error(f"{what} tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float in 0..1: "
                           "convert 8-bit pixels (0..255) with .float() / 255")
+    if images.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # fp8: no min / max op
+        raise Qwen35Error(f"{what} tensor has dtype {images.dtype}; ComfyUI IMAGE tensors are float32 (fp16 / "
+                          "bf16 also do): convert it with .float()")
     return b, h, w, c
 
 
@@ -453,7 +456,7 @@ def _recipe(size: tuple[int, int], pp: Preprocessing) -> str:
 
 def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, device=None) -> list[VisionInput]:
     """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image), its
-    patches made when first read (the whole batch at once). device: where to resize (the model's GPU: much
+    patches made when first read (the whole batch, an image at a time). device: where to resize (the model's GPU: much
     faster than the CPU for large images)."""
     pp = pp or Preprocessing()
     b, h, w, c = _check_images(images)
@@ -469,9 +472,12 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
         return _moved(given, device).reshape(b, h, w, c)
 
     @functools.cache
-    def batch() -> list[torch.Tensor]:
-        x = _normalise(_resize(to_rgb(on_device()), size), pp)
-        return [_patchify(frame[None].expand(pp.temporal_patch_size, -1, -1, -1), pp)[0] for frame in x]
+    def batch() -> list[torch.Tensor]:  # an image at a time: full-size fp32 copies of one image, not of the batch
+        out = []
+        for image in on_device():
+            x = _normalise(_resize(to_rgb(image[None]), size), pp)
+            out.append(_patchify(x.expand(pp.temporal_patch_size, -1, -1, -1), pp)[0])
+        return out
 
     grid = (1, size[0] // pp.patch_size, size[1] // pp.patch_size)
     recipe = _recipe(size, pp)
