@@ -7,6 +7,7 @@ import logging
 
 import comfy.model_management as mm
 import comfy.utils
+import torch
 from comfy_api.latest import io
 
 from .types import (
@@ -46,9 +47,13 @@ def _per_image(images, prompt: str) -> list:
 
     if images is None:
         raise Qwen35Error("mode 'one prompt per image' needs images; connect an IMAGE batch")
-    if images.dim() == 3:
-        images = images[None]
-    if images.shape[0] == 0:
+    batches = []
+    for part in images if isinstance(images, (list, tuple)) else [images]:  # (a list: through a node of any type)
+        if not isinstance(part, torch.Tensor):
+            raise Qwen35Error(f"the images input holds a {type(part).__name__}, not an IMAGE; connect an IMAGE batch")
+        part = part[None] if part.dim() == 3 else part
+        batches += [part[i:i + 1] for i in range(part.shape[0])]
+    if not batches:
         raise Qwen35Error("the image batch is empty (0 images); connect an image")
     placed = 0
     for m in PLACEHOLDER.finditer(prompt or ""):
@@ -59,9 +64,9 @@ def _per_image(images, prompt: str) -> list:
         placed += m.group(0).startswith("<image")
         if placed > 1:
             raise Qwen35Error("the prompt places an image twice (<image> or <image 1>), but in mode 'one prompt per "
-                              f"image' each prompt holds one image of the batch ({images.shape[0]} prompts); write "
+                              f"image' each prompt holds one image of the batch ({len(batches)} prompts); write "
                               "<image> once, or choose 'all images in one prompt' to compare them")
-    return [images[i:i + 1] for i in range(images.shape[0])]
+    return batches
 
 
 def _frames_note(model, clip) -> str:

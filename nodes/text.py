@@ -178,12 +178,10 @@ class Qwen35Generate(io.ComfyNode):
         with ExitStack() as released:
             for handle in handles:
                 released.enter_context(handle.released_on_error())
-            answered = set()  # ids of the prefills answered so far (a prompt read in this run counts in its first)
             for i in range(max(len(values) for values in lists)):
                 pf = prefill[min(i, len(prefill) - 1)]
-                result, stats = _answer(pf, i, node_id, display_node, again=id(pf) in answered,
+                result, stats = _answer(pf, i, node_id, display_node,
                                         **{k: v[min(i, len(v) - 1)] for k, v in settings.items()})
-                answered.add(id(pf))
                 texts.append(result.text)
                 thinkings.append(result.thinking)
                 shown.append(stats)
@@ -193,11 +191,10 @@ class Qwen35Generate(io.ComfyNode):
         return io.NodeOutput(texts, thinkings, ui={"text": texts, "thinking": thinkings, "qwen35_generate": shown})
 
 
-def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, again=False, max_new_tokens, sampling, temperature,
-            top_k, top_p, min_p, repetition_penalty, presence_penalty, seed):
+def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_tokens, sampling, temperature, top_k,
+            top_p, min_p, repetition_penalty, presence_penalty, seed):
     """One answer of Generate's list: the runtime's generate with the stream sent to the page and the node's
-    progress bar; returns the runtime's result and the stats the node shows. again: an earlier answer of this
-    run started from the same prefill."""
+    progress bar; returns the runtime's result and the stats the node shows."""
     from ..runtime import SamplingParams, generate
     from ..runtime.chat import THINK_CLOSE
     from ..runtime.generate import checked_settings
@@ -226,8 +223,11 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, again=False, 
                       on_token=on_token)
     bar.update_absolute(max_new_tokens, max_new_tokens)
     # the first token's latency counts the prompt's time where the prompt was read in this run, in the first answer
-    # from it; a prefill ComfyUI took from its cache, or answered before in this run, cost this answer nothing
-    first_ms = result.first_token_ms - (0.0 if pf.made_in == running()[0] and not again else pf.prefill.ms)
+    # from it (of this node or another Generate's); a prefill ComfyUI took from its cache, or answered before in
+    # this run, cost this answer nothing
+    read_here = pf.made_in == running()[0] and not pf.read_time_shown
+    pf.read_time_shown = pf.read_time_shown or read_here
+    first_ms = result.first_token_ms - (0.0 if read_here else pf.prefill.ms)
     stats = {"n_tokens": result.n_tokens, "first_token_ms": round(first_ms, 2),
              "decode_tokens_per_s": round(result.decode_tokens_per_s, 1), "finish_reason": result.finish_reason}
     full = (f"the prompt and the answer filled the model's {model.model.config.max_position_embeddings:,} positions; "

@@ -41,6 +41,7 @@ class ModelPrefill:
         self.node = node  # the id of the node that made it (None outside a ComfyUI run)
         self.workflow = workflow  # the id of that node's workflow (workflow_id; None where the prompt has none)
         self.made_in = running()[0]  # the prompt it was made in (None outside a ComfyUI run)
+        self.read_time_shown = False  # an answer showed the read's time in its first token's (Generate._answer)
         self._prefill, self._remake = prefill, remake
         self._cached = prefill.cached_tokens  # the cached prefix it was read from (made again from it)
 
@@ -54,7 +55,7 @@ class ModelPrefill:
             self.model.track(pf)
             if self.items > 1:
                 self.model.park(pf)
-            self._prefill, self.made_in = pf, running()[0]
+            self._prefill, self.made_in, self.read_time_shown = pf, running()[0], False
             made(self.node, [self], self.workflow)
         return self._prefill
 

@@ -26,7 +26,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -260,12 +260,16 @@ def _check_images(images, what: str = "an image") -> tuple[int, int, int, int]:
     return b, h, w, c
 
 
-def check_finite(images: torch.Tensor) -> tuple[float, float]:
+def check_finite(images: torch.Tensor | Sequence[torch.Tensor]) -> tuple[float, float]:
     """Refuses NaN and infinite pixels, naming how many (to_rgb's clamp would keep NaN, and make inf a white or black
     pixel); returns the pixels' (lowest, highest), from the same one pass (NaN and inf reach its minimum or maximum).
     Its answer is read on the host: the callers check the pixels where they were given, before moving them to the
     device (on the CPU, ComfyUI's place for an IMAGE, that waits for nothing; an input already on a GPU is checked
-    before any of the prompt's GPU work is queued, not in the middle of it)."""
+    before any of the prompt's GPU work is queued, not in the middle of it). A list of tensors (the runtime takes
+    one for images of different sizes): the range over all of them."""
+    if isinstance(images, (list, tuple)):
+        ranges = [check_finite(x) for x in images if x.numel()]
+        return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0.0, 0.0)
     if images.numel() == 0:
         return 0.0, 0.0
     lo, hi = (float(v) for v in torch.aminmax(images))

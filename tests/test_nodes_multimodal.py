@@ -335,3 +335,22 @@ def test_prefills_let_go_are_made_again_from_where_they_were_first_read(pack, lo
     with CurrentNodeContext("p3", "9"):
         for p, (logits, cached) in zip(prefills, first):
             assert p.prefill.cached_tokens == cached and torch.equal(p.prefill.logits, logits)
+
+
+def test_images_as_a_list_of_tensors_of_two_sizes(pack, loaded):
+    """A list of IMAGE tensors (a node of any type between: a switch or reroute) reaches images; the runtime takes
+    it (images of different sizes) and so do the nodes: all in one prompt, one prompt per image (each tensor's
+    images, in order), and a Continue's turn. They raised AttributeError (the range check, the per-image split)
+    after the prefill ran."""
+    g = torch.Generator().manual_seed(5)
+    imgs = [torch.rand(1, 32, 48, 3, generator=g), torch.rand(2, 40, 40, 3, generator=g)]
+    out = _run(pack, loaded, prompt="Compare <image 1> and <image 2>.", images=imgs)
+    assert out[0][0].prefill.vision.grids and len(out[0][0].prefill.vision.grids) == 3
+    per = _run(pack, loaded, prompt="Describe.", images=imgs, mode="one prompt per image")
+    assert len(per[0]) == 3 and len(per.ui["qwen35_prefill"]) == 3
+    alone = _run(pack, loaded, prompt="Describe.", images=imgs[1][1:2])[0][0]
+    assert alone.prefill.token_ids == per[0][2].prefill.token_ids
+    turn = pack.Qwen35ContinuePrefill.execute(prefill=out[0][0], prompt="And <image 2>?", images=imgs)
+    assert turn.ui["qwen35_prefill"][0]["vision_tokens"] > 0
+    with pytest.raises(Exception, match="the images input holds a str, not an IMAGE"):
+        _run(pack, loaded, prompt="Describe.", images=[imgs[0], "x"], mode="one prompt per image")
