@@ -259,7 +259,7 @@ class KVPool:
             if have < n:
                 note = f" ({len(cached)} of them held by the prefix cache alone, which gives them up)" if cached else ""
                 held = self.num_blocks - have
-                who = (f": {own} by this sequence itself, {held - own} by other prefills and "
+                who = (f": {own} by this sequence itself (its shared prefix included), {held - own} by other prefills and "
                        "generations still alive" if own else " by prefills and generations still alive")
                 raise PoolExhausted(
                     f"{what or 'this request'} needs {n} {'more ' if own else ''}K/V blocks but only {have} of the "
@@ -332,7 +332,7 @@ class KVPool:
         if not part:
             return SequenceBlocks(list(held), seq.num_tokens), []
         try:
-            dst = self.allocate(1, keep=keep, what="forking a sequence")[0]
+            dst = self.allocate(1, keep=keep, what="a copy of the prefix's partly filled last block", own=len(held))[0]
         except PoolExhausted:
             last = held[nfull]
             sharers = [s for s in self._snapshots.values() if last in s.blocks]

@@ -556,10 +556,29 @@ def test_a_growing_sequence_short_of_blocks_counts_its_own_apart():
     with pytest.raises(PoolExhausted) as e:
         pool.reserve(seq, 80, "room for 80 tokens")  # 5 blocks in all: 3 more, 2 to be had
     assert ("room for 80 tokens needs 3 more K/V blocks but only 2 of the pool's 5 are free (1 of them held by "
-            "the prefix cache alone, which gives them up); the other 3 are held: 2 by this sequence itself, "
-            "1 by other prefills and generations still alive") in str(e.value), str(e.value)
+            "the prefix cache alone, which gives them up); the other 3 are held: 2 by this sequence itself (its "
+            "shared prefix included), 1 by other prefills and generations still alive") in str(e.value), str(e.value)
     with pytest.raises(PromptTooLong, match=r"needs 6 K/V blocks"):  # the whole sequence counted
         pool.reserve(seq, 96)
+
+
+def test_a_fork_short_of_its_copy_block_counts_the_prefix_it_shares_as_its_own():
+    """A fork (an answer from a prefill) in a full pool needs one block, the copy of the prefix's partly filled last
+    one: the error says so, and counts the prefix's blocks the fork shares as its own, not as blocks other live
+    prefills hold (it read "forking a sequence needs 1 K/V blocks ... held by prefills and generations still
+    alive", all of them)."""
+    pool = KVPool(4, 16)
+    parent = SequenceBlocks()
+    pool.reserve(parent, 40)  # 3 blocks, the last partly filled
+    parent.num_tokens = 40
+    other = SequenceBlocks()
+    pool.reserve(other, 16)
+    with pytest.raises(PoolExhausted) as e:
+        pool.fork(parent)
+    assert ("a copy of the prefix's partly filled last block needs 1 more K/V blocks but only 0 of the pool's 4 are "
+            "free; the other 4 are held: 3 by this sequence itself (its shared prefix included), 1 by other "
+            "prefills and generations still alive") in str(e.value), str(e.value)
+    _check_refcounts(pool, [parent, other])
 
 
 def test_cache_reserve_names_the_room_it_asks_for():
