@@ -259,8 +259,8 @@ class KVPool:
             if have < n:
                 note = f" ({len(cached)} of them held by the prefix cache alone, which gives them up)" if cached else ""
                 held = self.num_blocks - have
-                who = (f": {own} by this sequence itself (its shared prefix included), {held - own} by other prefills and "
-                       "generations still alive" if own else " by prefills and generations still alive")
+                who = (f": {own} by this sequence itself (its shared prefix included), {held - own} by other "
+                       "prefills and generations still alive" if own else " by prefills and generations still alive")
                 raise PoolExhausted(
                     f"{what or 'this request'} needs {n} {'more ' if own else ''}K/V blocks but only {have} of the "
                     f"pool's {self.num_blocks} are free{note}; the other {held} are held{who} (in ComfyUI, the "

@@ -460,8 +460,8 @@ def _recipe(size: tuple[int, int], pp: Preprocessing) -> str:
 
 def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, device=None) -> list[VisionInput]:
     """Each image of a ComfyUI IMAGE batch [B, H, W, C] -> a VisionInput (one tower input per image), its
-    patches made when first read (the whole batch, an image at a time). device: where to resize (the model's GPU: much
-    faster than the CPU for large images)."""
+    patches made when first read (the whole batch, an image at a time). device: where to resize (the model's GPU:
+    much faster than the CPU for large images)."""
     pp = pp or Preprocessing()
     b, h, w, c = _check_images(images)
     given = images
