@@ -312,43 +312,54 @@ class KVPool:
         seq.blocks, seq.num_tokens = [], 0
 
     @_locked
-    def fork(self, seq: SequenceBlocks, keep: Optional[Snapshot] = None,
-             last_resort: bool = False) -> tuple[SequenceBlocks, list[tuple[int, int]]]:
-        """A copy-on-write child of `seq` (a Generate forked from a Prefill, a prompt resumed from a snapshot):
-        full blocks shared; a partly filled last block is replaced by a fresh one, returned as a (src, dst)
-        copy for the caller to make in every layer before anything else allocates. The parent's blocks are
-        held while the fresh one is allocated, so eviction (of a snapshot that alone held them) cannot take
-        them; `keep` (the snapshot `seq` comes from) is not evicted for it, so a failed fork leaves its
-        blocks where they were. Where no block is to be had and `keep` alone holds the partly filled block, the
-        child takes that block over instead of a copy: the snapshot reads only its first tokens, which the child
-        never writes (a later fork from the snapshot copies it, as it would any shared block), so a prompt that
-        fits the pool read cold is not refused for resuming from its own cached prefix. `last_resort` (a pool that
-        cannot grow): where other snapshots share that block with `keep` and no live sequence holds it, they are
-        dropped (the child writes over their later tokens, as a cold read would evict them) and the child takes it
-        over; a store that grows passes False and grows instead, keeping them. The parent is not changed."""
+    def fork(self, seq: SequenceBlocks, keep: Optional[Snapshot] = None, last_resort: bool = False, room: int = 0,
+             what: str = "") -> tuple[SequenceBlocks, list[tuple[int, int]]]:
+        """A copy-on-write child of `seq` (a Generate forked from a Prefill, a prompt resumed from a snapshot) with
+        blocks for `room` positions: full blocks shared; a partly filled last block is replaced by a fresh one,
+        returned as a (src, dst) copy for the caller to make in every layer before anything else allocates; fresh
+        blocks for the rest. All or nothing: a child that cannot have its room changes nothing (no snapshot is
+        evicted for a prompt that is then refused). The parent's blocks are held while the fresh ones are
+        allocated, so eviction (of a snapshot that alone held them) cannot take them; `keep` (the snapshot `seq`
+        comes from) is not evicted for it, so a failed fork leaves its blocks where they were.
+
+        Where the blocks are not to be had and `keep` alone holds the partly filled block, the child takes that
+        block over instead of a copy: the snapshot reads only its first tokens, which the child never writes (a
+        later fork from the snapshot copies it, as it would any shared block), so a prompt that fits the pool read
+        cold is not refused for resuming from its own cached prefix. `last_resort` (a pool that cannot grow): where
+        other snapshots share that block with `keep` and no live sequence holds it, they are dropped (the child
+        writes over their later tokens, as a cold read would evict them) and the child takes it over; a store that
+        grows passes False and grows instead, keeping them. The parent is not changed."""
         nfull, part = divmod(seq.num_tokens, self.block_size)
         held = seq.blocks[:nfull + (1 if part else 0)]
+        total = max(self.blocks_for(room), len(held))
+        what = what or ("a copy of the prefix's partly filled last block" if total == len(held) else "")
+        self._check_fits(total, what)
         self.retain(held)
-        if not part:
-            return SequenceBlocks(list(held), seq.num_tokens), []
         try:
-            dst = self.allocate(1, keep=keep, what="a copy of the prefix's partly filled last block", own=len(held))[0]
-        except PoolExhausted:
-            last = held[nfull]
-            sharers = [s for s in self._snapshots.values() if last in s.blocks]
-            alone = any(s is keep for s in sharers) and self.refcount[last] == 1 + len(sharers)  # (the fork's, theirs)
-            if not alone or (len(sharers) > 1 and not last_resort):
-                self.release(held)
-                raise
-            for snap in sharers:
-                if snap is not keep:
-                    self._drop(snap)
-            return SequenceBlocks(list(held), seq.num_tokens), []
-        except BaseException:  # a Ctrl+C too: the held blocks go back
+            if not part:
+                fresh = self.allocate(total - nfull, keep, what, own=len(held)) if total > nfull else []
+                return SequenceBlocks(held + fresh, seq.num_tokens), []
+            try:
+                fresh = self.allocate(total - nfull, keep, what, own=len(held))
+            except PoolExhausted as refused:
+                last = held[nfull]
+                sharers = [s for s in self._snapshots.values() if last in s.blocks]
+                alone = any(s is keep for s in sharers) and self.refcount[last] == 1 + len(sharers)  # the fork's too
+                if not alone or (len(sharers) > 1 and not last_resort):
+                    raise
+                try:  # the partly filled block taken over: one block fewer to find
+                    fresh = self.allocate(total - nfull - 1, keep, what, own=len(held)) if total > nfull + 1 else []
+                except PoolExhausted:
+                    raise refused from None
+                for snap in sharers:  # (those the allocation evicted are gone already)
+                    if snap is not keep and self._snapshots.get(snap.key) is snap:
+                        self._drop(snap)
+                return SequenceBlocks(held + fresh, seq.num_tokens), []
+        except BaseException:  # a refusal, a Ctrl+C too: the held blocks go back
             self.release(held)
             raise
         self.release(held[nfull:])  # the partly filled block: only its copy is the child's
-        return SequenceBlocks(held[:nfull] + [dst], seq.num_tokens), [(held[nfull], dst)]
+        return SequenceBlocks(held[:nfull] + fresh, seq.num_tokens), [(held[nfull], fresh[0])]
 
     # ------------------------------------------------------------------ prefix cache
     @_locked

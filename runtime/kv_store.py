@@ -153,16 +153,18 @@ class KVStore:
               keep=None) -> SequenceBlocks:
         """A new sequence whose first `num_tokens` positions are those of `blocks` (a copy-on-write fork,
         KVPool.fork: shared, a partly filled last block copied, since the new sequence writes after it),
-        with room for `capacity`, released when `owner` is collected. keep: the snapshot the blocks come
-        from (not evicted to make room for the fork)."""
+        with room for `capacity`, released when `owner` is collected; a refusal changes nothing in the pool.
+        keep: the snapshot the blocks come from (not evicted to make room for the fork)."""
         parent = SequenceBlocks(list(blocks[:self.pool.blocks_for(num_tokens)]), num_tokens)
-        seq, copies = self._with_room(lambda: self.pool.fork(parent, keep, last_resort=not self.growable), 1)
+        room = max(capacity, num_tokens)
+        seq, copies = self._with_room(
+            lambda: self.pool.fork(parent, keep, last_resort=not self.growable, room=room, what=what),
+            self.pool.blocks_for(room) - num_tokens // self.block_size)
         weakref.finalize(owner, self.pool.free, seq)
         try:
             for src, dst in copies:
                 self.copy_block(src, dst)
-            self.reserve(seq, max(capacity, num_tokens), what)
-        except BaseException:  # (room refused, out of memory): the fork's blocks go back now, not with `owner`
+        except BaseException:  # (out of memory): the fork's blocks go back now, not with `owner`
             self.pool.free(seq)
             raise
         return seq

@@ -100,22 +100,23 @@ def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) ->
 def growth_bytes(model: Qwen35Model, n_tokens: int, after: int = 0) -> int:
     """The new pool tensors an auto (growable) K/V store allocates, while the old ones are still there, when
     its free blocks (snapshots' blocks not counted) do not hold `n_tokens` more; 0 otherwise. after: the positions
-    before them in a sequence forked from another (a follow-up turn), whose partly filled last block is copied
-    first: then the fork and the rest each take their blocks, and the store can grow twice."""
+    before them in a sequence forked from another (a follow-up turn), whose partly filled last block is copied:
+    the fork takes that copy and the rest in one call (KVStore.share)."""
     bs = model._kv.block_size if getattr(model, "_kv", None) is not None else 1
-    return _grown_bytes(model, [1 if after % bs else 0, -(-(after + n_tokens) // bs) - -(-after // bs)])
+    return _grown_bytes(model, [(1 if after % bs else 0) + -(-(after + n_tokens) // bs) - -(-after // bs)])
 
 
 def generation_growth_bytes(model: Qwen35Model, n_prompt: int, answer: int) -> int:
-    """growth_bytes for a generation of `answer` tokens after `n_prompt`: it copies the prefill's partly filled last
-    block, then takes its room a step at a time (generate.kv_capacity), so an auto store may grow more than once,
-    each time into new tensors while the old ones are still there."""
+    """growth_bytes for a generation of `answer` tokens after `n_prompt`: its fork copies the prefill's partly
+    filled last block and takes the first token's room in one call, then the answer takes its room a step at a
+    time (generate.kv_capacity), so an auto store may grow more than once, each time into new tensors while the
+    old ones are still there."""
     store = getattr(model, "_kv", None)
     if store is None or not store.growable or answer <= 0:
         return 0
     from .generate import kv_capacity  # generate.py imports this module
     blocks_for = store.pool.blocks_for
-    takes = [1 if n_prompt % store.block_size else 0, blocks_for(n_prompt + 1) - blocks_for(n_prompt)]
+    takes = [(1 if n_prompt % store.block_size else 0) + blocks_for(n_prompt + 1) - blocks_for(n_prompt)]
     end, capacity = n_prompt + answer, n_prompt + 1
     while capacity < end:
         step = kv_capacity(capacity + 1, capacity, end)

@@ -343,6 +343,62 @@ def test_a_pool_that_cannot_grow_drops_the_snapshots_sharing_a_resumed_prompts_p
     assert pool.match(u) is at40 and pool.num_free == 0
 
 
+def test_a_fork_refused_its_room_changes_nothing():
+    """A fork takes the child's whole room at once (KVStore.share: a resumed prompt, an answer), all or nothing: a
+    prompt refused for want of room evicts no snapshot to copy its prefix's partly filled block, nor drops the
+    snapshots sharing a block it would take over (a fork, then a refused reserve, left the prefix cache short)."""
+    pool = KVPool(5, 16)
+    live = SequenceBlocks()
+    pool.reserve(live, 20)  # a live prefill: blocks 0, 1
+    live.num_tokens = 20
+    t = _toks(20, 1)
+    seq = _admit(pool, t)[0]
+    seq.num_tokens = 20
+    at20 = pool.save_snapshot(seq, t, 20, "s20", 1)
+    pool.free(seq)
+    u = _toks(16, 2)
+    seq = _admit(pool, u)[0]
+    seq.num_tokens = 16
+    pool.save_snapshot(seq, u, 16, "s16", 1)
+    pool.free(seq)
+    assert pool.num_free == 0
+
+    def unchanged(call, error):
+        before = (list(pool.refcount), pool.num_free, [s.states for s in pool.snapshots])
+        with pytest.raises(error):
+            call()
+        assert (list(pool.refcount), pool.num_free, [s.states for s in pool.snapshots]) == before
+
+    parent = SequenceBlocks(list(at20.blocks), 20)
+    unchanged(lambda: pool.fork(parent, keep=at20, last_resort=True, room=140), PromptTooLong)  # 9 blocks > 5
+    unchanged(lambda: pool.fork(parent, keep=at20, last_resort=True, room=60), PoolExhausted)  # 4 blocks: 3 to be had
+    unchanged(lambda: pool.fork(live, last_resort=True, room=120), PromptTooLong)  # a follow-up turn
+    child, copies = pool.fork(parent, keep=at20, last_resort=True, room=32)  # 2 blocks: the copy evicts s16
+    assert child.blocks[0] == at20.blocks[0] and copies == [(at20.blocks[1], child.blocks[1])]
+    assert [s.states for s in pool.snapshots] == ["s20"]
+    _check_refcounts(pool, [live, child])
+    pool.free(child)
+    pool.save_snapshot(SequenceBlocks([pool.allocate(1)[0]], 16), u, 16, "s16", 1)
+    pool.release(pool.snapshots[-1].blocks)  # (the snapshot alone holds it)
+    child, copies = pool.fork(parent, keep=at20, last_resort=True, room=48)  # 3 blocks: one to be had
+    assert child.blocks[:2] == at20.blocks and copies == []  # the partly filled block taken over
+    assert [s.states for s in pool.snapshots] == ["s20"]
+    _check_refcounts(pool, [live, child])
+
+    pool = KVPool(3, 16)  # two snapshots in one block, a prompt resumed from the first
+    t = _toks(45)
+    seq = _admit(pool, t)[0]
+    seq.num_tokens = 45
+    at40 = pool.save_snapshot(seq, t, 40, "s40", 1)
+    pool.save_snapshot(seq, t, 45, "s45", 1)
+    pool.free(seq)
+    parent = SequenceBlocks(list(at40.blocks), 40)
+    unchanged(lambda: pool.fork(parent, keep=at40, last_resort=True, room=70), PromptTooLong)
+    child, copies = pool.fork(parent, keep=at40, last_resort=True, room=48)
+    assert child.blocks == at40.blocks and copies == [] and [s.states for s in pool.snapshots] == ["s40"]
+    _check_refcounts(pool, [child])
+
+
 def test_lru_eviction_frees_blocks_for_new_prompts():
     pool = KVPool(12, 16)
     snaps = []
