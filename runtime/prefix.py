@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from .chat import IM_END, IM_START
+from .errors import Qwen35Error, whole_number
 from .host import upload
 from .kv_pool import MediaSpan
 from .model import Cache, GDNState, Qwen35Model
@@ -70,10 +71,14 @@ def prefill_reusing(model: Qwen35Model, ids: Sequence[int], points: Sequence[int
     (prefill_graph.py), the same computation as the eager pass; the cache keeps the blocks of its tokens
     either way.
     """
+    if at_most is not None:
+        bound = whole_number(at_most)
+        if bound is None or bound < 0:
+            raise Qwen35Error(f"reuse_at_most={at_most!r}: it takes a whole number of tokens (0 or more), or None to "
+                              "reuse all a cached prefix offers")
+        limit = bound if limit is None else min(limit, bound)
     store = model.kv
     drop_stale(model)  # passes of a store that grew since (whatever path this prompt takes: they never run again)
-    if at_most is not None:
-        limit = at_most if limit is None else min(limit, at_most)
     snap = store.pool.match(ids, media, max_tokens=limit) if use_cache else None
     n = snap.num_tokens if snap is not None else 0
     if start is not None and start.length >= n:

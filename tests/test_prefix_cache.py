@@ -2,6 +2,8 @@
 or its system prompt and image, with an earlier one runs only the rest, and gives the logits of a cold
 prefill of the same prompt (fp32 on the CPU: 1e-4) and of transformers; images are keyed by content;
 snapshots are evicted under the budget; unused pool blocks never reach a result."""
+import re
+
 import pytest
 import torch
 from test_vision_vs_transformers import SMALL, TOWERS, _hf_logits, _image, _make
@@ -98,6 +100,15 @@ def test_a_prompt_read_again_from_where_an_earlier_read_started_gives_its_logits
         assert longest.cached_tokens > first.cached_tokens and not torch.equal(longest.logits, first.logits)
         same = prefill(model, prompt, system_prompt=SYSTEM, reuse_at_most=first.cached_tokens)
         assert same.cached_tokens == first.cached_tokens and torch.equal(same.logits, first.logits)
+
+
+@pytest.mark.parametrize("bound", ["3", -1, 2.5, True])
+def test_a_reuse_bound_that_is_no_token_count_is_named(model, bound):
+    """reuse_at_most takes a whole number of tokens: text, a negative or a fraction raised TypeError from the
+    comparison inside the prefix match (or bounded nothing), now a Qwen35Error naming it, before any work."""
+    with pytest.raises(Qwen35Error, match=rf"reuse_at_most={re.escape(repr(bound))}: it takes a whole number"):
+        prefill(model, "Describe a red circle.", system_prompt=SYSTEM, reuse_at_most=bound)
+    assert prefill(model, "Describe a red circle.", system_prompt=SYSTEM, reuse_at_most=0).cached_tokens == 0
 
 
 def test_the_system_prompts_snapshot_ends_after_its_newline(model):
