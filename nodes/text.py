@@ -207,14 +207,18 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
     event = {"node": node_id, "display_node": display_node, "item": item}
     thinking = pf.prefill.thinking
+    tail = {"text": "", "answering": False}  # the stream's last characters; whether </think> passed before them
 
     def on_token(delta: str, n_done: int, total: int):
         mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
         bar.update_absolute(n_done, total)
         # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
-        # (thinking in every event: a page reloaded mid-answer lays the answer out from any of them)
+        # (thinking and answering in every event: a page reloaded mid-answer lays the answer out from any of them;
+        # answering: the thinking ended before this delta, so the page that joins now shows it all as the answer)
         _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time(),
-                              "thinking": thinking})
+                              "thinking": thinking, "answering": tail["answering"]})
+        tail["text"] = (tail["text"] + delta)[-2 * len(THINK_CLOSE):]
+        tail["answering"] = tail["answering"] or (thinking and THINK_CLOSE in tail["text"])
 
     _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                           "thinking": thinking})

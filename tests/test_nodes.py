@@ -234,6 +234,30 @@ def test_each_answer_of_a_list_streams_with_its_place(pack, loaded, monkeypatch)
         assert d["item"] == item
 
 
+def test_each_stream_event_says_whether_the_thinking_ended_before_it(pack, loaded, monkeypatch):
+    """With thinking on, every token event carries `answering`: whether </think> came before its delta, so that a
+    page reloaded mid-answer shows the rest as the answer, not as thinking (web/qwen35.js). The close itself is
+    still thinking's last delta; a </think> spelled over two deltas counts too."""
+    import types
+
+    import qwen35_fast.runtime as runtime
+    events = []
+    monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
+    deltas = ["Hmm", " so", "</think>", "\n\nRed", ".", " </thi", "nk>", " end"]
+
+    def scripted(model, pf, max_new_tokens, sampling, seed, on_token):
+        for n, d in enumerate(deltas, 1):
+            on_token(d, n, max_new_tokens)
+        return types.SimpleNamespace(text="Red. </think> end", thinking="Hmm so", token_ids=[], n_tokens=len(deltas),
+                                     first_token_ms=1.0, decode_tokens_per_s=1.0, finish_reason="stop")
+    monkeypatch.setattr(runtime, "generate", scripted)
+    _generate(pack, _prefill(pack, loaded, thinking=True), max_new_tokens=20)
+    assert [d["answering"] for d in events if d["n"]] == [False, False, False, True, True, True, True, True]
+    events.clear()
+    _generate(pack, _prefill(pack, loaded, thinking=False), max_new_tokens=20)
+    assert not any(d["answering"] for d in events if d["n"])  # no thinking block: nothing to end
+
+
 def test_stream_goes_to_the_prompt_s_client_only(pack, comfy, monkeypatch):
     """As ComfyUI's own node events: to the client that queued the prompt, and to nobody for a prompt queued
     without a client id (not to every open tab)."""

@@ -3,7 +3,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t} (and `thinking` when n is 0)
+// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t, thinking} (and `answering` when n
+// is above 0: the thinking ended before this delta)
 const STREAM_EVENT = "qwen35.stream";
 const THINK_END = "</think>";
 
@@ -145,25 +146,38 @@ function streamed(view) {
   return [raw.slice(0, end).trim(), raw.slice(end + THINK_END.length).trimStart()];
 }
 
-// The answer being streamed after the finished ones of its list, each numbered by its place ([2] ...).
+// The answer being streamed after the finished ones of its list, each numbered by its place in the list ([2] ...;
+// a page that joined mid-list starts at the answer it joined).
 function withEarlier(view, answer) {
   if (!view.done.length) return answer;
-  return [...view.done, answer].map((t, i) => `[${i + 1}] ${t}`).join("\n\n");
+  const first = view.item - view.done.length;
+  return [...view.done, answer].map((t, i) => `[${first + i + 1}] ${t}`).join("\n\n");
+}
+
+// A finished answer of a list, as nodes/text.py splits it: a turn that ended before its max_new_tokens without
+// closing its thinking is all answer (the model's end of turn), one cut at max_new_tokens there has none.
+function finishedAnswer(view) {
+  if (view.expectThinking && !view.sawEnd && view.n < view.max) return view.raw.replace(/^\s*<think>/, "").trim();
+  return streamed(view)[1].trim();
 }
 
 // The view laid out for the answer event d begins (every stream event says whether the answer thinks).
 function startAnswer(view, d) {
   view.promptId = d.prompt_id; // a cancel or an error of this run stops it
+  view.item = d.item ?? 0;
   view.raw = "";
   view.sawEnd = false;
-  view.expectThinking = !!d.thinking;
+  view.n = d.n;
+  view.max = d.max;
+  // (a page that joins after the thinking ended shows the rest as the answer: the thinking went to the old page)
+  view.expectThinking = !!d.thinking && !d.answering;
   view.thinking.open = view.expectThinking; // watch the thinking while it is written; fold it after
 }
 
 function onStream(view, d) {
   if (d.n === 0) {
     // the next answer of a list of prefills keeps the finished ones; a new run starts afresh
-    if ((d.item ?? 0) > 0 && view.promptId === d.prompt_id) view.done.push(streamed(view)[1].trim());
+    if ((d.item ?? 0) > 0 && view.promptId === d.prompt_id) view.done.push(finishedAnswer(view));
     else view.done = [];
     startAnswer(view, d);
     view.stats.textContent = `generating (max ${d.max} tokens)…`;
@@ -176,6 +190,8 @@ function onStream(view, d) {
     startAnswer(view, d);
   }
   view.raw += d.delta;
+  view.n = d.n;
+  view.max = d.max;
   view.stats.textContent = `${d.n} / ${d.max} tokens`;
   if (view.expectThinking && !view.sawEnd && view.raw.includes(THINK_END)) {
     view.thinking.open = false; // thinking done: fold it, show the answer
@@ -191,7 +207,7 @@ function onStopped(view, why) {
   streamingViews.delete(view);
   view.answer.classList.remove("qwen35-streaming");
   const n = view.stats.textContent.match(/^(\d+) \//);
-  const of = view.done.length ? ` of answer ${view.done.length + 1}` : "";
+  const of = view.item || view.done.length ? ` of answer ${view.item + 1}` : "";
   view.stats.textContent = n ? `${why} after ${n[1]} tokens${of}` : why + of;
 }
 

@@ -1,0 +1,82 @@
+// The Generate node's streamed text on the page (web/qwen35.js), from the events nodes/text.py sends; run by
+// tests/test_web_stream.py. Each case is an event sequence and what the node shows after it.
+import assert from "node:assert/strict";
+import { makeEnv, load, FakeGraph, makeNode, panel } from "./harness.mjs";
+
+async function page() {
+  const env = makeEnv();
+  const g = new FakeGraph();
+  env.app.rootGraph = g;
+  await load(env);
+  return { env, gen: makeNode(g, "Qwen35Generate", 5) };
+}
+
+const cases = {
+  // a page reloaded after the answer's </think> (the thinking went to the old page): the rest is the answer
+  async "a page that joins after the thinking shows the rest as the answer"() {
+    const { env, gen } = await page();
+    const ev = (n, delta) => ({ node: "5", display_node: "5", item: 0, prompt_id: "P1", delta, n, max: 256, t: 0,
+      thinking: true, answering: true });
+    env.api.emit("qwen35.stream", ev(31, "The answer"));
+    env.api.emit("qwen35.stream", ev(32, " is 42."));
+    assert.equal(panel(gen).answer, "The answer is 42.");
+    assert.equal(panel(gen).thinkingHidden, true);
+    env.api.emit("qwen35.stream", ev(33, " More."));
+    env.api.emit("execution_interrupted", { prompt_id: "P1" });
+    assert.deepEqual([panel(gen).answer, panel(gen).stats], ["The answer is 42. More.", "stopped after 33 tokens"]);
+  },
+  // one that joins while the model thinks (answering false) still folds the thinking at </think>
+  async "a page that joins while the model thinks shows the thinking apart"() {
+    const { env, gen } = await page();
+    const ev = (n, delta, answering) => ({ node: "5", display_node: "5", item: 0, prompt_id: "P1", delta, n,
+      max: 256, t: 0, thinking: true, answering });
+    env.api.emit("qwen35.stream", ev(5, " so red", false));
+    env.api.emit("qwen35.stream", ev(6, "</think>", false));
+    env.api.emit("qwen35.stream", ev(7, "Red.", true));
+    assert.deepEqual([panel(gen).thinking, panel(gen).answer], ["so red", "Red."]);
+  },
+  // a list's answer that ended (end of turn, before max_new_tokens) without closing its thinking is all answer,
+  // as nodes/text.py splits it; one cut at max_new_tokens there has none
+  async "a finished answer of a list is split as the node splits it"() {
+    const { env, gen } = await page();
+    const ev = (item, n, delta, max = 256) => ({ node: "5", display_node: "5", item, prompt_id: "P1", delta, n, max,
+      t: 0, thinking: true });
+    env.api.emit("qwen35.stream", ev(0, 0, ""));
+    env.api.emit("qwen35.stream", ev(0, 1, "A red"));
+    env.api.emit("qwen35.stream", ev(0, 2, " car."));
+    env.api.emit("qwen35.stream", ev(1, 0, "", 2));
+    env.api.emit("qwen35.stream", ev(1, 1, "Hmm", 2));
+    env.api.emit("qwen35.stream", ev(1, 2, " no", 2));
+    env.api.emit("qwen35.stream", ev(2, 0, ""));
+    env.api.emit("qwen35.stream", ev(2, 1, "Hmm"));
+    env.api.emit("qwen35.stream", ev(2, 2, "</think>"));
+    env.api.emit("qwen35.stream", ev(2, 3, "A dog."));
+    assert.equal(panel(gen).answer, "[1] A red car.\n\n[2] \n\n[3] A dog.");
+    env.api.emit("execution_interrupted", { prompt_id: "P1" });
+    assert.equal(panel(gen).stats, "stopped after 3 tokens of answer 3");
+  },
+  // a page that joins a list mid-way numbers the answers by their place in the list
+  async "a page that joins mid-list numbers the answers by their place"() {
+    const { env, gen } = await page();
+    const ev = (item, n, delta) => ({ node: "5", display_node: "5", item, prompt_id: "P1", delta, n, max: 64, t: 0,
+      thinking: false });
+    env.api.emit("qwen35.stream", ev(1, 7, " dog."));
+    env.api.emit("qwen35.stream", ev(2, 0, ""));
+    env.api.emit("qwen35.stream", ev(2, 1, "A cat."));
+    assert.equal(panel(gen).answer, "[2] dog.\n\n[3] A cat.");
+    env.api.emit("execution_interrupted", { prompt_id: "P1" });
+    assert.equal(panel(gen).stats, "stopped after 1 tokens of answer 3");
+  },
+};
+
+let failed = 0;
+for (const [name, run] of Object.entries(cases)) {
+  try {
+    await run();
+    console.log(`ok ${name}`);
+  } catch (e) {
+    failed += 1;
+    console.log(`FAILED ${name}\n${e.stack}`);
+  }
+}
+process.exit(failed ? 1 : 0);
