@@ -15,7 +15,8 @@ NODE = shutil.which("node")
 @pytest.mark.skipif(NODE is None, reason="Node.js is not installed")
 def test_the_streamed_answer_on_the_page(tmp_path):
     src = (ROOT / "web" / "qwen35.js").read_text(encoding="utf-8")
-    mocked, n = re.subn(r'^import \{ (app|api) \} from "[^"]+";$', r"const { \1 } = globalThis.__mocks;", src, flags=re.M)
+    mocked, n = re.subn(r'^import \{ (app|api) \} from "[^"]+";$', r"const { \1 } = globalThis.__mocks;", src,
+                        flags=re.M)
     assert n == 2, "web/qwen35.js no longer imports app and api as the test expects"
     (tmp_path / "qwen35.mjs").write_text(mocked, encoding="utf-8")
     for name in ("harness.mjs", "stream_cases.mjs"):
