@@ -406,6 +406,8 @@ app.registerExtension({
     const ended = (why) => ({ detail }) => {
       const ofRun = (view) => !detail?.prompt_id || !view.promptId || view.promptId === detail.prompt_id;
       if (why) for (const view of [...streamingViews].filter(ofRun)) onStopped(view, why);
+      // a finished run's views still streaming lost their node (deleted mid-run): no `executed` comes for them
+      else for (const view of [...streamingViews].filter(ofRun)) streamingViews.delete(view);
       queuedBy.delete(detail?.prompt_id);
     };
     api.addEventListener("execution_interrupted", ended("stopped"));
