@@ -45,28 +45,15 @@ import random
 from collections import Counter
 
 import pytest
+from test_kv_pool import _check_refcounts, _toks
 
 from qwen35_fast.runtime.kv_pool import KVPool, PoolExhausted, PromptTooLong, SequenceBlocks, prefix_key
+from qwen35_fast.runtime.kv_store import GROWTH  # a growing store takes at least this many times its blocks
 
-GROWTH = 1.5  # KVStore.GROWTH: a growing store takes at least this many times its blocks
 VOCAB = 248_000
+
 FILLER = "filler"  # what a padded prefill writes past the prompt (never read)
 FIXED, NO_LAST_RESORT, GROWS = "fixed", "no-last-resort", "grows"  # admission modes: see Fuzz.admit
-
-
-def _toks(n, seed=0):
-    r = random.Random(seed)
-    return [r.randrange(VOCAB) for _ in range(n)]
-
-
-def _check_refcounts(pool, live):
-    """Every block's count equals the live sequences plus snapshots listing it; the rest are free."""
-    want = [0] * pool.num_blocks
-    for holder in list(live) + pool.snapshots:
-        for b in holder.blocks:
-            want[b] += 1
-    assert pool.refcount == want
-    assert pool.num_free == want.count(0)
 
 
 def _chain(tokens, start=None):
