@@ -315,6 +315,15 @@ function findNode(id) {
   return node;
 }
 
+// The node an entry of the front end's outputs belongs to: keyed by node id in the root graph, and by
+// "<subgraph id>:<node id>" (a locator) inside a subgraph; an execution id path ("12:5") where the key is one.
+function nodeOfOutput(key) {
+  const cut = key.lastIndexOf(":");
+  const subgraph = cut > 0 ? app.rootGraph?.subgraphs?.get?.(key.slice(0, cut)) : null;
+  if (subgraph) return subgraph.getNodeById(key.slice(cut + 1)) ?? subgraph.getNodeById(Number(key.slice(cut + 1)));
+  return findNode(key);
+}
+
 // --- Which workflow a run writes into ---
 // The front end shows one of several workflow tabs and makes a tab's graph again from its saved state each time it
 // is shown, while ComfyUI's events name a node by its id alone: a run must find its node in the workflow that
@@ -419,9 +428,9 @@ app.registerExtension({
   onNodeOutputsUpdated(outputs) {
     adoptKept();
     const skip = foreign.get(shownWorkflow());
-    for (const node of app.graph?.nodes ?? []) {
-      const view = node.qwen35, output = outputs?.[String(node.id)];
-      if (!view || !output || skip?.has(String(node.id)) || streamingViews.has(view)) continue;
+    for (const [id, output] of Object.entries(outputs ?? {})) {
+      const view = nodeOfOutput(id)?.qwen35;
+      if (!view || !output || skip?.has(id) || streamingViews.has(view)) continue;
       const blank = view.kind === "generate" ? !view.answer.textContent && !view.stats.textContent
         : !view.stats.textContent;
       if (blank) showOutput(view, output);

@@ -7,8 +7,8 @@ async function page() {
   const env = makeEnv();
   const g = new FakeGraph();
   env.app.rootGraph = g;
-  await load(env);
-  return { env, gen: makeNode(g, "Qwen35Generate", 5) };
+  const ext = await load(env);
+  return { env, ext, g, gen: makeNode(g, "Qwen35Generate", 5) };
 }
 
 const cases = {
@@ -66,6 +66,17 @@ const cases = {
     assert.equal(panel(gen).answer, "[2] dog.\n\n[3] A cat.");
     env.api.emit("execution_interrupted", { prompt_id: "P1" });
     assert.equal(panel(gen).stats, "stopped after 1 tokens of answer 3");
+  },
+  // a past job opened again: the front end's outputs are keyed "<subgraph id>:<node id>" inside a subgraph
+  async "a past job's outputs fill the panels of nodes inside a subgraph too"() {
+    const { ext, g, gen } = await page();
+    const sub = new FakeGraph();
+    g.subgraphs = new Map([["0b4e4e0e-0000-4000-8000-000000000001", sub]]);
+    const inner = makeNode(sub, "Qwen35Generate", 5);
+    const out = (text) => ({ text: [text], thinking: [""], qwen35_generate: [{ n_tokens: 2, first_token_ms: 5,
+      decode_tokens_per_s: 9, finish_reason: "stop" }] });
+    ext.onNodeOutputsUpdated({ "0b4e4e0e-0000-4000-8000-000000000001:5": out("inside"), 5: out("outside") });
+    assert.deepEqual([panel(inner).answer, panel(gen).answer], ["inside", "outside"]);
   },
 };
 
