@@ -551,19 +551,24 @@ def generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if type(i) is int and i >= 0)
 
 
-def read_config(cfg_file: Path) -> dict:
-    """A checkpoint's config.json as a dict, read as UTF-8 whatever the locale; a Qwen35Error naming the file when
-    it cannot be read, is not JSON or holds no object."""
+def read_json(file: Path):
+    """A checkpoint's JSON file (config.json, the processor files), read as UTF-8 whatever the locale; a
+    Qwen35Error naming the file when it cannot be read or is not JSON."""
     try:
-        cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
+        return json.loads(file.read_bytes().decode("utf-8"))
     except OSError as e:
-        raise Qwen35Error(f"{cfg_file}: cannot be read ({e.strerror or e}); check the file and its permissions") \
-            from None
+        raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
     except UnicodeDecodeError as e:
-        raise Qwen35Error(f"{cfg_file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is "
+        raise Qwen35Error(f"{file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is "
                           "corrupt, re-download it") from None
     except (json.JSONDecodeError, RecursionError) as e:
-        raise Qwen35Error(f"{cfg_file}: not valid JSON ({e}); re-download it") from None
+        raise Qwen35Error(f"{file}: not valid JSON ({e}); re-download it") from None
+
+
+def read_config(cfg_file: Path) -> dict:
+    """A checkpoint's config.json as a dict (read_json); a Qwen35Error naming the file when it cannot be read, is
+    not JSON or holds no object."""
+    cfg = read_json(cfg_file)
     if not isinstance(cfg, dict):
         raise Qwen35Error(f"{cfg_file}: holds a JSON {type(cfg).__name__}, not an object of settings; "
                           "re-download it")

@@ -18,7 +18,6 @@ Resizing runs in fp32 on the `device` the caller names (the input's own device w
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import numbers
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .checkpoint import read_json
 from .errors import Qwen35Error, flag, whole_number
 from .fingerprint import StreamedHash
 from .host import upload
@@ -88,33 +88,23 @@ def _pixel_limit(name: str, value) -> int:
 
 
 def _read_json(file: Path):
-    """A JSON file's content, None where it is absent; a Qwen35Error naming it when it cannot be read or is not
-    JSON."""
-    if not file.is_file():
-        return None
-    try:
-        return json.loads(file.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
-    except UnicodeDecodeError as e:
-        raise Qwen35Error(f"{file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is corrupt, "
-                          "re-download it") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise Qwen35Error(f"{file}: not valid JSON ({e}); re-download it") from None
+    """A JSON file's content (checkpoint.read_json), None where it is absent."""
+    return read_json(file) if file.is_file() else None
 
 
 def _count(file, key: str, value) -> int:
     """A count a processor file gives (pixels, patch sides, frames, tokens): a whole number of at least 1, as an
     int (JSON may write it as 2.0); else a Qwen35Error naming the file, the key and the value."""
-    if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
-            and value == int(value) and value >= 1:
-        return int(value)
+    count = int(value) if isinstance(value, float) and value.is_integer() else whole_number(value)
+    if count is not None and count >= 1:
+        return count
     raise Qwen35Error(f"{file}: {key} is {value!r}, which is not a whole number above 0; fix the file or "
                       "re-download it (without the file Qwen3.5's defaults apply)")
 
 
 def _rate(file, key: str, value) -> float:
-    if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+    """A rate a processor file gives (fps): a finite number above 0 (frame_rate_ok), as a float."""
+    if frame_rate_ok(value):
         return float(value)
     raise Qwen35Error(f"{file}: {key} is {value!r}, which is not a number above 0; fix the file or re-download it "
                       "(without the file Qwen3.5's defaults apply)")
