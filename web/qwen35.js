@@ -157,8 +157,8 @@ function withEarlier(view, answer) {
 // A finished answer of a list, as nodes/text.py splits it: a turn that ended before its max_new_tokens without
 // closing its thinking is all answer (the model's end of turn), one cut at max_new_tokens there has none.
 function finishedAnswer(view) {
-  if (view.expectThinking && !view.sawEnd && view.n < view.max) return view.raw.replace(/^\s*<think>/, "").trim();
-  return streamed(view)[1].trim();
+  const [thinking, answer] = streamed(view);
+  return (view.expectThinking && !view.sawEnd && view.n < view.max ? thinking : answer).trim();
 }
 
 // The view laid out for the answer event d begins (every stream event says whether the answer thinks).
