@@ -337,7 +337,7 @@ class KVPool:
         self.retain(held)
         try:
             if not part:
-                fresh = self.allocate(total - nfull, keep, what, own=len(held)) if total > nfull else []
+                fresh = self.allocate(total - nfull, keep, what, own=len(held))
                 return SequenceBlocks(held + fresh, seq.num_tokens), []
             try:
                 fresh = self.allocate(total - nfull, keep, what, own=len(held))
@@ -348,7 +348,7 @@ class KVPool:
                 if not alone or (len(sharers) > 1 and not last_resort):
                     raise
                 try:  # the partly filled block taken over: one block fewer to find
-                    fresh = self.allocate(total - nfull - 1, keep, what, own=len(held)) if total > nfull + 1 else []
+                    fresh = self.allocate(total - nfull - 1, keep, what, own=len(held))
                 except PoolExhausted:
                     raise refused from None
                 for snap in sharers:  # (those the allocation evicted are gone already)
