@@ -103,7 +103,7 @@ def growth_bytes(model: Qwen35Model, n_tokens: int, after: int = 0) -> int:
     before them in a sequence forked from another (a follow-up turn), whose partly filled last block is copied:
     the fork takes that copy and the rest in one call (KVStore.share)."""
     bs = model._kv.block_size if getattr(model, "_kv", None) is not None else 1
-    return _grown_bytes(model, [(1 if after % bs else 0) + -(-(after + n_tokens) // bs) - -(-after // bs)])
+    return _grown_bytes(model, [-(-(after + n_tokens) // bs) - after // bs])  # all but the full blocks shared
 
 
 def generation_growth_bytes(model: Qwen35Model, n_prompt: int, answer: int) -> int:
@@ -116,7 +116,7 @@ def generation_growth_bytes(model: Qwen35Model, n_prompt: int, answer: int) -> i
         return 0
     from .generate import kv_capacity  # generate.py imports this module
     blocks_for = store.pool.blocks_for
-    takes = [(1 if n_prompt % store.block_size else 0) + blocks_for(n_prompt + 1) - blocks_for(n_prompt)]
+    takes = [blocks_for(n_prompt + 1) - n_prompt // store.block_size]  # all but the full blocks shared
     end, capacity = n_prompt + answer, n_prompt + 1
     while capacity < end:
         step = kv_capacity(capacity + 1, capacity, end)
