@@ -83,6 +83,19 @@ def _frames_note(model, clip) -> str:
     return f"the video's {note}" if note else ""
 
 
+def _per_image_limit(model, max_pixels: int) -> str:
+    """The scaled-down note's limit for images: max_pixels as given, and where it is below the smallest image the
+    tower takes (one merged patch: 32 x 32 pixels in Qwen3.5), that the images were made that small and no smaller."""
+    if not max_pixels:
+        return "the checkpoint's max_pixels"
+    from ..runtime.media import read_preprocessing
+
+    side = read_preprocessing(getattr(model, "path", None)).factor
+    if max_pixels < side * side:
+        return f"max_pixels {max_pixels:,} (an image is at least {side} x {side} = {side * side:,} pixels)"
+    return f"max_pixels {max_pixels:,} an image"
+
+
 class Qwen35MultimodalPrefill(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -156,7 +169,7 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
                 pf = run(batch, shared, bar=bar is None)
                 notes = []
                 if pf.vision is not None and pf.vision.scaled_down:
-                    per_image = f"{max_pixels} pixels an image" if max_pixels else "the checkpoint's max_pixels"
+                    per_image = _per_image_limit(model.model, max_pixels)
                     limits = ([per_image] if batch is not None else []) \
                         + (["the checkpoint's pixel budget over a video's frames"] if clip is not None else [])
                     notes.append(f"{pf.vision.scaled_down} input(s) scaled down to fit {' / '.join(limits)} "

@@ -116,6 +116,10 @@ def test_bad_input_messages(pack, loaded, models_dir, comfy):
     assert note.startswith("1 input(s) scaled down") and "; pixel values run from" in note
     assert "divide it by 255" in note
     assert _run(pack, loaded, images=torch.rand(1, 64, 64, 3)).ui["qwen35_prefill"][0]["note"] == ""
+    # a max_pixels below the smallest image (one merged patch): the note says what the image was made, not 1 pixel
+    out = _run(pack, loaded, images=torch.rand(1, 64, 96, 3), max_pixels=1)
+    assert out[0][0].prefill.vision.grids == ((1, 2, 2),)
+    assert "max_pixels 1 (an image is at least 32 x 32 = 1,024 pixels)" in out.ui["qwen35_prefill"][0]["note"]
     # a checkpoint without vision weights, given an image
     text_only = make_checkpoint(models_dir / "text_encoders", seed=2, single_file=True, include_vision=False)
     name = "qwen35_text_only.safetensors"
