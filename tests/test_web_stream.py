@@ -1,6 +1,6 @@
 """The page side of Generate's stream (web/qwen35.js) under Node.js: tests/js/stream_cases.mjs feeds the extension
 the events nodes/text.py sends and checks what the node shows (a page reloaded mid-answer, lists of answers, a
-past job's outputs).
+past job's outputs, the workflows it lets go).
 Skipped where Node.js is missing; the browser tests (tests/integration) cover the page in a real ComfyUI."""
 import re
 import shutil
@@ -22,6 +22,6 @@ def test_the_streamed_answer_on_the_page(tmp_path):
     (tmp_path / "qwen35.mjs").write_text(mocked, encoding="utf-8")
     for name in ("harness.mjs", "stream_cases.mjs"):
         shutil.copy(ROOT / "tests" / "js" / name, tmp_path / name)
-    run = subprocess.run([NODE, "stream_cases.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([NODE, "--expose-gc", "stream_cases.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok ") == 5, run.stdout
+    assert run.stdout.count("ok ") == 7, run.stdout

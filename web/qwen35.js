@@ -331,6 +331,11 @@ function nodeOfOutput(key) {
 // workflow shown when it was queued. A prompt this page did not queue (or a front end without a workflow store)
 // writes into the shown graph's node, as ComfyUI's own `executed` handler does.
 const queuedBy = new Map(); // prompt_id -> the workflow (the front end's object) that queued it, until it ends
+// A prompt removed from the queue before it ran (or whose end the page missed, offline) gets no end event: ties
+// are let go when ComfyUI says its queue is empty, but for those made since its last word (their prompt queued
+// after that was said, the word on its way): they are let go at the next empty queue.
+const tiedSinceStatus = new Set();
+const endedUntied = new Set(); // the last prompts that ended before queuePrompt answered (a run all cached)
 const kept = new WeakMap(); // workflow -> Map(node execution id -> view): its panels while other tabs are shown
 // workflow -> Set(node id): ids under which ComfyUI's own handler stored another workflow's output in this one's
 // output store (it writes a run's outputs into the shown graph's store by id), never to be shown from there
@@ -346,7 +351,10 @@ function tieRunsToWorkflows() {
   api.queuePrompt = async function (...args) {
     const workflow = shownWorkflow(); // before the request: a tab switch while it is out must not count
     const res = await queuePrompt.apply(this, args);
-    if (workflow && res?.prompt_id) queuedBy.set(res.prompt_id, workflow);
+    if (workflow && res?.prompt_id && !endedUntied.delete(res.prompt_id)) {
+      queuedBy.set(res.prompt_id, workflow);
+      tiedSinceStatus.add(res.prompt_id);
+    }
     return res;
   };
 }
@@ -417,8 +425,17 @@ app.registerExtension({
       if (why) for (const view of [...streamingViews].filter(ofRun)) onStopped(view, why);
       // a finished run's views still streaming lost their node (deleted mid-run): no `executed` comes for them
       else for (const view of [...streamingViews].filter(ofRun)) streamingViews.delete(view);
-      queuedBy.delete(detail?.prompt_id);
+      if (!queuedBy.delete(detail?.prompt_id) && detail?.prompt_id) {
+        endedUntied.add(detail.prompt_id);
+        if (endedUntied.size > 64) endedUntied.delete(endedUntied.values().next().value);
+      }
     };
+    api.addEventListener("status", ({ detail }) => {
+      if (detail?.exec_info?.queue_remaining === 0) {
+        for (const id of queuedBy.keys()) if (!tiedSinceStatus.has(id)) queuedBy.delete(id);
+      }
+      tiedSinceStatus.clear();
+    });
     api.addEventListener("execution_interrupted", ended("stopped"));
     api.addEventListener("execution_error", ended("failed"));
     api.addEventListener("execution_success", ended(null));

@@ -78,7 +78,49 @@ const cases = {
     ext.onNodeOutputsUpdated({ "0b4e4e0e-0000-4000-8000-000000000001:5": out("inside"), 5: out("outside") });
     assert.deepEqual([panel(inner).answer, panel(gen).answer], ["inside", "outside"]);
   },
+  // the page ties a prompt to the workflow that queued it until its end event; one removed from the queue before it
+  // ran gets none, and is let go when ComfyUI says the queue is empty (not by a word said before it was queued)
+  async "a prompt removed from the queue lets go of its workflow"() {
+    const { env } = await page();
+    let workflow = { name: "a tab closed later" };
+    env.workflowStore.activeWorkflow = workflow;
+    await env.api.queuePrompt(0, {});
+    const tie = new WeakRef(workflow);
+    env.workflowStore.activeWorkflow = workflow = null;
+    env.api.emit("status", { exec_info: { queue_remaining: 0 } }); // said before the prompt was queued
+    assert.ok(await collected(tie) === false, "a prompt still queued lost its workflow");
+    env.api.emit("status", { exec_info: { queue_remaining: 1 } });
+    env.api.emit("status", { exec_info: { queue_remaining: 0 } });
+    assert.ok(await collected(tie), "the workflow of a prompt removed from the queue is still held");
+  },
+  // a run all cached can end before queuePrompt answers: its tie is never made
+  async "a prompt that ended before queuePrompt answered is not tied"() {
+    const env = makeEnv();
+    env.app.rootGraph = new FakeGraph();
+    env.api.queuePrompt = async () => {
+      env.api.emit("execution_start", { prompt_id: "C1" });
+      env.api.emit("execution_success", { prompt_id: "C1" });
+      return { prompt_id: "C1" };
+    };
+    await load(env);
+    let workflow = { name: "a tab closed later" };
+    env.workflowStore.activeWorkflow = workflow;
+    await env.api.queuePrompt(0, {});
+    const tie = new WeakRef(workflow);
+    env.workflowStore.activeWorkflow = workflow = null;
+    assert.ok(await collected(tie), "the workflow of a prompt that had ended is still held");
+  },
 };
+
+// whether the object behind `ref` is gone after garbage collection (node --expose-gc)
+async function collected(ref) {
+  for (let i = 0; i < 3; i++) {
+    await new Promise((r) => setTimeout(r, 0));
+    globalThis.gc();
+  }
+  await new Promise((r) => setTimeout(r, 0));
+  return ref.deref() === undefined;
+}
 
 let failed = 0;
 for (const [name, run] of Object.entries(cases)) {
