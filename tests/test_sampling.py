@@ -184,6 +184,18 @@ def test_draw_takes_the_first_candidate_past_u():
     assert [int(draw_ref(w, u)) for u in (0.0, 0.49, 0.5, 0.74, 0.75, 1 - 2 ** -53)] == [0, 0, 2, 2, 3, 3]
 
 
+def test_a_draw_summed_in_fp32_never_takes_a_candidate_without_weight(monkeypatch):
+    """Apple's GPUs sum the weights in fp32, where u * total rounds to the total for u above 1 - 2**-25: the draw
+    stays on the last candidate with weight (the fp32 sum run here on the CPU)."""
+    import importlib
+    ref = importlib.import_module("qwen35_fast.kernels.sampling.reference")
+    w = torch.tensor([0.6, 0.4, 0.0, 0.0])
+    u = 1 - 2 ** -26
+    assert int(draw_ref(w, u)) == 1
+    monkeypatch.setattr(ref, "sum_dtype", lambda device: torch.float32)
+    assert [int(draw_ref(w, x)) for x in (0.0, 0.59, 0.6, u)] == [0, 0, 1, 1]
+
+
 def test_draws_follow_the_weights():
     """20,000 draws at the node's default settings: each candidate as often as its weight says (4 sigma)."""
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(9)) * 2

@@ -105,11 +105,17 @@ def candidates_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: 
     return probs, ids
 
 
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """The dtype draw_ref sums weights in: fp64; fp32 on Apple's GPUs, which have no fp64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def draw_ref(weights: torch.Tensor, u: float) -> torch.Tensor:
-    """The index (int64 [1]) where the running sum of weights [C] (in fp64; fp32 on Apple's GPUs, which have no
-    fp64) first exceeds u * its total."""
-    run = weights.to(torch.float32 if weights.device.type == "mps" else torch.float64).cumsum(0)
-    return torch.searchsorted(run, run[-1:] * u, right=True).clamp_(max=weights.numel() - 1)
+    """The index (int64 [1]) where the running sum of weights [C] first exceeds u * its total, never past the last
+    candidate with weight (the running sum's first maximum): in fp32, u * total rounds to the total for u above
+    1 - 2**-25, which no running sum exceeds."""
+    run = weights.to(sum_dtype(weights.device)).cumsum(0)
+    return torch.minimum(torch.searchsorted(run, run[-1:] * u, right=True), run.argmax().view(1))
 
 
 def sample_ref(logits: torch.Tensor, top_k: int, temperature: float, min_p: float, top_p: float, u: float,
