@@ -26,7 +26,7 @@ from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_byt
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .sampling import SamplingParams, draw_seed, penalty_marks, pick
-from .tokenizer import check_text, user_encoder
+from .tokenizer import check_text, raw_head, user_encoder
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ def encode_prompt(model: Qwen35Model, prompt: str, system_prompt: str = "", thin
     check_text(system_prompt, "the system prompt")
     tok = model.tokenizer
     user = user_encoder(tok, allow_special_tokens)
-    if not use_chat_template:  # a blank system prompt is no system prompt, as with the template
-        return user((system_prompt + "\n\n" if system_prompt.strip() else "") + prompt)
+    if not use_chat_template:
+        return user(raw_head(tok, system_prompt, allow_special_tokens) + prompt)
     # the text format_chat writes, encoded piece by piece
     ids = []
     for kind, text in chat_layout(system_prompt, thinking):

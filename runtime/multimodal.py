@@ -43,7 +43,7 @@ from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .prefix import prefill_reusing, system_end
 from .rope import TextRun, VisionSpan, layout_positions
-from .tokenizer import check_text, user_encoder
+from .tokenizer import check_text, raw_head, user_encoder
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 248053, 248054, 248056, 248057
 PLACEHOLDER = re.compile(r"<image(?:\s*(\d+))?>|<video>")
@@ -169,7 +169,7 @@ def build_prompt(model: Qwen35Model, prompt: str, inputs: list[VisionInput], n_i
         raise Qwen35Error(f"the system prompt must be text, got {type(system_prompt).__name__}")
     check_text(system_prompt, "the system prompt")
     # raw: the system prompt and the prompt's first text one string (blank: none, as with the template)
-    head = system_prompt + "\n\n" if not use_chat_template and system_prompt.strip() else ""
+    head = raw_head(model.tokenizer, system_prompt, allow_special_tokens) if not use_chat_template else ""
     message_ids, message_parts, ordered = user_message(model, prompt, inputs, n_images, use_chat_template,
                                                        allow_special_tokens, head)
     tok = model.tokenizer

