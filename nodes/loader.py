@@ -142,7 +142,7 @@ class Qwen35ModelLoader(io.ComfyNode):
             managed.load()  # back on its device first when ComfyUI had unloaded it
             runtime_model = managed.model
         else:
-            runtime_model, device_note = _load(path, dtype, device, target, backend, weights)
+            runtime_model, device_note = _load(path, dtype, device, target, backend, weights, cache_budget_mb << 20)
             try:
                 runtime_model.setup_kv(cache_budget_mb << 20 if cache_budget_mb else None)
             except BaseException as e:
@@ -179,8 +179,11 @@ class Qwen35ModelLoader(io.ComfyNode):
         return io.NodeOutput(ModelHandle(managed, keep_loaded), ui={"qwen35_model": [info]})
 
 
-def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str, weights: str):
-    """(the runtime model read from `path`, a note when it went to the cpu instead of `target`)."""
+def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str, weights: str,
+          kv_budget: int = 0):
+    """(the runtime model read from `path`, a note when it went to the cpu instead of `target`). kv_budget: a
+    fixed K/V cache budget (bytes; 0 for auto, which sizes itself to the memory free after the load), allocated
+    right after the weights: room is made for it too."""
     from ..runtime import DeviceUnsupported, load_model
     from ..runtime.loader import resolve_dtype
 
@@ -190,7 +193,7 @@ def _load(path: Path, dtype: str, device: str, target: torch.device, backend: st
         # Make room before reading: other models' VRAM goes first, as ComfyUI does for its own.
         # (auto: room for the full weights, so that int8 is taken only where they cannot fit)
         need = weights_bytes(path, resolve_dtype(dtype, target).itemsize, int8=weights == "int8")
-        mm.free_memory(need * 1.1 + mm.minimum_inference_memory(), target)
+        mm.free_memory(need * 1.1 + kv_budget + mm.minimum_inference_memory(), target)
     try:
         with cancellable():  # a progress bar over the weights read; Cancel lands between them
             return load_model(path, dtype=dtype, device=str(target), backend=backend, weights=weights), ""

@@ -740,6 +740,24 @@ def test_a_cache_budget_that_does_not_fit_lets_the_new_model_go_before_emptying_
     assert made[0]() is None
 
 
+def test_a_fixed_cache_budget_is_in_the_room_asked_before_the_weights(pack, models_dir, comfy, monkeypatch):
+    """A fixed K/V budget is allocated right after the weights: ComfyUI is asked for room for both, so that other
+    models it could unload (a diffusion model) go first, not the budget's allocation failing beside them."""
+    import torch
+
+    import qwen35_fast.runtime as runtime
+    asked = []
+    monkeypatch.setattr(comfy.mm, "free_memory", lambda need, device, *a, **k: asked.append(need))
+    monkeypatch.setattr(comfy.mm, "minimum_inference_memory", lambda: 0)
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: "the model")  # (no GPU here: nothing is read)
+    path = pack.loader.find_model("qwen35-demo")
+    assert path is not None
+    for budget in (3 << 30, 0):
+        assert pack.loader._load(path, "fp32", "cuda", torch.device("cuda"), "torch", "full", budget) == \
+            ("the model", "")
+    assert len(asked) == 2 and asked[0] - asked[1] == 3 << 30
+
+
 def test_keep_loaded_off_gives_the_memory_back_when_making_room_fails(pack, models_dir, monkeypatch):
     from qwen35_fast.runtime import Qwen35Error
     model, released = releases_counted(pack, monkeypatch)
