@@ -351,12 +351,27 @@ def _strip(name: str, prefixes: tuple[str, ...] = TEXT_PREFIXES) -> str | None:
     if name.startswith(IGNORED_PREFIXES):
         return None
     beside = name[:-len("lm_head.weight")]
-    if name.endswith("lm_head.weight") and any(beside in (p, p.removesuffix("model.")) for p in prefixes):
+    if name.endswith("lm_head.weight") and any(beside in _roots(p) for p in prefixes):
         return "lm_head.weight"  # beside the text model's prefix (ComfyUI's own name: model.lm_head.weight)
     for p in prefixes:
         if name.startswith(p) and name[len(p):].split(".")[0] in ("embed_tokens", "layers", "norm"):
             return name[len(p):]
     return None
+
+
+def _roots(prefix: str) -> set[str]:
+    """Where a model's lm_head.weight may sit beside text weights under `prefix`: the prefix and each prefix left
+    when its trailing "model." / "language_model." parts are taken off one at a time (vlm.model.language_model. ->
+    vlm.model., vlm.; model.language_model. -> model., "")."""
+    roots, rest = {prefix}, prefix
+    while True:
+        for part in ("model.", "language_model."):
+            if rest.endswith(part) and (len(rest) == len(part) or rest[-len(part) - 1] == "."):
+                rest = rest[:-len(part)]
+                roots.add(rest)
+                break
+        else:
+            return roots
 
 
 def _prefixes_of(names) -> tuple[str, ...]:
@@ -668,6 +683,24 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
 
 
+def _check_shard_series(path: Path, files: list[Path]) -> None:
+    """Without an index, the shards named <stem>-0000k-of-0000n.safetensors must all be there: one missing is an
+    incomplete download (not a config that does not belong to the weights)."""
+    series: dict[tuple[str, str], set[int]] = {}  # (stem, total as written) -> the numbers present
+    for f in files:
+        m = SHARD_NAME.search(f.name.lower())
+        if m:
+            series.setdefault((f.name[:m.start()], m[2]), set()).add(int(m[1]))
+    for (stem, total), have in sorted(series.items()):
+        absent = sorted(set(range(1, int(total) + 1)) - have)
+        if absent:
+            names = [f"{stem}-{k:0{len(total)}d}-of-{total}.safetensors" for k in absent[:3]]
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise Qwen35Error(f"{path}: the weights are split into {int(total)} files but {', '.join(names)}{more} "
+                              f"{'is' if len(absent) == 1 else 'are'} missing (and so is model.safetensors.index."
+                              "json); the download is incomplete: download the missing files again")
+
+
 def locate(path: str | Path) -> Checkpoint:
     """Check `path` (a checkpoint folder or one .safetensors file) and map its text weights."""
     path = Path(path).expanduser()
@@ -727,6 +760,8 @@ def locate(path: str | Path) -> Checkpoint:
         raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}{more}, "
                           f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is incomplete: "
                           "download the missing files again")
+    if not (path / "model.safetensors.index.json").exists():
+        _check_shard_series(path, files)
     if not files:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle files {', '.join(pickles[:3])}: convert them to safetensors)" if pickles else ""

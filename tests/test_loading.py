@@ -289,3 +289,57 @@ def test_a_layer_count_that_is_no_whole_positive_number_is_refused(change, messa
         from_hf_dict({"model_type": "qwen3_5", "text_config": {**text, **change}})
     with pytest.raises(Qwen35Error, match="model_type is 'qwen3_5_moe', not a Qwen3.5 dense model"):
         from_hf_dict({"model_type": "qwen3_5_moe", "text_config": text})
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    f = tmp_path_factory.mktemp("untied")
+    make_hf_model(f, seed=3, vocab=1024, max_pos=4096, tie=False)
+    return f
+
+
+def _tensors(folder):
+    from safetensors import safe_open
+    out = {}
+    for p in folder.glob("*.safetensors"):
+        with safe_open(str(p), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.mark.parametrize("text,head", [("vlm.model.language_model.", "vlm.lm_head.weight"),
+                                       ("text_encoders.qwen35.transformer.model.language_model.",
+                                        "text_encoders.qwen35.transformer.lm_head.weight")])
+def test_an_output_layer_beside_a_nested_prefix_is_the_models_own(untied, tmp_path, text, head):
+    """A file whose text weights sit under <x>.model.language_model. (a VLM export) keeps its output layer at
+    <x>.lm_head.weight: read as the model's own, not dropped for the embedding (which took the logits 1.4 away)."""
+    from qwen35_fast.runtime.checkpoint import locate
+    renamed = {}
+    for k, v in _tensors(untied).items():
+        if k.startswith("model.language_model."):
+            renamed[text + k[len("model.language_model."):]] = v
+        elif k == "lm_head.weight":
+            renamed[head] = v
+    f = tmp_path / "renamed.safetensors"
+    save_file(renamed, str(f))
+    assert locate(f).tensors["lm_head.weight"][1] == head
+    ids = list(range(10, 40))
+    got = prefill_ids(load_model(f, dtype="fp32", device="cpu"), ids, use_cache=False).logits
+    want = prefill_ids(load_model(untied, dtype="fp32", device="cpu"), ids, use_cache=False).logits
+    assert torch.equal(got, want)
+
+
+def test_a_missing_shard_without_an_index_is_named(untied, tmp_path):
+    """A download of the shards without model.safetensors.index.json, one shard short: the missing file is named
+    (it was a config 'that does not belong to these weights', for the layers it lacked)."""
+    from qwen35_fast.runtime.checkpoint import locate
+    d = tmp_path / "ck"
+    d.mkdir()
+    shutil.copy(untied / "config.json", d)
+    t = _tensors(untied)
+    names = sorted(t)
+    save_file({k: t[k] for k in names[:len(names) // 2]}, str(d / "model-00001-of-00002.safetensors"))
+    with pytest.raises(Qwen35Error, match=r"split into 2 files but model-00002-of-00002\.safetensors is missing"):
+        locate(d)
+    save_file({k: t[k] for k in names[len(names) // 2:]}, str(d / "model-00002-of-00002.safetensors"))
+    assert locate(d).tensors  # complete: read
