@@ -567,10 +567,11 @@ def generation_eos(path: Path) -> tuple[int, ...]:
 
 
 def read_json(file: Path):
-    """A checkpoint's JSON file (config.json, the processor files), read as UTF-8 whatever the locale; a
-    Qwen35Error naming the file when it cannot be read or is not JSON."""
+    """A checkpoint's JSON file (config.json, the processor files), read as UTF-8 whatever the locale (a byte order
+    mark before it, as Windows' Notepad saved files, skipped); a Qwen35Error naming the file when it cannot be read
+    or is not JSON."""
     try:
-        return json.loads(file.read_bytes().decode("utf-8"))
+        return json.loads(file.read_bytes().decode("utf-8-sig"))
     except OSError as e:
         raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
     except UnicodeDecodeError as e:
@@ -642,7 +643,7 @@ def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:
 def _index_files(path: Path, index: Path) -> list[Path]:
     """The weight files a model.safetensors.index.json names, each confined to the checkpoint folder."""
     try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        weight_map = json.loads(index.read_bytes().decode("utf-8-sig"))["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise TypeError("weight_map is not an object of file names")
     except OSError as e:

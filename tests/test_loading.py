@@ -343,3 +343,16 @@ def test_a_missing_shard_without_an_index_is_named(untied, tmp_path):
         locate(d)
     save_file({k: t[k] for k in names[len(names) // 2:]}, str(d / "model-00002-of-00002.safetensors"))
     assert locate(d).tensors  # complete: read
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(folder, model, tmp_path):
+    """config.json and the index edited in Windows' Notepad start with a UTF-8 byte order mark: read past it (the
+    model list takes such a folder; loading it said 'not valid JSON')."""
+    d = tmp_path / "bom"
+    shutil.copytree(folder, d)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (d / name).exists():
+            (d / name).write_bytes(b"\xef\xbb\xbf" + (d / name).read_bytes())
+    ids = list(range(5, 20))
+    assert torch.equal(prefill_ids(load_model(d, dtype="fp32", device="cpu"), ids, use_cache=False).logits,
+                       prefill_ids(model, ids, use_cache=False).logits)
