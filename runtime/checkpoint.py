@@ -717,7 +717,8 @@ def locate(path: str | Path) -> Checkpoint:
                               "convert the file to safetensors")
         shard = SHARD_NAME.search(path.name.lower())
         if shard and int(shard[2]) > 1:
-            where = (f"load the folder {path.parent}" if (path.parent / "config.json").is_file() else
+            where = (f"load the folder {path.parent} (ComfyUI's loader lists folders under models/LLM/: move it "
+                     "there if it is elsewhere)" if (path.parent / "config.json").is_file() else
                      "put all of them and the model's config.json and tokenizer files in one folder under "
                      "models/LLM/ and load that folder")
             raise Qwen35Error(f"{path}: one shard of a checkpoint split into {int(shard[2])} files (shard "

@@ -178,7 +178,8 @@ def _two_scales(t):
      r"model\.safetensors: a Git LFS pointer \(132 bytes\), not the weights: .* `git lfs pull`"),
     # one shard of a split checkpoint: it was refused as if it were a broken whole (every layer GDN, another model)
     (_one_shard, r"model-00001-of-00002\.safetensors: one shard of a checkpoint split into 2 files \(shard 1\); "
-                 r"it holds only part of the model's weights: load the folder .*sharded"),
+                 r"it holds only part of the model's weights: load the folder .*sharded \(ComfyUI's loader lists "
+                 r"folders under models/LLM/: move it there if it is elsewhere\)"),
     # a LoRA and a part of a checkpoint without the embedding hold Gated DeltaNet layers: they were named "a
     # Llama-style language model" / "Qwen2.5-VL or Qwen3-VL", both "no Gated DeltaNet layers"
     (_lora, r"this is not a Qwen3\.5 checkpoint: found a LoRA \(adapter weights .* this pack does not apply LoRAs"),
