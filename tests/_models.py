@@ -41,15 +41,19 @@ def make_hf_model(folder: Path, seed: int = 0, **cfg):
     return model
 
 
-def write_single_file(hf_folder: Path, out: Path) -> Path:
-    """The text weights of a checkpoint folder as one .safetensors file (as under models/text_encoders)."""
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's .safetensors files, by name."""
     from safetensors import safe_open
     tensors = {}
-    for f in hf_folder.glob("*.safetensors"):
+    for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                if not k.startswith(("model.visual.", "mtp.")):
-                    tensors[k] = h.get_tensor(k)
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    return tensors
+
+
+def write_single_file(hf_folder: Path, out: Path) -> Path:
+    """The text weights of a checkpoint folder as one .safetensors file (as under models/text_encoders)."""
+    tensors = {k: v for k, v in read_tensors(hf_folder).items() if not k.startswith(("model.visual.", "mtp."))}
     save_file(tensors, str(out))
     return out
 

@@ -7,13 +7,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qwen35_fast.runtime import Qwen35Error, load_model, prefill_ids
 from qwen35_fast.runtime.checkpoint import dequantize
 
-from _models import make_hf_model
+from _models import make_hf_model, read_tensors
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 # the matrices FP8 releases quantize: every projection of the text layers and of the vision blocks
@@ -26,14 +25,6 @@ def folder(tmp_path_factory):
     f = tmp_path_factory.mktemp("bf16")
     make_hf_model(f, seed=11)
     return f
-
-
-def _tensors(folder):
-    out = {}
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def _block_scales(w, b):
@@ -113,7 +104,7 @@ def _write(folder, out, tensors, quant=None):
 @pytest.mark.parametrize("form,layout", [(f, lay) for f in ("hf_block", "comfy_scaled", "comfy_quant", "per_row", "plain")
                                          for lay in ("folder", "single_file") if (f, lay) != ("hf_block", "single_file")])
 def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, form, layout):
-    fp8, ref = _quantize(_tensors(folder), form)
+    fp8, ref = _quantize(read_tensors(folder), form)
     quant = {"quant_method": "fp8", "weight_block_size": [24, 40], "activation_scheme": "dynamic"} \
         if form == "hf_block" else None
     a_path = _write(folder, tmp_path / "fp8", fp8, quant)
@@ -146,7 +137,7 @@ def test_fp8_checkpoints_load_as_their_dequantized_weights(folder, tmp_path, for
 def test_compressed_tensors_fp8_loads_as_its_dequantized_weights(folder, tmp_path, strategy, loads):
     """llm-compressor's FP8 (quant_method compressed-tensors: F8_E4M3 weights, a weight_scale per row or tensor)
     loads as its dequantized weights; another of its schemes is refused by name."""
-    fp8, ref = _quantize(_tensors(folder), "per_tensor" if strategy == "tensor" else "per_row")
+    fp8, ref = _quantize(read_tensors(folder), "per_tensor" if strategy == "tensor" else "per_row")
     quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                  "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
@@ -204,7 +195,7 @@ def test_dequantize_in_row_steps_equals_one_pass(block, step):
 def test_fp8_weights_dequantized_on_the_gpu_equal_the_cpus(folder, tmp_path, form):
     """Loaded onto a GPU, FP8 weights are dequantized there; the same fp32 products and one rounding as on the
     CPU, so the weights equal those of the fp32 reference moved to the GPU, bit for bit."""
-    fp8, ref = _quantize(_tensors(folder), form)
+    fp8, ref = _quantize(read_tensors(folder), form)
     quant = {"quant_method": "fp8", "weight_block_size": [24, 40]} if form == "hf_block" else None
     a = load_model(_write(folder, tmp_path / "fp8", fp8, quant), dtype="bf16", device="cuda")
     b = load_model(_write(folder, tmp_path / "ref", ref), dtype="bf16", device="cuda")
@@ -218,7 +209,7 @@ def test_fp8_weights_dequantized_on_the_gpu_equal_the_cpus(folder, tmp_path, for
 def test_a_comfy_quant_file_safetensors_refuses_is_named(folder, tmp_path):
     """A file whose header reads but which safetensors refuses (bytes after its last tensor) fails where its
     comfy_quant notes are read: the file named and the fix, not safetensors' bare error."""
-    fp8, _ = _quantize(_tensors(folder), "comfy_quant")
+    fp8, _ = _quantize(read_tensors(folder), "comfy_quant")
     out = _write(folder, tmp_path / "fp8", fp8)
     with open(out / "model.safetensors", "ab") as f:
         f.write(bytes(64))
@@ -254,7 +245,7 @@ def test_a_quantized_folder_with_an_fp8_weight_missing_its_scale_is_refused_by_n
     """A config that declares FP8 quantization gives every FP8 weight a scale: one without (shards of two
     downloads, a converter that dropped it) would load as a plain cast, hundreds of times too large. The text
     model's is an error; the vision tower's leaves the tower out, said (text prompts still run)."""
-    fp8, _ = _quantize(_tensors(folder), "hf_block")
+    fp8, _ = _quantize(read_tensors(folder), "hf_block")
     victim = next(k for k in fp8 if k.endswith("_scale_inv") and ("visual" in k) == (where == "vision"))
     del fp8[victim]
     quant = {"quant_method": "fp8", "weight_block_size": [24, 40], "activation_scheme": "dynamic"}
@@ -272,7 +263,7 @@ def test_a_scaled_fp8_file_with_a_scale_beside_a_high_precision_layer_loads_it_t
     """Older ComfyUI scaled_fp8 files give layers kept in bf16 a scale too (1.0 as a rule; ComfyUI multiplies by
     it): such a layer loads as its weight times its scale. A scale of another size beside a bf16 weight is still
     refused."""
-    fp8, ref = _quantize(_tensors(folder), "comfy_scaled")
+    fp8, ref = _quantize(read_tensors(folder), "comfy_scaled")
     head = next(k for k in fp8 if k.endswith("embed_tokens.weight"))
     fp8[head] = ref[head] = fp8[head] if fp8[head].dtype != torch.float8_e4m3fn else ref[head].bfloat16()
     fp8[head[:-len(".weight")] + ".scale_weight"] = torch.tensor(2.0)
@@ -293,7 +284,7 @@ def test_fp8_weights_are_dequantized_into_their_parameters_a_few_rows_at_a_time(
     2 GiB more device memory at load): its rows go straight into the parameter, or, for 8-bit weights, each
     piece is quantized as it comes. The same parameters as in one piece."""
     from qwen35_fast.runtime import checkpoint as checkpoint_mod
-    fp8, _ = _quantize(_tensors(folder), "per_row")
+    fp8, _ = _quantize(read_tensors(folder), "per_row")
     path = _write(folder, tmp_path / "fp8", fp8)
     whole = {w: load_model(path, dtype="fp32", device="cpu", weights=w).state_dict() for w in ("full", "int8")}
     real_rows, real_get, pieces, whole_fp8 = checkpoint_mod.dequantized_rows, checkpoint_mod.WeightReader.get, [], []

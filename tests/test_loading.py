@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from qwen35_fast.runtime import Qwen35Error, Qwen35Model, generate, load_model, prefill, prefill_ids
 from qwen35_fast.runtime import loader as loader_mod
 
-from _models import make_hf_model, rel, write_single_file
+from _models import make_hf_model, read_tensors, rel, write_single_file
 
 
 @pytest.fixture(scope="module")
@@ -298,15 +298,6 @@ def untied(tmp_path_factory):
     return f
 
 
-def _tensors(folder):
-    from safetensors import safe_open
-    out = {}
-    for p in folder.glob("*.safetensors"):
-        with safe_open(str(p), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 @pytest.mark.parametrize("text,head", [("vlm.model.language_model.", "vlm.lm_head.weight"),
                                        ("text_encoders.qwen35.transformer.model.language_model.",
                                         "text_encoders.qwen35.transformer.lm_head.weight")])
@@ -315,7 +306,7 @@ def test_an_output_layer_beside_a_nested_prefix_is_the_models_own(untied, tmp_pa
     <x>.lm_head.weight: read as the model's own, not dropped for the embedding (which took the logits 1.4 away)."""
     from qwen35_fast.runtime.checkpoint import locate
     renamed = {}
-    for k, v in _tensors(untied).items():
+    for k, v in read_tensors(untied).items():
         if k.startswith("model.language_model."):
             renamed[text + k[len("model.language_model."):]] = v
         elif k == "lm_head.weight":
@@ -336,7 +327,7 @@ def test_a_missing_shard_without_an_index_is_named(untied, tmp_path):
     d = tmp_path / "ck"
     d.mkdir()
     shutil.copy(untied / "config.json", d)
-    t = _tensors(untied)
+    t = read_tensors(untied)
     names = sorted(t)
     save_file({k: t[k] for k in names[:len(names) // 2]}, str(d / "model-00001-of-00002.safetensors"))
     with pytest.raises(Qwen35Error, match=r"split into 2 files but model-00002-of-00002\.safetensors is missing"):
