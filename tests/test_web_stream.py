@@ -22,6 +22,7 @@ def test_the_streamed_answer_on_the_page(tmp_path):
     (tmp_path / "qwen35.mjs").write_text(mocked, encoding="utf-8")
     for name in ("harness.mjs", "stream_cases.mjs"):
         shutil.copy(ROOT / "tests" / "js" / name, tmp_path / name)
-    run = subprocess.run([NODE, "--expose-gc", "stream_cases.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([NODE, "--expose-gc", "stream_cases.mjs"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("ok ") == 7, run.stdout
