@@ -57,7 +57,7 @@ def _other_model_type(folder: Path) -> bool:
     says what is wrong)."""
     try:
         cfg = json.loads((folder / "config.json").read_bytes())
-        return isinstance(cfg, dict) and cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text")
+        return isinstance(cfg, dict) and "model_type" in cfg and cfg["model_type"] not in ("qwen3_5", "qwen3_5_text")
     except (OSError, ValueError, RecursionError):
         return False
 

@@ -161,6 +161,12 @@ def test_a_folder_with_a_damaged_config_is_listed_and_loading_it_names_the_probl
     with pytest.raises(Qwen35Error, match=r"Qwen3\.5-4B.config\.json: not valid JSON .*re-download it"):
         pack.Qwen35ModelLoader.execute(model="Qwen3.5-4B", dtype="auto", device="cpu", backend="auto",
                                        keep_loaded=False)
+    # one without model_type (hand-written, or cut by an editor): listed too, and loading it says what it lacks
+    _checkpoint_folder(folders.llm / "Qwen3.5-2B", '{"architectures": ["Qwen3_5ForConditionalGeneration"]}')
+    assert _listed(pack) == ["Qwen3.5-2B", "Qwen3.5-4B"]
+    with pytest.raises(Qwen35Error, match=r"Qwen3\.5-2B.*model_type"):
+        pack.Qwen35ModelLoader.execute(model="Qwen3.5-2B", dtype="auto", device="cpu", backend="auto",
+                                       keep_loaded=False)
 
 
 def test_a_file_replaced_on_disk_is_judged_again(pack, folders):
