@@ -684,6 +684,11 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
 
 
+def _some(names: list[str]) -> str:
+    """The first three of `names`, and how many more there are."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _check_shard_series(path: Path, files: list[Path]) -> None:
     """Without an index, the shards named <stem>-0000k-of-0000n.safetensors must all be there: one missing is an
     incomplete download (not a config that does not belong to the weights)."""
@@ -693,11 +698,10 @@ def _check_shard_series(path: Path, files: list[Path]) -> None:
         if m:
             series.setdefault((f.name[:m.start()], m[2]), set()).add(int(m[1]))
     for (stem, total), have in sorted(series.items()):
-        absent = sorted(set(range(1, int(total) + 1)) - have)
+        absent = [f"{stem}-{k:0{len(total)}d}-of-{total}.safetensors"
+                  for k in sorted(set(range(1, int(total) + 1)) - have)]
         if absent:
-            names = [f"{stem}-{k:0{len(total)}d}-of-{total}.safetensors" for k in absent[:3]]
-            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-            raise Qwen35Error(f"{path}: the weights are split into {int(total)} files but {', '.join(names)}{more} "
+            raise Qwen35Error(f"{path}: the weights are split into {int(total)} files but {_some(absent)} "
                               f"{'is' if len(absent) == 1 else 'are'} missing (and so is model.safetensors.index."
                               "json); the download is incomplete: download the missing files again")
 
@@ -756,13 +760,13 @@ def locate(path: str | Path) -> Checkpoint:
     if extra:
         config = replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | extra)))
     files = checkpoint_files(path)
-    absent = [f.name for f in files if not f.exists()] if (path / "model.safetensors.index.json").exists() else []
-    if absent:
-        more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-        raise Qwen35Error(f"{path}: the index lists {', '.join(absent[:3])}{more}, "
-                          f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is incomplete: "
-                          "download the missing files again")
-    if not (path / "model.safetensors.index.json").exists():
+    if (path / "model.safetensors.index.json").exists():
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise Qwen35Error(f"{path}: the index lists {_some(absent)}, "
+                              f"{'which is' if len(absent) == 1 else 'which are'} missing; the download is "
+                              "incomplete: download the missing files again")
+    else:
         _check_shard_series(path, files)
     if not files:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
