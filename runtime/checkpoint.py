@@ -507,6 +507,12 @@ def check_shapes(config: TextConfig, shapes: dict[str, tuple[int, ...]], source:
         if tuple(shapes[k]) != s:
             raise Qwen35Error(f"{source}: weight {k} has shape {list(shapes[k])} but the config needs {list(s)}; "
                               "the weights do not fit the config (wrong config.json or a different model size)")
+    unused = [k for k in shapes if k not in want and not k.endswith(".inv_freq")]  # (inv_freq: rotary buffers)
+    if unused:  # a variant of the architecture (attention biases, say): it loads, but it will not answer as trained
+        log.warning("%s: %d tensor%s under the text model's names %s no place in Qwen3.5 and %s not loaded: %s. A "
+                    "model trained with them answers differently without them; load an unmodified Qwen3.5 "
+                    "checkpoint if its answers look wrong", source, len(unused), "s" * (len(unused) > 1),
+                    "have" if len(unused) > 1 else "has", "are" if len(unused) > 1 else "is", _some(unused))
 
 
 def _all_names(tensors: dict[str, tuple[Path, str]], other: dict[str, tuple[Path, dict]]) -> list[str]:

@@ -347,3 +347,24 @@ def test_a_config_saved_with_a_byte_order_mark_loads(folder, model, tmp_path):
     ids = list(range(5, 20))
     assert torch.equal(prefill_ids(load_model(d, dtype="fp32", device="cpu"), ids, use_cache=False).logits,
                        prefill_ids(model, ids, use_cache=False).logits)
+
+
+def test_tensors_the_architecture_has_no_place_for_are_named(untied, tmp_path, caplog):
+    """Weights under the text model's names that Qwen3.5 has no use for (attention biases of a variant) load
+    without them, and the log names them: they were dropped without a word. Rotary inv_freq buffers (old exports)
+    are computed from the config, so they pass silently."""
+    t = read_tensors(untied)
+    q = next(k for k in t if k.endswith("self_attn.q_proj.weight"))
+    t[q[:-len("weight")] + "bias"] = torch.zeros(t[q].shape[0])
+    t[q.replace("q_proj.weight", "rotary_emb.inv_freq")] = torch.ones(4)
+    d = tmp_path / "ck"
+    shutil.copytree(untied, d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(t, str(d / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="qwen35_fast.runtime.checkpoint"):
+        load_model(d, dtype="fp32", device="cpu")
+    said = [r.getMessage() for r in caplog.records if "no place in Qwen3.5" in r.getMessage()]
+    assert len(said) == 1 and "1 tensor under" in said[0] and "self_attn.q_proj.bias" in said[0]
+    assert "inv_freq" not in said[0]
