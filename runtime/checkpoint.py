@@ -572,19 +572,19 @@ def generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if type(i) is int and i >= 0)
 
 
-def read_json(file: Path):
-    """A checkpoint's JSON file (config.json, the processor files), read as UTF-8 whatever the locale (a byte order
-    mark before it, as Windows' Notepad saved files, skipped); a Qwen35Error naming the file when it cannot be read
-    or is not JSON."""
+def read_json(file: Path, fix: str = "re-download it"):
+    """A checkpoint's JSON file (config.json, the index, the processor files), read as UTF-8 whatever the locale (a
+    byte order mark before it, as Windows' Notepad saved files, skipped); a Qwen35Error naming the file when it
+    cannot be read or is not JSON, with `fix` as what to do about the file's content."""
     try:
         return json.loads(file.read_bytes().decode("utf-8-sig"))
     except OSError as e:
         raise Qwen35Error(f"{file}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
     except UnicodeDecodeError as e:
         raise Qwen35Error(f"{file}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start}); the file is "
-                          "corrupt, re-download it") from None
+                          f"corrupt: {fix}") from None
     except (json.JSONDecodeError, RecursionError) as e:
-        raise Qwen35Error(f"{file}: not valid JSON ({e}); re-download it") from None
+        raise Qwen35Error(f"{file}: not valid JSON ({e}); {fix}") from None
 
 
 def read_config(cfg_file: Path) -> dict:
@@ -648,16 +648,11 @@ def fp8_block_of(cfg: dict, cfg_file: Path) -> tuple[int, int] | None:
 
 def _index_files(path: Path, index: Path) -> list[Path]:
     """The weight files a model.safetensors.index.json names, each confined to the checkpoint folder."""
-    try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8-sig"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise TypeError("weight_map is not an object of file names")
-    except OSError as e:
-        raise Qwen35Error(f"{index}: cannot be read ({e.strerror or e})") from None
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise Qwen35Error(f"{index}: not a valid index ({type(e).__name__}: {e}); it needs a weight_map "
-                          "of tensor name -> file name: re-download it, or delete it to load every "
-                          "*.safetensors file in the folder") from None
+    fix = "re-download it, or delete it to load every *.safetensors file in the folder"
+    index_map = read_json(index, fix)
+    weight_map = index_map.get("weight_map") if isinstance(index_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise Qwen35Error(f"{index}: not a valid index (it needs a weight_map of tensor name -> file name): {fix}")
     files = set()
     for name in weight_map.values():
         file = path / name

@@ -230,16 +230,18 @@ def test_config_sizes_are_checked_before_anything_is_allocated(folder, tmp_path,
 
 
 @pytest.mark.parametrize("index, message", [
-    (b"{", "not a valid index"),
+    (b"{", "not valid JSON"),
+    (b"\xff{}", "not UTF-8 text"),
     (b"[]", "not a valid index"),
     (b'{"weight_map": [1]}', "not a valid index"),
     (b'{"weight_map": {"a": 3}}', "not a valid index"),
     (b'{"metadata": {}}', "not a valid index"),
 ])
 def test_malformed_index(folder, tmp_path, still_works, index, message):
+    """Every bad index names itself, what is wrong, and both fixes (a new download, or no index at all)."""
     ck = _copy(folder, tmp_path)
     (ck / "model.safetensors.index.json").write_bytes(index)
-    with pytest.raises(Qwen35Error, match=message):
+    with pytest.raises(Qwen35Error, match=rf"index\.json: {message}.*delete it to load every \*\.safetensors"):
         load_model(ck, device="cpu")
 
 
