@@ -26,6 +26,7 @@ from .devices import synchronize
 from .errors import Qwen35Error, flag
 from .generate import Prefill, check_vocabulary, generation_prompt_ids
 from .host import host_logits, on_model_device
+from .kv_store import growth_undone_on_failure
 from .memory import is_out_of_memory, out_of_memory, prefill_bytes, vision_bytes
 from .model import Qwen35Model
 from .multimodal import (
@@ -159,41 +160,43 @@ def continue_prefill(model: Qwen35Model, parent: Prefill, prompt: str = "", imag
     model.select_backend()
     dev = model.device
     whole = parent.token_ids[:cached] + tuple(ids)  # the conversation: keys of the prefix cache run over all of it
-    try:
-        n_vision = _count_pads(ids)
-        spans = media_spans(ids, ordered, _merge(model), offset=cached, backend=model.backend)
-        media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
-        positions = delta = None
-        if ordered:  # rotary ids of the new tokens continue from the parent's next position
-            new_positions, new_delta = layout_positions(parts)
-            # only positions past the reused prefix are read, and it reaches at least the parent's turn end
-            positions = torch.cat([torch.zeros(3, cached, dtype=new_positions.dtype),
-                                   new_positions + (cached + turn.rope_delta)], dim=1)
-            delta = turn.rope_delta + new_delta
-        clock = TowerClock(dev)
-        synchronize(dev)
-        t0 = time.perf_counter()
-        points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
-        run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
-                              positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
-                              use_cache=use_cache, needed=[cached + turn_end], at_most=reuse_at_most)
-        logits = host_logits(run.logits)
-        synchronize(dev)
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
-    else:
-        t2 = time.perf_counter()
-        stats = None
-        if inputs:
-            vision_ms = clock.ms
-            stats = VisionStats(n_vision, new - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
-                                sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
-        return Prefill(whole, logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
-                       model.serial, vision=stats, turn=run.states.get(cached + turn_end),
-                       cached_tokens=run.cached_tokens, media=media)
-    run = None
-    raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
+    with growth_undone_on_failure(model.kv, parent.cache.store) as undo_growth:  # a failed turn's growth given back
+        try:
+            n_vision = _count_pads(ids)
+            spans = media_spans(ids, ordered, _merge(model), offset=cached, backend=model.backend)
+            media = tuple(sp for sp in parent.media if sp.end <= cached) + tuple(spans)
+            positions = delta = None
+            if ordered:  # rotary ids of the new tokens continue from the parent's next position
+                new_positions, new_delta = layout_positions(parts)
+                # only positions past the reused prefix are read, and it reaches at least the parent's turn end
+                positions = torch.cat([torch.zeros(3, cached, dtype=new_positions.dtype),
+                                       new_positions + (cached + turn.rope_delta)], dim=1)
+                delta = turn.rope_delta + new_delta
+            clock = TowerClock(dev)
+            synchronize(dev)
+            t0 = time.perf_counter()
+            points = [p for p in (spans[-1].end if spans else None, cached + turn_end) if p]
+            run = prefill_reusing(model, whole, points, media, vision_features(model, whole, ordered, spans, clock),
+                                  positions, delta, start=turn, start_cache=parent.cache, limit=cached + turn_end,
+                                  use_cache=use_cache, needed=[cached + turn_end], at_most=reuse_at_most)
+            logits = host_logits(run.logits)
+            synchronize(dev)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
+        else:
+            t2 = time.perf_counter()
+            stats = None
+            if inputs:
+                vision_ms = clock.ms
+                stats = VisionStats(n_vision, new - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
+                                    sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))
+            return Prefill(whole, logits, run.cache, (t2 - t0) * 1000, model.backend.name, thinking,
+                           model.serial, vision=stats, turn=run.states.get(cached + turn_end),
+                           cached_tokens=run.cached_tokens, media=media)
+        run = None
+        undo_growth()  # before the report, which counts what it gives back as free
+        raise out_of_memory(model, f"continuing a prompt of {cached:,} tokens with {new:,} new ones", needed)
 
 
 __all__ = ["continue_prefill", "follow_up_ids", "earlier_answer", "tool_result"]

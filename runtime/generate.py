@@ -22,6 +22,7 @@ from .decode_graph import graphed_decode
 from .devices import synchronize
 from .errors import Qwen35Error, flag, whole_number
 from .host import host_logits, on_model_device
+from .kv_store import growth_undone_on_failure
 from .memory import generate_bytes, is_out_of_memory, out_of_memory, prefill_bytes
 from .model import Cache, GDNState, Qwen35Model
 from .prefix import prefill_reusing, system_end
@@ -164,22 +165,25 @@ def prefill_ids(model: Qwen35Model, ids: list[int], thinking: bool = False, chat
         turn_end = len(ids) - len(tail)
     model.select_backend()
     points = [p for p in (system_end(model, ids) if chat_template else None, turn_end) if p]
-    try:
-        synchronize(model.device)
-        t0 = time.perf_counter()
-        run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
-                              needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
-        logits = host_logits(run.logits)
-        synchronize(model.device)
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
-    else:
-        ms = (time.perf_counter() - t0) * 1000
-        return Prefill(tuple(ids), logits, run.cache, ms, model.backend.name, thinking, model.serial,
-                       turn=run.states.get(turn_end), cached_tokens=run.cached_tokens)
-    run = None
-    raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens", prefill_bytes(model, len(ids)))
+    with growth_undone_on_failure(model.kv) as undo_growth:  # a failed prompt's growth given back
+        try:
+            synchronize(model.device)
+            t0 = time.perf_counter()
+            run = prefill_reusing(model, ids, points, limit=turn_end, use_cache=use_cache,
+                                  needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
+            logits = host_logits(run.logits)
+            synchronize(model.device)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise  # out of memory is reported below, once this frame's tensors and the traceback are gone
+        else:
+            ms = (time.perf_counter() - t0) * 1000
+            return Prefill(tuple(ids), logits, run.cache, ms, model.backend.name, thinking, model.serial,
+                           turn=run.states.get(turn_end), cached_tokens=run.cached_tokens)
+        run = None
+        undo_growth()  # before the report, which counts what it gives back as free
+        raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens",
+                            prefill_bytes(model, len(ids)))
 
 
 @on_model_device
@@ -273,15 +277,18 @@ def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, samplin
 
     on_token(delta_text, n_done, max_new_tokens) runs after every token; raising from it cancels.
     The same prefill, settings and seed give the same text. Out of device memory, it raises a
-    Qwen35Error that says what was needed and free; the model and the prefill stay as they were.
+    Qwen35Error that says what was needed and free; the model and the prefill stay as they were (a K/V
+    store grown for the answer gives those blocks back when it fails or is cancelled).
     """
-    try:
-        return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise  # out of memory is reported below, once the run's tensors and the traceback are gone
-    raise out_of_memory(model, f"generating after a prompt of {pf.n_tokens:,} tokens (max_new_tokens "
-                               f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))
+    with growth_undone_on_failure(*([pf.cache.store] if isinstance(pf, Prefill) else [])) as undo_growth:
+        try:
+            return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise  # out of memory is reported below, once the run's tensors and the traceback are gone
+        undo_growth()  # before the report, which counts what it gives back as free
+        raise out_of_memory(model, f"generating after a prompt of {pf.n_tokens:,} tokens (max_new_tokens "
+                                   f"{max_new_tokens})", generate_bytes(model, pf.n_tokens, max_new_tokens))
 
 
 def checked_settings(max_new_tokens, sampling: SamplingParams | None, seed) -> tuple[int, SamplingParams, int]:
@@ -309,6 +316,19 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     if not bool(torch.isfinite(pf.logits).all()):  # (on the host: a prefill's logits are copied there)
         raise not_finite(model, f"after the prompt of {pf.n_tokens:,} tokens")
     model.select_backend()
+    # shares the prefill's K/V blocks (one block copied: the prefill's last, partly filled one); when even that
+    # is not free, the store's message says why (the answer's length plays no part in it)
+    cache = pf.cache.clone(pf.n_tokens + 1, device=model.device)
+    try:
+        return _answer(model, pf, cache, max_new_tokens, sampling, seed, on_token)
+    except BaseException:  # a cancel, out of memory: the answer's blocks go back now, not with the traceback that
+        cache.store.pool.free(cache.seq)  # holds its frames, so that a store grown for them can shrink back
+        raise
+
+
+def _answer(model: Qwen35Model, pf: Prefill, cache: Cache, max_new_tokens: int, sampling: SamplingParams,
+            seed: int, on_token: OnToken | None) -> Generation:
+    """generate's decode loop, into `cache` (the fork of pf's)."""
     limit = model.config.max_position_embeddings
     budget = min(max_new_tokens, limit - pf.n_tokens)
     dev = model.device
@@ -318,9 +338,6 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
                            f"max_new_tokens ({max_new_tokens:,}) or raise the K/V cache budget")
 
     out: list[int] = []
-    # shares the prefill's K/V blocks (one block copied: the prefill's last, partly filled one); when even that
-    # is not free, the store's message says why (the answer's length plays no part in it)
-    cache = pf.cache.clone(pf.n_tokens + 1, device=dev)
     step = graphed_decode(model, cache, most) if budget > 2 else None
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     marks = penalty_marks(pf.token_ids, sampling, pf.logits.numel(), dev)  # ids the penalties see

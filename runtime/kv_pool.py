@@ -33,6 +33,8 @@ recently used first (saved or hit): when an allocation finds too few free blocks
 state bytes exceed their budget. A block nothing holds goes back to the free list at once: without a
 GDN state at its end it cannot be reused. A prompt that cannot fit even in an empty pool raises
 `PromptTooLong`, one that cannot fit beside the live sequences `PoolExhausted`; both name the numbers.
+A shrink (a grown store giving back what a failed prompt grew it by) evicts the snapshots listing a block
+past the new count, and is refused where a live sequence holds one.
 """
 from __future__ import annotations
 
@@ -216,6 +218,33 @@ class KVPool:
         self.refcount += [0] * len(new)
         self._free = list(reversed(new)) + self._free  # the old free blocks stay on top of the stack
         self.num_blocks = num_blocks
+
+    @_locked
+    def live_end(self) -> int:
+        """One past the highest block a live sequence (a prefill, a generation) holds, 0 where none holds any:
+        the fewest blocks `shrink` can keep. Blocks only snapshots hold do not count: shrink evicts those."""
+        cached = [0] * self.num_blocks
+        for snap in self._snapshots.values():
+            for b in snap.blocks:
+                cached[b] += 1
+        return next((b + 1 for b in reversed(range(self.num_blocks)) if self.refcount[b] > cached[b]), 0)
+
+    @_locked
+    def shrink(self, num_blocks: int) -> None:
+        """Fewer blocks: ids num_blocks and up go, and with them every snapshot that lists one (the prefix
+        cache gives them up); the caller shrinks the tensors. A RuntimeError, with nothing changed, where a
+        live sequence holds one of them (live_end) or num_blocks is below 1."""
+        if num_blocks >= self.num_blocks:
+            return
+        end = self.live_end()
+        if num_blocks < 1:
+            raise RuntimeError(f"KVPool: cannot shrink to {num_blocks} blocks: a pool keeps at least 1")
+        if num_blocks < end:
+            raise RuntimeError(f"KVPool: cannot shrink to {num_blocks} blocks: a live sequence holds block {end - 1}")
+        for snap in [s for s in self._snapshots.values() if max(s.blocks, default=-1) >= num_blocks]:
+            self._drop(snap)  # (each drop leaves the counts right on its own)
+        refcount, free = self.refcount[:num_blocks], [b for b in self._free if b < num_blocks]
+        self.refcount, self._free, self.num_blocks = refcount, free, num_blocks
 
     @_locked
     def retain(self, blocks: Sequence[int]) -> None:

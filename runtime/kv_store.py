@@ -9,9 +9,11 @@ system RAM while its model is unloaded is still whole when the model comes back.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -29,6 +31,7 @@ SNAPSHOT_SHARE = 0.25  # of the budget, for the prefix cache's GDN snapshots; th
 CPU_DEFAULT_BYTES = 1 << 30  # the auto budget's cap off CUDA (no free-memory query is used there); QWEN35_CPU_KV_BYTES
 GROWTH = 1.5  # an auto store grows to at least this many times its blocks
 MIN_SNAPSHOTS = 8  # the snapshots' budget holds at least this many, whatever the budget's share gives
+log = logging.getLogger(__name__)
 
 
 def default_budget_bytes(config, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -64,8 +67,9 @@ def _cap_bytes(name: str, default: int) -> int:
 
 class KVStore:
     """The K/V pool tensors (k, v) and the block bookkeeping (pool) of one model. A growable store (the auto
-    budget) takes more blocks when a prompt or an answer needs them (`version` counts the regrowths: the
-    tensors move, so a captured decode graph must be captured again); a fixed one says it is full."""
+    budget) takes more blocks when a prompt or an answer needs them, and gives them back when that call fails
+    (growth_undone_on_failure); `version` counts the resizes: the tensors move, so a captured graph must be
+    captured again. A fixed one says it is full, and never changes size."""
 
     def __init__(self, config, budget_bytes: int, dtype: torch.dtype, device: torch.device,
                  block_size: int = BLOCK_SIZE, growable: bool = False):
@@ -149,6 +153,26 @@ class KVStore:
         self.budget_bytes += int((num_blocks - old) * self.nbytes / num_blocks)
         self.version += 1
 
+    def shrink_to(self, num_blocks: int) -> int:
+        """Gives back the blocks from num_blocks on (a growable store; a fixed one keeps its size): it keeps
+        num_blocks, or one past the last block a live prefill or generation holds where that is more. Snapshots
+        listing a block past that are evicted (a cache); the pools are copied into smaller tensors (block ids
+        stay) and `version` moves on. Returns the blocks it has now."""
+        old = self.num_blocks
+        keep = max(num_blocks, self.pool.live_end(), 1)
+        if not self.growable or keep >= old:
+            return old
+        k = torch.empty((self.k.shape[0], keep, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k.copy_(self.k[:, :keep])
+        v.copy_(self.v[:, :keep])
+        block_bytes = self.nbytes // old
+        self.pool.shrink(keep)  # after the copies, which may run out of memory: a failure changes nothing
+        self.k, self.v = k, v
+        self.budget_bytes -= (old - keep) * block_bytes
+        self.version += 1
+        return keep
+
     def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "",
               keep=None) -> SequenceBlocks:
         """A new sequence whose first `num_tokens` positions are those of `blocks` (a copy-on-write fork,
@@ -195,4 +219,30 @@ class KVStore:
         self.v[j].view(nb * bs, *self.v.shape[3:]).index_copy_(0, slots, v)
 
 
-__all__ = ["KVStore", "BLOCK_SIZE", "default_budget_bytes"]
+@contextmanager
+def growth_undone_on_failure(*stores: KVStore):
+    """Runs the block; where it raises (an error, out of memory, a cancel), each of `stores` that grew in it
+    gives those blocks back: shrink_to its size on entry, or as far as its live blocks let it (the failed call's
+    own sequences must be freed by then). A successful block keeps the growth: its prefill holds those blocks.
+    A shrink that fails (no memory for the smaller copy) leaves that store grown; the block's exception goes on.
+    Yields the undo itself, for a caller to run before it reports the failure (out of memory: what the shrink
+    gives back is free then)."""
+    sizes = list({id(s): (s, s.num_blocks) for s in stores}.values())
+
+    def undo() -> None:
+        for store, before in sizes:
+            if store.num_blocks > before:
+                try:
+                    store.shrink_to(before)
+                except (RuntimeError, MemoryError) as e:
+                    log.warning("Qwen3.5 K/V cache: the %d blocks a failed call grew it to stay (%s)",
+                                store.num_blocks, e)
+
+    try:
+        yield undo
+    except BaseException:
+        undo()
+        raise
+
+
+__all__ = ["KVStore", "BLOCK_SIZE", "default_budget_bytes", "growth_undone_on_failure"]

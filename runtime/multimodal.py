@@ -29,6 +29,7 @@ from .fingerprint import content_hash
 from .generate import Prefill, check_vocabulary
 from .host import host_logits, on_model_device, upload
 from .kv_pool import MediaSpan
+from .kv_store import growth_undone_on_failure
 from .media import (
     Preprocessing,
     VideoSource,
@@ -313,31 +314,33 @@ def prefill_multimodal(model: Qwen35Model, prompt: str, images=None, video=None,
     if reserve is not None:
         reserve(needed)
     model.select_backend()
-    try:
-        positions, delta = layout_positions(parts)
-        spans = media_spans(ids, ordered, _merge(model), backend=model.backend)
-        clock = TowerClock(model.device)
-        synchronize(model.device)
-        t0 = time.perf_counter()
-        system = system_end(model, ids) if use_chat_template else None
-        turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
-        points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
-        run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, clock),
-                              positions, delta, limit=turn_end, use_cache=use_cache,
-                              needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
-        logits = host_logits(run.logits)
-        synchronize(model.device)
-        t2 = time.perf_counter()
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        oom = True  # reported below, once this frame's tensors and the traceback are gone
-    else:
-        oom = False
-    if oom:
-        run = None
-        raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
-                                   f"tokens; {_fewer_tokens(inputs)} to need less)", needed)
+    with growth_undone_on_failure(model.kv) as undo_growth:  # a failed prompt's growth given back
+        try:
+            positions, delta = layout_positions(parts)
+            spans = media_spans(ids, ordered, _merge(model), backend=model.backend)
+            clock = TowerClock(model.device)
+            synchronize(model.device)
+            t0 = time.perf_counter()
+            system = system_end(model, ids) if use_chat_template else None
+            turn_end = len(ids) - parts[-1].n if use_chat_template else None  # the generation prompt is the last part
+            points = [p for p in (system, spans[-1].end if spans else None, turn_end) if p]
+            run = prefill_reusing(model, ids, points, spans, vision_features(model, ids, ordered, spans, clock),
+                                  positions, delta, limit=turn_end, use_cache=use_cache,
+                                  needed=[turn_end] if turn_end else [], at_most=reuse_at_most)
+            logits = host_logits(run.logits)
+            synchronize(model.device)
+            t2 = time.perf_counter()
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            oom = True  # reported below, once this frame's tensors and the traceback are gone
+        else:
+            oom = False
+        if oom:
+            run = None
+            undo_growth()  # before the report, which counts what it gives back as free
+            raise out_of_memory(model, f"reading a prompt of {len(ids):,} tokens ({n_vision:,} of them image / video "
+                                       f"tokens; {_fewer_tokens(inputs)} to need less)", needed)
     vision_ms = clock.ms
     stats = VisionStats(n_vision, len(ids) - n_vision, vision_ms, (t2 - t0) * 1000 - vision_ms,
                         sum(i.scaled_down for i in inputs), tuple(i.grid for i in inputs))

@@ -8,7 +8,7 @@ the cached length, the block table, the rotary positions and the incoming GDN st
 buffers the graph reads (Qwen35Model.forward_prefill_padded says why the filler changes nothing). The
 filler's K/V need room up to the bucket's end, which the pass gives back once it has run. A graph reads
 the weights' and the K/V store's addresses: a move of the model drops it, and so does the next lookup
-after a new or grown store (Qwen35Model.graphs, KVStore.version).
+after a new or resized store (Qwen35Model.graphs, KVStore.version).
 """
 from __future__ import annotations
 
@@ -203,8 +203,8 @@ def _warn(e: Exception) -> None:
 
 
 def drop_stale(model: Qwen35Model) -> None:
-    """Drops from model.graphs every pass made for another store or before the store grew: it can never run
-    again, and its buffers and graph memory would stay counted in the model's size."""
+    """Drops from model.graphs every pass made for another store or before the store was resized: it can never
+    run again, and its buffers and graph memory would stay counted in the model's size."""
     store = model.kv
     for key in [k for k, g in model.graphs.items()
                 if isinstance(g, PaddedPrefill) and (g.store is not store or g.version != store.version)]:
