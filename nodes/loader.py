@@ -9,9 +9,9 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
-from .memory import ManagedModel, ModelHandle
+from .memory import ManagedModel, ModelHandle, outputs_now
 from .models_folder import available_models, find_model, weights_bytes
-from .types import Qwen35Model, cancellable, shown_again
+from .types import Qwen35Model, cancellable, running, shown_again, workflow_id
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class Qwen35ModelLoader(io.ComfyNode):
                                        "else int8; the node says which."),
             ],
             outputs=[Qwen35Model.Output(display_name="model")],
+            hidden=[io.Hidden.extra_pnginfo],  # the workflow's id (workflow_id); not part of ComfyUI's cache key
         )
 
     @classmethod
@@ -136,7 +137,14 @@ class Qwen35ModelLoader(io.ComfyNode):
         if weights not in WEIGHTS:
             raise Qwen35Error(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
         key = (_files_key(path), dtype, device, str(target), backend, cache_budget_mb, weights)
+        # this loader node in its workflow; none for a prompt that names no workflow (the API, scripts: another
+        # workflow's node may have the same id, and letting its model go would read the weights again each switch)
+        workflow, node_id = workflow_id(cls.hidden), running()[1]
+        node = (workflow, node_id) if workflow is not None and node_id is not None else None
         managed = _loaded.get(key, lambda: None)()
+        # the model this node output before goes first (its VRAM and RAM free for this one), unless another
+        # loader node outputs it too: ComfyUI's cache would keep it, last of all (memory.outputs_now)
+        outputs_now(node, managed)
         if managed is not None:
             log.info("Qwen3.5: %s is in memory with these settings; not read again", path)
             managed.load()  # back on its device first when ComfyUI had unloaded it
@@ -159,6 +167,7 @@ class Qwen35ModelLoader(io.ComfyNode):
             managed.device_note = device_note
             managed.load()
             _loaded[key] = weakref.ref(managed)
+            outputs_now(node, managed)
         store = runtime_model.kv
         info = {
             "path": str(path),
@@ -176,7 +185,7 @@ class Qwen35ModelLoader(io.ComfyNode):
             info["device_note"] = managed.device_note
         log.info("Qwen3.5: loaded %s on %s (%s, %s weights), backend %s: %s", path, info["device"], info["dtype"],
                  info["weights"], info["backend"], info["backend_reason"])
-        return io.NodeOutput(ModelHandle(managed, keep_loaded), ui={"qwen35_model": [info]})
+        return io.NodeOutput(ModelHandle(managed, keep_loaded, node), ui={"qwen35_model": [info]})
 
 
 def _load(path: Path, dtype: str, device: str, target: torch.device, backend: str, weights: str,

@@ -10,6 +10,11 @@ Unloaded to system RAM, the weights would be anonymous memory that ComfyUI's RAM
 see (it counts CPU tensors and ModelPatchers in node outputs, and this handle is neither). So where moving
 them would leave less free RAM than ComfyUI keeps free, they are let go instead and read again from the
 checkpoint on the next run; the K/V store and the prefills' states (small beside them) still move to RAM.
+
+A loader node whose settings change loads another model, and ComfyUI's cache may keep the old one's output: its
+RAM-pressure cache drops its own superseded models first, but counts this pack's handle as next to nothing, so it
+would drop it last. So each loader node's model is recorded (`outputs_now`), and the one it output before is let
+go as soon as no loader node outputs it any more (`ManagedModel.let_go`).
 """
 from __future__ import annotations
 
@@ -77,8 +82,9 @@ class ManagedModel:
         return self.model.dtype
 
     def partially_load(self, device, extra_memory=0, force_patch_weights=False) -> int:
-        """Moves the model to `device`; returns the bytes that moved there."""
-        if self._on(device):
+        """Moves the model to `device`; returns the bytes that moved there. Weights let go come back read again,
+        also where they were let go on `device` itself (a cpu model: let_go)."""
+        if self._on(device) and not self.model.weights_dropped:
             return 0
         if self.model.weights_dropped:
             from .types import cancellable  # (types.py imports this module)
@@ -115,21 +121,28 @@ class ManagedModel:
         log.info("Qwen3.5: unloading %s from %s to %s", self.model.path, self.current_loaded_device(),
                  self.offload_device)
         if not self._on(self.offload_device):
-            left = self.current_loaded_device()
             weights = self.model.weight_bytes()
             short = self.offload_device.type == "cpu" and ram_short_by(weights + self.model.kv_bytes())
-            if short > 0 and getattr(self.model, "checkpoint", None) is not None:
+            drop = short > 0 and getattr(self.model, "checkpoint", None) is not None
+            if drop:
                 log.info("Qwen3.5: letting the weights of %s go (%.0f MiB) instead of moving them to RAM, which "
                          "would leave %.0f MiB less free than ComfyUI keeps free; they are read again from the "
                          "checkpoint on the next run", self.model.path, weights / 2**20, short / 2**20)
-                self.model.drop_weights(self.offload_device)
-            else:
-                self.model.to(self.offload_device)
-            for cache in list(self._prefill_caches):  # generate copies them back to the model's device
-                cache.to(self.offload_device)
-            if left.type == "cuda":
-                from ..runtime import free_gpu_workspaces
-                free_gpu_workspaces()  # the matmul workspaces our runs left behind (32 MiB per stream)
+            self._offload(drop)
+
+    def _offload(self, drop: bool) -> None:
+        """The weights to the offload device, or let go (drop: read again from the checkpoint on the next load);
+        the K/V store and the prefills' states to the offload device (generate copies them back)."""
+        left = self.current_loaded_device()
+        if drop:
+            self.model.drop_weights(self.offload_device)
+        else:
+            self.model.to(self.offload_device)
+        for cache in list(self._prefill_caches):
+            cache.to(self.offload_device)
+        if left.type == "cuda":
+            from ..runtime import free_gpu_workspaces
+            free_gpu_workspaces()  # the matmul workspaces our runs left behind (32 MiB per stream)
 
     def model_patches_to(self, device_or_dtype):
         pass
@@ -171,6 +184,8 @@ class ManagedModel:
         """Brings the weights to the load device, freeing other models' VRAM first so that the weights and
         `memory_required` more bytes (a run's estimate: runtime.memory) fit, as ComfyUI's own nodes ask."""
         mm.load_models_gpu([self], memory_required=int(memory_required))
+        if self.model.weights_dropped:  # let go where they run (a cpu model, let_go), which ComfyUI took as loaded
+            self.partially_load(self.load_device)
 
     def release(self):
         """Gives the VRAM back now (keep_loaded off): off ComfyUI's list and onto the offload device."""
@@ -181,19 +196,57 @@ class ManagedModel:
             self.detach()
         mm.soft_empty_cache()
 
+    def let_go(self):
+        """No loader node outputs this model any more (each that did loads another now), though ComfyUI's cache
+        may still hand an old output on: off ComfyUI's list and out of VRAM, its weights let go where the offload
+        device is the CPU (not moved to RAM; read again from the checkpoint if an old output is used after all),
+        the K/V store and the prefills' states moved to the CPU."""
+        model = self.model
+        if (self.offload_device.type == "cpu" and getattr(model, "checkpoint", None) is not None
+                and not model.weights_dropped):
+            log.info("Qwen3.5: letting %s go (%.0f MiB of weights): its loader node loads another model now",
+                     model.path, model.weight_bytes() / 2**20)
+            if model.kv_bytes():  # an auto store keeps only the blocks live prefills hold (snapshots past them go)
+                model.kv.shrink_to(1)
+            self._offload(drop=True)
+        self.release()  # off ComfyUI's list (and onto the offload device where it was not let go)
+
     def _on(self, device) -> bool:
         return _same(self.current_loaded_device(), torch.device(device))
+
+
+# each loader node's model: (workflow id, node id) -> the ManagedModel its output holds, weakly (a node is its id
+# in its workflow, as for the prefills: types.made)
+_NODE_MODELS: dict[tuple, weakref.ref] = {}
+
+
+def outputs_now(node: tuple | None, managed: ManagedModel | None) -> None:
+    """Records `managed` as the model loader node `node` outputs now (its run, or a use of one of its outputs that
+    ComfyUI kept; None: none, as before a load), and lets go of the model it output before where no other loader
+    node outputs that one (ManagedModel.let_go). node None: outside a ComfyUI run, not recorded."""
+    if node is None:
+        return
+    for gone in [k for k, ref in _NODE_MODELS.items() if ref() is None]:
+        del _NODE_MODELS[gone]
+    ref = _NODE_MODELS.pop(node, None)
+    before = ref() if ref is not None else None
+    if managed is not None:
+        _NODE_MODELS[node] = weakref.ref(managed)
+    if before is not None and before is not managed and all(r() is not before for r in _NODE_MODELS.values()):
+        before.let_go()
 
 
 class ModelHandle:
     """What one loader node outputs: the ManagedModel it loaded or shares (one per model in memory: ComfyUI's
     model management holds that one) and this node's keep_loaded. ComfyUI's caches can hand a later run the
     output of an earlier one (--cache-lru keeps many): the keep_loaded the node showed then comes with it, not
-    the one another run of a loader of the same model set last."""
+    the one another run of a loader of the same model set last. node: (workflow id, node id) of that loader
+    (outputs_now), None outside a ComfyUI run."""
 
-    def __init__(self, managed: ManagedModel, keep_loaded: bool):
+    def __init__(self, managed: ManagedModel, keep_loaded: bool, node: tuple | None = None):
         self.managed = managed
         self.keep_loaded = bool(keep_loaded)
+        self.node = node
 
     def __repr__(self):
         return f"ModelHandle({self.managed!r}, keep_loaded={self.keep_loaded})"
@@ -204,6 +257,7 @@ class ModelHandle:
         return self.managed.model
 
     def load(self, memory_required: int = 0):
+        outputs_now(self.node, self.managed)  # an output ComfyUI kept, used again: its node's model again
         self.managed.load(memory_required)
 
     def track(self, prefill) -> None:

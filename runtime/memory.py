@@ -74,15 +74,23 @@ def prefill_bytes(model: Qwen35Model, n_tokens: int, context: int | None = None)
         + reference_gdn_bytes(model) + dequant_bytes(model) + OVERHEAD
 
 
+def run_device(model: Qwen35Model) -> torch.device:
+    """The device `model` runs on: the one its backend was picked for (Qwen35Model.backend_device), where the
+    weights of an unloaded model are not (they wait on the cpu, or are let go, until the run moves them back), so
+    an estimate made before that move is for the device that runs it; the weights' device before any pick."""
+    return model.backend_device if model.backend_device is not None else model.device
+
+
 def reference_gdn_bytes(model: Qwen35Model) -> int:
     """What the PyTorch form of the GDN prefill (where its kernel does not run) holds at once beyond its inputs and
     output: one segment's fp32 working set (it walks the sequences of a call one after another), the same whatever
-    the prompt's length; 0 where the kernel runs."""
+    the prompt's length, its segment the one of the device the model runs on (run_device); 0 where the kernel
+    runs."""
     if model.backend is not None and model.backend.use_cuda:
         return 0
     c = model.config
     return segment_bytes(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                         segment_for(model.device))
+                         segment_for(run_device(model)))
 
 
 def reference_attention_bytes(model: Qwen35Model, context: int, new: int = 1) -> int:
@@ -147,7 +155,8 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     pixels and the merged tokens of all of them, and for the patches of its largest pass (vision.tower_passes; on
     a GPU, for a pass a bucket graph may run, its bucket's: vision.graph_bucket) their pixels in the model's
     dtype and the widest block (residual, norm, q/k/v, q and k rotated in fp32, the MLP's hidden layer and its
-    GELU); attention as SDPA's fused kernels run it. 0 for a model without a tower or without inputs."""
+    GELU); attention as SDPA's fused kernels run it. For the device the model runs on (run_device), where its
+    weights may not be yet. 0 for a model without a tower or without inputs."""
     n_patches = sum(t * h * w for t, h, w in grids)
     if model.vision is None or n_patches <= 0:
         return 0
@@ -156,7 +165,7 @@ def vision_bytes(model: Qwen35Model, grids) -> int:
     d, i = vc.hidden_size, vc.intermediate_size
     passes = tower_passes(grids)
     widest = max(sum(t * h * w for t, h, w in part) for part in passes)
-    if len(passes) == 1 and model.vision.device.type == "cuda" and graph_bucket(widest) <= GRAPH_PATCHES:
+    if len(passes) == 1 and run_device(model).type == "cuda" and graph_bucket(widest) <= GRAPH_PATCHES:
         widest = graph_bucket(widest)  # a padded graph's capture runs its bucket
     per_pass_patch = b * (vc.patch_dim + 5 * d + 3 * d + max(3 * d, 2 * i)) + 4 * 2 * d  # its pixels in the dtype
     return n_patches * (4 * vc.patch_dim + b * vc.out_hidden_size) + widest * per_pass_patch + OVERHEAD
@@ -279,6 +288,6 @@ def out_of_memory(model: Qwen35Model, what: str, needed: int) -> Qwen35Error:
         "The model is unchanged: the same run works once there is room")
 
 
-__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "vision_bytes", "generate_bytes", "generation_growth_bytes",
-           "free_bytes", "out_of_memory",
+__all__ = ["cache_bytes", "state_bytes", "prefill_bytes", "run_device", "vision_bytes", "generate_bytes",
+           "generation_growth_bytes", "free_bytes", "out_of_memory",
            "is_out_of_memory", "loading_out_of_memory", "text_weight_bytes"]

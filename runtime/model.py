@@ -556,6 +556,12 @@ class Qwen35Model(nn.Module):
                 self.decode_gemv if self.decode_gemv is not None else preferred)
         return self.backend
 
+    @property
+    def backend_device(self) -> torch.device | None:
+        """The device the backend was picked for (select_backend), where the model runs; it stays while the
+        weights wait elsewhere (unloaded to the cpu, or let go) until a run moves them back. None before a pick."""
+        return self._backend_device
+
     def set_decode_gemv(self, on: bool | None) -> None:
         """One-row projections through kernels.gemv (True), through cuBLAS (False), or the default (None): int8
         matrices through gemv, 16-bit ones as kernels.gemv_preferred says for the device; captured passes are made

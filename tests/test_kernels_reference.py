@@ -150,10 +150,15 @@ def test_segment_follows_the_device():
     o1k, s1k = gdn_prefill_chunked(*inputs, segment=1024)  # the same sums in other segments: within fp32 rounding
     assert rel(o1k.float(), o.float()) < 1e-2 and rel(s1k, s) < 1e-5
     config = SimpleNamespace(linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128)
-    for device, segment in (("cpu", 256), ("cuda", 1024)):
-        model = SimpleNamespace(backend=None, config=config, device=torch.device(device))
+    # the segment of the device the model runs on: an unloaded model's weights wait on the cpu (its torch backend
+    # picked for a GPU; the estimate asks room on that GPU before the weights come back)
+    for device, picked, segment in (("cpu", None, 256), ("cuda", None, 1024), ("cpu", "cpu", 256),
+                                    ("cpu", "cuda", 1024)):
+        model = SimpleNamespace(backend=None, config=config, device=torch.device(device),
+                                backend_device=picked and torch.device(picked))
         assert reference_gdn_bytes(model) == segment_bytes(32, 128, 128, segment)
-    model = SimpleNamespace(backend=SimpleNamespace(use_cuda=True), config=config, device=torch.device("cuda"))
+    model = SimpleNamespace(backend=SimpleNamespace(use_cuda=True), config=config, device=torch.device("cuda"),
+                            backend_device=torch.device("cuda"))
     assert reference_gdn_bytes(model) == 0
 
 

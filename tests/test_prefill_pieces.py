@@ -247,7 +247,7 @@ def test_the_vision_estimate_counts_one_passs_activations(pair, monkeypatch):
     assert len(tower_passes(grids, 256)) == 4 and one - quarters == (1024 - 256) * per_pass_patch
     assert memory.vision_bytes(ours, []) == 0 and quarters > memory.OVERHEAD
     # on a GPU one pass may be a bucket graph's capture: its bucket's patches (1,152 for 1,024), never passes
-    monkeypatch.setattr(type(ours.vision), "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(type(ours), "backend_device", property(lambda self: torch.device("cuda")))  # runs there
     assert memory.vision_bytes(ours, grids) == quarters
     monkeypatch.setattr(vision_mod, "TOWER_PASS_PATCHES", 32768)
     assert memory.vision_bytes(ours, grids) - one == (vision_mod.graph_bucket(1024) - 1024) * per_pass_patch
