@@ -207,24 +207,30 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
     bar = comfy.utils.ProgressBar(max_new_tokens, node_id=node_id)
     event = {"node": node_id, "display_node": display_node, "item": item}
     thinking = pf.prefill.thinking
-    tail = {"text": "", "answering": False}  # the stream's last characters; whether </think> passed before them
+    # where the thinking ends, as the runtime splits it: at the </think> token (text that spells "</think>" out of
+    # other tokens is thinking). closes: this token ends it; answering: it ended before this token
+    boundary = {"closes": False, "answering": False}
+
+    def thinking_ends():
+        boundary["closes"] = True
 
     def on_token(delta: str, n_done: int, total: int):
         mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
         bar.update_absolute(n_done, total)
         # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
         # (thinking and answering in every event: a page reloaded mid-answer lays the answer out from any of them;
-        # answering: the thinking ended before this delta, so the page that joins now shows it all as the answer)
+        # answering: the page that joins now shows it all as the answer; closes, on the token's own event only)
         _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time(),
-                              "thinking": thinking, "answering": tail["answering"]})
-        tail["text"] = (tail["text"] + delta)[-2 * len(THINK_CLOSE):]
-        tail["answering"] = tail["answering"] or (thinking and THINK_CLOSE in tail["text"])
+                              "thinking": thinking, "answering": boundary["answering"],
+                              **({"closes": True} if boundary["closes"] else {})})
+        boundary["answering"] = boundary["answering"] or boundary["closes"]
+        boundary["closes"] = False
 
     _send(STREAM_EVENT, {**event, "delta": "", "n": 0, "max": max_new_tokens, "t": time.time(),
                           "thinking": thinking})
     model.load(memory_required=generate_bytes(model.model, pf.prefill.n_tokens, max_new_tokens))
     result = generate(model.model, pf.prefill, max_new_tokens=max_new_tokens, sampling=params, seed=seed,
-                      on_token=on_token)
+                      on_token=on_token, on_thinking_end=thinking_ends)
     bar.update_absolute(max_new_tokens, max_new_tokens)
     # the first token's latency counts the prompt's time where the prompt was read in this run, in the first answer
     # from it (of this node or another Generate's); a prefill ComfyUI took from its cache, or answered before in

@@ -272,17 +272,21 @@ def not_finite(model: Qwen35Model, where: str) -> Qwen35Error:
 @torch.compiler.disable
 @on_model_device
 def generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
-             seed: int = 0, on_token: OnToken | None = None) -> Generation:
+             seed: int = 0, on_token: OnToken | None = None,
+             on_thinking_end: Callable[[], None] | None = None) -> Generation:
     """Generate up to `max_new_tokens` after a prefill; stops at an end-of-turn token.
 
     on_token(delta_text, n_done, max_new_tokens) runs after every token; raising from it cancels.
+    on_thinking_end() runs once, with thinking on, when the token that ends the thinking comes (the first
+    `</think>` token, as Generation splits thinking and answer), before on_token gets its text: a stream's
+    reader learns the boundary from the token, not from the text "</think>" (which the thinking may spell).
     The same prefill, settings and seed give the same text. Out of device memory, it raises a
     Qwen35Error that says what was needed and free; the model and the prefill stay as they were (a K/V
     store grown for the answer gives those blocks back when it fails or is cancelled).
     """
     with growth_undone_on_failure(*([pf.cache.store] if isinstance(pf, Prefill) else [])) as undo_growth:
         try:
-            return _generate(model, pf, max_new_tokens, sampling, seed, on_token)
+            return _generate(model, pf, max_new_tokens, sampling, seed, on_token, on_thinking_end)
         except RuntimeError as e:
             if not is_out_of_memory(e):
                 raise  # out of memory is reported below, once the run's tensors and the traceback are gone
@@ -306,7 +310,7 @@ def checked_settings(max_new_tokens, sampling: SamplingParams | None, seed) -> t
 
 
 def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: SamplingParams | None,
-              seed: int, on_token: OnToken | None) -> Generation:
+              seed: int, on_token: OnToken | None, on_thinking_end: Callable[[], None] | None) -> Generation:
     max_new_tokens, sampling, seed = checked_settings(max_new_tokens, sampling, seed)
     if not isinstance(pf, Prefill):
         raise Qwen35Error(f"generate needs the Prefill that prefill() returned, got a {type(pf).__name__}; run "
@@ -320,14 +324,14 @@ def _generate(model: Qwen35Model, pf: Prefill, max_new_tokens: int, sampling: Sa
     # is not free, the store's message says why (the answer's length plays no part in it)
     cache = pf.cache.clone(pf.n_tokens + 1, device=model.device)
     try:
-        return _answer(model, pf, cache, max_new_tokens, sampling, seed, on_token)
+        return _answer(model, pf, cache, max_new_tokens, sampling, seed, on_token, on_thinking_end)
     except BaseException:  # a cancel, out of memory: the answer's blocks go back now, not with the traceback that
         cache.store.pool.free(cache.seq)  # holds its frames, so that a store grown for them can shrink back
         raise
 
 
 def _answer(model: Qwen35Model, pf: Prefill, cache: Cache, max_new_tokens: int, sampling: SamplingParams,
-            seed: int, on_token: OnToken | None) -> Generation:
+            seed: int, on_token: OnToken | None, on_thinking_end: Callable[[], None] | None) -> Generation:
     """generate's decode loop, into `cache` (the fork of pf's)."""
     limit = model.config.max_position_embeddings
     budget = min(max_new_tokens, limit - pf.n_tokens)
@@ -342,6 +346,8 @@ def _answer(model: Qwen35Model, pf: Prefill, cache: Cache, max_new_tokens: int, 
     eos = set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids)
     marks = penalty_marks(pf.token_ids, sampling, pf.logits.numel(), dev)  # ids the penalties see
     stream = model.tokenizer.stream_decoder()
+    # the token that ends the thinking (_split_answer's rule), watched for while on_thinking_end waits for it
+    close = model.tokenizer.token_id(THINK_CLOSE) if pf.thinking and on_thinking_end is not None else None
     finish = "length"
     t0 = time.perf_counter()
     first_ms = t_decode = 0.0
@@ -416,6 +422,9 @@ def _answer(model: Qwen35Model, pf: Prefill, cache: Cache, max_new_tokens: int, 
             finish = "stop"
             break
         out.append(done)
+        if done == close:
+            close = None
+            on_thinking_end()
         if on_token is not None:
             on_token(stream.feed(done), n + 1, max_new_tokens)
         if short is not None:

@@ -460,3 +460,30 @@ def test_out_of_memory_behind_the_end_of_turn_token_is_no_error(pair, monkeypatc
     failure[0] = RuntimeError("an unrelated failure")  # not out of memory: raised, though the answer ends
     with pytest.raises(RuntimeError, match="an unrelated failure"):
         generate(model, pf, max_new_tokens=500)
+
+
+def test_on_thinking_end_comes_at_the_think_token_not_at_its_spelling(pair, monkeypatch):
+    """With thinking on, on_thinking_end runs once, just before the </think> token's text goes to on_token: thinking
+    that spells "</think>" out of ordinary tokens is not its end (a page following the text showed the rest as
+    the answer); the split agrees with Generation's. Thinking off: never."""
+    gen = sys.modules["qwen35_fast.runtime.generate"]
+    _, model = pair
+    tok = model.tokenizer
+    close, spelled = tok.token_id("</think>"), tok.encode_text(" </think> so")
+    assert close not in spelled
+    script = tok.encode_text("Hmm") + spelled + [close] + tok.encode_text("Red.") + [model.config.eos_token_ids[0]]
+    real = gen.pick
+    monkeypatch.setattr(gen, "pick", lambda logits, sampling, seed, n, *a: torch.full_like(
+        real(logits, sampling, seed, n, *a), script[min(n, len(script) - 1)]))
+    for thinking in (True, False):
+        pf = prefill(model, "Think about tags.", thinking=thinking)
+        seen = []
+        out = generate(model, pf, max_new_tokens=30, on_token=lambda d, n, total: seen.append(d),
+                       on_thinking_end=lambda: seen.append(None))
+        if thinking:
+            at = seen.index(None)
+            assert seen.count(None) == 1 and seen[at + 1] == "</think>"
+            assert "".join(seen[:at]).strip() == out.thinking == "Hmm </think> so"
+            assert "".join(seen[at + 2:]).strip() == out.text == "Red."
+        else:
+            assert None not in seen and out.thinking == "" and "</think>" in out.text

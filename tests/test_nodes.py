@@ -235,27 +235,32 @@ def test_each_answer_of_a_list_streams_with_its_place(pack, loaded, monkeypatch)
 
 
 def test_each_stream_event_says_whether_the_thinking_ended_before_it(pack, loaded, monkeypatch):
-    """With thinking on, every token event carries `answering`: whether </think> came before its delta, so that a
-    page reloaded mid-answer shows the rest as the answer, not as thinking (web/qwen35.js). The close itself is
-    still thinking's last delta; a </think> spelled over two deltas counts too."""
+    """With thinking on, every token event carries `answering`: whether the thinking ended before its delta, so
+    that a page reloaded mid-answer shows the rest as the answer, not as thinking (web/qwen35.js); the event of the
+    token that ends it says `closes`. Both follow the runtime's </think> token (on_thinking_end), not the text:
+    thinking that spells "</think>" out of other tokens is still thinking, as the node's outputs have it."""
     import types
 
     import qwen35_fast.runtime as runtime
     events = []
     monkeypatch.setattr(pack.text, "_send", lambda event, data: events.append(data))
-    deltas = ["Hmm", " so", "</think>", "\n\nRed", ".", " </thi", "nk>", " end"]
+    deltas = ["Hmm", " </thi", "nk>", " so", "</think>", "\n\nRed", "."]  # the fifth is the </think> token
 
-    def scripted(model, pf, max_new_tokens, sampling, seed, on_token):
+    def scripted(model, pf, max_new_tokens, sampling, seed, on_token, on_thinking_end):
         for n, d in enumerate(deltas, 1):
+            if n == 5 and pf.thinking:
+                on_thinking_end()
             on_token(d, n, max_new_tokens)
-        return types.SimpleNamespace(text="Red. </think> end", thinking="Hmm so", token_ids=[], n_tokens=len(deltas),
+        return types.SimpleNamespace(text="Red.", thinking="Hmm </think> so", token_ids=[], n_tokens=len(deltas),
                                      first_token_ms=1.0, decode_tokens_per_s=1.0, finish_reason="stop")
     monkeypatch.setattr(runtime, "generate", scripted)
     _generate(pack, _prefill(pack, loaded, thinking=True), max_new_tokens=20)
-    assert [d["answering"] for d in events if d["n"]] == [False, False, False, True, True, True, True, True]
+    tokens = [d for d in events if d["n"]]
+    assert [d["answering"] for d in tokens] == [False] * 5 + [True] * 2
+    assert [d.get("closes", False) for d in tokens] == [False] * 4 + [True] + [False] * 2
     events.clear()
     _generate(pack, _prefill(pack, loaded, thinking=False), max_new_tokens=20)
-    assert not any(d["answering"] for d in events if d["n"])  # no thinking block: nothing to end
+    assert not any(d["answering"] or d.get("closes") for d in events if d["n"])  # no thinking block: nothing ends
 
 
 def test_stream_goes_to_the_prompt_s_client_only(pack, comfy, monkeypatch):
@@ -865,9 +870,10 @@ def test_generate_hands_every_setting_to_the_runtime(pack, loaded, monkeypatch):
     seen = {}
     real = rt.generate
 
-    def spy(model, pf, max_new_tokens, sampling, seed, on_token):
+    def spy(model, pf, max_new_tokens, sampling, seed, on_token, on_thinking_end):
         seen.update(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
-        return real(model, pf, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_token=on_token)
+        return real(model, pf, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_token=on_token,
+                    on_thinking_end=on_thinking_end)
     monkeypatch.setattr(rt, "generate", spy)
     out = listed(pack.Qwen35Generate, prefill=_prefill(pack, loaded), max_new_tokens=5, sampling=True,
                  temperature=0.6, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,

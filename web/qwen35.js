@@ -3,8 +3,9 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t, thinking} (and `answering` when n
-// is above 0: the thinking ended before this delta)
+// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t, thinking}; when n is above 0 also
+// `answering` (the thinking ended before this delta) and, on the event of the token that ends it, `closes`. Both
+// follow the runtime's </think> token: thinking that spells "</think>" out of other tokens is still thinking.
 const STREAM_EVENT = "qwen35.stream";
 const THINK_END = "</think>";
 
@@ -137,13 +138,23 @@ function showAnswer(view, thinking, answer, streaming) {
   view.answer.classList.toggle("qwen35-streaming", streaming);
 }
 
-// The streamed text so far as (thinking, answer).
+// The streamed text so far as (thinking, answer): cut where the token that ended the thinking ended (view.cut).
 function streamed(view) {
   if (!view.expectThinking) return ["", view.raw];
-  const raw = view.raw.replace(/^\s*<think>/, "");
-  const end = raw.indexOf(THINK_END);
-  if (end < 0) return [raw.trim(), ""];
-  return [raw.slice(0, end).trim(), raw.slice(end + THINK_END.length).trimStart()];
+  if (view.cut < 0) return [view.raw.replace(/^\s*<think>/, "").trim(), ""];
+  let thinking = view.raw.slice(0, view.cut).replace(/^\s*<think>/, "");
+  if (thinking.endsWith(THINK_END)) thinking = thinking.slice(0, -THINK_END.length);
+  return [thinking.trim(), view.raw.slice(view.cut).trimStart()];
+}
+
+// Where the answer starts in view.raw once event d has come, or -1 while the model thinks: after the delta that
+// `closes` the thinking; where an event says `answering` without a `closes` before it (a node of an earlier
+// version, which cut at the text), after the first "</think>" of the text before this delta.
+function answerStart(view, d, before) {
+  if (d.closes) return view.raw.length;
+  if (!d.answering) return -1;
+  const end = view.raw.slice(0, before).indexOf(THINK_END);
+  return end < 0 ? before : end + THINK_END.length;
 }
 
 // The answer being streamed after the finished ones of its list, each numbered by its place in the list ([2] ...;
@@ -158,7 +169,7 @@ function withEarlier(view, answer) {
 // closing its thinking is all answer (the model's end of turn), one cut at max_new_tokens there has none.
 function finishedAnswer(view) {
   const [thinking, answer] = streamed(view);
-  return (view.expectThinking && !view.sawEnd && view.n < view.max ? thinking : answer).trim();
+  return (view.expectThinking && view.cut < 0 && view.n < view.max ? thinking : answer).trim();
 }
 
 // The view laid out for the answer event d begins (every stream event says whether the answer thinks).
@@ -166,7 +177,7 @@ function startAnswer(view, d) {
   view.promptId = d.prompt_id; // a cancel or an error of this run stops it
   view.item = d.item ?? 0;
   view.raw = "";
-  view.sawEnd = false;
+  view.cut = -1;
   view.n = d.n;
   view.max = d.max;
   // (a page that joins after the thinking ended shows the rest as the answer: the thinking went to the old page)
@@ -189,13 +200,14 @@ function onStream(view, d) {
     view.done = [];
     startAnswer(view, d);
   }
+  const before = view.raw.length;
   view.raw += d.delta;
   view.n = d.n;
   view.max = d.max;
   view.stats.textContent = `${d.n} / ${d.max} tokens`;
-  if (view.expectThinking && !view.sawEnd && view.raw.includes(THINK_END)) {
-    view.thinking.open = false; // thinking done: fold it, show the answer
-    view.sawEnd = true;
+  if (view.expectThinking && view.cut < 0) {
+    view.cut = answerStart(view, d, before);
+    if (view.cut >= 0) view.thinking.open = false; // thinking done: fold it, show the answer
   }
   const [thinking, answer] = streamed(view);
   showAnswer(view, thinking, withEarlier(view, answer), true);

@@ -377,6 +377,37 @@ def test_an_answer_finished_in_a_hidden_workflow_shows_on_return(browser_env):
     assert "tok/s decode" in a_back["stats"], a_back["stats"]
 
 
+def test_an_answer_finished_in_a_hidden_workflow_shows_inside_its_subgraph_on_return(browser_env):
+    """As above for a Generate node inside a subgraph: the front end hands the outputs back when A is shown again
+    keyed by the node's locator ("<subgraph id>:<node id>"), which the page finds inside the subgraph."""
+    inner = ("[...app.rootGraph.subgraphs.values()].flatMap(s => s.nodes)"
+             ".find(n => n.type === 'Qwen35Generate')?.qwen35")
+
+    async def body(page):
+        a = await _open_tab(page, max_new_tokens=64, seed=4949)
+        await page.evaluate("""() => { app.rootGraph.convertToSubgraph(
+            new Set([app.graph.nodes.find(n => n.type === 'Qwen35Generate')]));
+            app.extensionManager.workflow.activeWorkflow.changeTracker?.checkState(); }""")
+        b = await _open_tab(page, max_new_tokens=64, seed=5050)
+        await _show(page, a)
+        assert await page.evaluate(f"() => !!{inner}"), "tab A lost its subgraph"
+        await _watch_runs(page)
+        await page.get_by_test_id("queue-button").click()
+        await page.wait_for_function("() => window.qwen35Seen.length > 0", timeout=180_000)
+        await _show(page, b)
+        await page.wait_for_function("() => window.qwen35Done", timeout=300_000)
+        await _show(page, a)
+        keys = await page.evaluate("() => Object.keys(app.nodeOutputs ?? {})")
+        return keys, await page.evaluate(f"""() => ({{answer: {inner}.answer.textContent,
+            stats: {inner}.stats.textContent, streaming: {inner}.answer.classList.contains('qwen35-streaming')}})""")
+
+    keys, panel = _in_browser(browser_env, body)
+    outputs = next(iter(browser_env.get("/history?max_items=1").values()))["outputs"]
+    text = next(out for out in outputs.values() if "qwen35_generate" in out)["text"][0]
+    assert panel["answer"] == text and not panel["streaming"], (keys, panel)
+    assert "tok/s decode" in panel["stats"], panel["stats"]
+
+
 def test_one_caption_per_image_shows_every_answer(browser_env):
     """A list of prefills comes to Generate in one run, answered image by image: while the second answer streams the first stays on the
     node ([1] ..., [2] ...); at the end the node shows every answer, numbered, and one stats line over them. The

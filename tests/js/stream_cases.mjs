@@ -25,7 +25,34 @@ const cases = {
     env.api.emit("execution_interrupted", { prompt_id: "P1" });
     assert.deepEqual([panel(gen).answer, panel(gen).stats], ["The answer is 42. More.", "stopped after 33 tokens"]);
   },
-  // one that joins while the model thinks (answering false) still folds the thinking at </think>
+  // the thinking ends at the runtime's </think> token (the event that `closes` it), not where its text spells
+  // "</think>" out of other tokens; the close token's delta may carry a character the token before it began
+  async "thinking that spells </think> stays thinking until the token that ends it"() {
+    const { env, gen } = await page();
+    const ev = (n, delta, more = {}) => ({ node: "5", display_node: "5", item: 0, prompt_id: "P1", delta, n,
+      max: 256, t: 0, thinking: true, answering: false, ...more });
+    env.api.emit("qwen35.stream", ev(0, ""));
+    for (const [n, delta] of [[1, "<think>Hmm"], [2, " </thi"], [3, "nk>"], [4, " so"]]) {
+      env.api.emit("qwen35.stream", ev(n, delta));
+    }
+    assert.deepEqual([panel(gen).thinking, panel(gen).answer], ["Hmm </think> so", ""]);
+    env.api.emit("qwen35.stream", ev(5, "\u00e9</think>", { closes: true }));
+    assert.deepEqual([panel(gen).thinking, panel(gen).answer], ["Hmm </think> so\u00e9", ""]);
+    env.api.emit("qwen35.stream", ev(6, "\n\nRed", { answering: true }));
+    env.api.emit("qwen35.stream", ev(7, " </think>.", { answering: true }));
+    assert.deepEqual([panel(gen).thinking, panel(gen).answer], ["Hmm </think> so\u00e9", "Red </think>."]);
+  },
+  // with thinking off the model's text is all answer, a literal </think> in it too
+  async "an answer without thinking keeps a </think> it writes"() {
+    const { env, gen } = await page();
+    const ev = (n, delta) => ({ node: "5", display_node: "5", item: 0, prompt_id: "P1", delta, n, max: 256, t: 0,
+      thinking: false, answering: false });
+    env.api.emit("qwen35.stream", ev(0, ""));
+    env.api.emit("qwen35.stream", ev(1, "Tags: "));
+    env.api.emit("qwen35.stream", ev(2, "</think>"));
+    assert.deepEqual([panel(gen).thinkingHidden, panel(gen).answer], [true, "Tags: </think>"]);
+  },
+  // events of an earlier node version (answering from the text, no `closes`): the cut at the text's first </think>
   async "a page that joins while the model thinks shows the thinking apart"() {
     const { env, gen } = await page();
     const ev = (n, delta, answering) => ({ node: "5", display_node: "5", item: 0, prompt_id: "P1", delta, n,
@@ -39,8 +66,8 @@ const cases = {
   // as nodes/text.py splits it; one cut at max_new_tokens there has none
   async "a finished answer of a list is split as the node splits it"() {
     const { env, gen } = await page();
-    const ev = (item, n, delta, max = 256) => ({ node: "5", display_node: "5", item, prompt_id: "P1", delta, n, max,
-      t: 0, thinking: true });
+    const ev = (item, n, delta, max = 256, more = {}) => ({ node: "5", display_node: "5", item, prompt_id: "P1", delta,
+      n, max, t: 0, thinking: true, answering: false, ...more });
     env.api.emit("qwen35.stream", ev(0, 0, ""));
     env.api.emit("qwen35.stream", ev(0, 1, "A red"));
     env.api.emit("qwen35.stream", ev(0, 2, " car."));
@@ -49,8 +76,8 @@ const cases = {
     env.api.emit("qwen35.stream", ev(1, 2, " no", 2));
     env.api.emit("qwen35.stream", ev(2, 0, ""));
     env.api.emit("qwen35.stream", ev(2, 1, "Hmm"));
-    env.api.emit("qwen35.stream", ev(2, 2, "</think>"));
-    env.api.emit("qwen35.stream", ev(2, 3, "A dog."));
+    env.api.emit("qwen35.stream", ev(2, 2, "</think>", 256, { closes: true }));
+    env.api.emit("qwen35.stream", ev(2, 3, "A dog.", 256, { answering: true }));
     assert.equal(panel(gen).answer, "[1] A red car.\n\n[2] \n\n[3] A dog.");
     env.api.emit("execution_interrupted", { prompt_id: "P1" });
     assert.equal(panel(gen).stats, "stopped after 3 tokens of answer 3");
