@@ -381,8 +381,10 @@ class VisionInput:
     def pixels(self) -> torch.Tensor:
         return self.patches() if callable(self.patches) else self.patches
 
-    @functools.cached_property
+    @property
     def source_pixels(self) -> torch.Tensor | None:
+        """The source's pixels: a function's made anew at each ask (an image's copy on the model's device, held
+        only while it is hashed, not for as long as the prompt runs)."""
         return self.source() if callable(self.source) else self.source
 
     @property
@@ -461,22 +463,21 @@ def preprocess_images(images: torch.Tensor, pp: Preprocessing | None = None, dev
     if given.device.type != "cpu":
         _checked(given)  # now, before the tower's work is queued (on the CPU: when first read, in _moved)
 
-    @functools.cache
-    def on_device() -> torch.Tensor:  # moved when first needed: a cached image is never copied
-        return _moved(given, device).reshape(b, h, w, c)
+    def on_device(k: int) -> torch.Tensor:  # image k, moved when needed and held only while used: never the batch
+        return _moved(given[k:k + 1] if given.dim() == 4 else given, device).reshape(h, w, c)
 
     @functools.cache
     def batch() -> list[torch.Tensor]:  # an image at a time: full-size fp32 copies of one image, not of the batch
         out = []
-        for image in on_device():
-            x = _normalise(_resize(to_rgb(image[None]), size), pp)
+        for k in range(b):
+            x = _normalise(_resize(to_rgb(on_device(k)[None]), size), pp)
             out.append(_patchify(x.expand(pp.temporal_patch_size, -1, -1, -1), pp)[0])
         return out
 
     grid = (1, size[0] // pp.patch_size, size[1] // pp.patch_size)
     recipe = _recipe(size, pp)
     return [VisionInput("image", functools.partial(lambda k: batch()[k], k), grid, (h, w), (), scaled,
-                        functools.partial(lambda k: on_device()[k], k), recipe, (given, k)) for k in range(b)]
+                        functools.partial(on_device, k), recipe, (given, k)) for k in range(b)]
 
 
 def frame_rate_ok(fps) -> bool:

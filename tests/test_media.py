@@ -543,8 +543,8 @@ def test_nan_or_infinite_pixels_are_named_where_they_are_read():
                                           r"6,144; the node that made it produced them"):
         check_finite(image)
     first, second = preprocess_images(image)
-    with pytest.raises(Qwen35Error, match="holds 2 NaN or infinite values of its 6,144"):
-        second.pixels  # noqa: B018  (the batch's patches are made at once, when one of them is first read)
+    with pytest.raises(Qwen35Error, match="holds 2 NaN or infinite values of its 3,072"):
+        second.pixels  # noqa: B018  (the batch's patches are made at once, an image at a time, when one is read)
     check_finite(image[:1])
     pp = read_preprocessing(None)
     frames = torch.rand(8, 32, 32, 3)

@@ -185,14 +185,19 @@ def test_an_image_tensor_seen_before_is_not_read_again(model, monkeypatch):
     changed = prefill_multimodal(model, "How many shapes?", images=raw, system_prompt=SYSTEM,
                                  max_pixels=SMALL.max_pixels)
     assert len(hashed) == 2 and changed.cached_tokens == system_end(model, changed.token_ids)
+    from qwen35_fast.runtime import media
+    moved = []
+    real_moved = media._moved
+    monkeypatch.setattr(media, "_moved", lambda x, device: moved.append(tuple(x.shape)) or real_moved(x, device))
     with torch.inference_mode():
-        frozen = _image(64, 96, 8)
-    keys = [preprocess_images(frozen, SMALL)[0] for _ in range(2)]
+        frozen = torch.cat([_image(64, 96, 8), _image(64, 96, 9), _image(64, 96, 10)])
+    keys = [preprocess_images(frozen, SMALL)[1] for _ in range(2)]
     assert keys[0].content_key(content_hash) == keys[1].content_key(content_hash)
-    assert "source_pixels" in vars(keys[0]) and "source_pixels" not in vars(keys[1])  # read once
+    assert moved == [(1, 64, 96, 3)]  # read once, and only that image of the batch (not all of it, for good)
+    keys[0].pixels
+    assert moved == [(1, 64, 96, 3)] * 4  # the patches: an image at a time
     # a video's sampled frames likewise (hashed a frame at a time); another frame rate samples other frames:
     # another part, hashed
-    from qwen35_fast.runtime import media
     digests = []
 
     class Counted(media.StreamedHash):
