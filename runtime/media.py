@@ -156,6 +156,15 @@ def read_preprocessing(folder: str | Path | None, **overrides) -> Preprocessing:
             values[prefix + "min_pixels"] = _count(file, *lo)
         if hi[1] is not None:
             values[prefix + "max_pixels"] = _count(file, *hi)
+        missing = [what for what, (_, v) in (("minimum", lo), ("maximum", hi)) if v is None]
+        if missing:  # a converted checkpoint's partial file: transformers' processor would take its class's own
+            # defaults there (for a video, far fewer pixels a frame), not Qwen3.5's
+            log.warning("%s names no %s pixel limit (size.shortest_edge / longest_edge%s): Qwen3.5's (%s) %s used; "
+                        "transformers' processor would take its own defaults for this file, so the %s tokens may "
+                        "differ from its", file, " or ".join(missing), "" if prefix else ", min_pixels / max_pixels",
+                        " / ".join(f"{getattr(Preprocessing, prefix + what[:3] + '_pixels'):,} pixels"
+                                   for what in missing), "is" if len(missing) == 1 else "are",
+                        "video" if prefix else "image")
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
             if key in cfg and not prefix:
                 values[key] = _count(file, key, cfg[key])

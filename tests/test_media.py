@@ -158,6 +158,23 @@ def test_read_preprocessing_from_the_checkpoint(tmp_path):
     assert read_preprocessing(None) == Preprocessing()
 
 
+def test_a_processor_file_without_pixel_limits_is_named(tmp_path, caplog):
+    """A converted checkpoint's processor file without size (or min / max_pixels): Qwen3.5's limits are used, and
+    the log says so (transformers' processor would take its class's defaults: a video's tokens could differ ~37x)."""
+    (tmp_path / "preprocessor_config.json").write_text('{"patch_size": 16, "merge_size": 2}')
+    (tmp_path / "video_preprocessor_config.json").write_text('{"size": {"longest_edge": 5000}, "fps": 2}')
+    with caplog.at_level("WARNING", logger="qwen35_fast.runtime.media"):
+        pp = read_preprocessing(tmp_path)
+    said = [r.getMessage() for r in caplog.records]
+    assert (pp.min_pixels, pp.max_pixels, pp.video_max_pixels) == (Preprocessing.min_pixels,
+                                                                   Preprocessing.max_pixels, 5000)
+    assert len(said) == 2, said
+    assert "preprocessor_config.json names no minimum or maximum pixel limit" in said[0]
+    assert "min_pixels / max_pixels): Qwen3.5's (65,536 pixels / 16,777,216 pixels) are used" in said[0]
+    assert "video_preprocessor_config.json names no minimum pixel limit (size.shortest_edge / longest_edge): " \
+        "Qwen3.5's (4,096 pixels) is used" in said[1]
+
+
 @pytest.mark.parametrize("frames,h,w", [(1, 64, 80), (3, 20, 700), (8, 720, 1280), (32, 720, 1280), (64, 1080, 1920),
                                         (9, 31, 31), (768, 360, 640)])
 def test_video_resize_and_sampling_equal_transformers(frames, h, w):
