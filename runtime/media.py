@@ -722,11 +722,13 @@ class _StreamedFrames:
             got = "asked for no frames" if self.index is None else \
                 f"kept {self.kept} frames for {len(self.index)} frame indices"
             raise Qwen35Error(f"a video reader ({reader}) {got}; it must call choose, then keep once per index")
-        frames, layout, pp = self.stack.filled(), self.layout, self.pp
+        held, layout, pp = [self.stack.filled()], self.layout, self.pp
         _checked_range(self.ranges)  # (once a video, as preprocess_video's frames are checked)
 
-        def patches() -> torch.Tensor:
-            return _patchify(_normalise(frames, pp), pp)[0]
+        def patches() -> torch.Tensor:  # once (VisionInput.pixels keeps them): the resized frames let go after
+            out = _patchify(_normalise(held[0], pp), pp)[0]
+            held.clear()
+            return out
 
         return VisionInput("video", patches, layout.grid, self.shape[:2], layout.timestamps, layout.scaled_down,
                            recipe=_recipe(layout.size, pp),

@@ -342,6 +342,21 @@ def test_a_video_source_gives_what_the_whole_tensor_gives(frames, fps, h, w, c):
         want.content_key(content_hash)
 
 
+def test_a_streamed_video_lets_its_resized_frames_go_once_its_patches_are_made(monkeypatch):
+    """A video read once (read_video) and asked about in several prompts keeps its patches, not the resized
+    frames they were made from as well (a second copy of the pixel budget: ~300 MB at the default)."""
+    import gc
+
+    from qwen35_fast.runtime import media
+    seen = []
+    real = media._normalise
+    monkeypatch.setattr(media, "_normalise", lambda x, pp: seen.append(weakref.ref(x)) or real(x, pp))
+    got = preprocess_video_source(TensorSource(torch.rand(6, 64, 96, 3), 2.0), Preprocessing())
+    assert got.pixels.shape[0] == got.n_patches
+    gc.collect()
+    assert len(seen) == 1 and seen[0]() is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("h, w, max_pixels", [(2048, 2048, 1024), (3000, 4000, 4096), (4000, 6000, 16384)])
 def test_a_reduction_too_large_for_cudas_resize_is_made_on_the_cpu(h, w, max_pixels):
