@@ -153,6 +153,9 @@ class Qwen35MultimodalPrefill(io.ComfyNode):
             bar = comfy.utils.ProgressBar(len(batches)) if len(batches) > 1 else None
 
             def run(batch, video=clip, bar: bool = True, reuse_at_most=None):
+                # (a prefill made again later, after ComfyUI let it go: the weights back first, so that its images
+                # are resized where the first one's were, on the model's device, and the backend is that device's)
+                model.load()
                 with cancellable(bar=bar):
                     return prefill_multimodal(model.model, prompt, images=batch, video=video,
                                               system_prompt=system_prompt, thinking=thinking,
