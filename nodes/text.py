@@ -23,7 +23,10 @@ from .types import (
 
 log = logging.getLogger(__name__)
 
-# The front end (web/qwen35.js) listens for this: {node, display_node, item, prompt_id, delta, n, max, t}.
+# The front end (web/qwen35.js) listens for this: {node, display_node, item, prompt_id, delta, n, max, t, thinking},
+# and when n is above 0 also `answering` and `closes`, where the runtime's </think> token ends the thinking (not
+# the text "</think>", which thinking may spell out of other tokens): `closes` true on the event of that token,
+# whose delta ends with the tag's text (the answer starts after it); `answering` true on every event after it.
 # n == 0 starts a new answer on that node and says (`thinking`) whether thinking text comes first; item is the
 # answer's place in a list of prefills (the one-prompt-per-image mode: the node answers each in turn), so that the
 # page keeps the earlier answers of the list while the next one streams. prompt_id names the workflow tab the
@@ -218,11 +221,10 @@ def _answer(pf: ModelPrefill, item: int, node_id, display_node, *, max_new_token
         mm.throw_exception_if_processing_interrupted()  # a cancel lands within one token
         bar.update_absolute(n_done, total)
         # t: when the token passed the cancel check (the server's clock, seconds since the epoch)
-        # (thinking and answering in every event: a page reloaded mid-answer lays the answer out from any of them;
-        # answering: the page that joins now shows it all as the answer; closes, on the token's own event only)
+        # (all three in every event: a page reloaded mid-answer lays the answer out from any of them, and an event
+        # with `closes` tells the page that the boundary comes from the token: it never cuts at the text then)
         _send(STREAM_EVENT, {**event, "delta": delta, "n": n_done, "max": total, "t": time.time(),
-                              "thinking": thinking, "answering": boundary["answering"],
-                              **({"closes": True} if boundary["closes"] else {})})
+                              "thinking": thinking, "answering": boundary["answering"], "closes": boundary["closes"]})
         boundary["answering"] = boundary["answering"] or boundary["closes"]
         boundary["closes"] = False
 

@@ -257,10 +257,10 @@ def test_each_stream_event_says_whether_the_thinking_ended_before_it(pack, loade
     _generate(pack, _prefill(pack, loaded, thinking=True), max_new_tokens=20)
     tokens = [d for d in events if d["n"]]
     assert [d["answering"] for d in tokens] == [False] * 5 + [True] * 2
-    assert [d.get("closes", False) for d in tokens] == [False] * 4 + [True] + [False] * 2
+    assert [d["closes"] for d in tokens] == [False] * 4 + [True] + [False] * 2  # in every event (an older node: none)
     events.clear()
     _generate(pack, _prefill(pack, loaded, thinking=False), max_new_tokens=20)
-    assert not any(d["answering"] or d.get("closes") for d in events if d["n"])  # no thinking block: nothing ends
+    assert not any(d["answering"] or d["closes"] for d in events if d["n"])  # no thinking block: nothing ends
 
 
 def test_stream_goes_to_the_prompt_s_client_only(pack, comfy, monkeypatch):

@@ -25,4 +25,4 @@ def test_the_streamed_answer_on_the_page(tmp_path):
     run = subprocess.run([NODE, "--expose-gc", "stream_cases.mjs"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok ") == 9, run.stdout
+    assert run.stdout.count("ok ") == 13, run.stdout

@@ -3,9 +3,12 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t, thinking}; when n is above 0 also
-// `answering` (the thinking ended before this delta) and, on the event of the token that ends it, `closes`. Both
-// follow the runtime's </think> token: thinking that spells "</think>" out of other tokens is still thinking.
+// sent by nodes/text.py: {node, display_node, item, prompt_id, delta, n, max, t, thinking}. n == 0 starts an answer
+// (item: its place in a list of prefills; thinking: whether thinking text comes first); n above 0 is token n, whose
+// text is `delta`, with `answering` (the thinking ended before this delta) and `closes` (this token ended it: its
+// delta ends with the text "</think>", the answer starts after it). Both follow the runtime's </think> token, as
+// the node's outputs split thinking and answer: thinking that spells "</think>" out of other tokens is thinking.
+// A node of an earlier version sent no `closes`: its events are cut at the text's first "</think>".
 const STREAM_EVENT = "qwen35.stream";
 const THINK_END = "</think>";
 
@@ -147,14 +150,17 @@ function streamed(view) {
   return [thinking.trim(), view.raw.slice(view.cut).trimStart()];
 }
 
-// Where the answer starts in view.raw once event d has come, or -1 while the model thinks: after the delta that
-// `closes` the thinking; where an event says `answering` without a `closes` before it (a node of an earlier
-// version, which cut at the text), after the first "</think>" of the text before this delta.
+// Where the answer starts in view.raw once event d has come (`before`: where its delta starts), or -1 while the
+// model thinks: after the delta that `closes` the thinking, or before the first that says `answering` where the
+// page missed the one that closed it (a dropped connection); never at the text while the node says where.
+// Events without `closes` (a node of an earlier version) are cut as that node cut: at the first "</think>".
 function answerStart(view, d, before) {
+  if (!("closes" in d)) {
+    const end = view.raw.indexOf(THINK_END);
+    return end < 0 ? -1 : end + THINK_END.length;
+  }
   if (d.closes) return view.raw.length;
-  if (!d.answering) return -1;
-  const end = view.raw.slice(0, before).indexOf(THINK_END);
-  return end < 0 ? before : end + THINK_END.length;
+  return d.answering ? before : -1;
 }
 
 // The answer being streamed after the finished ones of its list, each numbered by its place in the list ([2] ...;
