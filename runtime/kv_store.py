@@ -142,16 +142,8 @@ class KVStore:
 
     def grow(self, num_blocks: int) -> None:
         """num_blocks blocks in all (the pools copied into larger tensors; block ids stay)."""
-        old = self.num_blocks
-        if num_blocks <= old:
-            return
-        k = torch.empty((self.k.shape[0], num_blocks, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
-        v = torch.empty_like(k)
-        k[:, :old], v[:, :old] = self.k, self.v
-        self.pool.grow(num_blocks)  # first: if it fails, tensors and pool still agree on the old count
-        self.k, self.v = k, v
-        self.budget_bytes += int((num_blocks - old) * self.nbytes / num_blocks)
-        self.version += 1
+        if num_blocks > self.num_blocks:
+            self._resize(num_blocks, self.pool.grow)
 
     def shrink_to(self, num_blocks: int) -> int:
         """Gives back the blocks from num_blocks on (a growable store; a fixed one keeps its size): it keeps
@@ -162,16 +154,23 @@ class KVStore:
         keep = max(num_blocks, self.pool.live_end(), 1)
         if not self.growable or keep >= old:
             return old
-        k = torch.empty((self.k.shape[0], keep, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
-        v = torch.empty_like(k)
-        k.copy_(self.k[:, :keep])
-        v.copy_(self.v[:, :keep])
-        block_bytes = self.nbytes // old
-        self.pool.shrink(keep)  # after the copies, which may run out of memory: a failure changes nothing
-        self.k, self.v = k, v
-        self.budget_bytes -= (old - keep) * block_bytes
-        self.version += 1
+        self._resize(keep, self.pool.shrink)
         return keep
+
+    def _resize(self, num_blocks: int, pool_resize) -> None:
+        """The pools copied into tensors of num_blocks blocks (the blocks both hold; ids stay), then
+        pool_resize(num_blocks) (the pool's grow or shrink: after the copies, which may run out of memory, so that a
+        failure of either leaves tensors and pool agreeing on the old count), then the new tensors in place; the
+        budget follows the blocks and `version` moves on."""
+        old = self.num_blocks
+        both, block_bytes = min(old, num_blocks), self.nbytes // old
+        k = torch.empty((self.k.shape[0], num_blocks, *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k[:, :both], v[:, :both] = self.k[:, :both], self.v[:, :both]
+        pool_resize(num_blocks)
+        self.k, self.v = k, v
+        self.budget_bytes += (num_blocks - old) * block_bytes
+        self.version += 1
 
     def share(self, owner, blocks: Sequence[int], num_tokens: int, capacity: int, what: str = "",
               keep=None) -> SequenceBlocks:
